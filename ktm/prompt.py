@@ -1,0 +1,45 @@
+"""Prompts as sequences of segments, each either merged by the encoder or kept as plain tokens.
+
+A plain string is one compressed segment. Keeping the question and the answer cue plain while
+compressing a long context is the usual mixed layout:
+
+    [Segment(document), Segment("Question: ...? Answer:", compress=False)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ktm.errors import KTMError
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    compress: bool = True
+
+
+PromptLike = str | Segment | Sequence[Segment]
+
+
+def as_segments(prompt: PromptLike) -> tuple[Segment, ...]:
+    """Normalise a prompt to a non-empty tuple of segments; an all-empty prompt is an error."""
+    if isinstance(prompt, str):
+        segments: tuple[Segment, ...] = (Segment(prompt),)
+    elif isinstance(prompt, Segment):
+        segments = (prompt,)
+    elif isinstance(prompt, Sequence) and all(isinstance(s, Segment) for s in prompt):
+        segments = tuple(prompt)
+    else:
+        raise KTMError(
+            f"prompt must be a str, a Segment or a sequence of Segments, got {type(prompt).__name__}"
+        )
+    if not any(s.text for s in segments):
+        raise KTMError("prompt is empty: expected at least one non-empty segment")
+    return tuple(s for s in segments if s.text)
+
+
+def prompt_text(prompt: PromptLike) -> str:
+    """The prompt as one plain string (what an uncompressed model would read)."""
+    return "".join(s.text for s in as_segments(prompt))
