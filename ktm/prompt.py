@@ -33,7 +33,8 @@ def as_segments(prompt: PromptLike) -> tuple[Segment, ...]:
         segments = tuple(prompt)
     else:
         raise KTMError(
-            f"prompt must be a str, a Segment or a sequence of Segments, got {type(prompt).__name__}"
+            "prompt must be a str, a Segment or a sequence of Segments, "
+            f"got {type(prompt).__name__}"
         )
     if not any(s.text for s in segments):
         raise KTMError("prompt is empty: expected at least one non-empty segment")

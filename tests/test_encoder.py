@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from ktm import KTMError
+from ktm.encoder import KTokenEncoder
+
+
+def masked_mean_reference(x, mask, k):
+    b, t, d = x.shape
+    n = -(-t // k)
+    out = torch.zeros(b, n, d)
+    out_mask = torch.zeros(b, n, dtype=torch.bool)
+    for i in range(b):
+        for j in range(n):
+            rows = [x[i, p] for p in range(j * k, min(t, j * k + k)) if mask[i, p]]
+            if rows:
+                out[i, j] = torch.stack(rows).mean(0)
+                out_mask[i, j] = True
+    return out, out_mask
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("t", [1, 7, 12])
+def test_untrained_encoder_is_masked_mean(k, t):
+    torch.manual_seed(k * 100 + t)
+    enc = KTokenEncoder(16, k)
+    x = torch.randn(3, t, 16)
+    lengths = [t, max(1, t - 3), max(1, t // 2)]
+    mask = torch.tensor([[p < n for p in range(t)] for n in lengths])
+    out, out_mask = enc(x, mask)
+    ref, ref_mask = masked_mean_reference(x, mask, k)
+    assert out.shape == (3, -(-t // k), 16)
+    assert torch.equal(out_mask, ref_mask)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_block_of_padding_only_is_masked_and_zero():
+    enc = KTokenEncoder(8, 2)
+    x = torch.randn(2, 6, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    out, out_mask = enc(x, mask)
+    assert out_mask.tolist() == [[True, True, True], [True, False, False]]
+    assert torch.all(out[1, 1:] == 0)
+
+
+def test_trained_mlp_result_independent_of_batch_mates_and_padding():
+    torch.manual_seed(0)
+    enc = KTokenEncoder(8, 3)
+    for p in enc.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    a = torch.randn(1, 7, 8)
+    b = torch.randn(1, 11, 8) * 5
+    alone, _ = enc(a)
+    batch = torch.zeros(2, 11, 8)
+    batch[0, :7], batch[1] = a[0], b[0]
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[0, :7], mask[1] = True, True
+    together, _ = enc(batch, mask)
+    torch.testing.assert_close(together[0, :3], alone[0], atol=1e-5, rtol=1e-5)
+    # garbage in padded slots must not leak into the partial last block
+    batch2 = batch.clone()
+    batch2[0, 7:] = 100.0
+    again, _ = enc(batch2, mask)
+    torch.testing.assert_close(again[0, :3], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_mlp_changes_output_once_trained():
+    enc = KTokenEncoder(8, 2)
+    x = torch.randn(1, 4, 8)
+    before, _ = enc(x)
+    torch.nn.init.normal_(enc.mlp[-1].weight, std=0.5)
+    after, _ = enc(x)
+    assert not torch.allclose(before, after)
+
+
+def test_mean_pool_ablation_has_no_parameters():
+    enc = KTokenEncoder(8, 4, use_mlp=False)
+    assert sum(p.numel() for p in enc.parameters()) == 0
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.5])
+def test_bad_k_is_a_clear_error(k):
+    with pytest.raises(KTMError, match="k must be an integer >= 1"):
+        KTokenEncoder(8, k)
+
+
+def test_bad_shape_is_a_clear_error():
+    enc = KTokenEncoder(8, 2)
+    with pytest.raises(KTMError, match=r"\(B, T, 8\)"):
+        enc(torch.randn(2, 5, 7))

@@ -1,0 +1,104 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ktm import KTMError, Segment
+from ktm.model import KTMModel
+
+TEXT = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm."
+PROMPTS = [
+    TEXT,
+    [Segment("Tree: AB\n+CD\n++EF"), Segment(", Parent: AB, Child: CD, Answer: ", compress=False)],
+    "Hello world",
+]
+TARGETS = ["true", "false", "positive review"]
+
+
+def perturb(model: KTMModel, seed: int = 0) -> None:
+    """Give LoRA and the encoder non-trivial weights (both start as no-ops)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_k1_untrained_matches_base_model_logits(tiny_model_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model = KTMModel.from_base(tiny_model_dir, k=1).eval()  # with its (zero-init) MLP
+    ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]])
+    expected = base(ids).logits[0]
+    got = model.prompt_logits(TEXT)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compress_counts_and_shapes(ktm_model):
+    n = len(ktm_model.tokenizer(TEXT)["input_ids"])
+    cp = ktm_model.compress(TEXT)
+    assert (cp.tokens_in, cp.tokens_out) == (n, -(-n // 4))
+    assert cp.embeds.shape == (-(-n // 4), 64)
+    assert cp.length_reduction == pytest.approx(1 - cp.tokens_out / n)
+    mixed = ktm_model.compress(PROMPTS[1])
+    tree = len(ktm_model.tokenize("Tree: AB\n+CD\n++EF", first=True))
+    plain = len(ktm_model.tokenize(", Parent: AB, Child: CD, Answer: "))
+    assert mixed.tokens_in == tree + plain
+    assert mixed.tokens_out == -(-tree // 4) + plain
+    plain_all = ktm_model.compress(TEXT, merge=False)
+    assert plain_all.tokens_out == n
+
+
+def test_batch_loss_equals_each_sample_alone(ktm_model):
+    perturb(ktm_model)
+    ktm_model.eval()
+    batch = ktm_model(PROMPTS, TARGETS)
+    for i, (p, t) in enumerate(zip(PROMPTS, TARGETS)):
+        alone = ktm_model([p], [t])
+        torch.testing.assert_close(batch.nll[i], alone.nll[0], atol=1e-4, rtol=1e-5)
+        assert batch.n_tokens[i] == alone.n_tokens[0]
+    assert batch.loss.item() == pytest.approx(
+        (batch.nll.sum() / batch.n_tokens.sum()).item(), rel=1e-6)
+
+
+def test_loss_only_on_target_tokens(ktm_model):
+    """Changing the prompt changes the loss; the loss has one term per target token (+EOS)."""
+    out = ktm_model([TEXT], ["true"])
+    assert out.n_tokens.item() == len(ktm_model.tokenize("true")) + 1
+    other = ktm_model(["Hello world"], ["true"])
+    assert not torch.isclose(out.loss, other.loss)
+
+
+def test_only_lora_and_encoder_are_trainable(ktm_model):
+    names = [n for n, _ in ktm_model.trainable_parameters()]
+    assert names
+    assert all(("lora_" in n) or n.startswith("encoder.") for n in names), names
+    assert any(n.startswith("encoder.") for n in names)
+    assert any("lora_A" in n for n in names)
+    for target in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert any(target in n for n in names), target
+
+
+def test_gradients_reach_encoder_and_lora(ktm_model):
+    perturb(ktm_model)
+    ktm_model.train()
+    ktm_model(PROMPTS, TARGETS).loss.backward()
+    grads = {n: p.grad for n, p in ktm_model.trainable_parameters()}
+    assert grads["encoder.mlp.4.weight"].abs().sum() > 0
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
+
+
+def test_empty_prompt_is_a_clear_error(ktm_model):
+    with pytest.raises(KTMError, match="prompt is empty"):
+        ktm_model.compress("")
+    with pytest.raises(KTMError, match="prompt is empty"):
+        ktm_model.generate([Segment(""), Segment("", compress=False)])
+    with pytest.raises(KTMError, match="no prompts"):
+        ktm_model.generate([])
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(KTMError, match="unknown model 'no-such-model'"):
+        KTMModel.from_base("no-such-model")
+
+
+def test_k_below_one_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(KTMError, match="k must be an integer >= 1, got 0"):
+        KTMModel.from_base(tiny_model_dir, k=0)
