@@ -1,7 +1,7 @@
 """The training loop, written out plainly: AdamW, accumulation, clipping, eval, atomic checkpoints.
 
     OUT/metrics.jsonl      one JSON row per logged step / evaluation
-    OUT/checkpoint/        a loadable KTMModel checkpoint + optimizer.safetensors + trainer_state.json
+    OUT/checkpoint/        a loadable KTMModel checkpoint + optimizer and trainer state
 
 Data order is a pure function of (seed, step), so ``resume=True`` continues a killed run
 exactly where its last checkpoint left off.
@@ -170,7 +170,7 @@ def train(
                 batch = window[micro * config.batch_size:(micro + 1) * config.batch_size]
                 res = model([e.segments for e in batch], [e.target for e in batch])
                 res.nll.sum().div(window_tokens).backward()
-                loss_sum += float(res.nll.sum())
+                loss_sum += float(res.nll.detach().sum())
                 n_tok += int(res.n_tokens.sum())
                 tok_in += res.tokens_in + int(res.n_tokens.sum())
                 tok_lm += res.tokens_out + int(res.n_tokens.sum())

@@ -1,0 +1,35 @@
+"""Task registry: a task is one file plus one line here."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from ktm.errors import KTMError
+from ktm.tasks.amazon import AmazonTask
+from ktm.tasks.base import Example, Task
+from ktm.tasks.commitpack import CommitPackTask
+from ktm.tasks.tree import TreeTask
+
+TASKS: dict[str, type] = {
+    "tree": TreeTask,
+    "amazon": AmazonTask,
+    "commitpack": CommitPackTask,
+}
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """Build the task registered as ``name`` with its constructor keyword arguments."""
+    if name not in TASKS:
+        raise KTMError(f"unknown task {name!r}: expected one of {', '.join(sorted(TASKS))}")
+    known = {f.name for f in fields(TASKS[name]) if f.init}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise KTMError(
+            f"task {name!r} has no option {', '.join(unknown)}: "
+            f"expected some of {', '.join(sorted(known))}"
+        )
+    return TASKS[name](**kwargs)
+
+
+__all__ = ["TASKS", "AmazonTask", "CommitPackTask", "Example", "Task", "TreeTask", "get_task"]

@@ -1,0 +1,21 @@
+"""Turning generated text back into a class label, shared by every classification task."""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+
+
+def parse_label(text: str, labels: Sequence[str]) -> str | None:
+    """The first word of ``text``, lowercased and stripped of punctuation, if it is a label.
+
+    Why only the first word: the model is trained to emit the label right after the cue and then
+    stop; anything after it is noise, and guessing a label from later words would flatter a model
+    that did not answer. ``None`` means "no valid answer" and metrics count it as wrong.
+    """
+    words = text.split()
+    if not words:
+        return None
+    word = words[0].strip(string.punctuation).lower()
+    wanted = {label.lower(): label for label in labels}
+    return wanted.get(word)

@@ -1,0 +1,90 @@
+import json
+
+import pytest
+import torch
+
+from ktm import KTMError
+from ktm.checkpoint import load_weights_into
+from ktm.model import KTMModel
+
+from test_model import TEXT, perturb
+
+
+@pytest.fixture
+def saved(ktm_model, tmp_path):
+    perturb(ktm_model, seed=1)
+    path = tmp_path / "ckpt"
+    ktm_model.save(str(path))
+    return ktm_model, path
+
+
+def test_save_load_round_trip_gives_identical_logits(saved):
+    model, path = saved
+    loaded = KTMModel.load(str(path))
+    assert loaded.k == model.k
+    assert not loaded.training
+    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+                               atol=0, rtol=0)
+    assert loaded.generate(TEXT, max_new_tokens=6) == model.generate(TEXT, max_new_tokens=6)
+
+
+def test_saved_files_are_safetensors_and_json(saved):
+    _, path = saved
+    names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    assert "ktm_config.json" in names and "encoder.safetensors" in names
+    assert "adapter/adapter_model.safetensors" in names
+    assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
+    cfg = json.loads((path / "ktm_config.json").read_text())
+    assert cfg["encoder"]["k"] == 4 and cfg["hidden_size"] == 64
+    assert cfg["versions"]["torch"].startswith("2.")
+
+
+def test_load_refuses_another_k(saved):
+    _, path = saved
+    with pytest.raises(KTMError, match="trained with K=4, but K=2 was requested"):
+        KTMModel.load(str(path), k=2)
+
+
+def test_load_refuses_encoder_weights_of_another_k(saved, tiny_model_dir, tmp_path):
+    _, path = saved
+    other = KTMModel.from_base(tiny_model_dir, k=2)
+    other_path = tmp_path / "k2"
+    other.save(str(other_path))
+    (path / "encoder.safetensors").write_bytes((other_path / "encoder.safetensors").read_bytes())
+    with pytest.raises(KTMError, match="do not fit K=4"):
+        KTMModel.load(str(path))
+
+
+def test_resume_refuses_checkpoint_of_another_k_or_size(saved, tiny_model_dir):
+    _, path = saved
+    other = KTMModel.from_base(tiny_model_dir, k=3)
+    with pytest.raises(KTMError, match=r"K=4\), but the model has .*K=3"):
+        load_weights_into(other, path)
+    cfg = json.loads((path / "ktm_config.json").read_text())
+    cfg["hidden_size"] = 128
+    (path / "ktm_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KTMError, match="hidden_size=128"):
+        KTMModel.load(str(path))
+
+
+@pytest.mark.parametrize("victim,match", [
+    ("encoder.safetensors", "encoder file .* is missing or corrupt"),
+    ("ktm_config.json", "config .* is corrupt"),
+    ("adapter/adapter_model.safetensors", "adapter .* is missing or corrupt"),
+])
+def test_corrupt_checkpoint_file_is_a_clear_error(saved, victim, match):
+    _, path = saved
+    (path / victim).write_bytes(b"\x00garbage\xff" * 10)
+    with pytest.raises(KTMError, match=match):
+        KTMModel.load(str(path))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(KTMError, match="is not a ktm checkpoint"):
+        KTMModel.load(str(tmp_path))
+
+
+def test_overwriting_a_checkpoint_leaves_no_temp_folders(saved):
+    model, path = saved
+    model.save(str(path))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]

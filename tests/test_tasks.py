@@ -1,0 +1,222 @@
+"""Task registry, data-file errors, evaluation-only guards and label parsing, on tiny fixtures."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from ktm.errors import KTMError
+from ktm.prompt import Segment
+from ktm.tasks import TASKS, Example, get_task
+from ktm.tasks.amazon import OTHER_CATEGORIES_FILE, AmazonTask
+from ktm.tasks.commitpack import HELDOUT_FILE, CommitPackTask, commit_prompt
+from ktm.tasks.jsonl import data_root, read_jsonl
+from ktm.tasks.labels import parse_label
+from ktm.tasks.tree import TreeTask
+from ktm.tasks.tree_gen import generate_trees, stage_config
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+def _reviews(n: int = 40) -> list[dict]:
+    return [{"text": f"review number {i} " + "x" * i, "rating": float(1 + i % 5)} for i in range(n)]
+
+
+def _commits(n: int = 40) -> list[dict]:
+    return [
+        {"old_contents": f"x = {i}\n", "new_contents": f"x = {i + 1}\n" * (1 + i % 3),
+         "subject": f"Bump x past {i}"}
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def fixture_kwargs(tmp_path: Path) -> dict[str, dict]:
+    trees = [
+        {"indent_tree": t.text, "edges": [list(e) for e in t.edges]}
+        for t in generate_trees(stage_config("medium"), 30)
+    ]
+    return {
+        "tree": {"data_path": _write(tmp_path / "trees.jsonl", trees), "stage": "medium"},
+        "amazon": {"data_path": _write(tmp_path / "reviews.jsonl.gz", _reviews()), "test_size": 8},
+        "commitpack": {"data_path": _write(tmp_path / "commits.jsonl", _commits()), "test_size": 8},
+    }
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_registry_builds_every_task_with_the_contract(name: str, fixture_kwargs) -> None:
+    task = get_task(name, **fixture_kwargs[name])
+    assert isinstance(task, TASKS[name]) and task.name == name
+    assert task.kind in ("classification", "perplexity")
+    assert (task.kind == "classification") == bool(task.labels)
+    train, evals = task.train_examples(12, seed=0), task.eval_examples(6, seed=0)
+    assert len(train) == 12 and len(evals) == 6
+    for ex in train + evals:
+        assert isinstance(ex, Example) and ex.target
+        assert ex.segments and all(isinstance(s, Segment) for s in ex.segments)
+        assert ex.segments[0].compress and not ex.segments[-1].compress  # context mode default
+        if task.labels:
+            assert ex.label in task.labels and ex.target.strip() == ex.label
+    assert task.train_examples(12, seed=0) == train  # same seed, same examples
+    assert task.eval_examples(6, seed=0) == evals
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_paper_mode_is_one_compressed_segment(name: str, fixture_kwargs) -> None:
+    task = get_task(name, prompt_mode="paper", **fixture_kwargs[name])
+    for ex in task.eval_examples(4, seed=1):
+        assert len(ex.segments) == 1 and ex.segments[0].compress
+
+
+def test_get_task_errors_name_the_bad_value() -> None:
+    with pytest.raises(KTMError, match="unknown task 'trees'.*amazon, commitpack, tree"):
+        get_task("trees")
+    with pytest.raises(KTMError, match="has no option stages.*stage"):
+        get_task("tree", stages="small")
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('{"text": "ok", "rating": 4', "bad JSON"),
+        ("[1, 2]", "expected a JSON object, got list"),
+        ('{"text": "ok"}', "missing field 'rating'"),
+        ('{"text": 5, "rating": 4}', "field 'text' must be str, got int"),
+        ('{"text": "ok", "rating": true}', "field 'rating' must be float, got bool"),
+    ],
+)
+def test_malformed_row_names_file_and_line(tmp_path: Path, line: str, expected: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a", "rating": 1}\n\n' + line + "\n")
+    with pytest.raises(KTMError, match=rf"bad\.jsonl line 3: .*{expected}"):
+        list(read_jsonl(path, {"text": str, "rating": float}))
+
+
+def test_malformed_rows_inside_tasks(tmp_path: Path) -> None:
+    bad_tree = tmp_path / "t.jsonl"
+    bad_tree.write_text('{"indent_tree": "AA\\n+BB", "edges": [["AA", "BB"]]}\n'
+                        '{"indent_tree": "AA", "edges": [["AA"]]}\n')
+    with pytest.raises(KTMError, match=r"t\.jsonl line 2: field 'edges'"):
+        TreeTask(data_path=bad_tree).train_examples(1, 0)
+    bad_review = _write(tmp_path / "r.jsonl", [{"text": "fine", "rating": 5}, {"text": "no"}])
+    with pytest.raises(KTMError, match=r"r\.jsonl line 2: field 'rating' must be a number"):
+        AmazonTask(data_path=bad_review, test_size=1).train_examples(1, 0)
+    bad_commit = _write(tmp_path / "c.jsonl", [{"old_contents": "", "subject": "Add x"}])
+    with pytest.raises(KTMError, match=r"c\.jsonl line 1: missing field 'new_contents'"):
+        CommitPackTask(data_path=bad_commit, test_size=1).train_examples(1, 0)
+
+
+def test_missing_file_says_which_path_and_how_to_fix(tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(KTMError, match=r"not found: .*nope\.jsonl \(pass an existing file\)"):
+        AmazonTask(data_path=tmp_path / "nope.jsonl")
+    monkeypatch.setenv("KTM_DATA", str(tmp_path))
+    assert data_root() == tmp_path
+    with pytest.raises(KTMError, match="set KTM_DATA"):
+        CommitPackTask()
+    with pytest.raises(KTMError, match="set KTM_DATA"):
+        TreeTask(stage="small", source="file")
+    # Without the shipped file, "auto" falls back to the generator (same trees as the file).
+    task = TreeTask(stage="small", num_trees=40)
+    assert task.path is None and len(task.trees) == 40
+
+
+def test_eval_only_files_are_refused_for_training(tmp_path: Path) -> None:
+    other = _write(tmp_path / "amazon_reviews_other" / "cats.jsonl", _reviews())
+    with pytest.raises(KTMError, match="evaluation-only"):
+        AmazonTask(data_path=other)
+    renamed = _write(
+        tmp_path / "copy.jsonl", [r | {"category": "Gift_Cards"} for r in _reviews()]
+    )
+    with pytest.raises(KTMError, match=r"copy\.jsonl line 1: category 'Gift_Cards'"):
+        AmazonTask(data_path=renamed, test_size=4).train_examples(1, 0)
+    heldout = _write(tmp_path / "heldout_repos_test.jsonl.gz", _commits())
+    with pytest.raises(KTMError, match="evaluation-only"):
+        CommitPackTask(data_path=heldout)
+
+
+def test_eval_only_files_are_accepted_as_eval_path(tmp_path: Path) -> None:
+    train = _write(tmp_path / "fashion.jsonl", _reviews())
+    other = _write(
+        tmp_path / "amazon_reviews_other" / "cats.jsonl",
+        [{"text": "other category", "rating": 2.0, "category": "Appliances"}] * 3,
+    )
+    task = AmazonTask(data_path=train, test_size=4, eval_path=other)
+    evals = task.eval_examples(10, seed=0)
+    assert len(evals) == 3 and all("other category" in ex.segments[0].text for ex in evals)
+    heldout = _write(tmp_path / "heldout_repos_test.jsonl.gz", _commits(5))
+    commits = CommitPackTask(data_path=_write(tmp_path / "c.jsonl", _commits()), test_size=4,
+                             eval_path=heldout)
+    assert len(commits.eval_examples(100, seed=0)) == 5
+
+
+@pytest.mark.skipif(not (data_root() / "amazon_reviews_other").is_dir(), reason="no shared data")
+def test_shipped_eval_only_files_are_refused() -> None:
+    with pytest.raises(KTMError, match="evaluation-only"):
+        AmazonTask(data_path=data_root() / OTHER_CATEGORIES_FILE)
+    with pytest.raises(KTMError, match="evaluation-only"):
+        CommitPackTask(data_path=data_root() / HELDOUT_FILE)
+
+
+def test_amazon_labels_truncation_and_empty_reviews(tmp_path: Path) -> None:
+    rows = [{"text": "  ", "rating": 5.0}, {"reviewText": "old schema", "overall": 4.0},
+            {"text": "meh", "rating": 3.0}, {"text": "y" * 50, "rating": 4.0}]
+    task = AmazonTask(data_path=_write(tmp_path / "r.jsonl", rows), test_size=1, max_chars=10)
+    by_line = {r.line_no: r for r in task.reviews}
+    assert sorted(by_line) == [2, 3, 4]  # the blank review is skipped
+    assert by_line[2].label == "positive" and by_line[3].label == "negative"
+    assert by_line[4].text == "y" * 10
+    ex = task._example(by_line[2])
+    assert ex.segments == (Segment("Review: old schema"), Segment(", Label:", compress=False))
+    assert ex.target == " positive" and ex.label == "positive"
+
+
+def test_amazon_eval_keeps_natural_distribution(tmp_path: Path) -> None:
+    rows = [{"text": f"r{i}", "rating": 5.0 if i % 4 else 1.0} for i in range(100)]
+    task = AmazonTask(data_path=_write(tmp_path / "r.jsonl", rows), test_size=40)
+    evals = task.eval_examples(1000, seed=0)
+    assert len(evals) == 40 and len({ex.segments[0].text for ex in evals}) == 40
+    train_texts = {r.text for r in task.train_reviews}
+    assert not train_texts & {r.text for r in task.eval_reviews}
+    assert len(task.train_examples(130, seed=0)) == 130  # passes over the 60 training reviews
+
+
+def test_commitpack_prompt_and_length_filter(tmp_path: Path) -> None:
+    header = "Update the old python code content based on the instrutions.\nOld Content: "
+    tail = "\nInstructions: Fix it\nNew Content:\n"
+    assert commit_prompt("a = 1\n", "Fix it", "paper") == (Segment(header + "a = 1\n" + tail),)
+    assert commit_prompt("a = 1\n", "Fix it", "context") == (
+        Segment(header + "a = 1\n"), Segment(tail, compress=False)
+    )
+    rows = _commits(10) + [{"old_contents": "o" * 60, "new_contents": "n" * 50, "subject": "Grow"}]
+    path = _write(tmp_path / "c.jsonl", rows)
+    assert len(CommitPackTask(data_path=path, test_size=2, max_chars=100).commits) == 10
+    assert len(CommitPackTask(data_path=path, test_size=2, max_chars=None).commits) == 11
+    task = CommitPackTask(data_path=path, test_size=2)
+    assert task.kind == "perplexity" and task.labels == ()
+    assert task.eval_examples(1, 0)[0].target in {r["new_contents"] for r in rows}
+
+
+@pytest.mark.parametrize(
+    "text, labels, expected",
+    [
+        (" positive", ("positive", "negative"), "positive"),
+        ("Negative! It broke.", ("positive", "negative"), "negative"),
+        ("\n\"True\"", ("true", "false"), "true"),
+        ("neutral", ("positive", "negative"), None),
+        ("positively", ("positive", "negative"), None),
+        ("   ", ("true", "false"), None),
+    ],
+)
+def test_parse_label(text: str, labels: tuple[str, ...], expected: str | None) -> None:
+    assert parse_label(text, labels) == expected
