@@ -2,12 +2,11 @@ import json
 
 import pytest
 import torch
+from test_model import TEXT, perturb
 
 from ktm import KTMError
 from ktm.checkpoint import load_weights_into
 from ktm.model import KTMModel
-
-from test_model import TEXT, perturb
 
 
 @pytest.fixture

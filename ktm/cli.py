@@ -1,0 +1,203 @@
+"""The ``ktm`` command line. Each subcommand's flags are built from a typed config dataclass.
+
+Every ``KTMError`` becomes one line on stderr and exit code 2; nothing prints a traceback for bad
+input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from ktm.errors import KTMError
+from ktm.models import DEFAULT_MODEL
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag`` per dataclass field; bools become ``--flag/--no-flag``."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f.metadata.get("help", "") + f" (default: {default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        elif getattr(kind, "__origin__", None) in (list, tuple):
+            inner = kind.__args__[0]
+            parser.add_argument(flag, type=inner, nargs="+", default=default, help=help_text)
+        else:
+            base = next((t for t in getattr(kind, "__args__", (kind,)) if t is not type(None)), str)
+            parser.add_argument(flag, type=base, default=default, help=help_text)
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class ModelArgs:
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "embedded name or HF folder"})
+    k: int = field(default=4, metadata={"help": "tokens merged per block"})
+    mlp_ratio: float = field(default=2.0, metadata={"help": "encoder MLP width / (K * hidden)"})
+    mlp: bool = field(default=True, metadata={"help": "use the MLP (off: mean pooling)"})
+    lora_r: int = field(default=4, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+
+
+@dataclass
+class TaskArgs:
+    task: str = field(default="tree", metadata={"help": "tree | amazon | commitpack"})
+    stage: str = field(default="xmedium", metadata={"help": "tree stage (tree task only)"})
+    prompt_mode: str = field(default="context",
+                             metadata={"help": "context: question plain | paper: all compressed"})
+    data_path: str | None = field(default=None, metadata={"help": "your own JSONL of the schema"})
+    n_train: int = field(default=2000, metadata={"help": "training examples to draw"})
+    n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
+
+
+def build_model(a: ModelArgs):
+    from ktm.model import KTMModel, LoraSettings
+    from ktm.models import parse_dtype
+
+    lora = LoraSettings(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout)
+    return KTMModel.from_base(a.model, k=a.k, mlp_ratio=a.mlp_ratio, use_mlp=a.mlp, lora=lora,
+                              device=a.device, dtype=parse_dtype(a.dtype))
+
+
+def build_task(t: TaskArgs):
+    from ktm.tasks import get_task
+
+    kwargs: dict[str, Any] = {"prompt_mode": t.prompt_mode}
+    if t.task == "tree":
+        kwargs["stage"] = t.stage
+    if t.data_path:
+        kwargs["data_path"] = t.data_path
+    return get_task(t.task, **kwargs)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ktm.evaluate import evaluate_task
+    from ktm.train import TrainConfig, train
+
+    margs, targs = from_args(ModelArgs, args), from_args(TaskArgs, args)
+    tcfg = from_args(TrainConfig, args)
+    task = build_task(targs)
+    model = build_model(margs)
+    train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
+    eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
+
+    def evaluate(m) -> dict:
+        r = evaluate_task(m, task, eval_set)
+        r.pop("predictions", None)
+        return r
+
+    last = train(model, train_set, tcfg, evaluate=evaluate)
+    print(json.dumps({k: v for k, v in last.items()}, indent=2))
+    return 0
+
+
+def load_or_build(args: argparse.Namespace):
+    from ktm.model import KTMModel
+    from ktm.models import parse_dtype
+
+    if args.checkpoint:
+        return KTMModel.load(args.checkpoint, device=args.device, dtype=parse_dtype(args.dtype))
+    return build_model(from_args(ModelArgs, args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ktm.prompt import Segment
+
+    segments = [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]
+    model = load_or_build(args)
+    opts = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                merge=not args.no_merge)
+    if args.stream:
+        for piece in model.stream(segments, **opts):
+            print(piece, end="", flush=True)
+        print()
+    else:
+        print(model.generate(segments, **opts))
+    cp = model.compress(segments, merge=not args.no_merge)
+    print(f"[prompt tokens {cp.tokens_in} -> {cp.tokens_out}, K={model.k}]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ktm.demo import DemoConfig, run_demo
+
+    run_demo(from_args(DemoConfig, args))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ktm.demo import DemoConfig
+    from ktm.train import TrainConfig
+
+    p = argparse.ArgumentParser(prog="ktm", description="K-Token Merging for causal LMs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train and evaluate a K=4 merger on the embedded model")
+    add_dataclass_args(demo, DemoConfig)
+    demo.set_defaults(run=cmd_demo)
+
+    tr = sub.add_parser("train", help="fine-tune encoder + LoRA on a task")
+    add_dataclass_args(tr, ModelArgs)
+    add_dataclass_args(tr, TaskArgs)
+    add_dataclass_args(tr, TrainConfig)
+    tr.set_defaults(run=cmd_train)
+
+    gen = sub.add_parser("generate", help="generate from a compressed prompt")
+    add_dataclass_args(gen, ModelArgs)
+    gen.add_argument("--checkpoint", help="a ktm checkpoint folder (overrides --model/--k)")
+    gen.add_argument("--prompt", required=True, help="text to compress")
+    gen.add_argument("--plain", action="append", default=[],
+                     help="text appended as plain tokens (repeatable)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
+    gen.add_argument("--no-merge", action="store_true", help="feed the prompt uncompressed")
+    gen.set_defaults(run=cmd_generate)
+    return p
+
+
+def _quiet_libraries() -> None:
+    """Our own tqdm bars are the progress report; silence the libraries' per-load bars."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.run(args)
+    except KTMError as e:
+        print(f"ktm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ktm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

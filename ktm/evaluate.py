@@ -1,0 +1,81 @@
+"""Scoring a model on a task's examples: accuracy for classification, perplexity for generation.
+
+Both report the exact prompt token counts before and after merging, so length reduction is
+measured on the prompts actually evaluated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ktm.metrics import accuracy, balanced_accuracy, length_reduction, perplexity
+from ktm.tasks.base import Example
+from ktm.tasks.labels import parse_label
+
+
+def _batches(items: Sequence, size: int):
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+@torch.no_grad()
+def evaluate_classification(model, examples: Sequence[Example], labels: Sequence[str], *,
+                            merge: bool = True, batch_size: int = 16, max_new_tokens: int = 4,
+                            progress: bool = False) -> dict:
+    """Greedy-generate an answer per example and compare its first word with the gold label."""
+    preds: list[str | None] = []
+    before = after = 0
+    t0 = time.perf_counter()
+    for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
+        prompts = [e.segments for e in batch]
+        for cp in model._compress_batch(prompts, merge):
+            before += cp.tokens_in
+            after += cp.tokens_out
+        texts = model.generate(prompts, max_new_tokens=max_new_tokens, merge=merge)
+        preds += [parse_label(t, labels) for t in texts]
+    golds = [e.label or e.target.strip() for e in examples]
+    return {
+        "n": len(examples),
+        "accuracy": accuracy(preds, golds),
+        "balanced_accuracy": balanced_accuracy(preds, golds, labels),
+        "unparsed": sum(p is None for p in preds),
+        "tokens_before": before / len(examples),
+        "tokens_after": after / len(examples),
+        "length_reduction": length_reduction(before, after),
+        "wall_s": time.perf_counter() - t0,
+        "predictions": preds,
+    }
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = True,
+                        batch_size: int = 4, progress: bool = False) -> dict:
+    """Perplexity of the targets given the (merged) prompts, pooled over all target tokens."""
+    nll, n_tok, before, after = 0.0, 0, 0, 0
+    t0 = time.perf_counter()
+    for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
+        out = model([e.segments for e in batch], [e.target for e in batch], merge=merge)
+        nll += float(out.nll.sum())
+        n_tok += int(out.n_tokens.sum())
+        before += out.tokens_in
+        after += out.tokens_out
+    return {
+        "n": len(examples),
+        "perplexity": perplexity(nll, n_tok),
+        "target_tokens": n_tok,
+        "tokens_before": before / len(examples),
+        "tokens_after": after / len(examples),
+        "length_reduction": length_reduction(before, after),
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
+    if task.kind == "perplexity":
+        kwargs.pop("max_new_tokens", None)
+        return evaluate_perplexity(model, examples, **kwargs)
+    return evaluate_classification(model, examples, task.labels, **kwargs)

@@ -1,0 +1,44 @@
+import json
+
+import pytest
+
+from ktm.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_then_generate_from_checkpoint(capsys, tiny_model_dir, tmp_path):
+    out_dir = tmp_path / "run"
+    code, out, _ = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree",
+                       "--stage", "small", "--n-train", "16", "--n-eval", "4", "--max-steps", "2",
+                       "--batch-size", "4", "--out-dir", str(out_dir), "--no-progress")
+    assert code == 0
+    assert json.loads(out)["step"] == 2
+    assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
+    rows = [json.loads(r) for r in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval" in r for r in rows)
+    code, out, err = run(capsys, "generate", "--checkpoint", str(out_dir / "checkpoint"),
+                         "--prompt", "Tree: AB\n+CD", "--plain", ", Parent: AB, Answer: ",
+                         "--max-new-tokens", "3")
+    assert code == 0 and out.strip() != "" and "prompt tokens" in err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--model", "no-such-model", "--prompt", "hi"], "unknown model 'no-such-model'"),
+    (["generate", "--model", "{tiny}", "--k", "0", "--prompt", "hi"], "k must be an integer >= 1"),
+    (["generate", "--model", "{tiny}", "--prompt", ""], "prompt is empty"),
+    (["generate", "--checkpoint", "{tmp}", "--prompt", "hi"], "not a ktm checkpoint"),
+    (["train", "--model", "{tiny}", "--task", "nope", "--out-dir", "{tmp}/x"], "unknown task"),
+    (["train", "--model", "{tiny}", "--batch-size", "0", "--out-dir", "{tmp}/x"], "batch_size"),
+])
+def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, argv, match):
+    argv = [a.format(tiny=tiny_model_dir, tmp=tmp_path) for a in argv]
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("ktm: error:") and match in lines[-1]
+    assert "Traceback" not in err
