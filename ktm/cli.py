@@ -134,6 +134,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import time
+
+    from ktm.evaluate import evaluate_task
+    from ktm.provenance import git_revision, versions, write_json_atomic
+
+    targs = from_args(TaskArgs, args)
+    task = build_task(targs)
+    model = load_or_build(args)
+    merge = not args.no_merge and model.merges
+    t0 = time.perf_counter()
+    examples = task.eval_examples(targs.n_eval, seed=args.seed)
+    result = evaluate_task(model, task, examples, merge=merge, progress=True)
+    result.pop("predictions", None)
+    if hasattr(task, "natural_eval_examples"):  # tree: accuracy on the natural pair distribution
+        natural = evaluate_task(model, task, task.natural_eval_examples(targs.n_eval, args.seed),
+                                merge=merge, progress=True)
+        result["natural_accuracy"] = natural["accuracy"]
+        result["natural_balanced_accuracy"] = natural["balanced_accuracy"]
+    method = args.method or (f"ktm-k{model.k}" if merge else "uncompressed")
+    row = {"task": task.name, "method": method, "k": model.k if merge else None, **result,
+           "eval_wall_s": time.perf_counter() - t0, "checkpoint": args.checkpoint,
+           "config": {**vars_json(args), "model": model.config_dict},
+           "versions": versions(), "git": git_revision()}
+    if args.json:
+        write_json_atomic(args.json, row)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
+    return 0
+
+
+def vars_json(args: argparse.Namespace) -> dict:
+    plain = (str, int, float, bool, type(None))
+    return {k: v for k, v in vars(args).items() if isinstance(v, plain)}
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ktm.report import report
+
+    print(report(args.results, args.plot))
+    if args.plot:
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ktm.demo import DemoConfig, run_demo
 
@@ -172,6 +216,21 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
     gen.add_argument("--no-merge", action="store_true", help="feed the prompt uncompressed")
     gen.set_defaults(run=cmd_generate)
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint on a task; write one JSON result")
+    add_dataclass_args(ev, ModelArgs)
+    add_dataclass_args(ev, TaskArgs)
+    ev.add_argument("--checkpoint", help="a ktm checkpoint folder (overrides --model/--k)")
+    ev.add_argument("--json", help="write the result object here")
+    ev.add_argument("--method", help="method name in tables (default: ktm-kK or uncompressed)")
+    ev.add_argument("--no-merge", action="store_true", help="evaluate without merging")
+    ev.add_argument("--seed", type=int, default=1, help="seed for drawing eval examples")
+    ev.set_defaults(run=cmd_eval)
+
+    rep = sub.add_parser("report", help="tables and Pareto plot from `ktm eval` result files")
+    rep.add_argument("results", nargs="+", help="result JSON files")
+    rep.add_argument("--plot", help="write the performance-vs-length-reduction plot here")
+    rep.set_defaults(run=cmd_report)
     return p
 
 

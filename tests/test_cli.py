@@ -42,3 +42,40 @@ def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, arg
     lines = err.strip().splitlines()
     assert lines[-1].startswith("ktm: error:") and match in lines[-1]
     assert "Traceback" not in err
+
+
+def test_eval_then_report_end_to_end(capsys, tiny_model_dir, tmp_path):
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "ck"
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(ckpt))
+    results = []
+    for extra, name in ([], "k2"), (["--no-merge"], "plain"):
+        out = tmp_path / f"{name}.json"
+        code, _, _ = run(capsys, "eval", "--checkpoint", str(ckpt), "--task", "tree", "--stage",
+                         "small", "--prompt-mode", "paper", "--n-eval", "6", "--json", str(out),
+                         *extra)
+        assert code == 0
+        row = json.loads(out.read_text())
+        assert row["task"] == "tree" and row["n"] == 6
+        assert {"accuracy", "balanced_accuracy", "natural_accuracy", "length_reduction",
+                "tokens_before", "tokens_after", "versions", "git", "config"} <= set(row)
+        results.append(str(out))
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    merged = json.loads((tmp_path / "k2.json").read_text())
+    assert plain["method"] == "uncompressed" and plain["length_reduction"] == 0.0
+    # paper mode compresses the whole prompt: K=2 roughly halves it
+    assert merged["method"] == "ktm-k2" and 0.4 < merged["length_reduction"] <= 0.5
+    assert merged["tokens_before"] == plain["tokens_before"]
+    plot = tmp_path / "plot.png"
+    code, out, _ = run(capsys, "report", *results, "--plot", str(plot))
+    assert code == 0
+    assert "| ktm-k2 | 2 |" in out and "| uncompressed | – |" in out
+    assert plot.stat().st_size > 1000
+
+
+def test_report_refuses_a_file_that_is_not_a_result(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"task": "tree"}')
+    code, _, err = run(capsys, "report", str(bad))
+    assert code == 2 and "expected a file written by `ktm eval`" in err

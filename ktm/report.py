@@ -1,0 +1,99 @@
+"""``ktm report``: paper-style tables and the performance-vs-length-reduction plot.
+
+It reads only result files written by ``ktm eval`` (one JSON object each). For perplexity tasks
+the normalised performance P = ppl_min / ppl uses the lowest perplexity among the files given.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from ktm.errors import KTMError
+from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
+
+REQUIRED = ("task", "method", "length_reduction")
+
+
+def load_results(paths: list[str]) -> list[dict]:
+    rows = []
+    for p in paths:
+        try:
+            row = json.loads(Path(p).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise KTMError(f"result file {p!r} cannot be read as JSON: {e}") from e
+        missing = [k for k in REQUIRED if k not in row]
+        if missing or not ("accuracy" in row or "perplexity" in row):
+            raise KTMError(f"result file {p!r} lacks {missing or ['accuracy|perplexity']}: "
+                           "expected a file written by `ktm eval`")
+        rows.append(row)
+    if not rows:
+        raise KTMError("no result files given")
+    return rows
+
+
+def score(rows: list[dict]) -> dict[str, list[dict]]:
+    """Group by task and add P (normalised performance) and the P-L F1 to each row."""
+    by_task: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_task[r["task"]].append(dict(r))
+    for task_rows in by_task.values():
+        ppls = [r["perplexity"] for r in task_rows if "perplexity" in r]
+        best = min(ppls) if ppls else None
+        for r in task_rows:
+            if "perplexity" in r:
+                r["P"] = normalised_performance(r["perplexity"], best)
+            else:
+                r["P"] = r["accuracy"]
+            r["pl_f1"] = pl_f1(r["P"], max(0.0, r["length_reduction"]))
+        task_rows.sort(key=lambda r: (r.get("k") or 0, r["method"]))
+    return dict(by_task)
+
+
+def table(task: str, rows: list[dict]) -> str:
+    ppl = "perplexity" in rows[0]
+    head = ("| method | K | perplexity | P | length reduction | P–L F1 |" if ppl else
+            "| method | K | accuracy | balanced acc. | length reduction | P–L F1 |")
+    lines = [f"### {task}", "", head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        k = r.get("k") if r.get("k") is not None else "–"
+        mid = (f"{r['perplexity']:.3f} | {r['P']:.3f}" if ppl else
+               f"{r['accuracy']:.3f} | {r.get('balanced_accuracy', float('nan')):.3f}")
+        lines.append(f"| {r['method']} | {k} | {mid} | {r['length_reduction']:.1%} | "
+                     f"{r['pl_f1']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(by_task: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(by_task), figsize=(5 * len(by_task), 4), squeeze=False)
+    for ax, (task, rows) in zip(axes[0], sorted(by_task.items())):
+        xs, ys = [r["length_reduction"] for r in rows], [r["P"] for r in rows]
+        ax.scatter(xs, ys, color="tab:blue")
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        front = sorted(pareto_frontier(list(zip(xs, ys))))
+        ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="tab:red",
+                label="Pareto frontier")
+        ax.set_xlabel("length reduction")
+        ax.set_ylabel("ppl_min / ppl" if "perplexity" in rows[0] else "accuracy")
+        ax.set_title(task)
+        ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp{Path(path).suffix}")
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(path)
+    plt.close(fig)
+
+
+def report(paths: list[str], plot_path: str | None = None) -> str:
+    by_task = score(load_results(paths))
+    text = "\n\n".join(table(t, rows) for t, rows in sorted(by_task.items()))
+    if plot_path:
+        plot(by_task, plot_path)
+    return text
