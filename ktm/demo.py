@@ -83,9 +83,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     out = Path(cfg.out_dir)
     tcfg = TrainConfig(out_dir=str(out), max_steps=cfg.steps, batch_size=cfg.batch_size,
                        lr=cfg.lr, warmup_steps=5, seed=cfg.seed, save_every=0, log_every=1)
-    if (out / "checkpoint").exists():
-        shutil.rmtree(out / "checkpoint")  # the demo always starts fresh
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(out / "checkpoint", ignore_errors=True)  # the demo always starts fresh
+    (out / "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
     last = train(model, train_set, tcfg)
     train_s = time.perf_counter() - t0
