@@ -79,3 +79,16 @@ def test_report_refuses_a_file_that_is_not_a_result(capsys, tmp_path):
     bad.write_text('{"task": "tree"}')
     code, _, err = run(capsys, "report", str(bad))
     assert code == 2 and "expected a file written by `ktm eval`" in err
+
+
+def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
+    out_dir = tmp_path / "demo"
+    code, out, _ = run(capsys, "demo", "--model", tiny_model_dir, "--stage", "small", "--steps",
+                       "2", "--batch-size", "2", "--n-eval", "4", "--out-dir", str(out_dir))
+    assert code == 0
+    assert "| untrained (mean pooling)" in out and "| trained K=4 merger" in out
+    assert "faster" in out and "generated:" in out
+    result = json.loads((out_dir / "demo.json").read_text())
+    assert result["trained"]["n"] == 4 and result["prefill"]["plain_s"] > 0
+    assert result["last_step"]["step"] == 2
+    assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
