@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from ktm.errors import KTMError
@@ -95,13 +96,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     model = build_model(margs)
     train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
     eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
+    ckpt = Path(tcfg.out_dir) / "checkpoint"
+    comp = info = None
+    if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
+        from ktm.compressors.cli import apply_compressor, parse_options
+
+        model, train_set, eval_set, info, comp = apply_compressor(
+            args.compressor, parse_options(args.compressor_option), model, train_set, eval_set,
+            state_dir=ckpt if tcfg.resume else None)
 
     def evaluate(m) -> dict:
         r = evaluate_task(m, task, eval_set)
         r.pop("predictions", None)
+        if comp:
+            from ktm.compressors.cli import finish_eval_row
+
+            r = finish_eval_row(r, eval_set, info)
         return r
 
-    last = train(model, train_set, tcfg, evaluate=evaluate)
+    def on_step(step: int, _: dict) -> None:
+        # the method's fitted state (LTSC vocabulary, meta rows) lives beside each checkpoint
+        if comp and (step == tcfg.max_steps or (tcfg.save_every and step % tcfg.save_every == 0)):
+            comp.save_state(ckpt)
+
+    last = train(model, train_set, tcfg, evaluate=evaluate, on_step=on_step)
     print(json.dumps({k: v for k, v in last.items()}, indent=2))
     return 0
 
@@ -143,17 +161,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     targs = from_args(TaskArgs, args)
     task = build_task(targs)
     model = load_or_build(args)
-    merge = not args.no_merge and model.merges
     t0 = time.perf_counter()
     examples = task.eval_examples(targs.n_eval, seed=args.seed)
+    natural = (task.natural_eval_examples(targs.n_eval, args.seed)
+               if hasattr(task, "natural_eval_examples") else None)  # tree only
+    comp = info = None
+    if args.compressor:
+        from ktm.compressors import compress_examples
+        from ktm.compressors.cli import apply_compressor, parse_options
+
+        # only LTSC fits on training prompts; its state is restored from the checkpoint if there
+        model, _, examples, info, comp = apply_compressor(
+            args.compressor, parse_options(args.compressor_option), model,
+            task.train_examples(targs.n_train, seed=0), examples, state_dir=args.checkpoint,
+            replace_encoder=not args.checkpoint, compress_train=False)
+        if natural and comp.rewrites_prompts:
+            natural, _ = compress_examples(comp, natural)
+    merge = not args.no_merge and model.merges
     result = evaluate_task(model, task, examples, merge=merge, progress=True)
     result.pop("predictions", None)
-    if hasattr(task, "natural_eval_examples"):  # tree: accuracy on the natural pair distribution
-        natural = evaluate_task(model, task, task.natural_eval_examples(targs.n_eval, args.seed),
-                                merge=merge, progress=True)
-        result["natural_accuracy"] = natural["accuracy"]
-        result["natural_balanced_accuracy"] = natural["balanced_accuracy"]
-    method = args.method or (f"ktm-k{model.k}" if merge else "uncompressed")
+    if comp:
+        from ktm.compressors.cli import finish_eval_row
+
+        result = finish_eval_row(result, examples, info)
+    if natural:  # tree: accuracy on the natural pair distribution too
+        nat = evaluate_task(model, task, natural, merge=merge, progress=True)
+        result["natural_accuracy"] = nat["accuracy"]
+        result["natural_balanced_accuracy"] = nat["balanced_accuracy"]
+    method = args.method or args.compressor or (f"ktm-k{model.k}" if merge else "uncompressed")
     row = {"task": task.name, "method": method, "k": model.k if merge else None, **result,
            "eval_wall_s": time.perf_counter() - t0, "checkpoint": args.checkpoint,
            "config": {**vars_json(args), "model": model.config_dict},
@@ -185,6 +220,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compressor_args(parser: argparse.ArgumentParser) -> None:
+    from ktm.compressors.cli import METHODS
+
+    parser.add_argument("--compressor", choices=METHODS,
+                        help="a baseline instead of K-token merging")
+    parser.add_argument("--compressor-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="e.g. ratio=0.5, unit=token, max_meta_tokens=64 (repeatable)")
+
+
 def _parser() -> argparse.ArgumentParser:
     from ktm.demo import DemoConfig
     from ktm.train import TrainConfig
@@ -201,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     add_dataclass_args(tr, TaskArgs)
     add_dataclass_args(tr, TrainConfig)
     tr.set_defaults(run=cmd_train)
+    _compressor_args(tr)
 
     gen = sub.add_parser("generate", help="generate from a compressed prompt")
     add_dataclass_args(gen, ModelArgs)
@@ -226,6 +271,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-merge", action="store_true", help="evaluate without merging")
     ev.add_argument("--seed", type=int, default=1, help="seed for drawing eval examples")
     ev.set_defaults(run=cmd_eval)
+    _compressor_args(ev)
 
     rep = sub.add_parser("report", help="tables and Pareto plot from `ktm eval` result files")
     rep.add_argument("results", nargs="+", help="result JSON files")

@@ -212,8 +212,8 @@ class KTMModel(nn.Module):
         merge = merge and self.merges
         pieces: list[list[tuple[list[int], bool]]] = []
         for segs in prompts:
-            pieces.append([(self.tokenize(s.text, i == 0), merge and s.compress)
-                           for i, s in enumerate(segs)])
+            pieces.append([(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids),
+                            merge and s.compress) for i, s in enumerate(segs)])
         to_merge = [ids for row in pieces for ids, c in row if c and ids]
         merged = iter(self._merge_segments(to_merge))
         results = []
@@ -331,6 +331,27 @@ class KTMModel(nn.Module):
         from ktm.generate import stream
 
         return stream(self, prompt, **kwargs)
+
+    def add_meta_tokens(self, sequences: Sequence[Sequence[int]]) -> list[int]:
+        """Append one trainable input-embedding row per token sequence; returns the new ids.
+
+        Each row starts as the mean embedding of its sequence (LTSC meta-tokens). The rows are
+        input-only (the LM head never predicts them) and train alongside LoRA.
+        """
+        from ktm.compressors.ltsc import MetaEmbedding
+
+        if not sequences or not all(sequences):
+            raise KTMError("add_meta_tokens needs non-empty token sequences, got an empty one")
+        with torch.no_grad():
+            rows = torch.stack([self._embed(self._ids(list(s))).mean(0) for s in sequences])
+        old = getattr(self, "meta_embedding", None)
+        base = old.base if old is not None else self._embed
+        if old is not None:
+            rows = torch.cat([old.meta.detach(), rows])
+        self.meta_embedding = MetaEmbedding(base, rows)
+        object.__setattr__(self, "_embed", self.meta_embedding)
+        start = base.weight.shape[0] + rows.shape[0] - len(sequences)
+        return list(range(start, start + len(sequences)))
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]

@@ -16,8 +16,15 @@ from ktm.errors import KTMError
 
 @dataclass(frozen=True)
 class Segment:
+    """Prompt text, merged by the encoder when ``compress``.
+
+    ``ids`` gives the segment's token ids directly instead of tokenizing ``text`` (LTSC writes
+    meta-token ids that no text maps to); ``text`` then stays the original text, for display.
+    """
+
     text: str
     compress: bool = True
+    ids: tuple[int, ...] | None = None
 
 
 PromptLike = str | Segment | Sequence[Segment]

@@ -36,6 +36,9 @@ class TrainConfig:
     batch_size: int = 8  # examples per forward pass
     grad_accum: int = 1  # forward passes per optimizer step
     lr: float = 1e-4
+    # the encoder MLP has a K*D-wide fan-in, so one Adam step at the LoRA rate moves its output
+    # by far more than an embedding's norm; None uses ``lr``
+    encoder_lr: float | None = None
     weight_decay: float = 0.0
     warmup_steps: int = 0
     clip_norm: float = 1.0  # 0 disables clipping
@@ -55,6 +58,8 @@ class TrainConfig:
                 raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
             raise KTMError(f"lr must be > 0, got {self.lr}")
+        if self.encoder_lr is not None and self.encoder_lr <= 0:
+            raise KTMError(f"encoder_lr must be > 0, got {self.encoder_lr}")
 
 
 class _Order:
@@ -120,10 +125,11 @@ def _trim_metrics(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def _lr_at(step: int, cfg: TrainConfig) -> float:
+def _warmup(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up factor, then constant."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    return cfg.lr
+        return (step + 1) / cfg.warmup_steps
+    return 1.0
 
 
 def train(
@@ -138,8 +144,14 @@ def train(
         raise KTMError("no training examples: expected at least one")
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = [p for _, p in model.trainable_parameters()]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    named = model.trainable_parameters()
+    params = [p for _, p in named]
+    enc = [p for n, p in named if n.startswith("encoder.")]
+    rest = [p for n, p in named if not n.startswith("encoder.")]
+    enc_lr = config.encoder_lr or config.lr
+    groups = [{"params": rest, "base_lr": config.lr}, {"params": enc, "base_lr": enc_lr}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
+                            weight_decay=config.weight_decay)
     torch.manual_seed(config.seed)
     step = 0
     if config.resume:
@@ -160,7 +172,7 @@ def train(
         while step < config.max_steps:
             t0 = time.perf_counter()
             for g in opt.param_groups:
-                g["lr"] = _lr_at(step, config)
+                g["lr"] = g["base_lr"] * _warmup(step, config)
             loss_sum, n_tok, tok_in, tok_lm = 0.0, 0, 0, 0
             per_step = config.batch_size * config.grad_accum
             window = [examples[order[step * per_step + j]] for j in range(per_step)]

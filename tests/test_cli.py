@@ -92,3 +92,26 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
     assert result["trained"]["n"] == 4 and result["prefill"]["plain_s"] > 0
     assert result["last_step"]["step"] == 2
     assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
+
+
+@pytest.mark.parametrize("method,options", [
+    ("selective_context", ["ratio=0.5"]), ("ltsc", ["max_meta_tokens=8"]), ("mean_pool", []),
+])
+def test_baseline_train_then_eval(capsys, tiny_model_dir, tmp_path, method, options):
+    out_dir = tmp_path / method
+    opts = [a for o in options for a in ("--compressor-option", o)]
+    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-train", "16", "--n-eval", "4", "--max-steps", "2",
+                       "--batch-size", "4", "--out-dir", str(out_dir), "--no-progress",
+                       "--compressor", method, *opts)
+    assert code == 0, err
+    res = tmp_path / f"{method}.json"
+    code, _, err = run(capsys, "eval", "--checkpoint", str(out_dir / "checkpoint"), "--task",
+                       "tree", "--stage", "small", "--n-train", "16", "--n-eval", "6",
+                       "--json", str(res), "--compressor", method, *opts)
+    assert code == 0, err
+    row = json.loads(res.read_text())
+    assert row["method"] == method
+    assert row["length_reduction"] > 0.0
+    assert row["tokens_after"] < row["tokens_before"]
+    assert "compression_ms_per_1k_tokens" in row and "natural_accuracy" in row

@@ -1,0 +1,106 @@
+"""Selective Context: drop the lexical units the base LM finds least informative.
+
+The self-information of token x_t is ``-log p(x_t | x_<t)`` under the base LM (LoRA adapters
+switched off, so a trained checkpoint scores like the untrained base). A unit's self-information
+is the sum over its tokens. Units are either single **tokens** or **words** (``unit="word"``, the
+default): a word starts at a token that begins with whitespace or punctuation and runs until the
+next such token, so a word is never cut in half.
+
+Units are dropped lowest self-information first until ``round(ratio * n)`` of the segment's n
+tokens are gone; the last unit may overshoot by less than its own length. The first token has no
+context to be scored in and is always kept. Each segment is scored on its own (a batch of
+segments, left-padded, one forward pass).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from ktm.compressors.base import Compressor, check_ratio
+from ktm.errors import KTMError
+from ktm.prompt import Segment
+
+UNITS = ("token", "word")
+
+
+class SelectiveContext(Compressor):
+    name: ClassVar[str] = "selective_context"
+
+    def __init__(self, ratio: float = 0.5, unit: str = "word", batch_size: int = 8):
+        super().__init__()
+        self.ratio = check_ratio(ratio)
+        if unit not in UNITS:
+            raise KTMError(f"unit must be one of {UNITS}, got {unit!r}")
+        if batch_size < 1:
+            raise KTMError(f"batch_size must be >= 1, got {batch_size}")
+        self.unit, self.batch_size = unit, batch_size
+
+    def options(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "unit": self.unit}
+
+    @torch.no_grad()
+    def self_information(self, rows: list[list[int]]) -> list[list[float]]:
+        """Per-token ``-log p`` for each id row; the first token of a row gets ``inf``."""
+        model = self.model
+        was_training = model.training
+        model.eval()
+        out: list[list[float]] = []
+        try:
+            with model.peft.disable_adapter():
+                for i in range(0, len(rows), self.batch_size):
+                    batch = rows[i:i + self.batch_size]
+                    p = model.pack([model.embed_ids(model._ids(r)) for r in batch])
+                    h = model.hidden(p.embeds, p.mask, p.position_ids)  # (B, L, D)
+                    for b, r in enumerate(batch):
+                        start = h.shape[1] - len(r)
+                        # one row's logits at a time: (T, V) stays small where (B, T, V) would not
+                        logp = model.logits(h[b, start:start + len(r) - 1]).float().log_softmax(-1)
+                        nll = -logp.gather(-1, model._ids(r[1:])[:, None]).squeeze(-1)
+                        out.append([math.inf] + nll.tolist())
+        finally:
+            model.train(was_training)
+        return out
+
+    def units(self, ids: list[int]) -> list[list[int]]:
+        """Positions of ``ids`` grouped into lexical units."""
+        if self.unit == "token":
+            return [[i] for i in range(len(ids))]
+        groups: list[list[int]] = []
+        for i, t in enumerate(ids):
+            piece = self.model.tokenizer.decode([t])
+            starts = not groups or not piece or piece[0].isspace() or not piece[0].isalnum()
+            if starts:
+                groups.append([i])
+            else:
+                groups[-1].append(i)
+        return groups
+
+    def keep_mask(self, ids: list[int], info: list[float]) -> list[bool]:
+        """Which token positions survive dropping ``ratio`` of them, least informative first."""
+        target = round(self.ratio * len(ids))
+        keep = [True] * len(ids)
+        dropped = 0
+        for unit in sorted(self.units(ids), key=lambda u: sum(info[i] for i in u)):
+            if dropped >= target or math.isinf(sum(info[i] for i in unit)):
+                break
+            for i in unit:
+                keep[i] = False
+            dropped += len(unit)
+        return keep
+
+    def rewrite(self, texts: list[str], first: list[bool]) -> list[Segment]:
+        rows = [self.model.tokenize(t) for t in texts]
+        scored = [r for r in rows if len(r) > 1]
+        info = iter(self.self_information(scored))
+        out = []
+        for text, ids in zip(texts, rows):
+            if len(ids) <= 1:
+                out.append(Segment(text))
+                continue
+            keep = self.keep_mask(ids, next(info))
+            kept = [t for t, k in zip(ids, keep) if k]
+            out.append(Segment(self.model.tokenizer.decode(kept)))
+        return out
