@@ -75,10 +75,11 @@ def build_model(a: ModelArgs):
                               device=a.device, dtype=parse_dtype(a.dtype))
 
 
-def build_task(t: TaskArgs):
+def build_task(t: TaskArgs, options: Sequence[str] = ()):
+    from ktm.compressors.cli import parse_options
     from ktm.tasks import get_task
 
-    kwargs: dict[str, Any] = {"prompt_mode": t.prompt_mode}
+    kwargs: dict[str, Any] = {"prompt_mode": t.prompt_mode, **parse_options(options)}
     if t.task == "tree":
         kwargs["stage"] = t.stage
     if t.data_path:
@@ -92,7 +93,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     margs, targs = from_args(ModelArgs, args), from_args(TaskArgs, args)
     tcfg = from_args(TrainConfig, args)
-    task = build_task(targs)
+    task = build_task(targs, args.task_option)
     model = build_model(margs)
     train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
     eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
@@ -159,7 +160,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ktm.provenance import git_revision, versions, write_json_atomic
 
     targs = from_args(TaskArgs, args)
-    task = build_task(targs)
+    task = build_task(targs, args.task_option)
     model = load_or_build(args)
     t0 = time.perf_counter()
     examples = task.eval_examples(targs.n_eval, seed=args.seed)
@@ -223,6 +224,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _compressor_args(parser: argparse.ArgumentParser) -> None:
     from ktm.compressors.cli import METHODS
 
+    parser.add_argument("--task-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="task constructor option, e.g. max_chars=400 (repeatable)")
     parser.add_argument("--compressor", choices=METHODS,
                         help="a baseline instead of K-token merging")
     parser.add_argument("--compressor-option", action="append", default=[], metavar="NAME=VALUE",

@@ -30,7 +30,8 @@ class DemoConfig:
     stage: str = field(default="xmedium", metadata={"help": "tree curriculum stage"})
     steps: int = field(default=60, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "examples per step"})
-    lr: float = field(default=1e-3, metadata={"help": "AdamW learning rate"})
+    lr: float = field(default=5e-4, metadata={"help": "AdamW learning rate (LoRA)"})
+    encoder_lr: float = field(default=5e-5, metadata={"help": "learning rate of the encoder MLP"})
     n_eval: int = field(default=96, metadata={"help": "balanced eval pairs"})
     seed: int = field(default=0, metadata={"help": "random seed"})
     out_dir: str = field(default="runs/demo", metadata={"help": "where metrics and model go"})
@@ -82,7 +83,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     start = evaluate_classification(model, eval_set, task.labels, progress=True)
     out = Path(cfg.out_dir)
     tcfg = TrainConfig(out_dir=str(out), max_steps=cfg.steps, batch_size=cfg.batch_size,
-                       lr=cfg.lr, warmup_steps=5, seed=cfg.seed, save_every=0, log_every=1)
+                       lr=cfg.lr, encoder_lr=cfg.encoder_lr, warmup_steps=5, seed=cfg.seed, save_every=0, log_every=1)
     shutil.rmtree(out / "checkpoint", ignore_errors=True)  # the demo always starts fresh
     (out / "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()

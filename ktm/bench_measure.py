@@ -1,0 +1,174 @@
+"""Timing one benchmark run: exact-length synthetic prompts, prefill/decode and training steps.
+
+``infer_once`` mirrors ``ktm.generate`` (same model calls, greedy, no early stop) with a clock
+between the stages; ``train_once`` is one step of ``ktm.train``. Both record peak memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import torch
+from transformers import DynamicCache
+
+from ktm.errors import KTMError
+
+
+# ---------------------------------------------------------------- synthetic prompts
+def word_pool(tokenizer, seed: int = 0, size: int = 1024) -> list[str]:
+    """Words that are one token each and stay one token inside text: ' word' (space + letters)."""
+    order = torch.randperm(len(tokenizer), generator=torch.Generator().manual_seed(seed)).tolist()
+    special, pool = set(tokenizer.all_special_ids), []
+    for i in order:
+        s = tokenizer.decode([i])
+        if (i in special or len(s) < 2 or s[0] != " " or not s[1:].isascii()
+                or not s[1:].isalpha()):
+            continue
+        if tokenizer(s, add_special_tokens=False)["input_ids"] == [i]:
+            pool.append(s)
+            if len(pool) == size:
+                break
+    if len(pool) < 4:
+        raise KTMError(f"found only {len(pool)} single-token words in the tokenizer; "
+                       "expected a tokenizer with ' word' tokens (byte-level BPE)")
+    return pool
+
+
+def synthetic_text(model, n_tokens: int, seed: int, pool: list[str], first: bool = True) -> str:
+    """Deterministic text that tokenizes to exactly ``n_tokens`` (special tokens included)."""
+    n_special = len(model.tokenize(pool[0], first=first)) - 1
+    n_words = n_tokens - n_special
+    if n_words < 1:
+        raise KTMError(f"length {n_tokens} leaves no room after {n_special} special tokens")
+    idx = torch.randint(len(pool), (n_words,), generator=torch.Generator().manual_seed(seed))
+    text = "".join(pool[i] for i in idx.tolist())
+    got = len(model.tokenize(text, first=first))
+    if got != n_tokens:
+        raise KTMError(f"synthetic prompt has {got} tokens, expected exactly {n_tokens}")
+    return text
+
+
+# ---------------------------------------------------------------- measurement helpers
+def encode_prefix(model, rows: list[list[int]], merge: bool) -> list[torch.Tensor]:
+    """Token ids per sample -> LM input embeddings (L_i, D); what ``_compress_batch`` does."""
+    if merge and model.merges:
+        return model._merge_segments(rows)
+    return [model.embed_ids(torch.tensor(r, device=model.device)) for r in rows]
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    """Bytes held by the key and value tensors of every layer."""
+    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
+
+
+class PeakMemory:
+    """Peak memory inside a ``with`` block: CUDA max allocated, or process RSS sampled on CPU."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.002):
+        self.cuda = device.type == "cuda"
+        self.kind = "cuda_max_allocated" if self.cuda else "rss"
+        self.interval_s, self.start, self.peak = interval_s, 0, 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        except OSError:  # not Linux: the lifetime high-water mark is the best we get
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.rss())
+
+    def __enter__(self) -> PeakMemory:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            self.start = self.peak = self.rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated()
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.rss())
+
+
+def trim_allocator() -> None:
+    """Return freed heap pages to the OS (glibc), so the next RSS peak is the next run's own."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS then also counts memory kept for reuse
+        pass
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int) -> dict:
+    """Time one batch: encoder, prefill, first token, then greedy decode with the KV cache."""
+    dev = model.device
+    with PeakMemory(dev) as mem:
+        t0 = _clock(dev)
+        prefixes = encode_prefix(model, rows, merge)
+        t1 = _clock(dev)
+        p = model.pack(prefixes)
+        cache = DynamicCache(config=model.peft.get_base_model().config)
+        h = model.hidden(p.embeds, p.mask, p.position_ids, cache)
+        t2 = _clock(dev)
+        nxt = model.logits(h[:, -1]).argmax(-1)
+        t3 = _clock(dev)
+        kv = cache_bytes(cache)
+        tokens, mask, pos = [nxt], p.mask, p.position_ids[:, -1:]
+        for _ in range(output_tokens - 1):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            pos = pos + 1
+            h = model.hidden(model.embed_ids(nxt)[:, None], mask, pos, cache)
+            nxt = model.logits(h[:, -1]).argmax(-1)
+            tokens.append(nxt)
+        t4 = _clock(dev)
+    b, decoded = len(rows), output_tokens - 1
+    return {
+        "encoder_s": t1 - t0, "prefill_s": t2 - t0, "ttft_s": t3 - t0, "decode_s": t4 - t3,
+        "e2e_s": t4 - t0, "samples_per_s": b / (t4 - t0),
+        "decode_tokens_per_s": b * decoded / (t4 - t3) if decoded else None,
+        "compressed_tokens": max(p.lengths), "kv_cache_bytes": kv, "peak_mem_bytes": mem.peak,
+        "peak_mem_delta_bytes": mem.peak - mem.start, "tokens": torch.stack(tokens, 1).tolist(),
+    }
+
+
+def train_once(model, opt, prompts: list[str], targets: list[str], merge: bool) -> dict:
+    """Time one LoRA training step as ``ktm.train`` runs it: forward, backward, clip, AdamW."""
+    dev = model.device
+    model.train()
+    with PeakMemory(dev) as mem:
+        t0 = _clock(dev)
+        out = model(prompts, targets, merge=merge)
+        out.loss.backward()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = _clock(dev)
+    model.eval()
+    return {"step_s": t1 - t0, "input_tokens_per_s": out.tokens_in / (t1 - t0),
+            "compressed_tokens": out.tokens_out // len(prompts), "loss": float(out.loss.detach()),
+            "peak_mem_bytes": mem.peak, "peak_mem_delta_bytes": mem.peak - mem.start}

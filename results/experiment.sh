@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The three-task experiment at CPU scale: uncompressed and K = 2, 3, 4 (issue 3), same recipe.
+# Usage: bash results/experiment.sh TASK [METHOD...]   (TASK: tree | amazon | commitpack)
+# Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json.
+set -euo pipefail
+task=$1; shift
+methods=${*:-"uncompressed k2 k3 k4"}
+common=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 5 --seed 0 --save-every 0 --no-progress)
+case $task in
+  tree)       data=(--stage small --prompt-mode context)
+              train=(--max-steps 120 --batch-size 16 --n-train 1920 --n-eval 32)
+              eval=(--n-eval 128) ;;
+  amazon)     data=(--prompt-mode context --task-option max_chars=400)
+              train=(--max-steps 80 --batch-size 8 --n-train 640 --n-eval 32)
+              eval=(--n-eval 300) ;;
+  commitpack) data=(--prompt-mode context --task-option max_chars=1500)
+              train=(--max-steps 60 --batch-size 2 --n-train 120 --n-eval 8)
+              eval=(--n-eval 40) ;;
+  *) echo "unknown task $task" >&2; exit 2 ;;
+esac
+mkdir -p "results/$task"
+for m in $methods; do
+  case $m in
+    uncompressed) model=(--k 1 --no-mlp) ;;
+    k*) model=(--k "${m#k}") ;;
+  esac
+  out=runs/exp/$task-$m
+  rm -rf "$out"
+  ktm train --task "$task" "${data[@]}" "${model[@]}" "${common[@]}" "${train[@]}" --out-dir "$out"
+  ktm eval --checkpoint "$out/checkpoint" --task "$task" "${data[@]}" "${eval[@]}" \
+    --method "$m" --json "results/$task/$m.json"
+done
