@@ -22,7 +22,6 @@ import gc
 import math
 import statistics
 import sys
-import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -329,23 +328,11 @@ def main_bench(config: BenchConfig) -> int:
     return 0
 
 
-def config_parser(cls=BenchConfig) -> argparse.ArgumentParser:
-    """argparse flags built from the dataclass fields (tuples take several values)."""
-    parser = argparse.ArgumentParser(prog="ktm bench", description=__doc__.split("\n")[0])
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        hint, flag = hints[f.name], "--" + f.name.replace("_", "-")
-        kw = {"default": f.default, "help": f.metadata.get("help", "")}
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
-        if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif typing.get_origin(hint) is tuple:
-            parser.add_argument(flag, nargs="+", type=typing.get_args(hint)[0], **kw)
-        else:
-            parser.add_argument(flag, type=hint, **kw)
-    return parser
-
-
 if __name__ == "__main__":
-    raise SystemExit(main_bench(BenchConfig(**vars(config_parser().parse_args()))))
+    import argparse
+
+    from ktm.config_args import add_dataclass_args, from_args
+
+    _parser = argparse.ArgumentParser(prog="ktm bench", description=__doc__.split("\n")[0])
+    add_dataclass_args(_parser, BenchConfig)
+    raise SystemExit(main_bench(from_args(BenchConfig, _parser.parse_args())))

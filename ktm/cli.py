@@ -7,39 +7,16 @@ input.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
+from ktm.config_args import add_dataclass_args, from_args
 from ktm.errors import KTMError
 from ktm.models import DEFAULT_MODEL
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--flag`` per dataclass field; bools become ``--flag/--no-flag``."""
-    hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f.metadata.get("help", "") + f" (default: {default})"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=help_text)
-        elif getattr(kind, "__origin__", None) in (list, tuple):
-            inner = kind.__args__[0]
-            parser.add_argument(flag, type=inner, nargs="+", default=default, help=help_text)
-        else:
-            base = next((t for t in getattr(kind, "__args__", (kind,)) if t is not type(None)), str)
-            parser.add_argument(flag, type=base, default=default, help=help_text)
-
-
-def from_args(cls: type, args: argparse.Namespace) -> Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
@@ -214,6 +191,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ktm.bench import BenchConfig, main_bench
+
+    return main_bench(from_args(BenchConfig, args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from ktm.demo import DemoConfig, run_demo
 
@@ -280,6 +263,12 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("results", nargs="+", help="result JSON files")
     rep.add_argument("--plot", help="write the performance-vs-length-reduction plot here")
     rep.set_defaults(run=cmd_report)
+
+    from ktm.bench import BenchConfig
+
+    bench = sub.add_parser("bench", help="prefill / decode / training-throughput benchmark")
+    add_dataclass_args(bench, BenchConfig)
+    bench.set_defaults(run=cmd_bench)
     return p
 
 

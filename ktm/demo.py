@@ -83,7 +83,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     start = evaluate_classification(model, eval_set, task.labels, progress=True)
     out = Path(cfg.out_dir)
     tcfg = TrainConfig(out_dir=str(out), max_steps=cfg.steps, batch_size=cfg.batch_size,
-                       lr=cfg.lr, encoder_lr=cfg.encoder_lr, warmup_steps=5, seed=cfg.seed, save_every=0, log_every=1)
+                       lr=cfg.lr, encoder_lr=cfg.encoder_lr, warmup_steps=5, seed=cfg.seed,
+                       save_every=0, log_every=1)
     shutil.rmtree(out / "checkpoint", ignore_errors=True)  # the demo always starts fresh
     (out / "metrics.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()

@@ -1,0 +1,215 @@
+"""Benchmark mechanics on the tiny model: schema, exact token counts, KV ratio, pairing, plots.
+
+Timings are never asserted: only what the numbers are computed from.
+"""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from ktm import KTMError
+from ktm.bench import (
+    BenchConfig,
+    Method,
+    aggregate,
+    interleave,
+    main_bench,
+    run_bench,
+)
+from ktm.bench_measure import (
+    encode_prefix,
+    infer_once,
+    synthetic_text,
+    word_pool,
+)
+from ktm.bench_plot import plot_results
+from ktm.config_args import add_dataclass_args, from_args
+from ktm.generate import GenerationConfig, decode_steps
+from ktm.model import KTMModel
+from ktm.prompt import as_segments
+
+INFER_FIELDS = {
+    "method", "k", "mlp_ratio", "encoder_params", "input_tokens", "compressed_tokens", "batch",
+    "repeats", "output_tokens", "encoder_s", "prefill_s", "encoder_share", "ttft_s", "decode_s",
+    "decode_tokens_per_s", "e2e_s", "samples_per_s", "peak_mem_bytes", "peak_mem_delta_bytes",
+    "kv_cache_bytes", "kv_ratio", "speedup_prefill", "speedup_ttft", "speedup_e2e", "per_repeat",
+    "mem_kind", "mode", "model", "device", "dtype", "threads", "config", "versions", "git",
+}
+TRAIN_FIELDS = {
+    "method", "k", "mlp_ratio", "encoder_params", "input_tokens", "compressed_tokens", "batch",
+    "repeats", "target_tokens", "step_s", "input_tokens_per_s", "speedup_train", "loss",
+    "peak_mem_bytes", "peak_mem_delta_bytes", "per_repeat", "config", "versions", "git", "threads",
+}
+
+
+def small(model_dir, tmp_path, **kw) -> BenchConfig:
+    base = dict(model=model_dir, lengths=(24, 25), ks=(1, 2, 3, 4), batch_sizes=(1, 2),
+                repeats=2, warmup=0, output_tokens=3, target_tokens=2, progress=False,
+                out=str(tmp_path / "bench.json"))
+    return BenchConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def infer_rows(tiny_model_dir, tmp_path_factory):
+    return run_bench(small(tiny_model_dir, tmp_path_factory.mktemp("b")))
+
+
+@pytest.mark.parametrize("kw", [
+    {"mode": "serve"}, {"lengths": ()}, {"lengths": (0,)}, {"ks": (2, -1)}, {"ks": (1.5,)},
+    {"mlp_ratios": (0.0,)}, {"repeats": 0}, {"output_tokens": 0}, {"warmup": -1},
+    {"dtype": "int8"}, {"device": "tpu"},
+])
+def test_config_rejects_bad_values(kw):
+    with pytest.raises(KTMError):
+        BenchConfig(**kw)
+
+
+def test_quick_preset_only_fills_options_left_at_default():
+    q = BenchConfig(quick=True, ks=(2,))
+    assert q.ks == (2,)
+    assert q.lengths != BenchConfig().lengths and q.repeats < BenchConfig().repeats
+
+
+def config_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, BenchConfig)
+    return parser
+
+
+def test_cli_flags_are_built_from_the_dataclass():
+    args = config_parser().parse_args(["--lengths", "64", "128", "--ks", "2", "--mode", "train",
+                                       "--mlp-ratios", "1", "2", "--no-uncompressed"])
+    cfg = from_args(BenchConfig, args)
+    assert cfg.lengths == (64, 128) and cfg.ks == (2,) and cfg.mlp_ratios == (1.0, 2.0)
+    assert cfg.mode == "train" and cfg.uncompressed is False
+    helps = [a.help for a in config_parser()._actions if a.dest != "help"]
+    assert all(helps), "every option needs a help string"
+
+
+@pytest.mark.parametrize("n", [2, 7, 64, 300])
+def test_synthetic_text_has_exact_token_count(ktm_model, n):
+    pool = word_pool(ktm_model.tokenizer)
+    text = synthetic_text(ktm_model, n, seed=n, pool=pool)
+    assert len(ktm_model.tokenize(text, first=True)) == n
+    assert text == synthetic_text(ktm_model, n, seed=n, pool=pool)  # deterministic
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_timed_path_matches_model_prefix_and_generate(ktm_model, merge):
+    """The benchmark times the same computation as _compress_batch + decode_steps."""
+    text = synthetic_text(ktm_model, 30, seed=1, pool=word_pool(ktm_model.tokenizer))
+    ids = [ktm_model.tokenize(text, first=True)]
+    with torch.no_grad():
+        want = ktm_model._compress_batch([as_segments(text)], merge)[0].embeds
+        got = encode_prefix(ktm_model, ids, merge)[0]
+    torch.testing.assert_close(got, want)
+    res = infer_once(ktm_model, ids, merge, output_tokens=5)
+    cfg = GenerationConfig(max_new_tokens=5, stop_at_eos=False, merge=merge)
+    ref = torch.stack(list(decode_steps(ktm_model, [as_segments(text)], cfg)), 1).tolist()
+    assert res["tokens"] == ref
+    assert res["compressed_tokens"] == (math.ceil(30 / 4) if merge else 30)
+
+
+def test_infer_rows_have_schema_and_exact_counts(infer_rows):
+    assert len(infer_rows) == 2 * 2 * 5  # lengths x batches x (uncompressed + 4 Ks)
+    for r in infer_rows:
+        assert INFER_FIELDS <= set(r), INFER_FIELDS - set(r)
+        assert r["compressed_tokens"] == math.ceil(r["input_tokens"] / r["k"])
+        assert r["compressed_tokens"] == r["expected_compressed_tokens"]
+        assert len(r["per_repeat"]["prefill_s"]) == 2
+        assert r["encoder_s"] <= r["prefill_s"] <= r["ttft_s"] <= r["e2e_s"]
+        assert r["threads"] == torch.get_num_threads()
+        assert r["mem_kind"] == "rss" and r["peak_mem_bytes"] > 0
+    json.dumps(infer_rows)  # plain JSON values only
+
+
+def test_kv_cache_bytes_are_compressed_positions_times_per_token_bytes(infer_rows):
+    for r in infer_rows:
+        base = next(b for b in infer_rows if b["method"] == "uncompressed"
+                    and b["input_tokens"] == r["input_tokens"] and b["batch"] == r["batch"])
+        assert r["kv_ratio"] == pytest.approx(r["compressed_tokens"] / r["input_tokens"])
+        if r["input_tokens"] % r["k"] == 0:
+            assert r["kv_ratio"] == pytest.approx(1 / r["k"])
+        assert r["kv_cache_bytes"] * base["compressed_tokens"] == (
+            base["kv_cache_bytes"] * r["compressed_tokens"])
+
+
+def test_speedups_are_paired_by_repeat(infer_rows):
+    for r in infer_rows:
+        base = next(b for b in infer_rows if b["method"] == "uncompressed"
+                    and b["input_tokens"] == r["input_tokens"] and b["batch"] == r["batch"])
+        pairs = [b / m for b, m in zip(base["per_repeat"]["prefill_s"],
+                                       r["per_repeat"]["prefill_s"])]
+        assert r["per_repeat"]["speedup_prefill"] == pytest.approx(pairs)
+
+
+def test_aggregate_takes_median_of_same_repeat_ratios():
+    base = [{"prefill_s": t} for t in (1.0, 10.0, 10.0)]  # a slow moment in repeats 1 and 2
+    meth = [{"prefill_s": t} for t in (0.5, 5.0, 1.0)]
+    stats = aggregate({"uncompressed": base, "K=2": meth})
+    assert stats["K=2"]["per_repeat"]["speedup_prefill"] == [2.0, 2.0, 10.0]
+    assert stats["K=2"]["speedup_prefill"] == 2.0  # ratio of medians would give 10 / 1 = 10
+    assert stats["uncompressed"]["speedup_prefill"] == 1.0
+    assert aggregate({"K=2": meth}, baseline=None)["K=2"]["speedup_prefill"] is None
+
+
+def test_interleave_alternates_methods_and_drops_warmup():
+    calls = []
+    ms = [Method("uncompressed"), Method("ktm", 2, 2.0), Method("ktm", 4, 2.0)]
+    runs = interleave(lambda m: calls.append(m.key) or {"i": len(calls)}, ms, warmup=1, repeats=2)
+    keys = [m.key for m in ms]
+    assert calls == keys + keys[::-1] + keys
+    assert [r["i"] for r in runs["uncompressed"]] == [6, 7]  # warm-up pass (call 1) left out
+
+
+def test_train_mode_rows(tiny_model_dir, tmp_path):
+    rows = run_bench(small(tiny_model_dir, tmp_path, mode="train", lengths=(24,), ks=(2, 4),
+                           batch_sizes=(2,), mlp_ratios=(1.0, 2.0)))
+    assert [(r["method"], r["k"], r["mlp_ratio"]) for r in rows] == [
+        ("uncompressed", 1, None), ("ktm", 2, 1.0), ("ktm", 2, 2.0), ("ktm", 4, 1.0),
+        ("ktm", 4, 2.0)]
+    for r in rows:
+        assert TRAIN_FIELDS <= set(r), TRAIN_FIELDS - set(r)
+        assert r["compressed_tokens"] == math.ceil(24 / r["k"])
+        assert r["target_tokens"] == 3  # two words + EOS
+        assert len(r["per_repeat"]["speedup_train"]) == 2
+    narrow, wide = rows[1], rows[2]
+    assert 0 < narrow["encoder_params"] < wide["encoder_params"]
+
+
+def test_checkpoint_folder_reuses_its_trained_encoder(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    model.save(str(tmp_path / "ckpt"))
+    rows = run_bench(small(str(tmp_path / "ckpt"), tmp_path, lengths=(16,), ks=(2,),
+                           batch_sizes=(1,), repeats=1, warmup=0))
+    assert [r["k"] for r in rows] == [1, 2] and rows[1]["compressed_tokens"] == 8
+
+
+def test_too_long_prompt_is_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(KTMError, match="context"):
+        run_bench(small(tiny_model_dir, tmp_path, lengths=(600,)))
+
+
+def test_main_writes_json_and_plots_read_it(tiny_model_dir, tmp_path, capsys):
+    cfg = small(tiny_model_dir, tmp_path, lengths=(16, 32), ks=(2, 4), batch_sizes=(1,),
+                repeats=1, warmup=0)
+    assert main_bench(cfg) == 0
+    assert "speedup_prefill" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert rows[0]["config"]["lengths"] == [16, 32]
+    written = plot_results(tmp_path / "bench.json", tmp_path / "plots")
+    assert [p.name for p in written] == ["bench_prefill.png", "bench_speedup.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(KTMError, match="not a ktm bench result"):
+        plot_results(bad)
+
+
+def test_main_returns_error_code_on_bad_model(tmp_path, capsys):
+    assert main_bench(BenchConfig(model=str(tmp_path / "nope"), progress=False)) == 2
+    assert "error" in capsys.readouterr().err
