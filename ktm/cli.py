@@ -191,6 +191,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_curriculum(args: argparse.Namespace) -> int:
+    from ktm.curriculum import CurriculumConfig, run_curriculum
+    from ktm.train import TrainConfig
+
+    ccfg, tcfg = from_args(CurriculumConfig, args), from_args(TrainConfig, args)
+    rows = run_curriculum(build_model(from_args(ModelArgs, args)), ccfg, tcfg, args.prompt_mode)
+    for r in rows:
+        print(json.dumps(r))
+    return 0 if rows[-1]["passed"] else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ktm.bench import BenchConfig, main_bench
 
@@ -263,6 +274,15 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("results", nargs="+", help="result JSON files")
     rep.add_argument("--plot", help="write the performance-vs-length-reduction plot here")
     rep.set_defaults(run=cmd_report)
+
+    from ktm.curriculum import CurriculumConfig
+
+    cur = sub.add_parser("curriculum", help="tree curriculum: advance a stage once it passes")
+    add_dataclass_args(cur, ModelArgs)
+    add_dataclass_args(cur, CurriculumConfig)
+    add_dataclass_args(cur, TrainConfig)
+    cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"])
+    cur.set_defaults(run=cmd_curriculum)
 
     from ktm.bench import BenchConfig
 

@@ -115,3 +115,25 @@ def test_baseline_train_then_eval(capsys, tiny_model_dir, tmp_path, method, opti
     assert row["length_reduction"] > 0.0
     assert row["tokens_after"] < row["tokens_before"]
     assert "compression_ms_per_1k_tokens" in row and "natural_accuracy" in row
+
+
+def test_curriculum_rounds_and_stop(capsys, tiny_model_dir, tmp_path):
+    code, out, _ = run(capsys, "curriculum", "--model", tiny_model_dir, "--start-stage", "small",
+                       "--final-stage", "xsmall", "--threshold", "1.0", "--steps-per-round", "1",
+                       "--max-rounds", "2", "--n-eval", "4", "--batch-size", "2",
+                       "--out-dir", str(tmp_path), "--no-progress")
+    rows = [json.loads(r) for r in out.strip().splitlines()]
+    if rows[-1]["passed"]:  # a perfect score on 4 pairs can happen; then the next stage runs
+        assert code == 0
+    else:  # a stage that does not pass stops the curriculum after max_rounds
+        assert code == 1 and len([r for r in rows if r["stage"] == rows[-1]["stage"]]) == 2
+    assert rows[0]["stage"] == "small" and rows[0]["round"] == 1
+    assert (tmp_path / "small-r1" / "checkpoint").is_dir()
+    saved = [json.loads(r) for r in (tmp_path / "curriculum.jsonl").read_text().splitlines()]
+    assert saved == rows
+
+
+def test_curriculum_rejects_bad_stage_order(capsys, tiny_model_dir, tmp_path):
+    code, _, err = run(capsys, "curriculum", "--model", tiny_model_dir, "--start-stage", "large",
+                       "--final-stage", "small", "--out-dir", str(tmp_path))
+    assert code == 2 and "comes after final_stage" in err
