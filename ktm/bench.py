@@ -39,6 +39,7 @@ from ktm.encoder import KTokenEncoder
 from ktm.errors import KTMError
 from ktm.models import DEFAULT_MODEL, parse_dtype
 from ktm.provenance import git_revision, versions, write_json_atomic
+from ktm.train import adamw
 
 MODES = ("infer", "train")
 QUICK = {"lengths": (256, 1024, 2048), "ks": (2, 4, 8), "repeats": 3, "output_tokens": 8}
@@ -195,8 +196,8 @@ def _optimizers(model, methods, encs) -> dict[str, torch.optim.Optimizer]:
     lora = [p for n, p in model.peft.named_parameters() if p.requires_grad]
     if not lora:
         raise KTMError("no trainable LoRA weights: train mode needs a trainable adapter")
-    return {m.key: torch.optim.AdamW(lora + (list(encs[m.key].parameters()) if m.key in encs
-                                             else []), lr=1e-6) for m in methods}
+    return {m.key: adamw(lora + (list(encs[m.key].parameters()) if m.key in encs else []),
+                         lr=1e-6) for m in methods}
 
 
 def interleave(run, methods: list[Method], warmup: int, repeats: int, tick=None

@@ -125,6 +125,14 @@ def _trim_metrics(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+def adamw(params, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """AdamW with the fused kernel where torch has one: it updates all tensors at once, ~7x
+    faster than the per-tensor loop on CPU (AdamW was 20% of a K=8 step in the profile)."""
+    flat = [p for g in params for p in g["params"]] if isinstance(params[0], dict) else params
+    fused = all(p.device.type in ("cpu", "cuda") for p in flat)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
 def _warmup(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up factor, then constant."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -150,11 +158,8 @@ def train(
     rest = [p for n, p in named if not n.startswith("encoder.")]
     enc_lr = config.encoder_lr or config.lr
     groups = [{"params": rest, "base_lr": config.lr}, {"params": enc, "base_lr": enc_lr}]
-    # the fused kernel updates all tensors at once: ~7x faster than the per-tensor loop on CPU,
-    # which matters for the wide encoder (AdamW was 20% of a K=8 step in the profile)
-    fused = all(p.device.type in ("cpu", "cuda") for p in params)
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr,
-                            weight_decay=config.weight_decay, fused=fused)
+    opt = adamw([g for g in groups if g["params"]], lr=config.lr,
+                weight_decay=config.weight_decay)
     torch.manual_seed(config.seed)
     step = 0
     if config.resume:
