@@ -21,7 +21,7 @@ from typing import Any
 from ktm.errors import KTMError
 from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
-from ktm.tasks.jsonl import read_jsonl, refuse_eval_only, resolve_data_path, row_error
+from ktm.tasks.jsonl import read_jsonl, row_error, task_files
 from ktm.tasks.labels import parse_label as _parse_label
 from ktm.tasks.split import cycle_shuffled, sample_without_replacement, split_indices
 
@@ -101,13 +101,8 @@ class AmazonTask:
     labels: tuple[str, ...] = field(default=SENTIMENT_LABELS, init=False)
 
     def __post_init__(self) -> None:
-        if self.prompt_mode not in ("paper", "context"):
-            raise KTMError(f"prompt_mode={self.prompt_mode!r}: expected 'paper' or 'context'")
-        if self.max_chars is not None and self.max_chars < 1:
-            raise KTMError(f"max_chars={self.max_chars}: expected a positive number or None")
-        self.path = resolve_data_path(self.data_path, DEFAULT_FILE)
-        refuse_eval_only(self.path, EVAL_ONLY, "other product categories, cross-domain test")
-        self.eval_file = None if self.eval_path is None else resolve_data_path(self.eval_path, "")
+        self.path, self.eval_file = task_files(
+            self, DEFAULT_FILE, EVAL_ONLY, "other product categories, cross-domain test")
 
     @cached_property
     def reviews(self) -> list[Review]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from ktm.errors import KTMError
 from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
-from ktm.tasks.jsonl import read_jsonl, refuse_eval_only, resolve_data_path
+from ktm.tasks.jsonl import read_jsonl, task_files
 from ktm.tasks.split import cycle_shuffled, sample_without_replacement, split_indices
 
 DEFAULT_FILE = "commitpackft_python/commitpackft_style_python_mined.jsonl.gz"
@@ -72,13 +72,8 @@ class CommitPackTask:
     labels: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        if self.prompt_mode not in ("paper", "context"):
-            raise KTMError(f"prompt_mode={self.prompt_mode!r}: expected 'paper' or 'context'")
-        if self.max_chars is not None and self.max_chars < 1:
-            raise KTMError(f"max_chars={self.max_chars}: expected a positive number or None")
-        self.path = resolve_data_path(self.data_path, DEFAULT_FILE)
-        refuse_eval_only(self.path, EVAL_ONLY, "repositories held out for a cross-repository test")
-        self.eval_file = None if self.eval_path is None else resolve_data_path(self.eval_path, "")
+        self.path, self.eval_file = task_files(
+            self, DEFAULT_FILE, EVAL_ONLY, "repositories held out for a cross-repository test")
 
     @cached_property
     def commits(self) -> list[Commit]:

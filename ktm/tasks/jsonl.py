@@ -113,3 +113,19 @@ def read_jsonl(
         raise KTMError(f"data file not found: {path} (expected a JSONL or JSONL.gz file)") from None
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise KTMError(f"cannot read {path}: {e} (expected UTF-8 JSONL, gzip if .gz)") from e
+
+
+def task_files(task, default: str, eval_only: tuple[str, ...], what: str
+               ) -> tuple[Path, Path | None]:
+    """Validate a file-backed task's common options; return (training file, eval file or None).
+
+    ``task`` has ``prompt_mode``, ``max_chars``, ``data_path`` and ``eval_path``; the training
+    file must not be one of the evaluation-only sets (``what`` says why they are held out).
+    """
+    if task.prompt_mode not in ("paper", "context"):
+        raise KTMError(f"prompt_mode={task.prompt_mode!r}: expected 'paper' or 'context'")
+    if task.max_chars is not None and task.max_chars < 1:
+        raise KTMError(f"max_chars={task.max_chars}: expected a positive number or None")
+    path = resolve_data_path(task.data_path, default)
+    refuse_eval_only(path, eval_only, what)
+    return path, None if task.eval_path is None else resolve_data_path(task.eval_path, "")
