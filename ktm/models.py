@@ -82,7 +82,11 @@ def _convert_embedded(name: str, spec: EmbeddedModel, dest: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise  # a concurrent process that converted first is fine; anything else is not
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
