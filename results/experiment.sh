@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The three-task experiment at CPU scale: uncompressed and K = 2, 3, 4 (issue 3), same recipe.
+# The three-task experiment at CPU scale, every method on the same recipe:
+#   uncompressed, k2, k3, k4 (K-Token Merging) and the baselines mean_pool (K=4 without the MLP),
+#   selective_context, llmlingua (both to ratio 0.5, i.e. K=2's length) and ltsc.
 # Usage: bash results/experiment.sh TASK [METHOD...]   (TASK: tree | amazon | commitpack)
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json.
 set -euo pipefail
@@ -20,13 +22,19 @@ case $task in
 esac
 mkdir -p "results/$task"
 for m in $methods; do
+  comp=()
   case $m in
     uncompressed) model=(--k 1 --no-mlp) ;;
-    k*) model=(--k "${m#k}") ;;
+    k[0-9]*) model=(--k "${m#k}") ;;
+    mean_pool) model=(--k 4); comp=(--compressor mean_pool) ;;
+    selective_context|llmlingua) model=(); comp=(--compressor "$m" --compressor-option ratio=0.5) ;;
+    ltsc) model=(); comp=(--compressor ltsc) ;;
+    *) echo "unknown method $m" >&2; exit 2 ;;
   esac
   out=runs/exp/$task-$m
   rm -rf "$out"
-  ktm train --task "$task" "${data[@]}" "${model[@]}" "${common[@]}" "${train[@]}" --out-dir "$out"
-  ktm eval --checkpoint "$out/checkpoint" --task "$task" "${data[@]}" "${eval[@]}" \
-    --method "$m" --json "results/$task/$m.json"
+  ktm train --task "$task" "${data[@]}" "${model[@]}" "${comp[@]}" "${common[@]}" "${train[@]}" \
+    --out-dir "$out"
+  ktm eval --checkpoint "$out/checkpoint" --task "$task" "${data[@]}" "${eval[@]}" "${comp[@]}" \
+    "${train[@]:4:2}" --method "$m" --json "results/$task/$m.json"
 done
