@@ -47,7 +47,9 @@ def score(rows: list[dict]) -> dict[str, list[dict]]:
             else:
                 r["P"] = r["accuracy"]
             r["pl_f1"] = pl_f1(r["P"], max(0.0, r["length_reduction"]))
-        task_rows.sort(key=lambda r: (r.get("k") or 0, r["method"]))
+        # uncompressed first, then K-token merging by K, then the baselines
+        task_rows.sort(key=lambda r: (r["method"] != "uncompressed", "compressor" in r,
+                                      r.get("k") or 0, r["method"]))
     return dict(by_task)
 
 
@@ -55,13 +57,16 @@ def table(task: str, rows: list[dict]) -> str:
     ppl = "perplexity" in rows[0]
     head = ("| method | K | perplexity | P | length reduction | P–L F1 |" if ppl else
             "| method | K | accuracy | balanced acc. | length reduction | P–L F1 |")
-    lines = [f"### {task}", "", head, "|---|---|---|---|---|---|"]
+    head += " compression ms / 1k tokens |"
+    lines = [f"### {task}", "", head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         k = r.get("k") if r.get("k") is not None else "–"
         mid = (f"{r['perplexity']:.3f} | {r['P']:.3f}" if ppl else
                f"{r['accuracy']:.3f} | {r.get('balanced_accuracy', float('nan')):.3f}")
+        overhead = r.get("compression_ms_per_1k_tokens")
+        cost = "–" if overhead is None else f"{overhead:.0f}"
         lines.append(f"| {r['method']} | {k} | {mid} | {r['length_reduction']:.1%} | "
-                     f"{r['pl_f1']:.3f} |")
+                     f"{r['pl_f1']:.3f} | {cost} |")
     return "\n".join(lines)
 
 
