@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from ktm.errors import KTMError
-from ktm.prompt import PromptLike, Segment, as_segments
+from ktm.prompt import PromptLike, Segment, split_prompts
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,6 @@ def _decode(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig
             h = model.hidden(embeds, mask, pos)
 
 
-def _normalise(prompts) -> tuple[list[tuple[Segment, ...]], bool]:
-    single = isinstance(prompts, (str, Segment)) or (
-        isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], Segment)
-    )
-    items = [prompts] if single else list(prompts)
-    if not items:
-        raise KTMError("no prompts given: expected at least one prompt")
-    return [as_segments(p) for p in items], single
-
-
 def _trim(ids: list[int], eos: int | None, stop: bool) -> list[int]:
     if stop and eos is not None and eos in ids:
         return ids[: ids.index(eos)]
@@ -113,7 +103,7 @@ def _trim(ids: list[int], eos: int | None, stop: bool) -> list[int]:
 def generate_ids(model, prompts, **kwargs) -> list[list[int]]:
     """Generated token ids per prompt, EOS and anything after it removed."""
     cfg = GenerationConfig(**kwargs)
-    segs, _ = _normalise(prompts)
+    segs, _ = split_prompts(prompts)
     steps = list(decode_steps(model, segs, cfg))
     if not steps:
         return [[] for _ in segs]
@@ -123,7 +113,7 @@ def generate_ids(model, prompts, **kwargs) -> list[list[int]]:
 
 def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str | list[str]:
     """Text for one prompt (returns str) or a list of prompts (returns list[str])."""
-    _, single = _normalise(prompts)
+    _, single = split_prompts(prompts)
     rows = generate_ids(model, prompts, **kwargs)
     texts = [model.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
     return texts[0] if single else texts
@@ -132,7 +122,7 @@ def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str
 def stream(model, prompt: PromptLike, **kwargs) -> Iterator[str]:
     """Yield text pieces of one prompt's continuation as tokens are decoded."""
     cfg = GenerationConfig(**kwargs)
-    segs, single = _normalise(prompt)
+    segs, single = split_prompts(prompt)
     if not single:
         raise KTMError("stream takes one prompt; use generate for a list")
     eos, ids, shown = model.tokenizer.eos_token_id, [], ""

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ktm.encoder import KTokenEncoder
 from ktm.errors import KTMError
 from ktm.models import DEFAULT_MODEL, load_base
-from ktm.prompt import PromptLike, Segment, as_segments
+from ktm.prompt import PromptLike, Segment, as_segments, split_prompts
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -197,13 +197,8 @@ class KTMModel(nn.Module):
         self, prompt: PromptLike | Sequence[PromptLike], merge: bool = True
     ) -> CompressedPrompt | list[CompressedPrompt]:
         """Prefix embeddings of one prompt or a list of prompts (``merge=False``: all plain)."""
-        single = isinstance(prompt, (str, Segment)) or (
-            isinstance(prompt, Sequence) and len(prompt) > 0 and isinstance(prompt[0], Segment)
-        )
-        prompts = [prompt] if single else list(prompt)
-        if not prompts:
-            raise KTMError("no prompts given: expected at least one prompt")
-        out = self._compress_batch([as_segments(p) for p in prompts], merge)
+        prompts, single = split_prompts(prompt)
+        out = self._compress_batch(prompts, merge)
         return out[0] if single else out
 
     def _compress_batch(

@@ -48,6 +48,18 @@ def as_segments(prompt: PromptLike) -> tuple[Segment, ...]:
     return tuple(s for s in segments if s.text)
 
 
+def split_prompts(prompts: PromptLike | Sequence[PromptLike]
+                  ) -> tuple[list[tuple[Segment, ...]], bool]:
+    """One prompt or a list of prompts -> (normalised prompts, whether a single one was given)."""
+    single = isinstance(prompts, (str, Segment)) or (
+        isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], Segment)
+    )
+    items = [prompts] if single else list(prompts)
+    if not items:
+        raise KTMError("no prompts given: expected at least one prompt")
+    return [as_segments(p) for p in items], single
+
+
 def prompt_text(prompt: PromptLike) -> str:
     """The prompt as one plain string (what an uncompressed model would read)."""
     return "".join(s.text for s in as_segments(prompt))
