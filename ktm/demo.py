@@ -100,6 +100,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(HEADER)
     print(_row("untrained (mean pooling)", start))
     print(_row(f"trained K={cfg.k} merger", trained))
+    print(f"(answers that were not 'true'/'false': {start['unparsed']} of {start['n']} before "
+          f"training, {trained['unparsed']} after; balanced pairs, so 0.5 is chance)")
     print(f"\nprefill of {timing['batch']} prompts: merged {timing['merged_s'] * 1e3:.1f} ms, "
           f"plain {timing['plain_s'] * 1e3:.1f} ms -> {timing['speedup']:.2f}x faster")
     ex = eval_set[0]
