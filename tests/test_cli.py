@@ -59,7 +59,8 @@ def test_eval_then_report_end_to_end(capsys, tiny_model_dir, tmp_path):
         row = json.loads(out.read_text())
         assert row["task"] == "tree" and row["n"] == 6
         assert {"accuracy", "balanced_accuracy", "natural_accuracy", "length_reduction",
-                "tokens_before", "tokens_after", "versions", "git", "config"} <= set(row)
+                "tokens_before", "tokens_after", "compression_ms_per_1k_tokens", "versions", "git",
+                "config"} <= set(row)
         results.append(str(out))
     plain = json.loads((tmp_path / "plain.json").read_text())
     merged = json.loads((tmp_path / "k2.json").read_text())
