@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from ktm.evaluate import evaluate_classification
 from ktm.model import KTMModel
 from ktm.models import DEFAULT_MODEL, parse_dtype
+from ktm.prompt import prompt_text
 from ktm.provenance import git_revision, versions, write_json_atomic
 from ktm.tasks.tree import TreeTask
 from ktm.train import TrainConfig, train
@@ -105,8 +106,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(f"\nprefill of {timing['batch']} prompts: merged {timing['merged_s'] * 1e3:.1f} ms, "
           f"plain {timing['plain_s'] * 1e3:.1f} ms -> {timing['speedup']:.2f}x faster")
     ex = eval_set[0]
-    shown = "".join(s.text for s in ex.segments)
-    print(f"\nexample prompt:\n{shown}")
+    print(f"\nexample prompt:\n{prompt_text(ex.segments)}")
     print(f"gold: {ex.target}  generated: ", end="", flush=True)
     for piece in model.stream(ex.segments, max_new_tokens=4):
         print(piece, end="", flush=True)

@@ -75,7 +75,8 @@ def apply_compressor(name: str, options: dict[str, Any], model,
     """Set up ``model`` for method ``name``, fit it, and compress both example sets.
 
     ``state_dir``: a checkpoint folder holding the method's fitted state (LTSC vocabulary and
-    meta-token rows, see ``save_compressor_state``); when found it is restored instead of fitting.
+    meta-token rows, written by ``Compressor.save_state``); when found it is restored instead of
+    fitting.
     ``compress_train=False`` (evaluation): the training examples are only fitted on, and come
     back unchanged.
     """
@@ -116,7 +117,3 @@ def finish_eval_row(result: dict[str, Any], examples: Sequence[Example],
     out["compressor"] = {k: v for k, v in info.items() if k not in ("train",)}
     return out
 
-
-def save_compressor_state(compressor: Compressor, directory: str | Path) -> None:
-    """Keep the method's fitted state beside a checkpoint (after training has written it)."""
-    compressor.save_state(directory)
