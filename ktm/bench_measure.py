@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from ktm.errors import KTMError
+from ktm.prompt import Segment
 
 
 # ---------------------------------------------------------------- synthetic prompts
@@ -52,10 +53,9 @@ def synthetic_text(model, n_tokens: int, seed: int, pool: list[str], first: bool
 
 # ---------------------------------------------------------------- measurement helpers
 def encode_prefix(model, rows: list[list[int]], merge: bool) -> list[torch.Tensor]:
-    """Token ids per sample -> LM input embeddings (L_i, D); what ``_compress_batch`` does."""
-    if merge and model.merges:
-        return model._merge_segments(rows)
-    return [model.embed_ids(torch.tensor(r, device=model.device)) for r in rows]
+    """Token ids per sample -> LM input embeddings (L_i, D), through ``_compress_batch``."""
+    prompts = [(Segment("", ids=tuple(r)),) for r in rows]
+    return [cp.embeds for cp in model._compress_batch(prompts, merge)]
 
 
 def cache_bytes(cache: DynamicCache) -> int:

@@ -43,9 +43,11 @@ def as_segments(prompt: PromptLike) -> tuple[Segment, ...]:
             "prompt must be a str, a Segment or a sequence of Segments, "
             f"got {type(prompt).__name__}"
         )
-    if not any(s.text for s in segments):
+    # a segment given as token ids counts as content even when its display text is empty
+    kept = tuple(s for s in segments if s.text or s.ids)
+    if not kept:
         raise KTMError("prompt is empty: expected at least one non-empty segment")
-    return tuple(s for s in segments if s.text)
+    return kept
 
 
 def split_prompts(prompts: PromptLike | Sequence[PromptLike]
