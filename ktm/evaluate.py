@@ -34,11 +34,12 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
         t1 = time.perf_counter()
-        for cp in model._compress_batch(prompts, merge):
-            before += cp.tokens_in
-            after += cp.tokens_out
+        prefixes = model._compress_batch(prompts, merge)
         compress_s += time.perf_counter() - t1
-        texts = model.generate(prompts, max_new_tokens=max_new_tokens, merge=merge)
+        before += sum(cp.tokens_in for cp in prefixes)
+        after += sum(cp.tokens_out for cp in prefixes)
+        texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
+                               merge=merge)
         preds += [parse_label(t, labels) for t in texts]
     golds = [e.label or e.target.strip() for e in examples]
     return {
@@ -63,10 +64,11 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
     compress_s = 0.0
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
-        t1 = time.perf_counter()  # the forward merges again; this pass only times the merging
-        model._compress_batch([e.segments for e in batch], merge)
+        prompts = [e.segments for e in batch]
+        t1 = time.perf_counter()
+        prefixes = model._compress_batch(prompts, merge)
         compress_s += time.perf_counter() - t1
-        out = model([e.segments for e in batch], [e.target for e in batch], merge=merge)
+        out = model(prompts, [e.target for e in batch], merge=merge, prefixes=prefixes)
         nll += float(out.nll.sum())
         n_tok += int(out.n_tokens.sum())
         before += out.tokens_in

@@ -51,20 +51,26 @@ def _select(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | 
 
 
 @torch.no_grad()
-def decode_steps(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig
-                 ) -> Iterator[torch.Tensor]:
-    """Yield (B,) token ids per step; rows that have finished repeat the pad id."""
+def decode_steps(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig,
+                 prefixes=None) -> Iterator[torch.Tensor]:
+    """Yield (B,) token ids per step; rows that have finished repeat the pad id.
+
+    ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
+    """
     was_training = model.training
     model.eval()  # never decode with dropout on
     try:
-        yield from _decode(model, prompts, cfg)
+        yield from _decode(model, prompts, cfg, prefixes)
     finally:
         model.train(was_training)
 
 
-def _decode(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig
+def _decode(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig, prefixes
             ) -> Iterator[torch.Tensor]:
-    prefixes = model._compress_batch(prompts, cfg.merge)
+    if prefixes is None:
+        prefixes = model._compress_batch(prompts, cfg.merge)
+    elif len(prefixes) != len(prompts):
+        raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: expected one each")
     p = model.pack([cp.embeds for cp in prefixes])
     embeds, mask, pos = p.embeds, p.mask, p.position_ids
     cache = DynamicCache(config=model.peft.get_base_model().config) if cfg.use_cache else None
@@ -100,11 +106,11 @@ def _trim(ids: list[int], eos: int | None, stop: bool) -> list[int]:
     return ids
 
 
-def generate_ids(model, prompts, **kwargs) -> list[list[int]]:
+def generate_ids(model, prompts, prefixes=None, **kwargs) -> list[list[int]]:
     """Generated token ids per prompt, EOS and anything after it removed."""
     cfg = GenerationConfig(**kwargs)
     segs, _ = split_prompts(prompts)
-    steps = list(decode_steps(model, segs, cfg))
+    steps = list(decode_steps(model, segs, cfg, prefixes))
     if not steps:
         return [[] for _ in segs]
     ids = torch.stack(steps, dim=1).tolist()

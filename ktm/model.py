@@ -289,12 +289,20 @@ class KTMModel(nn.Module):
         return ids
 
     def forward(
-        self, prompts: Sequence[PromptLike], targets: Sequence[str], merge: bool = True
+        self, prompts: Sequence[PromptLike], targets: Sequence[str], merge: bool = True,
+        prefixes: list[CompressedPrompt] | None = None,
     ) -> LossOutput:
-        """Loss on target tokens only; logits are computed at labelled positions only."""
+        """Loss on target tokens only; logits are computed at labelled positions only.
+
+        ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
+        """
         if len(prompts) != len(targets):
             raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
-        prefixes = self._compress_batch([as_segments(p) for p in prompts], merge)
+        if prefixes is None:
+            prefixes = self._compress_batch([as_segments(p) for p in prompts], merge)
+        elif len(prefixes) != len(prompts):
+            raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
+                           "expected one each")
         tgt = [self.target_ids(t) for t in targets]
         seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
         p = self.pack(seqs)

@@ -65,3 +65,12 @@ def test_stream_refuses_a_list(ktm_model):
 def test_mixed_segments_keep_plain_tokens(ktm_model):
     cp = ktm_model.compress([Segment("Hello world", compress=False)])
     assert cp.tokens_in == cp.tokens_out
+
+
+def test_precomputed_prefixes_give_the_same_output(ktm_model):
+    perturb(ktm_model)
+    prefixes = ktm_model.compress(PROMPTS)
+    assert generate_ids(ktm_model, PROMPTS, prefixes=prefixes, max_new_tokens=6) == generate_ids(
+        ktm_model, PROMPTS, max_new_tokens=6)
+    with pytest.raises(KTMError, match="2 prefixes for 3 prompts"):
+        generate_ids(ktm_model, PROMPTS, prefixes=prefixes[:2], max_new_tokens=2)
