@@ -53,9 +53,9 @@ def synthetic_text(model, n_tokens: int, seed: int, pool: list[str], first: bool
 
 # ---------------------------------------------------------------- measurement helpers
 def encode_prefix(model, rows: list[list[int]], merge: bool) -> list[torch.Tensor]:
-    """Token ids per sample -> LM input embeddings (L_i, D), through ``_compress_batch``."""
+    """Token ids per sample -> LM input embeddings (L_i, D), through ``encode_prompts``."""
     prompts = [(Segment("", ids=tuple(r)),) for r in rows]
-    return [cp.embeds for cp in model._compress_batch(prompts, merge)]
+    return [cp.embeds for cp in model.encode_prompts(prompts, merge)]
 
 
 def cache_bytes(cache: DynamicCache) -> int:

@@ -63,7 +63,10 @@ def check_compatible(model, directory: str | Path) -> dict:
         if cfg.get(key) != mine[key]:
             raise KTMError(f"checkpoint {str(directory)!r} has {key}={cfg.get(key)}, "
                            f"but the model has {key}={mine[key]}")
-    if cfg.get("encoder") != mine["encoder"]:
+    saved = cfg.get("encoder")
+    if isinstance(saved, dict):  # fields added later default to off in older checkpoints
+        saved = EncoderConfig.from_dict(saved).to_dict()
+    if saved != mine["encoder"]:
         raise KTMError(f"checkpoint {str(directory)!r} has encoder {cfg.get('encoder')} "
                        f"(K={cfg.get('encoder', {}).get('k')}), but the model has "
                        f"{mine['encoder']} (K={model.k})")
@@ -129,7 +132,7 @@ def load_model(directory, *, base=None, k=None, device="cpu", dtype=torch.float3
     directory = Path(directory)
     cfg = read_config(directory)
     try:
-        enc_cfg = EncoderConfig(**cfg["encoder"])
+        enc_cfg = EncoderConfig.from_dict(cfg["encoder"])
         lora = LoraSettings(**cfg["lora"])
         base_name = base or cfg["base_model"]
     except (KeyError, TypeError) as e:
@@ -152,5 +155,6 @@ def load_model(directory, *, base=None, k=None, device="cpu", dtype=torch.float3
         raise KTMError(f"LoRA adapter in {str(directory / ADAPTER)!r} is missing or corrupt: {e}"
                        ) from e
     encoder.requires_grad_(trainable)
-    model = KTMModel(peft_model, tok, encoder, base_name, lora, cfg.get("add_eos", True))
+    model = KTMModel(peft_model, tok, encoder, base_name, lora, cfg.get("add_eos", True),
+                     cfg.get("plain_prefix", 0))
     return model.train(trainable) if trainable else model.eval()

@@ -25,6 +25,12 @@ class ModelArgs:
     k: int = field(default=4, metadata={"help": "tokens merged per block"})
     mlp_ratio: float = field(default=2.0, metadata={"help": "encoder MLP width / (K * hidden)"})
     mlp: bool = field(default=True, metadata={"help": "use the MLP (off: mean pooling)"})
+    slot_weights: bool = field(default=False, metadata={
+        "help": "order-aware pooling: learnable per-slot weights starting at 1/K"})
+    mlp_gate: bool = field(default=False, metadata={
+        "help": "ReZero gate on the MLP output instead of a zero last layer"})
+    plain_prefix: int = field(default=0, metadata={
+        "help": "first prompt tokens kept plain (the LM's attention sink)"})
     lora_r: int = field(default=4, metadata={"help": "LoRA rank"})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
@@ -48,8 +54,30 @@ def build_model(a: ModelArgs):
     from ktm.models import parse_dtype
 
     lora = LoraSettings(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout)
-    return KTMModel.from_base(a.model, k=a.k, mlp_ratio=a.mlp_ratio, use_mlp=a.mlp, lora=lora,
-                              device=a.device, dtype=parse_dtype(a.dtype))
+    return KTMModel.from_base(a.model, k=a.k, mlp_ratio=a.mlp_ratio, use_mlp=a.mlp,
+                              slot_weights=a.slot_weights, mlp_gate=a.mlp_gate,
+                              plain_prefix=a.plain_prefix, lora=lora, device=a.device,
+                              dtype=parse_dtype(a.dtype))
+
+
+def init_or_build(args: argparse.Namespace):
+    """A trainable model: from ``--init`` (a checkpoint folder or a shipped reader's name, whose
+    K must equal ``--k``), else a fresh one from the model flags."""
+    margs = from_args(ModelArgs, args)
+    if not getattr(args, "init", None):
+        return build_model(margs)
+    from ktm.model import KTMModel
+    from ktm.models import parse_dtype
+
+    return KTMModel.load(args.init, k=margs.k, device=margs.device,
+                         dtype=parse_dtype(margs.dtype), trainable=True)
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def build_task(t: TaskArgs, options: Sequence[str] = ()):
@@ -68,10 +96,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ktm.evaluate import evaluate_task
     from ktm.train import TrainConfig, train
 
-    margs, targs = from_args(ModelArgs, args), from_args(TaskArgs, args)
+    targs = from_args(TaskArgs, args)
     tcfg = from_args(TrainConfig, args)
     task = build_task(targs, args.task_option)
-    model = build_model(margs)
+    model = init_or_build(args)
     train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
     eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
     ckpt = Path(tcfg.out_dir) / "checkpoint"
@@ -99,6 +127,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     last = train(model, train_set, tcfg, evaluate=evaluate, on_step=on_step)
     print(json.dumps({k: v for k, v in last.items()}, indent=2))
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from ktm.pretrain import PretrainConfig, pretrain
+    from ktm.train import TrainConfig
+
+    pcfg, tcfg = from_args(PretrainConfig, args), from_args(TrainConfig, args)
+    model = init_or_build(args)
+    last = pretrain(model, pcfg, tcfg)
+    print(json.dumps(last, indent=2))
     return 0
 
 
@@ -226,6 +265,14 @@ def _compressor_args(parser: argparse.ArgumentParser) -> None:
                         help="e.g. ratio=0.5, unit=token, max_meta_tokens=64 (repeatable)")
 
 
+def _init_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
+                        help="start from a reader: a checkpoint folder or a shipped reader's name "
+                             "(its K must equal --k; its encoder and LoRA settings are used)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+
+
 def _parser() -> argparse.ArgumentParser:
     from ktm.demo import DemoConfig
     from ktm.train import TrainConfig
@@ -243,6 +290,16 @@ def _parser() -> argparse.ArgumentParser:
     add_dataclass_args(tr, TrainConfig)
     tr.set_defaults(run=cmd_train)
     _compressor_args(tr)
+    _init_args(tr)
+
+    from ktm.pretrain import PretrainConfig
+
+    pre = sub.add_parser("pretrain", help="train a reader on unlabeled text (no task labels)")
+    add_dataclass_args(pre, ModelArgs)
+    add_dataclass_args(pre, PretrainConfig)
+    add_dataclass_args(pre, TrainConfig)
+    _init_args(pre)
+    pre.set_defaults(run=cmd_pretrain)
 
     gen = sub.add_parser("generate", help="generate from a compressed prompt")
     add_dataclass_args(gen, ModelArgs)
@@ -307,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_libraries()
     try:
+        set_threads(args)
         return args.run(args)
     except KTMError as e:
         print(f"ktm: error: {e}", file=sys.stderr)

@@ -15,8 +15,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kw: dict[str, Any] = {"default": default,
-                              "help": f.metadata.get("help", "") + f" (default: {default})"}
+        text = f.metadata.get("help", "") + f" (default: {default!r})"
+        kw: dict[str, Any] = {"default": default, "help": text.replace("%", "%%")}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         if kind is bool:

@@ -45,7 +45,7 @@ def time_prefill(model: KTMModel, prompts, repeats: int = 5) -> dict:
     """Median prefill seconds, merged vs plain, interleaved so drift hits both alike."""
     def once(merge: bool) -> float:
         t0 = time.perf_counter()
-        cps = model._compress_batch(prompts, merge)
+        cps = model.encode_prompts(prompts, merge)
         p = model.pack([c.embeds for c in cps])
         h = model.hidden(p.embeds, p.mask, p.position_ids,
                          DynamicCache(config=model.peft.get_base_model().config))

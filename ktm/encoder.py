@@ -1,9 +1,14 @@
 """The K-token merging encoder: every block of K token embeddings becomes one embedding.
 
-    C_i = masked_mean(e_1..e_K) + MLP(concat(e_1..e_K))
+    C_i = pool(e_1..e_K) + gate * MLP(concat(e_1..e_K))
 
-The MLP's last layer starts at zero, so an untrained encoder is exactly mean pooling and training
-starts from a sensible compressed representation rather than noise.
+``pool`` is the masked mean, or (``slot_weights``) a per-slot, per-dimension weighted sum whose
+weights start at 1/K: it begins as the mean but can tell 'QF' from 'FQ' from the first step,
+which the mean never can. The MLP's contribution starts at exactly zero, either through a zero
+last layer (the paper) or through a zero gate (``mlp_gate``, ReZero-style: the gate is a D-vector
+with fan-in 1, so one Adam step moves it by about the learning rate, whereas a zero last layer
+with a K*D-wide fan-in moves the output by far more than an embedding's norm). Either way an
+untrained encoder is exactly mean pooling.
 """
 
 from __future__ import annotations
@@ -21,22 +26,41 @@ class EncoderConfig:
     hidden_size: int
     k: int = 4
     mlp_ratio: float = 2.0  # MLP width = mlp_ratio * k * hidden_size (the paper uses ~1.5-2)
-    use_mlp: bool = True  # False gives the mean-pooling ablation
+    use_mlp: bool = True  # False gives the mean-pooling ablation (with slot_weights off)
+    slot_weights: bool = False  # order-aware pooling: per-slot weights initialised to 1/K
+    mlp_gate: bool = False  # ReZero gate on the MLP output (zero-initialised D-vector)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
             raise KTMError(f"k must be an integer >= 1, got {self.k!r}")
         if self.hidden_size < 1:
             raise KTMError(f"hidden_size must be >= 1, got {self.hidden_size!r}")
         if self.mlp_ratio <= 0:
             raise KTMError(f"mlp_ratio must be > 0, got {self.mlp_ratio!r}")
+        if self.mlp_gate and not self.use_mlp:
+            raise KTMError("mlp_gate=True needs use_mlp=True: there is no MLP output to gate")
 
     @property
     def mlp_hidden(self) -> int:
         return max(1, round(self.mlp_ratio * self.k * self.hidden_size))
 
+    @property
+    def is_identity(self) -> bool:
+        """K=1 with nothing learnable: merging changes nothing and is skipped."""
+        return self.k == 1 and not self.use_mlp and not self.slot_weights
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EncoderConfig:
+        """Read a saved config; fields added after a checkpoint was written keep their
+        defaults-off value, so older checkpoints load unchanged."""
+        known = {"hidden_size", "k", "mlp_ratio", "use_mlp", "slot_weights", "mlp_gate"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise KTMError(f"encoder config has unknown fields {unknown}: expected {sorted(known)}")
+        return cls(**d)
 
 
 class KTokenEncoder(nn.Module):
@@ -46,25 +70,38 @@ class KTokenEncoder(nn.Module):
     Padding must be on the right of each row: block i of a row covers tokens [iK, iK + K).
     """
 
-    def __init__(self, hidden_size: int, k: int = 4, mlp_ratio: float = 2.0, use_mlp: bool = True):
+    def __init__(self, hidden_size: int, k: int = 4, mlp_ratio: float = 2.0, use_mlp: bool = True,
+                 slot_weights: bool = False, mlp_gate: bool = False):
         super().__init__()
-        self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp)
+        self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate)
         d, h = hidden_size, self.config.mlp_hidden
+        self.slots: nn.Parameter | None = None
+        if slot_weights:
+            self.slots = nn.Parameter(torch.full((k, d), 1.0 / k))
         self.mlp: nn.Sequential | None = None
+        self.gate: nn.Parameter | None = None
         if use_mlp:
             self.mlp = nn.Sequential(
                 nn.Linear(k * d, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, d)
             )
-            nn.init.zeros_(self.mlp[-1].weight)
-            nn.init.zeros_(self.mlp[-1].bias)
+            if mlp_gate:
+                self.gate = nn.Parameter(torch.zeros(d))
+            else:
+                nn.init.zeros_(self.mlp[-1].weight)
+                nn.init.zeros_(self.mlp[-1].bias)
 
     @classmethod
     def from_config(cls, config: EncoderConfig) -> KTokenEncoder:
-        return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp)
+        return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp,
+                   config.slot_weights, config.mlp_gate)
 
     @property
     def k(self) -> int:
         return self.config.k
+
+    def wide_parameters(self) -> list[nn.Parameter]:
+        """Weights with a wide fan-in (the MLP's linear layers): they want a smaller Adam step."""
+        return [] if self.mlp is None else list(self.mlp.parameters())
 
     def forward(
         self, embeds: torch.Tensor, mask: torch.Tensor | None = None
@@ -87,9 +124,15 @@ class KTokenEncoder(nn.Module):
         m = m.view(b, n, k, 1)
         blocks = embeds.view(b, n, k, d) * m  # pads zeroed so they never leak into the MLP
         count = m.sum(dim=2)  # (B, N, 1)
-        merged = blocks.sum(dim=2) / count.clamp(min=1.0)
+        if self.slots is None:
+            merged = blocks.sum(dim=2) / count.clamp(min=1.0)
+        else:
+            # K/count rescales a partial last block so that 1/K weights still give its mean
+            weights = self.slots.to(blocks.dtype)
+            merged = (blocks * weights).sum(dim=2) * (k / count.clamp(min=1.0))
         if self.mlp is not None:
-            merged = merged + self.mlp(blocks.reshape(b, n, k * d))
+            extra = self.mlp(blocks.reshape(b, n, k * d))
+            merged = merged + (extra if self.gate is None else self.gate.to(extra.dtype) * extra)
         out_mask = count.squeeze(-1) > 0
         # a block of padding only carries no information; keep its output at exactly zero
         merged = merged * out_mask.unsqueeze(-1).to(merged.dtype)

@@ -34,7 +34,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
         t1 = time.perf_counter()
-        prefixes = model._compress_batch(prompts, merge)
+        prefixes = model.encode_prompts(prompts, merge)
         compress_s += time.perf_counter() - t1
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
@@ -66,7 +66,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
         t1 = time.perf_counter()
-        prefixes = model._compress_batch(prompts, merge)
+        prefixes = model.encode_prompts(prompts, merge)
         compress_s += time.perf_counter() - t1
         out = model(prompts, [e.target for e in batch], merge=merge, prefixes=prefixes)
         nll += float(out.nll.sum())

@@ -68,7 +68,7 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfi
 def _decode(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig, prefixes
             ) -> Iterator[torch.Tensor]:
     if prefixes is None:
-        prefixes = model._compress_batch(prompts, cfg.merge)
+        prefixes = model.encode_prompts(prompts, cfg.merge)
     elif len(prefixes) != len(prompts):
         raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: expected one each")
     p = model.pack([cp.embeds for cp in prefixes])

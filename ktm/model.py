@@ -61,6 +61,19 @@ class LossOutput:
     n_tokens: torch.Tensor  # (B,) target tokens per sample
     tokens_in: int = 0  # prompt tokens before merging, summed over the batch
     tokens_out: int = 0  # prompt positions the LM actually read
+    parts: dict[str, tuple[float, int]] = field(default_factory=dict)  # objective: (sum, tokens)
+
+
+@dataclass
+class TargetLogits:
+    """Logits at the target positions of a batch, flattened over samples."""
+
+    logits: torch.Tensor  # (N, V) fp32, N = total target tokens
+    labels: torch.Tensor  # (N,) target token ids
+    rows: torch.Tensor  # (N,) sample index of each target token
+    lengths: list[int]  # target tokens per sample
+    tokens_in: int
+    tokens_out: int
 
 
 @dataclass
@@ -93,14 +106,19 @@ class KTMModel(nn.Module):
         base_model: str,
         lora: LoraSettings,
         add_eos: bool = True,
+        plain_prefix: int = 0,
     ):
         super().__init__()
+        if plain_prefix < 0:
+            raise KTMError(f"plain_prefix must be >= 0, got {plain_prefix}")
         self.peft = peft_model
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.base_model = base_model
         self.lora = lora
         self.add_eos = add_eos
+        # the first tokens of a prompt stay plain: position 0 is the LM's attention sink
+        self.plain_prefix = plain_prefix
         lm: PreTrainedModel = peft_model.get_base_model()
         # views into the PEFT-wrapped LM, kept out of nn.Module registration (no duplicate params)
         object.__setattr__(self, "_body", lm.base_model)  # decoder stack without the LM head
@@ -118,6 +136,9 @@ class KTMModel(nn.Module):
         tokenizer: PreTrainedTokenizerBase | None = None,
         mlp_ratio: float = 2.0,
         use_mlp: bool = True,
+        slot_weights: bool = False,
+        mlp_gate: bool = False,
+        plain_prefix: int = 0,
         lora: LoraSettings | None = None,
         add_eos: bool = True,
         device: str | torch.device = "cpu",
@@ -132,9 +153,10 @@ class KTMModel(nn.Module):
                 raise KTMError("from_base with a model object needs tokenizer=...")
             lm, tok, name = base.to(device=device, dtype=dtype), tokenizer, base.name_or_path
         lora = lora or LoraSettings()
-        encoder = KTokenEncoder(lm.config.hidden_size, k, mlp_ratio, use_mlp).to(device, dtype)
+        encoder = KTokenEncoder(lm.config.hidden_size, k, mlp_ratio, use_mlp, slot_weights,
+                                mlp_gate).to(device, dtype)
         peft_model = get_peft_model(lm, _lora_config(lm, lora))
-        return cls(peft_model, tok, encoder, name, lora, add_eos).eval()
+        return cls(peft_model, tok, encoder, name, lora, add_eos, plain_prefix).eval()
 
     def save(self, directory: str) -> None:
         from ktm.checkpoint import save_model
@@ -164,8 +186,8 @@ class KTMModel(nn.Module):
 
     @property
     def merges(self) -> bool:
-        """False for K=1 without MLP: merging is the identity and is skipped."""
-        return self.encoder.k > 1 or self.encoder.mlp is not None
+        """False for K=1 with nothing learnable: merging is the identity and is skipped."""
+        return not self.encoder.config.is_identity
 
     @property
     def device(self) -> torch.device:
@@ -183,6 +205,7 @@ class KTMModel(nn.Module):
             "encoder": self.encoder.config.to_dict(),
             "lora": {**asdict(self.lora), "target_modules": list(self.lora.target_modules)},
             "add_eos": self.add_eos,
+            "plain_prefix": self.plain_prefix,
             "hidden_size": cfg.hidden_size,
             "vocab_size": self._embed.weight.shape[0],
             "model_type": cfg.model_type,
@@ -198,17 +221,26 @@ class KTMModel(nn.Module):
     ) -> CompressedPrompt | list[CompressedPrompt]:
         """Prefix embeddings of one prompt or a list of prompts (``merge=False``: all plain)."""
         prompts, single = split_prompts(prompt)
-        out = self._compress_batch(prompts, merge)
+        out = self.encode_prompts(prompts, merge)
         return out[0] if single else out
 
-    def _compress_batch(
-        self, prompts: list[tuple[Segment, ...]], merge: bool
+    def encode_prompts(
+        self, prompts: list[tuple[Segment, ...]], merge: bool = True
     ) -> list[CompressedPrompt]:
+        """Normalised prompts -> their LM input embeddings, the encoder run once for all.
+
+        This is the one prompt-encoding step that training, evaluation, generation and the
+        benchmark share.
+        """
         merge = merge and self.merges
         pieces: list[list[tuple[list[int], bool]]] = []
         for segs in prompts:
-            pieces.append([(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids),
-                            merge and s.compress) for i, s in enumerate(segs)])
+            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids),
+                    merge and s.compress) for i, s in enumerate(segs)]
+            if self.plain_prefix and row and row[0][1]:
+                ids, n = row[0][0], self.plain_prefix
+                row[:1] = [(ids[:n], False), (ids[n:], True)]
+            pieces.append(row)
         to_merge = [ids for row in pieces for ids, c in row if c and ids]
         merged = iter(self._merge_segments(to_merge))
         results = []
@@ -275,12 +307,19 @@ class KTMModel(nn.Module):
 
     def prompt_logits(self, prompt: PromptLike, merge: bool = True) -> torch.Tensor:
         """(L, V) logits at every prefix position of one prompt."""
-        cp = self._compress_batch([as_segments(prompt)], merge)[0]
+        cp = self.encode_prompts([as_segments(prompt)], merge)[0]
         p = self.pack([cp.embeds])
         return self.logits(self.hidden(p.embeds, p.mask, p.position_ids))[0]
 
     # ---------------------------------------------------------------- training forward
-    def target_ids(self, target: str) -> list[int]:
+    def target_ids(self, target: str | Sequence[int]) -> list[int]:
+        """Token ids the loss covers: a string is tokenized and gets EOS (``add_eos``); ids given
+        directly (a window cut from a longer text) are used exactly as they are."""
+        if not isinstance(target, str):
+            ids = [int(i) for i in target]
+            if not ids:
+                raise KTMError("target token ids are empty: expected at least one id")
+            return ids
         ids = self.tokenize(target)
         if self.add_eos and self.tokenizer.eos_token_id is not None:
             ids = ids + [self.tokenizer.eos_token_id]
@@ -289,17 +328,28 @@ class KTMModel(nn.Module):
         return ids
 
     def forward(
-        self, prompts: Sequence[PromptLike], targets: Sequence[str], merge: bool = True,
-        prefixes: list[CompressedPrompt] | None = None,
+        self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
+        merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
     ) -> LossOutput:
         """Loss on target tokens only; logits are computed at labelled positions only.
 
         ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
         """
+        t = self.target_logits(prompts, targets, merge, prefixes)
+        tok_nll = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
+        nll = torch.zeros(len(t.lengths), device=self.device).index_add(0, t.rows, tok_nll)
+        n_tokens = torch.tensor(t.lengths, device=self.device)
+        return LossOutput(tok_nll.mean(), nll, n_tokens, t.tokens_in, t.tokens_out)
+
+    def target_logits(
+        self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
+        merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
+    ) -> TargetLogits:
+        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch."""
         if len(prompts) != len(targets):
             raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
         if prefixes is None:
-            prefixes = self._compress_batch([as_segments(p) for p in prompts], merge)
+            prefixes = self.encode_prompts([as_segments(p) for p in prompts], merge)
         elif len(prefixes) != len(prompts):
             raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
                            "expected one each")
@@ -316,11 +366,9 @@ class KTMModel(nn.Module):
         h = self.hidden(p.embeds, p.mask, p.position_ids)
         rows_t, cols_t = self._ids(rows), self._ids(cols)
         logits = self.logits(h[rows_t, cols_t]).float()
-        tok_nll = nn.functional.cross_entropy(logits, self._ids(labels), reduction="none")
-        nll = torch.zeros(len(tgt), device=self.device).index_add(0, rows_t, tok_nll)
-        n_tokens = torch.tensor([len(t) for t in tgt], device=self.device)
-        return LossOutput(tok_nll.mean(), nll, n_tokens, sum(cp.tokens_in for cp in prefixes),
-                          sum(cp.tokens_out for cp in prefixes))
+        return TargetLogits(logits, self._ids(labels), rows_t, [len(t) for t in tgt],
+                            sum(cp.tokens_in for cp in prefixes),
+                            sum(cp.tokens_out for cp in prefixes))
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, **kwargs):

@@ -99,11 +99,11 @@ def test_synthetic_text_has_exact_token_count(ktm_model, n):
 
 @pytest.mark.parametrize("merge", [True, False])
 def test_timed_path_matches_model_prefix_and_generate(ktm_model, merge):
-    """The benchmark times the same computation as _compress_batch + decode_steps."""
+    """The benchmark times the same computation as encode_prompts + decode_steps."""
     text = synthetic_text(ktm_model, 30, seed=1, pool=word_pool(ktm_model.tokenizer))
     ids = [ktm_model.tokenize(text, first=True)]
     with torch.no_grad():
-        want = ktm_model._compress_batch([as_segments(text)], merge)[0].embeds
+        want = ktm_model.encode_prompts([as_segments(text)], merge)[0].embeds
         got = encode_prefix(ktm_model, ids, merge)[0]
     torch.testing.assert_close(got, want)
     res = infer_once(ktm_model, ids, merge, output_tokens=5)

@@ -7,6 +7,10 @@ characters, about 1,000 tokens, 977 of the 7,857 shipped records) so a CPU run f
 ``max_chars=None`` for all.
 ``heldout_repos_test.jsonl.gz`` (five repositories absent from the main file) is evaluation only:
 give it as ``eval_path``; it is refused as training data.
+
+The train/test split is drawn over the whole file *before* the length filter, so a record's side
+never depends on ``max_chars``: reader pretraining on the train side of the file (any length) can
+never see a commit that a task run with any ``max_chars`` evaluates on.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from ktm.errors import KTMError
 from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.jsonl import read_jsonl, task_files
-from ktm.tasks.split import cycle_shuffled, sample_without_replacement, split_indices
+from ktm.tasks.split import (
+    cycle_shuffled,
+    sample_without_replacement,
+    split_indices,
+    test_size_from_fraction,
+)
 
 DEFAULT_FILE = "commitpackft_python/commitpackft_style_python_mined.jsonl.gz"
 HELDOUT_FILE = "commitpackft_python/heldout_repos_test.jsonl.gz"
@@ -47,11 +56,12 @@ def commit_prompt(old: str, subject: str, mode: PromptMode) -> tuple[Segment, ..
 
 def load_commits(path: Path, max_chars: int | None) -> list[Commit]:
     """Records whose old + new code is at most ``max_chars`` characters (all when None)."""
-    out = [
-        Commit(row["old_contents"], row["new_contents"], row["subject"], line_no)
-        for line_no, row in read_jsonl(path, FIELDS)
-        if max_chars is None or len(row["old_contents"]) + len(row["new_contents"]) <= max_chars
-    ]
+    return _fit(path, [Commit(row["old_contents"], row["new_contents"], row["subject"], line_no)
+                       for line_no, row in read_jsonl(path, FIELDS)], max_chars)
+
+
+def _fit(path: Path, commits: list[Commit], max_chars: int | None) -> list[Commit]:
+    out = [c for c in commits if max_chars is None or len(c.old) + len(c.new) <= max_chars]
     if not out:
         raise KTMError(f"{path}: no record has old+new <= max_chars={max_chars}; raise max_chars")
     return out
@@ -64,7 +74,8 @@ class CommitPackTask:
     data_path: str | Path | None = None  # None: the shipped mined file
     prompt_mode: PromptMode = "context"
     max_chars: int | None = 3000  # keep records with len(old) + len(new) <= this
-    test_size: int = 100  # records held out from data_path
+    test_fraction: float = 0.2  # share of data_path's records held out (before max_chars)
+    test_size: int | None = None  # or an exact number of records held out (before max_chars)
     split_seed: int = 42
     eval_path: str | Path | None = None  # evaluate on this file instead (e.g. HELDOUT_FILE)
     name: str = field(default="commitpack", init=False)
@@ -76,22 +87,34 @@ class CommitPackTask:
             self, DEFAULT_FILE, EVAL_ONLY, "repositories held out for a cross-repository test")
 
     @cached_property
+    def all_commits(self) -> list[Commit]:
+        """Every record of ``data_path``, before the length filter."""
+        return load_commits(self.path, None)
+
+    @cached_property
     def commits(self) -> list[Commit]:
-        return load_commits(self.path, self.max_chars)
+        return _fit(self.path, self.all_commits, self.max_chars)
 
     @cached_property
     def _split(self) -> tuple[list[int], list[int]]:
-        return split_indices(len(self.commits), self.test_size, self.split_seed)
+        n = len(self.all_commits)
+        size = self.test_size if self.test_size is not None else test_size_from_fraction(
+            n, self.test_fraction)
+        return split_indices(n, size, self.split_seed)
+
+    def train_side(self) -> list[Commit]:
+        """The train side of the split at every length: the text reader pretraining may use."""
+        return [self.all_commits[i] for i in self._split[0]]
 
     @cached_property
     def train_commits(self) -> list[Commit]:
-        return [self.commits[i] for i in self._split[0]]
+        return _fit(self.path, self.train_side(), self.max_chars)
 
     @cached_property
     def eval_commits(self) -> list[Commit]:
         if self.eval_file is not None:
             return load_commits(self.eval_file, self.max_chars)
-        return [self.commits[i] for i in self._split[1]]
+        return _fit(self.path, [self.all_commits[i] for i in self._split[1]], self.max_chars)
 
     def train_examples(self, n: int, seed: int) -> list[Example]:
         """``n`` training records in reshuffled passes."""

@@ -1,0 +1,207 @@
+"""Reader pretraining: teach the encoder and LoRA to read merged text, with no labels.
+
+Every example is a window of unlabeled text (``ktm.corpus``) whose context is merged, trained
+with one of these objectives (alone or mixed by weight):
+
+    lm       cross-entropy on the plain continuation after the merged context
+    distill  self-distillation on that continuation: the teacher is the same base LM with its
+             adapter disabled reading the *plain* context (PEFT's adapter-disabled forward, so no
+             second model in memory); KL(teacher || student) per continuation token
+    ae       autoencoding (ICAE): after the merged context and a plain cue, regenerate the
+             context itself. This is the objective that forces every token to survive.
+
+The run is an ordinary ``ktm.train`` run (progress bar, metrics.jsonl, atomic checkpoints, exact
+resume); the window stream is a pure function of (seed, index), so a resumed run sees the same
+windows. Every ``eval_every`` steps it logs the readability R on held-out text.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ktm.corpus import (
+    WindowSpec,
+    autoencode_window,
+    check_docs,
+    continuation_window,
+    source_texts,
+    tokenize_docs,
+)
+from ktm.errors import KTMError
+from ktm.model import LossOutput
+from ktm.prompt import Segment
+from ktm.tasks.base import Example
+from ktm.train import TrainConfig, train
+
+OBJECTIVES = ("lm", "distill", "ae")
+
+
+def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None
+                  ) -> dict[str, float]:
+    """``["code", "reviews=0.5"]`` -> ``{"code": 1.0, "reviews": 0.5}``."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        name, _, w = spec.rpartition("=") if "=" in spec else (spec, "", "1")
+        try:
+            weight = float(w)
+        except ValueError:
+            raise KTMError(f"{what} {spec!r}: weight {w!r} is not a number") from None
+        if weight < 0:
+            raise KTMError(f"{what} {spec!r}: weight must be >= 0, got {weight}")
+        if allowed is not None and name not in allowed:
+            raise KTMError(f"unknown {what} {name!r}: expected one of {', '.join(allowed)}")
+        out[name] = out.get(name, 0.0) + weight
+    if not out or sum(out.values()) <= 0:
+        raise KTMError(f"no {what} with a positive weight: expected at least one")
+    return out
+
+
+@dataclass
+class PretrainConfig:
+    sources: tuple[str, ...] = field(default=("code", "reviews"), metadata={
+        "help": "text sources, each NAME or NAME=WEIGHT: code, reviews, trees[:STAGE,...], "
+                "or a text/JSONL file or folder"})
+    objectives: tuple[str, ...] = field(default=("lm",), metadata={
+        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae"})
+    context_tokens: int = field(default=256, metadata={"help": "longest merged context"})
+    target_tokens: int = field(default=64, metadata={"help": "longest continuation target"})
+    ae_tokens: int = field(default=128, metadata={"help": "longest context to autoencode"})
+    min_tokens: int = field(default=32, metadata={"help": "shortest usable text, in tokens"})
+    ae_cue: str = field(default="\nRepeat the text above:\n",
+                        metadata={"help": "plain text between the merged context and its copy"})
+    text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
+    eval_sets: tuple[str, ...] = field(default=("reviews", "code"), metadata={
+        "help": "held-out sets for the periodic readability R (none: skip)"})
+    n_eval_windows: int = field(default=32, metadata={"help": "held-out windows per set"})
+
+    def __post_init__(self) -> None:
+        self.sources, self.objectives = tuple(self.sources), tuple(self.objectives)
+        self.eval_sets = tuple(s for s in self.eval_sets if s != "none")
+        self.source_weights = parse_weights(self.sources, "text source")
+        self.objective_weights = parse_weights(self.objectives, "objective", OBJECTIVES)
+        self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
+                                 self.min_tokens)
+        if self.n_eval_windows < 1:
+            raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items()}
+
+
+class WindowStream(Sequence):
+    """``length`` pretraining examples; example i depends only on (seed, i)."""
+
+    def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
+                 eos: int | None):
+        self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
+        self.sources = [s for s in cfg.source_weights if cfg.source_weights[s] > 0]
+        self.src_w = [cfg.source_weights[s] for s in self.sources]
+        self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
+        self.obj_w = [cfg.objective_weights[o] for o in self.objs]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if not 0 <= i < self.length:
+            raise IndexError(i)
+        rng = random.Random(self.seed * 1_000_003 + i)
+        source = rng.choices(self.sources, self.src_w)[0]
+        objective = rng.choices(self.objs, self.obj_w)[0]
+        doc = rng.choice(self.docs[source])
+        spec = self.cfg.window
+        if objective == "ae":
+            w = autoencode_window(doc, spec, rng, source)
+            target = w.target + ((self.eos,) if self.eos is not None else ())
+            segments = (Segment("", ids=w.context), Segment(self.cfg.ae_cue, compress=False))
+        else:
+            w = continuation_window(doc, spec, rng, source)
+            target = w.target
+            segments = (Segment("", ids=w.context),)
+        return Example(segments, target, meta={"objective": objective, "source": source})
+
+
+def load_docs(tokenizer, cfg: PretrainConfig) -> dict[str, list]:
+    docs = {}
+    for spec in cfg.source_weights:
+        texts = source_texts(spec, cfg.text_field)
+        docs[spec] = tokenize_docs(tokenizer, texts, cfg.min_tokens, desc=f"tokenize {spec}")
+        check_docs(docs[spec], len(texts), spec, cfg.min_tokens)
+    return docs
+
+
+def _kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(teacher || student) from (N, V) logits."""
+    t = nn.functional.log_softmax(teacher, dim=-1)
+    s = nn.functional.log_softmax(student, dim=-1)
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def teacher_logits(model, batch: Sequence[Example]):
+    """The base LM (adapter disabled, eval mode) reading each example's context plain."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), model.peft.disable_adapter():
+            return model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                                       merge=False)
+    finally:
+        model.train(was_training)
+
+
+def pretrain_loss(model, batch: Sequence[Example]) -> LossOutput:
+    """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill."""
+    nll = torch.zeros(len(batch), device=model.device)
+    n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
+    parts: dict[str, tuple[float, int]] = {}
+    tokens_in = tokens_out = 0
+    groups = {"ce": [i for i, e in enumerate(batch) if e.meta["objective"] != "distill"],
+              "distill": [i for i, e in enumerate(batch) if e.meta["objective"] == "distill"]}
+    for kind, idx in groups.items():
+        if not idx:
+            continue
+        sub = [batch[i] for i in idx]
+        t = model.target_logits([e.segments for e in sub], [e.target for e in sub])
+        if kind == "ce":
+            tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
+        else:
+            tok = _kl(t.logits, teacher_logits(model, sub).logits)
+        per = torch.zeros(len(sub), device=model.device).index_add(0, t.rows, tok)
+        where = torch.tensor(idx, device=model.device)
+        nll = nll.index_add(0, where, per)
+        n_tok[where] = torch.tensor(t.lengths, device=model.device)
+        tokens_in += t.tokens_in
+        tokens_out += t.tokens_out
+        for j, e in enumerate(sub):
+            name = e.meta["objective"]
+            v, n = parts.get(name, (0.0, 0))
+            parts[name] = (v + float(per[j].detach()), n + t.lengths[j])
+    return LossOutput(nll.sum() / n_tok.sum(), nll, n_tok, tokens_in, tokens_out, parts)
+
+
+def pretrain(model, config: PretrainConfig, train_config: TrainConfig) -> dict:
+    """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row."""
+    if not model.merges:
+        raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
+                       "to learn to read")
+    docs = load_docs(model.tokenizer, config)
+    steps = train_config.max_steps * train_config.batch_size * train_config.grad_accum
+    stream = WindowStream(docs, config, steps, train_config.seed, model.tokenizer.eos_token_id)
+    evaluate = None
+    if config.eval_sets:
+        from ktm.readability import heldout_readability
+
+        cache: dict = {}
+
+        def evaluate(m) -> dict:
+            r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)
+            return {name: v for name, v in r.items()}
+
+    return train(model, stream, train_config, evaluate=evaluate, loss_fn=pretrain_loss,
+                 run_extra={"pretrain": config.to_dict(),
+                            "docs": {k: len(v) for k, v in docs.items()}})

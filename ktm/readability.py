@@ -1,0 +1,92 @@
+"""Readability R: the share of what a context tells the LM that survives merging.
+
+For held-out windows (context, continuation), with NLL per continuation token pooled over all
+windows, all three read by the same model (LoRA on):
+
+    merged   the context merged by the encoder, then the continuation
+    plain    the context as plain tokens (merge off)
+    none     no context: a single plain BOS token (EOS where the tokenizer has no BOS)
+
+    R = (NLL_none - NLL_merged) / (NLL_none - NLL_plain)
+
+R = 1: merging loses nothing; R = 0: the merged context is worth no context at all; R < 0: it
+misleads the LM. R is None when the plain context does not help (the denominator is <= 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ktm.corpus import Window, WindowSpec, heldout_windows
+from ktm.errors import KTMError
+from ktm.prompt import Segment
+
+# held-out windows: reviews are short, so a window needs 64 tokens (48 context + 16 target)
+READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)
+
+
+def none_token(tokenizer) -> int:
+    tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if tok is None:
+        raise KTMError("the tokenizer has neither a BOS nor an EOS token to stand for 'no context'")
+    return tok
+
+
+def context_ratio(nll_none: float, nll_merged: float, nll_plain: float) -> float | None:
+    gain = nll_none - nll_plain
+    if gain <= 0:
+        return None
+    return (nll_none - nll_merged) / gain
+
+
+@torch.no_grad()
+def readability(model, windows: Sequence[Window], batch_size: int = 8,
+                progress: bool = False) -> dict:
+    """The three pooled NLLs, R, and exact prompt tokens before/after merging."""
+    if not windows:
+        raise KTMError("readability needs at least one window")
+    was_training = model.training
+    model.eval()
+    sums = {"merged": 0.0, "plain": 0.0, "none": 0.0}
+    n_tok = tokens_in = tokens_out = 0
+    none = (Segment("", compress=False, ids=(none_token(model.tokenizer),)),)
+    try:
+        for i in tqdm(range(0, len(windows), batch_size), desc="readability",
+                      disable=not progress):
+            batch = windows[i:i + batch_size]
+            ctx = [(Segment("", ids=w.context),) for w in batch]
+            tgt = [w.target for w in batch]
+            merged = model(ctx, tgt, merge=True)
+            sums["merged"] += float(merged.nll.sum())
+            sums["plain"] += float(model(ctx, tgt, merge=False).nll.sum())
+            sums["none"] += float(model([none] * len(batch), tgt, merge=False).nll.sum())
+            n_tok += int(merged.n_tokens.sum())
+            tokens_in += merged.tokens_in
+            tokens_out += merged.tokens_out
+    finally:
+        model.train(was_training)
+    nll = {k: v / n_tok for k, v in sums.items()}
+    return {"R": context_ratio(nll["none"], nll["merged"], nll["plain"]),
+            "nll_merged": nll["merged"], "nll_plain": nll["plain"], "nll_none": nll["none"],
+            "windows": len(windows), "target_tokens": n_tok,
+            "tokens_in": tokens_in / len(windows), "tokens_out": tokens_out / len(windows)}
+
+
+def heldout_readability(model, sets: Sequence[str] = ("reviews", "code"), n: int = 64,
+                        seed: int = 0, progress: bool = False,
+                        _cache: dict | None = None) -> dict:
+    """R per held-out set (``reviews``: other product categories, ``code``: unseen repos)."""
+    out = {}
+    for name in sets:
+        key = (name, n, seed)
+        if _cache is not None and key in _cache:
+            windows = _cache[key]
+        else:
+            windows = heldout_windows(model.tokenizer, name, n, READ_SPEC, seed)
+            if _cache is not None:
+                _cache[key] = windows
+        out[name] = readability(model, windows, progress=progress)
+    return out
