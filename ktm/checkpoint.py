@@ -128,8 +128,9 @@ def load_model(directory, *, base=None, k=None, device="cpu", dtype=torch.float3
                trainable=False):
     """Load a checkpoint; refuse one whose K or sizes disagree with what the caller expects."""
     from ktm.model import KTMModel, LoraSettings
+    from ktm.readers import resolve_checkpoint
 
-    directory = Path(directory)
+    directory = resolve_checkpoint(directory)
     cfg = read_config(directory)
     try:
         enc_cfg = EncoderConfig.from_dict(cfg["encoder"])

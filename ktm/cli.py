@@ -136,8 +136,19 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
     pcfg, tcfg = from_args(PretrainConfig, args), from_args(TrainConfig, args)
     model = init_or_build(args)
-    last = pretrain(model, pcfg, tcfg)
+    last = pretrain(model, pcfg, tcfg, command=args.command_line)
     print(json.dumps(last, indent=2))
+    return 0
+
+
+def cmd_pack_reader(args: argparse.Namespace) -> int:
+    from ktm.readers import pack_reader, run_info
+
+    info = run_info(args.run_dir)
+    path = pack_reader(Path(args.run_dir) / "checkpoint", args.name, info)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"reader {args.name!r}: {path} ({size / 2**20:.1f} MiB), "
+          f"{info['steps']} steps, {info['cpu_minutes']:.0f} CPU-minutes")
     return 0
 
 
@@ -175,6 +186,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ktm.evaluate import evaluate_task
     from ktm.provenance import git_revision, versions, write_json_atomic
 
+    if args.readability:
+        return _eval_readability(args)
     targs = from_args(TaskArgs, args)
     task = build_task(targs, args.task_option)
     model = load_or_build(args)
@@ -208,6 +221,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     method = args.method or args.compressor or (f"ktm-k{model.k}" if merge else "uncompressed")
     row = {"task": task.name, "method": method, "k": model.k if merge else None, **result,
            "eval_wall_s": time.perf_counter() - t0, "checkpoint": args.checkpoint,
+           "config": {**vars_json(args), "model": model.config_dict},
+           "versions": versions(), "git": git_revision()}
+    if args.json:
+        write_json_atomic(args.json, row)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
+    return 0
+
+
+def _eval_readability(args: argparse.Namespace) -> int:
+    """R and the three NLLs on held-out text, per set, as one result row."""
+    import time
+
+    from ktm.provenance import git_revision, versions, write_json_atomic
+    from ktm.readability import heldout_readability
+
+    model = load_or_build(args)
+    t0 = time.perf_counter()
+    sets = heldout_readability(model, args.readability, args.n_windows, seed=args.seed,
+                               progress=True)
+    method = args.method or (f"ktm-k{model.k}" if model.merges else "uncompressed")
+    row = {"task": "readability", "method": method, "k": model.k, "readability": sets,
+           "n_windows": args.n_windows, "eval_wall_s": time.perf_counter() - t0,
+           "checkpoint": args.checkpoint,
            "config": {**vars_json(args), "model": model.config_dict},
            "versions": versions(), "git": git_revision()}
     if args.json:
@@ -324,8 +360,18 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--method", help="method name in tables (default: ktm-kK or uncompressed)")
     ev.add_argument("--no-merge", action="store_true", help="evaluate without merging")
     ev.add_argument("--seed", type=int, default=1, help="seed for drawing eval examples")
+    ev.add_argument("--readability", nargs="+", choices=["reviews", "code"],
+                    help="instead of a task: readability R on these held-out sets "
+                         "(reviews of other categories, code of unseen repositories)")
+    ev.add_argument("--n-windows", type=int, default=64,
+                    help="held-out windows per readability set")
     ev.set_defaults(run=cmd_eval)
     _compressor_args(ev)
+
+    pack = sub.add_parser("pack-reader", help="store a pretraining run as a shipped reader (fp16)")
+    pack.add_argument("run_dir", help="a finished `ktm pretrain` --out-dir")
+    pack.add_argument("--name", required=True, help="registered reader name, e.g. smollm2-135m-k4")
+    pack.set_defaults(run=cmd_pack_reader)
 
     rep = sub.add_parser("report", help="tables and Pareto plot from `ktm eval` result files")
     rep.add_argument("results", nargs="+", help="result JSON files")
@@ -361,7 +407,11 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import shlex
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.command_line = shlex.join(["ktm", *argv])  # recorded with runs that ship
     _quiet_libraries()
     try:
         set_threads(args)

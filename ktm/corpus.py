@@ -68,8 +68,9 @@ class Window:
 def continuation_window(doc: np.ndarray, spec: WindowSpec, rng: random.Random, source: str
                         ) -> Window:
     """A context and the plain tokens that follow it, at a random offset in ``doc``."""
-    span = min(len(doc), spec.context_tokens + spec.target_tokens)
-    n_target = min(spec.target_tokens, max(1, span // 4))
+    full = spec.context_tokens + spec.target_tokens
+    span = min(len(doc), full)
+    n_target = spec.target_tokens if span == full else min(spec.target_tokens, max(1, span // 4))
     start = rng.randrange(len(doc) - span + 1)
     ids = doc[start:start + span].tolist()
     return Window(tuple(ids[:span - n_target]), tuple(ids[span - n_target:]), source)

@@ -1,7 +1,9 @@
-"""``ktm demo``: the main job. Train a K=4 merger on a small tree stage in a few CPU minutes.
+"""``ktm demo``: the main job. Fine-tune a K=4 merger on a tree stage in a few CPU minutes.
 
-It evaluates the untrained start (the encoder is then exactly mean pooling and LoRA is a no-op),
-trains, evaluates again, times the compressed against the plain prefill, and shows a generation.
+It starts from the shipped reader for the model and K (``smollm2-135m-k4``: an encoder + LoRA
+pretrained to read merged text, see ``ktm.readers``), or from plain mean pooling with
+``--reader none``. It evaluates the start, fine-tunes on the task, evaluates again, times the
+compressed against the plain prefill, and shows a generation.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from ktm.train import TrainConfig, train
 class DemoConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "embedded model name or HF folder"})
     k: int = field(default=4, metadata={"help": "tokens merged per block"})
+    reader: str = field(default="auto", metadata={
+        "help": "start from: auto (the shipped reader for model and K, if any), none (mean "
+                "pooling), or a reader name / checkpoint folder"})
     stage: str = field(default="xmedium", metadata={"help": "tree curriculum stage"})
     steps: int = field(default=60, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "examples per step"})
@@ -74,13 +79,12 @@ def _row(name: str, r: dict) -> str:
 
 def run_demo(cfg: DemoConfig) -> dict:
     torch.manual_seed(cfg.seed)
-    print(f"loading {cfg.model} with K={cfg.k} ...", flush=True)
-    model = KTMModel.from_base(cfg.model, k=cfg.k, device=cfg.device, dtype=parse_dtype(cfg.dtype))
+    model, start_name = _start_model(cfg)
     task = TreeTask(stage=cfg.stage, prompt_mode="context")
     train_set = task.train_examples(cfg.steps * cfg.batch_size, seed=cfg.seed)
     eval_set = task.eval_examples(cfg.n_eval, seed=cfg.seed + 1)
 
-    print("evaluating the untrained start (mean pooling, LoRA off) ...", flush=True)
+    print(f"evaluating the start ({start_name}) ...", flush=True)
     start = evaluate_classification(model, eval_set, task.labels, progress=True)
     out = Path(cfg.out_dir)
     tcfg = TrainConfig(out_dir=str(out), max_steps=cfg.steps, batch_size=cfg.batch_size,
@@ -99,7 +103,7 @@ def run_demo(cfg: DemoConfig) -> dict:
           f"({last['input_tokens_per_s']:.0f} input tokens/s in the last step)")
     print(f"eval: {cfg.n_eval} balanced parent/child pairs; tree compressed, question plain\n")
     print(HEADER)
-    print(_row("untrained (mean pooling)", start))
+    print(_row(start_name, start))
     print(_row(f"trained K={cfg.k} merger", trained))
     print(f"(answers that were not 'true'/'false': {start['unparsed']} of {start['n']} before "
           f"training, {trained['unparsed']} after; balanced pairs, so 0.5 is chance)")
@@ -111,12 +115,42 @@ def run_demo(cfg: DemoConfig) -> dict:
     for piece in model.stream(ex.segments, max_new_tokens=4):
         print(piece, end="", flush=True)
     print()
-    result = {"config": asdict(cfg), "start": _strip(start), "trained": _strip(trained),
+    result = {"config": asdict(cfg), "start_model": start_name, "start": _strip(start),
+              "trained": _strip(trained),
               "prefill": timing, "train_s": train_s, "last_step": last,
               "versions": versions(), "git": git_revision()}
     write_json_atomic(out / "demo.json", result)
     print(f"\nresults: {out / 'demo.json'}, model: {out / 'checkpoint'}")
     return result
+
+
+def _start_model(cfg: DemoConfig) -> tuple[KTMModel, str]:
+    from ktm.readers import READERS
+
+    dtype = parse_dtype(cfg.dtype)
+    name = cfg.reader
+    if name == "auto":
+        name = f"{cfg.model}-k{cfg.k}"
+        if name not in READERS or not _installed(name):
+            name = "none"
+    if name == "none":
+        print(f"loading {cfg.model} with K={cfg.k}, mean pooling ...", flush=True)
+        model = KTMModel.from_base(cfg.model, k=cfg.k, device=cfg.device, dtype=dtype)
+        return model, "untrained (mean pooling)"
+    print(f"loading reader {name} (K={cfg.k}) ...", flush=True)
+    model = KTMModel.load(name, k=cfg.k, device=cfg.device, dtype=dtype, trainable=True)
+    return model, f"reader {name}"[:26]
+
+
+def _installed(name: str) -> bool:
+    from ktm.errors import KTMError
+    from ktm.readers import reader_path
+
+    try:
+        reader_path(name)
+    except KTMError:
+        return False
+    return True
 
 
 def _strip(r: dict) -> dict:

@@ -94,7 +94,9 @@ class PretrainConfig:
 
 
 class WindowStream(Sequence):
-    """``length`` pretraining examples; example i depends only on (seed, i)."""
+    """``length`` pretraining examples; example i depends only on (seed, i), never on length."""
+
+    is_stream = True  # ktm.train reads it in index order
 
     def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
                  eos: int | None):
@@ -184,7 +186,8 @@ def pretrain_loss(model, batch: Sequence[Example]) -> LossOutput:
     return LossOutput(nll.sum() / n_tok.sum(), nll, n_tok, tokens_in, tokens_out, parts)
 
 
-def pretrain(model, config: PretrainConfig, train_config: TrainConfig) -> dict:
+def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
+             command: str | None = None) -> dict:
     """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row."""
     if not model.merges:
         raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
@@ -192,6 +195,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig) -> dict:
     docs = load_docs(model.tokenizer, config)
     steps = train_config.max_steps * train_config.batch_size * train_config.grad_accum
     stream = WindowStream(docs, config, steps, train_config.seed, model.tokenizer.eos_token_id)
+    # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:
         from ktm.readability import heldout_readability
@@ -203,5 +207,5 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig) -> dict:
             return {name: v for name, v in r.items()}
 
     return train(model, stream, train_config, evaluate=evaluate, loss_fn=pretrain_loss,
-                 run_extra={"pretrain": config.to_dict(),
+                 run_extra={"pretrain": config.to_dict(), "command": command,
                             "docs": {k: len(v) for k, v in docs.items()}})

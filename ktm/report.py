@@ -1,7 +1,10 @@
 """``ktm report``: paper-style tables and the performance-vs-length-reduction plot.
 
 It reads only result files written by ``ktm eval`` (one JSON object each). For perplexity tasks
-the normalised performance P = ppl_min / ppl uses the lowest perplexity among the files given.
+the normalised performance P = ppl_min / ppl uses the lowest perplexity among the files given;
+for classification P is the *balanced* accuracy, since plain accuracy rewards answering the
+majority class (on amazon that would put a chance-level model on the frontier). Readability rows
+(``ktm eval --readability``) get their own table.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ def load_results(paths: list[str]) -> list[dict]:
             row = json.loads(Path(p).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise KTMError(f"result file {p!r} cannot be read as JSON: {e}") from e
+        if row.get("task") == "readability" and isinstance(row.get("readability"), dict):
+            rows.append(row)
+            continue
         missing = [k for k in REQUIRED if k not in row]
         if missing or not ("accuracy" in row or "perplexity" in row):
             raise KTMError(f"result file {p!r} lacks {missing or ['accuracy|perplexity']}: "
@@ -45,7 +51,7 @@ def score(rows: list[dict]) -> dict[str, list[dict]]:
             if "perplexity" in r:
                 r["P"] = normalised_performance(r["perplexity"], best)
             else:
-                r["P"] = r["accuracy"]
+                r["P"] = r.get("balanced_accuracy", r["accuracy"])
             r["pl_f1"] = pl_f1(r["P"], max(0.0, r["length_reduction"]))
         # uncompressed first, then K-token merging by K, then the baselines
         task_rows.sort(key=lambda r: (r["method"] != "uncompressed", "compressor" in r,
@@ -70,6 +76,51 @@ def table(task: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def readability_table(rows: list[dict]) -> str:
+    lines = ["### readability (held-out text)", "",
+             "| method | K | set | R | NLL merged | NLL plain | NLL none | tokens in "
+             "| tokens out |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r.get("k") or 0, r["method"])):
+        for name, v in sorted(r["readability"].items()):
+            rr = "–" if v.get("R") is None else f"{v['R']:.3f}"
+            lines.append(f"| {r['method']} | {r.get('k', '–')} | {name} | {rr} | "
+                         f"{v['nll_merged']:.3f} | {v['nll_plain']:.3f} | {v['nll_none']:.3f} | "
+                         f"{v['tokens_in']:.1f} | {v['tokens_out']:.1f} |")
+    return "\n".join(lines)
+
+
+# label offsets (points) tried in order until a label overlaps no other label and no marker
+_OFFSETS = [(5, 5), (5, -12), (-5, 5), (-5, -12), (5, 16), (5, -24), (-5, 16), (-5, -24),
+            (12, 28), (12, -36), (-12, 28), (-12, -36), (20, 40), (20, -48)]
+
+
+def _place_labels(ax, fig, labels: list[str], xs: list[float], ys: list[float]) -> list:
+    """Annotate each point, moving a label to the first offset where it overlaps nothing."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    markers = [ax.transData.transform((x, y)) for x, y in zip(xs, ys)]
+    boxes, placed = [], []
+    for label, x, y in zip(labels, xs, ys):
+        for dx, dy in _OFFSETS:
+            ann = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy),
+                              fontsize=8, ha="left" if dx >= 0 else "right",
+                              arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"}
+                              if abs(dy) > 12 else None)
+            box = ann.get_window_extent(renderer).expanded(1.05, 1.1)
+            hits_marker = any(box.contains(mx, my) for mx, my in markers)
+            if not hits_marker and not any(box.overlaps(b) for b in boxes):
+                break
+            ann.remove()
+        else:  # every offset collides: keep the last one rather than drop the label
+            ann = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy),
+                              fontsize=8)
+            box = ann.get_window_extent(renderer)
+        boxes.append(box)
+        placed.append(ann)
+    return placed
+
+
 def plot(by_task: dict[str, list[dict]], path: str) -> None:
     import matplotlib
 
@@ -80,13 +131,13 @@ def plot(by_task: dict[str, list[dict]], path: str) -> None:
     for ax, (task, rows) in zip(axes[0], sorted(by_task.items())):
         xs, ys = [r["length_reduction"] for r in rows], [r["P"] for r in rows]
         ax.scatter(xs, ys, color="tab:blue")
-        for r, x, y in zip(rows, xs, ys):
-            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         front = sorted(pareto_frontier(list(zip(xs, ys))))
         ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="tab:red",
                 label="Pareto frontier")
         ax.set_xlabel("length reduction")
-        ax.set_ylabel("ppl_min / ppl" if "perplexity" in rows[0] else "accuracy")
+        ax.set_ylabel("ppl_min / ppl" if "perplexity" in rows[0] else "balanced accuracy")
+        ax.margins(0.15)
+        _place_labels(ax, fig, [r["method"] for r in rows], xs, ys)
         ax.set_title(task)
         ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
@@ -97,8 +148,12 @@ def plot(by_task: dict[str, list[dict]], path: str) -> None:
 
 
 def report(paths: list[str], plot_path: str | None = None) -> str:
-    by_task = score(load_results(paths))
-    text = "\n\n".join(table(t, rows) for t, rows in sorted(by_task.items()))
-    if plot_path:
+    rows = load_results(paths)
+    read = [r for r in rows if r.get("task") == "readability"]
+    by_task = score([r for r in rows if r.get("task") != "readability"])
+    parts = [table(t, task_rows) for t, task_rows in sorted(by_task.items())]
+    if read:
+        parts.append(readability_table(read))
+    if plot_path and by_task:
         plot(by_task, plot_path)
-    return text
+    return "\n\n".join(parts)

@@ -203,7 +203,10 @@ def train(
         _trim_metrics(out / METRICS, step)
     elif (out / CHECKPOINT).exists():
         raise KTMError(f"{str(out)!r} already holds a run: pass --resume or use another out_dir")
-    order = _Order(len(examples), config.seed)
+    # a stream (reader pretraining) is random per index already: read it in order, so its
+    # length, which is open-ended, never changes the data a step sees
+    order = range(len(examples)) if getattr(examples, "is_stream", False) else _Order(
+        len(examples), config.seed)
     run_info = {"config": asdict(config), "model": model.config_dict, "versions": versions(),
                 "git": git_revision(), "n_examples": len(examples), **(run_extra or {})}
     write_json_atomic(out / "run.json", run_info)

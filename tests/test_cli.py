@@ -138,3 +138,22 @@ def test_curriculum_rejects_bad_stage_order(capsys, tiny_model_dir, tmp_path):
     code, _, err = run(capsys, "curriculum", "--model", tiny_model_dir, "--start-stage", "large",
                        "--final-stage", "small", "--out-dir", str(tmp_path))
     assert code == 2 and "comes after final_stage" in err
+
+
+def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path):
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "ck"
+    KTMModel.from_base(tiny_model_dir, k=4).save(str(ckpt))
+    out = tmp_path / "read.json"
+    code, _, _ = run(capsys, "eval", "--checkpoint", str(ckpt), "--readability", "reviews",
+                     "code", "--n-windows", "2", "--json", str(out))
+    assert code == 0
+    row = json.loads(out.read_text())
+    assert row["task"] == "readability" and row["k"] == 4
+    for name in ("reviews", "code"):
+        r = row["readability"][name]
+        assert r["windows"] == 2 and r["tokens_out"] == pytest.approx(r["tokens_in"] / 4, abs=1)
+        assert {"R", "nll_merged", "nll_plain", "nll_none"} <= set(r)
+    code, text, _ = run(capsys, "report", str(out))
+    assert code == 0 and "| ktm-k4 | 4 | code |" in text

@@ -1,0 +1,102 @@
+"""Shipped readers: pretrained encoder + LoRA checkpoints for the embedded model, loadable by name.
+
+    KTMModel.load("smollm2-135m-k4")
+
+A reader is an ordinary ktm checkpoint folder stored in 16-bit (fp16) inside the package. Each
+was produced by the command in its ``reader.json`` (``results/readers/train_readers.sh`` runs
+them all); ``pack_reader`` writes a trained checkpoint into this folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ktm.errors import KTMError
+
+HERE = Path(__file__).resolve().parent
+READERS: dict[str, str] = {
+    "smollm2-135m-k2": "smollm2-135m-k2",
+    "smollm2-135m-k4": "smollm2-135m-k4",
+}
+STORAGE_DTYPE = torch.float16  # weights are small (|w| << 65504); fp16 keeps 3 more bits than bf16
+
+
+def reader_path(name: str) -> Path:
+    """The folder of a shipped reader; a clear error for an unknown or absent one."""
+    if name not in READERS:
+        raise KTMError(f"unknown reader {name!r}: expected a checkpoint folder or one of "
+                       f"{', '.join(sorted(READERS))}")
+    path = HERE / READERS[name]
+    if not (path / "ktm_config.json").is_file():
+        raise KTMError(f"reader {name!r} is not in this installation ({path} is missing); "
+                       "train it with results/readers/train_readers.sh")
+    return path
+
+
+def resolve_checkpoint(name_or_path: str | Path) -> Path:
+    """A checkpoint folder from a path, or a shipped reader's name."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    if str(name_or_path) in READERS:
+        return reader_path(str(name_or_path))
+    raise KTMError(f"no checkpoint folder {str(name_or_path)!r} and no shipped reader of that "
+                   f"name: expected a checkpoint folder or one of {', '.join(sorted(READERS))}")
+
+
+def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
+    """Copy a trained checkpoint into the package as reader ``name``, weights cast to fp16.
+
+    ``info`` (the training command, data, CPU minutes, readability) goes to ``reader.json``.
+    """
+    from ktm.checkpoint import ADAPTER, CONFIG, ENCODER, read_config, save_atomic
+    from ktm.provenance import write_json_atomic
+
+    src = Path(checkpoint)
+    cfg = read_config(src)
+    if name not in READERS:
+        raise KTMError(f"reader name {name!r} is not registered: expected one of "
+                       f"{', '.join(sorted(READERS))} (add it to ktm.readers.READERS)")
+
+    def write(tmp: Path) -> None:
+        (tmp / ADAPTER).mkdir()
+        for rel in (ENCODER, f"{ADAPTER}/adapter_model.safetensors"):
+            state = {k: v.to(STORAGE_DTYPE).contiguous() for k, v in
+                     load_file(str(src / rel)).items()}
+            save_file(state, str(tmp / rel), metadata={"format": "pt"})
+        (tmp / ADAPTER / "adapter_config.json").write_text(
+            (src / ADAPTER / "adapter_config.json").read_text())
+        write_json_atomic(tmp / CONFIG, cfg)
+        write_json_atomic(tmp / "reader.json", {"name": name, **info})
+
+    save_atomic(HERE / READERS[name], write)
+    return HERE / READERS[name]
+
+
+def run_info(run_dir: str | Path) -> dict:
+    """What trained a run: its command, configs, data, CPU minutes and last readability."""
+    run = Path(run_dir)
+    try:
+        meta = json.loads((run / "run.json").read_text())
+        rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()
+                if r.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise KTMError(f"{str(run)!r} is not a finished ktm run (run.json / metrics.jsonl): {e}"
+                       ) from e
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval" in r]
+    if not steps:
+        raise KTMError(f"{str(run)!r} has no training steps in metrics.jsonl")
+    return {"command": meta.get("command"), "train": meta.get("config"),
+            "pretrain": meta.get("pretrain"), "docs": meta.get("docs"), "git": meta.get("git"),
+            "versions": meta.get("versions"), "steps": steps[-1]["step"],
+            "cpu_minutes": steps[-1].get("cpu_s", 0.0) / 60,
+            "readability": evals[-1]["eval"] if evals else None}
+
+
+def reader_info(name: str) -> dict:
+    return json.loads((reader_path(name) / "reader.json").read_text())

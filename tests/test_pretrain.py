@@ -1,0 +1,233 @@
+"""Reader pretraining: objectives, the distillation teacher, the window stream, error paths."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ktm import KTMError
+from ktm.cli import main
+from ktm.corpus import WindowSpec, continuation_window, path_texts, source_texts
+from ktm.model import KTMModel
+from ktm.pretrain import (
+    PretrainConfig,
+    WindowStream,
+    load_docs,
+    pretrain,
+    pretrain_loss,
+    teacher_logits,
+)
+from ktm.train import TrainConfig, adamw
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 6
+        + "def add(a, b):\n    return a + b\n" * 4)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"doc{i}.txt").write_text(TEXT[i * 7:])
+    return str(folder)
+
+
+def small_cfg(corpus, objectives=("lm",), **kw):
+    return PretrainConfig(sources=(corpus,), objectives=objectives, context_tokens=24,
+                          target_tokens=8, ae_tokens=16, min_tokens=8, eval_sets=(), **kw)
+
+
+def fresh(tiny_model_dir, k=4, **kw):
+    torch.manual_seed(0)
+    return KTMModel.from_base(tiny_model_dir, k=k, slot_weights=True, **kw)
+
+
+def randomize_lora(model, seed=1):
+    """Non-zero LoRA B, so that the adapter really changes the LM's outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("objective", ["lm", "distill", "ae"])
+def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective):
+    model = fresh(tiny_model_dir)
+    cfg = small_cfg(corpus, (objective,))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 8, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(8)]
+    assert {e.meta["objective"] for e in batch} == {objective}
+    model.train()
+    before = pretrain_loss(model, batch)
+    assert set(before.parts) == {objective}
+    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    before.loss.backward()
+    opt.step()
+    with torch.no_grad():
+        after = pretrain_loss(model, batch)
+    assert after.loss.item() < before.loss.item() - 1e-3, (before.loss.item(), after.loss.item())
+
+
+def test_distillation_teacher_is_the_base_model_exactly(tiny_model_dir, corpus):
+    model = fresh(tiny_model_dir)
+    randomize_lora(model)
+    cfg = small_cfg(corpus, ("distill",))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 3, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(3)]
+    model.train()  # the teacher must not depend on the student's mode
+    got = teacher_logits(model, batch)
+    assert model.training
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    want = []
+    with torch.no_grad():
+        for e in batch:
+            ctx, tgt = list(e.segments[0].ids), list(e.target)
+            logits = base(torch.tensor([ctx + tgt])).logits[0]
+            want.append(logits[len(ctx) - 1:len(ctx) - 1 + len(tgt)])
+    torch.testing.assert_close(got.logits, torch.cat(want), atol=1e-4, rtol=1e-4)
+    # the adapter really is on outside the teacher: otherwise this test could not fail
+    with torch.no_grad():
+        student_plain = model.target_logits([e.segments for e in batch],
+                                            [e.target for e in batch], merge=False)
+    assert (student_plain.logits - got.logits).abs().max() > 1e-2
+
+
+def test_window_stream_is_a_pure_function_of_seed_and_index(tiny_model_dir, corpus):
+    model = fresh(tiny_model_dir)
+    cfg = small_cfg(corpus, ("lm", "ae=2", "distill"))
+    docs = load_docs(model.tokenizer, cfg)
+    a = WindowStream(docs, cfg, 50, 3, 1)
+    b = WindowStream(docs, cfg, 50, 3, 1)
+    assert [a[i] for i in (7, 0, 49)] == [b[i] for i in (7, 0, 49)]
+    assert a[5] != WindowStream(docs, cfg, 50, 4, 1)[5]
+    objectives = {a[i].meta["objective"] for i in range(50)}
+    assert objectives == {"lm", "ae", "distill"}
+    for i in range(50):
+        e = a[i]
+        if e.meta["objective"] == "ae":  # regenerate the merged context, then EOS
+            assert tuple(e.target) == e.segments[0].ids + (1,)
+            assert e.segments[1].compress is False
+    with pytest.raises(IndexError):
+        a[50]
+
+
+def test_continuation_window_shapes():
+    import random
+
+    import numpy as np
+
+    spec = WindowSpec(context_tokens=10, target_tokens=4, min_tokens=4)
+    doc = np.arange(100)
+    w = continuation_window(doc, spec, random.Random(0), "x")
+    assert len(w.context) == 10 and len(w.target) == 4
+    assert w.target[0] == w.context[-1] + 1  # the target continues the context
+    short = continuation_window(np.arange(8), spec, random.Random(0), "x")
+    assert (len(short.context), len(short.target)) == (6, 2)  # a quarter is the target
+
+
+def test_pretrain_run_writes_metrics_and_resumes_exactly(tiny_model_dir, corpus, tmp_path):
+    cfg = small_cfg(corpus, ("lm", "ae"))
+
+    def run(out, steps, resume=False, model=None):
+        model = model or fresh(tiny_model_dir)
+        tc = TrainConfig(out_dir=str(out), max_steps=steps, batch_size=2, lr=1e-3,
+                         save_every=2, progress=False, resume=resume)
+        pretrain(model, cfg, tc)
+        return model
+
+    straight = run(tmp_path / "a", 4)
+    run(tmp_path / "b", 2)
+    resumed = run(tmp_path / "b", 4, resume=True)
+    for (n, p), (_, q) in zip(straight.trainable_parameters(), resumed.trainable_parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=n)
+    info = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert info["pretrain"]["objectives"] == ["lm", "ae"]
+    rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["cpu_s"] > 0 for r in rows)
+
+
+def test_user_jsonl_source_and_field(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"body": "hello"}) + "\n" + json.dumps({"body": "world"}) + "\n")
+    assert path_texts(str(path), "body") == ["hello", "world"]
+    with pytest.raises(KTMError, match="line 1: expected a string field 'text'"):
+        path_texts(str(path))
+
+
+def test_empty_corpus_is_a_clear_error(tiny_model_dir, tmp_path):
+    model = fresh(tiny_model_dir)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(KTMError, match="has no text files"):
+        load_docs(model.tokenizer, PretrainConfig(sources=(str(empty),), eval_sets=()))
+    jsonl = tmp_path / "none.jsonl"
+    jsonl.write_text("")
+    with pytest.raises(KTMError, match="is empty"):
+        load_docs(model.tokenizer, PretrainConfig(sources=(str(jsonl),), eval_sets=()))
+
+
+def test_text_shorter_than_one_window_is_a_clear_error(tiny_model_dir, tmp_path):
+    model = fresh(tiny_model_dir)
+    short = tmp_path / "short.txt"
+    short.write_text("hello world")
+    with pytest.raises(KTMError, match="none of its 1 texts has 32 tokens"):
+        load_docs(model.tokenizer, PretrainConfig(sources=(str(short),), eval_sets=()))
+
+
+def test_evaluation_only_sets_are_refused_as_training_text(tmp_path):
+    folder = tmp_path / "amazon_reviews_other"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some review text")
+    with pytest.raises(KTMError, match="evaluation-only"):
+        source_texts(str(folder))
+    with pytest.raises(KTMError, match="evaluation-only"):
+        source_texts(str(folder / "a.txt"))
+
+
+def test_bad_objective_and_weight_are_clear_errors(corpus):
+    with pytest.raises(KTMError, match="unknown objective 'mse'"):
+        small_cfg(corpus, ("mse",))
+    with pytest.raises(KTMError, match="weight 'x' is not a number"):
+        small_cfg(corpus, ("lm=x",))
+    with pytest.raises(KTMError, match="positive weight"):
+        small_cfg(corpus, ("lm=0",))
+
+
+def test_pretraining_needs_merging(tiny_model_dir, corpus, tmp_path):
+    model = KTMModel.from_base(tiny_model_dir, k=1, use_mlp=False)
+    with pytest.raises(KTMError, match="needs merging"):
+        pretrain(model, small_cfg(corpus), TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1))
+
+
+def test_cli_pretrain_then_train_from_it(tiny_model_dir, corpus, tmp_path, capsys):
+    out = tmp_path / "reader"
+    code = main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--slot-weights",
+                 "--sources", corpus, "--objectives", "lm", "ae", "--context-tokens", "24",
+                 "--target-tokens", "8", "--ae-tokens", "16", "--min-tokens", "8",
+                 "--eval-sets", "none", "--max-steps", "2", "--batch-size", "2",
+                 "--out-dir", str(out), "--no-progress"])
+    assert code == 0
+    reader = KTMModel.load(str(out / "checkpoint"))
+    assert reader.k == 2 and reader.encoder.slots is not None
+    code = main(["train", "--model", tiny_model_dir, "--k", "4", "--init",
+                 str(out / "checkpoint"), "--task", "tree", "--stage", "small", "--max-steps",
+                 "1", "--out-dir", str(tmp_path / "t"), "--no-progress"])
+    assert code == 2
+    assert "trained with K=2, but K=4 was requested" in capsys.readouterr().err
+    code = main(["train", "--model", tiny_model_dir, "--k", "2", "--init",
+                 str(out / "checkpoint"), "--task", "tree", "--stage", "small", "--max-steps",
+                 "1", "--batch-size", "2", "--n-train", "4", "--n-eval", "2",
+                 "--out-dir", str(tmp_path / "t"), "--no-progress"])
+    assert code == 0
+    trained = KTMModel.load(str(tmp_path / "t" / "checkpoint"))
+    assert trained.encoder.slots is not None  # the reader's encoder settings carried over
+
+
+def test_unknown_reader_name_is_a_clear_error(capsys):
+    with pytest.raises(KTMError, match="no shipped reader of that name.*smollm2-135m-k4"):
+        KTMModel.load("smollm2-135m-k9")
+    assert main(["train", "--init", "smollm2-135m-k9", "--max-steps", "1"]) == 2
+    assert "no shipped reader of that name" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+"""Shipped readers: packing a run as a 16-bit reader, loading it by name, save -> load parity."""
+
+import json
+
+import pytest
+import torch
+
+import ktm.readers as readers
+from ktm import KTMError
+from ktm.cli import main
+from ktm.model import KTMModel
+from ktm.prompt import Segment
+
+PROMPT = [Segment("Tree: AB\n+CD\n++EF"), Segment(", Parent: AB, Answer:", compress=False)]
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    monkeypatch.setattr(readers, "HERE", tmp_path / "pkg")
+    monkeypatch.setattr(readers, "READERS", {"tiny-k2": "tiny-k2"})
+    return tmp_path / "pkg"
+
+
+def test_pack_reader_then_load_by_name(tiny_model_dir, tmp_path, registry, capsys):
+    run = tmp_path / "run"
+    assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--slot-weights",
+                 "--sources", str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm",
+                 "--context-tokens", "16", "--target-tokens", "4", "--min-tokens", "8",
+                 "--eval-sets", "none", "--max-steps", "2", "--batch-size", "2",
+                 "--lr", "1e-2", "--out-dir", str(run), "--no-progress"]) == 0
+    assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 0
+    assert "reader 'tiny-k2'" in capsys.readouterr().out
+    info = json.loads((registry / "tiny-k2" / "reader.json").read_text())
+    assert info["steps"] == 2 and info["command"].startswith("ktm pretrain")
+    enc = (registry / "tiny-k2" / "encoder.safetensors")
+    from safetensors.torch import load_file
+
+    assert {v.dtype for v in load_file(str(enc)).values()} == {torch.float16}
+    trained = KTMModel.load(str(run / "checkpoint"))
+    shipped = KTMModel.load("tiny-k2")
+    want, got = trained.prompt_logits(PROMPT), shipped.prompt_logits(PROMPT)
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=1e-2)  # fp16 storage
+    shipped.save(str(tmp_path / "again"))
+    torch.testing.assert_close(KTMModel.load(str(tmp_path / "again")).prompt_logits(PROMPT),
+                               got, atol=0, rtol=0)
+
+
+def test_pack_reader_refuses_unregistered_name_and_unfinished_run(tmp_path, registry):
+    with pytest.raises(KTMError, match="not a finished ktm run"):
+        readers.run_info(tmp_path)
+    with pytest.raises(KTMError, match="unknown reader 'nope'"):
+        readers.reader_path("nope")
+
+
+def test_registered_but_missing_reader_says_how_to_train_it(registry):
+    with pytest.raises(KTMError, match="train_readers.sh"):
+        KTMModel.load("tiny-k2")
