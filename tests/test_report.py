@@ -54,3 +54,20 @@ def test_plot_labels_do_not_overlap():
         for j in range(i + 1, len(boxes)):
             assert not boxes[i].overlaps(boxes[j]), (labels[i], labels[j])
     plt.close(fig)
+
+
+def test_report_on_pretraining_metrics_gives_r_per_cpu_minute(tmp_path):
+    from ktm.cli import main
+
+    run = tmp_path / "k4-probe"
+    run.mkdir()
+    rows = [{"step": 1, "loss": 3.0, "cpu_s": 30.0},
+            {"step": 1, "cpu_s": 30.0, "eval": {"code": {"R": 0.2}, "reviews": {"R": None}}},
+            {"step": 2, "cpu_s": 90.0, "eval": {"code": {"R": 0.45}, "reviews": {"R": 0.3}}}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = report([str(run / "metrics.jsonl")], str(tmp_path / "c.png"))
+    assert "| k4-probe | 1 | 0.5 | 0.200 | – |" in out
+    assert "| k4-probe | 2 | 1.5 | 0.450 | 0.300 |" in out
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert main(["report", str(tmp_path / "bad.jsonl")]) == 2
