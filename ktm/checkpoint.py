@@ -79,6 +79,24 @@ def load_weights_into(model, directory: str | Path) -> None:
     check_compatible(model, directory)
     encoder = _load_encoder(directory, model.encoder.config)
     model.encoder.load_state_dict(encoder.state_dict())
+    load_adapter_into(model, directory)
+
+
+def load_adapter_into(model, directory: str | Path) -> None:
+    """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
+    reader's adapter); the LoRA settings and the model's sizes must match."""
+    directory = Path(directory)
+    cfg = read_config(directory)
+    mine = model.config_dict
+    for key in ("hidden_size", "vocab_size"):
+        if cfg.get(key) != mine[key]:
+            raise KTMError(f"checkpoint {str(directory)!r} has {key}={cfg.get(key)}, "
+                           f"but the model has {key}={mine[key]}")
+    saved = {k: v for k, v in (cfg.get("lora") or {}).items() if k in ("r", "alpha")}
+    wanted = {k: mine["lora"][k] for k in ("r", "alpha")}
+    if saved != wanted:
+        raise KTMError(f"checkpoint {str(directory)!r} has LoRA {saved}, but the model has "
+                       f"{wanted}: expected the same LoRA settings")
     path = directory / ADAPTER / "adapter_model.safetensors"
     try:
         state = load_file(str(path))

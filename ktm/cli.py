@@ -64,8 +64,16 @@ def init_or_build(args: argparse.Namespace):
     """A trainable model: from ``--init`` (a checkpoint folder or a shipped reader's name, whose
     K must equal ``--k``), else a fresh one from the model flags."""
     margs = from_args(ModelArgs, args)
+    if getattr(args, "init", None) and getattr(args, "init_adapter", None):
+        raise KTMError("give --init or --init-adapter, not both")
     if not getattr(args, "init", None):
-        return build_model(margs)
+        model = build_model(margs)
+        if getattr(args, "init_adapter", None):
+            from ktm.checkpoint import load_adapter_into
+            from ktm.readers import resolve_checkpoint
+
+            load_adapter_into(model, resolve_checkpoint(args.init_adapter))
+        return model
     from ktm.model import KTMModel
     from ktm.models import parse_dtype
 
@@ -305,6 +313,9 @@ def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
                         help="start from a reader: a checkpoint folder or a shipped reader's name "
                              "(its K must equal --k; its encoder and LoRA settings are used)")
+    parser.add_argument("--init-adapter", metavar="CHECKPOINT_OR_NAME",
+                        help="start only LoRA from a checkpoint or reader, with a fresh encoder "
+                             "(any K: the K curriculum, e.g. K=4 from the K=2 reader)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice)")
 

@@ -231,3 +231,21 @@ def test_unknown_reader_name_is_a_clear_error(capsys):
         KTMModel.load("smollm2-135m-k9")
     assert main(["train", "--init", "smollm2-135m-k9", "--max-steps", "1"]) == 2
     assert "no shipped reader of that name" in capsys.readouterr().err
+
+
+def test_init_adapter_starts_lora_from_another_k(tiny_model_dir, tmp_path):
+    from ktm.checkpoint import load_adapter_into
+
+    k2 = fresh(tiny_model_dir, k=2)
+    randomize_lora(k2)
+    k2.save(str(tmp_path / "k2"))
+    k4 = fresh(tiny_model_dir, k=4)
+    load_adapter_into(k4, tmp_path / "k2")
+    lora = {n: p for n, p in k2.named_parameters() if "lora_" in n}
+    for n, p in k4.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(p, lora[n])
+    assert k4.k == 4 and torch.all(k4.encoder.slots == 0.25)  # the encoder starts fresh
+    other = KTMModel.from_base(tiny_model_dir, k=4, lora=__import__("ktm").LoraSettings(r=8))
+    with pytest.raises(KTMError, match="expected the same LoRA settings"):
+        load_adapter_into(other, tmp_path / "k2")
