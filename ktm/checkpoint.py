@@ -84,9 +84,15 @@ def load_weights_into(model, directory: str | Path) -> None:
 
 def load_adapter_into(model, directory: str | Path) -> None:
     """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
-    reader's adapter); the LoRA settings and the model's sizes must match."""
+    reader's adapter); the LoRA settings and the model's sizes must match. A recursive encoder
+    whose inner level has the checkpoint's encoder config also gets that encoder's weights."""
     directory = Path(directory)
     cfg = read_config(directory)
+    inner = getattr(model.encoder, "inner", None)
+    if inner is not None and isinstance(cfg.get("encoder"), dict):
+        saved = EncoderConfig.from_dict(cfg["encoder"])
+        if saved == inner.config:
+            inner.load_state_dict(_load_encoder(directory, saved).state_dict())
     mine = model.config_dict
     for key in ("hidden_size", "vocab_size"):
         if cfg.get(key) != mine[key]:

@@ -29,6 +29,8 @@ class ModelArgs:
         "help": "order-aware pooling: learnable per-slot weights starting at 1/K"})
     mlp_gate: bool = field(default=False, metadata={
         "help": "ReZero gate on the MLP output instead of a zero last layer"})
+    inner_k: int = field(default=1, metadata={
+        "help": "recursive merging: merge blocks of inner_k tokens first (1: off)"})
     plain_prefix: int = field(default=0, metadata={
         "help": "first prompt tokens kept plain (the LM's attention sink)"})
     lora_r: int = field(default=4, metadata={"help": "LoRA rank"})
@@ -56,6 +58,7 @@ def build_model(a: ModelArgs):
     lora = LoraSettings(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout)
     return KTMModel.from_base(a.model, k=a.k, mlp_ratio=a.mlp_ratio, use_mlp=a.mlp,
                               slot_weights=a.slot_weights, mlp_gate=a.mlp_gate,
+                              inner_k=a.inner_k,
                               plain_prefix=a.plain_prefix, lora=lora, device=a.device,
                               dtype=parse_dtype(a.dtype))
 

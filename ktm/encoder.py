@@ -13,7 +13,7 @@ untrained encoder is exactly mean pooling.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ class EncoderConfig:
     use_mlp: bool = True  # False gives the mean-pooling ablation (with slot_weights off)
     slot_weights: bool = False  # order-aware pooling: per-slot weights initialised to 1/K
     mlp_gate: bool = False  # ReZero gate on the MLP output (zero-initialised D-vector)
+    # recursive merging: blocks of inner_k tokens are merged first, then k // inner_k of those
+    # (K=4 as a K=2 merge of two K=2 merges, whose inner level can start from the K=2 reader)
+    inner_k: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -39,10 +42,21 @@ class EncoderConfig:
             raise KTMError(f"mlp_ratio must be > 0, got {self.mlp_ratio!r}")
         if self.mlp_gate and not self.use_mlp:
             raise KTMError("mlp_gate=True needs use_mlp=True: there is no MLP output to gate")
+        if self.inner_k < 1 or self.k % self.inner_k or (self.inner_k > 1 and
+                                                        self.inner_k == self.k):
+            raise KTMError(f"inner_k={self.inner_k} must divide k={self.k} and be smaller "
+                           "(1: no recursion)")
 
     @property
     def mlp_hidden(self) -> int:
         return max(1, round(self.mlp_ratio * self.k * self.hidden_size))
+
+    def levels(self) -> tuple[EncoderConfig, EncoderConfig] | None:
+        """(inner, outer) single-level configs of a recursive encoder; None for one level."""
+        if self.inner_k == 1:
+            return None
+        inner = replace(self, k=self.inner_k, inner_k=1)
+        return inner, replace(self, k=self.k // self.inner_k, inner_k=1)
 
     @property
     def is_identity(self) -> bool:
@@ -56,7 +70,7 @@ class EncoderConfig:
     def from_dict(cls, d: dict) -> EncoderConfig:
         """Read a saved config; fields added after a checkpoint was written keep their
         defaults-off value, so older checkpoints load unchanged."""
-        known = {"hidden_size", "k", "mlp_ratio", "use_mlp", "slot_weights", "mlp_gate"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise KTMError(f"encoder config has unknown fields {unknown}: expected {sorted(known)}")
@@ -91,7 +105,9 @@ class KTokenEncoder(nn.Module):
                 nn.init.zeros_(self.mlp[-1].bias)
 
     @classmethod
-    def from_config(cls, config: EncoderConfig) -> KTokenEncoder:
+    def from_config(cls, config: EncoderConfig) -> KTokenEncoder | RecursiveEncoder:
+        if config.levels() is not None:
+            return RecursiveEncoder(config)
         return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp,
                    config.slot_weights, config.mlp_gate)
 
@@ -137,3 +153,32 @@ class KTokenEncoder(nn.Module):
         # a block of padding only carries no information; keep its output at exactly zero
         merged = merged * out_mask.unsqueeze(-1).to(merged.dtype)
         return merged, out_mask
+
+
+class RecursiveEncoder(nn.Module):
+    """K = inner_k * outer_k: merge blocks of inner_k tokens, then blocks of outer_k merges.
+
+    forward: (B, T, D) + mask -> (B, ceil(T/K), D) + mask, like ``KTokenEncoder``. Untrained, both
+    levels are means, so the whole is the mean of means (the plain mean for full blocks).
+    """
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        levels = config.levels()
+        if levels is None:
+            raise KTMError("RecursiveEncoder needs inner_k > 1")
+        self.config = config
+        self.inner = KTokenEncoder.from_config(levels[0])
+        self.outer = KTokenEncoder.from_config(levels[1])
+
+    @property
+    def k(self) -> int:
+        return self.config.k
+
+    def wide_parameters(self) -> list[nn.Parameter]:
+        return self.inner.wide_parameters() + self.outer.wide_parameters()
+
+    def forward(self, embeds: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        merged, m = self.inner(embeds, mask)
+        return self.outer(merged, m)

@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ktm.encoder import KTokenEncoder
+from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.models import DEFAULT_MODEL, load_base
 from ktm.prompt import PromptLike, Segment, as_segments, split_prompts
@@ -138,6 +138,7 @@ class KTMModel(nn.Module):
         use_mlp: bool = True,
         slot_weights: bool = False,
         mlp_gate: bool = False,
+        inner_k: int = 1,
         plain_prefix: int = 0,
         lora: LoraSettings | None = None,
         add_eos: bool = True,
@@ -153,8 +154,9 @@ class KTMModel(nn.Module):
                 raise KTMError("from_base with a model object needs tokenizer=...")
             lm, tok, name = base.to(device=device, dtype=dtype), tokenizer, base.name_or_path
         lora = lora or LoraSettings()
-        encoder = KTokenEncoder(lm.config.hidden_size, k, mlp_ratio, use_mlp, slot_weights,
-                                mlp_gate).to(device, dtype)
+        enc_cfg = EncoderConfig(lm.config.hidden_size, k, mlp_ratio, use_mlp, slot_weights,
+                                mlp_gate, inner_k)
+        encoder = KTokenEncoder.from_config(enc_cfg).to(device, dtype)
         peft_model = get_peft_model(lm, _lora_config(lm, lora))
         return cls(peft_model, tok, encoder, name, lora, add_eos, plain_prefix).eval()
 

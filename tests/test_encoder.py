@@ -88,3 +88,39 @@ def test_bad_shape_is_a_clear_error():
     enc = KTokenEncoder(8, 2)
     with pytest.raises(KTMError, match=r"\(B, T, 8\)"):
         enc(torch.randn(2, 5, 7))
+
+
+def test_recursive_encoder_starts_as_the_mean_and_counts_blocks():
+    from ktm.encoder import EncoderConfig
+
+    torch.manual_seed(0)
+    enc = KTokenEncoder.from_config(EncoderConfig(8, k=4, inner_k=2, slot_weights=True))
+    x = torch.randn(2, 8, 8)
+    out, mask = enc(x)
+    assert out.shape == (2, 2, 8) and mask.all()
+    torch.testing.assert_close(out, x.view(2, 2, 4, 8).mean(2))
+    with torch.no_grad():
+        enc.inner.slots[0].mul_(3.0)  # order matters at the inner level once trained
+    swapped = x.clone()
+    swapped[:, [0, 1]] = swapped[:, [1, 0]]
+    assert not torch.allclose(enc(x)[0][:, 0], enc(swapped)[0][:, 0])
+    with pytest.raises(KTMError, match="inner_k=3 must divide k=4"):
+        EncoderConfig(8, k=4, inner_k=3)
+
+
+def test_k2_reader_starts_the_inner_level_of_a_recursive_k4(tiny_model_dir, tmp_path):
+    from ktm.checkpoint import load_adapter_into
+    from ktm.model import KTMModel
+
+    torch.manual_seed(0)
+    k2 = KTMModel.from_base(tiny_model_dir, k=2, slot_weights=True)
+    with torch.no_grad():
+        k2.encoder.slots.add_(torch.randn_like(k2.encoder.slots))
+    k2.save(str(tmp_path / "k2"))
+    k4 = KTMModel.from_base(tiny_model_dir, k=4, inner_k=2, slot_weights=True)
+    load_adapter_into(k4, tmp_path / "k2")
+    torch.testing.assert_close(k4.encoder.inner.slots, k2.encoder.slots)
+    k4.save(str(tmp_path / "k4"))
+    again = KTMModel.load(str(tmp_path / "k4"))
+    torch.testing.assert_close(again.encoder.inner.slots, k2.encoder.slots)
+    assert again.encoder.config.inner_k == 2
