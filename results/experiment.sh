@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The three-task experiment at CPU scale, every method on the same recipe:
-#   uncompressed, k2, k3, k4 (K-Token Merging) and the baselines mean_pool (K=4 without the MLP),
+# The three-task experiment at CPU scale, every method on the same fine-tuning recipe:
+#   uncompressed, k2, k3, k4 (K-Token Merging, each fine-tuned from its pretrained reader:
+#   smollm2-135m-k2 / -k4 shipped in the package, K=3 from $K3_READER, default
+#   runs/readers/k3/checkpoint made by results/readers/train_readers.sh), k4-scratch (K=4 from
+#   mean pooling, no reader: the ablation) and the baselines mean_pool (K=4 without the MLP),
 #   selective_context, llmlingua (both to ratio 0.5, i.e. K=2's length) and ltsc.
 # Usage: bash results/experiment.sh TASK [METHOD...]   (TASK: tree | amazon | commitpack)
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json.
@@ -25,7 +28,10 @@ for m in $methods; do
   comp=()
   case $m in
     uncompressed) model=(--k 1 --no-mlp) ;;
-    k[0-9]*) model=(--k "${m#k}") ;;
+    k2) model=(--k 2 --init smollm2-135m-k2) ;;
+    k3) model=(--k 3 --init "${K3_READER:-runs/readers/k3/checkpoint}") ;;
+    k4) model=(--k 4 --init smollm2-135m-k4) ;;
+    k4-scratch) model=(--k 4) ;;
     mean_pool) model=(--k 4); comp=(--compressor mean_pool) ;;
     selective_context|llmlingua) model=(); comp=(--compressor "$m" --compressor-option ratio=0.5) ;;
     ltsc) model=(); comp=(--compressor ltsc) ;;
