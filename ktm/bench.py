@@ -37,8 +37,9 @@ from ktm.bench_measure import (
 )
 from ktm.encoder import KTokenEncoder
 from ktm.errors import KTMError
+from ktm.fileio import write_json_atomic
 from ktm.models import DEFAULT_MODEL, parse_dtype
-from ktm.provenance import git_revision, versions, write_json_atomic
+from ktm.provenance import git_revision, versions
 from ktm.train import adamw
 
 MODES = ("infer", "train")

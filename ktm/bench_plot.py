@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
 from ktm.errors import KTMError  # noqa: E402
+from ktm.fileio import save_figure  # noqa: E402
 
 
 def load_rows(path: str | Path) -> list[dict]:
@@ -67,7 +68,7 @@ def _speedup_plot(rows: list[dict], y: str, title: str, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -94,7 +95,7 @@ def plot_results(path: str | Path, out_dir: str | Path | None = None) -> list[Pa
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(out / f"{path.stem}_prefill.png")
-        fig.savefig(written[-1], dpi=120)
+        save_figure(fig, written[-1])
         plt.close(fig)
         written.append(_speedup_plot(infer, "speedup_prefill", "Prefill speed-up (encoder incl.)",
                                      out / f"{path.stem}_speedup.png"))

@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
+from ktm.fileio import replace_dir, write_json_atomic
 from ktm.models import load_base
-from ktm.provenance import replace_dir, versions, write_json_atomic
+from ktm.provenance import versions
 
 CONFIG = "ktm_config.json"
 ENCODER = "encoder.safetensors"

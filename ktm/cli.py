@@ -195,7 +195,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import time
 
     from ktm.evaluate import evaluate_task
-    from ktm.provenance import git_revision, versions, write_json_atomic
+    from ktm.fileio import write_json_atomic
+    from ktm.provenance import git_revision, versions
 
     if args.readability:
         return _eval_readability(args)

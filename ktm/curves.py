@@ -56,7 +56,7 @@ def plot_curves(curves: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ktm.provenance import atomic_path
+    from ktm.fileio import save_figure
 
     sets = sorted({s for c in curves for p in c["points"] for s in p["R"]})
     fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
@@ -72,6 +72,5 @@ def plot_curves(curves: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
+    save_figure(fig, path)
     plt.close(fig)

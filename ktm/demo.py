@@ -18,10 +18,11 @@ import torch
 from transformers import DynamicCache
 
 from ktm.evaluate import evaluate_classification
+from ktm.fileio import write_json_atomic
 from ktm.model import KTMModel
 from ktm.models import DEFAULT_MODEL, parse_dtype
 from ktm.prompt import prompt_text
-from ktm.provenance import git_revision, versions, write_json_atomic
+from ktm.provenance import git_revision, versions
 from ktm.tasks.tree import TreeTask
 from ktm.train import TrainConfig, train
 

@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from ktm.errors import KTMError
+from ktm.fileio import fsync_tree
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def _convert_embedded(name: str, spec: EmbeddedModel, dest: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        fsync_tree(tmp)
         try:
             os.replace(tmp, dest)
         except OSError:

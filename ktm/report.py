@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ktm.errors import KTMError
+from ktm.fileio import save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
 
 REQUIRED = ("task", "method", "length_reduction")
@@ -141,9 +142,7 @@ def plot(by_task: dict[str, list[dict]], path: str) -> None:
         ax.set_title(task)
         ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp{Path(path).suffix}")
-    fig.savefig(tmp, dpi=120)
-    tmp.replace(path)
+    save_figure(fig, path)
     plt.close(fig)
 
 

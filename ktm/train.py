@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
 from ktm.errors import KTMError
-from ktm.provenance import git_revision, versions, write_json_atomic
+from ktm.fileio import existing_dir, write_json_atomic, write_text_atomic
+from ktm.provenance import git_revision, versions
 from ktm.tasks.base import Example
 
 CHECKPOINT = "checkpoint"
@@ -99,9 +100,7 @@ def _save_checkpoint(model, opt, step: int, cfg: TrainConfig, out: Path) -> None
 
 
 def _load_checkpoint(model, opt, out: Path) -> int:
-    ckpt = out / CHECKPOINT
-    if not ckpt.exists() and ckpt.with_name(CHECKPOINT + ".old").exists():
-        ckpt = ckpt.with_name(CHECKPOINT + ".old")  # crashed between the two renames
+    ckpt = existing_dir(out / CHECKPOINT)
     if not (ckpt / "trainer_state.json").is_file():
         raise KTMError(f"cannot resume: no checkpoint in {str(out)!r}; run without --resume")
     load_weights_into(model, ckpt)
@@ -120,23 +119,37 @@ def _load_checkpoint(model, opt, out: Path) -> int:
     return int(state["step"])
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics file; a half-written last line (a crash mid-write) is dropped."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise KTMError(f"{str(path)!r} line {i + 1} is not JSON ({e}): the metrics file is "
+                           "corrupt") from e
+    return rows
+
+
 def _trim_metrics(path: Path, step: int) -> None:
     """Drop rows logged after the checkpoint we resume from; they will be logged again."""
-    if not path.exists():
-        return
-    rows = [r for r in path.read_text().splitlines() if r and json.loads(r)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
-    tmp.replace(path)
+    if path.exists():
+        rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _last_cpu(path: Path) -> float:
     """CPU seconds of the last logged step (after trimming), to continue the count on resume."""
     cpu = 0.0
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
-            cpu = row.get("cpu_s", cpu)
+    for row in read_metrics(path):
+        cpu = row.get("cpu_s", cpu)
     return cpu
 
 

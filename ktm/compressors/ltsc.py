@@ -28,11 +28,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from ktm.compressors.base import Compressor
 from ktm.errors import KTMError
+from ktm.fileio import save_safetensors_atomic, write_json_atomic
 from ktm.prompt import Segment, as_segments
 from ktm.tasks.base import Example
 
@@ -178,11 +179,12 @@ class LTSC(Compressor):
     def save_state(self, directory: str | Path) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        (d / STATE_JSON).write_text(json.dumps(
-            {**self.options(), "vocab": [list(g) for g in self.vocab], "meta_ids": self.meta_ids}))
+        # rows first: a state file always comes with the rows it names
         if self.vocab:
             rows = self.model.meta_embedding.meta.detach().cpu().contiguous()
-            save_file({"meta": rows}, str(d / STATE_ROWS))
+            save_safetensors_atomic(d / STATE_ROWS, {"meta": rows})
+        write_json_atomic(d / STATE_JSON, {**self.options(), "vocab": [list(g) for g in self.vocab],
+                                           "meta_ids": self.meta_ids})
 
     def load_state(self, directory: str | Path, model) -> bool:
         d = Path(directory)

@@ -54,7 +54,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
     ``info`` (the training command, data, CPU minutes, readability) goes to ``reader.json``.
     """
     from ktm.checkpoint import ADAPTER, CONFIG, ENCODER, read_config, save_atomic
-    from ktm.provenance import write_json_atomic
+    from ktm.fileio import write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
     cfg = read_config(src)
@@ -68,8 +68,8 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
             state = {k: v.to(STORAGE_DTYPE).contiguous() for k, v in
                      load_file(str(src / rel)).items()}
             save_file(state, str(tmp / rel), metadata={"format": "pt"})
-        (tmp / ADAPTER / "adapter_config.json").write_text(
-            (src / ADAPTER / "adapter_config.json").read_text())
+        write_text_atomic(tmp / ADAPTER / "adapter_config.json",
+                          (src / ADAPTER / "adapter_config.json").read_text())
         write_json_atomic(tmp / CONFIG, cfg)
         write_json_atomic(tmp / "reader.json", {"name": name, **info})
 

@@ -1,0 +1,162 @@
+"""Crash-safe writes: a reader sees the old file or the new one, never half of one, never none.
+
+Every file is written to a temp file beside its destination, flushed and fsynced, then renamed
+over it (``atomic_open``). A folder (a checkpoint) is written whole into a temp folder, fsynced,
+and swapped with the old one in one ``renameat2(RENAME_EXCHANGE)`` call (``replace_dir``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside ``path`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """``with atomic_open(p) as f: f.write(...)``: temp file, fsync, rename over ``p``."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_open(path) as f:
+        f.write(text)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """Write JSON so that readers never see half a file."""
+    with atomic_open(path) as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file and folder under ``root`` (files written by libraries, e.g. safetensors)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where the system cannot.
+
+    Hand-written because Python's ``os`` has no binding for ``renameat2``, and it is the only
+    way to replace a non-empty folder without a moment in which the destination does not exist.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def old_copy(dest: Path) -> Path:
+    """Where the fallback swap keeps the previous folder until the new one is in place."""
+    return dest.with_name(dest.name + ".old")
+
+
+def replace_dir(tmp: str | Path, dest: str | Path) -> None:
+    """Move a fully written ``tmp`` folder to ``dest``; ``dest`` exists at every moment.
+
+    Where the atomic exchange is unavailable, the old folder is renamed to ``DEST.old`` just
+    before the new one moves in; ``existing_dir`` reads that copy if a crash fell in between.
+    """
+    tmp, dest = Path(tmp), Path(dest)
+    fsync_tree(tmp)
+    if dest.exists() and _exchange(tmp, dest):
+        shutil.rmtree(tmp)  # now the old folder
+    else:
+        old = old_copy(dest)
+        shutil.rmtree(old, ignore_errors=True)
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(dest.parent)
+
+
+def existing_dir(dest: str | Path) -> Path:
+    """``dest``, or its ``.old`` copy when a crash hit the fallback swap between its renames."""
+    dest = Path(dest)
+    if not dest.exists() and old_copy(dest).exists():
+        return old_copy(dest)
+    return dest
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
+    """A matplotlib figure, written like every other file (temp, fsync, rename)."""
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format=fmt, dpi=dpi)
+
+
+def save_safetensors_atomic(path: str | Path, tensors: dict, metadata: dict | None = None) -> None:
+    from safetensors.torch import save
+
+    with atomic_open(path, "wb") as f:
+        f.write(save(tensors, metadata=metadata))
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside ``path`` for a library that writes by name; on success fsync it
+    and rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
