@@ -1,20 +1,21 @@
 """Timing one benchmark run: exact-length synthetic prompts, prefill/decode and training steps.
 
-``infer_once`` mirrors ``ktm.generate`` (same model calls, greedy, no early stop) with a clock
-between the stages; ``train_once`` is one step of ``ktm.train``. Both record peak memory.
+``infer_once`` runs ``ktm.generate``'s own prefill and decode loop with a clock between the
+stages; ``train_once`` is one step of ``ktm.train``. Both record peak memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-import time
 
 import torch
 from transformers import DynamicCache
 
 from ktm.errors import KTMError
+from ktm.generate import GenerationConfig, decode_steps, prefill
 from ktm.prompt import Segment
+from ktm.timing import clock
 
 
 # ---------------------------------------------------------------- synthetic prompts
@@ -52,10 +53,10 @@ def synthetic_text(model, n_tokens: int, seed: int, pool: list[str], first: bool
 
 
 # ---------------------------------------------------------------- measurement helpers
-def encode_prefix(model, rows: list[list[int]], merge: bool) -> list[torch.Tensor]:
-    """Token ids per sample -> LM input embeddings (L_i, D), through ``encode_prompts``."""
+def encode_prefix(model, rows: list[list[int]], merge: bool) -> list:
+    """Token ids per sample -> their ``CompressedPrompt``s, through ``encode_prompts``."""
     prompts = [(Segment("", ids=tuple(r)),) for r in rows]
-    return [cp.embeds for cp in model.encode_prompts(prompts, merge)]
+    return model.encode_prompts(prompts, merge)
 
 
 def cache_bytes(cache: DynamicCache) -> int:
@@ -116,42 +117,32 @@ def trim_allocator() -> None:
         pass
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 @torch.inference_mode()
 def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int) -> dict:
-    """Time one batch: encoder, prefill, first token, then greedy decode with the KV cache."""
+    """Time one batch through ``ktm.generate``'s own prefill and decode loop (greedy, no early
+    stop): encoder, prefill, first token, then the KV-cached decode."""
     dev = model.device
+    cfg = GenerationConfig(max_new_tokens=output_tokens, stop_at_eos=False)
     with PeakMemory(dev) as mem:
-        t0 = _clock(dev)
+        t0 = clock(dev)
         prefixes = encode_prefix(model, rows, merge)
-        t1 = _clock(dev)
-        p = model.pack(prefixes)
-        cache = DynamicCache(config=model.peft.get_base_model().config)
-        h = model.hidden(p.embeds, p.mask, p.position_ids, cache)
-        t2 = _clock(dev)
-        nxt = model.logits(h[:, -1]).argmax(-1)
-        t3 = _clock(dev)
-        kv = cache_bytes(cache)
-        tokens, mask, pos = [nxt], p.mask, p.position_ids[:, -1:]
-        for _ in range(output_tokens - 1):
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            pos = pos + 1
-            h = model.hidden(model.embed_ids(nxt)[:, None], mask, pos, cache)
-            nxt = model.logits(h[:, -1]).argmax(-1)
-            tokens.append(nxt)
-        t4 = _clock(dev)
+        t1 = clock(dev)
+        state = prefill(model, prefixes)
+        t2 = clock(dev)
+        steps = decode_steps(model, None, cfg, state=state)
+        tokens = [next(steps)]
+        t3 = clock(dev)
+        kv = cache_bytes(state.cache)
+        tokens += list(steps)
+        t4 = clock(dev)
     b, decoded = len(rows), output_tokens - 1
     return {
         "encoder_s": t1 - t0, "prefill_s": t2 - t0, "ttft_s": t3 - t0, "decode_s": t4 - t3,
         "e2e_s": t4 - t0, "samples_per_s": b / (t4 - t0),
         "decode_tokens_per_s": b * decoded / (t4 - t3) if decoded else None,
-        "compressed_tokens": max(p.lengths), "kv_cache_bytes": kv, "peak_mem_bytes": mem.peak,
-        "peak_mem_delta_bytes": mem.peak - mem.start, "tokens": torch.stack(tokens, 1).tolist(),
+        "compressed_tokens": max(cp.tokens_out for cp in prefixes), "kv_cache_bytes": kv,
+        "peak_mem_bytes": mem.peak, "peak_mem_delta_bytes": mem.peak - mem.start,
+        "tokens": torch.stack(tokens, 1).tolist(),
     }
 
 
@@ -160,14 +151,14 @@ def train_once(model, opt, prompts: list[str], targets: list[str], merge: bool) 
     dev = model.device
     model.train()
     with PeakMemory(dev) as mem:
-        t0 = _clock(dev)
+        t0 = clock(dev)
         out = model(prompts, targets, merge=merge)
         out.loss.backward()
         params = [p for g in opt.param_groups for p in g["params"]]
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t1 = _clock(dev)
+        t1 = clock(dev)
     model.eval()
     return {"step_s": t1 - t0, "input_tokens_per_s": out.tokens_in / (t1 - t0),
             "compressed_tokens": out.tokens_out // len(prompts), "loss": float(out.loss.detach()),

@@ -1,8 +1,13 @@
-"""Saving and loading a KTMModel: JSON config + encoder safetensors + PEFT adapter. No pickle.
+"""A ktm checkpoint's files: JSON config + encoder safetensors + PEFT adapter. No pickle.
 
-    DIR/ktm_config.json        base model, K, encoder/LoRA settings, sizes, versions
-    DIR/encoder.safetensors    encoder weights
+    DIR/ktm_config.json        KTMConfig, sizes, which modules got LoRA, package versions
+    DIR/encoder.safetensors    encoder weights (fp32)
     DIR/adapter/               PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)
+
+A leaf module (PEFT's ``save_pretrained``/``from_pretrained`` split): it reads and writes files
+for any object with the model's attributes and never imports the model; ``KTMModel.load`` builds
+the model from what it returns. ``ktm_config.json`` format 2 keeps the ``KTMConfig`` under
+``config``; format 1 (before ``KTMConfig``) is still read.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,29 +23,34 @@ from peft import PeftModel, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ktm.config import KTMConfig
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.fileio import replace_dir, write_json_atomic
-from ktm.models import load_base
 from ktm.provenance import versions
 
 CONFIG = "ktm_config.json"
 ENCODER = "encoder.safetensors"
 ADAPTER = "adapter"
-FORMAT_VERSION = 1
+ADAPTER_WEIGHTS = f"{ADAPTER}/adapter_model.safetensors"
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+# errors that mean "this file is missing, truncated or not what it claims to be"
+FILE_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError)
 
 
+# ---------------------------------------------------------------- writing
 def write_model_files(model, directory: Path) -> None:
     """Write the model's checkpoint files into an existing folder (not atomic by itself)."""
-    state = {k: v.detach().contiguous().cpu() for k, v in model.encoder.state_dict().items()}
+    state = {k: v.detach().float().contiguous().cpu()
+             for k, v in model.encoder.state_dict().items()}
     save_file(state, str(directory / ENCODER), metadata={"k": str(model.k)})
     model.peft.save_pretrained(str(directory / ADAPTER), safe_serialization=True)
-    cfg = {"format": "ktm", "format_version": FORMAT_VERSION, **model.config_dict,
-           "versions": versions()}
-    write_json_atomic(directory / CONFIG, cfg)
+    write_json_atomic(directory / CONFIG, {"format": "ktm", "format_version": FORMAT_VERSION,
+                                           **model.config_dict, "versions": versions()})
 
 
-def save_atomic(directory: str | Path, write) -> None:
+def save_atomic(directory: str | Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on a temp folder beside ``directory``, then swap it in."""
     dest = Path(directory)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -56,66 +67,9 @@ def save_model(model, directory: str | Path) -> None:
     save_atomic(directory, lambda tmp: write_model_files(model, tmp))
 
 
-def check_compatible(model, directory: str | Path) -> dict:
-    """Refuse a checkpoint whose K, encoder or sizes differ from ``model``'s."""
-    cfg = read_config(directory)
-    mine = model.config_dict
-    for key in ("hidden_size", "vocab_size"):
-        if cfg.get(key) != mine[key]:
-            raise KTMError(f"checkpoint {str(directory)!r} has {key}={cfg.get(key)}, "
-                           f"but the model has {key}={mine[key]}")
-    saved = cfg.get("encoder")
-    if isinstance(saved, dict):  # fields added later default to off in older checkpoints
-        saved = EncoderConfig.from_dict(saved).to_dict()
-    if saved != mine["encoder"]:
-        raise KTMError(f"checkpoint {str(directory)!r} has encoder {cfg.get('encoder')} "
-                       f"(K={cfg.get('encoder', {}).get('k')}), but the model has "
-                       f"{mine['encoder']} (K={model.k})")
-    return cfg
-
-
-def load_weights_into(model, directory: str | Path) -> None:
-    """Load a checkpoint's encoder and LoRA weights into an existing, compatible model."""
-    directory = Path(directory)
-    check_compatible(model, directory)
-    encoder = _load_encoder(directory, model.encoder.config)
-    model.encoder.load_state_dict(encoder.state_dict())
-    load_adapter_into(model, directory)
-
-
-def load_adapter_into(model, directory: str | Path) -> None:
-    """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
-    reader's adapter); the LoRA settings and the model's sizes must match. A recursive encoder
-    whose inner level has the checkpoint's encoder config also gets that encoder's weights."""
-    directory = Path(directory)
-    cfg = read_config(directory)
-    inner = getattr(model.encoder, "inner", None)
-    if inner is not None and isinstance(cfg.get("encoder"), dict):
-        saved = EncoderConfig.from_dict(cfg["encoder"])
-        if saved == inner.config:
-            inner.load_state_dict(_load_encoder(directory, saved).state_dict())
-    mine = model.config_dict
-    for key in ("hidden_size", "vocab_size"):
-        if cfg.get(key) != mine[key]:
-            raise KTMError(f"checkpoint {str(directory)!r} has {key}={cfg.get(key)}, "
-                           f"but the model has {key}={mine[key]}")
-    saved = {k: v for k, v in (cfg.get("lora") or {}).items() if k in ("r", "alpha")}
-    wanted = {k: mine["lora"][k] for k in ("r", "alpha")}
-    if saved != wanted:
-        raise KTMError(f"checkpoint {str(directory)!r} has LoRA {saved}, but the model has "
-                       f"{wanted}: expected the same LoRA settings")
-    path = directory / ADAPTER / "adapter_model.safetensors"
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise KTMError(f"LoRA adapter {str(path)!r} is missing or corrupt: {e}") from e
-    result = set_peft_model_state_dict(model.peft, state)
-    if result.unexpected_keys:
-        raise KTMError(f"LoRA adapter {str(path)!r} has unexpected weights "
-                       f"{result.unexpected_keys[:3]}: it was trained with other LoRA settings")
-
-
+# ---------------------------------------------------------------- reading
 def read_config(directory: str | Path) -> dict:
+    """The checkpoint's ``ktm_config.json`` as written (format checked)."""
     path = Path(directory) / CONFIG
     if not path.is_file():
         raise KTMError(f"{str(directory)!r} is not a ktm checkpoint: {CONFIG} is missing")
@@ -125,62 +79,127 @@ def read_config(directory: str | Path) -> dict:
         raise KTMError(f"checkpoint config {str(path)!r} is corrupt: {e}") from e
     if not isinstance(cfg, dict) or cfg.get("format") != "ktm":
         raise KTMError(f"{str(path)!r} is not a ktm checkpoint config")
-    if cfg.get("format_version") != FORMAT_VERSION:
+    if cfg.get("format_version") not in READABLE_FORMATS:
         raise KTMError(f"checkpoint format_version {cfg.get('format_version')!r} is not supported; "
-                       f"expected {FORMAT_VERSION}")
+                       f"expected one of {READABLE_FORMATS}")
     return cfg
 
 
-def _load_encoder(directory: Path, enc_cfg: EncoderConfig) -> KTokenEncoder:
-    path = directory / ENCODER
+def model_config(directory: str | Path) -> KTMConfig:
+    """The ``KTMConfig`` a checkpoint was saved with."""
+    try:
+        return KTMConfig.from_checkpoint(read_config(directory))
+    except KTMError as e:
+        raise KTMError(f"checkpoint {str(directory)!r}: {e}") from e
+
+
+def adapter_targets(directory: str | Path) -> tuple[str, ...] | None:
+    """The module names the saved adapter covers (the truth for any format), if readable."""
+    try:
+        saved = json.loads((Path(directory) / ADAPTER / "adapter_config.json").read_text())
+        targets = saved["target_modules"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return tuple(sorted(targets)) if isinstance(targets, list) else None
+
+
+def check_sizes(model, directory: str | Path, saved: dict) -> None:
+    mine = model.config_dict
+    for key in ("hidden_size", "vocab_size"):
+        if saved.get(key) != mine[key]:
+            raise KTMError(f"checkpoint {str(directory)!r} has {key}={saved.get(key)}, "
+                           f"but the model has {key}={mine[key]}")
+
+
+def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, object, object]]:
+    """(name, saved, mine) for every field that changes the model (not base path or dtype)."""
+    out = [("K" if name == "k" else name, getattr(saved, name), getattr(mine, name))
+           for name in (*KTMConfig.ENCODER_FIELDS, "plain_prefix", "add_eos")]
+    out += [(f"lora.{name}", getattr(saved.lora, name), getattr(mine.lora, name))
+            for name in ("r", "alpha", "dropout")]
+    return [d for d in out if d[1] != d[2]]
+
+
+def check_compatible(model, directory: str | Path) -> dict:
+    """Refuse a checkpoint whose K, encoder, LoRA settings or sizes differ from ``model``'s."""
+    saved = read_config(directory)
+    check_sizes(model, directory, saved)
+    diffs = config_differences(model_config(directory), model.config)
+    targets = adapter_targets(directory)
+    mine = tuple(sorted(model.config.lora.target_modules or ()))
+    if targets is not None and targets != mine:
+        diffs.append(("lora.target_modules", list(targets), list(mine)))
+    if diffs:
+        theirs = ", ".join(f"{n}={a!r}" for n, a, _ in diffs)
+        ours = ", ".join(f"{n}={b!r}" for n, _, b in diffs)
+        raise KTMError(f"checkpoint {str(directory)!r} was saved with {theirs}, but this run has "
+                       f"{ours}: expected the same model settings")
+    return saved
+
+
+def encoder_state(directory: str | Path, enc_cfg: EncoderConfig) -> dict[str, torch.Tensor]:
+    """The saved encoder weights, checked against the shapes ``enc_cfg`` gives."""
+    path = Path(directory) / ENCODER
     try:
         state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
+    except FILE_ERRORS as e:
         raise KTMError(f"encoder file {str(path)!r} is missing or corrupt: {e}") from e
-    encoder = KTokenEncoder.from_config(enc_cfg)
-    expected = {k: tuple(v.shape) for k, v in encoder.state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in KTokenEncoder.from_config(enc_cfg)
+                .state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
     if expected != found:
         raise KTMError(
             f"encoder weights in {str(path)!r} do not fit K={enc_cfg.k}, "
-            f"hidden_size={enc_cfg.hidden_size}: expected shapes {expected}, found {found}"
-        )
-    encoder.load_state_dict(state)
-    return encoder
+            f"hidden_size={enc_cfg.hidden_size}: expected shapes {expected}, found {found}")
+    return state
 
 
-def load_model(directory, *, base=None, k=None, device="cpu", dtype=torch.float32,
-               trainable=False):
-    """Load a checkpoint; refuse one whose K or sizes disagree with what the caller expects."""
-    from ktm.model import KTMModel, LoraSettings
-    from ktm.readers import resolve_checkpoint
-
-    directory = resolve_checkpoint(directory)
-    cfg = read_config(directory)
+def load_adapter_into(model, directory: str | Path) -> None:
+    """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
+    reader's adapter); the LoRA settings and the model's sizes must match. A recursive encoder
+    whose inner level has the checkpoint's encoder config also gets that encoder's weights."""
+    directory = Path(directory)
+    saved = read_config(directory)
+    check_sizes(model, directory, saved)
+    inner = getattr(model.encoder, "inner", None)
+    if inner is not None:
+        theirs = EncoderConfig(saved["hidden_size"], **model_config(directory).encoder_kwargs())
+        if theirs == inner.config:
+            inner.load_state_dict(encoder_state(directory, theirs))
+    theirs, mine = model_config(directory).lora, model.config.lora
+    if (theirs.r, theirs.alpha) != (mine.r, mine.alpha):
+        raise KTMError(f"checkpoint {str(directory)!r} has LoRA r={theirs.r}, "
+                       f"alpha={theirs.alpha}, but the model has r={mine.r}, alpha={mine.alpha}: "
+                       "expected the same LoRA settings")
+    path = directory / ADAPTER_WEIGHTS
     try:
-        enc_cfg = EncoderConfig.from_dict(cfg["encoder"])
-        lora = LoraSettings(**cfg["lora"])
-        base_name = base or cfg["base_model"]
-    except (KeyError, TypeError) as e:
-        raise KTMError(f"checkpoint config in {str(directory)!r} is incomplete: {e}") from e
-    if k is not None and k != enc_cfg.k:
-        raise KTMError(f"checkpoint {str(directory)!r} was trained with K={enc_cfg.k}, "
-                       f"but K={k} was requested")
-    lm, tok = load_base(base_name, device, dtype)
-    hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
-    if (hidden, vocab) != (cfg.get("hidden_size"), cfg.get("vocab_size")):
-        raise KTMError(
-            f"checkpoint expects hidden_size={cfg.get('hidden_size')}, "
-            f"vocab_size={cfg.get('vocab_size')}, but base model {base_name!r} has "
-            f"hidden_size={hidden}, vocab_size={vocab}"
-        )
-    encoder = _load_encoder(directory, enc_cfg).to(device, dtype)
+        state = load_file(str(path))
+    except FILE_ERRORS as e:
+        raise KTMError(f"LoRA adapter {str(path)!r} is missing or corrupt: {e}") from e
     try:
-        peft_model = PeftModel.from_pretrained(lm, str(directory / ADAPTER), is_trainable=trainable)
-    except (OSError, ValueError, SafetensorError, RuntimeError) as e:
-        raise KTMError(f"LoRA adapter in {str(directory / ADAPTER)!r} is missing or corrupt: {e}"
+        result = set_peft_model_state_dict(model.peft, state)
+    except (RuntimeError, ValueError) as e:  # size mismatch: another r or another base model
+        raise KTMError(f"LoRA adapter {str(path)!r} does not fit this model (another LoRA r or "
+                       f"base model?): {str(e).splitlines()[0]}") from e
+    if result.unexpected_keys:
+        raise KTMError(f"LoRA adapter {str(path)!r} has unexpected weights "
+                       f"{result.unexpected_keys[:3]}: it was trained with other LoRA settings")
+
+
+def load_weights_into(model, directory: str | Path) -> None:
+    """Load a checkpoint's encoder and LoRA weights into an existing, compatible model."""
+    directory = Path(directory)
+    check_compatible(model, directory)
+    model.encoder.load_state_dict(encoder_state(directory, model.encoder.config))
+    load_adapter_into(model, directory)
+
+
+def load_peft(lm, directory: str | Path, trainable: bool) -> PeftModel:
+    """The base LM with the checkpoint's LoRA adapter (trainable adapter weights stay fp32)."""
+    path = Path(directory) / ADAPTER
+    try:
+        return PeftModel.from_pretrained(lm, str(path), is_trainable=trainable)
+    except FILE_ERRORS as e:
+        raise KTMError(f"LoRA adapter in {str(path)!r} is missing or corrupt, or does not fit the "
+                       f"base model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                        ) from e
-    encoder.requires_grad_(trainable)
-    model = KTMModel(peft_model, tok, encoder, base_name, lora, cfg.get("add_eos", True),
-                     cfg.get("plain_prefix", 0))
-    return model.train(trainable) if trainable else model.eval()

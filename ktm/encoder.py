@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from torch import nn
 
+from ktm.config import check_encoder_fields
 from ktm.errors import KTMError
 
 
@@ -34,18 +35,9 @@ class EncoderConfig:
     inner_k: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
-            raise KTMError(f"k must be an integer >= 1, got {self.k!r}")
+        check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k)
         if self.hidden_size < 1:
             raise KTMError(f"hidden_size must be >= 1, got {self.hidden_size!r}")
-        if self.mlp_ratio <= 0:
-            raise KTMError(f"mlp_ratio must be > 0, got {self.mlp_ratio!r}")
-        if self.mlp_gate and not self.use_mlp:
-            raise KTMError("mlp_gate=True needs use_mlp=True: there is no MLP output to gate")
-        if self.inner_k < 1 or self.k % self.inner_k or (self.inner_k > 1 and
-                                                        self.inner_k == self.k):
-            raise KTMError(f"inner_k={self.inner_k} must divide k={self.k} and be smaller "
-                           "(1: no recursion)")
 
     @property
     def mlp_hidden(self) -> int:

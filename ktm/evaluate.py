@@ -6,15 +6,27 @@ measured on the prompts actually evaluated.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from ktm.generate import eval_mode
 from ktm.metrics import accuracy, balanced_accuracy, length_reduction, perplexity
 from ktm.tasks.base import Example
 from ktm.tasks.labels import parse_label
+
+
+def eval_mode_call(fn):
+    """Run ``fn(model, ...)`` in eval mode (no dropout), then give the caller's mode back."""
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        with eval_mode(model):
+            return fn(model, *args, **kwargs)
+
+    return wrapper
 
 
 def _batches(items: Sequence, size: int):
@@ -23,6 +35,7 @@ def _batches(items: Sequence, size: int):
 
 
 @torch.no_grad()
+@eval_mode_call
 def evaluate_classification(model, examples: Sequence[Example], labels: Sequence[str], *,
                             merge: bool = True, batch_size: int = 16, max_new_tokens: int = 4,
                             progress: bool = False) -> dict:
@@ -57,6 +70,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
 
 
 @torch.no_grad()
+@eval_mode_call
 def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = True,
                         batch_size: int = 4, progress: bool = False) -> dict:
     """Perplexity of the targets given the (merged) prompts, pooled over all target tokens."""

@@ -1,12 +1,15 @@
 """Generation: prefill the compressed prefix once, then decode token by token with the KV cache.
 
-``decode_steps`` is the single loop every entry point uses; it yields one token per row and step,
-so streaming, batching and future variants (e.g. merging generated tokens) hook in at one place.
+``prefill`` and ``advance`` are the only places the LM is called while decoding, and
+``decode_steps`` is the single loop every entry point uses (generate, stream, the demo's and the
+benchmark's timings); it yields one token per row and step, so streaming, batching and future
+variants (e.g. merging generated tokens) hook in at one place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,59 +53,95 @@ def _select(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | 
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-@torch.no_grad()
-def decode_steps(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig,
-                 prefixes=None) -> Iterator[torch.Tensor]:
-    """Yield (B,) token ids per step; rows that have finished repeat the pad id.
+@contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """Eval mode (no dropout) for the calls inside, then the caller's mode back.
 
-    ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
+    Held only around model calls, never across a ``yield``: a stream left unfinished must not
+    leave the model in eval mode.
     """
     was_training = model.training
-    model.eval()  # never decode with dropout on
+    model.eval()
     try:
-        yield from _decode(model, prompts, cfg, prefixes)
+        yield
     finally:
         model.train(was_training)
 
 
-def _decode(model, prompts: list[tuple[Segment, ...]], cfg: GenerationConfig, prefixes
-            ) -> Iterator[torch.Tensor]:
-    if prefixes is None:
-        prefixes = model.encode_prompts(prompts, cfg.merge)
-    elif len(prefixes) != len(prompts):
-        raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: expected one each")
+@dataclass
+class DecodeState:
+    """A batch being decoded: what the LM has read so far and its next-token logits (B, V)."""
+
+    embeds: torch.Tensor  # (B, L, D); with a cache only the last step is needed
+    mask: torch.Tensor  # (B, L) over everything read, prefix padding included
+    pos: torch.Tensor  # (B, L) position ids (B, 1 with a cache: the last step's)
+    cache: DynamicCache | None
+    logits: torch.Tensor  # (B, V) next-token logits
+
+
+@torch.no_grad()
+def prefill(model, prefixes, use_cache: bool = True) -> DecodeState:
+    """Read the prefixes (``CompressedPrompt``s) once; the cache then holds their keys/values."""
     p = model.pack([cp.embeds for cp in prefixes])
-    embeds, mask, pos = p.embeds, p.mask, p.position_ids
-    cache = DynamicCache(config=model.peft.get_base_model().config) if cfg.use_cache else None
+    cache = DynamicCache(config=model.lm_config) if use_cache else None
+    with eval_mode(model):
+        logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1)[:, -1]
+    return DecodeState(p.embeds, p.mask, p.position_ids, cache, logits)
+
+
+@torch.no_grad()
+def advance(model, state: DecodeState, tokens: torch.Tensor) -> None:
+    """Feed one (B,) token per row; updates ``state`` in place (cached: one position each)."""
+    step = model.embed_ids(tokens)[:, None]
+    state.mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], dim=1)
+    last = state.pos[:, -1:] + 1
+    with eval_mode(model):
+        if state.cache is not None:
+            state.pos = last
+            state.logits = model.lm(step, state.mask, last, state.cache, keep=1)[:, -1]
+        else:  # the reference path: re-read everything
+            state.embeds = torch.cat([state.embeds, step], dim=1)
+            state.pos = torch.cat([state.pos, last], dim=1)
+            state.logits = model.lm(state.embeds, state.mask, state.pos, keep=1)[:, -1]
+
+
+def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: GenerationConfig,
+                 prefixes=None, state: DecodeState | None = None) -> Iterator[torch.Tensor]:
+    """Yield (B,) token ids per step; rows that have finished repeat the pad id.
+
+    ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them;
+    ``state``: a batch ``prefill`` has already read (the benchmark times the prefill apart).
+    """
+    if state is None:
+        if prefixes is None:
+            with torch.no_grad(), eval_mode(model):
+                prefixes = model.encode_prompts(prompts, cfg.merge)
+        elif len(prefixes) != len(prompts):
+            raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
+                           "expected one each")
+        model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens")
+        state = prefill(model, prefixes, cfg.use_cache)
     gen = None
     if cfg.do_sample and cfg.seed is not None:
         gen = torch.Generator(device=model.device).manual_seed(cfg.seed)
-    eos, pad = model.tokenizer.eos_token_id, model.tokenizer.pad_token_id
-    finished = torch.zeros(len(prompts), dtype=torch.bool, device=model.device)
-    h = model.hidden(embeds, mask, pos, cache)
-    for _ in range(cfg.max_new_tokens):
-        nxt = _select(model.logits(h[:, -1]), cfg, gen)
-        nxt = nxt.masked_fill(finished, pad if pad is not None else 0)
+    eos = torch.tensor(sorted(model.eos_ids), dtype=torch.long, device=model.device)
+    finished = torch.zeros(state.logits.shape[0], dtype=torch.bool, device=model.device)
+    for i in range(cfg.max_new_tokens):
+        nxt = _select(state.logits, cfg, gen).masked_fill(finished, model.pad_id)
         yield nxt
-        if cfg.stop_at_eos and eos is not None:
-            finished |= nxt == eos
+        if cfg.stop_at_eos and len(eos):
+            finished |= torch.isin(nxt, eos)
             if bool(finished.all()):
                 return
-        step = model.embed_ids(nxt)[:, None]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        last = pos[:, -1:] + 1
-        if cache is not None:
-            pos = last
-            h = model.hidden(step, mask, pos, cache)
-        else:
-            embeds = torch.cat([embeds, step], dim=1)
-            pos = torch.cat([pos, last], dim=1)
-            h = model.hidden(embeds, mask, pos)
+        if i + 1 < cfg.max_new_tokens:
+            advance(model, state, nxt)
 
 
-def _trim(ids: list[int], eos: int | None, stop: bool) -> list[int]:
-    if stop and eos is not None and eos in ids:
-        return ids[: ids.index(eos)]
+def _trim(ids: list[int], eos: frozenset[int], stop: bool) -> list[int]:
+    if stop:
+        for i, t in enumerate(ids):
+            if t in eos:
+                return ids[:i]
     return ids
 
 
@@ -114,7 +153,7 @@ def generate_ids(model, prompts, prefixes=None, **kwargs) -> list[list[int]]:
     if not steps:
         return [[] for _ in segs]
     ids = torch.stack(steps, dim=1).tolist()
-    return [_trim(row, model.tokenizer.eos_token_id, cfg.stop_at_eos) for row in ids]
+    return [_trim(row, model.eos_ids, cfg.stop_at_eos) for row in ids]
 
 
 def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str | list[str]:
@@ -131,10 +170,10 @@ def stream(model, prompt: PromptLike, **kwargs) -> Iterator[str]:
     segs, single = split_prompts(prompt)
     if not single:
         raise KTMError("stream takes one prompt; use generate for a list")
-    eos, ids, shown = model.tokenizer.eos_token_id, [], ""
+    ids, shown = [], ""
     for nxt in decode_steps(model, segs, cfg):
         tok = int(nxt[0])
-        if cfg.stop_at_eos and tok == eos:
+        if cfg.stop_at_eos and tok in model.eos_ids:
             break
         ids.append(tok)
         text = model.tokenizer.decode(ids, skip_special_tokens=True)

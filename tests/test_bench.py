@@ -104,7 +104,7 @@ def test_timed_path_matches_model_prefix_and_generate(ktm_model, merge):
     ids = [ktm_model.tokenize(text, first=True)]
     with torch.no_grad():
         want = ktm_model.encode_prompts([as_segments(text)], merge)[0].embeds
-        got = encode_prefix(ktm_model, ids, merge)[0]
+        got = encode_prefix(ktm_model, ids, merge)[0].embeds
     torch.testing.assert_close(got, want)
     res = infer_once(ktm_model, ids, merge, output_tokens=5)
     cfg = GenerationConfig(max_new_tokens=5, stop_at_eos=False, merge=merge)

@@ -34,7 +34,7 @@ def test_saved_files_are_safetensors_and_json(saved):
     assert "adapter/adapter_model.safetensors" in names
     assert not any(n.endswith((".bin", ".pt", ".pkl")) for n in names)
     cfg = json.loads((path / "ktm_config.json").read_text())
-    assert cfg["encoder"]["k"] == 4 and cfg["hidden_size"] == 64
+    assert cfg["format_version"] == 2 and cfg["config"]["k"] == 4 and cfg["hidden_size"] == 64
     assert cfg["versions"]["torch"].startswith("2.")
 
 
@@ -57,7 +57,7 @@ def test_load_refuses_encoder_weights_of_another_k(saved, tiny_model_dir, tmp_pa
 def test_resume_refuses_checkpoint_of_another_k_or_size(saved, tiny_model_dir):
     _, path = saved
     other = KTMModel.from_base(tiny_model_dir, k=3)
-    with pytest.raises(KTMError, match=r"K=4\), but the model has .*K=3"):
+    with pytest.raises(KTMError, match=r"saved with K=4, but this run has K=3"):
         load_weights_into(other, path)
     cfg = json.loads((path / "ktm_config.json").read_text())
     cfg["hidden_size"] = 128
@@ -87,3 +87,61 @@ def test_overwriting_a_checkpoint_leaves_no_temp_folders(saved):
     model, path = saved
     model.save(str(path))
     assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]
+
+
+def test_a_format_1_checkpoint_still_loads(saved):
+    """Checkpoints written before KTMConfig spread it over top-level keys; fields added later
+    (slot weights, the MLP gate) were absent and mean off."""
+    model, path = saved
+    cfg = json.loads((path / "ktm_config.json").read_text())
+    c = cfg["config"]
+    v1 = {"format": "ktm", "format_version": 1, "base_model": c["base_model"],
+          "encoder": {"hidden_size": 64, "k": c["k"], "mlp_ratio": c["mlp_ratio"],
+                      "use_mlp": c["use_mlp"]},
+          "lora": {**c["lora"], "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                    "gate_proj", "up_proj", "down_proj"]},
+          "add_eos": True, "hidden_size": 64, "vocab_size": cfg["vocab_size"],
+          "model_type": "llama", "versions": cfg["versions"]}
+    (path / "ktm_config.json").write_text(json.dumps(v1))
+    loaded = KTMModel.load(str(path))
+    assert loaded.k == 4 and loaded.config.lora.r == model.config.lora.r
+    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+                               atol=0, rtol=0)
+    load_weights_into(model, path)  # and resuming from it is accepted
+
+
+@pytest.mark.parametrize("victim", ["encoder.safetensors", "adapter/adapter_model.safetensors"])
+def test_truncated_weights_are_a_clear_error(saved, victim):
+    _, path = saved
+    data = (path / victim).read_bytes()
+    (path / victim).write_bytes(data[: len(data) // 2])
+    with pytest.raises(KTMError, match="missing or corrupt"):
+        KTMModel.load(str(path))
+
+
+def test_a_lora_size_mismatch_is_a_clear_error(saved, tiny_model_dir, tmp_path):
+    from ktm.model import LoraSettings
+
+    model, path = saved
+    wide = KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(r=8))
+    wide.save(str(tmp_path / "r8"))
+    adapter = "adapter/adapter_model.safetensors"
+    (path / adapter).write_bytes((tmp_path / "r8" / adapter).read_bytes())
+    with pytest.raises(KTMError, match="adapter .* does not fit"):
+        KTMModel.load(str(path))
+    with pytest.raises(KTMError, match="adapter .* does not fit"):
+        load_weights_into(model, path)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("alpha", 32, "lora.alpha=16, but this run has lora.alpha=32"),
+    ("dropout", 0.1, "lora.dropout=0.05, but this run has lora.dropout=0.1"),
+    ("target_modules", ("q_proj", "v_proj"), "lora.target_modules="),
+])
+def test_resume_refuses_other_lora_settings(saved, tiny_model_dir, field, value, match):
+    from ktm.model import LoraSettings
+
+    _, path = saved
+    other = KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(**{field: value}))
+    with pytest.raises(KTMError, match=match):
+        load_weights_into(other, path)

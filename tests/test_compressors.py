@@ -17,7 +17,7 @@ from ktm.compressors.cli import (
     finish_eval_row,
     parse_options,
 )
-from ktm.compressors.ltsc import LTSC, mine
+from ktm.compressors.ltsc import LTSC, add_meta_tokens, meta_rows, mine
 from ktm.compressors.selective_context import SelectiveContext
 from ktm.errors import KTMError
 from ktm.model import KTMModel
@@ -205,26 +205,26 @@ def test_ltsc_round_trips_exactly(tiny_model_dir):
 def test_ltsc_meta_tokens_are_mean_initialised_and_trainable(tiny_model_dir):
     model = fresh(tiny_model_dir)
     vocab_rows = model.embed_ids(torch.arange(3)).detach()
-    ids = model.add_meta_tokens([[0, 1, 2], [1]])
+    ids = add_meta_tokens(model, [[0, 1, 2], [1]])
     torch.testing.assert_close(model.embed_ids(torch.tensor(ids)),
                                torch.stack([vocab_rows.mean(0), vocab_rows[1]]))
     assert model.config_dict["vocab_size"] == len(model.tokenizer)  # LM head untouched
     names = [n for n, _ in model.trainable_parameters()]
-    assert "meta_embedding.meta" in names
+    assert "input_extension.meta" in names
     prompt = [Segment("x", ids=(ids[0], 5)), Segment(CUE, compress=False)]
     model([prompt], ["fox"]).loss.backward()
-    assert model.meta_embedding.meta.grad[0].abs().sum() > 0
+    assert meta_rows(model).meta.grad[0].abs().sum() > 0
 
 
 def test_ltsc_state_restores_beside_a_checkpoint(tiny_model_dir, tmp_path):
     data = examples()
     first = apply_compressor("ltsc", {"max_meta_tokens": 8}, fresh(tiny_model_dir), data, data)
     with torch.no_grad():
-        first.model.meta_embedding.meta.add_(1.0)  # stands in for training
+        meta_rows(first.model).meta.add_(1.0)  # stands in for training
     first.compressor.save_state(tmp_path)
     again = apply_compressor("ltsc", {}, fresh(tiny_model_dir), data, data, state_dir=tmp_path)
     assert again.info["state_restored"] and again.compressor.vocab == first.compressor.vocab
-    torch.testing.assert_close(again.model.meta_embedding.meta, first.model.meta_embedding.meta)
+    torch.testing.assert_close(meta_rows(again.model).meta, meta_rows(first.model).meta)
     assert [e.segments for e in again.eval_examples] == [e.segments for e in first.eval_examples]
 
 

@@ -1,40 +1,170 @@
-"""Other causal-LM families load from a local folder and keep the parity guarantees."""
+"""Every supported causal-LM family, built tiny in-process: LoRA lands on all its attention and
+MLP projections, logits equal the HF forward's (post-head transforms included), and cached
+generation equals a full re-run."""
 
 import pytest
 import torch
+import transformers as T
 from conftest import build_tokenizer
-from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, Qwen2Config
 
+from ktm import KTMError
+from ktm.config import LoraSettings
 from ktm.generate import generate_ids
 from ktm.model import KTMModel
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world"
+LAYERS = 2
+LLAMA = {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj")}
+# family -> (config class, extra config fields, modules LoRA must cover: name -> count)
+FAMILIES = {
+    "llama": (T.LlamaConfig, {}, LLAMA),
+    "qwen2": (T.Qwen2Config, {}, LLAMA),
+    "qwen3": (T.Qwen3Config, {}, LLAMA),
+    "gemma": (T.GemmaConfig, {}, LLAMA),
+    "gemma2": (T.Gemma2Config, {"final_logit_softcapping": 2.0}, LLAMA),
+    "mistral": (T.MistralConfig, {}, LLAMA),
+    "phi3": (T.Phi3Config, {}, {"qkv_proj": LAYERS, "o_proj": LAYERS, "gate_up_proj": LAYERS,
+                                "down_proj": LAYERS}),
+    "olmo2": (T.Olmo2Config, {}, LLAMA),
+    "cohere": (T.CohereConfig, {"logit_scale": 0.25}, LLAMA),
+    "granite": (T.GraniteConfig, {"logits_scaling": 4.0, "embedding_multiplier": 2.0}, LLAMA),
+    "gpt2": (T.GPT2Config, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS, "c_fc": LAYERS}),
+    "opt": (T.OPTConfig, {}, {"q_proj": LAYERS, "k_proj": LAYERS, "v_proj": LAYERS,
+                              "out_proj": LAYERS, "fc1": LAYERS, "fc2": LAYERS}),
+}
 
 
-def tiny_config(family: str, vocab: int):
-    common = dict(vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+def tiny_config(family: str, vocab: int, positions: int = 256):
+    cls, extra, _ = FAMILIES[family]
+    common = dict(vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=None, **extra)
     if family == "gpt2":
-        return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
-    cls = {"qwen2": Qwen2Config, "gemma": GemmaConfig}[family]
-    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **common)
+        return cls(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=positions, **common)
+    if family == "opt":
+        return cls(hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                   word_embed_proj_dim=64, max_position_embeddings=positions, **common)
+    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=positions, **common)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2", "gemma"])
-def test_family_parity_and_cached_generation(family, tmp_path):
+def save_tiny(family: str, path, positions: int = 256):
     tok = build_tokenizer()
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(tiny_config(family, len(tok)))
-    base.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    base = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    model = KTMModel.from_base(str(tmp_path), k=1)
-    assert model.trainable_parameters(), "LoRA found no target modules"
+    base = T.AutoModelForCausalLM.from_config(tiny_config(family, len(tok), positions))
+    with torch.no_grad():  # random init is tiny; larger weights make logits differ clearly
+        for p in base.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    base.save_pretrained(path)
+    tok.save_pretrained(path)
+    return T.AutoModelForCausalLM.from_pretrained(path).eval(), tok
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    base, tok = save_tiny(request.param, path)
+    return request.param, str(path), base, tok
+
+
+def perturb_lora(model: KTMModel) -> None:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.trainable_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def test_lora_covers_every_attention_and_mlp_projection(family):
+    name, path, _, _ = family
+    model = KTMModel.from_base(path, k=1)
+    assert model.config_dict["lora_modules"] == FAMILIES[name][2]
+    assert sorted(model.config.lora.target_modules) == sorted(FAMILIES[name][2])
+
+
+def test_logits_equal_the_hf_forward(family):
+    """K=1 with its zero-initialised MLP is the base model exactly, through every post-head
+    transform (Gemma-2 soft-capping, Cohere logit_scale, Granite logits_scaling)."""
+    _, path, base, tok = family
+    model = KTMModel.from_base(path, k=1)
     ids = torch.tensor([tok(TEXT)["input_ids"]])
     with torch.no_grad():
-        torch.testing.assert_close(model.prompt_logits(TEXT), base(ids).logits[0],
-                                   atol=1e-5, rtol=1e-5)
-    k4 = KTMModel.from_base(str(tmp_path), k=4)
+        want = base(ids).logits[0]
+        torch.testing.assert_close(model.prompt_logits(TEXT), want, atol=1e-5, rtol=1e-5)
+        # the training path computes the head only at target positions: same numbers there
+        n = ids.shape[1]
+        t = model.target_logits([tok.decode(ids[0, :n - 4])], [ids[0, n - 4:].tolist()],
+                                merge=False)
+    torch.testing.assert_close(t.logits, want[n - 5:n - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_cached_generation_equals_full_rerun(family):
+    _, path, _, _ = family
+    torch.manual_seed(0)
+    model = KTMModel.from_base(path, k=4)
+    perturb_lora(model)
     prompts = [TEXT, "Hello world"]
-    assert generate_ids(k4, prompts, max_new_tokens=6) == generate_ids(
-        k4, prompts, max_new_tokens=6, use_cache=False)
+    assert generate_ids(model, prompts, max_new_tokens=6) == generate_ids(
+        model, prompts, max_new_tokens=6, use_cache=False)
+
+
+def test_checkpoint_records_the_adapted_modules(tmp_path):
+    base, tok = save_tiny("phi3", tmp_path / "phi3")
+    model = KTMModel.from_base(base, k=2, tokenizer=tok)
+    model.save(tmp_path / "ck")
+    loaded = KTMModel.load(tmp_path / "ck")
+    assert loaded.config_dict["lora_modules"] == FAMILIES["phi3"][2]
+    assert sorted(loaded.config.lora.target_modules) == sorted(FAMILIES["phi3"][2])
+
+
+def test_targets_a_model_lacks_are_an_error_not_dropped(tmp_path):
+    base, tok = save_tiny("phi3", tmp_path / "phi3")
+    with pytest.raises(KTMError, match=r"\['q_proj', 'k_proj'\].* not modules of this 'phi3'"):
+        KTMModel.from_base(base, tokenizer=tok,
+                           lora=LoraSettings(target_modules=("q_proj", "k_proj", "o_proj")))
+
+
+# ---------------------------------------------------------------- position limits
+@pytest.fixture(scope="module")
+def gpt2_128(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2-128")
+    base, tok = save_tiny("gpt2", path, positions=128)
+    return str(path), tok
+
+
+def long_text(tok, n: int) -> str:
+    words = " fox" * n
+    assert len(tok(words)["input_ids"]) == n
+    return words
+
+
+def test_prompt_over_the_position_limit_names_the_k_that_fits(gpt2_128):
+    path, tok = gpt2_128
+    model = KTMModel.from_base(path, k=4)
+    text = long_text(tok, 200)
+    with pytest.raises(KTMError, match=r"200 positions after merging \(K=4, 200 tokens before\) "
+                                       r"\+ 3 target tokens, over the model's limit of 128 "
+                                       r"positions; K=2 would fit"):
+        model([text], [[5, 6, 7]], merge=False)
+    with pytest.raises(KTMError, match=r"limit of 128 positions; K=2 would fit"):
+        model.generate(text, max_new_tokens=4, merge=False)
+
+
+def test_prompt_that_fits_only_after_merging_works(gpt2_128):
+    path, tok = gpt2_128
+    model = KTMModel.from_base(path, k=4)
+    text = long_text(tok, 200)
+    out = model([text], [[5, 6, 7]])
+    assert out.tokens_in == 200 and out.tokens_out == 50 and torch.isfinite(out.loss)
+    assert len(model.generate(text, max_new_tokens=8, stop_at_eos=False)) > 0
+
+
+def test_no_k_fits_when_the_plain_part_alone_is_too_long(gpt2_128):
+    from ktm.prompt import Segment
+
+    path, tok = gpt2_128
+    model = KTMModel.from_base(path, k=4)
+    prompt = [Segment("fox"), Segment(long_text(tok, 130), compress=False)]
+    with pytest.raises(KTMError, match="no K fits: shorten the plain segments"):
+        model([prompt], [[5]])

@@ -41,8 +41,9 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(ktm_model):
 
 def test_stops_at_eos(ktm_model):
     eos = ktm_model.tokenizer.eos_token_id
+    head = ktm_model.peft.get_base_model().get_output_embeddings().weight
     with __import__("torch").no_grad():  # make EOS overwhelmingly likely at every step
-        ktm_model._head.weight[eos] += 50 * ktm_model._head.weight.abs().max()
+        head[eos] += 50 * head.abs().max()
     ids = generate_ids(ktm_model, [PROMPTS[0]], max_new_tokens=5)
     assert ids == [[]]
 
@@ -74,3 +75,49 @@ def test_precomputed_prefixes_give_the_same_output(ktm_model):
         ktm_model, PROMPTS, max_new_tokens=6)
     with pytest.raises(KTMError, match="2 prefixes for 3 prompts"):
         generate_ids(ktm_model, PROMPTS, prefixes=prefixes[:2], max_new_tokens=2)
+
+
+def test_stops_at_every_eos_of_the_generation_config(tiny_model_dir):
+    """Llama-3 / Qwen end turns with an id that is not the tokenizer's EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ktm.model import KTMModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    first = generate_ids(KTMModel.from_base(tiny_model_dir, k=4), [PROMPTS[0]],
+                         max_new_tokens=5)[0]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    end_of_turn = first[0]  # the greedy first token becomes an end-of-turn id
+    assert end_of_turn != tok.eos_token_id
+    base.generation_config.eos_token_id = [tok.eos_token_id, end_of_turn]
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    assert generate_ids(model, [PROMPTS[0]], max_new_tokens=5) == [[]]
+    assert list(model.stream(PROMPTS[0], max_new_tokens=5)) == []
+
+
+def test_a_tokenizer_without_pad_token_works(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ktm.model import KTMModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.pad_token = None
+    assert tok.pad_token_id is None
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    perturb(model)
+    batch = model.generate(PROMPTS, max_new_tokens=6)
+    assert batch == [model.generate(p, max_new_tokens=6) for p in PROMPTS]
+    out = model(PROMPTS, ["a", "b c", "d"])
+    assert out.loss.isfinite()
+
+
+def test_an_unfinished_stream_leaves_the_model_in_its_mode(ktm_model):
+    perturb(ktm_model)
+    ktm_model.train()
+    pieces = ktm_model.stream(PROMPTS[0], max_new_tokens=8, stop_at_eos=False)
+    first = next(pieces)
+    assert ktm_model.training, "stream switched the model to eval mode and left it there"
+    ktm_model.eval()
+    assert first == next(ktm_model.stream(PROMPTS[0], max_new_tokens=8, stop_at_eos=False))
+    del pieces

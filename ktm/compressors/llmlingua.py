@@ -91,7 +91,7 @@ class LLMLingua(Compressor):
             self._pc = build_prompt_compressor(self.llmlingua2_model, llmlingua2=True)
         else:
             self._pc = build_prompt_compressor(
-                resolve_model_path(self.model_name or model.base_model))
+                resolve_model_path(self.model_name or model.config.base_model))
 
     def compress_text(self, text: str) -> str:
         rate = 1.0 - self.ratio

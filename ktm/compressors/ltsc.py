@@ -9,7 +9,7 @@ meta-token, and recounts, until ``max_meta_tokens`` are chosen or nothing repeat
 ``encode`` applies the meta-tokens in the order they were learned, each left to right without
 overlaps (exactly what mining did), so ``decode(encode(ids)) == ids`` for every input.
 
-The LM gets one new input-embedding row per meta-token (``KTMModel.add_meta_tokens``),
+The LM gets one new input-embedding row per meta-token (``add_meta_tokens``),
 initialised as the mean embedding of the sequence it replaces and trained with LoRA. The rows are
 input-only: the LM head never predicts a meta-token. Compressed segments carry their ids in
 ``Segment.ids`` (no text maps to a meta-token); ``Segment.text`` keeps the original text.
@@ -45,13 +45,14 @@ _CANDIDATES = 8  # top n-grams by overlapping count whose exact saving is checke
 class MetaEmbedding(nn.Module):
     """The LM's input embedding (V rows, shared, not copied) plus trainable rows for ids >= V.
 
-    forward: (...) ids -> (..., D) embeddings.
+    forward: (...) ids -> (..., D) embeddings in the LM's dtype. The rows stay fp32 (trainable
+    weights are fp32 whatever the LM's dtype) and are cast on the way out.
     """
 
-    def __init__(self, base: nn.Embedding, meta: torch.Tensor):
+    def __init__(self, base: nn.Module, meta: torch.Tensor):
         super().__init__()
         object.__setattr__(self, "base", base)  # registered in the LM already; not twice
-        self.meta = nn.Parameter(meta)
+        self.meta = nn.Parameter(meta.float())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -63,8 +64,35 @@ class MetaEmbedding(nn.Module):
         is_meta = ids >= v
         out = self.base(ids.clamp(max=v - 1))
         if bool(is_meta.any()):
-            out = torch.where(is_meta[..., None], self.meta[(ids - v).clamp(min=0)], out)
+            rows = self.meta[(ids - v).clamp(min=0)].to(out.dtype)
+            out = torch.where(is_meta[..., None], rows, out)
         return out
+
+
+def meta_rows(model) -> MetaEmbedding | None:
+    """The model's meta-token rows, if LTSC gave it any."""
+    ext = getattr(model, "input_extension", None)
+    return ext if isinstance(ext, MetaEmbedding) else None
+
+
+def add_meta_tokens(model, sequences: Sequence[Sequence[int]]) -> list[int]:
+    """Append one trainable input-embedding row per token sequence; returns the new ids.
+
+    Each row starts as the mean embedding of its sequence (LTSC meta-tokens). The rows are
+    input-only (the LM head never predicts them) and train alongside LoRA.
+    """
+    if not sequences or not all(sequences):
+        raise KTMError("add_meta_tokens needs non-empty token sequences, got an empty one")
+    old = meta_rows(model)
+    with torch.no_grad():
+        rows = torch.stack([model.embed_ids(model._ids(list(s))).float().mean(0)
+                            for s in sequences])
+    base = old.base if old is not None else model.input_embedding
+    if old is not None:
+        rows = torch.cat([old.meta.detach(), rows])
+    model.set_input_embedding(MetaEmbedding(base, rows))
+    start = base.weight.shape[0] + rows.shape[0] - len(sequences)
+    return list(range(start, start + len(sequences)))
 
 
 def _starts(seq: np.ndarray, gram: tuple[int, ...]) -> list[int]:
@@ -158,7 +186,7 @@ class LTSC(Compressor):
         if not seqs:
             raise KTMError("ltsc found no compressed segments in the training examples")
         self.vocab = mine(seqs, self.max_meta_tokens, self.max_len, self.min_count)
-        self.meta_ids = model.add_meta_tokens(self.vocab) if self.vocab else []
+        self.meta_ids = add_meta_tokens(model, self.vocab) if self.vocab else []
 
     def encode(self, ids: Sequence[int]) -> list[int]:
         """Plain ids -> ids with meta-tokens."""
@@ -181,7 +209,7 @@ class LTSC(Compressor):
         d.mkdir(parents=True, exist_ok=True)
         # rows first: a state file always comes with the rows it names
         if self.vocab:
-            rows = self.model.meta_embedding.meta.detach().cpu().contiguous()
+            rows = meta_rows(self.model).meta.detach().cpu().contiguous()
             save_safetensors_atomic(d / STATE_ROWS, {"meta": rows})
         write_json_atomic(d / STATE_JSON, {**self.options(), "vocab": [list(g) for g in self.vocab],
                                            "meta_ids": self.meta_ids})
@@ -197,11 +225,11 @@ class LTSC(Compressor):
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise KTMError(f"LTSC state in {str(d)!r} is missing or corrupt: {e}") from e
         self.model = model
-        self.meta_ids = model.add_meta_tokens(self.vocab) if self.vocab else []
+        self.meta_ids = add_meta_tokens(model, self.vocab) if self.vocab else []
         if self.meta_ids != state["meta_ids"]:
             raise KTMError(f"LTSC state in {str(d)!r} has meta ids from {state['meta_ids'][:1]}, "
                            f"but this model gives {self.meta_ids[:1]}: another base vocabulary")
         if rows is not None:
             with torch.no_grad():
-                model.meta_embedding.meta.copy_(rows.to(model.meta_embedding.meta))
+                meta_rows(model).meta.copy_(rows.to(meta_rows(model).meta))
         return True

@@ -24,6 +24,8 @@ from ktm.errors import KTMError
 from ktm.prompt import Segment
 
 UNITS = ("token", "word")
+# logits held at once while scoring (elements): (B, L, V) for a long batch would not fit
+LOGITS_BUDGET = 64 * 2**20
 
 
 class SelectiveContext(Compressor):
@@ -50,19 +52,36 @@ class SelectiveContext(Compressor):
         out: list[list[float]] = []
         try:
             with model.peft.disable_adapter():
-                for i in range(0, len(rows), self.batch_size):
-                    batch = rows[i:i + self.batch_size]
+                for batch in self._groups(rows):
                     p = model.pack([model.embed_ids(model._ids(r)) for r in batch])
-                    h = model.hidden(p.embeds, p.mask, p.position_ids)  # (B, L, D)
+                    # logits only where a next token is scored: (N, V), N = sum(len(r) - 1)
+                    keep = torch.zeros_like(p.mask, dtype=torch.bool)
                     for b, r in enumerate(batch):
-                        start = h.shape[1] - len(r)
-                        # one row's logits at a time: (T, V) stays small where (B, T, V) would not
-                        logp = model.logits(h[b, start:start + len(r) - 1]).float().log_softmax(-1)
-                        nll = -logp.gather(-1, model._ids(r[1:])[:, None]).squeeze(-1)
-                        out.append([math.inf] + nll.tolist())
+                        keep[b, keep.shape[1] - len(r):-1] = True
+                    logp = model.lm(p.embeds, p.mask, p.position_ids, keep=keep).float()
+                    logp = logp.log_softmax(-1)
+                    nexts = model._ids([t for r in batch for t in r[1:]])
+                    nll = (-logp.gather(-1, nexts[:, None]).squeeze(-1)).tolist()
+                    at = 0
+                    for r in batch:
+                        out.append([math.inf] + nll[at:at + len(r) - 1])
+                        at += len(r) - 1
         finally:
             model.train(was_training)
         return out
+
+    def _groups(self, rows: list[list[int]]):
+        """Batches of at most ``batch_size`` rows whose (N, V) logits stay within a budget."""
+        vocab = self.model.lm_config.vocab_size
+        group: list[list[int]] = []
+        for r in rows:
+            size = sum(len(x) for x in group) + len(r)
+            if group and (len(group) == self.batch_size or size * vocab > LOGITS_BUDGET):
+                yield group
+                group = []
+            group.append(r)
+        if group:
+            yield group
 
     def units(self, ids: list[int]) -> list[list[int]]:
         """Positions of ``ids`` grouped into lexical units."""

@@ -1,0 +1,104 @@
+"""What flows between prompt encoding, the LM and the losses: prefixes, packed batches, outputs.
+
+Layout of every sequence the LM sees (rows left-padded to a common length):
+
+    [pad ...][prefix: merged blocks and plain-token embeddings][targets or generated tokens]
+
+Position ids count only real positions, so a row's result does not depend on its batch-mates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ktm.errors import KTMError
+
+
+@dataclass
+class CompressedPrompt:
+    """A prompt's prefix embeddings (L, D) with exact token counts before and after merging.
+
+    ``mergeable``: token counts of the segments the encoder merges (or would, with merging on),
+    so the K at which a too-long prompt would fit can be worked out.
+    """
+
+    embeds: torch.Tensor
+    tokens_in: int
+    tokens_out: int
+    mergeable: tuple[int, ...] = ()
+
+    @property
+    def length_reduction(self) -> float:
+        return 1.0 - self.tokens_out / self.tokens_in
+
+    def positions_at(self, k: int) -> int:
+        """Prefix positions if the mergeable segments were merged at ``k``."""
+        plain = self.tokens_in - sum(self.mergeable)
+        return plain + sum(-(-n // k) for n in self.mergeable)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # mean NLL over all target tokens of the batch
+    nll: torch.Tensor  # (B,) summed NLL per sample
+    n_tokens: torch.Tensor  # (B,) target tokens per sample
+    tokens_in: int = 0  # prompt tokens before merging, summed over the batch
+    tokens_out: int = 0  # prompt positions the LM actually read
+    parts: dict[str, tuple[float, int]] = field(default_factory=dict)  # objective: (sum, tokens)
+
+
+@dataclass
+class TargetLogits:
+    """Logits at the target positions of a batch, flattened over samples."""
+
+    logits: torch.Tensor  # (N, V) fp32, N = total target tokens
+    labels: torch.Tensor  # (N,) target token ids
+    rows: torch.Tensor  # (N,) sample index of each target token
+    lengths: list[int]  # target tokens per sample
+    tokens_in: int
+    tokens_out: int
+
+
+@dataclass
+class Packed:
+    """Left-padded batch: embeds (B, L, D), mask (B, L), position_ids (B, L)."""
+
+    embeds: torch.Tensor
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: list[int] = field(default_factory=list)
+
+
+def pack(seqs: list[torch.Tensor]) -> Packed:
+    """Left-pad a list of (L_i, D) sequences into one batch."""
+    lengths = [s.shape[0] for s in seqs]
+    longest = max(lengths)
+    b, d = len(seqs), seqs[0].shape[-1]
+    embeds = seqs[0].new_zeros(b, longest, d)
+    mask = torch.zeros(b, longest, dtype=torch.long, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        embeds[i, longest - s.shape[0]:] = s
+        mask[i, longest - s.shape[0]:] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return Packed(embeds, mask, position_ids, lengths)
+
+
+def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: int | None,
+                    k: int, what: str) -> None:
+    """Refuse a sequence longer than the model's positions, saying which K would make it fit.
+
+    ``extra[i]``: positions after prefix i (its target tokens, or the tokens to generate).
+    """
+    if not limit:
+        return
+    for cp, more in zip(prefixes, extra):
+        if cp.tokens_out + more <= limit:
+            continue
+        fits = next((kk for kk in range(1, max(cp.mergeable, default=1) + 1)
+                     if cp.positions_at(kk) + more <= limit), None)
+        hint = f"K={fits} would fit" if fits else "no K fits: shorten the plain segments"
+        raise KTMError(f"prompt is {cp.tokens_out} positions after merging (K={k}, "
+                       f"{cp.tokens_in} tokens before) + {more} {what}, over the model's limit "
+                       f"of {limit} positions; {hint}")

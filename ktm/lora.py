@@ -1,0 +1,72 @@
+"""Where LoRA goes: every attention and MLP projection of the base model, named per family.
+
+PEFT's built-in default adapts only the query and value projections (GPT-2: ``c_attn``); the
+paper adapts all of them. Each family names its projections differently (Phi-3 fuses q/k/v into
+``qkv_proj`` and gate/up into ``gate_up_proj``; GPT-2 has ``c_attn``/``c_proj``/``c_fc``; OPT
+``out_proj``/``fc1``/``fc2``), so the names come from this table. Asked-for names that a model
+lacks are an error, never silently dropped: a partial match once left Phi-3 with LoRA on
+``o_proj`` and ``down_proj`` only.
+"""
+
+from __future__ import annotations
+
+from peft import LoraConfig
+from torch import nn
+
+from ktm.config import LoraSettings
+from ktm.errors import KTMError
+
+LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS: dict[str, tuple[str, ...]] = {
+    **{family: LLAMA_LIKE for family in (
+        "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+        "olmo", "olmo2", "cohere", "granite", "smollm3")},
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+def _module_names(lm: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, _ in lm.named_modules() if name}
+
+
+def resolve_targets(lm: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
+    """The module names LoRA adapts: the ones asked for, else the family's from ``TARGETS``."""
+    present = _module_names(lm)
+    model_type = getattr(lm.config, "model_type", "?")
+    if settings.target_modules is not None:
+        targets, source = settings.target_modules, "target_modules"
+    elif model_type in TARGETS:
+        targets, source = TARGETS[model_type], f"the {model_type!r} entry of ktm.lora.TARGETS"
+    else:
+        linear = sorted(n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
+                        if isinstance(m, nn.Linear))
+        raise KTMError(f"no LoRA targets known for model type {model_type!r}: pass "
+                       "target_modules (--lora-target-modules), e.g. some of "
+                       f"{sorted(set(linear))}")
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise KTMError(f"LoRA targets {missing} (from {source}) are not modules of this "
+                       f"{model_type!r} model: expected names such as the last part of "
+                       f"'model.layers.0.self_attn.q_proj'")
+    return tuple(targets)
+
+
+def lora_config(lm: nn.Module, settings: LoraSettings) -> LoraConfig:
+    targets = resolve_targets(lm, settings)
+    # GPT-2's Conv1D stores its weight transposed; PEFT needs to be told
+    conv1d = any(type(m).__name__ == "Conv1D" and n.rsplit(".", 1)[-1] in targets
+                 for n, m in lm.named_modules())
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=list(targets), fan_in_fan_out=conv1d, task_type="CAUSAL_LM")
+
+
+def adapted_modules(peft_model: nn.Module) -> dict[str, int]:
+    """How many modules of each name carry a LoRA adapter (recorded in the checkpoint)."""
+    counts: dict[str, int] = {}
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and len(getattr(module, "lora_A", {})):
+            short = name.rsplit(".", 1)[-1]
+            counts[short] = counts.get(short, 0) + 1
+    return dict(sorted(counts.items()))

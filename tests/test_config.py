@@ -1,0 +1,42 @@
+import pytest
+
+from ktm.config import KTMConfig, LoraSettings
+from ktm.errors import KTMError
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"k": 0}, "k must be an integer >= 1, got 0"),
+    ({"k": True}, "k must be an integer"),
+    ({"mlp_ratio": 0.0}, "mlp_ratio must be > 0"),
+    ({"use_mlp": False, "mlp_gate": True}, "mlp_gate=True needs use_mlp=True"),
+    ({"plain_prefix": -1}, "plain_prefix must be an integer >= 0"),
+    ({"dtype": "int8"}, "dtype must be one of"),
+    ({"lora": {"r": 0}}, "LoRA r must be an integer >= 1, got 0"),
+    ({"lora": {"dropout": 1.0}}, r"LoRA dropout must be in \[0, 1\)"),
+    ({"lora": {"target_modules": ()}}, "LoRA target_modules must be non-empty"),
+])
+def test_bad_values_are_refused_on_construction(kw, match):
+    with pytest.raises(KTMError, match=match):
+        KTMConfig(**kw)
+
+
+def test_round_trip_and_canonical_dtype():
+    cfg = KTMConfig(k=3, dtype="bf16", lora=LoraSettings(r=8, target_modules=("q_proj",)))
+    assert cfg.dtype == "bfloat16"
+    again = KTMConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.lora.target_modules == ("q_proj",)
+
+
+def test_unknown_fields_are_refused():
+    with pytest.raises(KTMError, match=r"unknown fields \['kk'\]"):
+        KTMConfig.from_dict({"kk": 2})
+
+
+def test_format_1_config_is_read_with_later_fields_off():
+    cfg = KTMConfig.from_checkpoint({
+        "base_model": "m", "encoder": {"hidden_size": 64, "k": 2, "mlp_ratio": 1.0,
+                                       "use_mlp": True},
+        "lora": {"r": 4, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj"]},
+        "add_eos": False})
+    assert (cfg.k, cfg.mlp_ratio, cfg.slot_weights, cfg.mlp_gate, cfg.add_eos) == (
+        2, 1.0, False, False, False)
