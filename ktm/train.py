@@ -204,6 +204,9 @@ def train(
     """
     if not examples:
         raise KTMError("no training examples: expected at least one")
+    if model.dtype == torch.float16:
+        raise KTMError("training with a float16 base model is not supported: fp16 gradients "
+                       "need loss scaling; use --dtype bfloat16 or float32")
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = param_groups(model, config)

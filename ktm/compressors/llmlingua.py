@@ -47,8 +47,9 @@ class _TokenCounter:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def build_prompt_compressor(model_dir: str | Path, llmlingua2: bool = False):
-    """``llmlingua.PromptCompressor`` on a local folder, CPU, with no network access."""
+def build_prompt_compressor(model_dir: str | Path, llmlingua2: bool = False,
+                            device: str = "cpu"):
+    """``llmlingua.PromptCompressor`` on a local folder and ``device``, with no network access."""
     try:
         import llmlingua.prompt_compressor as lp
     except ImportError as e:
@@ -56,7 +57,7 @@ def build_prompt_compressor(model_dir: str | Path, llmlingua2: bool = False):
                        f"run: {INSTALL}") from e
     # the gpt-3.5-turbo encoding would be downloaded here; our counter replaces it just below
     with mock.patch.object(lp.tiktoken, "encoding_for_model", lambda _name: None):
-        pc = lp.PromptCompressor(model_name=str(model_dir), device_map="cpu",
+        pc = lp.PromptCompressor(model_name=str(model_dir), device_map=device,
                                  model_config={"trust_remote_code": False},
                                  use_llmlingua2=llmlingua2)
     pc.oai_tokenizer = _TokenCounter(pc.tokenizer)
@@ -88,10 +89,12 @@ class LLMLingua(Compressor):
 
         super().fit(examples, model)
         if self.llmlingua2_model:
-            self._pc = build_prompt_compressor(self.llmlingua2_model, llmlingua2=True)
+            self._pc = build_prompt_compressor(self.llmlingua2_model, llmlingua2=True,
+                                               device=str(model.device))
         else:
             self._pc = build_prompt_compressor(
-                resolve_model_path(self.model_name or model.config.base_model))
+                resolve_model_path(self.model_name or model.config.base_model),
+                device=str(model.device))
 
     def compress_text(self, text: str) -> str:
         rate = 1.0 - self.ratio

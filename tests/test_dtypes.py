@@ -1,0 +1,89 @@
+"""Low-precision base models and devices: trainable weights stay fp32, bad devices fail clearly."""
+
+import pytest
+import torch
+from test_model import PROMPTS, TARGETS
+
+from ktm import KTMError
+from ktm.cli import main
+from ktm.model import KTMModel
+from ktm.tasks.tree import TreeTask
+from ktm.timing import clock
+from ktm.train import TrainConfig, train
+
+
+def test_bf16_training_moves_fp32_trainable_weights(tiny_model_dir, tmp_path):
+    """At lr 5e-5 a bf16 weight of size ~0.05 cannot move (its spacing is ~2e-4); the encoder,
+    LoRA and LTSC rows are fp32 masters, the base LM stays bf16."""
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    assert {p.dtype for _, p in model.trainable_parameters()} == {torch.float32}
+    first = model.encoder.mlp[0].weight.detach().clone()
+    out = model(PROMPTS, TARGETS)
+    assert torch.isfinite(out.loss)
+    data = TreeTask(stage="small").train_examples(8, seed=0)
+    cfg = TrainConfig(out_dir=str(tmp_path), max_steps=2, batch_size=4, lr=5e-5,
+                      encoder_lr=5e-5, save_every=0, progress=False)
+    last = train(model, data, cfg)
+    assert torch.isfinite(torch.tensor(last["loss"]))
+    moved = (model.encoder.mlp[0].weight != first).float().mean().item()
+    assert moved > 0.9, f"only {moved:.0%} of the encoder's first-layer weights moved"
+    # the checkpoint holds the fp32 weights and loads back in bf16
+    loaded = KTMModel.load(str(tmp_path / "checkpoint"), dtype="bfloat16")
+    torch.testing.assert_close(loaded.encoder.mlp[0].weight, model.encoder.mlp[0].weight)
+
+
+def test_fp16_training_is_refused_clearly(tiny_model_dir, tmp_path):
+    model = KTMModel.from_base(tiny_model_dir, k=4, dtype="float16")
+    data = TreeTask(stage="small").train_examples(4, seed=0)
+    with pytest.raises(KTMError, match="float16 .* use --dtype bfloat16 or float32"):
+        train(model, data, TrainConfig(out_dir=str(tmp_path), max_steps=1, progress=False))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_one_line(capsys, tiny_model_dir):
+    code = main(["generate", "--model", tiny_model_dir, "--device", "cuda", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("ktm: error: device 'cuda' asked for, but "
+                                                   "CUDA is not available")
+
+
+def test_the_clock_waits_for_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    clock(torch.device("cuda:0"))
+    clock(torch.device("cpu"))
+    assert calls == [torch.device("cuda:0")]
+
+
+def test_demo_prefill_timing_uses_the_synchronising_clock(ktm_model, monkeypatch):
+    import ktm.demo as demo
+
+    seen = []
+    monkeypatch.setattr(demo, "clock", lambda device: seen.append(device) or float(len(seen)))
+    demo.time_prefill(ktm_model, PROMPTS, repeats=1)
+    assert seen and set(seen) == {ktm_model.device}
+
+
+def test_llmlingua_follows_the_model_device(monkeypatch, tiny_model_dir):
+    pytest.importorskip("llmlingua")
+    import llmlingua.prompt_compressor as lp
+
+    from ktm.compressors.llmlingua import LLMLingua
+
+    seen = {}
+
+    class FakeCompressor:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            self.tokenizer = None
+
+    class OnGPU:  # a model that reports another device; LLMLingua must not assume cpu
+        device = torch.device("cuda:1")
+        config = KTMModel.from_base(tiny_model_dir, k=1).config
+
+    monkeypatch.setattr(lp, "PromptCompressor", FakeCompressor)
+    LLMLingua().fit([], OnGPU())
+    assert seen["device_map"] == "cuda:1"
