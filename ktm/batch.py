@@ -59,6 +59,7 @@ class TargetLogits:
     lengths: list[int]  # target tokens per sample
     tokens_in: int
     tokens_out: int
+    hidden: tuple[torch.Tensor, ...] | None = None  # per layer (N, D), when asked for
 
 
 @dataclass

@@ -289,15 +289,17 @@ class KTMModel(nn.Module):
         check_positions(prefixes, extra, self.max_positions, self.k, what)
 
     def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
-           cache=None, keep: int | torch.Tensor = 0) -> torch.Tensor:
+           cache=None, keep: int | torch.Tensor = 0, hidden: bool = False):
         """The causal LM's own forward on (B, L, D) embeddings; extends ``cache`` if given.
 
         ``keep``: an int keeps logits at the last positions (0: all) -> (B, keep, V); a (B, L)
         bool mask keeps exactly those positions, flattened row by row -> (N, V).
+        ``hidden``: also return every layer's hidden states (B, L, D), as (logits, states).
         """
         out = self.peft(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep)
-        return out.logits
+                        past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep,
+                        output_hidden_states=hidden)
+        return (out.logits, out.hidden_states) if hidden else out.logits
 
     def prompt_logits(self, prompt: PromptLike, merge: bool = True) -> torch.Tensor:
         """(L, V) logits at every prefix position of one prompt."""
@@ -339,8 +341,12 @@ class KTMModel(nn.Module):
     def target_logits(
         self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
         merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
+        hidden: bool = False,
     ) -> TargetLogits:
-        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch."""
+        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch.
+
+        ``hidden``: also each layer's hidden states (N, D) at those positions (distillation).
+        """
         if len(prompts) != len(targets):
             raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
         if prefixes is None:
@@ -360,10 +366,12 @@ class KTMModel(nn.Module):
             keep[i, start:start + len(t)] = True
             rows += [i] * len(t)
             labels += t
-        logits = self.lm(p.embeds, p.mask, p.position_ids, keep=keep).float()
-        return TargetLogits(logits, self._ids(labels), self._ids(rows), [len(t) for t in tgt],
-                            sum(cp.tokens_in for cp in prefixes),
-                            sum(cp.tokens_out for cp in prefixes))
+        out = self.lm(p.embeds, p.mask, p.position_ids, keep=keep, hidden=hidden)
+        logits, states = out if hidden else (out, None)
+        return TargetLogits(logits.float(), self._ids(labels), self._ids(rows),
+                            [len(t) for t in tgt], sum(cp.tokens_in for cp in prefixes),
+                            sum(cp.tokens_out for cp in prefixes),
+                            tuple(h[keep] for h in states[1:]) if hidden else None)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, **kwargs):

@@ -6,7 +6,11 @@ with one of these objectives (alone or mixed by weight):
     lm       cross-entropy on the plain continuation after the merged context
     distill  self-distillation on that continuation: the teacher is the same base LM with its
              adapter disabled reading the *plain* context (PEFT's adapter-disabled forward, so no
-             second model in memory); KL(teacher || student) per continuation token
+             second model in memory); KL(teacher || student) per continuation token, plus
+             (``distill_hidden`` > 0) the squared distance between the student's and the
+             teacher's hidden states there, every layer, relative to the teacher's norm: if the
+             merged context carries what the plain one does, those states can match, and that
+             is far more signal per token than the output distribution alone
     ae       autoencoding (ICAE): after the merged context and a plain cue, regenerate the
              context itself. This is the objective that forces every token to survive.
 
@@ -72,6 +76,8 @@ class PretrainConfig:
     target_tokens: int = field(default=64, metadata={"help": "longest continuation target"})
     ae_tokens: int = field(default=128, metadata={"help": "longest context to autoencode"})
     min_tokens: int = field(default=32, metadata={"help": "shortest usable text, in tokens"})
+    distill_hidden: float = field(default=0.0, metadata={
+        "help": "weight of hidden-state matching added to the distill objective"})
     ae_cue: str = field(default="\nRepeat the text above:\n",
                         metadata={"help": "plain text between the merged context and its copy"})
     text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
@@ -86,6 +92,8 @@ class PretrainConfig:
         self.objective_weights = parse_weights(self.objectives, "objective", OBJECTIVES)
         self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
                                  self.min_tokens)
+        if self.distill_hidden < 0:
+            raise KTMError(f"distill_hidden must be >= 0, got {self.distill_hidden}")
         if self.n_eval_windows < 1:
             raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
 
@@ -144,20 +152,30 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     return (t.exp() * (t - s)).sum(-1)
 
 
-def teacher_logits(model, batch: Sequence[Example]):
+def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
     """The base LM (adapter disabled, eval mode) reading each example's context plain."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), model.peft.disable_adapter():
             return model.target_logits([e.segments for e in batch], [e.target for e in batch],
-                                       merge=False)
+                                       merge=False, hidden=hidden)
     finally:
         model.train(was_training)
 
 
-def pretrain_loss(model, batch: Sequence[Example]) -> LossOutput:
-    """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill."""
+def _hidden_gap(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]
+                ) -> torch.Tensor:
+    """Per-token squared distance of hidden states, each layer scaled by the teacher's mean
+    squared norm there, averaged over layers: (N,)."""
+    gaps = [((s.float() - t.float()) ** 2).sum(-1) / (t.float() ** 2).sum(-1).mean()
+            for s, t in zip(student, teacher)]
+    return torch.stack(gaps).mean(0)
+
+
+def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0) -> LossOutput:
+    """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill
+    (plus ``distill_hidden`` times the hidden-state gap)."""
     nll = torch.zeros(len(batch), device=model.device)
     n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
     parts: dict[str, tuple[float, int]] = {}
@@ -168,11 +186,15 @@ def pretrain_loss(model, batch: Sequence[Example]) -> LossOutput:
         if not idx:
             continue
         sub = [batch[i] for i in idx]
-        t = model.target_logits([e.segments for e in sub], [e.target for e in sub])
+        deep = kind == "distill" and distill_hidden > 0
+        t = model.target_logits([e.segments for e in sub], [e.target for e in sub], hidden=deep)
         if kind == "ce":
             tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
         else:
-            tok = _kl(t.logits, teacher_logits(model, sub).logits)
+            teacher = teacher_logits(model, sub, hidden=deep)
+            tok = _kl(t.logits, teacher.logits)
+            if deep:
+                tok = tok + distill_hidden * _hidden_gap(t.hidden, teacher.hidden)
         per = torch.zeros(len(sub), device=model.device).index_add(0, t.rows, tok)
         where = torch.tensor(idx, device=model.device)
         nll = nll.index_add(0, where, per)
@@ -206,6 +228,9 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
             r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)
             return {name: v for name, v in r.items()}
 
-    return train(model, stream, train_config, evaluate=evaluate, loss_fn=pretrain_loss,
+    def loss_fn(m, batch):
+        return pretrain_loss(m, batch, config.distill_hidden)
+
+    return train(model, stream, train_config, evaluate=evaluate, loss_fn=loss_fn,
                  run_extra={"pretrain": config.to_dict(), "command": command,
                             "docs": {k: len(v) for k, v in docs.items()}})

@@ -52,21 +52,24 @@ def randomize_lora(model, seed=1):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
-@pytest.mark.parametrize("objective", ["lm", "distill", "ae"])
-def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective):
+@pytest.mark.parametrize("objective,hidden", [("lm", 0), ("distill", 0), ("distill", 1.0),
+                                              ("ae", 0)])
+def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective, hidden):
     model = fresh(tiny_model_dir)
     cfg = small_cfg(corpus, (objective,))
     stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 8, 0, model.tokenizer.eos_token_id)
     batch = [stream[i] for i in range(8)]
     assert {e.meta["objective"] for e in batch} == {objective}
     model.train()
-    before = pretrain_loss(model, batch)
+    before = pretrain_loss(model, batch, hidden)
     assert set(before.parts) == {objective}
+    if hidden:  # the hidden-state gap adds to the KL
+        assert before.loss.item() > pretrain_loss(model, batch).loss.item() + 1e-3
     opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
     before.loss.backward()
     opt.step()
     with torch.no_grad():
-        after = pretrain_loss(model, batch)
+        after = pretrain_loss(model, batch, hidden)
     assert after.loss.item() < before.loss.item() - 1e-3, (before.loss.item(), after.loss.item())
 
 
