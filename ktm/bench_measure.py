@@ -15,7 +15,9 @@ from transformers import DynamicCache
 from ktm.errors import KTMError
 from ktm.generate import GenerationConfig, decode_steps, prefill
 from ktm.prompt import Segment
+from ktm.tasks.base import Example
 from ktm.timing import clock
+from ktm.train import train_step
 
 
 # ---------------------------------------------------------------- synthetic prompts
@@ -147,19 +149,17 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int) ->
 
 
 def train_once(model, opt, prompts: list[str], targets: list[str], merge: bool) -> dict:
-    """Time one LoRA training step as ``ktm.train`` runs it: forward, backward, clip, AdamW."""
+    """Time one training step through ``ktm.train.train_step`` (forward, backward, clip, AdamW),
+    with the same definition of input tokens/s as ``ktm train``."""
+    window = [Example((Segment(p, compress=merge),), t) for p, t in zip(prompts, targets)]
     dev = model.device
     model.train()
     with PeakMemory(dev) as mem:
         t0 = clock(dev)
-        out = model(prompts, targets, merge=merge)
-        out.loss.backward()
-        params = [p for g in opt.param_groups for p in g["params"]]
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        st = train_step(model, opt, window, len(window), clip_norm=1.0)
         t1 = clock(dev)
     model.eval()
-    return {"step_s": t1 - t0, "input_tokens_per_s": out.tokens_in / (t1 - t0),
-            "compressed_tokens": out.tokens_out // len(prompts), "loss": float(out.loss.detach()),
+    return {"step_s": t1 - t0, "input_tokens_per_s": st.input_tokens / (t1 - t0),
+            "compressed_tokens": st.lm_prompt_tokens // len(prompts),
+            "loss": st.loss_sum / st.target_tokens,
             "peak_mem_bytes": mem.peak, "peak_mem_delta_bytes": mem.peak - mem.start}

@@ -131,12 +131,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             r = finish_eval_row(r, eval_set, info)
         return r
 
-    def on_step(step: int, _: dict) -> None:
-        # the method's fitted state (LTSC vocabulary, meta rows) lives beside each checkpoint
-        if comp and (step == tcfg.max_steps or (tcfg.save_every and step % tcfg.save_every == 0)):
-            comp.save_state(ckpt)
-
-    last = train(model, train_set, tcfg, evaluate=evaluate, on_step=on_step)
+    # the method's fitted state (LTSC vocabulary, meta rows) is written inside each checkpoint
+    last = train(model, train_set, tcfg, evaluate=evaluate,
+                 save_extra=comp.save_state if comp else None)
     print(json.dumps({k: v for k, v in last.items()}, indent=2))
     return 0
 

@@ -4,7 +4,8 @@
     OUT/checkpoint/        a loadable KTMModel checkpoint + optimizer and trainer state
 
 Data order is a pure function of (seed, step), so ``resume=True`` continues a killed run
-exactly where its last checkpoint left off.
+exactly where its last checkpoint left off (what is on disk, and what a resume checks:
+``ktm.train_state``). ``train_step`` is the one optimizer step, shared with the benchmark.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
 from ktm.errors import KTMError
-from ktm.fileio import existing_dir, write_json_atomic, write_text_atomic
 from ktm.provenance import git_revision, versions
 from ktm.tasks.base import Example
-
-CHECKPOINT = "checkpoint"
-METRICS = "metrics.jsonl"
+from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics: public names)
+    CHECKPOINT,
+    METRICS,
+    check_fresh,
+    data_signature,
+    last_cpu,
+    load_checkpoint,
+    read_metrics,
+    record_start,
+    save_checkpoint,
+    trim_metrics,
+)
 
 
 @dataclass
@@ -83,76 +90,6 @@ class _Order:
         return self._perms[epoch][i % self.n]
 
 
-def _save_checkpoint(model, opt, step: int, cfg: TrainConfig, out: Path) -> None:
-    def write(tmp: Path) -> None:
-        write_model_files(model, tmp)
-        sd = opt.state_dict()
-        tensors = {f"state.{i}.{name}": (v if torch.is_tensor(v) else torch.tensor(v)).cpu()
-                   for i, st in sd["state"].items() for name, v in st.items()}
-        tensors["rng.torch"] = torch.get_rng_state()
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
-        write_json_atomic(tmp / "trainer_state.json", {
-            "step": step, "config": asdict(cfg), "param_groups": sd["param_groups"],
-        })
-
-    save_atomic(out / CHECKPOINT, write)
-
-
-def _load_checkpoint(model, opt, out: Path) -> int:
-    ckpt = existing_dir(out / CHECKPOINT)
-    if not (ckpt / "trainer_state.json").is_file():
-        raise KTMError(f"cannot resume: no checkpoint in {str(out)!r}; run without --resume")
-    load_weights_into(model, ckpt)
-    try:
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        tensors = load_file(str(ckpt / "optimizer.safetensors"))
-    except Exception as e:  # noqa: BLE001 - any parse failure means a corrupt checkpoint
-        raise KTMError(f"checkpoint {str(ckpt)!r} is corrupt: {e}") from e
-    opt_state: dict[int, dict] = {}
-    for key, v in tensors.items():
-        if key.startswith("state."):
-            _, i, name = key.split(".", 2)
-            opt_state.setdefault(int(i), {})[name] = v
-    opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
-    torch.set_rng_state(tensors["rng.torch"])
-    return int(state["step"])
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics file; a half-written last line (a crash mid-write) is dropped."""
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                break
-            raise KTMError(f"{str(path)!r} line {i + 1} is not JSON ({e}): the metrics file is "
-                           "corrupt") from e
-    return rows
-
-
-def _trim_metrics(path: Path, step: int) -> None:
-    """Drop rows logged after the checkpoint we resume from; they will be logged again."""
-    if path.exists():
-        rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def _last_cpu(path: Path) -> float:
-    """CPU seconds of the last logged step (after trimming), to continue the count on resume."""
-    cpu = 0.0
-    for row in read_metrics(path):
-        cpu = row.get("cpu_s", cpu)
-    return cpu
-
-
 def adamw(params, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
     """AdamW with the fused kernel where torch has one: it updates all tensors at once, ~7x
     faster than the per-tensor loop on CPU (AdamW was 20% of a K=8 step in the profile)."""
@@ -188,6 +125,60 @@ def cross_entropy_loss(model, batch: Sequence[Example]):
     return model([e.segments for e in batch], [e.target for e in batch])
 
 
+@dataclass
+class StepStats:
+    """One optimizer step's numbers. Input tokens are every token of the uncompressed training
+    sequences (prompt before merging + target): the one definition of input tokens/s that
+    ``ktm train`` and ``ktm bench --mode train`` share."""
+
+    loss_sum: float = 0.0  # summed loss over the window's target tokens
+    target_tokens: int = 0
+    prompt_tokens: int = 0  # before merging
+    lm_prompt_tokens: int = 0  # positions the LM read
+    grad_norm: float = 0.0
+    parts: dict[str, list[float]] = field(default_factory=dict)  # objective: [sum, tokens]
+
+    @property
+    def input_tokens(self) -> int:
+        return self.prompt_tokens + self.target_tokens
+
+    @property
+    def lm_tokens(self) -> int:
+        return self.lm_prompt_tokens + self.target_tokens
+
+
+def check_trainable(model) -> None:
+    if model.dtype == torch.float16:
+        raise KTMError("training with a float16 base model is not supported: fp16 gradients "
+                       "need loss scaling; use --dtype bfloat16 or float32")
+
+
+def train_step(model, opt, window: Sequence[Example], batch_size: int,
+               loss_fn: Callable = cross_entropy_loss, clip_norm: float = 1.0) -> StepStats:
+    """One optimizer step over ``window`` in micro-batches of ``batch_size``: the step's loss is
+    the mean over every target token of the window; clip (0: off), AdamW, zero the grads."""
+    check_trainable(model)
+    stats = StepStats()
+    window_tokens = sum(len(model.target_ids(e.target)) for e in window)
+    for start in range(0, len(window), batch_size):
+        res = loss_fn(model, window[start:start + batch_size])
+        res.nll.sum().div(window_tokens).backward()
+        for name, (v, n) in res.parts.items():
+            acc = stats.parts.setdefault(name, [0.0, 0])
+            acc[0] += v
+            acc[1] += n
+        stats.loss_sum += float(res.nll.detach().sum())
+        stats.target_tokens += int(res.n_tokens.sum())
+        stats.prompt_tokens += res.tokens_in
+        stats.lm_prompt_tokens += res.tokens_out
+    params = [p for g in opt.param_groups for p in g["params"]]
+    stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(
+        params, clip_norm if clip_norm > 0 else math.inf))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return stats
+
+
 def train(
     model,
     examples: Sequence[Example],
@@ -196,36 +187,42 @@ def train(
     on_step: Callable[[int, dict], None] | None = None,
     loss_fn: Callable = cross_entropy_loss,
     run_extra: dict | None = None,
+    save_extra: Callable[[Path], None] | None = None,
 ) -> dict:
     """Fine-tune the encoder and LoRA on ``examples``; returns the last logged metrics.
 
     ``loss_fn(model, batch) -> LossOutput`` computes a micro-batch's summed per-sample loss
     (``nll``) over ``n_tokens`` target tokens; the default is cross-entropy on the targets.
+    ``save_extra(folder)`` writes more files into every checkpoint, inside its atomic swap.
+    The caller's random state is left as it was: the run seeds and restores its own.
     """
     if not examples:
         raise KTMError("no training examples: expected at least one")
-    if model.dtype == torch.float16:
-        raise KTMError("training with a float16 base model is not supported: fp16 gradients "
-                       "need loss scaling; use --dtype bfloat16 or float32")
+    check_trainable(model)
+    cuda = list(range(torch.cuda.device_count())) if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(config.seed)
+        return _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra)
+
+
+def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra) -> dict:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    groups = param_groups(model, config)
-    params = [p for g in groups for p in g["params"]]
-    opt = adamw(groups, lr=config.lr, weight_decay=config.weight_decay)
-    torch.manual_seed(config.seed)
+    opt = adamw(param_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
+    data = data_signature(examples)
     step = 0
     if config.resume:
-        step = _load_checkpoint(model, opt, out)
-        _trim_metrics(out / METRICS, step)
-    elif (out / CHECKPOINT).exists():
-        raise KTMError(f"{str(out)!r} already holds a run: pass --resume or use another out_dir")
+        step = load_checkpoint(model, opt, out, config, data)
+        trim_metrics(out / METRICS, step)
+    else:
+        check_fresh(out)
     # a stream (reader pretraining) is random per index already: read it in order, so its
     # length, which is open-ended, never changes the data a step sees
     order = range(len(examples)) if getattr(examples, "is_stream", False) else _Order(
         len(examples), config.seed)
-    run_info = {"config": asdict(config), "model": model.config_dict, "versions": versions(),
-                "git": git_revision(), "n_examples": len(examples), **(run_extra or {})}
-    write_json_atomic(out / "run.json", run_info)
+    record_start(out, {"config": asdict(config), "model": model.config_dict,
+                       "versions": versions(), "git": git_revision(), **data,
+                       **(run_extra or {})}, step)
     metrics_file = (out / METRICS).open("a")
     last: dict = {}
     bar = tqdm(total=config.max_steps, initial=step, desc="train", disable=not config.progress)
@@ -233,41 +230,24 @@ def train(
     t_start = time.perf_counter()
     # process CPU seconds (all threads): the cost axis of recipe comparisons, robust to other
     # jobs on the machine; carried across a resume
-    cpu_start, cpu_before = time.process_time(), _last_cpu(out / METRICS) if config.resume else 0.0
+    cpu_start, cpu_before = time.process_time(), last_cpu(out / METRICS) if config.resume else 0.0
+    per_step = config.batch_size * config.grad_accum
     try:
         while step < config.max_steps:
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_factor(step, config)
-            loss_sum, n_tok, tok_in, tok_lm = 0.0, 0, 0, 0
-            parts: dict[str, list[float]] = {}
-            per_step = config.batch_size * config.grad_accum
             window = [examples[order[step * per_step + j]] for j in range(per_step)]
-            # the step's loss is a mean over every target token of the accumulation window
-            window_tokens = sum(len(model.target_ids(e.target)) for e in window)
-            for micro in range(config.grad_accum):
-                batch = window[micro * config.batch_size:(micro + 1) * config.batch_size]
-                res = loss_fn(model, batch)
-                res.nll.sum().div(window_tokens).backward()
-                for name, (v, n) in res.parts.items():
-                    acc = parts.setdefault(name, [0.0, 0])
-                    acc[0] += v
-                    acc[1] += n
-                loss_sum += float(res.nll.detach().sum())
-                n_tok += int(res.n_tokens.sum())
-                tok_in += res.tokens_in + int(res.n_tokens.sum())
-                tok_lm += res.tokens_out + int(res.n_tokens.sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, config.clip_norm if config.clip_norm > 0 else math.inf)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            st = train_step(model, opt, window, config.batch_size, loss_fn, config.clip_norm)
             step += 1
             dt = time.perf_counter() - t0
-            last = {"step": step, "loss": loss_sum / max(1, n_tok), "lr": opt.param_groups[0]["lr"],
-                    "grad_norm": float(grad_norm), "step_s": dt, "input_tokens_per_s": tok_in / dt,
-                    "lm_tokens_per_s": tok_lm / dt, "elapsed_s": time.perf_counter() - t_start,
+            last = {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
+                    "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm, "step_s": dt,
+                    "input_tokens_per_s": st.input_tokens / dt,
+                    "lm_tokens_per_s": st.lm_tokens / dt,
+                    "elapsed_s": time.perf_counter() - t_start,
                     "cpu_s": cpu_before + time.process_time() - cpu_start,
-                    **{f"loss_{k}": v / max(1, n) for k, (v, n) in parts.items()}}
+                    **{f"loss_{k}": v / max(1, n) for k, (v, n) in st.parts.items()}}
             if step % config.log_every == 0 or step == config.max_steps:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
@@ -284,7 +264,7 @@ def train(
                                                "eval": result}) + "\n")
                 metrics_file.flush()
             if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
-                _save_checkpoint(model, opt, step, config, out)
+                save_checkpoint(model, opt, step, config, out, data, save_extra)
             if on_step:
                 on_step(step, last)
     finally:
@@ -292,4 +272,3 @@ def train(
         metrics_file.close()
         model.eval()
     return last
-

@@ -176,6 +176,11 @@ def test_train_mode_rows(tiny_model_dir, tmp_path):
         assert r["compressed_tokens"] == math.ceil(24 / r["k"])
         assert r["target_tokens"] == 3  # two words + EOS
         assert len(r["per_repeat"]["speedup_train"]) == 2
+    for r in rows:  # one definition with ktm train: prompt tokens before merging + targets
+        tokens = r["batch"] * (r["input_tokens"] + r["target_tokens"])
+        rep = r["per_repeat"]
+        for rate, secs in zip(rep["input_tokens_per_s"], rep["step_s"]):
+            assert rate * secs == pytest.approx(tokens)
     narrow, wide = rows[1], rows[2]
     assert 0 < narrow["encoder_params"] < wide["encoder_params"]
 

@@ -157,3 +157,25 @@ def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path):
         assert {"R", "nll_merged", "nll_plain", "nll_none"} <= set(r)
     code, text, _ = run(capsys, "report", str(out))
     assert code == 0 and "| ktm-k4 | 4 | code |" in text
+
+
+def test_ltsc_state_is_inside_the_atomic_checkpoint(capsys, tiny_model_dir, tmp_path,
+                                                    monkeypatch):
+    import ktm.checkpoint as checkpoint
+
+    at_swap = []
+    real = checkpoint.replace_dir
+
+    def watched(tmp, dest):
+        at_swap.append(sorted(p.name for p in tmp.iterdir()))
+        real(tmp, dest)
+
+    monkeypatch.setattr(checkpoint, "replace_dir", watched)
+    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-train", "16", "--n-eval", "4", "--max-steps", "2",
+                       "--batch-size", "4", "--save-every", "1", "--out-dir",
+                       str(tmp_path / "r"), "--no-progress", "--compressor", "ltsc",
+                       "--compressor-option", "max_meta_tokens=8")
+    assert code == 0, err
+    assert len(at_swap) == 2 and all({"ltsc.json", "ltsc_meta.safetensors"} <= set(names)
+                                     for names in at_swap)

@@ -9,7 +9,8 @@ import pytest
 
 from ktm import fileio
 from ktm.errors import KTMError
-from ktm.train import _trim_metrics, read_metrics
+from ktm.train_state import read_metrics
+from ktm.train_state import trim_metrics as _trim_metrics
 
 KTM = Path(fileio.__file__).parent
 

@@ -90,3 +90,131 @@ def test_resume_without_checkpoint_is_refused(tiny_model_dir, tree_task, tmp_pat
 def test_bad_train_config(field, value):
     with pytest.raises(KTMError, match=field):
         TrainConfig(**{field: value})
+
+
+def test_training_leaves_the_callers_random_state_alone(tiny_model_dir, tree_task, tmp_path):
+    data = tree_task.train_examples(8, seed=0)
+    weights = []
+    for caller_seed in (123, 456):
+        model = fresh(tiny_model_dir)
+        torch.manual_seed(caller_seed)
+        expected = torch.rand(3)
+        torch.manual_seed(caller_seed)
+        train(model, data, TrainConfig(out_dir=str(tmp_path / str(caller_seed)), max_steps=2,
+                                       batch_size=4, lr=1e-3, progress=False))
+        torch.testing.assert_close(torch.rand(3), expected, atol=0, rtol=0)
+        weights.append([p.detach().clone() for _, p in model.trainable_parameters()])
+    for a, b in zip(*weights):  # and the run itself does not depend on the caller's state
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def two_step_run(tiny_model_dir, data, out, **kw):
+    base = dict(out_dir=str(out), max_steps=2, batch_size=2, grad_accum=1, seed=0, lr=1e-3,
+                save_every=1, progress=False)
+    train(fresh(tiny_model_dir), data, TrainConfig(**{**base, **kw}))
+    return base
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"batch_size": 4}, "batch_size=2, this run has batch_size=4"),
+    ({"grad_accum": 2}, "grad_accum=1, this run has grad_accum=2"),
+    ({"seed": 1}, "seed=0, this run has seed=1"),
+    ({"n_train": 12}, "n_train=8, this run has n_train=12"),
+    ({"other_examples": True}, "examples=the checkpoint's"),
+])
+def test_resume_refuses_a_changed_data_order(tiny_model_dir, tree_task, tmp_path, change, match):
+    data = tree_task.train_examples(8, seed=0)
+    base = two_step_run(tiny_model_dir, data, tmp_path)
+    if change.pop("n_train", None):
+        data = tree_task.train_examples(12, seed=0)
+    if change.pop("other_examples", None):
+        data = tree_task.train_examples(8, seed=5)
+    cfg = TrainConfig(**{**base, "max_steps": 4, "resume": True, **change})
+    with pytest.raises(KTMError, match=match):
+        train(fresh(tiny_model_dir), data, cfg)
+
+
+def test_resume_refuses_other_lora_alpha(tiny_model_dir, tree_task, tmp_path):
+    from ktm.model import LoraSettings
+
+    data = tree_task.train_examples(8, seed=0)
+    base = two_step_run(tiny_model_dir, data, tmp_path)
+    other = KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(alpha=32))
+    with pytest.raises(KTMError, match="lora.alpha=16, but this run has lora.alpha=32"):
+        train(other, data, TrainConfig(**{**base, "max_steps": 4, "resume": True}))
+
+
+def test_run_json_keeps_the_history_of_starts(tiny_model_dir, tree_task, tmp_path):
+    data = tree_task.train_examples(8, seed=0)
+    base = two_step_run(tiny_model_dir, data, tmp_path)
+    train(fresh(tiny_model_dir), data, TrainConfig(**{**base, "max_steps": 3, "resume": True}))
+    info = json.loads((tmp_path / "run.json").read_text())
+    assert [h["started_at_step"] for h in info["history"]] == [0, 2]
+    assert info["started_at_step"] == 2 and info["config"]["max_steps"] == 3
+    assert [h["config"]["max_steps"] for h in info["history"]] == [2, 3]
+
+
+def test_a_fresh_run_never_appends_to_old_metrics(tiny_model_dir, tree_task, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    with pytest.raises(KTMError, match="metrics.jsonl from an earlier run but no checkpoint"):
+        train(fresh(tiny_model_dir), tree_task.train_examples(4, seed=0),
+              TrainConfig(out_dir=str(tmp_path), max_steps=1, batch_size=2, progress=False))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("garbage", "optimizer state .* is corrupt"),
+    ("no_rng", "optimizer state .* is corrupt"),
+    ("trainer_state", "trainer state .* is corrupt"),
+])
+def test_a_corrupt_optimizer_state_is_a_clear_error(tiny_model_dir, tree_task, tmp_path, damage,
+                                                    match):
+    from safetensors.torch import load_file, save_file
+
+    data = tree_task.train_examples(8, seed=0)
+    base = two_step_run(tiny_model_dir, data, tmp_path)
+    opt_file = tmp_path / "checkpoint" / "optimizer.safetensors"
+    if damage == "garbage":
+        opt_file.write_bytes(opt_file.read_bytes()[:100])
+    elif damage == "no_rng":
+        tensors = load_file(str(opt_file))
+        save_file({k: v for k, v in tensors.items() if k != "rng.torch"}, str(opt_file))
+    else:
+        (tmp_path / "checkpoint" / "trainer_state.json").write_text('{"step": ')
+    with pytest.raises(KTMError, match=match):
+        train(fresh(tiny_model_dir), data, TrainConfig(**{**base, "max_steps": 3,
+                                                          "resume": True}))
+
+
+def test_extra_state_is_written_inside_the_atomic_checkpoint(tiny_model_dir, tree_task, tmp_path,
+                                                             monkeypatch):
+    import ktm.checkpoint as checkpoint
+
+    seen = []
+    real = checkpoint.replace_dir
+
+    def watched(tmp, dest):
+        seen.append(sorted(p.name for p in tmp.iterdir()))
+        real(tmp, dest)
+
+    monkeypatch.setattr(checkpoint, "replace_dir", watched)
+    train(fresh(tiny_model_dir), tree_task.train_examples(4, seed=0),
+          TrainConfig(out_dir=str(tmp_path), max_steps=1, batch_size=2, progress=False),
+          save_extra=lambda folder: (folder / "extra.json").write_text("{}"))
+    assert seen and all("extra.json" in names for names in seen)
+
+
+def test_cuda_rng_states_are_saved_and_restored(monkeypatch):
+    from ktm import train_state
+
+    state = torch.arange(8, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [state])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    tensors = train_state._rng_tensors()
+    assert torch.equal(tensors["rng.cuda.0"], state) and "rng.torch" in tensors
+    train_state._restore_rng(tensors)
+    assert len(restored) == 1 and torch.equal(restored[0][0], state)

@@ -1,0 +1,180 @@
+"""A training run on disk, and the checks that let a resume continue the *same* run.
+
+    OUT/run.json           what started the run, one entry per start (``history``)
+    OUT/metrics.jsonl      one JSON row per logged step / evaluation (an append-only log)
+    OUT/checkpoint/        a loadable KTMModel checkpoint + optimizer.safetensors (Adam moments,
+                           CPU and CUDA RNG states) + trainer_state.json; extra files (LTSC
+                           state) are written inside the same atomic folder swap
+
+A resume refuses anything that would change the data a step sees (batch size, accumulation,
+seed, the examples) or the model (K, encoder, LoRA r/alpha/dropout/targets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
+from ktm.errors import KTMError
+from ktm.fileio import existing_dir, write_json_atomic, write_text_atomic
+
+CHECKPOINT = "checkpoint"
+METRICS = "metrics.jsonl"
+RUN = "run.json"
+OPTIMIZER = "optimizer.safetensors"
+TRAINER = "trainer_state.json"
+DATA_ORDER = ("batch_size", "grad_accum", "seed")  # TrainConfig fields that fix the data order
+FINGERPRINT_EXAMPLES = 16
+
+
+def data_signature(examples: Sequence) -> dict:
+    """How many examples, and a hash of the first few: another task, seed or option shows."""
+    # a stream's length follows max_steps and does not change what a step sees: hash only its
+    # first example, which exists at every length
+    stream = bool(getattr(examples, "is_stream", False))
+    head = [examples[i] for i in range(1 if stream else min(FINGERPRINT_EXAMPLES, len(examples)))]
+    digest = hashlib.sha256(repr([(e.segments, e.target) for e in head]).encode()).hexdigest()
+    return {"n_examples": None if stream else len(examples), "fingerprint": digest[:16]}
+
+
+# ---------------------------------------------------------------- checkpoint
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("rng.cuda.")),
+                                       key=lambda k: int(k.rsplit(".", 1)[1]))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+
+
+def save_checkpoint(model, opt, step: int, cfg, out: Path, data: dict,
+                    extra: Callable[[Path], None] | None = None) -> None:
+    """Model, optimizer, RNG and trainer state, plus ``extra(folder)``'s files, in one swap."""
+    def write(tmp: Path) -> None:
+        write_model_files(model, tmp)
+        sd = opt.state_dict()
+        tensors = {f"state.{i}.{name}": (v if torch.is_tensor(v) else torch.tensor(v)).cpu()
+                   for i, st in sd["state"].items() for name, v in st.items()}
+        tensors.update(_rng_tensors())
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / OPTIMIZER))
+        write_json_atomic(tmp / TRAINER, {"step": step, "config": asdict(cfg), "data": data,
+                                          "param_groups": sd["param_groups"]})
+        if extra is not None:
+            extra(tmp)
+
+    save_atomic(out / CHECKPOINT, write)
+
+
+def check_resume(saved: dict, cfg, data: dict, where: Path) -> None:
+    """Refuse a resume that would change which examples a step sees."""
+    old = saved.get("config", {})
+    diffs = [(n, old.get(n), getattr(cfg, n)) for n in DATA_ORDER if old.get(n) != getattr(cfg, n)]
+    old_data = saved.get("data")
+    if old_data is not None:  # older checkpoints did not record it
+        if old_data.get("n_examples") != data["n_examples"]:
+            diffs.append(("n_train", old_data.get("n_examples"), data["n_examples"]))
+        elif old_data.get("fingerprint") != data["fingerprint"]:
+            diffs.append(("examples", "the checkpoint's", "other ones (task, seed or options)"))
+    if diffs:
+        theirs = ", ".join(f"{n}={a}" for n, a, _ in diffs)
+        ours = ", ".join(f"{n}={b}" for n, _, b in diffs)
+        raise KTMError(f"cannot resume from {str(where)!r}: it was trained with {theirs}, this "
+                       f"run has {ours}; the data order would change. Resume with the same "
+                       "settings, or start a new out_dir")
+
+
+def load_checkpoint(model, opt, out: Path, cfg, data: dict) -> int:
+    """Restore a run's checkpoint into ``model`` and ``opt``; returns the step it reached."""
+    ckpt = existing_dir(out / CHECKPOINT)
+    if not (ckpt / TRAINER).is_file():
+        raise KTMError(f"cannot resume: no checkpoint in {str(out)!r}; run without --resume")
+    try:
+        state = json.loads((ckpt / TRAINER).read_text())
+        step = int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KTMError(f"trainer state in {str(ckpt)!r} is corrupt: {e}") from e
+    check_resume(state, cfg, data, ckpt)
+    load_weights_into(model, ckpt)
+    try:
+        tensors = load_file(str(ckpt / OPTIMIZER))
+        opt_state: dict[int, dict] = {}
+        for key, v in tensors.items():
+            if key.startswith("state."):
+                _, i, name = key.split(".", 2)
+                opt_state.setdefault(int(i), {})[name] = v
+        opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+        _restore_rng(tensors)
+    except Exception as e:  # noqa: BLE001 - any failure here means a corrupt optimizer state
+        raise KTMError(f"optimizer state in {str(ckpt)!r} is corrupt or does not fit this "
+                       f"model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    return step
+
+
+# ---------------------------------------------------------------- metrics and run.json
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics file; a half-written last line (a crash mid-write) is dropped."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise KTMError(f"{str(path)!r} line {i + 1} is not JSON ({e}): the metrics file is "
+                           "corrupt") from e
+    return rows
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop rows logged after the checkpoint we resume from; they will be logged again."""
+    if path.exists():
+        rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def last_cpu(path: Path) -> float:
+    """CPU seconds of the last logged step (after trimming), to continue the count on resume."""
+    cpu = 0.0
+    for row in read_metrics(path):
+        cpu = row.get("cpu_s", cpu)
+    return cpu
+
+
+def check_fresh(out: Path) -> None:
+    """A new run never writes into an old one's folder."""
+    if (out / CHECKPOINT).exists():
+        raise KTMError(f"{str(out)!r} already holds a run: pass --resume or use another out_dir")
+    if (out / METRICS).exists():
+        raise KTMError(f"{str(out)!r} has a {METRICS} from an earlier run but no checkpoint to "
+                       "resume from: remove it or use another out_dir")
+
+
+def record_start(out: Path, info: dict, step: int) -> None:
+    """``run.json``: the latest start's fields at the top, every start in ``history``."""
+    history: list = []
+    try:
+        old = json.loads((out / RUN).read_text())
+        history = old.get("history") or [{k: v for k, v in old.items() if k != "history"}]
+    except (OSError, ValueError, AttributeError):
+        pass
+    entry = {**info, "started_at_step": step, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json_atomic(out / RUN, {**entry, "history": [*history, entry] if step else [entry]})
