@@ -1,15 +1,47 @@
-"""ktm: K-Token Merging — compress long prompts in the latent embedding space."""
+"""ktm: K-Token Merging — compress long prompts in the latent embedding space.
 
-from ktm.encoder import EncoderConfig, KTokenEncoder
-from ktm.errors import KTMError
-from ktm.generate import GenerationConfig
-from ktm.model import CompressedPrompt, KTMModel, LoraSettings
-from ktm.prompt import Segment
-from ktm.train import TrainConfig, train
+The public names load on first use, so ``import ktm`` (and ``ktm report --help``) does not
+import torch.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CompressedPrompt", "EncoderConfig", "GenerationConfig", "KTMError", "KTMModel",
-    "KTokenEncoder", "LoraSettings", "Segment", "TrainConfig", "train", "__version__",
-]
+_EXPORTS = {
+    "CompressedPrompt": "ktm.batch", "EncoderConfig": "ktm.encoder",
+    "GenerationConfig": "ktm.generate", "KTMConfig": "ktm.config", "KTMError": "ktm.errors",
+    "KTMModel": "ktm.model", "KTokenEncoder": "ktm.encoder", "LoraSettings": "ktm.config",
+    "Segment": "ktm.prompt", "TrainConfig": "ktm.train", "train": "ktm.train",
+}
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ktm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """``ktm.train`` is the training function, as it always was, even once the submodule of
+    the same name is imported (the import system would bind the module there)."""
+
+    def __getattribute__(self, name: str):
+        value = super().__getattribute__(name)
+        if name == "train" and isinstance(value, types.ModuleType):
+            return value.train
+        return value
+
+
+sys.modules[__name__].__class__ = _Package

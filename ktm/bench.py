@@ -17,7 +17,6 @@ number of tokens (checked). Inference starts from token ids: tokenization is out
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import statistics
@@ -318,12 +317,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main_bench(config: BenchConfig) -> int:
-    """Run, write the JSON rows atomically, print a table; 0 on success, 2 on a ktm error."""
-    try:
-        rows = run_bench(config)
-    except KTMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """Run, write the JSON rows atomically, print a table. A ``KTMError`` propagates: the CLI
+    prints it as ``ktm: error: ...`` like every other command."""
+    rows = run_bench(config)
     write_json_atomic(config.out, rows)
     print(format_table(rows))
     print(f"wrote {len(rows)} rows to {config.out}")
@@ -331,10 +327,6 @@ def main_bench(config: BenchConfig) -> int:
 
 
 if __name__ == "__main__":
-    import argparse
+    from ktm.cli import main
 
-    from ktm.config_args import add_dataclass_args, from_args
-
-    _parser = argparse.ArgumentParser(prog="ktm bench", description=__doc__.split("\n")[0])
-    add_dataclass_args(_parser, BenchConfig)
-    raise SystemExit(main_bench(from_args(BenchConfig, _parser.parse_args())))
+    raise SystemExit(main(["bench", *sys.argv[1:]]))

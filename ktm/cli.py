@@ -10,78 +10,19 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from ktm.cli_args import (
+    TaskArgs,
+    add_model_args,
+    build_task,
+    init_or_build,
+    load_or_build,
+    plain,
+    task_settings,
+)
 from ktm.config_args import add_dataclass_args, from_args
 from ktm.errors import KTMError
-from ktm.models import DEFAULT_MODEL
-
-
-@dataclass
-class ModelArgs:
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "embedded name or HF folder"})
-    k: int = field(default=4, metadata={"help": "tokens merged per block"})
-    mlp_ratio: float = field(default=2.0, metadata={"help": "encoder MLP width / (K * hidden)"})
-    mlp: bool = field(default=True, metadata={"help": "use the MLP (off: mean pooling)"})
-    slot_weights: bool = field(default=False, metadata={
-        "help": "order-aware pooling: learnable per-slot weights starting at 1/K"})
-    mlp_gate: bool = field(default=False, metadata={
-        "help": "ReZero gate on the MLP output instead of a zero last layer"})
-    inner_k: int = field(default=1, metadata={
-        "help": "recursive merging: merge blocks of inner_k tokens first (1: off)"})
-    plain_prefix: int = field(default=0, metadata={
-        "help": "first prompt tokens kept plain (the LM's attention sink)"})
-    lora_r: int = field(default=4, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
-    device: str = field(default="cpu", metadata={"help": "torch device"})
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
-
-
-@dataclass
-class TaskArgs:
-    task: str = field(default="tree", metadata={"help": "tree | amazon | commitpack"})
-    stage: str = field(default="xmedium", metadata={"help": "tree stage (tree task only)"})
-    prompt_mode: str = field(default="context",
-                             metadata={"help": "context: question plain | paper: all compressed"})
-    data_path: str | None = field(default=None, metadata={"help": "your own JSONL of the schema"})
-    n_train: int = field(default=2000, metadata={"help": "training examples to draw"})
-    n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
-
-
-def build_model(a: ModelArgs):
-    from ktm.model import KTMModel, LoraSettings
-    from ktm.models import parse_dtype
-
-    lora = LoraSettings(r=a.lora_r, alpha=a.lora_alpha, dropout=a.lora_dropout)
-    return KTMModel.from_base(a.model, k=a.k, mlp_ratio=a.mlp_ratio, use_mlp=a.mlp,
-                              slot_weights=a.slot_weights, mlp_gate=a.mlp_gate,
-                              inner_k=a.inner_k,
-                              plain_prefix=a.plain_prefix, lora=lora, device=a.device,
-                              dtype=parse_dtype(a.dtype))
-
-
-def init_or_build(args: argparse.Namespace):
-    """A trainable model: from ``--init`` (a checkpoint folder or a shipped reader's name, whose
-    K must equal ``--k``), else a fresh one from the model flags."""
-    margs = from_args(ModelArgs, args)
-    if getattr(args, "init", None) and getattr(args, "init_adapter", None):
-        raise KTMError("give --init or --init-adapter, not both")
-    if not getattr(args, "init", None):
-        model = build_model(margs)
-        if getattr(args, "init_adapter", None):
-            from ktm.checkpoint import load_adapter_into
-            from ktm.readers import resolve_checkpoint
-
-            load_adapter_into(model, resolve_checkpoint(args.init_adapter))
-        return model
-    from ktm.model import KTMModel
-    from ktm.models import parse_dtype
-
-    return KTMModel.load(args.init, k=margs.k, device=margs.device,
-                         dtype=parse_dtype(margs.dtype), trainable=True)
 
 
 def set_threads(args: argparse.Namespace) -> None:
@@ -89,18 +30,6 @@ def set_threads(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-
-
-def build_task(t: TaskArgs, options: Sequence[str] = ()):
-    from ktm.compressors.cli import parse_options
-    from ktm.tasks import get_task
-
-    kwargs: dict[str, Any] = {"prompt_mode": t.prompt_mode, **parse_options(options)}
-    if t.task == "tree":
-        kwargs["stage"] = t.stage
-    if t.data_path:
-        kwargs["data_path"] = t.data_path
-    return get_task(t.task, **kwargs)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -132,7 +61,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return r
 
     # the method's fitted state (LTSC vocabulary, meta rows) is written inside each checkpoint
-    last = train(model, train_set, tcfg, evaluate=evaluate,
+    extra = {"command": args.command_line, "task": task_settings(task),
+             "compressor": None if comp is None else {"name": comp.name,
+                                                      "options": plain(comp.options())}}
+    last = train(model, train_set, tcfg, evaluate=evaluate, run_extra=extra,
                  save_extra=comp.save_state if comp else None)
     print(json.dumps({k: v for k, v in last.items()}, indent=2))
     return 0
@@ -158,15 +90,6 @@ def cmd_pack_reader(args: argparse.Namespace) -> int:
     print(f"reader {args.name!r}: {path} ({size / 2**20:.1f} MiB), "
           f"{info['steps']} steps, {info['cpu_minutes']:.0f} CPU-minutes")
     return 0
-
-
-def load_or_build(args: argparse.Namespace):
-    from ktm.model import KTMModel
-    from ktm.models import parse_dtype
-
-    if args.checkpoint:
-        return KTMModel.load(args.checkpoint, device=args.device, dtype=parse_dtype(args.dtype))
-    return build_model(from_args(ModelArgs, args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -228,9 +151,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result["natural_accuracy"] = nat["accuracy"]
         result["natural_balanced_accuracy"] = nat["balanced_accuracy"]
     method = args.method or args.compressor or (f"ktm-k{model.k}" if merge else "uncompressed")
+    config = {"model": model.config_dict, "task": task_settings(task),
+              "eval": {"n_eval": targs.n_eval, "seed": args.seed, "merge": merge,
+                       "device": str(model.device)},
+              "compressor": None if comp is None else {
+                  "name": comp.name, "options": plain(comp.options()),
+                  "fitted_on_n_train": None if info.get("state_restored") else targs.n_train}}
     row = {"task": task.name, "method": method, "k": model.k if merge else None, **result,
            "eval_wall_s": time.perf_counter() - t0, "checkpoint": args.checkpoint,
-           "config": {**vars_json(args), "model": model.config_dict},
+           "config": config, "command": args.command_line,
            "versions": versions(), "git": git_revision()}
     if args.json:
         write_json_atomic(args.json, row)
@@ -242,7 +171,8 @@ def _eval_readability(args: argparse.Namespace) -> int:
     """R and the three NLLs on held-out text, per set, as one result row."""
     import time
 
-    from ktm.provenance import git_revision, versions, write_json_atomic
+    from ktm.fileio import write_json_atomic
+    from ktm.provenance import git_revision, versions
     from ktm.readability import heldout_readability
 
     model = load_or_build(args)
@@ -250,20 +180,17 @@ def _eval_readability(args: argparse.Namespace) -> int:
     sets = heldout_readability(model, args.readability, args.n_windows, seed=args.seed,
                                progress=True)
     method = args.method or (f"ktm-k{model.k}" if model.merges else "uncompressed")
+    config = {"model": model.config_dict,
+              "readability": {"sets": list(args.readability), "n_windows": args.n_windows,
+                              "seed": args.seed, "device": str(model.device)}}
     row = {"task": "readability", "method": method, "k": model.k, "readability": sets,
            "n_windows": args.n_windows, "eval_wall_s": time.perf_counter() - t0,
-           "checkpoint": args.checkpoint,
-           "config": {**vars_json(args), "model": model.config_dict},
+           "checkpoint": args.checkpoint, "config": config, "command": args.command_line,
            "versions": versions(), "git": git_revision()}
     if args.json:
         write_json_atomic(args.json, row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
     return 0
-
-
-def vars_json(args: argparse.Namespace) -> dict:
-    plain = (str, int, float, bool, type(None))
-    return {k: v for k, v in vars(args).items() if isinstance(v, plain)}
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -280,7 +207,7 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     from ktm.train import TrainConfig
 
     ccfg, tcfg = from_args(CurriculumConfig, args), from_args(TrainConfig, args)
-    rows = run_curriculum(build_model(from_args(ModelArgs, args)), ccfg, tcfg, args.prompt_mode)
+    rows = run_curriculum(init_or_build(args), ccfg, tcfg, args.prompt_mode)
     for r in rows:
         print(json.dumps(r))
     return 0 if rows[-1]["passed"] else 1
@@ -321,37 +248,39 @@ def _init_args(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _demo_parser(demo: argparse.ArgumentParser) -> None:
     from ktm.demo import DemoConfig
-    from ktm.train import TrainConfig
 
-    p = argparse.ArgumentParser(prog="ktm", description="K-Token Merging for causal LMs")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="train and evaluate a K=4 merger on the embedded model")
     add_dataclass_args(demo, DemoConfig)
     demo.set_defaults(run=cmd_demo)
 
-    tr = sub.add_parser("train", help="fine-tune encoder + LoRA on a task")
-    add_dataclass_args(tr, ModelArgs)
+
+def _train_parser(tr: argparse.ArgumentParser) -> None:
+    from ktm.train import TrainConfig
+
+    add_model_args(tr)
     add_dataclass_args(tr, TaskArgs)
     add_dataclass_args(tr, TrainConfig)
     tr.set_defaults(run=cmd_train)
     _compressor_args(tr)
     _init_args(tr)
 
-    from ktm.pretrain import PretrainConfig
 
-    pre = sub.add_parser("pretrain", help="train a reader on unlabeled text (no task labels)")
-    add_dataclass_args(pre, ModelArgs)
+def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
+    from ktm.pretrain import PretrainConfig
+    from ktm.train import TrainConfig
+
+    add_model_args(pre)
     add_dataclass_args(pre, PretrainConfig)
     add_dataclass_args(pre, TrainConfig)
     _init_args(pre)
     pre.set_defaults(run=cmd_pretrain)
 
-    gen = sub.add_parser("generate", help="generate from a compressed prompt")
-    add_dataclass_args(gen, ModelArgs)
-    gen.add_argument("--checkpoint", help="a ktm checkpoint folder (overrides --model/--k)")
+
+def _generate_parser(gen: argparse.ArgumentParser) -> None:
+    add_model_args(gen)
+    gen.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
+                                          "model flags given must agree with it)")
     gen.add_argument("--prompt", required=True, help="text to compress")
     gen.add_argument("--plain", action="append", default=[],
                      help="text appended as plain tokens (repeatable)")
@@ -364,10 +293,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-merge", action="store_true", help="feed the prompt uncompressed")
     gen.set_defaults(run=cmd_generate)
 
-    ev = sub.add_parser("eval", help="evaluate a checkpoint on a task; write one JSON result")
-    add_dataclass_args(ev, ModelArgs)
+
+def _eval_parser(ev: argparse.ArgumentParser) -> None:
+    add_model_args(ev)
     add_dataclass_args(ev, TaskArgs)
-    ev.add_argument("--checkpoint", help="a ktm checkpoint folder (overrides --model/--k)")
+    ev.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
+                                         "model flags given must agree with it)")
     ev.add_argument("--json", help="write the result object here")
     ev.add_argument("--method", help="method name in tables (default: ktm-kK or uncompressed)")
     ev.add_argument("--no-merge", action="store_true", help="evaluate without merging")
@@ -380,30 +311,61 @@ def _parser() -> argparse.ArgumentParser:
     ev.set_defaults(run=cmd_eval)
     _compressor_args(ev)
 
-    pack = sub.add_parser("pack-reader", help="store a pretraining run as a shipped reader (fp16)")
+
+def _pack_parser(pack: argparse.ArgumentParser) -> None:
     pack.add_argument("run_dir", help="a finished `ktm pretrain` --out-dir")
     pack.add_argument("--name", required=True, help="registered reader name, e.g. smollm2-135m-k4")
     pack.set_defaults(run=cmd_pack_reader)
 
-    rep = sub.add_parser("report", help="tables and Pareto plot from `ktm eval` result files")
+
+def _report_parser(rep: argparse.ArgumentParser) -> None:
     rep.add_argument("results", nargs="+", help="result JSON files")
     rep.add_argument("--plot", help="write the performance-vs-length-reduction plot here")
-    rep.set_defaults(run=cmd_report)
+    rep.set_defaults(run=cmd_report, light=True)
 
+
+def _curriculum_parser(cur: argparse.ArgumentParser) -> None:
     from ktm.curriculum import CurriculumConfig
+    from ktm.train import TrainConfig
 
-    cur = sub.add_parser("curriculum", help="tree curriculum: advance a stage once it passes")
-    add_dataclass_args(cur, ModelArgs)
+    add_model_args(cur)
     add_dataclass_args(cur, CurriculumConfig)
     add_dataclass_args(cur, TrainConfig)
     cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"])
     cur.set_defaults(run=cmd_curriculum)
 
+
+def _bench_parser(bench: argparse.ArgumentParser) -> None:
     from ktm.bench import BenchConfig
 
-    bench = sub.add_parser("bench", help="prefill / decode / training-throughput benchmark")
     add_dataclass_args(bench, BenchConfig)
     bench.set_defaults(run=cmd_bench)
+
+
+# name -> (help, flags); a command's flags (and the modules they come from) are only built
+# when it runs, so `ktm report --help` never imports torch
+COMMANDS = {
+    "demo": ("train and evaluate a K=4 merger on the embedded model", _demo_parser),
+    "train": ("fine-tune encoder + LoRA on a task", _train_parser),
+    "pretrain": ("train a reader on unlabeled text (no task labels)", _pretrain_parser),
+    "generate": ("generate from a compressed prompt", _generate_parser),
+    "eval": ("evaluate a checkpoint on a task; write one JSON result", _eval_parser),
+    "pack-reader": ("store a pretraining run as a shipped reader (fp16)", _pack_parser),
+    "report": ("tables and Pareto plot from `ktm eval` result files", _report_parser),
+    "curriculum": ("tree curriculum: advance a stage once it passes", _curriculum_parser),
+    "bench": ("prefill / decode / training-throughput benchmark", _bench_parser),
+}
+
+
+def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser, with full flags for the command named in ``argv`` (all of them if none)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    p = argparse.ArgumentParser(prog="ktm", description="K-Token Merging for causal LMs")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (text, build) in COMMANDS.items():
+        sp = sub.add_parser(name, help=text, description=text)
+        if command not in COMMANDS or name == command:
+            build(sp)
     return p
 
 
@@ -422,9 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import shlex
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = _parser(argv).parse_args(argv)
     args.command_line = shlex.join(["ktm", *argv])  # recorded with runs that ship
-    _quiet_libraries()
+    if not getattr(args, "light", False):
+        _quiet_libraries()
     try:
         set_threads(args)
         return args.run(args)

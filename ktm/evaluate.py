@@ -1,7 +1,9 @@
 """Scoring a model on a task's examples: accuracy for classification, perplexity for generation.
 
 Both report the exact prompt token counts before and after merging, so length reduction is
-measured on the prompts actually evaluated.
+measured on the prompts actually evaluated, and the merging overhead: ``compression_s`` and
+``compression_ms_per_1k_tokens``, per 1k prompt tokens before merging (a baseline that rewrote
+the prompts first re-bases it on the original prompts: ``ktm.compressors.cli.finish_eval_row``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         "tokens_before": before / len(examples),
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
+        "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,
         "predictions": preds,
@@ -94,6 +97,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
         "tokens_before": before / len(examples),
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
+        "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,
     }

@@ -18,6 +18,31 @@ from ktm.fileio import save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
 
 REQUIRED = ("task", "method", "length_reduction")
+DIRTY, UNKNOWN = "†", "‡"
+
+
+def mark(row: dict) -> str:
+    """A method name's provenance mark: † uncommitted changes, ‡ no git revision recorded."""
+    git = row.get("git")
+    if not git:
+        return f" {UNKNOWN}"
+    return f" {DIRTY}" if str(git).endswith("-dirty") else ""
+
+
+def provenance_notes(rows: list[dict]) -> str:
+    """Footnotes for marked rows, and a warning when the rows come from several revisions."""
+    notes = []
+    dirty = sorted({r["method"] for r in rows if mark(r) == f" {DIRTY}"})
+    unknown = sorted({r["method"] for r in rows if mark(r) == f" {UNKNOWN}"})
+    if dirty:
+        notes.append(f"{DIRTY} from a dirty tree (uncommitted changes when it ran, so the code "
+                     f"is not reproducible from its revision): {', '.join(dirty)}")
+    if unknown:
+        notes.append(f"{UNKNOWN} no git revision recorded: {', '.join(unknown)}")
+    revisions = sorted({str(r["git"]).removesuffix("-dirty")[:12] for r in rows if r.get("git")})
+    if len(revisions) > 1:
+        notes.append(f"results come from {len(revisions)} revisions: {', '.join(revisions)}")
+    return "\n".join(notes)
 
 
 def load_results(paths: list[str]) -> list[dict]:
@@ -64,7 +89,7 @@ def table(task: str, rows: list[dict]) -> str:
     ppl = "perplexity" in rows[0]
     head = ("| method | K | perplexity | P | length reduction | P–L F1 |" if ppl else
             "| method | K | accuracy | balanced acc. | length reduction | P–L F1 |")
-    head += " compression ms / 1k tokens |"
+    head += " compression ms / 1k original tokens |"
     lines = [f"### {task}", "", head, "|---|---|---|---|---|---|---|"]
     for r in rows:
         k = r.get("k") if r.get("k") is not None else "–"
@@ -72,7 +97,7 @@ def table(task: str, rows: list[dict]) -> str:
                f"{r['accuracy']:.3f} | {r.get('balanced_accuracy', float('nan')):.3f}")
         overhead = r.get("compression_ms_per_1k_tokens")
         cost = "–" if overhead is None else f"{overhead:.0f}"
-        lines.append(f"| {r['method']} | {k} | {mid} | {r['length_reduction']:.1%} | "
+        lines.append(f"| {r['method']}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
                      f"{r['pl_f1']:.3f} | {cost} |")
     return "\n".join(lines)
 
@@ -85,7 +110,7 @@ def readability_table(rows: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (r.get("k") or 0, r["method"])):
         for name, v in sorted(r["readability"].items()):
             rr = "–" if v.get("R") is None else f"{v['R']:.3f}"
-            lines.append(f"| {r['method']} | {r.get('k', '–')} | {name} | {rr} | "
+            lines.append(f"| {r['method']}{mark(r)} | {r.get('k', '–')} | {name} | {rr} | "
                          f"{v['nll_merged']:.3f} | {v['nll_plain']:.3f} | {v['nll_none']:.3f} | "
                          f"{v['tokens_in']:.1f} | {v['tokens_out']:.1f} |")
     return "\n".join(lines)
@@ -164,6 +189,9 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
     parts = [table(t, task_rows) for t, task_rows in sorted(by_task.items())]
     if read:
         parts.append(readability_table(read))
+    notes = provenance_notes(rows)
+    if notes:
+        parts.append(notes)
     if plot_path and by_task:
         plot(by_task, plot_path)
     return "\n\n".join(parts)

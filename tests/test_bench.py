@@ -215,6 +215,12 @@ def test_main_writes_json_and_plots_read_it(tiny_model_dir, tmp_path, capsys):
         plot_results(bad)
 
 
-def test_main_returns_error_code_on_bad_model(tmp_path, capsys):
-    assert main_bench(BenchConfig(model=str(tmp_path / "nope"), progress=False)) == 2
-    assert "error" in capsys.readouterr().err
+def test_bench_errors_use_the_ktm_error_form(tmp_path, capsys):
+    from ktm.cli import main
+
+    code = main(["bench", "--model", str(tmp_path / "nope"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("ktm: error: unknown model")
+    with pytest.raises(KTMError, match="unknown model"):
+        main_bench(BenchConfig(model=str(tmp_path / "nope"), progress=False))

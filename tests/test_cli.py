@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -71,7 +72,9 @@ def test_eval_then_report_end_to_end(capsys, tiny_model_dir, tmp_path):
     plot = tmp_path / "plot.png"
     code, out, _ = run(capsys, "report", *results, "--plot", str(plot))
     assert code == 0
-    assert "| ktm-k2 | 2 |" in out and "| uncompressed | – |" in out
+    # a run from a dirty tree (as during development) is marked †
+    assert re.search(r"\| ktm-k2( †)? \| 2 \|", out)
+    assert re.search(r"\| uncompressed( †)? \| – \|", out)
     assert plot.stat().st_size > 1000
 
 
@@ -156,7 +159,7 @@ def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path):
         assert r["windows"] == 2 and r["tokens_out"] == pytest.approx(r["tokens_in"] / 4, abs=1)
         assert {"R", "nll_merged", "nll_plain", "nll_none"} <= set(r)
     code, text, _ = run(capsys, "report", str(out))
-    assert code == 0 and "| ktm-k4 | 4 | code |" in text
+    assert code == 0 and re.search(r"\| ktm-k4( †)? \| 4 \| code \|", text)
 
 
 def test_ltsc_state_is_inside_the_atomic_checkpoint(capsys, tiny_model_dir, tmp_path,
@@ -179,3 +182,58 @@ def test_ltsc_state_is_inside_the_atomic_checkpoint(capsys, tiny_model_dir, tmp_
     assert code == 0, err
     assert len(at_swap) == 2 and all({"ltsc.json", "ltsc_meta.safetensors"} <= set(names)
                                      for names in at_swap)
+
+
+def test_eval_rows_record_what_was_really_used(capsys, tiny_model_dir, tmp_path):
+    """The model's K and MLP come from the checkpoint, the task's options and the compressor's
+    options are recorded; flag defaults that were never used are not."""
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "ck"
+    KTMModel.from_base(tiny_model_dir, k=2, use_mlp=False).save(str(ckpt))
+    out = tmp_path / "r.json"
+    code, _, err = run(capsys, "eval", "--checkpoint", str(ckpt), "--task", "tree", "--stage",
+                       "small", "--n-eval", "4", "--task-option", "positive_fraction=0.25",
+                       "--json", str(out))
+    assert code == 0, err
+    cfg = json.loads(out.read_text())["config"]
+    assert (cfg["model"]["config"]["k"], cfg["model"]["config"]["use_mlp"]) == (2, False)
+    assert "k" not in cfg and "mlp" not in cfg  # no unused CLI defaults (they said 4, True)
+    assert cfg["task"]["positive_fraction"] == 0.25 and cfg["task"]["stage"] == "small"
+    assert cfg["eval"] == {"n_eval": 4, "seed": 1, "merge": True, "device": "cpu"}
+    assert cfg["compressor"] is None
+
+
+def test_eval_rows_record_the_compressor_options(capsys, tiny_model_dir, tmp_path):
+    out = tmp_path / "sc.json"
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-eval", "4", "--n-train", "4", "--compressor",
+                       "selective_context", "--compressor-option", "ratio=0.4", "--json",
+                       str(out))
+    assert code == 0, err
+    comp = json.loads(out.read_text())["config"]["compressor"]
+    assert comp["name"] == "selective_context" and comp["options"] == {"ratio": 0.4,
+                                                                        "unit": "word"}
+
+
+def test_model_flags_that_contradict_a_checkpoint_are_an_error(capsys, tiny_model_dir,
+                                                               tmp_path):
+    from ktm.model import KTMModel
+
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(tmp_path / "ck"))
+    code, _, err = run(capsys, "generate", "--checkpoint", str(tmp_path / "ck"), "--lora-r", "8",
+                       "--prompt", "hi")
+    assert code == 2 and "--lora-r 8 contradicts checkpoint" in err and "lora_r=4" in err
+
+
+def test_lora_targets_flag_and_record(capsys, tiny_model_dir, tmp_path):
+    out_dir = tmp_path / "run"
+    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-train", "8", "--n-eval", "2", "--max-steps", "1",
+                       "--batch-size", "4", "--lora-target-modules", "q_proj", "v_proj",
+                       "--out-dir", str(out_dir), "--no-progress")
+    assert code == 0, err
+    saved = json.loads((out_dir / "checkpoint" / "ktm_config.json").read_text())
+    assert saved["lora_modules"] == {"q_proj": 2, "v_proj": 2}
+    run_info = json.loads((out_dir / "run.json").read_text())
+    assert run_info["task"]["stage"] == "small" and run_info["command"].startswith("ktm train")

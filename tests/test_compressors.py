@@ -103,6 +103,23 @@ def test_eval_row_measures_against_original_prompts(tiny_model_dir):
     assert row["compression_ms_per_1k_tokens"] > 0
 
 
+def test_overhead_is_per_1k_original_prompt_tokens(tiny_model_dir):
+    """Rewrite time and merging time add up over one denominator: the original prompt tokens
+    (not the rewrite's per-1k figure plus the merge's per-1k of the rewritten tokens)."""
+    model, data = fresh(tiny_model_dir), examples()
+    applied = apply_compressor("selective_context", {"ratio": 0.5}, model, data, data)
+    after = sum(e.meta["tokens_after"] for e in applied.eval_examples)
+    merge_s = 0.002
+    result = {"tokens_before": after / len(data), "tokens_after": after / len(data),
+              "length_reduction": 0.0, "compression_s": merge_s,
+              "compression_ms_per_1k_tokens": 1e6 * merge_s / after}
+    row = finish_eval_row(result, applied.eval_examples, applied.info)
+    original = sum(count_tokens(model, e.segments) for e in data)
+    rewrite_s = applied.info["eval"]["seconds"]
+    assert row["compression_ms_per_1k_tokens"] == pytest.approx(
+        1e6 * (rewrite_s + merge_s) / original)
+
+
 def test_evaluation_leaves_training_examples_alone(tiny_model_dir):
     data = examples()
     applied = apply_compressor("ltsc", {}, fresh(tiny_model_dir), data, data[:1],

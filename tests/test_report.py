@@ -21,7 +21,7 @@ def test_classification_p_is_balanced_accuracy():
 
 
 def test_readability_rows_get_their_own_table(tmp_path):
-    r = {"task": "readability", "method": "ktm-k4", "k": 4, "readability": {
+    r = {"task": "readability", "method": "ktm-k4", "k": 4, "git": "0123abcd", "readability": {
         "code": {"R": 0.61, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5,
                  "tokens_in": 256.0, "tokens_out": 64.0},
         "reviews": {"R": None, "nll_merged": 3.0, "nll_plain": 3.2, "nll_none": 3.1,
@@ -71,3 +71,20 @@ def test_report_on_pretraining_metrics_gives_r_per_cpu_minute(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 1000
     (tmp_path / "bad.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     assert main(["report", str(tmp_path / "bad.jsonl")]) == 2
+
+
+def test_results_from_a_dirty_tree_are_flagged(tmp_path):
+    rows = [{**row("uncompressed", 0.9, 0.8, 0.0), "git": "0123abcd"},
+            {**row("k4", 0.8, 0.7, 0.7, 4), "git": "0123abcd-dirty"},
+            {**row("k2", 0.85, 0.75, 0.5, 2), "git": "4567ef01"},
+            {**row("llmlingua", 0.6, 0.6, 0.5), "git": None}]
+    paths = []
+    for i, r in enumerate(rows):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    out = report([str(p) for p in paths])
+    assert "| k4 † | 4 |" in out and "| uncompressed | – |" in out and "| k2 | 2 |" in out
+    assert "| llmlingua ‡ | – |" in out
+    assert "† from a dirty tree" in out and ": k4" in out
+    assert "‡ no git revision recorded: llmlingua" in out
+    assert "results come from 2 revisions: 0123abcd, 4567ef01" in out

@@ -33,3 +33,22 @@ def test_serialisation_never_imports_the_model_back():
 @pytest.mark.parametrize("module", CORE)
 def test_the_core_never_imports_a_baseline(module):
     assert not {m for m in imports_of(module) if m.startswith("ktm.compressors")}
+
+
+def test_report_help_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ktm.cli import main\ntry:\n    main(['report', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "results" in out.stdout  # the help text was printed
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_public_names_load_lazily_and_train_stays_the_function():
+    from ktm import KTMModel, TrainConfig, train
+    from ktm.train import train as train_function  # the submodule is imported by now
+
+    assert train is train_function
+    assert TrainConfig.__module__ == "ktm.train" and KTMModel.__module__ == "ktm.model"

@@ -7,7 +7,8 @@
 MLP, i.e. the plain LM + LoRA; mean pooling: no MLP), fits the method on the training prompts
 (or restores its state from a checkpoint) and rewrites both example sets, timing the rewrite.
 ``finish_eval_row`` then corrects an evaluation result: ``length_reduction`` against the original
-prompts, and the compression overhead ``compression_ms_per_1k_tokens``.
+prompts, and the compression overhead ``compression_ms_per_1k_tokens`` (rewrite + merging time
+per 1k *original* prompt tokens, the one denominator every method's overhead uses).
 """
 
 from __future__ import annotations
@@ -107,13 +108,16 @@ def finish_eval_row(result: dict[str, Any], examples: Sequence[Example],
     prompt length from each example's meta (unchanged for mean pooling, which rewrites nothing).
     """
     out = dict(result)
+    original = out["tokens_before"] * len(examples)  # unchanged for mean pooling
     if examples and all("tokens_before" in e.meta for e in examples):
-        before = sum(e.meta["tokens_before"] for e in examples) / len(examples)
-        out["tokens_before"] = before
-        out["length_reduction"] = 1.0 - out["tokens_after"] / before
-    # the text rewrite's cost, plus the (small) cost of embedding / merging what is left
-    text_ms = info.get("eval", {}).get("ms_per_1k_tokens", 0.0)
-    out["compression_ms_per_1k_tokens"] = text_ms + out.get("compression_ms_per_1k_tokens", 0.0)
+        original = sum(e.meta["tokens_before"] for e in examples)
+        out["tokens_before"] = original / len(examples)
+        out["length_reduction"] = 1.0 - out["tokens_after"] / out["tokens_before"]
+    # the overhead has one denominator, the original prompt tokens: the text rewrite's time
+    # plus the (small) time of embedding / merging what is left
+    seconds = info.get("eval", {}).get("seconds", 0.0) + out.get("compression_s", 0.0)
+    out["compression_s"] = seconds
+    out["compression_ms_per_1k_tokens"] = 1e6 * seconds / original if original else 0.0
     out["compressor"] = {k: v for k, v in info.items() if k not in ("train",)}
     return out
 

@@ -1,0 +1,128 @@
+"""The CLI's model and task flags, and what a result row records about them.
+
+Model flags come from ``KTMConfig`` (``--model --k --mlp-ratio --mlp/--no-mlp ... --lora-r``)
+and are only set when given: a fresh model takes ``KTMConfig``'s defaults for the rest; a
+checkpoint (``--checkpoint``, ``--init``) takes its own saved config, and a given flag that
+contradicts it is an error rather than silently ignored. Result rows record the model's real
+config, the task's real settings and the compressor's options, never unused flag defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ktm.config import KTMConfig
+from ktm.config_args import add_dataclass_args, from_args, given
+from ktm.errors import KTMError
+
+RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
+
+
+@dataclass
+class TaskArgs:
+    task: str = field(default="tree", metadata={"help": "tree | amazon | commitpack"})
+    stage: str = field(default="xmedium", metadata={"help": "tree stage (tree task only)"})
+    prompt_mode: str = field(default="context",
+                             metadata={"help": "context: question plain | paper: all compressed"})
+    data_path: str | None = field(default=None, metadata={"help": "your own JSONL of the schema"})
+    n_train: int = field(default=2000, metadata={"help": "training examples to draw"})
+    n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, KTMConfig, suppress=True)
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N "
+                                                        "(default: 'cpu')")
+
+
+def _fresh(args: argparse.Namespace):
+    from ktm.model import KTMModel
+
+    return KTMModel.from_base(config=from_args(KTMConfig, args), device=args.device)
+
+
+def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
+    """A checkpoint or shipped reader; given model flags must agree with its config."""
+    from ktm.checkpoint import model_config
+    from ktm.model import KTMModel
+    from ktm.readers import resolve_checkpoint
+
+    path = resolve_checkpoint(checkpoint)
+    saved = model_config(path)
+    flags = given(KTMConfig, args)
+    want = from_args(KTMConfig, args, base=saved)
+    # K is checked by KTMModel.load itself ("trained with K=2, but K=4 was requested")
+    clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]
+    if clash:
+        ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
+        theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
+        raise KTMError(f"{ours} contradicts checkpoint {checkpoint!r}, which has {theirs}: "
+                       "drop the flag or pick a matching checkpoint")
+    # the dtype is a choice of this run (default float32), not the one the checkpoint trained in
+    return KTMModel.load(path, base=flags.get("model"), k=flags.get("k"), device=args.device,
+                         dtype=flags.get("dtype", "float32"), trainable=trainable)
+
+
+def _value(cfg: KTMConfig, dest: str) -> Any:
+    if dest.startswith("lora_"):
+        return getattr(cfg.lora, dest.removeprefix("lora_"))
+    return getattr(cfg, {"model": "base_model", "mlp": "use_mlp"}.get(dest, dest))
+
+
+def init_or_build(args: argparse.Namespace):
+    """A trainable model: from ``--init`` (a checkpoint folder or a shipped reader's name),
+    else a fresh one from the model flags (``--init-adapter``: LoRA from a checkpoint)."""
+    if getattr(args, "init", None) and getattr(args, "init_adapter", None):
+        raise KTMError("give --init or --init-adapter, not both")
+    if getattr(args, "init", None):
+        return _saved(args, args.init, trainable=True)
+    model = _fresh(args)
+    if getattr(args, "init_adapter", None):
+        from ktm.checkpoint import load_adapter_into
+        from ktm.readers import resolve_checkpoint
+
+        load_adapter_into(model, resolve_checkpoint(args.init_adapter))
+    return model
+
+
+def load_or_build(args: argparse.Namespace):
+    """An inference model: ``--checkpoint``, else a fresh one from the model flags."""
+    if getattr(args, "checkpoint", None):
+        return _saved(args, args.checkpoint, trainable=False)
+    return _fresh(args)
+
+
+def build_task(t: TaskArgs, options: Sequence[str] = ()):
+    from ktm.compressors.cli import parse_options
+    from ktm.tasks import get_task
+
+    kwargs: dict[str, Any] = {"prompt_mode": t.prompt_mode, **parse_options(options)}
+    if t.task == "tree":
+        kwargs["stage"] = t.stage
+    if t.data_path:
+        kwargs["data_path"] = t.data_path
+    return get_task(t.task, **kwargs)
+
+
+def plain(value: Any) -> Any:
+    """A JSON-plain copy (paths as strings, tuples as lists)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
+def task_settings(task) -> dict[str, Any]:
+    """Every constructor setting of the task as it was really built (options included)."""
+    return {"name": task.name, **{f.name: plain(getattr(task, f.name))
+                                  for f in dataclasses.fields(task) if f.init}}
