@@ -187,8 +187,9 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
         if own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.mlp is not None:
             encs[m.key] = own
         else:
+            # fp32 like every trainable weight (the model autocasts it to the LM's dtype)
             encs[m.key] = KTokenEncoder(own.config.hidden_size, m.k, m.mlp_ratio).to(
-                model.device, model.dtype)
+                model.device)
     return encs
 
 

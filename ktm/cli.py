@@ -237,6 +237,11 @@ def _compressor_args(parser: argparse.ArgumentParser) -> None:
                         help="e.g. ratio=0.5, unit=token, max_meta_tokens=64 (repeatable)")
 
 
+def _data_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", metavar="DIR",
+                        help="folder holding the datasets (sets $KTM_DATA; README, Data)")
+
+
 def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
                         help="start from a reader: a checkpoint folder or a shipped reader's name "
@@ -252,6 +257,7 @@ def _demo_parser(demo: argparse.ArgumentParser) -> None:
     from ktm.demo import DemoConfig
 
     add_dataclass_args(demo, DemoConfig)
+    _data_args(demo)
     demo.set_defaults(run=cmd_demo)
 
 
@@ -264,6 +270,7 @@ def _train_parser(tr: argparse.ArgumentParser) -> None:
     tr.set_defaults(run=cmd_train)
     _compressor_args(tr)
     _init_args(tr)
+    _data_args(tr)
 
 
 def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
@@ -274,6 +281,7 @@ def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
     add_dataclass_args(pre, PretrainConfig)
     add_dataclass_args(pre, TrainConfig)
     _init_args(pre)
+    _data_args(pre)
     pre.set_defaults(run=cmd_pretrain)
 
 
@@ -310,6 +318,7 @@ def _eval_parser(ev: argparse.ArgumentParser) -> None:
                     help="held-out windows per readability set")
     ev.set_defaults(run=cmd_eval)
     _compressor_args(ev)
+    _data_args(ev)
 
 
 def _pack_parser(pack: argparse.ArgumentParser) -> None:
@@ -332,6 +341,7 @@ def _curriculum_parser(cur: argparse.ArgumentParser) -> None:
     add_dataclass_args(cur, CurriculumConfig)
     add_dataclass_args(cur, TrainConfig)
     cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"])
+    _data_args(cur)
     cur.set_defaults(run=cmd_curriculum)
 
 
@@ -390,6 +400,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_libraries()
     try:
         set_threads(args)
+        if getattr(args, "data_dir", None):
+            from ktm.tasks.jsonl import set_data_dir
+
+            set_data_dir(args.data_dir)
         return args.run(args)
     except KTMError as e:
         print(f"ktm: error: {e}", file=sys.stderr)

@@ -123,6 +123,8 @@ def plain(value: Any) -> Any:
 
 
 def task_settings(task) -> dict[str, Any]:
-    """Every constructor setting of the task as it was really built (options included)."""
+    """Every constructor setting of the task as it was really built (options included), and
+    the data file it read (None: generated, e.g. trees without the data folder)."""
     return {"name": task.name, **{f.name: plain(getattr(task, f.name))
-                                  for f in dataclasses.fields(task) if f.init}}
+                                  for f in dataclasses.fields(task) if f.init},
+            "file": plain(getattr(task, "path", None))}

@@ -237,3 +237,44 @@ def test_lora_targets_flag_and_record(capsys, tiny_model_dir, tmp_path):
     assert saved["lora_modules"] == {"q_proj": 2, "v_proj": 2}
     run_info = json.loads((out_dir / "run.json").read_text())
     assert run_info["task"]["stage"] == "small" and run_info["command"].startswith("ktm train")
+
+
+def test_data_dir_flag_points_the_tasks_at_a_data_folder(capsys, tiny_model_dir, tmp_path,
+                                                         monkeypatch):
+    import gzip
+
+    # --data-dir sets $KTM_DATA for the process: monkeypatch puts the original back afterwards
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "unset"))
+    folder = tmp_path / "data" / "amazon_reviews_fashion"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "amazon_fashion_2018_combined.jsonl.gz", "wt") as f:
+        for i in range(24):
+            f.write(json.dumps({"text": f"review number {i} fits well", "rating": 1 + i % 5})
+                    + "\n")
+    out = tmp_path / "r.json"
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "amazon",
+                       "--data-dir", str(tmp_path / "data"), "--task-option", "test_size=6",
+                       "--n-eval", "4", "--json", str(out))
+    assert code == 0, err
+    assert json.loads(out.read_text())["config"]["task"]["file"].startswith(
+        str(tmp_path / "data"))
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "amazon",
+                       "--data-dir", str(tmp_path / "nowhere"), "--n-eval", "4")
+    assert code == 2 and "data dir" in err and "is not a folder" in err
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "data"))
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "commitpack",
+                       "--n-eval", "2")
+    assert code == 2 and "set KTM_DATA (or --data-dir)" in err
+
+
+def test_tree_runs_without_the_data_folder(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    """An empty data folder (a plain pip install): tree trees are generated on the fly."""
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "unset"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "r.json"
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-eval", "4", "--data-dir", str(empty), "--json", str(out))
+    assert code == 0, err
+    task = json.loads(out.read_text())["config"]["task"]
+    assert task["file"] is None and task["source"] == "auto"  # generated, not read

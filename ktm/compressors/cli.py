@@ -65,7 +65,7 @@ def configure_model(model, compressor: Compressor, replace_encoder: bool = True)
                        f"use_mlp={want['use_mlp']}, but the checkpoint has K={cfg.k}, "
                        f"use_mlp={cfg.use_mlp}: evaluate a checkpoint trained with this method")
     model.encoder = KTokenEncoder(cfg.hidden_size, want["k"], cfg.mlp_ratio,
-                                  want["use_mlp"]).to(model.device, model.dtype)
+                                  want["use_mlp"]).to(model.device)  # fp32, as trained weights are
     return True
 
 

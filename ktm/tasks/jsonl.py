@@ -20,12 +20,23 @@ FieldSpec = type | tuple[type, ...]
 
 
 def data_root() -> Path:
-    """Where the shipped data lives: ``$KTM_DATA`` if set, else ``<repo>/../shared/data``."""
+    """Where the data lives: ``$KTM_DATA`` (``--data-dir`` sets it), else, in a development
+    checkout only, the ``shared/data`` folder beside the repository (see README, "Data")."""
     env = os.environ.get("KTM_DATA")
     if env:
         return Path(env).expanduser()
     repo = Path(__file__).resolve().parents[2]
     return repo.parent / "shared" / "data"
+
+
+def set_data_dir(path: str | Path) -> Path:
+    """``--data-dir``: use ``path`` as the data root for this process (sets ``$KTM_DATA``)."""
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise KTMError(f"data dir {str(path)!r} is not a folder: expected the folder holding "
+                       "textualized_tree/, amazon_reviews_fashion/, ... (README, Data)")
+    os.environ["KTM_DATA"] = str(root)
+    return root
 
 
 def resolve_data_path(path: str | Path | None, default: str) -> Path:
@@ -34,7 +45,8 @@ def resolve_data_path(path: str | Path | None, default: str) -> Path:
     if not resolved.is_file():
         how = (
             "pass an existing file" if path is not None
-            else "set KTM_DATA to the folder holding the shared data, or pass data_path"
+            else "set KTM_DATA (or --data-dir) to the folder holding the data, or pass "
+            "data_path; README, Data, says where to get it"
         )
         raise KTMError(f"data file not found: {resolved} ({how})")
     return resolved
