@@ -113,6 +113,28 @@ def test_timed_path_matches_model_prefix_and_generate(ktm_model, merge):
     assert res["compressed_tokens"] == (math.ceil(30 / 4) if merge else 30)
 
 
+def test_timing_runs_through_generates_own_prefill_and_decode(ktm_model, monkeypatch):
+    """No copy of the decode loop: the benchmark calls ktm.generate's prefill and advance."""
+    import ktm.bench_measure as bm
+    import ktm.generate as gen
+
+    calls = {"prefill": 0, "advance": 0}
+    for name in calls:
+        real = getattr(gen, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(gen, name, counted)
+        if hasattr(bm, name):
+            monkeypatch.setattr(bm, name, counted)
+    ids = [ktm_model.tokenize(synthetic_text(ktm_model, 12, seed=2,
+                                             pool=word_pool(ktm_model.tokenizer)), first=True)]
+    infer_once(ktm_model, ids, True, output_tokens=5)
+    assert calls == {"prefill": 1, "advance": 4}
+
+
 def test_infer_rows_have_schema_and_exact_counts(infer_rows):
     assert len(infer_rows) == 2 * 2 * 5  # lengths x batches x (uncompressed + 4 Ks)
     for r in infer_rows:
