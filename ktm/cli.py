@@ -112,85 +112,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import time
+    from ktm.cli_eval import run_eval
 
-    from ktm.evaluate import evaluate_task
-    from ktm.fileio import write_json_atomic
-    from ktm.provenance import git_revision, versions
-
-    if args.readability:
-        return _eval_readability(args)
-    targs = from_args(TaskArgs, args)
-    task = build_task(targs, args.task_option)
-    model = load_or_build(args)
-    t0 = time.perf_counter()
-    examples = task.eval_examples(targs.n_eval, seed=args.seed)
-    natural = (task.natural_eval_examples(targs.n_eval, args.seed)
-               if hasattr(task, "natural_eval_examples") else None)  # tree only
-    comp = info = None
-    if args.compressor:
-        from ktm.compressors import compress_examples
-        from ktm.compressors.cli import apply_compressor, parse_options
-
-        # only LTSC fits on training prompts; its state is restored from the checkpoint if there
-        model, _, examples, info, comp = apply_compressor(
-            args.compressor, parse_options(args.compressor_option), model,
-            task.train_examples(targs.n_train, seed=0), examples, state_dir=args.checkpoint,
-            replace_encoder=not args.checkpoint, compress_train=False)
-        if natural and comp.rewrites_prompts:
-            natural, _ = compress_examples(comp, natural)
-    merge = not args.no_merge and model.merges
-    result = evaluate_task(model, task, examples, merge=merge, progress=True)
-    result.pop("predictions", None)
-    if comp:
-        from ktm.compressors.cli import finish_eval_row
-
-        result = finish_eval_row(result, examples, info)
-    if natural:  # tree: accuracy on the natural pair distribution too
-        nat = evaluate_task(model, task, natural, merge=merge, progress=True)
-        result["natural_accuracy"] = nat["accuracy"]
-        result["natural_balanced_accuracy"] = nat["balanced_accuracy"]
-    method = args.method or args.compressor or (f"ktm-k{model.k}" if merge else "uncompressed")
-    config = {"model": model.config_dict, "task": task_settings(task),
-              "eval": {"n_eval": targs.n_eval, "seed": args.seed, "merge": merge,
-                       "device": str(model.device)},
-              "compressor": None if comp is None else {
-                  "name": comp.name, "options": plain(comp.options()),
-                  "fitted_on_n_train": None if info.get("state_restored") else targs.n_train}}
-    row = {"task": task.name, "method": method, "k": model.k if merge else None, **result,
-           "eval_wall_s": time.perf_counter() - t0, "checkpoint": args.checkpoint,
-           "config": config, "command": args.command_line,
-           "versions": versions(), "git": git_revision()}
-    if args.json:
-        write_json_atomic(args.json, row)
-    print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
-    return 0
-
-
-def _eval_readability(args: argparse.Namespace) -> int:
-    """R and the three NLLs on held-out text, per set, as one result row."""
-    import time
-
-    from ktm.fileio import write_json_atomic
-    from ktm.provenance import git_revision, versions
-    from ktm.readability import heldout_readability
-
-    model = load_or_build(args)
-    t0 = time.perf_counter()
-    sets = heldout_readability(model, args.readability, args.n_windows, seed=args.seed,
-                               progress=True)
-    method = args.method or (f"ktm-k{model.k}" if model.merges else "uncompressed")
-    config = {"model": model.config_dict,
-              "readability": {"sets": list(args.readability), "n_windows": args.n_windows,
-                              "seed": args.seed, "device": str(model.device)}}
-    row = {"task": "readability", "method": method, "k": model.k, "readability": sets,
-           "n_windows": args.n_windows, "eval_wall_s": time.perf_counter() - t0,
-           "checkpoint": args.checkpoint, "config": config, "command": args.command_line,
-           "versions": versions(), "git": git_revision()}
-    if args.json:
-        write_json_atomic(args.json, row)
-    print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
-    return 0
+    return run_eval(args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
