@@ -40,7 +40,7 @@ class LoraSettings:
     alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
     target_modules: tuple[str, ...] | None = field(default=None, metadata={
-        "help": "module names to adapt (default: the family's attention and MLP projections, "
+        "help": "module names to adapt (None: the family's attention and MLP projections, "
                 "see ktm.lora)"})
 
     def __post_init__(self) -> None:
