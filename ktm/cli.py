@@ -97,16 +97,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     segments = [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]
     model = load_or_build(args)
-    opts = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                merge=not args.no_merge)
+    from ktm.generate import GenerationConfig
+
+    opts = from_args(GenerationConfig, args).to_dict()
     if args.stream:
         for piece in model.stream(segments, **opts):
             print(piece, end="", flush=True)
         print()
     else:
         print(model.generate(segments, **opts))
-    cp = model.compress(segments, merge=not args.no_merge)
+    cp = model.compress(segments, merge=opts["merge"])
     print(f"[prompt tokens {cp.tokens_in} -> {cp.tokens_out}, K={model.k}]", file=sys.stderr)
     return 0
 
@@ -210,36 +210,25 @@ def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
 
 
 def _generate_parser(gen: argparse.ArgumentParser) -> None:
+    from ktm.generate import GenerationConfig
+
     add_model_args(gen)
     gen.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
                                           "model flags given must agree with it)")
     gen.add_argument("--prompt", required=True, help="text to compress")
     gen.add_argument("--plain", action="append", default=[],
                      help="text appended as plain tokens (repeatable)")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
-    gen.add_argument("--no-merge", action="store_true", help="feed the prompt uncompressed")
+    add_dataclass_args(gen, GenerationConfig)
     gen.set_defaults(run=cmd_generate)
 
 
 def _eval_parser(ev: argparse.ArgumentParser) -> None:
+    from ktm.cli_eval import EvalArgs
+
     add_model_args(ev)
     add_dataclass_args(ev, TaskArgs)
-    ev.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
-                                         "model flags given must agree with it)")
-    ev.add_argument("--json", help="write the result object here")
-    ev.add_argument("--method", help="method name in tables (default: ktm-kK or uncompressed)")
-    ev.add_argument("--no-merge", action="store_true", help="evaluate without merging")
-    ev.add_argument("--seed", type=int, default=1, help="seed for drawing eval examples")
-    ev.add_argument("--readability", nargs="+", choices=["reviews", "code"],
-                    help="instead of a task: readability R on these held-out sets "
-                         "(reviews of other categories, code of unseen repositories)")
-    ev.add_argument("--n-windows", type=int, default=64,
-                    help="held-out windows per readability set")
+    add_dataclass_args(ev, EvalArgs)
     ev.set_defaults(run=cmd_eval)
     _compressor_args(ev)
     _data_args(ev)

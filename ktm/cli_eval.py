@@ -5,9 +5,30 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 
 from ktm.cli_args import TaskArgs, build_task, load_or_build, plain, task_settings
 from ktm.config_args import from_args
+
+HELDOUT_SETS = ["reviews", "code"]
+
+
+@dataclass
+class EvalArgs:
+    checkpoint: str | None = field(default=None, metadata={
+        "help": "a ktm checkpoint folder or reader (its config is used; model flags given must "
+                "agree with it)"})
+    json: str | None = field(default=None, metadata={"help": "write the result object here"})
+    method: str | None = field(default=None, metadata={
+        "help": "method name in tables (None: ktm-kK or uncompressed)"})
+    merge: bool = field(default=True, metadata={
+        "help": "merge the prompts (--no-merge: the same model, uncompressed)"})
+    seed: int = field(default=1, metadata={"help": "seed for drawing eval examples"})
+    readability: tuple[str, ...] | None = field(default=None, metadata={
+        "choices": HELDOUT_SETS,
+        "help": "instead of a task: readability R on these held-out sets (reviews of other "
+                "categories, code of unseen repositories)"})
+    n_windows: int = field(default=64, metadata={"help": "held-out windows per readability set"})
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -38,7 +59,7 @@ def run_eval(args: argparse.Namespace) -> int:
             replace_encoder=not args.checkpoint, compress_train=False)
         if natural and comp.rewrites_prompts:
             natural, _ = compress_examples(comp, natural)
-    merge = not args.no_merge and model.merges
+    merge = args.merge and model.merges
     result = evaluate_task(model, task, examples, merge=merge, progress=True)
     result.pop("predictions", None)
     if comp:

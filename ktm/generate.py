@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -21,14 +21,21 @@ from ktm.prompt import PromptLike, Segment, split_prompts
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_new_tokens: int = 32
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_at_eos: bool = True
-    use_cache: bool = True  # False re-runs the whole sequence each step (reference for tests)
-    merge: bool = True  # False feeds every segment as plain tokens (the uncompressed baseline)
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens to generate at most"})
+    do_sample: bool = field(default=False, metadata={
+        "flag": "sample", "help": "sample (temperature, top-p) instead of greedy"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
+    seed: int | None = field(default=None, metadata={"help": "sampling seed"})
+    stop_at_eos: bool = field(default=True, metadata={
+        "help": "stop at the tokenizer's or the model's end-of-sequence ids"})
+    use_cache: bool = field(default=True, metadata={
+        "help": "KV cache (off re-runs the whole sequence each step: the test reference)"})
+    merge: bool = field(default=True, metadata={
+        "help": "merge the compressed segments (off: the uncompressed baseline)"})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

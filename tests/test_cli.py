@@ -278,3 +278,18 @@ def test_tree_runs_without_the_data_folder(capsys, tiny_model_dir, tmp_path, mon
     assert code == 0, err
     task = json.loads(out.read_text())["config"]["task"]
     assert task["file"] is None and task["source"] == "auto"  # generated, not read
+
+
+@pytest.mark.parametrize("command,config", [("generate", "GenerationConfig"),
+                                            ("eval", "EvalArgs")])
+def test_generate_and_eval_flags_come_from_their_configs(command, config):
+    import dataclasses
+
+    from ktm.cli import _parser
+    from ktm.cli_eval import EvalArgs
+    from ktm.generate import GenerationConfig
+
+    cls = {"GenerationConfig": GenerationConfig, "EvalArgs": EvalArgs}[config]
+    sub = _parser([command])._subparsers._group_actions[0].choices[command]
+    dests = {a.dest for a in sub._actions}
+    assert {f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)} <= dests
