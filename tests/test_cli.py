@@ -143,9 +143,29 @@ def test_curriculum_rejects_bad_stage_order(capsys, tiny_model_dir, tmp_path):
     assert code == 2 and "comes after final_stage" in err
 
 
-def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path):
+def write_heldout_sets(root):
+    """Tiny stand-ins for the two evaluation-only files, in the shipped layout."""
+    import gzip
+
+    text = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 3
+    files = {
+        "amazon_reviews_other/amazon_other_categories_2018.jsonl.gz": [
+            {"category": "Gift_Cards", "rating": 5.0, "text": text[i:]} for i in range(3)],
+        "commitpackft_python/heldout_repos_test.jsonl.gz": [
+            {"old_contents": "", "new_contents": "def add(a, b):\n    return a + b\n" * 8,
+             "subject": "Add add function"} for _ in range(3)],
+    }
+    for rel, rows in files.items():
+        (root / rel).parent.mkdir(parents=True)
+        with gzip.open(root / rel, "wt") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path, monkeypatch):
     from ktm.model import KTMModel
 
+    write_heldout_sets(tmp_path / "data")
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "data"))
     ckpt = tmp_path / "ck"
     KTMModel.from_base(tiny_model_dir, k=4).save(str(ckpt))
     out = tmp_path / "read.json"
