@@ -24,6 +24,7 @@ from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
 from ktm.models import check_device, dtype_name, load_base, parse_dtype
+from ktm.prefix import MergeCache, PromptEncoder
 from ktm.prompt import PromptLike, as_segments, split_prompts
 
 __all__ = ["CompressedPrompt", "KTMConfig", "KTMModel", "LoraSettings", "LossOutput", "Packed",
@@ -211,58 +212,16 @@ class KTMModel(nn.Module):
         return out[0] if single else out
 
     def encode_prompts(
-        self, prompts: Sequence[PromptLike], merge: bool = True
+        self, prompts: Sequence[PromptLike], merge: bool = True, cache: MergeCache | None = None,
     ) -> list[CompressedPrompt]:
         """Prompts -> their LM input embeddings, the encoder run once for all.
 
-        This is the one prompt-encoding step that training, evaluation, generation and the
-        benchmark share.
+        This is the one prompt-encoding step (``ktm.prefix``) that training, evaluation,
+        generation, the benchmark and the server share; ``cache`` reuses merged segments.
         """
-        merge = merge and self.merges
-        pieces: list[list[tuple[list[int], bool]]] = []
-        for segs in (as_segments(p) for p in prompts):
-            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress)
-                   for i, s in enumerate(segs)]
-            if self._config.plain_prefix and row and row[0][1]:
-                ids, n = row[0][0], self._config.plain_prefix
-                row[:1] = [(ids[:n], False), (ids[n:], True)]
-            pieces.append(row)
-        to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
-        merged = iter(self._merge_segments(to_merge))
-        results = []
-        for row in pieces:
-            parts, n_in = [], 0
-            for ids, c in row:
-                if not ids:
-                    continue
-                n_in += len(ids)
-                parts.append(next(merged) if merge and c else self._embed(self._ids(ids)))
-            if n_in == 0:
-                raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
-            embeds = torch.cat(parts, dim=0)
-            mergeable = tuple(len(ids) for ids, c in row if c and ids)
-            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable))
-        return results
-
-    def _merge_segments(self, segments: list[list[int]]) -> list[torch.Tensor]:
-        """Run the encoder once over all compressed segments: right-padded (S, T, D) batch."""
-        if not segments:
-            return []
-        longest = max(len(s) for s in segments)
-        ids = torch.tensor([s + [self.pad_id] * (longest - len(s)) for s in segments],
-                           device=self.device)
-        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
-                            device=self.device, dtype=torch.bool)
-        embeds = self._embed(ids)
-        if embeds.dtype == torch.float32:
-            merged, _ = self.encoder(embeds, mask)
-        else:
-            # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
-            with torch.autocast(self.device.type, dtype=embeds.dtype):
-                merged, _ = self.encoder(embeds, mask)
-        merged = merged.to(embeds.dtype)
-        k = self.encoder.k
-        return [merged[i, : -(-len(s) // k)] for i, s in enumerate(segments)]
+        enc = PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
+                            self._config.plain_prefix)
+        return enc.encode([as_segments(p) for p in prompts], merge and self.merges, cache)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)

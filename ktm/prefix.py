@@ -1,0 +1,108 @@
+"""Prompt encoding: segments -> LM input embeddings, compressed segments merged by the encoder.
+
+This is the one prompt-encoding step that training, evaluation, generation, the benchmark, the
+server and the vLLM client share. It needs only a tokenizer, the input-embedding table and the
+encoder, not the LM, so a client can compute merged prefixes without loading the model.
+
+    [Segment(doc), Segment(question, compress=False)]
+        -> ids per segment -> (ceil(len(doc)/K) + len(question), D) embeddings
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ktm.batch import CompressedPrompt
+from ktm.errors import KTMError
+from ktm.prompt import Segment
+
+# merged embeddings of a compressed segment, keyed by its token ids (the server's prefix cache)
+MergeCache = MutableMapping[tuple[int, ...], torch.Tensor]
+
+
+@dataclass
+class PromptEncoder:
+    """What encoding needs: tokenizer (as ``tokenize(text, first)``), input embeddings, encoder.
+
+    ``plain_prefix``: the first tokens of a compressed first segment stay plain (position 0 is
+    the LM's attention sink).
+    """
+
+    tokenize: Callable[[str, bool], list[int]]
+    embed: nn.Module
+    encoder: nn.Module
+    pad_id: int
+    plain_prefix: int = 0
+
+    def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
+               cache: MergeCache | None = None) -> list[CompressedPrompt]:
+        """Normalised prompts -> their LM input embeddings, the encoder run once for all.
+
+        ``merge=False`` feeds every segment as plain tokens (the uncompressed baseline);
+        ``cache`` reuses segments merged before and merges repeats once.
+        """
+        pieces: list[list[tuple[list[int], bool]]] = []
+        for segs in prompts:
+            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress)
+                   for i, s in enumerate(segs)]
+            if self.plain_prefix and row and row[0][1]:
+                ids, n = row[0][0], self.plain_prefix
+                row[:1] = [(ids[:n], False), (ids[n:], True)]
+            pieces.append(row)
+        to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
+        merged = iter(self.merge_segments(to_merge, cache))
+        device = self.embed.weight.device
+        results = []
+        for row in pieces:
+            parts, n_in = [], 0
+            for ids, c in row:
+                if not ids:
+                    continue
+                n_in += len(ids)
+                parts.append(next(merged) if merge and c else
+                             self.embed(torch.tensor(ids, dtype=torch.long, device=device)))
+            if n_in == 0:
+                raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
+            embeds = torch.cat(parts, dim=0)
+            mergeable = tuple(len(ids) for ids, c in row if c and ids)
+            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable))
+        return results
+
+    def merge_segments(self, segments: list[list[int]], cache: MergeCache | None = None
+                       ) -> list[torch.Tensor]:
+        """Run the encoder once over the compressed segments: right-padded (S, T, D) ->
+        (ceil(T_s/K), D) each; with ``cache`` only over those not merged before."""
+        if not segments:
+            return []
+        keys = [tuple(s) for s in segments]
+        todo = keys if cache is None else list(dict.fromkeys(k for k in keys if k not in cache))
+        found: dict[tuple[int, ...], torch.Tensor] = {}
+        if todo:
+            computed = self._merge(todo)
+            if cache is None:
+                return computed
+            for key, m in zip(todo, computed):
+                found[key] = cache[key] = m.detach()
+        return [found[k] if k in found else cache[k] for k in keys]
+
+    def _merge(self, segments: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        device = self.embed.weight.device
+        longest = max(len(s) for s in segments)
+        ids = torch.tensor([list(s) + [self.pad_id] * (longest - len(s)) for s in segments],
+                           device=device)
+        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
+                            device=device, dtype=torch.bool)
+        embeds = self.embed(ids)
+        if embeds.dtype == torch.float32:
+            merged, _ = self.encoder(embeds, mask)
+        else:
+            # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
+            with torch.autocast(device.type, dtype=embeds.dtype):
+                merged, _ = self.encoder(embeds, mask)
+        merged = merged.to(embeds.dtype)
+        k = self.encoder.k
+        return [merged[i, : -(-len(s) // k)] for i, s in enumerate(segments)]
