@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from ktm.errors import KTMError
 from ktm.prompt import PromptLike, Segment, split_prompts
+from ktm.text_stream import TextStream
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class GenerationConfig:
             raise KTMError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def _select(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):
+def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):
     """(B, V) logits -> (B,) next tokens, greedy or temperature/top-p sampling."""
     if not cfg.do_sample:
         return logits.argmax(-1)
@@ -134,7 +135,7 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
     eos = torch.tensor(sorted(model.eos_ids), dtype=torch.long, device=model.device)
     finished = torch.zeros(state.logits.shape[0], dtype=torch.bool, device=model.device)
     for i in range(cfg.max_new_tokens):
-        nxt = _select(state.logits, cfg, gen).masked_fill(finished, model.pad_id)
+        nxt = select_next(state.logits, cfg, gen).masked_fill(finished, model.pad_id)
         yield nxt
         if cfg.stop_at_eos and len(eos):
             finished |= torch.isin(nxt, eos)
@@ -177,16 +178,12 @@ def stream(model, prompt: PromptLike, **kwargs) -> Iterator[str]:
     segs, single = split_prompts(prompt)
     if not single:
         raise KTMError("stream takes one prompt; use generate for a list")
-    ids, shown = [], ""
+    text = TextStream(model.tokenizer)
     for nxt in decode_steps(model, segs, cfg):
         tok = int(nxt[0])
         if cfg.stop_at_eos and tok in model.eos_ids:
             break
-        ids.append(tok)
-        text = model.tokenizer.decode(ids, skip_special_tokens=True)
-        # hold back a piece that ends inside a multi-byte character
-        if text.endswith("\ufffd"):
-            continue
-        if len(text) > len(shown):
-            yield text[len(shown):]
-            shown = text
+        if piece := text.push(tok):
+            yield piece
+    if tail := text.flush():  # a last character left unfinished
+        yield tail

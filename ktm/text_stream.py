@@ -1,0 +1,55 @@
+"""Token ids -> text pieces as they are decoded, with OpenAI-style stop strings.
+
+A piece is released only when it is final: text ending inside a multi-byte character is held
+back, and so is a tail that could still grow into a stop string. The output stops before the
+first stop string, which is not included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""  # decoded text of all ids, up to the last complete character
+        self.sent = 0  # characters of ``text`` released so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one token id; returns the newly released text (often empty)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # ends inside a multi-byte character
+            return ""
+        self.text = text
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._release(min(hits))
+        return self._release(len(text) - self._partial_stop(text))
+
+    def flush(self) -> str:
+        """The text held back for a stop string that never came (the output is over)."""
+        return "" if self.stopped else self._release(len(self.text))
+
+    def _partial_stop(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _release(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
