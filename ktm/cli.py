@@ -21,6 +21,7 @@ from ktm.cli_args import (
     plain,
     task_settings,
 )
+from ktm.cli_serve import serve_parser
 from ktm.config_args import add_dataclass_args, from_args
 from ktm.errors import KTMError
 
@@ -277,6 +278,7 @@ COMMANDS = {
     "report": ("tables and Pareto plot from `ktm eval` result files", _report_parser),
     "curriculum": ("tree curriculum: advance a stage once it passes", _curriculum_parser),
     "bench": ("prefill / decode / training-throughput benchmark", _bench_parser),
+    "serve": ("OpenAI-compatible HTTP server (completions, chat, SSE)", serve_parser),
 }
 
 

@@ -35,8 +35,12 @@ class TextStream:
         return self._release(len(text) - self._partial_stop(text))
 
     def flush(self) -> str:
-        """The text held back for a stop string that never came (the output is over)."""
-        return "" if self.stopped else self._release(len(self.text))
+        """Everything held back (a tail that never became a stop string or a whole character):
+        the output is over."""
+        if self.stopped:
+            return ""
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._release(len(self.text))
 
     def _partial_stop(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""

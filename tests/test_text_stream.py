@@ -39,6 +39,9 @@ def test_a_possible_stop_prefix_is_held_back_then_released():
 def test_multibyte_characters_are_never_split():
     pieces, out, _ = run("x€y")
     assert pieces == ["x", "€", "y"] and out == "x€y"
+    ts = TextStream(Bytes())
+    assert [ts.push(b) for b in "a€".encode()[:3]] == ["a", "", ""]
+    assert ts.flush() == "\ufffd"  # an unfinished character at the end is released as decoded
 
 
 def test_nothing_after_a_stop():

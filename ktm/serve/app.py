@@ -1,0 +1,281 @@
+"""The HTTP layer of ``ktm serve``: OpenAI-compatible routes on FastAPI, served by uvicorn.
+
+    POST /v1/completions        prompt (or ktm segments) -> text, SSE with "stream": true
+    POST /v1/chat/completions   messages through the chat template -> assistant message
+    GET  /v1/models             the served model, its K and base model
+    GET  /health                engine state: running / waiting requests, cache statistics
+
+Why FastAPI + uvicorn: it is the most used and best kept ASGI stack in Python (vLLM's and
+SGLang's OpenAI servers run on it); its pydantic models give the request schema, type checks and
+the refusal of unknown fields in one place; Starlette's ``StreamingResponse`` writes SSE and
+notices a client that went away; uvicorn is the reference ASGI server. A model step is torch
+work, so it runs on the engine's own thread and the event loop only relays text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ktm.serve.config import ServeConfig
+from ktm.serve.engine import Engine, Event, Job
+from ktm.serve.prompts import chat_segments, completion_segments
+from ktm.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    KtmOptions,
+    RequestError,
+    error_body,
+    validation_message,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Handle:
+    """One request's link to the engine: events arrive on an asyncio queue."""
+
+    def __init__(self, job_args: dict):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        self.job = Job(deliver=self._deliver, **job_args)
+        self._watcher: asyncio.Task | None = None
+
+    def _deliver(self, ev: Event) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            self.job.cancelled.set()
+
+    def watch(self, request: Request) -> None:
+        """Until ``unwatch``, a disconnect of the client (the ASGI receive channel says
+        ``http.disconnect``) makes ``next`` raise ``ClientGone``."""
+        async def wait_for_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.queue.put_nowait(None)
+
+        self._watcher = asyncio.ensure_future(wait_for_disconnect())
+
+    def unwatch(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def next(self) -> Event:
+        ev = await self.queue.get()
+        if ev is None:
+            raise ClientGone
+        return ev
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def create_app(model, cfg: ServeConfig) -> FastAPI:
+    engine = Engine(model, cfg)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="ktm serve", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def _refused(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    def model_card() -> dict:
+        return {"id": cfg.served_name, "object": "model", "created": started, "owned_by": "ktm",
+                "root": cfg.model, "k": model.k, "merges": model.merges,
+                "base_model": model.config.base_model, "max_model_len": engine.context}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.alive
+        body = {"status": "ok" if ok else "engine stopped", "model": cfg.served_name,
+                "k": model.k, "base_model": model.config.base_model, **engine.stats()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await _generate(body, request, chat=True)
+
+    async def _generate(body, request: Request, chat: bool):
+        if body.model != cfg.served_name:
+            raise RequestError(f"model {body.model!r} is not served here: this server serves "
+                               f"{cfg.served_name!r}", param="model", code="model_not_found",
+                               status=404)
+        max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
+                      else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+        if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
+            raise RequestError(f"max_tokens={max_tokens} is over this server's limit of "
+                               f"{cfg.max_tokens_limit}", param="max_tokens")
+        build = chat_segments if chat else completion_segments
+        segments = await run_in_threadpool(build, model, body)
+        ext = body.ktm or KtmOptions()
+        handle = Handle({"segments": segments, "max_tokens": max_tokens,
+                         "temperature": body.temperature, "top_p": body.top_p,
+                         "seed": body.seed, "stop": tuple(body.stop_list()),
+                         "ignore_eos": ext.ignore_eos})
+        engine.submit(handle.job)
+        handle.watch(request)
+        try:
+            first = await handle.next()  # a prompt too long is refused here, before the 200
+            if first.error:
+                raise first.error
+            if not body.stream:
+                texts, ev = [first.text], first
+                while not ev.finish:
+                    ev = await handle.next()
+                    if ev.error:
+                        raise ev.error
+                    texts.append(ev.text)
+        except ClientGone:
+            engine.cancel(handle.job)
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+        finally:
+            handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(handle, first, head, chat, usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text = "".join(texts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                  else {"index": 0, "text": text})
+        return {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": [{**choice, "logprobs": None, "finish_reason": ev.finish}],
+                "usage": ev.usage}
+
+    async def _stream(handle: Handle, first: Event, head: dict, chat: bool, usage: bool
+                      ) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {"content": text} if text else {})
+                choice = {"index": 0, "delta": delta}
+            else:
+                choice = {"index": 0, "text": text or ""}
+            out = {**head, "object": kind,
+                   "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+            return {**out, "usage": None} if usage else out
+
+        try:
+            if chat:
+                yield _sse(chunk(None, None, role=True))
+            ev = first
+            while True:
+                if ev.error:
+                    yield _sse(ev.error.body())
+                    break
+                if chat and ev.text and ev.finish:
+                    yield _sse(chunk(ev.text, None))
+                    yield _sse(chunk(None, ev.finish))
+                elif ev.text or ev.finish:
+                    yield _sse(chunk(ev.text, ev.finish))
+                if ev.finish:
+                    if usage:
+                        yield _sse({**head, "object": kind, "choices": [], "usage": ev.usage})
+                    break
+                ev = await handle.next()
+            yield _sse("[DONE]")
+        finally:
+            engine.cancel(handle.job)  # a client gone mid-stream frees its row at the next step
+
+    return app
+
+
+class BackgroundServer:
+    """uvicorn serving ``app`` on a loopback socket in a thread (tests and the benchmark).
+
+    The socket is bound before the thread starts, so ``url`` is valid at once (port 0: any free
+    port); ``with`` waits until the server accepts requests and stops it afterwards.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name="ktm-serve")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"ktm serve did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def serve(cfg: ServeConfig) -> None:
+    """``ktm serve``: load the model and serve it until interrupted."""
+    import torch
+    import uvicorn
+
+    from ktm.serve.config import load_served_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model = load_served_model(cfg)
+    print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
+          f"http://{cfg.host}:{cfg.port}/v1", flush=True)
+    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level)

@@ -1,0 +1,66 @@
+"""``ktm serve`` options: the dataclass is the CLI (``ktm serve --help``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ktm.errors import KTMError
+from ktm.models import DEFAULT_MODEL, parse_dtype
+
+
+@dataclass
+class ServeConfig:
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "embedded model name, HF folder (served with an untrained mean-pooling merger), "
+                "ktm checkpoint folder or shipped reader name"})
+    k: int | None = field(default=None, metadata={
+        "help": "tokens merged per block: a base model's K (default 4); a checkpoint's K if given "
+                "must match"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_name: str | None = field(default=None, metadata={
+        "help": "model id clients send (default: the --model value's last path part)"})
+    max_batch: int = field(default=16, metadata={"help": "requests decoding together at most"})
+    batch_window_ms: float = field(default=10.0, metadata={
+        "help": "an idle server waits this long after a request for others to prefill with it"})
+    max_tokens_limit: int = field(default=1024, metadata={
+        "help": "largest max_tokens a request may ask for (also the chat default)"})
+    max_queue: int = field(default=256, metadata={
+        "help": "requests waiting beyond this get 503 (server busy)"})
+    prefix_cache_mb: float = field(default=512.0, metadata={
+        "help": "memory for reused merged segments and context KV (0: off)"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
+    log_level: str = field(default="info", metadata={
+        "help": "uvicorn log level", "choices": ["critical", "error", "warning", "info", "debug"]})
+
+    def __post_init__(self) -> None:
+        if self.k is not None and self.k < 1:
+            raise KTMError(f"k must be an integer >= 1, got {self.k}")
+        if not 0 <= self.port <= 65535:
+            raise KTMError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_batch", "max_tokens_limit", "max_queue"):
+            if getattr(self, name) < 1:
+                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_window_ms", "prefix_cache_mb", "threads"):
+            if getattr(self, name) < 0:
+                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        parse_dtype(self.dtype)
+        if self.served_name is None:
+            self.served_name = Path(self.model.rstrip("/")).name or self.model
+        if not self.served_name:
+            raise KTMError("served_name is empty: expected the model id clients will send")
+
+
+def load_served_model(cfg: ServeConfig):
+    """A ktm checkpoint or shipped reader as trained; a base model with a mean-pooling merger."""
+    from ktm.model import KTMModel
+    from ktm.readers import READERS
+
+    dtype = parse_dtype(cfg.dtype)
+    if (Path(cfg.model) / "ktm_config.json").is_file() or cfg.model in READERS:
+        return KTMModel.load(cfg.model, k=cfg.k, device=cfg.device, dtype=dtype)
+    return KTMModel.from_base(cfg.model, k=cfg.k or 4, use_mlp=False, device=cfg.device,
+                              dtype=dtype)

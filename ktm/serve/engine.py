@@ -1,0 +1,300 @@
+"""The serving engine: one thread that decodes all running requests together.
+
+Continuous batching with the functions ``decode_steps`` uses (``ktm.generate.prefill``,
+``advance``, ``select_next``) plus ``ktm.decode_batch``'s ``join`` and ``keep_rows``:
+
+    loop: admit waiting requests -> prefill them together -> join them to the running batch
+          -> pick one token per row (each row with its own sampling settings and generator)
+          -> send each request its new text -> drop finished or disconnected rows -> advance
+
+An idle engine waits ``batch_window_ms`` after a request so that requests arriving together are
+prefilled together; while it is decoding, arrivals join at the next step. Rows never affect each
+other (left padding, position ids of real positions only), so batching does not change outputs.
+
+Prefix cache: the merged embeddings of every compressed segment are kept (LRU, bytes-bounded),
+and so is the KV of a prompt's leading context (up to its last merged segment). A request whose
+context was seen before prefills only what follows it.
+
+Torch work runs on this thread; the asyncio server only queues requests and relays text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ktm.batch import CompressedPrompt
+from ktm.decode_batch import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
+from ktm.generate import DecodeState, GenerationConfig, advance, prefill, select_next
+from ktm.prompt import Segment
+from ktm.serve.cache import LRUCache
+from ktm.serve.config import ServeConfig
+from ktm.serve.prompts import context_of
+from ktm.serve.protocol import RequestError
+from ktm.text_stream import TextStream
+
+log = logging.getLogger("ktm.serve")
+
+
+@dataclass
+class Event:
+    """What a request receives: new text, and at the end a finish reason and usage."""
+
+    text: str = ""
+    finish: str | None = None  # "stop" (EOS or a stop string) or "length"
+    usage: dict | None = None
+    error: RequestError | None = None
+
+
+@dataclass
+class Job:
+    segments: tuple[Segment, ...]  # token-id segments, merged or plain
+    max_tokens: int | None  # None: as many as fit, at most the server's max_tokens_limit
+    deliver: Callable[[Event], None]  # thread-safe; called from the engine thread
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens_in(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+
+class Row:
+    """A running request: its sampling settings, token count and released text."""
+
+    def __init__(self, job: Job, model, cp: CompressedPrompt, cached: int, limit: int):
+        self.job, self.limit, self.n = job, limit, 0
+        self.cfg = GenerationConfig(max_new_tokens=limit, do_sample=job.temperature > 0,
+                                    temperature=job.temperature or 1.0, top_p=job.top_p,
+                                    seed=job.seed, stop_at_eos=not job.ignore_eos)
+        self.gen = None
+        if self.cfg.do_sample and job.seed is not None:
+            self.gen = torch.Generator(device=model.device).manual_seed(job.seed)
+        self.text = TextStream(model.tokenizer, job.stop)
+        self.eos = model.eos_ids
+        self.prompt = {"prompt_tokens": cp.tokens_in, "prompt_tokens_merged": cp.tokens_out,
+                       "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def push(self, token: int) -> Event:
+        self.n += 1
+        if self.cfg.stop_at_eos and token in self.eos:
+            return self._end(self.text.flush(), "stop")
+        piece = self.text.push(token)
+        if self.text.stopped:
+            return self._end(piece, "stop")
+        if self.n >= self.limit:
+            return self._end(piece + self.text.flush(), "length")
+        return Event(piece)
+
+    def _end(self, text: str, reason: str) -> Event:
+        usage = {**self.prompt, "completion_tokens": self.n,
+                 "total_tokens": self.prompt["prompt_tokens"] + self.n}
+        return Event(text, reason, usage)
+
+
+class Engine:
+    def __init__(self, model, cfg: ServeConfig):
+        self.model, self.cfg = model, cfg
+        self.context: int | None = model.max_positions
+        budget = int(cfg.prefix_cache_mb * 2**20)
+        self.rebatch = can_rebatch(model)  # else: windowed batches, no stored KV
+        self.merged = LRUCache(budget // 8)
+        self.kv = LRUCache(budget - budget // 8 if self.rebatch else 0)
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._rows: list[Row] = []
+        self._batch: DecodeState | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ktm-engine", daemon=True)
+        self.counts = {"finished": 0, "cancelled": 0, "rejected": 0, "failed": 0, "steps": 0,
+                       "peak_running": 0}
+        self.last_error: str | None = None
+
+    # ---------------------------------------------------------------- called from the server
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if len(self._waiting) >= self.cfg.max_queue:
+                raise RequestError(f"server busy: {len(self._waiting)} requests are waiting "
+                                   f"(max_queue={self.cfg.max_queue}); retry later",
+                                   code="server_busy", status=503, kind="server_error")
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: its row is dropped before the next step."""
+        if not job.cancelled.is_set():
+            job.cancelled.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def stats(self) -> dict:
+        return {"running": len(self._rows), "waiting": len(self._waiting),
+                "max_batch": self.cfg.max_batch, "continuous_batching": self.rebatch,
+                **self.counts, "prefix_cache": {"merged": self.merged.stats(),
+                                                "kv": self.kv.stats()},
+                "last_error": self.last_error}
+
+    # ---------------------------------------------------------------- the engine thread
+    def _run(self) -> None:
+        with torch.no_grad():
+            while (jobs := self._take()) is not None:
+                try:
+                    if jobs:
+                        self._admit(jobs)
+                    if self._rows:
+                        self._step()
+                except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+                    log.exception("engine step failed")
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    pending = [j for j in jobs if not j.cancelled.is_set()]
+                    self._fail(list({id(j): j for j in pending + [r.job for r in self._rows]}
+                                    .values()), e)
+
+    def _take(self) -> list[Job] | None:
+        """Block until there is work; the waiting requests that fit in the batch now."""
+        with self._cond:
+            while not self._stopping and not self._waiting and not self._rows:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            if not self._rows and self._waiting:  # idle: let requests arriving together gather
+                deadline = self._waiting[0].arrived + self.cfg.batch_window_ms / 1000
+                while (not self._stopping and len(self._waiting) < self.cfg.max_batch
+                       and (left := deadline - time.monotonic()) > 0):
+                    self._cond.wait(left)
+            free = self.cfg.max_batch - len(self._rows) if self.rebatch or not self._rows else 0
+            jobs: list[Job] = []
+            while self._waiting and len(jobs) < free:
+                job = self._waiting.popleft()
+                if job.cancelled.is_set():
+                    self.counts["cancelled"] += 1
+                else:
+                    jobs.append(job)
+            return jobs
+
+    def _limit(self, job: Job, cp: CompressedPrompt) -> int | None:
+        """Tokens this request may generate, or None after answering it with an error."""
+        room = None if self.context is None else self.context - cp.tokens_out
+        what = (f"the prompt is {cp.tokens_out} positions after merging ({cp.tokens_in} tokens "
+                f"before, K={self.model.k})")
+        want = job.max_tokens or min(self.cfg.max_tokens_limit, room or self.cfg.max_tokens_limit)
+        err = None
+        if room is not None and room < 1:
+            err = f"{what}: more than the model's context of {self.context} positions"
+        elif room is not None and want > room:
+            err = (f"{what}; with max_tokens={want} it needs {cp.tokens_out + want} positions, "
+                   f"more than the model's context of {self.context}")
+        if err:
+            self.counts["rejected"] += 1
+            job.deliver(Event(error=RequestError(err, param="max_tokens" if room and room > 0
+                                                 else "prompt", code="context_length_exceeded")))
+            return None
+        return want
+
+    def _admit(self, jobs: list[Job]) -> None:
+        cps = self.model.encode_prompts([j.segments for j in jobs], cache=self.merged)
+        parts: list[DecodeState] = []
+        rows: list[Row] = []
+        misses = []
+        for job, cp in zip(jobs, cps):
+            limit = self._limit(job, cp)
+            if limit is None:
+                continue
+            context = context_of(job.segments)
+            key = tuple((s.ids, s.compress) for s in context) if context else None
+            stored = self.kv.get(key) if key is not None else None
+            n = 0 if stored is None else min(stored[0][0].shape[-2], cp.tokens_out - 1)
+            if n < 1:
+                misses.append((job, cp, limit, context, key))
+                continue
+            past = [(k[:, :, :n], v[:, :, :n]) for k, v in stored]
+            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:]))
+            rows.append(Row(job, self.model, cp, n, limit))
+        if misses:
+            batch = prefill(self.model, [m[1] for m in misses])
+            for i, (job, cp, limit, context, key) in enumerate(misses):
+                if key is not None and self.kv.max_bytes and key not in self.kv:
+                    n = self.model.encode_prompts([context], cache=self.merged)[0].tokens_out
+                    self.kv[key] = row_kv(batch, i, n)
+                rows.append(Row(job, self.model, cp, 0, limit))
+            parts.append(batch)
+        for part in parts:
+            self._batch = part if self._batch is None else join(self._batch, part)
+        self._rows += rows
+        self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
+
+    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) -> (B,) next tokens: greedy rows at once, sampled rows each with its own
+        generator, so a row's draws do not depend on its batch-mates."""
+        out = torch.empty(len(self._rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(self._rows) if not r.cfg.do_sample]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            out[idx] = select_next(logits[idx], self._rows[greedy[0]].cfg, None)
+        for i, r in enumerate(self._rows):
+            if r.cfg.do_sample:
+                out[i] = select_next(logits[i:i + 1], r.cfg, r.gen)[0]
+        return out
+
+    def _step(self) -> None:
+        gone = [i for i, r in enumerate(self._rows) if r.job.cancelled.is_set()]
+        if gone:
+            self.counts["cancelled"] += len(gone)
+            self._keep([i for i in range(len(self._rows)) if i not in gone])
+            if not self._rows:
+                return
+        tokens = self._select(self._batch.logits)
+        done = []
+        for i, (row, tok) in enumerate(zip(self._rows, tokens.tolist())):
+            ev = row.push(tok)
+            if ev.text or ev.finish:
+                row.job.deliver(ev)
+            if ev.finish:
+                done.append(i)
+        self.counts["steps"] += 1
+        self.counts["finished"] += len(done)
+        if done:
+            keep = [i for i in range(len(self._rows)) if i not in done]
+            self._keep(keep)
+            tokens = tokens[keep]
+        if self._rows:
+            advance(self.model, self._batch, tokens)
+
+    def _keep(self, rows: list[int]) -> None:
+        if not rows:
+            self._batch, self._rows = None, []
+            return
+        keep_rows(self._batch, rows)
+        self._rows = [self._rows[i] for i in rows]
+
+    def _fail(self, jobs: list[Job], e: Exception) -> None:
+        self._batch, self._rows = None, []
+        self.counts["failed"] += len(jobs)
+        err = RequestError(f"internal error while generating: {type(e).__name__}: {e}",
+                           status=500, kind="server_error")
+        for job in jobs:
+            job.deliver(Event(error=err))

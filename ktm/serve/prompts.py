@@ -1,0 +1,102 @@
+"""Requests -> prompts as token-id segments (merged or plain), the way the Python API builds them.
+
+A completion prompt is tokenized like ``KTMModel.encode_prompts`` does (the first segment gets the
+tokenizer's special tokens), so the server's output for a prompt equals ``model.generate``'s.
+
+Chat messages go through the tokenizer's chat template. To know where each message's content sits
+in the rendered text, the template is rendered with a marker as each content and split at the
+markers: the template's text becomes plain segments, the contents are put back in their place as
+given (merged or plain). A tokenizer without a template uses ``role: content`` lines and a final
+``assistant:``. Everything is tokenized without added special tokens: the template has its own.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ktm.prompt import Segment
+from ktm.serve.protocol import ChatRequest, CompletionRequest, KtmOptions, RequestError
+
+MARK = "[[ktm-content-{}]]"
+MARK_RE = re.compile(r"\[\[ktm-content-(\d+)\]\]")
+
+
+def _check_joined(given: str | None, parts, where: str) -> None:
+    joined = "".join(p.text for p in parts)
+    if given not in (None, "", joined):
+        raise RequestError(f"{where} must be omitted, empty or exactly the ktm segments' texts "
+                           "joined, since the segments already give it", param=where)
+
+
+def completion_segments(model, req: CompletionRequest) -> tuple[Segment, ...]:
+    ext = req.ktm or KtmOptions()
+    if ext.segments is not None:
+        _check_joined(req.prompt, ext.segments, "prompt")
+        parts = [(s.text, s.merge and ext.merge) for s in ext.segments]
+    else:
+        parts = [(req.prompt or "", ext.merge)]
+    parts = [(t, m) for t, m in parts if t]
+    segs = tuple(Segment(t, m, tuple(model.tokenize(t, first=i == 0)))
+                 for i, (t, m) in enumerate(parts))
+    return _non_empty(segs, "prompt")
+
+
+def render_chat(tokenizer, turns: list[tuple[str, int]]) -> list[str | int]:
+    """The chat as template text (str) and message indices (int) where contents go."""
+    if not getattr(tokenizer, "chat_template", None):
+        out: list[str | int] = []
+        for role, i in turns:
+            out += [f"{role}: ", i, "\n"]
+        return out + ["assistant:"]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": role, "content": MARK.format(i)} for role, i in turns],
+        tokenize=False, add_generation_prompt=True)
+    pieces = MARK_RE.split(rendered)
+    out = [int(p) if j % 2 else p for j, p in enumerate(pieces)]
+    found = [p for p in out if isinstance(p, int)]
+    if found != [i for _, i in turns]:
+        raise RequestError("this model's chat template does not place each message's content "
+                           f"once and in order (found messages {found}); send a completion with "
+                           "ktm.segments instead", param="messages")
+    return [p for p in out if p != ""]
+
+
+def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
+    ext_all = req.ktm or KtmOptions()
+    if ext_all.segments is not None:
+        raise RequestError("ktm.segments is for /v1/completions; in a chat, give a message "
+                           "\"ktm\": {\"segments\": [...]}", param="ktm.segments")
+    merge_all = ext_all.merge
+    contents: list[list[tuple[str, bool]]] = []
+    for i, m in enumerate(req.messages):
+        ext = m.ktm
+        if ext is not None and ext.segments is not None:
+            _check_joined(m.text(), ext.segments, f"messages.{i}.content")
+            parts = [(s.text, s.merge) for s in ext.segments]
+        else:
+            parts = [(m.text(), True if ext is None or ext.merge is None else ext.merge)]
+        contents.append([(t, merge and merge_all) for t, merge in parts if t])
+    if not any(contents):
+        raise RequestError("messages are empty: expected at least one message with content",
+                           param="messages")
+    layout = render_chat(model.tokenizer, [(m.role, i) for i, m in enumerate(req.messages)])
+    segs = []
+    for piece in layout:
+        for text, merge in ([(piece, False)] if isinstance(piece, str) else contents[piece]):
+            ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+            segs.append(Segment(text, merge, tuple(ids)))
+    return _non_empty(tuple(segs), "messages")
+
+
+def _non_empty(segs: tuple[Segment, ...], param: str) -> tuple[Segment, ...]:
+    segs = tuple(s for s in segs if s.ids)
+    if not segs:
+        raise RequestError(f"{param} is empty: expected text to complete", param=param)
+    return segs
+
+
+def context_of(segs: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """The leading segments up to the last merged one: the part whose KV the server may reuse
+    (a long document merged, then a plain question that changes from request to request)."""
+    last = max((i for i, s in enumerate(segs) if s.compress), default=-1)
+    return segs[:last + 1]

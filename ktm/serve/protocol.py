@@ -1,0 +1,126 @@
+"""The OpenAI request shapes `ktm serve` accepts, its one extension field, OpenAI's error shape.
+
+Unknown fields are refused (``extra="forbid"``), so a client that relies on an option this server
+does not implement (``logprobs``, ``n > 1``, penalties, tools) gets a 400 naming it instead of a
+silently different answer.
+
+The ktm extension is one optional field named ``ktm``; with the official client it goes in
+``extra_body``. It says which parts are merged and which stay plain:
+
+    completions:  "ktm": {"segments": [{"text": "<long document>", "merge": true},
+                                       {"text": "\\nQuestion: ...? Answer:", "merge": false}]}
+                  ("prompt" is then omitted, null, "" or exactly the segments' texts joined)
+    chat:         a message may carry "ktm": {"merge": false} (the whole content plain) or
+                  "ktm": {"segments": [...]} (its content as segments; "content" as above)
+    both:         "ktm": {"merge": false} at the top level feeds everything plain (the
+                  uncompressed baseline); "ktm": {"ignore_eos": true} always generates max_tokens
+
+Without it, a completion prompt and every chat message's content are merged; the chat template's
+own text (role markers, the generation prompt) is always plain.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SegmentIn(Strict):
+    text: str
+    merge: bool = True
+
+
+class KtmOptions(Strict):
+    merge: bool = True  # False: every part plain
+    segments: list[SegmentIn] | None = Field(None, min_length=1)  # completions only
+    ignore_eos: bool = False
+
+
+class MessageKtm(Strict):
+    merge: bool | None = None
+    segments: list[SegmentIn] | None = Field(None, min_length=1)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    ktm: MessageKtm | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ktm: KtmOptions | None = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class CompletionRequest(Sampling):
+    prompt: str | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class RequestError(Exception):
+    """A bad request: answered with ``status`` and OpenAI's error object, the server goes on."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = (
+            message, param, code, status, kind)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic errors of a request body -> (one readable message, the offending field)."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    where = ".".join(loc) or None
+    if e.get("type") == "json_invalid":
+        return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    if e.get("type") == "extra_forbidden":
+        return f"unknown field {where!r}: this server does not accept it", where
+    if e.get("type") == "missing":
+        return f"missing required field {where!r}", where
+    return f"{where}: {e.get('msg')}" if where else str(e.get("msg")), where

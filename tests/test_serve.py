@@ -1,0 +1,306 @@
+"""``ktm serve`` over loopback with the official openai client, on the tiny in-process model."""
+
+import http.client
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from test_model import perturb
+
+from ktm import Segment
+from ktm.model import KTMModel
+from ktm.serve.app import BackgroundServer, create_app
+from ktm.serve.config import ServeConfig
+
+DOC = ("Tree: AB\n+CD\n++EF\n+GH\n++IJ\n+++KL. The quick brown fox jumps over the lazy dog. "
+       "def add(a, b):\n    return a + b\n")
+LIMIT = 448  # max_tokens limit of the test server; the tiny model's context is 512
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4)
+    perturb(model)
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", max_tokens_limit=LIMIT,
+                      batch_window_ms=100, log_level="warning")
+    app = create_app(model, cfg)
+    with BackgroundServer(app) as srv:
+        srv.model, srv.engine = model, app.state.engine
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def segs_body(doc: str, question: str) -> dict:
+    return {"ktm": {"segments": [{"text": doc, "merge": True},
+                                 {"text": question, "merge": False}]}}
+
+
+def get(server, path: str) -> dict:
+    with urllib.request.urlopen(server.url + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_completion_equals_generate_and_reports_merged_usage(server, client):
+    prompt = [Segment(DOC), Segment("Question: who? Answer:", compress=False)]
+    r = client.completions.create(model="tiny", prompt=None, max_tokens=12, temperature=0,
+                                  extra_body=segs_body(DOC, "Question: who? Answer:"))
+    assert r.choices[0].text == server.model.generate(prompt, max_new_tokens=12)
+    cp = server.model.compress(prompt)
+    assert r.usage.prompt_tokens == cp.tokens_in
+    assert r.usage.prompt_tokens_merged == cp.tokens_out < cp.tokens_in
+    assert r.usage.total_tokens == cp.tokens_in + r.usage.completion_tokens
+    plain = client.completions.create(model="tiny", prompt=DOC, max_tokens=12, temperature=0,
+                                      extra_body={"ktm": {"merge": False}})
+    n_doc = len(server.model.tokenize(DOC, first=True))
+    assert plain.usage.prompt_tokens_merged == plain.usage.prompt_tokens == n_doc
+    assert plain.choices[0].text == server.model.generate(DOC, max_new_tokens=12, merge=False)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_joins_to_the_non_streaming_answer(server, client, chat):
+    kw = dict(model="tiny", max_tokens=20, temperature=0)
+    if chat:
+        kw["messages"] = [{"role": "system", "content": DOC},
+                          {"role": "user", "content": "Who?", "ktm": {"merge": False}}]
+        create = client.chat.completions.create
+    else:
+        kw["prompt"] = DOC
+        create = client.completions.create
+    whole = create(**kw)
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **kw))
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    text = "".join((p.delta.content or "") if chat else p.text for p in pieces)
+    reference = whole.choices[0].message.content if chat else whole.choices[0].text
+    assert len(pieces) > 2 and text == reference
+    assert pieces[-1].finish_reason == whole.choices[0].finish_reason
+    assert all(p.finish_reason is None for p in pieces[:-1])
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_merged == whole.usage.prompt_tokens_merged
+
+
+def _requests() -> list[dict]:
+    """16 different requests: completions and chats, greedy and seeded sampling, stops."""
+    words = DOC.split()
+    out = []
+    for i in range(16):
+        doc = " ".join(words[i % 5:][: 6 + 2 * i])
+        kw = {"model": "tiny", "max_tokens": 4 + (i * 3) % 17,
+              "temperature": 0 if i % 3 else 0.9, "top_p": 1.0 if i % 2 else 0.8, "seed": i}
+        if i % 4 == 3:
+            kw["stop"] = ["e"]
+        if i % 2:
+            kw["messages"] = [{"role": "user", "content": doc},
+                              {"role": "user", "content": f"Q{i}?", "ktm": {"merge": False}}]
+        else:
+            kw["prompt"] = None
+            kw["extra_body"] = segs_body(doc, f" Q{i}:")
+        out.append(kw)
+    return out
+
+
+def _ask(url: str, kw: dict) -> tuple[str, str]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    if "messages" in kw:
+        ch = c.chat.completions.create(**kw).choices[0]
+        return ch.message.content, ch.finish_reason
+    ch = c.completions.create(**kw).choices[0]
+    return ch.text, ch.finish_reason
+
+
+def test_sixteen_concurrent_requests_equal_one_by_one(server):
+    reqs = _requests()
+    one_by_one = [_ask(server.url, kw) for kw in reqs]
+    assert server.engine.counts["peak_running"] <= 2  # (a stream above may have overlapped)
+    start = threading.Barrier(16)
+
+    def together(kw):
+        start.wait()
+        return _ask(server.url, kw)
+
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(together, reqs))
+    assert server.engine.counts["peak_running"] >= 8  # they really were decoded together
+    assert concurrent == one_by_one
+    assert len({t for t, _ in one_by_one}) > 8 and {"stop", "length"} <= {f for _, f in one_by_one}
+    # and the server equals the library: greedy and seeded sampling alike
+    for kw, (text, _) in zip(reqs[:8:2], one_by_one[:8:2]):
+        doc, q = (s["text"] for s in kw["extra_body"]["ktm"]["segments"])
+        want = server.model.generate([Segment(doc), Segment(q, compress=False)],
+                                     max_new_tokens=kw["max_tokens"],
+                                     do_sample=kw["temperature"] > 0,
+                                     temperature=kw["temperature"] or 1.0, top_p=kw["top_p"],
+                                     seed=kw["seed"])
+        assert text == (want.split("e")[0] if "stop" in kw else want)
+
+
+def test_a_repeated_context_reuses_its_merged_kv(server, client):
+    doc = DOC * 3
+    before = server.engine.kv.stats()["hits"]
+    first = client.completions.create(model="tiny", prompt=None, max_tokens=8, temperature=0,
+                                      extra_body=segs_body(doc, " First?"))
+    second = client.completions.create(model="tiny", prompt=None, max_tokens=8, temperature=0,
+                                       extra_body=segs_body(doc, " Second?"))
+    ctx = server.model.compress(doc).tokens_out
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == ctx
+    assert server.engine.kv.stats()["hits"] == before + 1
+    want = server.model.generate([Segment(doc), Segment(" Second?", compress=False)],
+                                 max_new_tokens=8)
+    assert second.choices[0].text == want
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, "malformed JSON"),
+    ("unknown field", {"prompt": "hi", "logprobs": 2}, 400, "unknown field 'logprobs'"),
+    ("unknown ktm field", {"prompt": "hi", "ktm": {"merge_all": True}}, 400, "ktm.merge_all"),
+    ("empty prompt", {"prompt": ""}, 400, "prompt is empty"),
+    ("no prompt", {}, 400, "prompt is empty"),
+    ("max_tokens over the limit", {"prompt": "hi", "max_tokens": LIMIT + 1}, 400,
+     f"over this server's limit of {LIMIT}"),
+    ("too long after merging", {"prompt": "Hello world " * 1200}, 400,
+     "more than the model's context of 512"),
+    ("too long with max_tokens", {"prompt": "Hello world " * 300, "max_tokens": LIMIT}, 400,
+     "more than the model's context of 512"),
+    ("bad temperature", {"prompt": "hi", "temperature": 3}, 400, "temperature"),
+    ("n > 1", {"prompt": "hi", "n": 2}, 400, "n:"),
+    ("prompt contradicts segments", {"prompt": "other", **segs_body("a", "b")}, 400,
+     "segments' texts joined"),
+    ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "not served here"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, name, body, status,
+                                                               message):
+    data = body if isinstance(body, bytes) else json.dumps({"model": "tiny", **body}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == status
+    err = json.loads(e.value.read())["error"]
+    assert message in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+    assert get(server, "/health")["status"] == "ok"
+    ok = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=ok,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200 and json.loads(r.read())["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages are empty"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "extra_body": {"ktm": {"segments": [{"text": "a"}]}}},
+     "ktm.segments is for /v1/completions"),
+])
+def test_bad_chat_requests(client, body, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", max_tokens=2, **body)
+    assert message in e.value.body["message"]
+
+
+def _wait_until(pred, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
+    from ktm.serve import engine
+
+    advance = engine.advance
+    # a slow model: LIMIT steps take seconds, so a row that ran on to max_tokens would show
+    monkeypatch.setattr(engine, "advance", lambda *a: time.sleep(0.01) or advance(*a))
+    before = dict(server.engine.counts)
+    body = {"model": "tiny", "prompt": DOC, "max_tokens": LIMIT, "stream": stream,
+            "ktm": {"ignore_eos": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    assert _wait_until(lambda: get(server, "/health")["running"] == 1)
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.close()  # the client goes away mid-generation
+    conn.close()
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    counts = server.engine.counts
+    assert counts["cancelled"] == before["cancelled"] + 1
+    assert counts["finished"] == before["finished"]  # it did not run to max_tokens
+    r = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).completions.create(
+        model="tiny", prompt="Hello", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_models_and_health(server):
+    models = get(server, "/v1/models")["data"]
+    assert [(m["id"], m["k"], m["base_model"], m["max_model_len"]) for m in models] == [
+        ("tiny", 4, server.model.config.base_model, 512)]
+    health = get(server, "/health")
+    assert health["status"] == "ok" and health["running"] == 0 and health["k"] == 4
+    assert health["continuous_batching"] and "kv" in health["prefix_cache"]
+
+
+def test_ktm_serve_command_serves_and_stops_cleanly(tiny_model_dir):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ktm.cli", "serve", "--model", tiny_model_dir, "--k", "2",
+           "--port", str(port), "--served-name", "tiny", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            try:
+                return get(type("S", (), {"url": url}), "/health")["status"] == "ok"
+            except OSError:
+                return proc.poll() is not None
+        assert _wait_until(up, 120) and proc.poll() is None, proc.communicate()
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+        assert [m.k for m in c.models.list().data] == [2]
+        r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=3)
+        assert r.usage.prompt_tokens_merged == -(-r.usage.prompt_tokens // 2)
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught
+    assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in err, err
+    assert f"on http://127.0.0.1:{port}/v1" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--k", "0"], "k must be an integer >= 1"),
+    (["--max-batch", "0"], "max_batch must be >= 1"),
+])
+def test_serve_flags_are_checked(capsys, argv, match):
+    from ktm.cli import main
+
+    assert main(["serve", *argv]) == 2
+    assert match in capsys.readouterr().err

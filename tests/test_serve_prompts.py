@@ -1,0 +1,75 @@
+"""Requests -> segments: chat templates split around the contents, the ktm extension field."""
+
+import pytest
+from conftest import build_tokenizer
+
+from ktm.serve.prompts import chat_segments, completion_segments, context_of
+from ktm.serve.protocol import ChatRequest, CompletionRequest, RequestError
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+class Model:
+    def __init__(self, template=None):
+        self.tokenizer = build_tokenizer()
+        self.tokenizer.chat_template = template
+
+    def tokenize(self, text, first=False):
+        return self.tokenizer(text, add_special_tokens=first)["input_ids"]
+
+
+def chat(**kw):
+    return ChatRequest(model="m", **kw)
+
+
+def test_chat_template_text_is_plain_and_contents_keep_their_merge_flags():
+    model = Model(TEMPLATE)
+    msgs = [{"role": "system", "content": "The quick brown fox."},
+            {"role": "user", "content": "Who? ", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs))
+    assert [(s.text, s.compress) for s in segs] == [
+        ("<|system|>", False), ("The quick brown fox.", True), ("<eos><|user|>", False),
+        ("Who? ", False), ("<eos><|assistant|>", False)]
+    rendered = model.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                   add_generation_prompt=True)
+    assert "".join(s.text for s in segs) == rendered
+    assert all(list(s.ids) == model.tokenizer(s.text, add_special_tokens=False)["input_ids"]
+               for s in segs)
+    assert [s.text for s in context_of(segs)] == ["<|system|>", "The quick brown fox."]
+
+
+def test_message_segments_and_top_level_merge_off():
+    model = Model(TEMPLATE)
+    parts = [{"text": "A long document. ", "merge": True}, {"text": "Question?", "merge": False}]
+    msg = {"role": "user", "content": None, "ktm": {"segments": parts}}
+    segs = chat_segments(model, chat(messages=[msg]))
+    assert [(s.text, s.compress) for s in segs][1:3] == [("A long document. ", True),
+                                                         ("Question?", False)]
+    plain = chat_segments(model, chat(messages=[msg], ktm={"merge": False}))
+    assert not any(s.compress for s in plain) and context_of(plain) == ()
+    with pytest.raises(RequestError, match="messages.0.content"):
+        chat_segments(model, chat(messages=[{**msg, "content": "something else"}]))
+
+
+def test_without_a_template_roles_prefix_the_lines():
+    segs = chat_segments(Model(), chat(messages=[{"role": "user", "content": "Hi there"}]))
+    assert "".join(s.text for s in segs) == "user: Hi there\nassistant:"
+
+
+def test_a_template_that_drops_a_message_is_refused():
+    model = Model("{{ messages[-1]['content'] }}")
+    with pytest.raises(RequestError, match="does not place each message"):
+        chat_segments(model, chat(messages=[{"role": "system", "content": "a"},
+                                            {"role": "user", "content": "b"}]))
+
+
+def test_completion_segments_follow_the_python_api():
+    model = Model()
+    req = CompletionRequest(model="m", prompt="Doc. Q?", ktm={"segments": [
+        {"text": "Doc."}, {"text": "", "merge": False}, {"text": " Q?", "merge": False}]})
+    segs = completion_segments(model, req)
+    assert [(s.text, s.compress) for s in segs] == [("Doc.", True), (" Q?", False)]
+    assert list(segs[0].ids) == model.tokenize("Doc.", first=True)
+    with pytest.raises(RequestError, match="prompt is empty"):
+        completion_segments(model, CompletionRequest(model="m", prompt=""))
