@@ -41,8 +41,11 @@ from ktm.models import DEFAULT_MODEL, parse_dtype
 from ktm.provenance import git_revision, versions
 from ktm.train import adamw
 
-MODES = ("infer", "train")
+MODES = ("infer", "train", "serve")
 QUICK = {"lengths": (256, 1024, 2048), "ks": (2, 4, 8), "repeats": 3, "output_tokens": 8}
+# --mode serve replaces options left at their defaults with these (then with SERVE_QUICK)
+SERVE = {"lengths": (1024,), "ks": (2, 4), "repeats": 3, "out": "results/bench/serve.json"}
+SERVE_QUICK = {"lengths": (256,), "clients": (1, 4), "requests": 8, "output_tokens": 8}
 
 
 @dataclass
@@ -50,7 +53,8 @@ class BenchConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": "embedded model name, local HF model folder, or ktm checkpoint folder"})
     mode: str = field(default="infer", metadata={
-        "help": "infer: prefill/decode timings; train: LoRA training-step throughput",
+        "help": "infer: prefill/decode timings; train: LoRA training-step throughput; "
+                "serve: ktm serve under 1/4/16 concurrent clients (see ktm.bench_serve)",
         "choices": MODES})
     lengths: tuple[int, ...] = field(default=(256, 512, 1024, 2048, 4096), metadata={
         "help": "prompt lengths in tokens (exact)"})
@@ -75,12 +79,24 @@ class BenchConfig:
     quick: bool = field(default=False, metadata={
         "help": f"replace options left at their defaults with the quick preset {QUICK}"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    clients: tuple[int, ...] = field(default=(1, 4, 16), metadata={
+        "help": f"serve: concurrent clients (serve mode's defaults: {SERVE}, quick {SERVE_QUICK})"})
+    requests: int = field(default=32, metadata={
+        "help": "serve: requests per (method, clients) point"})
 
     def __post_init__(self) -> None:
-        if self.quick:
-            for f in fields(self):
-                if f.name in QUICK and getattr(self, f.name) == f.default:
-                    setattr(self, f.name, QUICK[f.name])
+        if self.mode == "serve":
+            preset = {**SERVE, **(SERVE_QUICK if self.quick else {})}
+        else:
+            preset = QUICK if self.quick else {}
+        for f in fields(self):
+            if f.name in preset and getattr(self, f.name) == f.default:
+                setattr(self, f.name, preset[f.name])
+        self.clients = tuple(self.clients)
+        if not self.clients or any(not isinstance(c, int) or c < 1 for c in self.clients):
+            raise KTMError(f"clients must be integers >= 1, got {list(self.clients)}")
+        if self.requests < 1:
+            raise KTMError(f"requests must be >= 1, got {self.requests}")
         for name in ("lengths", "batch_sizes", "ks", "mlp_ratios"):
             setattr(self, name, tuple(getattr(self, name)))
             if not getattr(self, name):
@@ -304,23 +320,41 @@ COLUMNS = {
     "train": [("method", "{}"), ("k", "{}"), ("mlp_ratio", "{}"), ("input_tokens", "{}"),
               ("compressed_tokens", "{}"), ("batch", "{}"), ("step_s", "{:.3f}"),
               ("input_tokens_per_s", "{:.0f}"), ("speedup_train", "{:.2f}x")],
+    "serve": [("method", "{}"), ("k", "{}"), ("input_tokens", "{}"),
+              ("prompt_tokens_merged", "{}"), ("clients", "{}"), ("requests_per_s", "{:.2f}"),
+              ("latency_p50_s", "{:.2f}"), ("latency_p95_s", "{:.2f}"), ("ttft_p50_s", "{:.2f}"),
+              ("ttft_p95_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}")],
+    "serve-prefix": [("k", "{}"), ("input_tokens", "{}"), ("cached_positions", "{}"),
+                     ("ttft_uncached_s", "{:.3f}"), ("ttft_cached_s", "{:.3f}"),
+                     ("speedup_ttft_cached", "{:.1f}x")],
 }
+
+
+def _table_kind(row: dict) -> str:
+    return "serve-prefix" if row.get("kind") == "prefix" else row["mode"]
 
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of the main columns (numbers are formatted only here)."""
-    if not rows:
-        return ""
-    cols = COLUMNS[rows[0]["mode"]]
-    cell = [[("-" if r.get(c) is None else fmt.format(r[c])) for c, fmt in cols] for r in rows]
-    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cell])
+    tables = []
+    for kind in dict.fromkeys(_table_kind(r) for r in rows):
+        cols, part = COLUMNS[kind], [r for r in rows if _table_kind(r) == kind]
+        cell = [[("-" if r.get(c) is None else fmt.format(r[c])) for c, fmt in cols]
+                for r in part]
+        lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+        tables.append("\n".join(lines + ["| " + " | ".join(c) + " |" for c in cell]))
+    return "\n\n".join(tables)
 
 
 def main_bench(config: BenchConfig) -> int:
     """Run, write the JSON rows atomically, print a table. A ``KTMError`` propagates: the CLI
     prints it as ``ktm: error: ...`` like every other command."""
-    rows = run_bench(config)
+    if config.mode == "serve":
+        from ktm.bench_serve import run_serve_bench
+
+        rows = run_serve_bench(config)
+    else:
+        rows = run_bench(config)
     write_json_atomic(config.out, rows)
     print(format_table(rows))
     print(f"wrote {len(rows)} rows to {config.out}")

@@ -58,9 +58,9 @@ def infer_rows(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kw", [
-    {"mode": "serve"}, {"lengths": ()}, {"lengths": (0,)}, {"ks": (2, -1)}, {"ks": (1.5,)},
+    {"mode": "bogus"}, {"lengths": ()}, {"lengths": (0,)}, {"ks": (2, -1)}, {"ks": (1.5,)},
     {"mlp_ratios": (0.0,)}, {"repeats": 0}, {"output_tokens": 0}, {"warmup": -1},
-    {"dtype": "int8"}, {"device": "tpu"},
+    {"dtype": "int8"}, {"device": "tpu"}, {"clients": (0,)}, {"requests": 0},
 ])
 def test_config_rejects_bad_values(kw):
     with pytest.raises(KTMError):
