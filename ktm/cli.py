@@ -21,7 +21,7 @@ from ktm.cli_args import (
     plain,
     task_settings,
 )
-from ktm.cli_serve import serve_parser
+from ktm.cli_serve import export_parser, serve_parser
 from ktm.config_args import add_dataclass_args, from_args
 from ktm.errors import KTMError
 
@@ -279,6 +279,7 @@ COMMANDS = {
     "curriculum": ("tree curriculum: advance a stage once it passes", _curriculum_parser),
     "bench": ("prefill / decode / training-throughput benchmark", _bench_parser),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, SSE)", serve_parser),
+    "export": ("export for another engine: --format vllm DIR", export_parser),
 }
 
 

@@ -1,5 +1,5 @@
-"""``ktm serve``: the command that hands a model to other programs over HTTP (flags from
-``ServeConfig``; nothing heavy is imported until the command runs)."""
+"""``ktm serve`` and ``ktm export``: the commands that hand a model to other programs (flags from
+``ServeConfig`` and ``ExportConfig``; nothing heavy is imported until a command runs)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,18 @@ def serve_parser(sp: argparse.ArgumentParser) -> None:
 
     add_dataclass_args(sp, ServeConfig)
     sp.set_defaults(run=cmd_serve)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ktm.export import ExportConfig, run_export
+
+    run_export(from_args(ExportConfig, args), args.out)
+    return 0
+
+
+def export_parser(sp: argparse.ArgumentParser) -> None:
+    from ktm.export import ExportConfig
+
+    sp.add_argument("out", metavar="DIR", help="output folder (new, or a previous export)")
+    add_dataclass_args(sp, ExportConfig)
+    sp.set_defaults(run=cmd_export)

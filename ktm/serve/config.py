@@ -55,12 +55,6 @@ class ServeConfig:
 
 
 def load_served_model(cfg: ServeConfig):
-    """A ktm checkpoint or shipped reader as trained; a base model with a mean-pooling merger."""
-    from ktm.model import KTMModel
-    from ktm.readers import READERS
+    from ktm.load import load_any
 
-    dtype = parse_dtype(cfg.dtype)
-    if (Path(cfg.model) / "ktm_config.json").is_file() or cfg.model in READERS:
-        return KTMModel.load(cfg.model, k=cfg.k, device=cfg.device, dtype=dtype)
-    return KTMModel.from_base(cfg.model, k=cfg.k or 4, use_mlp=False, device=cfg.device,
-                              dtype=dtype)
+    return load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)

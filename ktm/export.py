@@ -1,0 +1,150 @@
+"""``ktm export --format vllm DIR``: a ktm model as files vLLM and a small client can use.
+
+    DIR/lm/                   HF folder: the base LM with LoRA merged in (PEFT
+                              ``merge_and_unload``) and its tokenizer -> ``vllm serve DIR/lm``
+    DIR/encoder.safetensors   the K-token encoder
+    DIR/ktm_export.json       K, encoder settings, sizes, where the input embeddings are, the
+                              sha256 of the LM and encoder files, and the model name to serve under
+
+The LM reads merged prefixes as ``prompt_embeds``; ``ktm.vllm_client`` computes them from the
+tokenizer, the LM's input-embedding table and the encoder, and refuses a server that does not
+serve this export (its served name carries the fingerprint of these exact files).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ktm.checkpoint import save_atomic
+from ktm.errors import KTMError
+from ktm.fileio import write_json_atomic
+from ktm.models import DEFAULT_MODEL
+from ktm.provenance import git_revision, versions
+
+FORMATS = ("vllm",)
+MANIFEST = "ktm_export.json"
+LM_DIR = "lm"
+ENCODER = "encoder.safetensors"
+EMBEDDINGS = "input_embeddings.safetensors"  # only when the LM files do not hold the table
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ExportConfig:
+    format: str = field(default="vllm", metadata={"help": "export format", "choices": FORMATS})
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "ktm checkpoint folder or shipped reader name (or a base model: an untrained "
+                "mean-pooling merger)"})
+    k: int | None = field(default=None, metadata={
+        "help": "a base model's K (default 4); a checkpoint's K if given must match"})
+    dtype: str = field(default="float32", metadata={
+        "help": "weights and prompt_embeds dtype: float32 | bfloat16 | float16"})
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise KTMError(f"format must be one of {FORMATS}, got {self.format!r}")
+
+
+def sha256_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def lm_files(lm_dir: Path) -> list[Path]:
+    """The files that define the LM's computation: weights and config."""
+    return sorted(lm_dir.glob("*.safetensors")) + [lm_dir / "config.json"]
+
+
+def _find_tensor(lm_dir: Path, key: str) -> str | None:
+    """The weights file of ``lm_dir`` that holds tensor ``key``, if any."""
+    for path in sorted(lm_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if key in f.keys():
+                return path.name
+    return None
+
+
+def _write(model, tmp: Path) -> None:
+    lm_dir = tmp / LM_DIR
+    # merge into a copy: the caller's model keeps its adapter
+    merged = copy.deepcopy(model.peft).merge_and_unload()
+    emb = merged.get_input_embeddings().weight
+    key = next(n for n, p in merged.named_parameters() if p is emb)
+    merged.save_pretrained(str(lm_dir), safe_serialization=True)
+    model.tokenizer.save_pretrained(str(lm_dir))
+    found = _find_tensor(lm_dir, key)
+    if found is None:  # e.g. tied weights saved under the head's name only
+        save_file({key: emb.detach().contiguous().cpu()}, str(tmp / EMBEDDINGS))
+    embeddings = {"file": f"{LM_DIR}/{found}" if found else EMBEDDINGS, "key": key}
+    enc = {k: v.detach().contiguous().cpu() for k, v in model.encoder.state_dict().items()}
+    save_file(enc, str(tmp / ENCODER), metadata={"k": str(model.k)})
+    lm_sha, enc_sha = sha256_files(lm_files(lm_dir)), sha256_files([tmp / ENCODER])
+    fingerprint = hashlib.sha256((lm_sha + enc_sha).encode()).hexdigest()
+    cfg = model.config_dict
+    write_json_atomic(tmp / MANIFEST, {
+        "format": "ktm-vllm", "format_version": FORMAT_VERSION, "k": model.k,
+        "encoder": model.encoder.config.to_dict(), "merges": model.merges,
+        "plain_prefix": model.config.plain_prefix, "model": cfg["config"],
+        "base_model": model.config.base_model,
+        "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+        "dtype": str(model.dtype).removeprefix("torch."), "embeddings": embeddings,
+        "sha256": {"lm": lm_sha, "encoder": enc_sha},
+        "served_model_name": f"ktm-k{model.k}-{fingerprint[:12]}",
+        "versions": versions(), "git": git_revision(),
+    })
+
+
+def export_vllm(model, out: str | Path) -> dict:
+    """Write ``model`` for vLLM into ``out`` (atomically); returns the manifest.
+
+    Needs memory for a second copy of the LM while LoRA is merged.
+    """
+    if getattr(model, "meta_embedding", None) is not None:
+        raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "
+                       "the vLLM export covers K-token merging models only")
+    out = Path(out)
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise KTMError(f"{str(out)!r} exists and is not a ktm export: expected a new folder")
+    with torch.no_grad():
+        save_atomic(out, lambda tmp: _write(model, tmp))
+    return read_manifest(out)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise KTMError(f"{str(directory)!r} is not a ktm vLLM export: {MANIFEST} is missing "
+                       "(make one with: ktm export --format vllm DIR --model CHECKPOINT)")
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KTMError(f"{str(path)!r} is corrupt: {e}") from e
+    if m.get("format") != "ktm-vllm" or m.get("format_version") != FORMAT_VERSION:
+        raise KTMError(f"{str(path)!r} is not a ktm-vllm export of format version "
+                       f"{FORMAT_VERSION} (found {m.get('format')!r} {m.get('format_version')!r})")
+    return m
+
+
+def run_export(cfg: ExportConfig, out: str) -> dict:
+    """``ktm export --format vllm DIR``."""
+    from ktm.load import load_any
+
+    model = load_any(cfg.model, cfg.k, "cpu", cfg.dtype)
+    manifest = export_vllm(model, out)
+    print(f"wrote {out}: serve it with\n  vllm serve {Path(out) / LM_DIR} "
+          f"--served-model-name {manifest['served_model_name']} --enable-prompt-embeds "
+          f"--dtype {manifest['dtype']}")
+    return manifest

@@ -1,0 +1,181 @@
+"""``ktm export --format vllm`` and ``ktm.vllm_client`` on the tiny model (vLLM itself needs a
+GPU; a stub server stands in for it, decoding the payload the way vLLM documents)."""
+
+import base64
+import io
+import json
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from test_model import PROMPTS, perturb
+from transformers import AutoModelForCausalLM
+
+from ktm import KTMError, Segment
+from ktm.export import export_vllm, read_manifest
+from ktm.model import KTMModel
+from ktm.vllm_client import VLLMClient, encode_embeds
+
+PROMPT = [Segment("Tree: AB\n+CD\n++EF\n+GH"), Segment(", Parent: AB, Answer:", compress=False)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir):
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1)
+    perturb(model, seed=1)  # LoRA and the encoder away from their no-op starts
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "x"
+    export_vllm(trained, out)
+    return out
+
+
+def test_exported_lm_loads_in_transformers_with_equal_logits(trained, exported):
+    before = trained.prompt_logits(PROMPT)
+    hf = AutoModelForCausalLM.from_pretrained(exported / "lm").eval()
+    assert not any("lora" in n for n, _ in hf.named_parameters())
+    client = VLLMClient(exported)
+    with torch.no_grad():
+        for prompt in PROMPTS + [PROMPT]:
+            cp, want = client.encode(prompt), trained.compress(prompt)
+            torch.testing.assert_close(cp.embeds, want.embeds, atol=1e-6, rtol=1e-5)
+            assert (cp.tokens_in, cp.tokens_out) == (want.tokens_in, want.tokens_out)
+            got = hf(inputs_embeds=cp.embeds[None]).logits[0]
+            torch.testing.assert_close(got, trained.prompt_logits(prompt), atol=1e-5, rtol=1e-5)
+    # the export merged a copy: the model still has its adapter and its outputs
+    torch.testing.assert_close(trained.prompt_logits(PROMPT), before, atol=0, rtol=0)
+    m = read_manifest(exported)
+    assert m["k"] == 4 and m["plain_prefix"] == 1 and m["served_model_name"].startswith("ktm-k4-")
+
+
+def test_payload_round_trips_through_torch_load_weights_only(exported):
+    client = VLLMClient(exported)
+    body = json.loads(json.dumps(client.payload(PROMPT, max_tokens=5, stop=["\n"], seed=3)))
+    assert "prompt" not in body and body["model"] == client.model_name
+    raw = base64.b64decode(body["prompt_embeds"], validate=True)
+    embeds = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    want = client.encode(PROMPT).embeds
+    assert embeds.dtype == want.dtype and embeds.shape == want.shape
+    assert torch.equal(embeds, want)
+    assert len(raw) < 2 * want.nbytes + 2048  # the tensor itself, not a larger storage
+    half = torch.load(io.BytesIO(base64.b64decode(encode_embeds(want[:2].half()))),
+                      weights_only=True)
+    assert half.dtype == torch.float16 and half.shape == (2, want.shape[1])
+
+
+class StubVLLM(BaseHTTPRequestHandler):
+    """/v1/models and /v1/completions with prompt_embeds, answered by the exported HF LM."""
+
+    served: list[str] = []
+    lm = None
+    tokenizer = None
+    bodies: list[dict] = []
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, obj, code=200):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({"object": "list", "data": [{"id": n, "object": "model", "max_model_len": 512}
+                                               for n in self.served]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        if body["model"] not in self.served:
+            return self._send({"error": {"message": "model not found"}}, 404)
+        raw = base64.b64decode(body["prompt_embeds"], validate=True)
+        embeds = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        with torch.no_grad():
+            out = self.lm.generate(inputs_embeds=embeds[None], do_sample=False,
+                                   max_new_tokens=body["max_tokens"], pad_token_id=0)
+        ids = out[0].tolist()
+        eos = self.tokenizer.eos_token_id
+        ids = ids[: ids.index(eos)] if eos in ids else ids
+        self._send({"choices": [{"index": 0, "text": self.tokenizer.decode(
+            ids, skip_special_tokens=True), "finish_reason": "length"}]})
+
+
+@pytest.fixture
+def stub(exported):
+    from transformers import AutoTokenizer
+
+    StubVLLM.lm = AutoModelForCausalLM.from_pretrained(exported / "lm").eval()
+    StubVLLM.tokenizer = AutoTokenizer.from_pretrained(exported / "lm")
+    StubVLLM.served = [read_manifest(exported)["served_model_name"]]
+    StubVLLM.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubVLLM)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_client_completion_through_a_vllm_shaped_server_equals_generate(trained, exported, stub):
+    client = VLLMClient(exported, stub)
+    for prompt in (PROMPT, PROMPTS[0]):
+        assert client.complete(prompt, max_tokens=8) == trained.generate(prompt,
+                                                                          max_new_tokens=8)
+    assert client.server_checked and len(StubVLLM.bodies) == 2
+
+
+def test_client_refuses_a_server_serving_another_model(exported, stub):
+    StubVLLM.served = ["meta-llama/Llama-3.2-1B-Instruct"]
+    client = VLLMClient(exported, stub)
+    with pytest.raises(KTMError, match=r"serves \['meta-llama/Llama-3.2-1B-Instruct'\], not "
+                                       r"this export's 'ktm-k4-"):
+        client.complete(PROMPT, max_tokens=2)
+    assert StubVLLM.bodies == []  # refused before sending anything
+
+
+def test_client_refuses_an_encoder_from_another_export(tiny_model_dir, exported, tmp_path):
+    torch.manual_seed(1)
+    other = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1)
+    perturb(other, seed=7)
+    export_vllm(other, tmp_path / "other")
+    mixed = tmp_path / "mixed"
+    shutil.copytree(exported, mixed)
+    shutil.copy(tmp_path / "other" / "encoder.safetensors", mixed / "encoder.safetensors")
+    with pytest.raises(KTMError, match="encoder files .* not the ones this export"):
+        VLLMClient(mixed)
+    shutil.copy(exported / "encoder.safetensors", mixed / "encoder.safetensors")
+    shutil.copy(tmp_path / "other" / "lm" / "model.safetensors", mixed / "lm")
+    with pytest.raises(KTMError, match="lm files .* base model / encoder mismatch"):
+        VLLMClient(mixed)
+    assert read_manifest(tmp_path / "other")["served_model_name"] != read_manifest(
+        exported)["served_model_name"]
+
+
+def test_export_cli_and_its_errors(capsys, tiny_model_dir, trained, tmp_path):
+    from ktm.cli import main
+
+    ckpt = tmp_path / "ck"
+    trained.save(str(ckpt))
+    assert main(["export", "--format", "vllm", str(tmp_path / "e"), "--model", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "--enable-prompt-embeds" in out and read_manifest(tmp_path / "e")["k"] == 4
+    (tmp_path / "occupied").mkdir()
+    (tmp_path / "occupied" / "notes.txt").write_text("mine")
+    for argv, match in [
+        ([str(tmp_path / "occupied"), "--model", str(ckpt)], "is not a ktm export"),
+        ([str(tmp_path / "f"), "--model", str(ckpt), "--k", "2"], "K=4"),
+        ([str(tmp_path / "g"), "--model", "no-such-model"], "unknown model"),
+    ]:
+        assert main(["export", *argv]) == 2
+        assert match in capsys.readouterr().err
+    with pytest.raises(KTMError, match="not a ktm vLLM export"):
+        VLLMClient(tmp_path / "occupied")
