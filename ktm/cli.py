@@ -34,9 +34,11 @@ def set_threads(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ktm import distributed
     from ktm.evaluate import evaluate_task
     from ktm.train import TrainConfig, train
 
+    world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
     targs = from_args(TaskArgs, args)
     tcfg = from_args(TrainConfig, args)
     task = build_task(targs, args.task_option)
@@ -67,18 +69,22 @@ def cmd_train(args: argparse.Namespace) -> int:
                                                       "options": plain(comp.options())}}
     last = train(model, train_set, tcfg, evaluate=evaluate, run_extra=extra,
                  save_extra=comp.save_state if comp else None)
-    print(json.dumps({k: v for k, v in last.items()}, indent=2))
+    if world.is_main:
+        print(json.dumps({k: v for k, v in last.items()}, indent=2))
     return 0
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    from ktm import distributed
     from ktm.pretrain import PretrainConfig, pretrain
     from ktm.train import TrainConfig
 
+    world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
     pcfg, tcfg = from_args(PretrainConfig, args), from_args(TrainConfig, args)
     model = init_or_build(args)
     last = pretrain(model, pcfg, tcfg, command=args.command_line)
-    print(json.dumps(last, indent=2))
+    if world.is_main:
+        print(json.dumps(last, indent=2))
     return 0
 
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from ktm import distributed
 from ktm.corpus import (
     WindowSpec,
     autoencode_window,
@@ -215,7 +216,9 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
         raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
                        "to learn to read")
     docs = load_docs(model.tokenizer, config)
-    steps = train_config.max_steps * train_config.batch_size * train_config.grad_accum
+    # the stream covers every process's shard of every step (ktm.distributed)
+    steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
+             * distributed.setup(model.device).size)
     stream = WindowStream(docs, config, steps, train_config.seed, model.tokenizer.eos_token_id)
     # n_examples in run.json is then the windows this run will see
     evaluate = None

@@ -6,6 +6,8 @@
 Data order is a pure function of (seed, step), so ``resume=True`` continues a killed run
 exactly where its last checkpoint left off (what is on disk, and what a resume checks:
 ``ktm.train_state``). ``train_step`` is the one optimizer step, shared with the benchmark.
+Under ``torchrun`` or ``accelerate launch`` each process trains on its shard of every step's
+window and rank 0 alone writes (``ktm.distributed``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ktm import distributed
 from ktm.errors import KTMError
 from ktm.provenance import git_revision, versions
 from ktm.tasks.base import Example
@@ -154,12 +157,18 @@ def check_trainable(model) -> None:
 
 
 def train_step(model, opt, window: Sequence[Example], batch_size: int,
-               loss_fn: Callable = cross_entropy_loss, clip_norm: float = 1.0) -> StepStats:
+               loss_fn: Callable = cross_entropy_loss, clip_norm: float = 1.0,
+               world: distributed.World = distributed.ONE) -> StepStats:
     """One optimizer step over ``window`` in micro-batches of ``batch_size``: the step's loss is
-    the mean over every target token of the window; clip (0: off), AdamW, zero the grads."""
+    the mean over every target token of the window; clip (0: off), AdamW, zero the grads.
+
+    With several processes ``window`` is this process's shard: token counts, gradients and the
+    statistics are summed over processes first, so the step is that of the whole window.
+    """
     check_trainable(model)
     stats = StepStats()
-    window_tokens = sum(len(model.target_ids(e.target)) for e in window)
+    window_tokens = distributed.sum_numbers(
+        [sum(len(model.target_ids(e.target)) for e in window)], world, model.device)[0]
     for start in range(0, len(window), batch_size):
         res = loss_fn(model, window[start:start + batch_size])
         res.nll.sum().div(window_tokens).backward()
@@ -172,6 +181,13 @@ def train_step(model, opt, window: Sequence[Example], batch_size: int,
         stats.prompt_tokens += res.tokens_in
         stats.lm_prompt_tokens += res.tokens_out
     params = [p for g in opt.param_groups for p in g["params"]]
+    if world.size > 1:
+        distributed.sum_grads(params, world)
+        (stats.loss_sum, stats.target_tokens, stats.prompt_tokens,
+         stats.lm_prompt_tokens) = distributed.sum_numbers(
+            [stats.loss_sum, stats.target_tokens, stats.prompt_tokens, stats.lm_prompt_tokens],
+            world, model.device)
+        stats.parts = distributed.sum_by_key(stats.parts, world)
     stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(
         params, clip_norm if clip_norm > 0 else math.inf))
     opt.step()
@@ -199,46 +215,56 @@ def train(
     if not examples:
         raise KTMError("no training examples: expected at least one")
     check_trainable(model)
+    world = distributed.setup(model.device)
     cuda = list(range(torch.cuda.device_count())) if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
-        torch.manual_seed(config.seed)
-        return _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra)
+        torch.manual_seed(config.seed + world.rank)  # rank 0 draws what a 1-process run draws
+        return _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
+                    world)
 
 
-def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra) -> dict:
+def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
+         world) -> dict:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     opt = adamw(param_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
+    distributed.broadcast_params([p for g in opt.param_groups for p in g["params"]], world)
     data = data_signature(examples)
     step = 0
     if config.resume:
-        step = load_checkpoint(model, opt, out, config, data)
-        trim_metrics(out / METRICS, step)
+        step = load_checkpoint(model, opt, out, config, data, world)
     else:
         check_fresh(out)
+    distributed.barrier(world)  # every process has checked the folder before rank 0 writes
+    main = world.is_main  # the one process that writes
+    if config.resume and main:
+        trim_metrics(out / METRICS, step)
     # a stream (reader pretraining) is random per index already: read it in order, so its
     # length, which is open-ended, never changes the data a step sees
     order = range(len(examples)) if getattr(examples, "is_stream", False) else _Order(
         len(examples), config.seed)
-    record_start(out, {"config": asdict(config), "model": model.config_dict,
-                       "versions": versions(), "git": git_revision(), **data,
-                       **(run_extra or {})}, step)
-    metrics_file = (out / METRICS).open("a")
+    if main:
+        record_start(out, {"config": asdict(config), "model": model.config_dict,
+                           "versions": versions(), "git": git_revision(), **data,
+                           "processes": world.size, **(run_extra or {})}, step)
+    metrics_file = (out / METRICS).open("a") if main else None
     last: dict = {}
-    bar = tqdm(total=config.max_steps, initial=step, desc="train", disable=not config.progress)
+    bar = tqdm(total=config.max_steps, initial=step, desc="train",
+               disable=not (config.progress and main))
     model.train()
     t_start = time.perf_counter()
     # process CPU seconds (all threads): the cost axis of recipe comparisons, robust to other
     # jobs on the machine; carried across a resume
     cpu_start, cpu_before = time.process_time(), last_cpu(out / METRICS) if config.resume else 0.0
-    per_step = config.batch_size * config.grad_accum
+    per_step = config.batch_size * config.grad_accum * world.size  # the global window
     try:
         while step < config.max_steps:
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_factor(step, config)
-            window = [examples[order[step * per_step + j]] for j in range(per_step)]
-            st = train_step(model, opt, window, config.batch_size, loss_fn, config.clip_norm)
+            window = [examples[order[step * per_step + j]] for j in world.shard(per_step)]
+            st = train_step(model, opt, window, config.batch_size, loss_fn, config.clip_norm,
+                            world)
             step += 1
             dt = time.perf_counter() - t0
             last = {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
@@ -248,13 +274,13 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                     "elapsed_s": time.perf_counter() - t_start,
                     "cpu_s": cpu_before + time.process_time() - cpu_start,
                     **{f"loss_{k}": v / max(1, n) for k, (v, n) in st.parts.items()}}
-            if step % config.log_every == 0 or step == config.max_steps:
+            if main and (step % config.log_every == 0 or step == config.max_steps):
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}")
-            if evaluate and ((config.eval_every and step % config.eval_every == 0)
-                             or step == config.max_steps):
+            if main and evaluate and ((config.eval_every and step % config.eval_every == 0)
+                                      or step == config.max_steps):
                 model.eval()
                 with torch.no_grad():
                     result = evaluate(model)
@@ -264,11 +290,12 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                                                "eval": result}) + "\n")
                 metrics_file.flush()
             if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
-                save_checkpoint(model, opt, step, config, out, data, save_extra)
+                save_checkpoint(model, opt, step, config, out, data, save_extra, world)
             if on_step:
                 on_step(step, last)
     finally:
         bar.close()
-        metrics_file.close()
+        if metrics_file:
+            metrics_file.close()
         model.eval()
     return last

@@ -6,14 +6,16 @@
                            CPU and CUDA RNG states) + trainer_state.json; extra files (LTSC
                            state) are written inside the same atomic folder swap
 
-A resume refuses anything that would change the data a step sees (batch size, accumulation,
-seed, the examples) or the model (K, encoder, LoRA r/alpha/dropout/targets).
+A resume refuses anything that would change the data a step sees (the global batch: processes
+x batch size x accumulation; the seed; the examples) or the model (K, encoder, LoRA
+r/alpha/dropout/targets). Another number of processes is fine if the global batch stays.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ktm import distributed
 from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
 from ktm.errors import KTMError
 from ktm.fileio import existing_dir, write_json_atomic, write_text_atomic
@@ -31,7 +34,7 @@ METRICS = "metrics.jsonl"
 RUN = "run.json"
 OPTIMIZER = "optimizer.safetensors"
 TRAINER = "trainer_state.json"
-DATA_ORDER = ("batch_size", "grad_accum", "seed")  # TrainConfig fields that fix the data order
+BATCH = ("processes", "batch_size", "grad_accum")  # only their product must stay
 FINGERPRINT_EXAMPLES = 16
 
 
@@ -46,14 +49,32 @@ def data_signature(examples: Sequence) -> dict:
 
 
 # ---------------------------------------------------------------- checkpoint
-def _rng_tensors() -> dict[str, torch.Tensor]:
+def _cuda_rng() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _rng_tensors(world: distributed.World = distributed.ONE) -> dict[str, torch.Tensor]:
+    """RNG states to save (complete on rank 0): rank 0's under the plain keys, every other
+    process's under ``.rank{r}``. Every process must call it (it gathers)."""
     out = {"rng.torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_rng():
         out.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    if world.size > 1:
+        states = {"torch": distributed.gather(torch.get_rng_state(), world)}
+        if _cuda_rng():
+            states["cuda"] = distributed.gather(torch.cuda.get_rng_state(), world)
+        out.update({f"rng.{kind}.rank{r}": t for kind, ts in states.items()
+                    for r, t in enumerate(ts) if r})
     return out
 
 
-def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+def _restore_rng(tensors: dict[str, torch.Tensor],
+                 world: distributed.World = distributed.ONE) -> None:
+    if world.rank:  # another process's own streams
+        torch.set_rng_state(tensors[f"rng.torch.rank{world.rank}"])
+        if f"rng.cuda.rank{world.rank}" in tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors[f"rng.cuda.rank{world.rank}"])
+        return
     torch.set_rng_state(tensors["rng.torch"])
     cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("rng.cuda.")),
                                        key=lambda k: int(k.rsplit(".", 1)[1]))]
@@ -62,27 +83,44 @@ def _restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def save_checkpoint(model, opt, step: int, cfg, out: Path, data: dict,
-                    extra: Callable[[Path], None] | None = None) -> None:
-    """Model, optimizer, RNG and trainer state, plus ``extra(folder)``'s files, in one swap."""
+                    extra: Callable[[Path], None] | None = None,
+                    world: distributed.World = distributed.ONE) -> None:
+    """Model, optimizer, RNG and trainer state, plus ``extra(folder)``'s files, in one swap.
+    Every process calls it; rank 0 alone writes."""
+    rngs = _rng_tensors(world)
+    if not world.is_main:
+        return
+
     def write(tmp: Path) -> None:
         write_model_files(model, tmp)
         sd = opt.state_dict()
         tensors = {f"state.{i}.{name}": (v if torch.is_tensor(v) else torch.tensor(v)).cpu()
                    for i, st in sd["state"].items() for name, v in st.items()}
-        tensors.update(_rng_tensors())
+        tensors.update(rngs)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / OPTIMIZER))
         write_json_atomic(tmp / TRAINER, {"step": step, "config": asdict(cfg), "data": data,
-                                          "param_groups": sd["param_groups"]})
+                                          "param_groups": sd["param_groups"],
+                                          "world_size": world.size})
         if extra is not None:
             extra(tmp)
 
     save_atomic(out / CHECKPOINT, write)
 
 
-def check_resume(saved: dict, cfg, data: dict, where: Path) -> None:
+def check_resume(saved: dict, cfg, data: dict, where: Path, processes: int = 1) -> None:
     """Refuse a resume that would change which examples a step sees."""
     old = saved.get("config", {})
-    diffs = [(n, old.get(n), getattr(cfg, n)) for n in DATA_ORDER if old.get(n) != getattr(cfg, n)]
+    diffs = [("seed", old.get("seed"), cfg.seed)] if old.get("seed") != cfg.seed else []
+    was = {"processes": int(saved.get("world_size", 1)), "batch_size": old.get("batch_size"),
+           "grad_accum": old.get("grad_accum")}
+    now = {"processes": processes, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum}
+    hint = ""
+    if math.prod(v or 0 for v in was.values()) != math.prod(now.values()):
+        diffs += [(n, was[n], now[n]) for n in BATCH if was[n] != now[n]]
+        total, rest = math.prod(v or 0 for v in was.values()), processes * cfg.grad_accum
+        if total and total % rest == 0:
+            hint = (f" (the global batch, processes x batch_size x grad_accum, must stay {total}:"
+                    f" here --batch-size {total // rest})")
     old_data = saved.get("data")
     if old_data is not None:  # older checkpoints did not record it
         if old_data.get("n_examples") != data["n_examples"]:
@@ -94,20 +132,24 @@ def check_resume(saved: dict, cfg, data: dict, where: Path) -> None:
         ours = ", ".join(f"{n}={b}" for n, _, b in diffs)
         raise KTMError(f"cannot resume from {str(where)!r}: it was trained with {theirs}, this "
                        f"run has {ours}; the data order would change. Resume with the same "
-                       "settings, or start a new out_dir")
+                       f"settings{hint}, or start a new out_dir")
 
 
-def load_checkpoint(model, opt, out: Path, cfg, data: dict) -> int:
+def load_checkpoint(model, opt, out: Path, cfg, data: dict,
+                    world: distributed.World = distributed.ONE) -> int:
     """Restore a run's checkpoint into ``model`` and ``opt``; returns the step it reached."""
     ckpt = existing_dir(out / CHECKPOINT)
     if not (ckpt / TRAINER).is_file():
-        raise KTMError(f"cannot resume: no checkpoint in {str(out)!r}; run without --resume")
+        shared = (" (with several machines, out_dir must be on a filesystem they all see)"
+                  if world.size > 1 else "")
+        raise KTMError(f"cannot resume: no checkpoint in {str(out)!r}{shared}; run without "
+                       "--resume")
     try:
         state = json.loads((ckpt / TRAINER).read_text())
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise KTMError(f"trainer state in {str(ckpt)!r} is corrupt: {e}") from e
-    check_resume(state, cfg, data, ckpt)
+    check_resume(state, cfg, data, ckpt, world.size)
     load_weights_into(model, ckpt)
     try:
         tensors = load_file(str(ckpt / OPTIMIZER))
@@ -117,7 +159,10 @@ def load_checkpoint(model, opt, out: Path, cfg, data: dict) -> int:
                 _, i, name = key.split(".", 2)
                 opt_state.setdefault(int(i), {})[name] = v
         opt.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
-        _restore_rng(tensors)
+        if int(state.get("world_size", 1)) == world.size:
+            _restore_rng(tensors, world)
+        else:  # another number of processes: each dropout stream restarts from (seed, step, rank)
+            torch.manual_seed(cfg.seed + 1_000_003 * step + world.rank)
     except Exception as e:  # noqa: BLE001 - any failure here means a corrupt optimizer state
         raise KTMError(f"optimizer state in {str(ckpt)!r} is corrupt or does not fit this "
                        f"model: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e

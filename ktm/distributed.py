@@ -1,0 +1,164 @@
+"""One training run on several processes: plain ``torch.distributed``, started by a launcher.
+
+    torchrun --nproc_per_node 2 -m ktm.cli train ...                      # gloo on CPU
+    accelerate launch --multi_gpu --num_processes 2 -m ktm.cli train ...  # NCCL on CUDA
+
+The launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; ``setup`` joins the
+process group once (NCCL for CUDA, gloo otherwise; each process on ``cuda:LOCAL_RANK``). The
+training loop then
+
+- starts from rank 0's trainable weights (``broadcast_params``);
+- reads only its shard of each step's global window (global batch = processes x batch_size x
+  grad_accum); which examples form step s's window stays a pure function of (seed, s);
+- sums the gradients over processes after backward (``sum_grads``), so every process takes the
+  same clipped AdamW step and the weights stay identical: those of one process reading the whole
+  window;
+- writes metrics, run records and checkpoints on rank 0 only.
+
+Why no DDP wrapper: the losses call model methods other than ``forward`` (``target_logits``, the
+distillation teacher's adapter-disabled pass), which DDP's forward hooks do not follow. One
+all-reduce per step over the LoRA and encoder gradients (a few MB) is all DDP would add here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ktm.errors import KTMError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int) -> range:
+        """This process's part of ``n`` items: a contiguous block of ``n / size``."""
+        if n % self.size:
+            raise KTMError(f"{n} items cannot be split evenly over {self.size} processes")
+        per = n // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+ONE = World()  # a run without a launcher
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise KTMError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def setup(device: str | torch.device = "cpu") -> World:
+    """Join the launcher's process group (once); a run without a launcher is ``World()``.
+
+    ``device``: where the model will live; "cuda" makes this process use ``cuda:LOCAL_RANK``.
+    """
+    size, local = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+    if size <= 1:
+        return World()
+    if not dist.is_initialized():
+        cuda = torch.device(device).type == "cuda"
+        if cuda:
+            if local >= torch.cuda.device_count():
+                raise KTMError(f"LOCAL_RANK={local} but this machine has "
+                               f"{torch.cuda.device_count()} CUDA devices")
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return current()
+
+
+def current() -> World:
+    """The process group joined so far (``World()`` when none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return World()
+    return World(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0))
+
+
+def sum_numbers(values: list[float], world: World, device: torch.device) -> list[float]:
+    """Sums over processes of a few numbers (token counts, loss sums), in float64."""
+    if world.size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_params(params: list[torch.nn.Parameter], world: World) -> None:
+    """Rank 0's values for ``params`` everywhere (as DDP does at construction): processes that
+    initialised LoRA or the encoder from different random states start equal."""
+    if world.size == 1:
+        return
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=0)
+
+
+def sum_grads(params: list[torch.nn.Parameter], world: World) -> None:
+    """Replace each gradient by its sum over processes (one flat all-reduce per dtype).
+
+    A parameter this process did not reach counts as a zero gradient, so every process
+    reduces the same tensors in the same order.
+    """
+    if world.size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for group in by_dtype.values():
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in group])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in group:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+
+def gather(t: torch.Tensor, world: World) -> list[torch.Tensor]:
+    """Every process's tensor of the same shape (RNG states), in rank order, on the CPU."""
+    if world.size == 1:
+        return [t.cpu()]
+    dev = torch.device("cuda", torch.cuda.current_device()) if (
+        dist.get_backend() == "nccl") else torch.device("cpu")
+    parts = [torch.empty_like(t, device=dev) for _ in range(world.size)]
+    dist.all_gather(parts, t.to(dev))
+    return [p.cpu() for p in parts]
+
+
+def sum_by_key(d: dict[str, list[float]], world: World) -> dict[str, list[float]]:
+    """Per-key sums over processes of ``{name: [values...]}`` whose keys may differ between
+    processes (each process sees the objectives its shard drew). Exchanged as JSON."""
+    if world.size == 1:
+        return d
+    data = torch.tensor(list(json.dumps(d).encode()), dtype=torch.uint8)
+    dev = torch.device("cuda", torch.cuda.current_device()) if (
+        dist.get_backend() == "nccl") else torch.device("cpu")
+    sizes = gather(torch.tensor([len(data)], device=dev), world)
+    longest = int(max(sizes).item())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:len(data)] = data
+    out: dict[str, list[float]] = {}
+    for n, t in zip(sizes, gather(padded, world)):
+        for k, vals in json.loads(bytes(t[: int(n.item())].tolist()).decode()).items():
+            acc = out.setdefault(k, [0.0] * len(vals))
+            out[k] = [a + v for a, v in zip(acc, vals)]
+    return dict(sorted(out.items()))
+
+
+def barrier(world: World) -> None:
+    if world.size > 1:
+        dist.barrier()

@@ -1,0 +1,202 @@
+"""Several processes, one run: 2 processes (gloo, started by torchrun or accelerate launch from
+the test) with batch b each equal 1 process with batch 2b; a killed run resumes exactly."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ktm import KTMError
+from ktm.config import LoraSettings
+from ktm.distributed import World
+from ktm.model import KTMModel
+from ktm.tasks.tree import TreeTask
+from ktm.train import TrainConfig, train
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+       "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "2", *args]
+
+
+def accelerate(*args: str) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port), *args]
+
+
+def run(cmd: list[str], ok: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    if ok:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.trainable_parameters()}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
+def steps_logged(out) -> list[int]:
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def start(tiny_model_dir, tmp_path_factory):
+    """A checkpoint with non-trivial LoRA and encoder weights and no dropout: both runs start
+    from it, and nothing random happens in a step, so they can agree to 1e-5."""
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(dropout=0.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in model.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    path = tmp_path_factory.mktemp("start") / "ck"
+    model.save(str(path))
+    return str(path)
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_two_processes_with_batch_b_equal_one_with_2b(tiny_model_dir, start, tmp_path):
+    """``ktm train`` under torchrun, unchanged: 2 x batch 2 == 1 x batch 4 after 3 steps."""
+    out = tmp_path / "two"
+    run(torchrun("-m", "ktm.cli", "train", "--model", tiny_model_dir, "--k", "4", "--init",
+                 start, "--task", "tree", "--stage", "small", "--n-train", "16", "--n-eval",
+                 "2", "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--out-dir",
+                 str(out), "--no-progress"))
+    one = KTMModel.load(start, trainable=True)
+    data = TreeTask(stage="small").train_examples(16, seed=0)
+    train(one, data, TrainConfig(out_dir=str(tmp_path / "one"), max_steps=3, batch_size=4,
+                                 lr=1e-2, progress=False))
+    two = KTMModel.load(str(out / "checkpoint"), trainable=True)
+    assert_same(trainable(two), trainable(one))
+    before = trainable(KTMModel.load(start, trainable=True))
+    assert any(not torch.equal(before[n], p) for n, p in trainable(one).items())  # it trained
+    assert steps_logged(out) == [1, 2, 3]  # rank 0 alone wrote the metrics
+    rows = [json.loads(r) for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    mine = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(rows, mine):  # the logged loss covers the whole global window
+        if "loss" in a:
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert json.loads((out / "run.json").read_text())["processes"] == 2
+
+
+WORKER = textwrap.dedent("""
+    import os, sys
+    import torch
+    from safetensors.torch import save_file
+    from ktm.config import LoraSettings
+    from ktm.model import KTMModel
+    from ktm.tasks.tree import TreeTask
+    from ktm.train import TrainConfig, train
+
+    tiny, out, die_at, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(100 + rank)  # each process initialises differently: train() aligns them
+    model = KTMModel.from_base(tiny, k=4, lora=LoraSettings(dropout=0.0))
+
+    def on_step(step, _):
+        if step == die_at and rank == 1:
+            os.kill(os.getpid(), 9)  # killed mid-run, after the checkpoint of step 4
+
+    data = TreeTask(stage="small").train_examples(16, seed=0)
+    train(model, data, TrainConfig(out_dir=out, max_steps=6, batch_size=2, save_every=2,
+                                   lr=1e-3, resume=resume, progress=False), on_step=on_step)
+    save_file({n: p.detach().contiguous() for n, p in model.trainable_parameters()},
+              os.path.join(out, f"rank{rank}.safetensors"))
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_a_killed_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "run"
+    killed = run(torchrun(str(script), tiny_model_dir, str(out), "5", "0"), ok=False)
+    assert killed.returncode != 0
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["world_size"] == 2
+    # resumed under the other launcher
+    run(accelerate(str(script), tiny_model_dir, str(out), "0", "1"))
+    ranks = [load_file(str(out / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert_same(ranks[0], ranks[1])  # both processes hold the same weights
+    torch.manual_seed(100)  # rank 0's initial weights, which train() gave every process
+    one = KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(dropout=0.0))
+    train(one, TreeTask(stage="small").train_examples(16, seed=0),
+          TrainConfig(out_dir=str(tmp_path / "one"), max_steps=6, batch_size=4, lr=1e-3,
+                      progress=False))
+    assert_same(ranks[0], {k: v for k, v in trainable(one).items()})
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]  # each step once, trimmed on resume
+    # resuming on one process keeps the global batch of 4, or is refused
+    with pytest.raises(KTMError, match=r"trained with processes=2, this run has processes=1;.*"
+                                       r"must stay 4: here --batch-size 4"):
+        train(KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(dropout=0.0)),
+              TreeTask(stage="small").train_examples(16, seed=0),
+              TrainConfig(out_dir=str(out), max_steps=8, batch_size=2, resume=True,
+                          progress=False))
+    one_more = KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(dropout=0.0))
+    train(one_more, TreeTask(stage="small").train_examples(16, seed=0),
+          TrainConfig(out_dir=str(out), max_steps=7, batch_size=4, lr=1e-3, resume=True,
+                      progress=False))  # 1 process x batch 4 continues the 2 x 2 run
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_pretrain_under_accelerate_launch(tiny_model_dir, start, tmp_path):
+    """``ktm pretrain`` unchanged on 2 processes: the window stream covers both shards."""
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    text = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 8
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text(text[i * 7:])
+    flags = ["--sources", str(corpus), "--objectives", "lm", "ae", "--context-tokens", "24",
+             "--target-tokens", "8", "--ae-tokens", "16", "--min-tokens", "8", "--eval-sets",
+             "none", "--max-steps", "2", "--lr", "1e-2", "--no-progress"]
+    out = tmp_path / "two"
+    run(accelerate("-m", "ktm.cli", "pretrain", "--model", tiny_model_dir, "--k", "4", "--init",
+                   start, "--batch-size", "2", "--out-dir", str(out), *flags))
+    from ktm.pretrain import PretrainConfig, pretrain
+
+    one = KTMModel.load(start, trainable=True)
+    pcfg = PretrainConfig(sources=(str(corpus),), objectives=("lm", "ae"), context_tokens=24,
+                          target_tokens=8, ae_tokens=16, min_tokens=8, eval_sets=())
+    pretrain(one, pcfg, TrainConfig(out_dir=str(tmp_path / "one"), max_steps=2, batch_size=4,
+                                    lr=1e-2, progress=False))
+    assert_same(trainable(KTMModel.load(str(out / "checkpoint"), trainable=True)), trainable(one))
+
+
+def test_world_shards_and_single_process_helpers():
+    assert list(World(0, 2).shard(6)) == [0, 1, 2] and list(World(1, 2).shard(6)) == [3, 4, 5]
+    assert list(World().shard(5)) == [0, 1, 2, 3, 4]
+    with pytest.raises(KTMError, match="5 items cannot be split evenly over 2"):
+        World(1, 2).shard(5)
+
+
+def test_no_launcher_means_one_process(monkeypatch):
+    from ktm import distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed.setup("cpu") == World()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(KTMError, match="WORLD_SIZE='two' is not an integer"):
+        distributed.setup("cpu")
+
