@@ -225,11 +225,15 @@ def _wait_until(pred, seconds=20.0):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
-    from ktm.serve import engine
+    import inspect
 
-    advance = engine.advance
+    # the globals the running engine really uses: another test may have re-imported ktm, so
+    # `from ktm.serve import engine` could give a fresh module the server never calls into
+    engine_globals = next(f for f in vars(type(server.engine)).values()
+                          if inspect.isfunction(f)).__globals__
+    advance = engine_globals["advance"]
     # a slow model: LIMIT steps take seconds, so a row that ran on to max_tokens would show
-    monkeypatch.setattr(engine, "advance", lambda *a: time.sleep(0.01) or advance(*a))
+    monkeypatch.setitem(engine_globals, "advance", lambda *a: time.sleep(0.01) or advance(*a))
     before = dict(server.engine.counts)
     body = {"model": "tiny", "prompt": DOC, "max_tokens": LIMIT, "stream": stream,
             "ktm": {"ignore_eos": True}}
