@@ -5,6 +5,9 @@ Layout of every sequence the LM sees (rows left-padded to a common length):
     [pad ...][prefix: merged blocks and plain-token embeddings][targets or generated tokens]
 
 Position ids count only real positions, so a row's result does not depend on its batch-mates.
+By default they are consecutive (a merged block is one position); with ``spread_positions`` a
+merged block takes the position of the last token it stands for, so relative distances in the
+LM's rotary or learned positions are those of the plain prompt.
 """
 
 from __future__ import annotations
@@ -28,10 +31,23 @@ class CompressedPrompt:
     tokens_in: int
     tokens_out: int
     mergeable: tuple[int, ...] = ()
+    positions: torch.Tensor | None = None  # (L,) spread position ids; None: 0 .. L-1
 
     @property
     def length_reduction(self) -> float:
         return 1.0 - self.tokens_out / self.tokens_in
+
+    @property
+    def next_position(self) -> int:
+        """The position id of whatever follows the prefix (a target or generated token)."""
+        return self.tokens_out if self.positions is None else int(self.positions[-1]) + 1
+
+    def row_positions(self, extra: int) -> torch.Tensor | None:
+        """Position ids of the prefix followed by ``extra`` more tokens; None when compact."""
+        if self.positions is None:
+            return None
+        after = torch.arange(extra, device=self.positions.device) + self.next_position
+        return torch.cat([self.positions, after])
 
     def positions_at(self, k: int) -> int:
         """Prefix positions if the mergeable segments were merged at ``k``."""
@@ -72,8 +88,10 @@ class Packed:
     lengths: list[int] = field(default_factory=list)
 
 
-def pack(seqs: list[torch.Tensor]) -> Packed:
-    """Left-pad a list of (L_i, D) sequences into one batch."""
+def pack(seqs: list[torch.Tensor], positions: list[torch.Tensor | None] | None = None
+         ) -> Packed:
+    """Left-pad a list of (L_i, D) sequences into one batch; ``positions[i]`` (L_i,) gives row
+    i's position ids (None: consecutive from 0)."""
     lengths = [s.shape[0] for s in seqs]
     longest = max(lengths)
     b, d = len(seqs), seqs[0].shape[-1]
@@ -83,6 +101,9 @@ def pack(seqs: list[torch.Tensor]) -> Packed:
         embeds[i, longest - s.shape[0]:] = s
         mask[i, longest - s.shape[0]:] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    for i, pos in enumerate(positions or []):
+        if pos is not None:
+            position_ids[i, longest - lengths[i]:] = pos
     return Packed(embeds, mask, position_ids, lengths)
 
 
@@ -95,8 +116,13 @@ def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: i
     if not limit:
         return
     for cp, more in zip(prefixes, extra):
-        if cp.tokens_out + more <= limit:
+        if cp.next_position + more <= limit:
             continue
+        if cp.positions is not None:
+            raise KTMError(f"prompt spans {cp.next_position} positions ({cp.tokens_in} tokens; "
+                           f"spread positions keep the original token positions) + {more} "
+                           f"{what}, over the model's limit of {limit} positions; no K fits "
+                           "with spread_positions on")
         fits = next((kk for kk in range(1, max(cp.mergeable, default=1) + 1)
                      if cp.positions_at(kk) + more <= limit), None)
         hint = f"K={fits} would fit" if fits else "no K fits: shorten the plain segments"

@@ -78,6 +78,9 @@ class KTMConfig:
         "help": "recursive merging: merge blocks of inner_k tokens first (1: off)"})
     plain_prefix: int = field(default=0, metadata={
         "help": "first prompt tokens kept plain (the LM's attention sink)"})
+    spread_positions: bool = field(default=False, metadata={
+        "help": "a merged block takes its last token's position id, so relative distances are "
+                "the plain prompt's (off: consecutive ids, K times more context fits)"})
     lora: LoraSettings = field(default_factory=LoraSettings, metadata={"prefix": "lora"})
     add_eos: bool = field(default=True, metadata={"help": "training targets end with EOS"})
     dtype: str = field(default="float32", metadata={

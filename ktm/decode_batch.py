@@ -47,9 +47,11 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill_from_kv(model, past: KV, embeds: torch.Tensor) -> DecodeState:
+def prefill_from_kv(model, past: KV, embeds: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> DecodeState:
     """One row whose first P positions are already in ``past`` ((1, H, P, Dh) per layer):
-    read only the rest of its prefix, ``embeds`` (S, D), at positions P .. P+S-1."""
+    read only the rest of its prefix, ``embeds`` (S, D), at ``positions`` (S,), by default
+    P .. P+S-1 (a spread-positions prefix passes its own)."""
     p, s = past[0][0].shape[-2], embeds.shape[0]
     cache = DynamicCache(config=model.lm_config)
     if len(cache.layers) != len(past):
@@ -57,7 +59,7 @@ def prefill_from_kv(model, past: KV, embeds: torch.Tensor) -> DecodeState:
     for i, (k, v) in enumerate(past):
         cache.update(k, v, i)
     mask = torch.ones(1, p + s, dtype=torch.long, device=model.device)
-    pos = torch.arange(p, p + s, device=model.device)[None]
+    pos = (torch.arange(p, p + s, device=model.device) if positions is None else positions)[None]
     with eval_mode(model):
         logits = model.lm(embeds[None], mask, pos, cache, keep=1)[:, -1]
     return DecodeState(embeds[None], mask, pos, cache, logits)

@@ -115,6 +115,10 @@ def export_vllm(model, out: str | Path) -> dict:
     if getattr(model, "meta_embedding", None) is not None:
         raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "
                        "the vLLM export covers K-token merging models only")
+    if model.config.spread_positions:
+        raise KTMError("this model uses spread_positions, but vLLM places prompt_embeds at "
+                       "consecutive positions: it would read the prefix differently; export a "
+                       "model trained with consecutive positions")
     out = Path(out)
     if out.exists() and not (out / MANIFEST).is_file():
         raise KTMError(f"{str(out)!r} exists and is not a ktm export: expected a new folder")

@@ -90,7 +90,7 @@ class DecodeState:
 @torch.no_grad()
 def prefill(model, prefixes, use_cache: bool = True) -> DecodeState:
     """Read the prefixes (``CompressedPrompt``s) once; the cache then holds their keys/values."""
-    p = model.pack([cp.embeds for cp in prefixes])
+    p = model.pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes])
     cache = DynamicCache(config=model.lm_config) if use_cache else None
     with eval_mode(model):
         logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1)[:, -1]

@@ -8,6 +8,7 @@ Sequence layout and the batch types: ``ktm.batch``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -71,29 +72,30 @@ class KTMModel(nn.Module):
         k: int = 4,
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        mlp_ratio: float = 2.0,
-        use_mlp: bool = True,
-        slot_weights: bool = False,
-        mlp_gate: bool = False,
-        inner_k: int = 1,
-        plain_prefix: int = 0,
         lora: LoraSettings | None = None,
-        add_eos: bool = True,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = torch.float32,
         config: KTMConfig | None = None,
+        **fields,
     ) -> KTMModel:
         """Wrap a base model (embedded name, local HF folder, or a loaded model + tokenizer).
 
-        ``config`` gives everything at once; otherwise it is built from the keyword arguments.
+        ``config`` gives everything at once; otherwise it is built from ``k``, ``lora``,
+        ``dtype`` and any other ``KTMConfig`` field given by keyword (``mlp_ratio=0.5``,
+        ``slot_weights=True``, ``spread_positions=True``, ...).
         """
         name = base if isinstance(base, str) else (base.name_or_path or type(base).__name__)
         if config is None:
-            config = KTMConfig(base_model=name, k=k, mlp_ratio=mlp_ratio, use_mlp=use_mlp,
-                               slot_weights=slot_weights, mlp_gate=mlp_gate,
-                               inner_k=inner_k, plain_prefix=plain_prefix,
-                               lora=lora or LoraSettings(), add_eos=add_eos,
-                               dtype=dtype_name(dtype))
+            known = {f.name for f in dataclasses.fields(KTMConfig)} - {"base_model", "k", "lora",
+                                                                       "dtype"}
+            unknown = sorted(set(fields) - known)
+            if unknown:
+                raise KTMError(f"from_base got unknown options {unknown}: expected KTMConfig "
+                               f"fields such as {sorted(known)}")
+            config = KTMConfig(base_model=name, k=k, lora=lora or LoraSettings(),
+                               dtype=dtype_name(dtype), **fields)
+        elif fields:
+            raise KTMError(f"give config= or options {sorted(fields)}, not both")
         torch_dtype = parse_dtype(config.dtype)
         device = check_device(device)
         if isinstance(base, str):
@@ -220,7 +222,7 @@ class KTMModel(nn.Module):
         generation, the benchmark and the server share; ``cache`` reuses merged segments.
         """
         enc = PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
-                            self._config.plain_prefix)
+                            self._config.plain_prefix, self._config.spread_positions)
         return enc.encode([as_segments(p) for p in prompts], merge and self.merges, cache)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
@@ -241,8 +243,8 @@ class KTMModel(nn.Module):
         object.__setattr__(self, "_embed", module)
 
     # ---------------------------------------------------------------- the LM
-    def pack(self, seqs: list[torch.Tensor]) -> Packed:
-        return pack(seqs)
+    def pack(self, seqs: list[torch.Tensor], positions=None) -> Packed:
+        return pack(seqs, positions)
 
     def check_fits(self, prefixes: list[CompressedPrompt], extra: list[int], what: str) -> None:
         check_positions(prefixes, extra, self.max_positions, self.k, what)
@@ -264,7 +266,7 @@ class KTMModel(nn.Module):
         """(L, V) logits at every prefix position of one prompt."""
         cp = self.encode_prompts([prompt], merge)[0]
         self.check_fits([cp], [0], "more tokens")
-        p = self.pack([cp.embeds])
+        p = self.pack([cp.embeds], [cp.positions])
         return self.lm(p.embeds, p.mask, p.position_ids)[0]
 
     # ---------------------------------------------------------------- training forward
@@ -316,7 +318,7 @@ class KTMModel(nn.Module):
         tgt = [self.target_ids(t) for t in targets]
         self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
         seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
-        p = self.pack(seqs)
+        p = self.pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
         longest = p.embeds.shape[1]
         keep = torch.zeros(len(seqs), longest, dtype=torch.bool, device=self.device)
         rows, labels = [], []

@@ -37,6 +37,7 @@ class PromptEncoder:
     encoder: nn.Module
     pad_id: int
     plain_prefix: int = 0
+    spread_positions: bool = False  # merged blocks at their last token's position
 
     def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
                cache: MergeCache | None = None) -> list[CompressedPrompt]:
@@ -69,8 +70,21 @@ class PromptEncoder:
                 raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
             embeds = torch.cat(parts, dim=0)
             mergeable = tuple(len(ids) for ids, c in row if c and ids)
-            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable))
+            pos = self._positions(row, merge) if merge and self.spread_positions else None
+            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos))
         return results
+
+    def _positions(self, row: list[tuple[list[int], bool]], merge: bool) -> torch.Tensor:
+        """Each plain token at its own position, each merged block at its last token's."""
+        k, start, out = self.encoder.k, 0, []
+        for ids, c in row:
+            n = len(ids)
+            if merge and c:
+                out += [start + min(j + k, n) - 1 for j in range(0, n, k)]
+            else:
+                out += range(start, start + n)
+            start += n
+        return torch.tensor(out, dtype=torch.long, device=self.embed.weight.device)
 
     def merge_segments(self, segments: list[list[int]], cache: MergeCache | None = None
                        ) -> list[torch.Tensor]:

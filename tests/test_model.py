@@ -117,3 +117,35 @@ def test_missing_embedded_package_says_how_to_fix(monkeypatch, tmp_path):
 def test_folder_without_config_is_a_clear_error(tmp_path):
     with pytest.raises(KTMError, match="has no config.json"):
         KTMModel.from_base(str(tmp_path))
+
+
+def test_spread_positions_put_each_block_at_its_last_token(tiny_model_dir):
+    import torch
+
+    from ktm.model import KTMModel
+    from ktm.prompt import Segment
+
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, spread_positions=True, plain_prefix=1)
+    ids = tuple(range(10, 20))  # 10 tokens: 1 plain, then blocks of 4, 4 and 1
+    cp = model.compress([Segment("", ids=ids), Segment("", compress=False, ids=(5, 6))])
+    assert cp.positions.tolist() == [0, 4, 8, 9, 10, 11]
+    assert cp.next_position == 12 and cp.tokens_out == 6
+    # training and generation read the same positions: the cached decode equals a full re-run,
+    # and the forward's NLL equals a plain HF forward at those position ids
+    prompt = [Segment("", ids=ids), Segment("", compress=False, ids=(5, 6))]
+    cached = model.generate(prompt, max_new_tokens=5, use_cache=True)
+    full = model.generate(prompt, max_new_tokens=5, use_cache=False)
+    assert cached == full
+    target = [7, 8, 9]
+    out = model([prompt], [target])
+    embeds = torch.cat([cp.embeds, model.embed_ids(torch.tensor(target))])[None]
+    pos = torch.tensor([[0, 4, 8, 9, 10, 11, 12, 13, 14]])
+    with torch.no_grad():
+        logits = model.peft(inputs_embeds=embeds, position_ids=pos).logits[0, 5:8]
+        want = torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum")
+    assert float(out.nll[0]) == pytest.approx(float(want), rel=1e-5)
+    # and they differ from consecutive positions, or this test could not fail
+    compact = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1)
+    compact.load_state_dict(model.state_dict())
+    assert float(compact([prompt], [target]).nll[0]) != pytest.approx(float(want), rel=1e-4)

@@ -232,8 +232,11 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
     engine_globals = next(f for f in vars(type(server.engine)).values()
                           if inspect.isfunction(f)).__globals__
     advance = engine_globals["advance"]
-    # a slow model: LIMIT steps take seconds, so a row that ran on to max_tokens would show
-    monkeypatch.setitem(engine_globals, "advance", lambda *a: time.sleep(0.01) or advance(*a))
+    # a slow model: LIMIT steps take 20+ s, so a row that ran on to max_tokens would show, even
+    # when a loaded machine takes seconds to notice the disconnect
+    monkeypatch.setitem(engine_globals, "advance", lambda *a: time.sleep(0.05) or advance(*a))
+    # start from an idle server, so the running row seen below is this request's
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     before = dict(server.engine.counts)
     body = {"model": "tiny", "prompt": DOC, "max_tokens": LIMIT, "stream": stream,
             "ktm": {"ignore_eos": True}}
@@ -246,9 +249,9 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
     conn.sock.close()  # the client goes away mid-generation
     conn.close()
-    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0, seconds=40.0)
     counts = server.engine.counts
-    assert counts["cancelled"] == before["cancelled"] + 1
+    assert counts["cancelled"] == before["cancelled"] + 1, (before, counts)
     assert counts["finished"] == before["finished"]  # it did not run to max_tokens
     r = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).completions.create(
         model="tiny", prompt="Hello", max_tokens=3, temperature=0)

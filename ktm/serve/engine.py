@@ -198,7 +198,7 @@ class Engine:
 
     def _limit(self, job: Job, cp: CompressedPrompt) -> int | None:
         """Tokens this request may generate, or None after answering it with an error."""
-        room = None if self.context is None else self.context - cp.tokens_out
+        room = None if self.context is None else self.context - cp.next_position
         what = (f"the prompt is {cp.tokens_out} positions after merging ({cp.tokens_in} tokens "
                 f"before, K={self.model.k})")
         want = job.max_tokens or min(self.cfg.max_tokens_limit, room or self.cfg.max_tokens_limit)
@@ -206,7 +206,7 @@ class Engine:
         if room is not None and room < 1:
             err = f"{what}: more than the model's context of {self.context} positions"
         elif room is not None and want > room:
-            err = (f"{what}; with max_tokens={want} it needs {cp.tokens_out + want} positions, "
+            err = (f"{what}; with max_tokens={want} it needs {cp.next_position + want} positions, "
                    f"more than the model's context of {self.context}")
         if err:
             self.counts["rejected"] += 1
@@ -232,7 +232,8 @@ class Engine:
                 misses.append((job, cp, limit, context, key))
                 continue
             past = [(k[:, :, :n], v[:, :, :n]) for k, v in stored]
-            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:]))
+            rest = None if cp.positions is None else cp.positions[n:]
+            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:], rest))
             rows.append(Row(job, self.model, cp, n, limit))
         if misses:
             batch = prefill(self.model, [m[1] for m in misses])
@@ -268,19 +269,23 @@ class Engine:
             if not self._rows:
                 return
         tokens = self._select(self._batch.logits)
-        done = []
+        done, out = [], []
         for i, (row, tok) in enumerate(zip(self._rows, tokens.tolist())):
             ev = row.push(tok)
             if ev.text or ev.finish:
-                row.job.deliver(ev)
+                out.append((row.job, ev))
             if ev.finish:
                 done.append(i)
+        # book-keeping first, then deliver: a client that has its last event never sees its row
+        # still running or uncounted in /health
         self.counts["steps"] += 1
         self.counts["finished"] += len(done)
         if done:
             keep = [i for i in range(len(self._rows)) if i not in done]
             self._keep(keep)
             tokens = tokens[keep]
+        for job, ev in out:
+            job.deliver(ev)
         if self._rows:
             advance(self.model, self._batch, tokens)
 
