@@ -173,6 +173,11 @@ def _data_args(parser: argparse.ArgumentParser) -> None:
                         help="folder holding the datasets (sets $KTM_DATA; README, Data)")
 
 
+def threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+
+
 def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
                         help="start from a reader: a checkpoint folder or a shipped reader's name "
@@ -180,8 +185,7 @@ def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-adapter", metavar="CHECKPOINT_OR_NAME",
                         help="start only LoRA from a checkpoint or reader, with a fresh encoder "
                              "(any K: the K curriculum, e.g. K=4 from the K=2 reader)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
+    threads_arg(parser)
 
 
 def _demo_parser(demo: argparse.ArgumentParser) -> None:
@@ -189,6 +193,7 @@ def _demo_parser(demo: argparse.ArgumentParser) -> None:
 
     add_dataclass_args(demo, DemoConfig)
     _data_args(demo)
+    threads_arg(demo)
     demo.set_defaults(run=cmd_demo)
 
 
@@ -239,6 +244,7 @@ def _eval_parser(ev: argparse.ArgumentParser) -> None:
     ev.set_defaults(run=cmd_eval)
     _compressor_args(ev)
     _data_args(ev)
+    threads_arg(ev)
 
 
 def _pack_parser(pack: argparse.ArgumentParser) -> None:

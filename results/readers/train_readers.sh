@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Trains the readers: encoder + LoRA pretrained to read merged text, from unlabeled text only
+# (the train sides of the shipped data: CommitPack code, Fashion review texts, tree texts).
+# The recipe is the one the probes in results/README.md chose. Each run resumes if its folder
+# holds a checkpoint, logs readability R on held-out text every EVAL steps, and ends with:
+#   ktm pack-reader  -> ktm/readers/smollm2-135m-kK (fp16, shipped; K=2 and K=4)
+#   ktm eval --readability -> results/readers/kK_readability.json (64 windows per held-out set)
+#   metrics.jsonl + run.json -> results/readers/runs/kK/ (the R-per-CPU-minute curve)
+# Usage: bash results/readers/train_readers.sh [k2] [k3] [k4]   (default: all three)
+# One thread per run; the three runs are independent (run two at once on two cores).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS=1
+recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --lora-r 16 --lora-alpha 64
+        --sources code reviews trees=0.5 --objectives lm ae=0.5
+        --batch-size 8 --lr 1e-3 --encoder-lr 1e-4 --schedule cosine --warmup-steps 20
+        --eval-every 100 --n-eval-windows 32 --save-every 25 --seed 0 --threads 1 --no-progress)
+declare -A steps=([k2]=600 [k3]=600 [k4]=1000)
+for name in "${@:-k2 k3 k4}"; do
+  k=${name#k}
+  out=runs/readers/$name
+  resume=()
+  [ -d "$out/checkpoint" ] && resume=(--resume)
+  ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${resume[@]}"
+  mkdir -p "results/readers/runs/$name"
+  cp "$out/metrics.jsonl" "$out/run.json" "results/readers/runs/$name/"
+  ckpt=$out/checkpoint
+  if [ "$k" != 3 ]; then
+    ktm pack-reader "$out" --name "smollm2-135m-$name"
+    ckpt=smollm2-135m-$name
+  fi
+  ktm eval --checkpoint "$ckpt" --readability reviews code --n-windows 64 --threads 1 \
+    --method "reader-$name" --json "results/readers/${name}_readability.json"
+done
