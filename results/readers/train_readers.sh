@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
-recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --lora-r 16 --lora-alpha 64
+recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lora-r 16 --lora-alpha 64
         --sources code reviews trees=0.5 --objectives lm ae=0.5
         --batch-size 8 --lr 1e-3 --encoder-lr 1e-4 --schedule cosine --warmup-steps 20
         --eval-every 100 --n-eval-windows 32 --save-every 25 --seed 0 --threads 1 --no-progress)
