@@ -81,7 +81,13 @@ def init_or_build(args: argparse.Namespace):
         raise KTMError("give --init or --init-adapter, not both")
     if getattr(args, "init", None):
         return _saved(args, args.init, trainable=True)
-    model = _fresh(args)
+    # the fresh weights (LoRA's A matrices, the encoder MLP) come from the run's seed, so the
+    # same command gives the same model; a local generator state, restored afterwards
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(getattr(args, "seed", 0) or 0)
+        model = _fresh(args)
     if getattr(args, "init_adapter", None):
         from ktm.checkpoint import load_adapter_into
         from ktm.readers import resolve_checkpoint

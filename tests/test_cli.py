@@ -313,3 +313,23 @@ def test_generate_and_eval_flags_come_from_their_configs(command, config):
     sub = _parser([command])._subparsers._group_actions[0].choices[command]
     dests = {a.dest for a in sub._actions}
     assert {f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)} <= dests
+
+
+def test_the_same_train_command_gives_the_same_model(capsys, tiny_model_dir, tmp_path):
+    import torch
+
+    from ktm.model import KTMModel
+
+    def run_once(name, seed):
+        torch.manual_seed(len(name) * 1000 + seed)  # the caller's RNG must not matter
+        argv = ["train", "--model", tiny_model_dir, "--task", "tree", "--stage", "small",
+                "--n-train", "8", "--n-eval", "2", "--max-steps", "1", "--batch-size", "4",
+                "--seed", str(seed), "--out-dir", str(tmp_path / name), "--no-progress"]
+        assert main(argv) == 0
+        return dict(KTMModel.load(str(tmp_path / name / "checkpoint")).named_parameters())
+
+    a, b, c = run_once("a", 0), run_once("bb", 0), run_once("c", 1)
+    for n in a:
+        if "lora_A" in n:
+            torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
+    assert any(not torch.equal(a[n], c[n]) for n in a if "lora_A" in n)  # the seed does matter
