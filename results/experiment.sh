@@ -2,7 +2,8 @@
 # The three-task experiment at CPU scale, every method on the same fine-tuning recipe:
 #   uncompressed; k2, k3, k4 (K-Token Merging, each fine-tuned from its pretrained reader:
 #   smollm2-135m-k2 / -k4 shipped in the package, K=3 from $K3_READER, default
-#   runs/readers/k3/checkpoint, made by results/readers/train_readers.sh); k4-scratch (K=4 with
+#   runs/readers/k3/checkpoint, made by results/readers/train_readers.sh; $K2_READER / $K4_READER
+#   point k2 / k4 at a reader folder instead of the shipped names); k4-scratch (K=4 with
 #   the readers' encoder settings but no reader: the ablation); and the baselines mean_pool
 #   (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5, i.e. K=2's length), ltsc.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
@@ -37,9 +38,9 @@ for m in $methods; do
   comp=()
   case $m in
     uncompressed) model=(--k 1 --no-mlp) ;;
-    k2) model=(--k 2 --init smollm2-135m-k2) ;;
+    k2) model=(--k 2 --init "${K2_READER:-smollm2-135m-k2}") ;;
     k3) model=(--k 3 --init "${K3_READER:-runs/readers/k3/checkpoint}") ;;
-    k4) model=(--k 4 --init smollm2-135m-k4) ;;
+    k4) model=(--k 4 --init "${K4_READER:-smollm2-135m-k4}") ;;
     k4-scratch) model=(--k 4 "${reader_encoder[@]}") ;;
     mean_pool) model=(--k 4); comp=(--compressor mean_pool) ;;
     selective_context|llmlingua) model=(); comp=(--compressor "$m" --compressor-option ratio=0.5) ;;
