@@ -17,7 +17,10 @@ _EXPORTS = {
     "GenerationConfig": "ktm.generate", "KTMConfig": "ktm.config", "KTMError": "ktm.errors",
     "KTMModel": "ktm.model", "KTokenEncoder": "ktm.encoder", "LoraSettings": "ktm.config",
     "Segment": "ktm.prompt", "TrainConfig": "ktm.train", "train": "ktm.train",
+    "PretrainConfig": "ktm.pretrain", "pretrain": "ktm.pretrain",
 }
+# functions named like the submodule that defines them
+_SHADOWED = ("train", "pretrain")
 __all__ = [*sorted(_EXPORTS), "__version__"]
 
 
@@ -34,13 +37,13 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """``ktm.train`` is the training function, as it always was, even once the submodule of
-    the same name is imported (the import system would bind the module there)."""
+    """``ktm.train`` and ``ktm.pretrain`` are the functions, even once the submodules of the same
+    names are imported (the import system would bind the module there)."""
 
     def __getattribute__(self, name: str):
         value = super().__getattribute__(name)
-        if name == "train" and isinstance(value, types.ModuleType):
-            return value.train
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            return getattr(value, name)
         return value
 
 

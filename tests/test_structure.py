@@ -52,3 +52,10 @@ def test_public_names_load_lazily_and_train_stays_the_function():
 
     assert train is train_function
     assert TrainConfig.__module__ == "ktm.train" and KTMModel.__module__ == "ktm.model"
+    import ktm
+    import ktm.pretrain as shadowed  # binds the submodule name on the package
+
+    assert callable(ktm.pretrain) and ktm.pretrain is shadowed
+    from ktm.pretrain import pretrain as pretrain_function
+
+    assert ktm.pretrain is pretrain_function and ktm.PretrainConfig.__module__ == "ktm.pretrain"
