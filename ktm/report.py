@@ -65,11 +65,18 @@ def load_results(paths: list[str]) -> list[dict]:
     return rows
 
 
+def group_name(row: dict) -> str:
+    """The task, with its stage when it has one (tree small and tree xmedium are two tables)."""
+    task = (row.get("config") or {}).get("task")
+    stage = task.get("stage") if isinstance(task, dict) else None
+    return f"{row['task']} {stage}" if stage else row["task"]
+
+
 def score(rows: list[dict]) -> dict[str, list[dict]]:
-    """Group by task and add P (normalised performance) and the P-L F1 to each row."""
+    """Group by task (and stage) and add P (normalised performance) and the P-L F1 to each row."""
     by_task: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
-        by_task[r["task"]].append(dict(r))
+        by_task[group_name(r)].append(dict(r))
     for task_rows in by_task.values():
         ppls = [r["perplexity"] for r in task_rows if "perplexity" in r]
         best = min(ppls) if ppls else None

@@ -88,3 +88,12 @@ def test_results_from_a_dirty_tree_are_flagged(tmp_path):
     assert "† from a dirty tree" in out and ": k4" in out
     assert "‡ no git revision recorded: llmlingua" in out
     assert "results come from 2 revisions: 0123abcd, 4567ef01" in out
+
+
+def test_tree_stages_are_separate_tables():
+    small = {**row("uncompressed", 0.9, 0.9, 0.0), "task": "tree",
+             "config": {"task": {"name": "tree", "stage": "small"}}}
+    xmed = {**row("uncompressed", 0.8, 0.8, 0.0), "task": "tree",
+            "config": {"task": {"name": "tree", "stage": "xmedium"}}}
+    assert set(score([small, xmed])) == {"tree small", "tree xmedium"}
+    assert set(score([row("k4", 0.8, 0.5, 0.6)])) == {"amazon"}  # no stage: the task alone
