@@ -28,10 +28,18 @@ def test_pack_reader_then_load_by_name(tiny_model_dir, tmp_path, registry, capsy
                  "--context-tokens", "16", "--target-tokens", "4", "--min-tokens", "8",
                  "--eval-sets", "none", "--max-steps", "2", "--batch-size", "2",
                  "--lr", "1e-2", "--out-dir", str(run), "--no-progress"]) == 0
+    # resumed with a longer schedule: both starts are in the reader's record
+    assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--slot-weights",
+                 "--sources", str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm",
+                 "--context-tokens", "16", "--target-tokens", "4", "--min-tokens", "8",
+                 "--eval-sets", "none", "--max-steps", "3", "--batch-size", "2",
+                 "--lr", "1e-2", "--out-dir", str(run), "--no-progress", "--resume"]) == 0
     assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 0
     assert "reader 'tiny-k2'" in capsys.readouterr().out
     info = json.loads((registry / "tiny-k2" / "reader.json").read_text())
-    assert info["steps"] == 2 and info["command"].startswith("ktm pretrain")
+    assert info["steps"] == 3 and info["command"].startswith("ktm pretrain")
+    assert [(s["step"], "--resume" in s["command"]) for s in info["starts"]] == [(0, False),
+                                                                                 (2, True)]
     enc = (registry / "tiny-k2" / "encoder.safetensors")
     from safetensors.torch import load_file
 

@@ -91,7 +91,10 @@ def run_info(run_dir: str | Path) -> dict:
     evals = [r for r in rows if "eval" in r]
     if not steps:
         raise KTMError(f"{str(run)!r} has no training steps in metrics.jsonl")
-    return {"command": meta.get("command"), "train": meta.get("config"),
+    # a resumed run has several starts: each with its command (e.g. a changed --max-steps)
+    starts = [{"step": h.get("started_at_step", 0), "command": h.get("command"),
+               "git": h.get("git")} for h in meta.get("history") or [meta]]
+    return {"command": meta.get("command"), "starts": starts, "train": meta.get("config"),
             "pretrain": meta.get("pretrain"), "docs": meta.get("docs"), "git": meta.get("git"),
             "versions": meta.get("versions"), "steps": steps[-1]["step"],
             "cpu_minutes": steps[-1].get("cpu_s", 0.0) / 60,
