@@ -57,3 +57,19 @@ def ktm_model(tiny_model_dir):
 
     torch.manual_seed(0)
     return KTMModel.from_base(tiny_model_dir, k=4)
+
+
+@pytest.fixture
+def checkpoint_swaps(monkeypatch) -> list[list[str]]:
+    """The file names in each checkpoint's temp folder at the moment it is swapped in."""
+    import ktm.checkpoint as checkpoint
+
+    seen: list[list[str]] = []
+    real = checkpoint.replace_dir
+
+    def watched(tmp, dest):
+        seen.append(sorted(p.name for p in tmp.iterdir()))
+        real(tmp, dest)
+
+    monkeypatch.setattr(checkpoint, "replace_dir", watched)
+    return seen

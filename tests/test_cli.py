@@ -183,25 +183,15 @@ def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path, monkeypa
 
 
 def test_ltsc_state_is_inside_the_atomic_checkpoint(capsys, tiny_model_dir, tmp_path,
-                                                    monkeypatch):
-    import ktm.checkpoint as checkpoint
-
-    at_swap = []
-    real = checkpoint.replace_dir
-
-    def watched(tmp, dest):
-        at_swap.append(sorted(p.name for p in tmp.iterdir()))
-        real(tmp, dest)
-
-    monkeypatch.setattr(checkpoint, "replace_dir", watched)
+                                                    checkpoint_swaps):
     code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
                        "small", "--n-train", "16", "--n-eval", "4", "--max-steps", "2",
                        "--batch-size", "4", "--save-every", "1", "--out-dir",
                        str(tmp_path / "r"), "--no-progress", "--compressor", "ltsc",
                        "--compressor-option", "max_meta_tokens=8")
     assert code == 0, err
-    assert len(at_swap) == 2 and all({"ltsc.json", "ltsc_meta.safetensors"} <= set(names)
-                                     for names in at_swap)
+    assert len(checkpoint_swaps) == 2 and all(
+        {"ltsc.json", "ltsc_meta.safetensors"} <= set(names) for names in checkpoint_swaps)
 
 
 def test_eval_rows_record_what_was_really_used(capsys, tiny_model_dir, tmp_path):

@@ -187,21 +187,11 @@ def test_a_corrupt_optimizer_state_is_a_clear_error(tiny_model_dir, tree_task, t
 
 
 def test_extra_state_is_written_inside_the_atomic_checkpoint(tiny_model_dir, tree_task, tmp_path,
-                                                             monkeypatch):
-    import ktm.checkpoint as checkpoint
-
-    seen = []
-    real = checkpoint.replace_dir
-
-    def watched(tmp, dest):
-        seen.append(sorted(p.name for p in tmp.iterdir()))
-        real(tmp, dest)
-
-    monkeypatch.setattr(checkpoint, "replace_dir", watched)
+                                                             checkpoint_swaps):
     train(fresh(tiny_model_dir), tree_task.train_examples(4, seed=0),
           TrainConfig(out_dir=str(tmp_path), max_steps=1, batch_size=2, progress=False),
           save_extra=lambda folder: (folder / "extra.json").write_text("{}"))
-    assert seen and all("extra.json" in names for names in seen)
+    assert checkpoint_swaps and all("extra.json" in names for names in checkpoint_swaps)
 
 
 def test_cuda_rng_states_are_saved_and_restored(monkeypatch):
