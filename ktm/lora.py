@@ -5,7 +5,9 @@ paper adapts all of them. Each family names its projections differently (Phi-3 f
 ``qkv_proj`` and gate/up into ``gate_up_proj``; GPT-2 has ``c_attn``/``c_proj``/``c_fc``; OPT
 ``out_proj``/``fc1``/``fc2``), so the names come from this table. Asked-for names that a model
 lacks are an error, never silently dropped: a partial match once left Phi-3 with LoRA on
-``o_proj`` and ``down_proj`` only.
+``o_proj`` and ``down_proj`` only. A family missing from the table gets every linear layer
+inside the model except the output head (what PEFT's ``"all-linear"`` picks), named in the
+checkpoint config like any other.
 """
 
 from __future__ import annotations
@@ -40,17 +42,25 @@ def resolve_targets(lm: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
     elif model_type in TARGETS:
         targets, source = TARGETS[model_type], f"the {model_type!r} entry of ktm.lora.TARGETS"
     else:
-        linear = sorted(n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
-                        if isinstance(m, nn.Linear))
-        raise KTMError(f"no LoRA targets known for model type {model_type!r}: pass "
-                       "target_modules (--lora-target-modules), e.g. some of "
-                       f"{sorted(set(linear))}")
+        targets, source = _all_linear(lm), "every linear layer but the head"
+        if not targets:
+            raise KTMError(f"no linear layers to adapt in this {model_type!r} model: pass "
+                           "target_modules (--lora-target-modules)")
     missing = [t for t in targets if t not in present]
     if missing:
         raise KTMError(f"LoRA targets {missing} (from {source}) are not modules of this "
                        f"{model_type!r} model: expected names such as the last part of "
                        f"'model.layers.0.self_attn.q_proj'")
     return tuple(targets)
+
+
+def _all_linear(lm: nn.Module) -> tuple[str, ...]:
+    """Short names of the linear layers (``nn.Linear``, GPT-2-style ``Conv1D``), head excluded."""
+    head = lm.get_output_embeddings()
+    names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
+             if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and m is not head}
+    head_names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if m is head}
+    return tuple(sorted(names - head_names))
 
 
 def lora_config(lm: nn.Module, settings: LoraSettings) -> LoraConfig:

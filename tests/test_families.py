@@ -32,6 +32,9 @@ FAMILIES = {
     "gpt2": (T.GPT2Config, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS, "c_fc": LAYERS}),
     "opt": (T.OPTConfig, {}, {"q_proj": LAYERS, "k_proj": LAYERS, "v_proj": LAYERS,
                               "out_proj": LAYERS, "fc1": LAYERS, "fc2": LAYERS}),
+    # not in ktm.lora.TARGETS: every linear layer but the head
+    "gpt_neox": (T.GPTNeoXConfig, {}, {"query_key_value": LAYERS, "dense": LAYERS,
+                                       "dense_h_to_4h": LAYERS, "dense_4h_to_h": LAYERS}),
 }
 
 
@@ -43,6 +46,9 @@ def tiny_config(family: str, vocab: int, positions: int = 256):
     if family == "opt":
         return cls(hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS, num_attention_heads=4,
                    word_embed_proj_dim=64, max_position_embeddings=positions, **common)
+    if family == "gpt_neox":
+        return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                   num_attention_heads=4, max_position_embeddings=positions, **common)
     return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                max_position_embeddings=positions, **common)
