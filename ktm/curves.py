@@ -60,12 +60,15 @@ def plot_curves(curves: list[dict], path: str) -> None:
 
     sets = sorted({s for c in curves for p in c["points"] for s in p["R"]})
     fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    # more runs than the 10 default colours: the marker tells the repeats apart
+    colours, markers = plt.get_cmap("tab10").colors, "osD^v<>"
     for ax, name in zip(axes[0], sets):
-        for c in curves:
+        for i, c in enumerate(curves):
             pts = [(p["cpu_min"], p["R"][name]) for p in c["points"]
                    if p["R"].get(name) is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", ms=3, label=c["run"])
+                ax.plot(*zip(*pts), marker=markers[i // 10 % len(markers)], ms=3,
+                        color=colours[i % 10], label=c["run"])
         ax.set_xlabel("CPU-minutes of pretraining")
         ax.set_ylabel("readability R")
         ax.set_title(f"held-out {name}")
