@@ -185,7 +185,6 @@ def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-adapter", metavar="CHECKPOINT_OR_NAME",
                         help="start only LoRA from a checkpoint or reader, with a fresh encoder "
                              "(any K: the K curriculum, e.g. K=4 from the K=2 reader)")
-    threads_arg(parser)
 
 
 def _demo_parser(demo: argparse.ArgumentParser) -> None:
@@ -206,6 +205,7 @@ def _train_parser(tr: argparse.ArgumentParser) -> None:
     tr.set_defaults(run=cmd_train)
     _compressor_args(tr)
     _init_args(tr)
+    threads_arg(tr)
     _data_args(tr)
 
 
@@ -217,6 +217,7 @@ def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
     add_dataclass_args(pre, PretrainConfig)
     add_dataclass_args(pre, TrainConfig)
     _init_args(pre)
+    threads_arg(pre)
     _data_args(pre)
     pre.set_defaults(run=cmd_pretrain)
 

@@ -56,10 +56,12 @@ def resolve_targets(lm: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
 
 def _all_linear(lm: nn.Module) -> tuple[str, ...]:
     """Short names of the linear layers (``nn.Linear``, GPT-2-style ``Conv1D``), head excluded."""
+    # PEFT matches short names, so the head's name is dropped whatever else carries it
     head = lm.get_output_embeddings()
-    names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
-             if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and m is not head}
-    head_names = {n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if m is head}
+    names, head_names = set(), set()
+    for n, m in lm.named_modules():
+        if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D":
+            (head_names if m is head else names).add(n.rsplit(".", 1)[-1])
     return tuple(sorted(names - head_names))
 
 

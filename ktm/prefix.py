@@ -70,16 +70,16 @@ class PromptEncoder:
                 raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
             embeds = torch.cat(parts, dim=0)
             mergeable = tuple(len(ids) for ids, c in row if c and ids)
-            pos = self._positions(row, merge) if merge and self.spread_positions else None
+            pos = self._positions(row) if merge and self.spread_positions else None
             results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos))
         return results
 
-    def _positions(self, row: list[tuple[list[int], bool]], merge: bool) -> torch.Tensor:
+    def _positions(self, row: list[tuple[list[int], bool]]) -> torch.Tensor:
         """Each plain token at its own position, each merged block at its last token's."""
         k, start, out = self.encoder.k, 0, []
         for ids, c in row:
             n = len(ids)
-            if merge and c:
+            if c:
                 out += [start + min(j + k, n) - 1 for j in range(0, n, k)]
             else:
                 out += range(start, start + n)
