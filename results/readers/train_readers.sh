@@ -7,7 +7,9 @@
 #   ktm eval --readability -> results/readers/kK_readability.json (64 windows per held-out set)
 #   metrics.jsonl + run.json -> results/readers/runs/kK/ (the R-per-CPU-minute curve)
 # Usage: bash results/readers/train_readers.sh [k2] [k3] [k4]   (default: all three)
-# One thread per run; the three runs are independent (run two at once on two cores).
+# One thread per run. k2 comes first: k3 and k4 start their LoRA from the K=2 reader (the K
+# curriculum, `--init-adapter`; results/README.md, "Readers"), by default the shipped one
+# (K2_READER=DIR to use another), each with a fresh encoder of its own K.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
@@ -15,16 +17,16 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
         --sources code reviews trees=0.5 --objectives lm ae=0.5
         --batch-size 8 --lr 1e-3 --encoder-lr 1e-4 --schedule cosine --warmup-steps 20
         --eval-every 100 --n-eval-windows 32 --save-every 25 --seed 0 --threads 1 --no-progress)
-# k2 / k4 were started at 600 / 1000 steps and resumed, at steps 175 / 200, with these shorter
-# schedules to fit one session (a stream's order does not depend on its length; only the
-# cosine's span changed): results/README.md, "Readers"
-declare -A steps=([k2]=400 [k3]=400 [k4]=500)
+# k2 was started at 600 steps and resumed, at step 175, with this shorter schedule to fit one
+# session (a stream's order does not depend on its length; only the cosine's span changed)
+declare -A steps=([k2]=400 [k3]=400 [k4]=450)
 for name in "${@:-k2 k3 k4}"; do
   k=${name#k}
   out=runs/readers/$name
-  resume=()
-  [ -d "$out/checkpoint" ] && resume=(--resume)
-  ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${resume[@]}"
+  start=()
+  [ "$k" != 2 ] && start=(--init-adapter "${K2_READER:-smollm2-135m-k2}")
+  [ -d "$out/checkpoint" ] && start=(--resume)
+  ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}"
   mkdir -p "results/readers/runs/$name"
   cp "$out/metrics.jsonl" "$out/run.json" "results/readers/runs/$name/"
   ckpt=$out/checkpoint
