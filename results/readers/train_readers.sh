@@ -6,7 +6,9 @@
 #   ktm pack-reader  -> ktm/readers/smollm2-135m-kK (fp16, shipped; K=2 and K=4)
 #   ktm eval --readability -> results/readers/kK_readability.json (64 windows per held-out set)
 #   metrics.jsonl + run.json -> results/readers/runs/kK/ (the R-per-CPU-minute curve)
-# Usage: bash results/readers/train_readers.sh [k2] [k3] [k4]   (default: all three)
+# Usage: bash results/readers/train_readers.sh [k2] [k3] [k4] [k4r]   (default: k2 k3 k4)
+# k4r: K=4 as recursive merging (--inner-k 2: a K=2 merge of two K=2 merges, the inner level
+# loaded from the K=2 reader's encoder), packed as smollm2-135m-k4r.
 # One thread per run. k2 comes first: k3 and k4 start their LoRA from the K=2 reader (the K
 # curriculum, `--init-adapter`; results/README.md, "Readers"), by default the shipped one
 # (K2_READER=DIR to use another), each with a fresh encoder of its own K.
@@ -19,14 +21,17 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
         --eval-every 100 --n-eval-windows 32 --save-every 25 --seed 0 --threads 1 --no-progress)
 # k2 was started at 600 steps and resumed, at step 175, with this shorter schedule to fit one
 # session (a stream's order does not depend on its length; only the cosine's span changed)
-declare -A steps=([k2]=400 [k3]=400 [k4]=450)
-for name in "${@:-k2 k3 k4}"; do
-  k=${name#k}
+declare -A steps=([k2]=400 [k3]=400 [k4]=450 [k4r]=450)
+[ $# -gt 0 ] || set -- k2 k3 k4
+for name in "$@"; do
+  k=${name#k}; k=${k%r}
+  extra=()
+  [ "$name" = k4r ] && extra=(--inner-k 2)
   out=runs/readers/$name
   start=()
   [ "$k" != 2 ] && start=(--init-adapter "${K2_READER:-smollm2-135m-k2}")
   [ -d "$out/checkpoint" ] && start=(--resume)
-  ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}"
+  ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}" "${extra[@]}"
   mkdir -p "results/readers/runs/$name"
   cp "$out/metrics.jsonl" "$out/run.json" "results/readers/runs/$name/"
   ckpt=$out/checkpoint
