@@ -311,3 +311,24 @@ def test_serve_flags_are_checked(capsys, argv, match):
 
     assert main(["serve", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_too_long_message_counts_the_positions_a_spread_prompt_spans(tiny_model_dir):
+    # with spread positions a merged block takes its last token's position, so the prompt spans
+    # more positions than it has merged embeddings; the limit is on positions, and so is the
+    # number the error gives (it once gave the embeddings' count, which looked under the limit)
+    model = KTMModel.from_base(tiny_model_dir, k=4, spread_positions=True)
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", max_tokens_limit=LIMIT,
+                      log_level="warning")
+    prompt = "Hello world " * 50  # fits alone (K=4: ~26 embeddings), not with LIMIT more tokens
+    cp = model.compress([Segment(prompt)])
+    assert cp.tokens_out + LIMIT <= 512 < cp.next_position + LIMIT
+    with BackgroundServer(create_app(model, cfg)) as srv:
+        data = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": LIMIT}).encode()
+        req = urllib.request.Request(srv.url + "/v1/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+    message = json.loads(e.value.read())["error"]["message"]
+    assert f"spans {cp.next_position} positions" in message, message
+    assert f"needs {cp.next_position + LIMIT} positions" in message, message

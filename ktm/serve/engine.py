@@ -199,8 +199,10 @@ class Engine:
     def _limit(self, job: Job, cp: CompressedPrompt) -> int | None:
         """Tokens this request may generate, or None after answering it with an error."""
         room = None if self.context is None else self.context - cp.next_position
-        what = (f"the prompt is {cp.tokens_out} positions after merging ({cp.tokens_in} tokens "
-                f"before, K={self.model.k})")
+        # the limit is on the positions the prompt spans: with spread positions a merged block
+        # takes its last token's position, so that can exceed the number of merged embeddings
+        what = (f"the prompt spans {cp.next_position} positions after merging ({cp.tokens_out} "
+                f"embeddings from {cp.tokens_in} tokens, K={self.model.k})")
         want = job.max_tokens or min(self.cfg.max_tokens_limit, room or self.cfg.max_tokens_limit)
         err = None
         if room is not None and room < 1:
