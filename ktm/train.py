@@ -195,6 +195,10 @@ def train_step(model, opt, window: Sequence[Example], batch_size: int,
     return stats
 
 
+def _cuda_devices(model) -> list[int]:
+    return list(range(torch.cuda.device_count())) if model.device.type == "cuda" else []
+
+
 def train(
     model,
     examples: Sequence[Example],
@@ -216,8 +220,7 @@ def train(
         raise KTMError("no training examples: expected at least one")
     check_trainable(model)
     world = distributed.setup(model.device)
-    cuda = list(range(torch.cuda.device_count())) if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
+    with torch.random.fork_rng(devices=_cuda_devices(model)):
         torch.manual_seed(config.seed + world.rank)  # rank 0 draws what a 1-process run draws
         return _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
                     world)
@@ -282,7 +285,9 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             if main and evaluate and ((config.eval_every and step % config.eval_every == 0)
                                       or step == config.max_steps):
                 model.eval()
-                with torch.no_grad():
+                # evaluation may draw random numbers (sampling, a shuffled subset): on a forked
+                # state, so a run with --eval-every trains exactly as one without it
+                with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
                     result = evaluate(model)
                 model.train()
                 last = {**last, "eval": result}

@@ -9,14 +9,17 @@
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack
-# Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json.
+# Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
+# run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 name=$1; shift
 methods=${*:-"uncompressed k2 k3 k4"}
+# --eval-every: the task metric on the run's --n-eval examples every 30 steps, in metrics.jsonl
+# (the fine-tuning curve; greedy evaluation, it does not change the training)
 common=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 5 --seed 0 --save-every 0 --no-progress
-        --lora-r 16 --lora-alpha 64 --threads 1)
+        --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30)
 case $name in
   tree)         task=tree; data=(--stage small --prompt-mode context)
                 train=(--max-steps 120 --batch-size 16 --n-train 1920 --n-eval 32)
@@ -53,4 +56,5 @@ for m in $methods; do
     --out-dir "$out"
   ktm eval --checkpoint "$out/checkpoint" --task "$task" "${data[@]}" "${eval[@]}" "${comp[@]}" \
     "${train[@]:4:2}" --threads 1 --method "$m" --json "results/$name/$m.json"
+  cp "$out/metrics.jsonl" "results/$name/$m.metrics.jsonl"
 done

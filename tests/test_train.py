@@ -45,6 +45,20 @@ def test_short_training_run_on_tree_task_lowers_loss(tiny_model_dir, tree_task, 
     assert mean_nll(loaded, held) == pytest.approx(after, rel=1e-5)
 
 
+def test_evaluating_during_training_does_not_change_the_training(tiny_model_dir, tree_task,
+                                                                 tmp_path):
+    # the evaluation draws random numbers, as sampling would; LoRA dropout draws them in training
+    data = tree_task.train_examples(16, seed=0)
+    kw = dict(max_steps=4, batch_size=4, lr=1e-3, save_every=0, progress=False)
+    quiet = fresh(tiny_model_dir)
+    train(quiet, data, TrainConfig(out_dir=str(tmp_path / "a"), **kw))
+    watched = fresh(tiny_model_dir)
+    train(watched, data, TrainConfig(out_dir=str(tmp_path / "b"), eval_every=1, **kw),
+          evaluate=lambda m: {"noise": float(torch.rand(()))})
+    for (name, a), (_, b) in zip(quiet.trainable_parameters(), watched.trainable_parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
 class Interrupt(Exception):
     pass
 
