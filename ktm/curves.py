@@ -1,7 +1,10 @@
-"""Readability against CPU-minutes, from the ``metrics.jsonl`` of pretraining runs.
+"""A metric against CPU-minutes, from the ``metrics.jsonl`` of training runs.
 
-The cost axis is process CPU time (``cpu_s`` in every metrics row), so runs made while other jobs
-shared the machine compare fairly. A run is named by its folder.
+Pretraining runs (``ktm pretrain --eval-every``) give readability R per held-out set;
+fine-tuning runs (``ktm train --eval-every``) give their task's metric: balanced accuracy on
+classification tasks, perplexity on generation tasks. The cost axis is process CPU time
+(``cpu_s`` in every metrics row), so runs made while other jobs shared the machine compare
+fairly. A run is named by its folder, or ``folder/stem`` for a copied ``NAME.metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -11,9 +14,27 @@ from pathlib import Path
 
 from ktm.errors import KTMError
 
+TASK_METRICS = ("balanced_accuracy", "perplexity", "accuracy")  # the first one an eval has
+
+
+def _metrics(ev: dict) -> dict[str, float | None]:
+    sets = {f"R {k}": v.get("R") for k, v in ev.items() if isinstance(v, dict) and "R" in v}
+    if sets:
+        return sets
+    for name in TASK_METRICS:
+        if name in ev:
+            return {name: ev[name]}
+    return {}
+
+
+def _name(path: Path) -> str:
+    if path.name == "metrics.jsonl":
+        return path.parent.name
+    return f"{path.parent.name}/{path.name.removesuffix('.jsonl').removesuffix('.metrics')}"
+
 
 def load_curve(path: str | Path) -> dict:
-    """``{"run": name, "points": [{"step", "cpu_min", "R": {set: R}}], "config": run.json}``."""
+    """``{"run": name, "points": [{"step", "cpu_min", "metrics": {name: value}}], "config"}``."""
     path = Path(path)
     try:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -21,17 +42,21 @@ def load_curve(path: str | Path) -> dict:
         raise KTMError(f"metrics file {str(path)!r} cannot be read as JSONL: {e}") from e
     points = []
     for r in rows:
-        ev = r.get("eval")
+        ev = r.get("eval") if isinstance(r, dict) else None
         if isinstance(ev, dict) and "cpu_s" in r:
-            sets = {k: v.get("R") for k, v in ev.items() if isinstance(v, dict) and "R" in v}
-            if sets:
-                points.append({"step": r["step"], "cpu_min": r["cpu_s"] / 60, "R": sets})
+            metrics = _metrics(ev)
+            if metrics:
+                points.append({"step": r["step"], "cpu_min": r["cpu_s"] / 60, "metrics": metrics})
     if not points:
-        raise KTMError(f"{str(path)!r} has no readability evaluations: expected the "
-                       "metrics.jsonl of a `ktm pretrain` run with --eval-every")
+        raise KTMError(f"{str(path)!r} has no evaluations: expected the metrics.jsonl of a "
+                       "`ktm pretrain` or `ktm train` run with --eval-every")
     meta_path = path.with_name("run.json")
     config = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    return {"run": path.parent.name, "points": points, "config": config}
+    return {"run": _name(path), "points": points, "config": config}
+
+
+def _names(curves: list[dict]) -> list[str]:
+    return sorted({m for c in curves for p in c["points"] for m in p["metrics"]})
 
 
 def _fmt(r: float | None) -> str:
@@ -39,13 +64,13 @@ def _fmt(r: float | None) -> str:
 
 
 def curves_table(curves: list[dict]) -> str:
-    sets = sorted({s for c in curves for p in c["points"] for s in p["R"]})
-    head = "| run | step | CPU-min | " + " | ".join(f"R {s}" for s in sets) + " |"
-    lines = ["### readability vs CPU-minutes (pretraining runs)", "", head,
-             "|" + "---|" * (3 + len(sets))]
+    names = _names(curves)
+    head = "| run | step | CPU-min | " + " | ".join(names) + " |"
+    lines = ["### metric vs CPU-minutes (training runs)", "", head,
+             "|" + "---|" * (3 + len(names))]
     for c in curves:
         for p in c["points"]:
-            vals = " | ".join(_fmt(p["R"].get(s)) for s in sets)
+            vals = " | ".join(_fmt(p["metrics"].get(m)) for m in names)
             lines.append(f"| {c['run']} | {p['step']} | {p['cpu_min']:.1f} | {vals} |")
     return "\n".join(lines)
 
@@ -58,20 +83,24 @@ def plot_curves(curves: list[dict], path: str) -> None:
 
     from ktm.fileio import save_figure
 
-    sets = sorted({s for c in curves for p in c["points"] for s in p["R"]})
-    fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    names = _names(curves)
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     # more runs than the 10 default colours: the marker tells the repeats apart
     colours, markers = plt.get_cmap("tab10").colors, "osD^v<>"
-    for ax, name in zip(axes[0], sets):
+    for ax, name in zip(axes[0], names):
         for i, c in enumerate(curves):
-            pts = [(p["cpu_min"], p["R"][name]) for p in c["points"]
-                   if p["R"].get(name) is not None]
+            pts = [(p["cpu_min"], p["metrics"][name]) for p in c["points"]
+                   if p["metrics"].get(name) is not None]
             if pts:
                 ax.plot(*zip(*pts), marker=markers[i // 10 % len(markers)], ms=3,
                         color=colours[i % 10], label=c["run"])
-        ax.set_xlabel("CPU-minutes of pretraining")
-        ax.set_ylabel("readability R")
-        ax.set_title(f"held-out {name}")
+        ax.set_xlabel("CPU-minutes of the run")
+        if name.startswith("R "):
+            ax.set_ylabel("readability R")
+            ax.set_title(f"held-out {name[2:]}")
+        else:
+            ax.set_ylabel(name.replace("_", " "))
+            ax.set_title(name.replace("_", " "))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

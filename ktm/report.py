@@ -180,11 +180,11 @@ def plot(by_task: dict[str, list[dict]], path: str) -> None:
 
 def report(paths: list[str], plot_path: str | None = None) -> str:
     jsonl = [p for p in paths if str(p).endswith(".jsonl")]
-    if jsonl:  # pretraining runs: readability against CPU-minutes
+    if jsonl:  # training runs: readability R or the task metric against CPU-minutes
         from ktm.curves import curves_table, load_curve, plot_curves
 
         if len(jsonl) != len(paths):
-            raise KTMError("give either `ktm eval` result files or pretraining metrics.jsonl "
+            raise KTMError("give either `ktm eval` result files or training metrics.jsonl "
                            "files, not both")
         curves = [load_curve(p) for p in jsonl]
         if plot_path:

@@ -69,8 +69,29 @@ def test_report_on_pretraining_metrics_gives_r_per_cpu_minute(tmp_path):
     assert "| k4-probe | 1 | 0.5 | 0.200 | – |" in out
     assert "| k4-probe | 2 | 1.5 | 0.450 | 0.300 |" in out
     assert (tmp_path / "c.png").stat().st_size > 1000
+    assert "| run | step | CPU-min | R code | R reviews |" in out
     (tmp_path / "bad.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     assert main(["report", str(tmp_path / "bad.jsonl")]) == 2
+
+
+def test_report_on_fine_tuning_metrics_gives_the_task_metric_per_cpu_minute(tmp_path):
+    # ktm train --eval-every: classification runs give balanced accuracy, generation perplexity
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "commitpack").mkdir()
+    tree = [{"step": 30, "loss": 1.0, "cpu_s": 60.0},
+            {"step": 30, "cpu_s": 60.0, "eval": {"accuracy": 0.9, "balanced_accuracy": 0.75}},
+            {"step": 60, "cpu_s": 120.0, "eval": {"accuracy": 0.9, "balanced_accuracy": 0.875}}]
+    code = [{"step": 30, "cpu_s": 30.0, "eval": {"perplexity": 4.25, "nll": 1.45}}]
+    for path, rows in ((tmp_path / "tree" / "k4.metrics.jsonl", tree),
+                       (tmp_path / "commitpack" / "k4.metrics.jsonl", code)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = report([str(tmp_path / "tree" / "k4.metrics.jsonl"),
+                  str(tmp_path / "commitpack" / "k4.metrics.jsonl")], str(tmp_path / "f.png"))
+    assert "| run | step | CPU-min | balanced_accuracy | perplexity |" in out
+    assert "| tree/k4 | 30 | 1.0 | 0.750 | – |" in out
+    assert "| tree/k4 | 60 | 2.0 | 0.875 | – |" in out
+    assert "| commitpack/k4 | 30 | 0.5 | – | 4.250 |" in out
+    assert (tmp_path / "f.png").stat().st_size > 1000
 
 
 def test_results_from_a_dirty_tree_are_flagged(tmp_path):
