@@ -2,16 +2,22 @@
 # Trains the readers: encoder + LoRA pretrained to read merged text, from unlabeled text only
 # (the train sides of the shipped data: CommitPack code, Fashion review texts, tree texts).
 # The recipe is the one the probes in results/README.md chose. Each run resumes if its folder
-# holds a checkpoint, logs readability R on held-out text every EVAL steps, and ends with:
-#   ktm pack-reader  -> ktm/readers/smollm2-135m-kK (fp16, shipped; K=2 and K=4)
-#   ktm eval --readability -> results/readers/kK_readability.json (64 windows per held-out set)
-#   metrics.jsonl + run.json -> results/readers/runs/kK/ (the R-per-CPU-minute curve)
-# Usage: bash results/readers/train_readers.sh [k2] [k3] [k4] [k4r]   (default: k2 k3 k4)
-# k4r: K=4 as recursive merging (--inner-k 2: a K=2 merge of two K=2 merges, the inner level
-# loaded from the K=2 reader's encoder), packed as smollm2-135m-k4r.
-# One thread per run. k2 comes first: k3 and k4 start their LoRA from the K=2 reader (the K
-# curriculum, `--init-adapter`; results/README.md, "Readers"), by default the shipped one
-# (K2_READER=DIR to use another), each with a fresh encoder of its own K.
+# holds a checkpoint, logs readability R on held-out text every 100 steps, and ends with:
+#   ktm pack-reader (shipped stages) -> ktm/readers/NAME (fp16): k2 -> smollm2-135m-k2,
+#                                       k4r -> smollm2-135m-k4
+#   ktm eval --readability -> results/readers/STAGE_readability.json (64 windows per held-out set)
+#   metrics.jsonl + run.json -> results/readers/runs/STAGE/ (the R-per-CPU-minute curve)
+# Usage: bash results/readers/train_readers.sh [STAGE...]   (default: k2 k4r, the shipped ones)
+# Stages:
+#   k2   K=2 from scratch.
+#   k4r  K=4 as recursive merging (--inner-k 2: a K=2 merge of two K=2 merges), the inner level's
+#        encoder and the LoRA from the K=2 reader: the shipped K=4 reader.
+#   k4   K=4 with a fresh K=4 encoder, LoRA from the K=2 reader (the plain K curriculum; not
+#        shipped: k4r reads better, results/README.md section 1.3). When it was run it was packed
+#        and evaluated as smollm2-135m-k4; unpacked stages are evaluated from their checkpoint.
+#   k3   K=3 the same way (not run yet).
+# k2 comes first: the others start from the K=2 reader, by default the shipped one
+# (K2_READER=DIR to use another). One thread per run; run two stages at once on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
@@ -22,8 +28,10 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
 # k2 was started at 600 steps and resumed, at step 175, with this shorter schedule to fit one
 # session (a stream's order does not depend on its length; only the cosine's span changed)
 declare -A steps=([k2]=400 [k3]=400 [k4]=450 [k4r]=450)
-[ $# -gt 0 ] || set -- k2 k3 k4
+declare -A packed=([k2]=smollm2-135m-k2 [k4r]=smollm2-135m-k4)
+[ $# -gt 0 ] || set -- k2 k4r
 for name in "$@"; do
+  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4 or k4r" >&2; exit 2; }
   k=${name#k}; k=${k%r}
   extra=()
   [ "$name" = k4r ] && extra=(--inner-k 2)
@@ -35,9 +43,9 @@ for name in "$@"; do
   mkdir -p "results/readers/runs/$name"
   cp "$out/metrics.jsonl" "$out/run.json" "results/readers/runs/$name/"
   ckpt=$out/checkpoint
-  if [ "$k" != 3 ]; then
-    ktm pack-reader "$out" --name "smollm2-135m-$name"
-    ckpt=smollm2-135m-$name
+  if [ -n "${packed[$name]:-}" ]; then
+    ktm pack-reader "$out" --name "${packed[$name]}"
+    ckpt=${packed[$name]}
   fi
   ktm eval --checkpoint "$ckpt" --readability reviews code --n-windows 64 --threads 1 \
     --method "reader-$name" --json "results/readers/${name}_readability.json"
