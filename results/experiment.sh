@@ -8,7 +8,8 @@
 #   (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5, i.e. K=2's length), ltsc.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
-#   TASK: tree (stage small) | tree-xmedium | amazon | commitpack
+#   TASK: tree (stage small) | tree-xmedium | amazon | amazon-long (3x the fine-tuning: 240
+#         steps over 1,920 reviews) | commitpack
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
 # run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
 set -euo pipefail
@@ -29,6 +30,9 @@ case $name in
                 eval=(--n-eval 128) ;;
   amazon)       task=amazon; data=(--prompt-mode context --task-option max_chars=400)
                 train=(--max-steps 80 --batch-size 8 --n-train 640 --n-eval 32)
+                eval=(--n-eval 300) ;;
+  amazon-long)  task=amazon; data=(--prompt-mode context --task-option max_chars=400)
+                train=(--max-steps 240 --batch-size 8 --n-train 1920 --n-eval 32)
                 eval=(--n-eval 300) ;;
   commitpack)   task=commitpack; data=(--prompt-mode context --task-option max_chars=1500)
                 train=(--max-steps 60 --batch-size 2 --n-train 120 --n-eval 8)
