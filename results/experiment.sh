@@ -8,7 +8,8 @@
 #   (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5, i.e. K=2's length), ltsc.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
-#   TASK: tree (stage small) | tree-xmedium | amazon | amazon-long (3x the fine-tuning: 240
+#   TASK: tree (stage small) | tree-long (3x the fine-tuning: 360 steps over 5,760 pairs) |
+#         tree-xmedium | tree-xmedium-long (4x: 480 steps over 7,680 pairs) | amazon | amazon-long (3x the fine-tuning: 240
 #         steps over 1,920 reviews) | commitpack
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
 # run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
@@ -25,8 +26,14 @@ case $name in
   tree)         task=tree; data=(--stage small --prompt-mode context)
                 train=(--max-steps 120 --batch-size 16 --n-train 1920 --n-eval 32)
                 eval=(--n-eval 128) ;;
+  tree-long)    task=tree; data=(--stage small --prompt-mode context)
+                train=(--max-steps 360 --batch-size 16 --n-train 5760 --n-eval 32)
+                eval=(--n-eval 128) ;;
   tree-xmedium) task=tree; data=(--stage xmedium --prompt-mode context)
                 train=(--max-steps 120 --batch-size 16 --n-train 1920 --n-eval 32)
+                eval=(--n-eval 128) ;;
+  tree-xmedium-long) task=tree; data=(--stage xmedium --prompt-mode context)
+                train=(--max-steps 480 --batch-size 16 --n-train 7680 --n-eval 32)
                 eval=(--n-eval 128) ;;
   amazon)       task=amazon; data=(--prompt-mode context --task-option max_chars=400)
                 train=(--max-steps 80 --batch-size 8 --n-train 640 --n-eval 32)
