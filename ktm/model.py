@@ -9,7 +9,8 @@ Sequence layout and the batch types: ``ktm.batch``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,8 +138,11 @@ class KTMModel(nn.Module):
         directory = resolve_checkpoint(directory)
         saved = checkpoint.read_config(directory)
         config = checkpoint.model_config(directory)
-        if k is not None and k != config.k:
-            raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}, "
+        # a recursive checkpoint also reads at its inner K: its inner level is a whole encoder
+        inner = k is not None and k != config.k and k == config.inner_k
+        if k is not None and k != config.k and not inner:
+            levels = f" (or its inner K={config.inner_k})" if config.inner_k > 1 else ""
+            raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}{levels}, "
                            f"but K={k} was requested")
         config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype))
         device = check_device(device)
@@ -152,6 +156,9 @@ class KTMModel(nn.Module):
         enc_cfg = cls._encoder_config(config, lm)
         encoder = KTokenEncoder.from_config(enc_cfg)
         encoder.load_state_dict(checkpoint.encoder_state(directory, enc_cfg))
+        if inner:
+            encoder = encoder.inner
+            config = replace(config, k=config.inner_k, inner_k=1)
         encoder.to(device).requires_grad_(trainable)
         peft_model = checkpoint.load_peft(lm, directory, trainable)
         targets = tuple(sorted(checkpoint.adapter_targets(directory) or ())) or None
@@ -170,6 +177,34 @@ class KTMModel(nn.Module):
     @property
     def k(self) -> int:
         return self.encoder.k
+
+    def encoder_at(self, k: int) -> nn.Module:
+        """The encoder that merges ``k`` tokens: the model's own, or the inner level of a
+        recursive one (``inner_k``), which is a whole K=inner_k encoder."""
+        if k == self.k:
+            return self.encoder
+        inner = getattr(self.encoder, "inner", None)
+        if inner is not None and inner.k == k:
+            return inner
+        levels = [self.k] + ([inner.k] if inner is not None else [])
+        raise KTMError(f"K={k} is not one of this model's merge levels: expected one of "
+                       f"{sorted(levels)} (a recursive encoder, inner_k > 1, also merges at its "
+                       "inner K)")
+
+    @contextmanager
+    def merging_at(self, k: int) -> Iterator[KTMModel]:
+        """Merge ``k`` tokens per block inside the block (``encoder_at``); the LoRA is shared,
+        so one reader learns several K at once (``ktm pretrain --k-mix``)."""
+        level = self.encoder_at(k)
+        if level is self.encoder:
+            yield self
+            return
+        outer = self.encoder
+        self.encoder = level  # nn.Module re-registers it; the outer encoder comes back below
+        try:
+            yield self
+        finally:
+            self.encoder = outer
 
     @property
     def merges(self) -> bool:

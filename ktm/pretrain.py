@@ -14,6 +14,10 @@ with one of these objectives (alone or mixed by weight):
     ae       autoencoding (ICAE): after the merged context and a plain cue, regenerate the
              context itself. This is the objective that forces every token to survive.
 
+A K mix (``k_mix``) gives each window a K drawn by weight from the model's merge levels: its
+own K and, for a recursive encoder (``inner_k``), its inner K. One LoRA then learns to read
+both, and the checkpoint loads at either (``KTMModel.load(..., k=inner_k)``).
+
 The run is an ordinary ``ktm.train`` run (progress bar, metrics.jsonl, atomic checkpoints, exact
 resume); the window stream is a pure function of (seed, index), so a resumed run sees the same
 windows. Every ``eval_every`` steps it logs the readability R on held-out text.
@@ -81,6 +85,9 @@ class PretrainConfig:
         "help": "weight of hidden-state matching added to the distill objective"})
     ae_cue: str = field(default="\nRepeat the text above:\n",
                         metadata={"help": "plain text between the merged context and its copy"})
+    k_mix: tuple[str, ...] = field(default=(), metadata={
+        "help": "a K mix, each K or K=WEIGHT, from the model's K and its inner K (--inner-k): "
+                "one LoRA learns to read each (none: the model's K only)"})
     text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
     eval_sets: tuple[str, ...] = field(default=("reviews", "code"), metadata={
         "help": "held-out sets for the periodic readability R (none: skip)"})
@@ -91,6 +98,9 @@ class PretrainConfig:
         self.eval_sets = tuple(s for s in self.eval_sets if s != "none")
         self.source_weights = parse_weights(self.sources, "text source")
         self.objective_weights = parse_weights(self.objectives, "objective", OBJECTIVES)
+        self.k_mix = tuple(str(k) for k in self.k_mix)
+        self.k_weights = {_k_value(k): w for k, w in parse_weights(self.k_mix, "K").items()
+                          if w > 0} if self.k_mix else {}
         self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
                                  self.min_tokens)
         if self.distill_hidden < 0:
@@ -100,6 +110,17 @@ class PretrainConfig:
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items()}
+
+
+def _k_value(name: str) -> int:
+    try:
+        k = int(name)
+    except ValueError:
+        raise KTMError(f"K {name!r} in the K mix is not an integer: expected e.g. 2 or 4=0.5"
+                       ) from None
+    if k < 1:
+        raise KTMError(f"K {k} in the K mix must be >= 1")
+    return k
 
 
 class WindowStream(Sequence):
@@ -114,6 +135,7 @@ class WindowStream(Sequence):
         self.src_w = [cfg.source_weights[s] for s in self.sources]
         self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
         self.obj_w = [cfg.objective_weights[o] for o in self.objs]
+        self.ks, self.k_w = list(cfg.k_weights), list(cfg.k_weights.values())
 
     def __len__(self) -> int:
         return self.length
@@ -134,7 +156,10 @@ class WindowStream(Sequence):
             w = continuation_window(doc, spec, rng, source)
             target = w.target
             segments = (Segment("", ids=w.context),)
-        return Example(segments, target, meta={"objective": objective, "source": source})
+        meta = {"objective": objective, "source": source}
+        if self.ks:  # drawn last, so that a run without a K mix keeps its windows
+            meta["k"] = rng.choices(self.ks, self.k_w)[0]
+        return Example(segments, target, meta=meta)
 
 
 def load_docs(tokenizer, cfg: PretrainConfig) -> dict[str, list]:
@@ -181,14 +206,16 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0) 
     n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
     parts: dict[str, tuple[float, int]] = {}
     tokens_in = tokens_out = 0
-    groups = {"ce": [i for i, e in enumerate(batch) if e.meta["objective"] != "distill"],
-              "distill": [i for i, e in enumerate(batch) if e.meta["objective"] == "distill"]}
-    for kind, idx in groups.items():
-        if not idx:
-            continue
+    groups: dict[tuple[str, int], list[int]] = {}  # one student forward per (loss, K)
+    for i, e in enumerate(batch):
+        kind = "distill" if e.meta["objective"] == "distill" else "ce"
+        groups.setdefault((kind, e.meta.get("k", model.k)), []).append(i)
+    for (kind, k), idx in sorted(groups.items()):
         sub = [batch[i] for i in idx]
         deep = kind == "distill" and distill_hidden > 0
-        t = model.target_logits([e.segments for e in sub], [e.target for e in sub], hidden=deep)
+        with model.merging_at(k):
+            t = model.target_logits([e.segments for e in sub], [e.target for e in sub],
+                                    hidden=deep)
         if kind == "ce":
             tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
         else:
@@ -215,6 +242,8 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     if not model.merges:
         raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
                        "to learn to read")
+    for k in config.k_weights:
+        model.encoder_at(k)  # a clear error before any text is read
     docs = load_docs(model.tokenizer, config)
     # the stream covers every process's shard of every step (ktm.distributed)
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
@@ -229,7 +258,12 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
 
         def evaluate(m) -> dict:
             r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)
-            return {name: v for name, v in r.items()}
+            for k in sorted(set(config.k_weights) - {m.k}):  # the mix's other levels: "code@k2"
+                with m.merging_at(k):
+                    at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
+                                             _cache=cache)
+                r.update({f"{name}@k{k}": v for name, v in at.items()})
+            return r
 
     def loss_fn(m, batch):
         return pretrain_loss(m, batch, config.distill_hidden)
