@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     path = resolve_checkpoint(checkpoint)
     saved = model_config(path)
     flags = given(KTMConfig, args)
+    if flags.get("k") not in (None, saved.k) and flags.get("k") == saved.inner_k:
+        saved = replace(saved, k=saved.inner_k, inner_k=1)  # a recursive one's inner level
     want = from_args(KTMConfig, args, base=saved)
     # K is checked by KTMModel.load itself ("trained with K=2, but K=4 was requested")
     clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]

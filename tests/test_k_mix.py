@@ -150,6 +150,11 @@ def test_cli_pretrains_a_k_mix(tiny_model_dir, corpus, tmp_path):
     assert code == 0
     assert KTMModel.load(out / "checkpoint", k=2).k == 2
     assert KTMModel.load(out / "checkpoint").k == 4
+    for k in ("2", "4"):  # every command that takes --checkpoint reads it at either level
+        assert main(["generate", "--checkpoint", str(out / "checkpoint"), "--k", k, "--prompt",
+                     PROMPT, "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "--checkpoint", str(out / "checkpoint"), "--k", "3", "--prompt",
+                 PROMPT, "--max-new-tokens", "2"]) == 2
 
 
 def test_pretraining_evaluates_every_level_of_the_mix(recursive, corpus, tmp_path, monkeypatch):
