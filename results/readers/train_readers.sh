@@ -15,7 +15,8 @@
 #   k4   K=4 with a fresh K=4 encoder, LoRA from the K=2 reader (the plain K curriculum; not
 #        shipped: k4r reads better, results/README.md section 1.3). When it was run it was packed
 #        and evaluated as smollm2-135m-k4; unpacked stages are evaluated from their checkpoint.
-#   k3   K=3 the same way (not run yet).
+#   k3   K=3 the same way (K=3 has no recursion: 3 is prime), 200 steps; not shipped: the
+#        experiment reads it from runs/readers/k3/checkpoint (or $K3_READER).
 #   k2d, k4d  a second, distillation phase on a reader: start from the shipped K=2 / K=4 reader
 #        (--init; K2_READER / K4_READER=DIR for another) and train 200 more steps with the
 #        objectives distill + ae=0.5 at half the learning rates (results/README.md section 1.3).
@@ -31,7 +32,7 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
         --eval-every 100 --n-eval-windows 32 --save-every 25 --seed 0 --threads 1 --no-progress)
 # k2 was started at 600 steps and resumed, at step 175, with this shorter schedule to fit one
 # session (a stream's order does not depend on its length; only the cosine's span changed)
-declare -A steps=([k2]=400 [k3]=400 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200)
+declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200)
 declare -A packed=([k2]=smollm2-135m-k2 [k4r]=smollm2-135m-k4)
 [ $# -gt 0 ] || set -- k2 k4r
 for name in "$@"; do
