@@ -73,3 +73,17 @@ def checkpoint_swaps(monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr(checkpoint, "replace_dir", watched)
     return seen
+
+
+CORPUS_TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 6
+               + "def add(a, b):\n    return a + b\n" * 4)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    """A folder of three small text files: a user corpus for reader pretraining."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"doc{i}.txt").write_text(CORPUS_TEXT[i * 7:])
+    return str(folder)

@@ -10,18 +10,7 @@ from ktm.pretrain import PretrainConfig, WindowStream, load_docs, pretrain, pret
 from ktm.tasks.base import Example
 from ktm.train import TrainConfig, adamw
 
-TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 6
-        + "def add(a, b):\n    return a + b\n" * 4)
 PROMPT = "def add(a, b):\n    return a + b\nThe quick brown fox jumps over the lazy dog."
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    folder = tmp_path / "texts"
-    folder.mkdir()
-    for i in range(3):
-        (folder / f"doc{i}.txt").write_text(TEXT[i * 7:])
-    return str(folder)
 
 
 def cfg(corpus, **kw):

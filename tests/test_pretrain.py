@@ -20,18 +20,6 @@ from ktm.pretrain import (
 )
 from ktm.train import TrainConfig, adamw
 
-TEXT = ("The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 6
-        + "def add(a, b):\n    return a + b\n" * 4)
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    folder = tmp_path / "texts"
-    folder.mkdir()
-    for i in range(3):
-        (folder / f"doc{i}.txt").write_text(TEXT[i * 7:])
-    return str(folder)
-
 
 def small_cfg(corpus, objectives=("lm",), **kw):
     return PretrainConfig(sources=(corpus,), objectives=objectives, context_tokens=24,
