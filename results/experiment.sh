@@ -9,6 +9,7 @@
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-long (3x the fine-tuning: 360 steps over 5,760 pairs) |
+#         tree-xlong (6x: 720 steps over 11,520 pairs) |
 #         tree-xmedium | tree-xmedium-long (4x: 480 steps over 7,680 pairs) | amazon | amazon-long (3x the fine-tuning: 240
 #         steps over 1,920 reviews) | commitpack
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
@@ -28,6 +29,9 @@ case $name in
                 eval=(--n-eval 128) ;;
   tree-long)    task=tree; data=(--stage small --prompt-mode context)
                 train=(--max-steps 360 --batch-size 16 --n-train 5760 --n-eval 32)
+                eval=(--n-eval 128) ;;
+  tree-xlong)   task=tree; data=(--stage small --prompt-mode context)
+                train=(--max-steps 720 --batch-size 16 --n-train 11520 --n-eval 32)
                 eval=(--n-eval 128) ;;
   tree-xmedium) task=tree; data=(--stage xmedium --prompt-mode context)
                 train=(--max-steps 120 --batch-size 16 --n-train 1920 --n-eval 32)
