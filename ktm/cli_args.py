@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     path = resolve_checkpoint(checkpoint)
     saved = model_config(path)
     flags = given(KTMConfig, args)
-    if flags.get("k") not in (None, saved.k) and flags.get("k") == saved.inner_k:
-        saved = replace(saved, k=saved.inner_k, inner_k=1)  # a recursive one's inner level
+    if flags.get("k") in saved.levels:  # a recursive checkpoint also reads at its inner K
+        saved = saved.at_level(flags["k"])
     want = from_args(KTMConfig, args, base=saved)
     # K is checked by KTMModel.load itself ("trained with K=2, but K=4 was requested")
     clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]

@@ -6,7 +6,7 @@ it, so a result row records exactly what was used. A leaf module: no torch, no m
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ktm.errors import KTMError
@@ -103,6 +103,18 @@ class KTMConfig:
 
     def encoder_kwargs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.ENCODER_FIELDS}
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """The K this model merges at: its own and, if recursive, its inner K (the inner level
+        is a whole K=inner_k encoder)."""
+        return (self.k, self.inner_k) if self.inner_k > 1 else (self.k,)
+
+    def at_level(self, k: int) -> KTMConfig:
+        """This model read at K=``k``, one of ``levels``: itself, or its inner level."""
+        if k not in self.levels:
+            raise KTMError(f"K={k} is not one of this model's merge levels {sorted(self.levels)}")
+        return self if k == self.k else replace(self, k=k, inner_k=1)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

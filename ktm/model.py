@@ -138,9 +138,8 @@ class KTMModel(nn.Module):
         directory = resolve_checkpoint(directory)
         saved = checkpoint.read_config(directory)
         config = checkpoint.model_config(directory)
-        # a recursive checkpoint also reads at its inner K: its inner level is a whole encoder
-        inner = k is not None and k != config.k and k == config.inner_k
-        if k is not None and k != config.k and not inner:
+        # a recursive checkpoint also reads at its inner K (KTMConfig.levels)
+        if k is not None and k not in config.levels:
             levels = f" (or its inner K={config.inner_k})" if config.inner_k > 1 else ""
             raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}{levels}, "
                            f"but K={k} was requested")
@@ -156,9 +155,8 @@ class KTMModel(nn.Module):
         enc_cfg = cls._encoder_config(config, lm)
         encoder = KTokenEncoder.from_config(enc_cfg)
         encoder.load_state_dict(checkpoint.encoder_state(directory, enc_cfg))
-        if inner:
-            encoder = encoder.inner
-            config = replace(config, k=config.inner_k, inner_k=1)
+        if k is not None and k != config.k:
+            encoder, config = encoder.inner, config.at_level(k)
         encoder.to(device).requires_grad_(trainable)
         peft_model = checkpoint.load_peft(lm, directory, trainable)
         targets = tuple(sorted(checkpoint.adapter_targets(directory) or ())) or None
@@ -181,15 +179,12 @@ class KTMModel(nn.Module):
     def encoder_at(self, k: int) -> nn.Module:
         """The encoder that merges ``k`` tokens: the model's own, or the inner level of a
         recursive one (``inner_k``), which is a whole K=inner_k encoder."""
-        if k == self.k:
-            return self.encoder
-        inner = getattr(self.encoder, "inner", None)
-        if inner is not None and inner.k == k:
-            return inner
-        levels = [self.k] + ([inner.k] if inner is not None else [])
-        raise KTMError(f"K={k} is not one of this model's merge levels: expected one of "
-                       f"{sorted(levels)} (a recursive encoder, inner_k > 1, also merges at its "
-                       "inner K)")
+        levels = self.config.levels  # the config follows the encoder in use
+        if k not in levels:
+            raise KTMError(f"K={k} is not one of this model's merge levels: expected one of "
+                           f"{sorted(levels)} (a recursive encoder, inner_k > 1, also merges at "
+                           "its inner K)")
+        return self.encoder if k == self.k else self.encoder.inner
 
     @contextmanager
     def merging_at(self, k: int) -> Iterator[KTMModel]:

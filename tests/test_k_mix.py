@@ -78,6 +78,9 @@ def test_other_ks_are_refused_clearly(tiny_model_dir, recursive, tmp_path, corpu
         pretrain(recursive, cfg(corpus, k_mix=("2", "3")),
                  TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1))
     assert not (tmp_path / "x").exists()
+    assert recursive.config.at_level(2).levels == (2,)
+    with pytest.raises(KTMError, match=r"K=3 is not one of this model's merge levels \[2, 4\]"):
+        recursive.config.at_level(3)
     flat = KTMModel.from_base(tiny_model_dir, k=4)
     with pytest.raises(KTMError, match=r"expected one of \[4\]"):
         flat.encoder_at(2)
