@@ -8,10 +8,9 @@
 #   (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5, i.e. K=2's length), ltsc.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
-#   TASK: tree (stage small) | tree-long (3x the fine-tuning: 360 steps over 5,760 pairs) |
-#         tree-xlong (6x: 720 steps over 11,520 pairs) |
-#         tree-xmedium | tree-xmedium-long (4x: 480 steps over 7,680 pairs) | amazon | amazon-long (3x the fine-tuning: 240
-#         steps over 1,920 reviews) | commitpack
+#   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
+#         tree-long (3x the fine-tuning: 360 steps over 5,760 pairs), tree-xlong (6x),
+#         tree-xmedium-long (4x), amazon-long (3x: 240 steps over 1,920 reviews)
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
 # run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
 set -euo pipefail
@@ -23,33 +22,23 @@ methods=${*:-"uncompressed k2 k3 k4"}
 # (the fine-tuning curve; greedy evaluation, it does not change the training)
 common=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 5 --seed 0 --save-every 0 --no-progress
         --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30)
-case $name in
+# the budget curves: a base task with N times its steps and training examples
+declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xmedium-long]="tree-xmedium 4"
+                   [amazon-long]="amazon 3")
+read -r base n <<< "${longer[$name]:-$name 1}"
+case $base in
   tree)         task=tree; data=(--stage small --prompt-mode context)
-                train=(--max-steps 120 --batch-size 16 --n-train 1920 --n-eval 32)
-                eval=(--n-eval 128) ;;
-  tree-long)    task=tree; data=(--stage small --prompt-mode context)
-                train=(--max-steps 360 --batch-size 16 --n-train 5760 --n-eval 32)
-                eval=(--n-eval 128) ;;
-  tree-xlong)   task=tree; data=(--stage small --prompt-mode context)
-                train=(--max-steps 720 --batch-size 16 --n-train 11520 --n-eval 32)
-                eval=(--n-eval 128) ;;
+                steps=120; batch=16; n_train=1920; n_eval=32; eval=(--n-eval 128) ;;
   tree-xmedium) task=tree; data=(--stage xmedium --prompt-mode context)
-                train=(--max-steps 120 --batch-size 16 --n-train 1920 --n-eval 32)
-                eval=(--n-eval 128) ;;
-  tree-xmedium-long) task=tree; data=(--stage xmedium --prompt-mode context)
-                train=(--max-steps 480 --batch-size 16 --n-train 7680 --n-eval 32)
-                eval=(--n-eval 128) ;;
+                steps=120; batch=16; n_train=1920; n_eval=32; eval=(--n-eval 128) ;;
   amazon)       task=amazon; data=(--prompt-mode context --task-option max_chars=400)
-                train=(--max-steps 80 --batch-size 8 --n-train 640 --n-eval 32)
-                eval=(--n-eval 300) ;;
-  amazon-long)  task=amazon; data=(--prompt-mode context --task-option max_chars=400)
-                train=(--max-steps 240 --batch-size 8 --n-train 1920 --n-eval 32)
-                eval=(--n-eval 300) ;;
+                steps=80; batch=8; n_train=640; n_eval=32; eval=(--n-eval 300) ;;
   commitpack)   task=commitpack; data=(--prompt-mode context --task-option max_chars=1500)
-                train=(--max-steps 60 --batch-size 2 --n-train 120 --n-eval 8)
-                eval=(--n-eval 40) ;;
+                steps=60; batch=2; n_train=120; n_eval=8; eval=(--n-eval 40) ;;
   *) echo "unknown task $name" >&2; exit 2 ;;
 esac
+steps=$((steps * n)); n_train=$((n_train * n))
+train=(--max-steps "$steps" --batch-size "$batch" --n-train "$n_train" --n-eval "$n_eval")
 reader_encoder=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions)
 mkdir -p "results/$name"
 for m in $methods; do
@@ -70,6 +59,6 @@ for m in $methods; do
   ktm train --task "$task" "${data[@]}" "${model[@]}" "${comp[@]}" "${common[@]}" "${train[@]}" \
     --out-dir "$out"
   ktm eval --checkpoint "$out/checkpoint" --task "$task" "${data[@]}" "${eval[@]}" "${comp[@]}" \
-    "${train[@]:4:2}" --threads 1 --method "$m" --json "results/$name/$m.json"
+    --n-train "$n_train" --threads 1 --method "$m" --json "results/$name/$m.json"
   cp "$out/metrics.jsonl" "results/$name/$m.metrics.jsonl"
 done
