@@ -32,25 +32,22 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
         --eval-every 100 --n-eval-windows 32 --save-every 25 --seed 0 --threads 1 --no-progress)
 # k2 was started at 600 steps and resumed, at step 175, with this shorter schedule to fit one
 # session (a stream's order does not depend on its length; only the cosine's span changed)
+# the distillation phase (k2d, k4d): later flags win over the recipe's
+distill=(--objectives distill ae=0.5 --lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --eval-every 50)
 declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200)
 declare -A packed=([k2]=smollm2-135m-k2 [k4r]=smollm2-135m-k4)
 [ $# -gt 0 ] || set -- k2 k4r
 for name in "$@"; do
   [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d or k4d" >&2; exit 2; }
   k=${name#k}; k=${k%r}; k=${k%d}
-  extra=()
-  [ "$name" = k4r ] && extra=(--inner-k 2)
   out=runs/readers/$name
-  start=()
+  start=(--init-adapter "${K2_READER:-smollm2-135m-k2}"); extra=()
   case $name in
-    k2) ;;
-    k2d) start=(--init "${K2_READER:-smollm2-135m-k2}") ;;
-    k4d) start=(--init "${K4_READER:-smollm2-135m-k4}") ;;
-    *) start=(--init-adapter "${K2_READER:-smollm2-135m-k2}") ;;
+    k2) start=() ;;
+    k4r) extra=(--inner-k 2) ;;
+    k2d) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${distill[@]}") ;;
+    k4d) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${distill[@]}") ;;
   esac
-  # the distillation phase: later flags win over the recipe's
-  [ "${name: -1}" = d ] && extra=(--objectives distill ae=0.5 --lr 5e-4 --encoder-lr 5e-5
-                                  --warmup-steps 10 --eval-every 50)
   [ -d "$out/checkpoint" ] && start=(--resume)
   ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}" "${extra[@]}"
   mkdir -p "results/readers/runs/$name"
