@@ -93,6 +93,14 @@ def model_config(directory: str | Path) -> KTMConfig:
         raise KTMError(f"checkpoint {str(directory)!r}: {e}") from e
 
 
+def check_level(config: KTMConfig, k: int | None, directory: str | Path) -> None:
+    """Refuse a K the checkpoint cannot merge at: its own, or a recursive one's inner K."""
+    if k is not None and k not in config.levels:
+        inner = f" (or its inner K={config.inner_k})" if config.inner_k > 1 else ""
+        raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}{inner}, "
+                       f"but K={k} was requested")
+
+
 def adapter_targets(directory: str | Path) -> tuple[str, ...] | None:
     """The module names the saved adapter covers (the truth for any format), if readable."""
     try:

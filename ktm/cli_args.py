@@ -48,17 +48,18 @@ def _fresh(args: argparse.Namespace):
 
 def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     """A checkpoint or shipped reader; given model flags must agree with its config."""
-    from ktm.checkpoint import model_config
+    from ktm.checkpoint import check_level, model_config
     from ktm.model import KTMModel
     from ktm.readers import resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
     saved = model_config(path)
     flags = given(KTMConfig, args)
-    if flags.get("k") in saved.levels:  # a recursive checkpoint also reads at its inner K
+    # K first, as KTMModel.load checks it: a recursive checkpoint also reads at its inner K
+    check_level(saved, flags.get("k"), path)
+    if "k" in flags:
         saved = saved.at_level(flags["k"])
     want = from_args(KTMConfig, args, base=saved)
-    # K is checked by KTMModel.load itself ("trained with K=2, but K=4 was requested")
     clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)

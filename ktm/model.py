@@ -138,11 +138,7 @@ class KTMModel(nn.Module):
         directory = resolve_checkpoint(directory)
         saved = checkpoint.read_config(directory)
         config = checkpoint.model_config(directory)
-        # a recursive checkpoint also reads at its inner K (KTMConfig.levels)
-        if k is not None and k not in config.levels:
-            levels = f" (or its inner K={config.inner_k})" if config.inner_k > 1 else ""
-            raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}{levels}, "
-                           f"but K={k} was requested")
+        checkpoint.check_level(config, k, directory)  # a recursive one also reads at inner K
         config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype))
         device = check_device(device)
         lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))

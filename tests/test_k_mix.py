@@ -132,7 +132,7 @@ def test_one_k_mix_step_lowers_the_loss(recursive, corpus):
     assert after.loss.item() < before.loss.item() - 1e-3
 
 
-def test_cli_pretrains_a_k_mix(tiny_model_dir, corpus, tmp_path):
+def test_cli_pretrains_a_k_mix(tiny_model_dir, corpus, tmp_path, capsys):
     out = tmp_path / "mix"
     code = main(["pretrain", "--model", tiny_model_dir, "--k", "4", "--inner-k", "2",
                  "--k-mix", "2", "4", "--sources", corpus, "--context-tokens", "24",
@@ -147,6 +147,7 @@ def test_cli_pretrains_a_k_mix(tiny_model_dir, corpus, tmp_path):
                      PROMPT, "--max-new-tokens", "2"]) == 0
     assert main(["generate", "--checkpoint", str(out / "checkpoint"), "--k", "3", "--prompt",
                  PROMPT, "--max-new-tokens", "2"]) == 2
+    assert "trained with K=4 (or its inner K=2), but K=3 was requested" in capsys.readouterr().err
 
 
 def test_pretraining_evaluates_every_level_of_the_mix(recursive, corpus, tmp_path, monkeypatch):
