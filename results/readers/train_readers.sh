@@ -21,6 +21,9 @@
 #        (--init; K2_READER / K4_READER=DIR for another) and train 200 more steps with the
 #        objectives distill + ae=0.5 at half the learning rates (results/README.md section 1.3).
 #        Run after k2 / k4r: `train_readers.sh k2 k4r k2d k4d` is the whole chain.
+#   k4c  a continuation of the shipped K=4 reader: the same objectives (lm + ae) for 300 more
+#        steps at half the learning rates, a second cosine, on windows k4r did not see (seed 1;
+#        K4_READER=DIR for another start).
 # k2 comes first: the others start from the K=2 reader, by default the shipped one
 # (K2_READER=DIR to use another). One thread per run; run two stages at once on two cores.
 set -euo pipefail
@@ -34,12 +37,14 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
 # session (a stream's order does not depend on its length; only the cosine's span changed)
 # the distillation phase (k2d, k4d): later flags win over the recipe's
 distill=(--objectives distill ae=0.5 --lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --eval-every 50)
-declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200)
+# the continuation (k4c): the recipe's objectives, half its learning rates, new windows (seed 1)
+cont=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --seed 1)
+declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300)
 declare -A packed=([k2]=smollm2-135m-k2 [k4r]=smollm2-135m-k4)
 [ $# -gt 0 ] || set -- k2 k4r
 for name in "$@"; do
-  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d or k4d" >&2; exit 2; }
-  k=${name#k}; k=${k%r}; k=${k%d}
+  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d or k4c" >&2; exit 2; }
+  k=${name#k}; k=${k%[rdc]}
   out=runs/readers/$name
   start=(--init-adapter "${K2_READER:-smollm2-135m-k2}"); extra=()
   case $name in
@@ -47,6 +52,7 @@ for name in "$@"; do
     k4r) extra=(--inner-k 2) ;;
     k2d) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${distill[@]}") ;;
     k4d) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${distill[@]}") ;;
+    k4c) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${cont[@]}") ;;
   esac
   [ -d "$out/checkpoint" ] && start=(--resume)
   ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}" "${extra[@]}"
