@@ -162,7 +162,8 @@ def _compressor_args(parser: argparse.ArgumentParser) -> None:
     from ktm.compressors.cli import METHODS
 
     parser.add_argument("--task-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="task constructor option, e.g. max_chars=400 (repeatable)")
+                        help="task constructor option, e.g. max_chars=400 or (amazon) "
+                        "balance_train=true (repeatable)")
     parser.add_argument("--compressor", choices=METHODS,
                         help="a baseline instead of K-token merging")
     parser.add_argument("--compressor-option", action="append", default=[], metavar="NAME=VALUE",

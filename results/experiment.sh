@@ -10,7 +10,9 @@
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
 #         tree-long (3x the fine-tuning: 360 steps over 5,760 pairs), tree-xlong (6x),
-#         tree-xxlong (12x), tree-xmedium-long (4x), amazon-long (3x: 240 steps over 1,920 reviews)
+#         tree-xxlong (12x), tree-xmedium-long (4x), amazon-long (3x: 240 steps over 1,920 reviews);
+#         amazon-balanced: amazon with as many negative as positive training reviews (the test
+#         set keeps its natural 4:1)
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
 # run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
 set -euo pipefail
@@ -32,7 +34,9 @@ case $base in
                 steps=120; batch=16; n_train=1920; n_eval=32; eval=(--n-eval 128) ;;
   tree-xmedium) task=tree; data=(--stage xmedium --prompt-mode context)
                 steps=120; batch=16; n_train=1920; n_eval=32; eval=(--n-eval 128) ;;
-  amazon)       task=amazon; data=(--prompt-mode context --task-option max_chars=400)
+  amazon|amazon-balanced)
+                task=amazon; data=(--prompt-mode context --task-option max_chars=400)
+                [ "$base" = amazon ] || data+=(--task-option balance_train=true)
                 steps=80; batch=8; n_train=640; n_eval=32; eval=(--n-eval 300) ;;
   commitpack)   task=commitpack; data=(--prompt-mode context --task-option max_chars=1500)
                 steps=60; batch=2; n_train=120; n_eval=8; eval=(--n-eval 40) ;;

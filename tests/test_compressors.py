@@ -86,6 +86,7 @@ def test_trained_checkpoint_encoder_is_never_replaced(tiny_model_dir):
 def test_parse_options():
     assert parse_options(["ratio=0.5", "unit=token", "max-len=4"]) == {
         "ratio": 0.5, "unit": "token", "max_len": 4}
+    assert parse_options(["a=true", "b=False", "c=FALSE"]) == {"a": True, "b": False, "c": False}
     with pytest.raises(KTMError, match="NAME=VALUE"):
         parse_options(["ratio"])
 

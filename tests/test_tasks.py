@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from ktm.tasks.amazon import OTHER_CATEGORIES_FILE, AmazonTask
 from ktm.tasks.commitpack import HELDOUT_FILE, CommitPackTask, commit_prompt
 from ktm.tasks.jsonl import data_root, read_jsonl
 from ktm.tasks.labels import parse_label
+from ktm.tasks.split import cycle_balanced
 from ktm.tasks.tree import TreeTask
 from ktm.tasks.tree_gen import generate_trees, stage_config
 
@@ -189,6 +191,33 @@ def test_amazon_eval_keeps_natural_distribution(tmp_path: Path) -> None:
     train_texts = {r.text for r in task.train_reviews}
     assert not train_texts & {r.text for r in task.eval_reviews}
     assert len(task.train_examples(130, seed=0)) == 130  # passes over the 60 training reviews
+
+
+def test_amazon_balance_train_draws_each_label_equally(tmp_path: Path) -> None:
+    rows = [{"text": f"r{i}", "rating": 5.0 if i % 5 else 1.0} for i in range(200)]  # 4:1
+    path = _write(tmp_path / "r.jsonl", rows)
+    natural = AmazonTask(data_path=path, test_size=50).train_examples(400, seed=3)
+    assert sum(ex.label == "negative" for ex in natural) < 120  # about 80 of 400
+    task = AmazonTask(data_path=path, test_size=50, balance_train=True)
+    drawn = task.train_examples(401, seed=3)
+    assert sorted(Counter(ex.label for ex in drawn).values()) == [200, 201]
+    negatives = {r.text for r in task.train_reviews if r.label == "negative"}
+    counts = Counter(ex.segments[0].text.removeprefix("Review: ") for ex in drawn
+                     if ex.label == "negative")
+    assert set(counts) == negatives and max(counts.values()) - min(counts.values()) <= 1  # passes
+    assert [ex.label for ex in drawn[:20]] != sorted(ex.label for ex in drawn[:20])  # shuffled
+    assert task.train_examples(401, seed=3) == drawn and task.train_examples(401, seed=4) != drawn
+    assert task.eval_examples(50, seed=0) == AmazonTask(data_path=path, test_size=50).eval_examples(
+        50, seed=0)  # the test set keeps its natural balance
+
+
+def test_cycle_balanced_errors_and_uneven_groups() -> None:
+    with pytest.raises(KTMError, match="non-empty training set"):
+        cycle_balanced(4, [[], []], seed=0)
+    with pytest.raises(KTMError, match="balance_train='yes': expected true or false"):
+        AmazonTask(data_path="unused.jsonl", balance_train="yes")
+    out = cycle_balanced(5, [[7], [1, 2, 3], []], seed=0)  # the empty group is skipped
+    assert sorted(out).count(7) == 3 and len(out) == 5
 
 
 def test_commitpack_prompt_and_length_filter(tmp_path: Path) -> None:

@@ -37,12 +37,16 @@ class Applied(NamedTuple):
 
 
 def parse_options(items: Sequence[str]) -> dict[str, Any]:
-    """``["ratio=0.5", "unit=token"]`` -> ``{"ratio": 0.5, "unit": "token"}`` (literals or str)."""
+    """``["ratio=0.5", "unit=token"]`` -> ``{"ratio": 0.5, "unit": "token"}`` (literals or str;
+    ``true`` / ``false`` in any case are booleans, as a shell user writes them)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise KTMError(f"compressor option {item!r}: expected NAME=VALUE")
+        if raw.lower() in ("true", "false"):
+            out[key.replace("-", "_")] = raw.lower() == "true"
+            continue
         try:
             out[key.replace("-", "_")] = ast.literal_eval(raw)
         except (ValueError, SyntaxError):

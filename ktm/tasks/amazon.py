@@ -23,7 +23,12 @@ from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.jsonl import read_jsonl, row_error, task_files
 from ktm.tasks.labels import parse_label as _parse_label
-from ktm.tasks.split import cycle_shuffled, sample_without_replacement, split_indices
+from ktm.tasks.split import (
+    cycle_balanced,
+    cycle_shuffled,
+    sample_without_replacement,
+    split_indices,
+)
 
 DEFAULT_FILE = "amazon_reviews_fashion/amazon_fashion_2018_combined.jsonl.gz"
 OTHER_CATEGORIES_FILE = "amazon_reviews_other/amazon_other_categories_2018.jsonl.gz"
@@ -96,11 +101,15 @@ class AmazonTask:
     max_chars: int | None = 1000  # review text is cut to this many characters; None keeps all
     split_seed: int = 42
     eval_path: str | Path | None = None  # evaluate on this file instead (e.g. other categories)
+    # training draws as many negative as positive reviews (the test set keeps its natural balance)
+    balance_train: bool = False
     name: str = field(default="amazon", init=False)
     kind: TaskKind = field(default="classification", init=False)
     labels: tuple[str, ...] = field(default=SENTIMENT_LABELS, init=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.balance_train, bool):
+            raise KTMError(f"balance_train={self.balance_train!r}: expected true or false")
         self.path, self.eval_file = task_files(
             self, DEFAULT_FILE, EVAL_ONLY, "other product categories, cross-domain test")
 
@@ -126,9 +135,15 @@ class AmazonTask:
         return _parse_label(text, SENTIMENT_LABELS)
 
     def train_examples(self, n: int, seed: int) -> list[Example]:
-        """``n`` training reviews in reshuffled passes (natural balance, about 4:1 positive)."""
+        """``n`` training reviews in reshuffled passes: the natural balance (about 4:1 positive),
+        or with ``balance_train`` as many of each label."""
         pool = self.train_reviews
-        return [self._example(pool[i]) for i in cycle_shuffled(n, len(pool), seed)]
+        if self.balance_train:
+            groups = [[i for i, r in enumerate(pool) if r.label == lab] for lab in self.labels]
+            order = cycle_balanced(n, groups, seed)
+        else:
+            order = cycle_shuffled(n, len(pool), seed)
+        return [self._example(pool[i]) for i in order]
 
     def eval_examples(self, n: int, seed: int) -> list[Example]:
         """``min(n, available)`` distinct test reviews; score them with balanced accuracy."""
