@@ -10,7 +10,8 @@
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
 #         tree-long (3x the fine-tuning: 360 steps over 5,760 pairs), tree-xlong (6x),
-#         tree-xxlong (12x), tree-xmedium-long (4x), amazon-long (3x: 240 steps over 1,920 reviews);
+#         tree-xxlong (12x), tree-xmedium-long (4x), amazon-long (3x: 240 steps over 1,920 reviews),
+#         commitpack-long (3x: 180 steps over 360 commits);
 #         amazon-balanced: amazon with as many negative as positive training reviews (the test
 #         set keeps its natural 4:1)
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
@@ -26,7 +27,7 @@ common=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 5 --seed 0 --save-every 0 --n
         --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30)
 # the budget curves: a base task with N times its steps and training examples
 declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xxlong]="tree 12"
-                   [tree-xmedium-long]="tree-xmedium 4"
+                   [tree-xmedium-long]="tree-xmedium 4" [commitpack-long]="commitpack 3"
                    [amazon-long]="amazon 3")
 read -r base n <<< "${longer[$name]:-$name 1}"
 case $base in
