@@ -7,6 +7,7 @@ input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -55,6 +56,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             args.compressor, parse_options(args.compressor_option), model, train_set, eval_set,
             state_dir=ckpt if tcfg.resume else None)
 
+    teacher = _teacher(args, model)
+
     def evaluate(m) -> dict:
         r = evaluate_task(m, task, eval_set)
         r.pop("predictions", None)
@@ -68,11 +71,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     extra = {"command": args.command_line, "task": task_settings(task),
              "compressor": None if comp is None else {"name": comp.name,
                                                       "options": plain(comp.options())}}
+    kwargs = {}
+    if teacher:
+        from ktm.teacher import distill_loss
+
+        kwargs["loss_fn"] = distill_loss(teacher.model, teacher.config.teacher_weight)
+        extra["teacher"] = dataclasses.asdict(teacher.config)
     last = train(model, train_set, tcfg, evaluate=evaluate, run_extra=extra,
-                 save_extra=comp.save_state if comp else None)
+                 save_extra=comp.save_state if comp else None, **kwargs)
     if world.is_main:
         print(json.dumps({k: v for k, v in last.items()}, indent=2))
     return 0
+
+
+def _teacher(args: argparse.Namespace, model):
+    """``--teacher``: the frozen model whose plain-prompt distribution joins the loss."""
+    from types import SimpleNamespace
+
+    from ktm.config_args import given
+    from ktm.teacher import TeacherConfig, check_teacher
+
+    cfg = from_args(TeacherConfig, args)
+    if not cfg.teacher:
+        if "teacher_weight" in given(TeacherConfig, args):
+            raise KTMError("--teacher-weight without --teacher: give the teacher checkpoint")
+        return None
+    if args.compressor:
+        raise KTMError(f"--teacher with --compressor {args.compressor}: the teacher reads the "
+                       "original prompts, which a baseline rewrites; use one or the other")
+    from ktm.model import KTMModel
+
+    # the student's base-model override and dtype; the teacher's own K does not matter, it
+    # reads every prompt with merging off
+    teacher = KTMModel.load(cfg.teacher, base=getattr(args, "model", None), device=args.device,
+                            dtype=model.dtype)
+    check_teacher(model, teacher)
+    return SimpleNamespace(model=teacher, config=cfg)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -199,11 +233,13 @@ def _demo_parser(demo: argparse.ArgumentParser) -> None:
 
 
 def _train_parser(tr: argparse.ArgumentParser) -> None:
+    from ktm.teacher import TeacherConfig
     from ktm.train import TrainConfig
 
     add_model_args(tr)
     add_dataclass_args(tr, TaskArgs)
     add_dataclass_args(tr, TrainConfig)
+    add_dataclass_args(tr, TeacherConfig, suppress=True)
     tr.set_defaults(run=cmd_train)
     _compressor_args(tr)
     _init_args(tr)

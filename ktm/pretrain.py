@@ -45,6 +45,7 @@ from ktm.errors import KTMError
 from ktm.model import LossOutput
 from ktm.prompt import Segment
 from ktm.tasks.base import Example
+from ktm.teacher import kl_per_token
 from ktm.train import TrainConfig, train
 
 OBJECTIVES = ("lm", "distill", "ae")
@@ -171,13 +172,6 @@ def load_docs(tokenizer, cfg: PretrainConfig) -> dict[str, list]:
     return docs
 
 
-def _kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(teacher || student) from (N, V) logits."""
-    t = nn.functional.log_softmax(teacher, dim=-1)
-    s = nn.functional.log_softmax(student, dim=-1)
-    return (t.exp() * (t - s)).sum(-1)
-
-
 def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
     """The base LM (adapter disabled, eval mode) reading each example's context plain."""
     was_training = model.training
@@ -220,7 +214,7 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0) 
             tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
         else:
             teacher = teacher_logits(model, sub, hidden=deep)
-            tok = _kl(t.logits, teacher.logits)
+            tok = kl_per_token(t.logits, teacher.logits)
             if deep:
                 tok = tok + distill_hidden * _hidden_gap(t.hidden, teacher.hidden)
         per = torch.zeros(len(sub), device=model.device).index_add(0, t.rows, tok)
