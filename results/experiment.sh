@@ -6,7 +6,8 @@
 #   point k2 / k4 at a reader folder instead of the shipped names); k4-scratch (K=4 with
 #   the readers' encoder settings but no reader: the ablation); k2-teach, k4-teach (k2 / k4
 #   with task distillation, ktm train --teacher: loss 0.5 CE + 0.5 KL to the uncompressed run
-#   of the same task, runs/exp/TASK-uncompressed, so list uncompressed first); and the
+#   of the same task, runs/exp/TASK-uncompressed, so list uncompressed first; k4-teachW for
+#   another weight W, e.g. k4-teach0.2); and the
 #   baselines mean_pool (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5,
 #   i.e. K=2's length), ltsc.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
@@ -54,19 +55,20 @@ for m in $methods; do
   comp=(); teach=()
   case $m in
     uncompressed) model=(--k 1 --no-mlp) ;;
-    k2|k2-teach) model=(--k 2 --init "${K2_READER:-smollm2-135m-k2}") ;;
+    k2|k2-teach*) model=(--k 2 --init "${K2_READER:-smollm2-135m-k2}") ;;
     k3) model=(--k 3 --init "${K3_READER:-runs/readers/k3/checkpoint}") ;;
-    k4|k4-teach) model=(--k 4 --init "${K4_READER:-smollm2-135m-k4}") ;;
+    k4|k4-teach*) model=(--k 4 --init "${K4_READER:-smollm2-135m-k4}") ;;
     k4-scratch) model=(--k 4 "${reader_encoder[@]}") ;;
     mean_pool) model=(--k 4); comp=(--compressor mean_pool) ;;
     selective_context|llmlingua) model=(); comp=(--compressor "$m" --compressor-option ratio=0.5) ;;
     ltsc) model=(); comp=(--compressor ltsc) ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
-  if [[ $m == *-teach ]]; then
+  if [[ $m == *-teach* ]]; then
     teacher=runs/exp/$name-uncompressed/checkpoint
     [ -d "$teacher" ] || { echo "$m needs $teacher: run uncompressed first" >&2; exit 2; }
-    teach=(--teacher "$teacher" --teacher-weight 0.5)
+    w=${m#*-teach}
+    teach=(--teacher "$teacher" --teacher-weight "${w:-0.5}")
   fi
   out=runs/exp/$name-$m
   rm -rf "$out"
