@@ -37,7 +37,7 @@ def set_threads(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ktm import distributed
-    from ktm.evaluate import evaluate_task
+    from ktm.evaluate import evaluate_task, summary
     from ktm.train import TrainConfig, train
 
     world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
@@ -59,8 +59,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     teacher = _teacher(args, model)
 
     def evaluate(m) -> dict:
-        r = evaluate_task(m, task, eval_set)
-        r.pop("predictions", None)
+        r = summary(evaluate_task(m, task, eval_set))
         if comp:
             from ktm.compressors.cli import finish_eval_row
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ktm.cli_args import TaskArgs, build_task, load_or_build, plain, task_settings
 from ktm.config_args import from_args
+from ktm.errors import KTMError
 
 HELDOUT_SETS = ["reviews", "code"]
 
@@ -19,6 +20,9 @@ class EvalArgs:
         "help": "a ktm checkpoint folder or reader (its config is used; model flags given must "
                 "agree with it)"})
     json: str | None = field(default=None, metadata={"help": "write the result object here"})
+    predictions: str | None = field(default=None, metadata={
+        "help": "classification: write one JSON line per example here (prompt as the model "
+                "read it, gold label, prediction, generated text), for error analysis"})
     method: str | None = field(default=None, metadata={
         "help": "method name in tables (None: ktm-kK or uncompressed)"})
     merge: bool = field(default=True, metadata={
@@ -60,8 +64,13 @@ def run_eval(args: argparse.Namespace) -> int:
         if natural and comp.rewrites_prompts:
             natural, _ = compress_examples(comp, natural)
     merge = args.merge and model.merges
+    if args.predictions and task.kind != "classification":
+        raise KTMError(f"--predictions is for classification tasks; {task.name!r} is scored by "
+                       "perplexity")
     result = evaluate_task(model, task, examples, merge=merge, progress=True)
-    result.pop("predictions", None)
+    preds, answers = result.pop("predictions", None), result.pop("answers", None)
+    if args.predictions:
+        _write_predictions(args.predictions, examples, preds, answers)
     if comp:
         from ktm.compressors.cli import finish_eval_row
 
@@ -85,6 +94,15 @@ def run_eval(args: argparse.Namespace) -> int:
         write_json_atomic(args.json, row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
     return 0
+
+
+def _write_predictions(path: str, examples, preds, answers) -> None:
+    from ktm.fileio import write_text_atomic
+
+    rows = [{"i": i, "prompt": [{"text": s.text, "compress": s.compress} for s in e.segments],
+             "gold": e.label, "prediction": p, "answer": a, "correct": p == e.label}
+            for i, (e, p, a) in enumerate(zip(examples, preds, answers))]
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _eval_readability(args: argparse.Namespace) -> int:

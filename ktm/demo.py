@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ktm.evaluate import evaluate_classification
+from ktm.evaluate import evaluate_classification, summary
 from ktm.fileio import write_json_atomic
 from ktm.generate import prefill
 from ktm.model import KTMModel
@@ -118,8 +118,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     for piece in model.stream(ex.segments, max_new_tokens=4):
         print(piece, end="", flush=True)
     print()
-    result = {"config": asdict(cfg), "start_model": start_name, "start": _strip(start),
-              "trained": _strip(trained),
+    result = {"config": asdict(cfg), "start_model": start_name, "start": summary(start),
+              "trained": summary(trained),
               "prefill": timing, "train_s": train_s, "last_step": last,
               "versions": versions(), "git": git_revision()}
     write_json_atomic(out / "demo.json", result)
@@ -155,6 +155,3 @@ def _installed(name: str) -> bool:
         return False
     return True
 
-
-def _strip(r: dict) -> dict:
-    return {k: v for k, v in r.items() if k != "predictions"}

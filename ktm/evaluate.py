@@ -36,6 +36,14 @@ def _batches(items: Sequence, size: int):
         yield items[i:i + size]
 
 
+PER_EXAMPLE = ("predictions", "answers")  # lists, one entry per example
+
+
+def summary(result: dict) -> dict:
+    """An evaluation result without its per-example lists: the row that results files keep."""
+    return {k: v for k, v in result.items() if k not in PER_EXAMPLE}
+
+
 @torch.no_grad()
 @eval_mode_call
 def evaluate_classification(model, examples: Sequence[Example], labels: Sequence[str], *,
@@ -43,6 +51,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
                             progress: bool = False) -> dict:
     """Greedy-generate an answer per example and compare its first word with the gold label."""
     preds: list[str | None] = []
+    answers: list[str] = []
     before = after = 0
     compress_s = 0.0
     t0 = time.perf_counter()
@@ -55,6 +64,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         after += sum(cp.tokens_out for cp in prefixes)
         texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
                                merge=merge)
+        answers += texts
         preds += [parse_label(t, labels) for t in texts]
     golds = [e.label or e.target.strip() for e in examples]
     return {
@@ -68,7 +78,8 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,
-        "predictions": preds,
+        "predictions": preds,  # the parsed label (None: unparsed) and the generated text
+        "answers": answers,
     }
 
 

@@ -323,3 +323,28 @@ def test_the_same_train_command_gives_the_same_model(capsys, tiny_model_dir, tmp
         if "lora_A" in n:
             torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
     assert any(not torch.equal(a[n], c[n]) for n in a if "lora_A" in n)  # the seed does matter
+
+
+def test_eval_predictions_file_one_line_per_example(capsys, tiny_model_dir, tmp_path):
+    res, preds = tmp_path / "r.json", tmp_path / "p.jsonl"
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--k", "2", "--task", "tree",
+                       "--stage", "small", "--n-eval", "6", "--json", str(res),
+                       "--predictions", str(preds))
+    assert code == 0, err
+    row, lines = json.loads(res.read_text()), [json.loads(x) for x in preds.read_text().splitlines()]
+    assert len(lines) == row["n"] == 6 and [x["i"] for x in lines] == list(range(6))
+    assert "predictions" not in row and "answers" not in row
+    assert sum(x["correct"] for x in lines) / 6 == pytest.approx(row["accuracy"])
+    first = lines[0]
+    assert first["gold"] in ("true", "false") and isinstance(first["answer"], str)
+    assert [s["compress"] for s in first["prompt"]] == [True, False]  # tree merged, question plain
+    assert first["prompt"][0]["text"].startswith("Tree: ")
+    commits = tmp_path / "c.jsonl"
+    commits.write_text("".join(json.dumps({"old_contents": f"a = {i}\n", "new_contents":
+                                           f"a = {i + 1}\n", "subject": "Bump"}) + "\n"
+                               for i in range(10)))
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "commitpack",
+                       "--data-path", str(commits), "--task-option", "test_size=2", "--n-eval",
+                       "2", "--predictions", str(tmp_path / "x.jsonl"))
+    assert code == 2 and "--predictions is for classification tasks" in err
+    assert not (tmp_path / "x.jsonl").exists()
