@@ -331,7 +331,8 @@ def test_eval_predictions_file_one_line_per_example(capsys, tiny_model_dir, tmp_
                        "--stage", "small", "--n-eval", "6", "--json", str(res),
                        "--predictions", str(preds))
     assert code == 0, err
-    row, lines = json.loads(res.read_text()), [json.loads(x) for x in preds.read_text().splitlines()]
+    row = json.loads(res.read_text())
+    lines = [json.loads(x) for x in preds.read_text().splitlines()]
     assert len(lines) == row["n"] == 6 and [x["i"] for x in lines] == list(range(6))
     assert "predictions" not in row and "answers" not in row
     assert sum(x["correct"] for x in lines) / 6 == pytest.approx(row["accuracy"])
