@@ -38,7 +38,7 @@ def set_threads(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from ktm import distributed
     from ktm.evaluate import evaluate_task, summary
-    from ktm.train import TrainConfig, train
+    from ktm.train import TrainConfig, cross_entropy_loss, train
 
     world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
     targs = from_args(TaskArgs, args)
@@ -48,6 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
     eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
     ckpt = Path(tcfg.out_dir) / "checkpoint"
+    distill = _distillation(args, model)  # before a baseline's compression: its errors first
     comp = info = None
     if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
         from ktm.compressors.cli import apply_compressor, parse_options
@@ -55,8 +56,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         model, train_set, eval_set, info, comp = apply_compressor(
             args.compressor, parse_options(args.compressor_option), model, train_set, eval_set,
             state_dir=ckpt if tcfg.resume else None)
-
-    teacher = _teacher(args, model)
 
     def evaluate(m) -> dict:
         r = summary(evaluate_task(m, task, eval_set))
@@ -70,25 +69,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     extra = {"command": args.command_line, "task": task_settings(task),
              "compressor": None if comp is None else {"name": comp.name,
                                                       "options": plain(comp.options())}}
-    kwargs = {}
-    if teacher:
-        from ktm.teacher import distill_loss
-
-        kwargs["loss_fn"] = distill_loss(teacher.model, teacher.config.teacher_weight)
-        extra["teacher"] = dataclasses.asdict(teacher.config)
-    last = train(model, train_set, tcfg, evaluate=evaluate, run_extra=extra,
-                 save_extra=comp.save_state if comp else None, **kwargs)
+    loss_fn = cross_entropy_loss
+    if distill:
+        loss_fn, extra["teacher"] = distill
+    last = train(model, train_set, tcfg, evaluate=evaluate, loss_fn=loss_fn, run_extra=extra,
+                 save_extra=comp.save_state if comp else None)
     if world.is_main:
         print(json.dumps({k: v for k, v in last.items()}, indent=2))
     return 0
 
 
-def _teacher(args: argparse.Namespace, model):
-    """``--teacher``: the frozen model whose plain-prompt distribution joins the loss."""
-    from types import SimpleNamespace
-
+def _distillation(args: argparse.Namespace, model):
+    """``--teacher``: the loss with the frozen teacher's plain-prompt distribution mixed in, and
+    the settings run.json records; None without a teacher."""
     from ktm.config_args import given
-    from ktm.teacher import TeacherConfig, check_teacher
+    from ktm.teacher import TeacherConfig, check_teacher, distill_loss
 
     cfg = from_args(TeacherConfig, args)
     if not cfg.teacher:
@@ -105,7 +100,7 @@ def _teacher(args: argparse.Namespace, model):
     teacher = KTMModel.load(cfg.teacher, base=getattr(args, "model", None), device=args.device,
                             dtype=model.dtype)
     check_teacher(model, teacher)
-    return SimpleNamespace(model=teacher, config=cfg)
+    return distill_loss(teacher, cfg.teacher_weight), dataclasses.asdict(cfg)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:

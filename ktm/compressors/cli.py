@@ -44,13 +44,14 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise KTMError(f"compressor option {item!r}: expected NAME=VALUE")
+        name = key.replace("-", "_")
         if raw.lower() in ("true", "false"):
-            out[key.replace("-", "_")] = raw.lower() == "true"
+            out[name] = raw.lower() == "true"
             continue
         try:
-            out[key.replace("-", "_")] = ast.literal_eval(raw)
+            out[name] = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
-            out[key.replace("-", "_")] = raw
+            out[name] = raw
     return out
 
 
