@@ -24,6 +24,11 @@
 #   k4c  a continuation of the shipped K=4 reader: the same objectives (lm + ae) for 300 more
 #        steps at half the learning rates, a second cosine, on windows k4r did not see (seed 1;
 #        K4_READER=DIR for another start).
+#   k4e  a second continuation, of k4c: 600 more steps of the same objectives at 3e-4 / 3e-5
+#        (a gentler re-warm than k4c's 5e-4, whose dip cost its first 100 steps), seed 2
+#        (K4C_READER=DIR; default runs/readers/k4c/checkpoint, so run after k4c).
+#   k2c  a continuation of the shipped K=2 reader the same way: 450 steps at 3e-4 / 3e-5, seed 1
+#        (K2_READER=DIR for another start).
 # k2 comes first: the others start from the K=2 reader, by default the shipped one
 # (K2_READER=DIR to use another). One thread per run; run two stages at once on two cores.
 set -euo pipefail
@@ -39,12 +44,14 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
 distill=(--objectives distill ae=0.5 --lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --eval-every 50)
 # the continuation (k4c): the recipe's objectives, half its learning rates, new windows (seed 1)
 cont=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --seed 1)
-declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300)
+# the gentler continuations (k4e, k2c)
+gentle=(--lr 3e-4 --encoder-lr 3e-5 --warmup-steps 10)
+declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450)
 declare -A packed=([k2]=smollm2-135m-k2 [k4r]=smollm2-135m-k4)
 [ $# -gt 0 ] || set -- k2 k4r
 for name in "$@"; do
-  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d or k4c" >&2; exit 2; }
-  k=${name#k}; k=${k%[rdc]}
+  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e or k2c" >&2; exit 2; }
+  k=${name:1:1}
   out=runs/readers/$name
   start=(--init-adapter "${K2_READER:-smollm2-135m-k2}"); extra=()
   case $name in
@@ -53,6 +60,8 @@ for name in "$@"; do
     k2d) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${distill[@]}") ;;
     k4d) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${distill[@]}") ;;
     k4c) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${cont[@]}") ;;
+    k4e) start=(--init "${K4C_READER:-runs/readers/k4c/checkpoint}"); extra=("${gentle[@]}" --seed 2) ;;
+    k2c) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${gentle[@]}" --seed 1) ;;
   esac
   [ -d "$out/checkpoint" ] && start=(--resume)
   ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}" "${extra[@]}"
