@@ -214,6 +214,16 @@ def test_eval_rows_record_what_was_really_used(capsys, tiny_model_dir, tmp_path)
     assert cfg["compressor"] is None
 
 
+def test_a_task_option_of_the_wrong_type_exits_2_and_writes_nothing(capsys, tiny_model_dir,
+                                                                     tmp_path):
+    out = tmp_path / "r.json"
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-eval", "4", "--task-option", "positive_fraction=half",
+                       "--json", str(out))
+    assert code == 2 and "positive_fraction='half': expected float" in err
+    assert not out.exists()
+
+
 def test_eval_rows_record_the_compressor_options(capsys, tiny_model_dir, tmp_path):
     out = tmp_path / "sc.json"
     code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "tree", "--stage",

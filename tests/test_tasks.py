@@ -89,6 +89,27 @@ def test_get_task_errors_name_the_bad_value() -> None:
 
 
 @pytest.mark.parametrize(
+    "name, option, expected",
+    [
+        ("amazon", {"max_chars": "abc"}, r"max_chars='abc': expected int or None"),
+        ("amazon", {"test_size": True}, r"test_size=True: expected int"),  # bool is not an int
+        ("amazon", {"balance_train": "false"}, r"balance_train='false': expected bool"),
+        ("commitpack", {"test_fraction": "x"}, r"test_fraction='x': expected float"),
+        ("tree", {"source": "web"}, r"source='web': expected 'auto' or 'file' or 'generate'"),
+        ("tree", {"prompt_mode": "full"}, r"prompt_mode='full': expected 'paper' or 'context'"),
+    ],
+)
+def test_get_task_checks_option_types(name, option, expected) -> None:
+    with pytest.raises(KTMError, match=f"task '{name}' option {expected}"):
+        get_task(name, **option)
+
+
+def test_get_task_widens_an_int_to_a_float_option(fixture_kwargs) -> None:
+    task = get_task("tree", positive_fraction=1, **fixture_kwargs["tree"])
+    assert task.positive_fraction == 1.0 and isinstance(task.positive_fraction, float)
+
+
+@pytest.mark.parametrize(
     "line, expected",
     [
         ('{"text": "ok", "rating": 4', "bad JSON"),

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from ktm.errors import KTMError
 from ktm.tasks.amazon import AmazonTask
 from ktm.tasks.base import Example, Task
 from ktm.tasks.commitpack import CommitPackTask
+from ktm.tasks.options import check_options
 from ktm.tasks.tree import TreeTask
 
 TASKS: dict[str, type] = {
@@ -19,17 +19,11 @@ TASKS: dict[str, type] = {
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """Build the task registered as ``name`` with its constructor keyword arguments."""
+    """Build the task registered as ``name`` with its constructor keyword arguments, each
+    checked against the field's type (``ktm.tasks.options``)."""
     if name not in TASKS:
         raise KTMError(f"unknown task {name!r}: expected one of {', '.join(sorted(TASKS))}")
-    known = {f.name for f in fields(TASKS[name]) if f.init}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise KTMError(
-            f"task {name!r} has no option {', '.join(unknown)}: "
-            f"expected some of {', '.join(sorted(known))}"
-        )
-    return TASKS[name](**kwargs)
+    return TASKS[name](**check_options(name, TASKS[name], kwargs))
 
 
 __all__ = ["TASKS", "AmazonTask", "CommitPackTask", "Example", "Task", "TreeTask", "get_task"]
