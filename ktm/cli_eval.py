@@ -111,7 +111,7 @@ def _eval_readability(args: argparse.Namespace) -> int:
 
     from ktm.fileio import write_json_atomic
     from ktm.provenance import git_revision, versions
-    from ktm.readability import heldout_readability
+    from ktm.readability import BOOTSTRAP, heldout_readability
 
     model = load_or_build(args)
     t0 = time.perf_counter()
@@ -120,7 +120,8 @@ def _eval_readability(args: argparse.Namespace) -> int:
     method = args.method or (f"ktm-k{model.k}" if model.merges else "uncompressed")
     config = {"model": model.config_dict,
               "readability": {"sets": list(args.readability), "n_windows": args.n_windows,
-                              "seed": args.seed, "device": str(model.device)}}
+                              "seed": args.seed, "device": str(model.device),
+                              "ci_bootstrap": BOOTSTRAP}}
     row = {"task": "readability", "method": method, "k": model.k, "readability": sets,
            "n_windows": args.n_windows, "eval_wall_s": time.perf_counter() - t0,
            "checkpoint": args.checkpoint, "config": config, "command": args.command_line,

@@ -111,12 +111,14 @@ def table(task: str, rows: list[dict]) -> str:
 
 def readability_table(rows: list[dict]) -> str:
     lines = ["### readability (held-out text)", "",
-             "| method | K | set | R | NLL merged | NLL plain | NLL none | tokens in "
+             "| method | K | set | R [95 % CI] | NLL merged | NLL plain | NLL none | tokens in "
              "| tokens out |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r.get("k") or 0, r["method"])):
         for name, v in sorted(r["readability"].items()):
             rr = "–" if v.get("R") is None else f"{v['R']:.3f}"
+            if v.get("R_ci95"):  # result files written before the interval existed lack it
+                rr += " [{:.3f}, {:.3f}]".format(*v["R_ci95"])
             lines.append(f"| {r['method']}{mark(r)} | {r.get('k', '–')} | {name} | {rr} | "
                          f"{v['nll_merged']:.3f} | {v['nll_plain']:.3f} | {v['nll_none']:.3f} | "
                          f"{v['tokens_in']:.1f} | {v['tokens_out']:.1f} |")

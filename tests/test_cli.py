@@ -177,7 +177,8 @@ def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path, monkeypa
     for name in ("reviews", "code"):
         r = row["readability"][name]
         assert r["windows"] == 2 and r["tokens_out"] == pytest.approx(r["tokens_in"] / 4, abs=1)
-        assert {"R", "nll_merged", "nll_plain", "nll_none"} <= set(r)
+        assert {"R", "R_ci95", "nll_merged", "nll_plain", "nll_none"} <= set(r)
+    assert row["config"]["readability"]["ci_bootstrap"]["resamples"] == 1000
     code, text, _ = run(capsys, "report", str(out))
     assert code == 0 and re.search(r"\| ktm-k4( †)? \| 4 \| code \|", text)
 

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+import ktm.readability
 from ktm.corpus import Window
 from ktm.model import KTMModel
-from ktm.readability import context_ratio, readability
+from ktm.readability import context_ratio, r_interval, readability
 
 
 def hand_nll(lm, embeds, n_prefix, target):
@@ -14,7 +15,7 @@ def hand_nll(lm, embeds, n_prefix, target):
     return float(torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum"))
 
 
-def test_r_matches_hand_computed_nlls(tiny_model_dir):
+def test_r_matches_hand_computed_nlls(tiny_model_dir, monkeypatch):
     torch.manual_seed(0)
     model = KTMModel.from_base(tiny_model_dir, k=2, slot_weights=True, plain_prefix=1)
     with torch.no_grad():  # a trained-looking encoder and adapter, so all three NLLs differ
@@ -25,14 +26,18 @@ def test_r_matches_hand_computed_nlls(tiny_model_dir):
                           add_special_tokens=False)["input_ids"]
     windows = [Window(tuple(ids[:9]), tuple(ids[9:13]), "t"), Window(tuple(ids[2:7]),
                                                                      tuple(ids[7:10]), "t")]
+    seen = []  # what the interval is computed from (R itself is None on the tiny model)
+    monkeypatch.setattr(ktm.readability, "r_interval", lambda t: seen.append(t) or [0.0, 1.0])
     got = readability(model, windows)
 
     lm = model.peft  # the same model (adapter on) through the plain HF forward
     emb = model.embed_ids
     sums = {"merged": 0.0, "plain": 0.0, "none": 0.0}
     n = 0
+    per_window = []
     with torch.no_grad():
         for w in windows:
+            before = dict(sums)
             ctx, tgt = torch.tensor(w.context), torch.tensor(w.target)
             merged, _ = model.encoder(emb(ctx[1:])[None])  # plain_prefix=1 keeps token 0 plain
             prefix = torch.cat([emb(ctx[:1])[None], merged], dim=1)
@@ -42,12 +47,18 @@ def test_r_matches_hand_computed_nlls(tiny_model_dir):
             none = torch.tensor([model.tokenizer.eos_token_id])  # the tiny tokenizer has no BOS
             sums["none"] += hand_nll(lm, emb(torch.cat([none, tgt]))[None], 1, w.target)
             n += len(w.target)
+            per_window.append([sums[k] - before[k] for k in ("merged", "plain", "none")]
+                              + [len(w.target)])
     want = {k: v / n for k, v in sums.items()}
     assert got["nll_merged"] == pytest.approx(want["merged"], rel=1e-4)
     assert got["nll_plain"] == pytest.approx(want["plain"], rel=1e-4)
     assert got["nll_none"] == pytest.approx(want["none"], rel=1e-4)
     r = context_ratio(want["none"], want["merged"], want["plain"])
     assert (got["R"] is None and r is None) or got["R"] == pytest.approx(r, rel=1e-4)
+    # the interval is a bootstrap over these windows' own summed NLLs and token counts
+    assert got["R_ci95"] == [0.0, 1.0]
+    torch.testing.assert_close(seen[0], torch.tensor(per_window, dtype=torch.float64),
+                               rtol=1e-4, atol=1e-4)
     assert got["tokens_in"] == (9 + 5) / 2
     assert got["tokens_out"] == (1 + 4 + 1 + 2) / 2  # 1 plain + ceil(8/2); 1 plain + ceil(4/2)
 
@@ -57,3 +68,17 @@ def test_context_ratio_edges():
     assert context_ratio(3.0, 1.0, 1.0) == 1.0
     assert context_ratio(3.0, 4.0, 1.0) == -0.5  # the merged context misleads
     assert context_ratio(1.0, 1.0, 2.0) is None  # the plain context does not help at all
+
+
+def test_r_interval_is_a_bootstrap_over_windows():
+    # per window: summed NLL merged, plain, none; target tokens. Window a keeps all of its
+    # context (merged == plain: R 1), window b none of it (merged == none: R 0)
+    a, b = [10.0, 10.0, 30.0, 10.0], [30.0, 10.0, 30.0, 10.0]
+    assert r_interval(torch.tensor([a, a, a])) == pytest.approx([1.0, 1.0])  # windows agree
+    lo, hi = r_interval(torch.tensor([a, b]))  # resamples aa (1), ab / ba (0.5), bb (0)
+    assert (lo, hi) == pytest.approx((0.0, 1.0))
+    lo, hi = r_interval(torch.tensor([a, b] * 32))  # more windows: narrower, around 0.5
+    assert 0.3 < lo < 0.5 < hi < 0.7
+    assert r_interval(torch.tensor([a])) is None  # one window: no interval
+    flat = [10.0, 20.0, 20.0, 10.0]  # the plain context does not help: R undefined
+    assert r_interval(torch.tensor([flat, flat])) is None

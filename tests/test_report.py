@@ -22,14 +22,15 @@ def test_classification_p_is_balanced_accuracy():
 
 def test_readability_rows_get_their_own_table(tmp_path):
     r = {"task": "readability", "method": "ktm-k4", "k": 4, "git": "0123abcd", "readability": {
-        "code": {"R": 0.61, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5,
-                 "tokens_in": 256.0, "tokens_out": 64.0},
+        "code": {"R": 0.61, "R_ci95": [0.55, 0.66], "nll_merged": 1.5, "nll_plain": 1.1,
+                 "nll_none": 2.5, "tokens_in": 256.0, "tokens_out": 64.0},
         "reviews": {"R": None, "nll_merged": 3.0, "nll_plain": 3.2, "nll_none": 3.1,
                     "tokens_in": 90.0, "tokens_out": 23.0}}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(r))
     out = report([str(path)])
-    assert "| ktm-k4 | 4 | code | 0.610 | 1.500 | 1.100 | 2.500 | 256.0 | 64.0 |" in out
+    assert ("| ktm-k4 | 4 | code | 0.610 [0.550, 0.660] | 1.500 | 1.100 | 2.500 | 256.0 | 64.0 |"
+            in out)
     assert "| ktm-k4 | 4 | reviews | – |" in out
 
 
