@@ -4,14 +4,16 @@
 # The recipe is the one the probes in results/README.md chose. Each run resumes if its folder
 # holds a checkpoint, logs readability R on held-out text every 100 steps, and ends with:
 #   ktm pack-reader (shipped stages) -> ktm/readers/NAME (fp16): k2 -> smollm2-135m-k2,
-#                                       k4r -> smollm2-135m-k4
+#                                       k4e -> smollm2-135m-k4
 #   ktm eval --readability -> results/readers/STAGE_readability.json (64 windows per held-out set)
 #   metrics.jsonl + run.json -> results/readers/runs/STAGE/ (the R-per-CPU-minute curve)
-# Usage: bash results/readers/train_readers.sh [STAGE...]   (default: k2 k4r, the shipped ones)
+# Usage: bash results/readers/train_readers.sh [STAGE...]   (default: k2 k4r k4c k4e, the shipped
+#        readers' whole chain: the K=4 reader is k4r continued by k4c, then by k4e)
 # Stages:
 #   k2   K=2 from scratch.
 #   k4r  K=4 as recursive merging (--inner-k 2: a K=2 merge of two K=2 merges), the inner level's
-#        encoder and the LoRA from the K=2 reader: the shipped K=4 reader.
+#        encoder and the LoRA from the K=2 reader: the first of the shipped K=4 reader's three
+#        stages (it was shipped alone until k4e).
 #   k4   K=4 with a fresh K=4 encoder, LoRA from the K=2 reader (the plain K curriculum; not
 #        shipped: k4r reads better, results/README.md section 1.3). When it was run it was packed
 #        and evaluated as smollm2-135m-k4; unpacked stages are evaluated from their checkpoint.
@@ -21,11 +23,12 @@
 #        (--init; K2_READER / K4_READER=DIR for another) and train 200 more steps with the
 #        objectives distill + ae=0.5 at half the learning rates (results/README.md section 1.3).
 #        Run after k2 / k4r: `train_readers.sh k2 k4r k2d k4d` is the whole chain.
-#   k4c  a continuation of the shipped K=4 reader: the same objectives (lm + ae) for 300 more
-#        steps at half the learning rates, a second cosine, on windows k4r did not see (seed 1;
-#        K4_READER=DIR for another start).
-#   k4e  a second continuation, of k4c: 600 more steps of the same objectives at 3e-4 / 3e-5
-#        (a gentler re-warm than k4c's 5e-4, whose dip cost its first 100 steps), seed 2
+#   k4c  a continuation of k4r (runs/readers/k4r/checkpoint; when it was run here it started
+#        from k4r packed in fp16, the K=4 reader shipped then): the same objectives (lm + ae)
+#        for 300 more steps at half the learning rates, a second cosine, on windows k4r did not
+#        see (seed 1; K4_READER=DIR for another start).
+#   k4e  a second continuation, of k4c, packed as the shipped K=4 reader: 600 more steps of
+#        the same objectives at 3e-4 / 3e-5 (a gentler re-warm than k4c's 5e-4, whose dip cost its first 100 steps), seed 2
 #        (K4C_READER=DIR; default runs/readers/k4c/checkpoint, so run after k4c).
 #   k2c  a continuation of the shipped K=2 reader the same way: 450 steps at 3e-4 / 3e-5, seed 1
 #        (K2_READER=DIR for another start).
@@ -47,8 +50,8 @@ cont=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --seed 1)
 # the gentler continuations (k4e, k2c)
 gentle=(--lr 3e-4 --encoder-lr 3e-5 --warmup-steps 10)
 declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450)
-declare -A packed=([k2]=smollm2-135m-k2 [k4r]=smollm2-135m-k4)
-[ $# -gt 0 ] || set -- k2 k4r
+declare -A packed=([k2]=smollm2-135m-k2 [k4e]=smollm2-135m-k4)
+[ $# -gt 0 ] || set -- k2 k4r k4c k4e
 for name in "$@"; do
   [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e or k2c" >&2; exit 2; }
   k=${name:1:1}
@@ -59,7 +62,7 @@ for name in "$@"; do
     k4r) extra=(--inner-k 2) ;;
     k2d) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${distill[@]}") ;;
     k4d) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${distill[@]}") ;;
-    k4c) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${cont[@]}") ;;
+    k4c) start=(--init "${K4_READER:-runs/readers/k4r/checkpoint}"); extra=("${cont[@]}") ;;
     k4e) start=(--init "${K4C_READER:-runs/readers/k4c/checkpoint}"); extra=("${gentle[@]}" --seed 2) ;;
     k2c) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${gentle[@]}" --seed 1) ;;
   esac
