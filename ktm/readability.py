@@ -66,7 +66,7 @@ def r_interval(per_window: torch.Tensor, n_boot: int = BOOTSTRAP["resamples"],
     ok = gain > 0
     if int(ok.sum()) < n_boot // 2:
         return None
-    r = ((none - merged)[ok] / gain[ok])
+    r = (none - merged)[ok] / gain[ok]
     tail = (1 - level) / 2
     lo, hi = torch.quantile(r, torch.tensor([tail, 1 - tail], dtype=r.dtype)).tolist()
     return [lo, hi]

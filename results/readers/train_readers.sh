@@ -28,8 +28,9 @@
 #        for 300 more steps at half the learning rates, a second cosine, on windows k4r did not
 #        see (seed 1; K4_READER=DIR for another start).
 #   k4e  a second continuation, of k4c, packed as the shipped K=4 reader: 600 more steps of
-#        the same objectives at 3e-4 / 3e-5 (a gentler re-warm than k4c's 5e-4, whose dip cost its first 100 steps), seed 2
-#        (K4C_READER=DIR; default runs/readers/k4c/checkpoint, so run after k4c).
+#        the same objectives at 3e-4 / 3e-5 (a gentler re-warm than k4c's 5e-4, whose dip cost
+#        its first 100 steps), seed 2 (K4C_READER=DIR; default runs/readers/k4c/checkpoint, so
+#        run after k4c).
 #   k2c  a continuation of the shipped K=2 reader the same way: 450 steps at 3e-4 / 3e-5, seed 1
 #        (K2_READER=DIR for another start).
 # k2 comes first: the others start from the K=2 reader, by default the shipped one
