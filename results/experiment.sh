@@ -20,6 +20,9 @@
 #         set keeps its natural 4:1)
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
 # run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
+# The files reach results/ only when the script exits (each finished run's, also after a
+# failure): rewriting a tracked result before the next run starts would make that run record
+# its revision as '-dirty'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
@@ -51,6 +54,16 @@ steps=$((steps * n)); n_train=$((n_train * n))
 train=(--max-steps "$steps" --batch-size "$batch" --n-train "$n_train" --n-eval "$n_eval")
 reader_encoder=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions)
 mkdir -p "results/$name"
+done_runs=()
+publish() {
+  local m
+  for m in "${done_runs[@]}"; do
+    cp "runs/exp/$name-$m/eval.json" "results/$name/$m.json"
+    cp "runs/exp/$name-$m/metrics.jsonl" "results/$name/$m.metrics.jsonl"
+    echo "wrote results/$name/$m.json and $m.metrics.jsonl"
+  done
+}
+trap publish EXIT
 for m in $methods; do
   comp=(); teach=()
   case $m in
@@ -75,6 +88,6 @@ for m in $methods; do
   ktm train --task "$task" "${data[@]}" "${model[@]}" "${comp[@]}" "${teach[@]}" "${common[@]}" \
     "${train[@]}" --out-dir "$out"
   ktm eval --checkpoint "$out/checkpoint" --task "$task" "${data[@]}" "${eval[@]}" "${comp[@]}" \
-    --n-train "$n_train" --threads 1 --method "$m" --json "results/$name/$m.json"
-  cp "$out/metrics.jsonl" "results/$name/$m.metrics.jsonl"
+    --n-train "$n_train" --threads 1 --method "$m" --json "$out/eval.json"
+  done_runs+=("$m")
 done
