@@ -118,13 +118,14 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_pack_reader(args: argparse.Namespace) -> int:
-    from ktm.readers import pack_reader, run_info
+    from ktm.readers import lineage_info, pack_reader, run_info
 
-    info = run_info(args.run_dir)
+    info = lineage_info(args.after, run_info(args.run_dir))
     path = pack_reader(Path(args.run_dir) / "checkpoint", args.name, info)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(f"reader {args.name!r}: {path} ({size / 2**20:.1f} MiB), "
-          f"{info['steps']} steps, {info['cpu_minutes']:.0f} CPU-minutes")
+          f"{info['steps']} steps, {info['cpu_minutes']:.0f} CPU-minutes "
+          f"({info['cpu_minutes_total']:.0f} with {len(info['lineage'])} earlier stages)")
     return 0
 
 
@@ -283,6 +284,9 @@ def _eval_parser(ev: argparse.ArgumentParser) -> None:
 def _pack_parser(pack: argparse.ArgumentParser) -> None:
     pack.add_argument("run_dir", help="a finished `ktm pretrain` --out-dir")
     pack.add_argument("--name", required=True, help="registered reader name, e.g. smollm2-135m-k4")
+    pack.add_argument("--after", nargs="+", default=[], metavar="RUN_DIR",
+                      help="the earlier stages this run continues, oldest first (their run "
+                           "folders: run.json + metrics.jsonl), recorded as the reader's lineage")
     pack.set_defaults(run=cmd_pack_reader)
 
 

@@ -38,6 +38,7 @@ def test_pack_reader_then_load_by_name(tiny_model_dir, tmp_path, registry, capsy
     assert "reader 'tiny-k2'" in capsys.readouterr().out
     info = json.loads((registry / "tiny-k2" / "reader.json").read_text())
     assert info["steps"] == 3 and info["command"].startswith("ktm pretrain")
+    assert info["lineage"] == [] and info["cpu_minutes_total"] == info["cpu_minutes"]
     assert [(s["step"], "--resume" in s["command"]) for s in info["starts"]] == [(0, False),
                                                                                  (2, True)]
     enc = (registry / "tiny-k2" / "encoder.safetensors")
@@ -51,6 +52,27 @@ def test_pack_reader_then_load_by_name(tiny_model_dir, tmp_path, registry, capsy
     shipped.save(str(tmp_path / "again"))
     torch.testing.assert_close(KTMModel.load(str(tmp_path / "again")).prompt_logits(PROMPT),
                                got, atol=0, rtol=0)
+
+
+def test_pack_reader_records_the_earlier_stages(tiny_model_dir, tmp_path, registry, capsys):
+    flags = ["--model", tiny_model_dir, "--k", "2", "--sources",
+             str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm", "--context-tokens",
+             "16", "--target-tokens", "4", "--min-tokens", "8", "--eval-sets", "none",
+             "--batch-size", "2", "--lr", "1e-2", "--no-progress"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["pretrain", *flags, "--max-steps", "2", "--out-dir", str(first)]) == 0
+    assert main(["pretrain", *flags, "--max-steps", "1", "--out-dir", str(second),
+                 "--init", str(first / "checkpoint")]) == 0
+    assert main(["pack-reader", str(second), "--name", "tiny-k2", "--after", str(first)]) == 0
+    assert "with 1 earlier stages" in capsys.readouterr().out
+    info = json.loads((registry / "tiny-k2" / "reader.json").read_text())
+    assert "--init" in info["command"] and info["steps"] == 1
+    [stage] = info["lineage"]
+    assert stage["run"] == str(first) and stage["steps"] == 2
+    assert "--init" not in stage["command"] and stage["git"] == info["git"]
+    assert info["cpu_minutes_total"] == pytest.approx(info["cpu_minutes"] + stage["cpu_minutes"])
+    with pytest.raises(KTMError, match="not a finished ktm run"):
+        readers.lineage_info([tmp_path / "nowhere"], info)
 
 
 def test_pack_reader_refuses_unregistered_name_and_unfinished_run(tmp_path, registry):

@@ -101,5 +101,19 @@ def run_info(run_dir: str | Path) -> dict:
             "readability": evals[-1]["eval"] if evals else None}
 
 
+def lineage_info(stage_dirs: list[str | Path], info: dict) -> dict:
+    """``info`` with the earlier stages a run continues (their run folders, oldest first).
+
+    A reader trained in stages (K=2, then K=4 from it, then continuations) records only its
+    last stage in ``run.json``; the chain goes to ``reader.json`` as ``lineage``, one entry per
+    earlier stage (its command, revision, steps, CPU minutes and last readability), and
+    ``cpu_minutes_total`` sums them with the last stage's.
+    """
+    keep = ("command", "git", "steps", "cpu_minutes", "readability")
+    lineage = [{"run": str(d), **{k: run_info(d)[k] for k in keep}} for d in stage_dirs]
+    total = info["cpu_minutes"] + sum(s["cpu_minutes"] for s in lineage)
+    return {**info, "lineage": lineage, "cpu_minutes_total": total}
+
+
 def reader_info(name: str) -> dict:
     return json.loads((reader_path(name) / "reader.json").read_text())

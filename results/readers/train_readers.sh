@@ -57,6 +57,8 @@ gentle=(--lr 3e-4 --encoder-lr 3e-5 --warmup-steps 10)
 lmonly=(--sources code reviews --objectives lm --lr 1.5e-4 --encoder-lr 1.5e-5 --warmup-steps 10)
 declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300)
 declare -A packed=([k2]=smollm2-135m-k2 [k4e]=smollm2-135m-k4)
+# the earlier stages a packed stage continues (their committed curves), its reader.json lineage
+declare -A chain=([k4e]="k2 k4r k4c" [k4f]="k2 k4r k4c k4e")
 [ $# -gt 0 ] || set -- k2 k4r k4c k4e
 for name in "$@"; do
   [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c or k4f" >&2; exit 2; }
@@ -79,7 +81,9 @@ for name in "$@"; do
   cp "$out/metrics.jsonl" "$out/run.json" "results/readers/runs/$name/"
   ckpt=$out/checkpoint
   if [ -n "${packed[$name]:-}" ]; then
-    ktm pack-reader "$out" --name "${packed[$name]}"
+    after=()
+    for stage in ${chain[$name]:-}; do after+=("results/readers/runs/$stage"); done
+    ktm pack-reader "$out" --name "${packed[$name]}" ${after[@]+--after "${after[@]}"}
     ckpt=${packed[$name]}
   fi
   ktm eval --checkpoint "$ckpt" --readability reviews code --n-windows 64 --threads 1 \
