@@ -10,6 +10,8 @@
 #   another weight W, e.g. k4-teach0.2); and the
 #   baselines mean_pool (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5,
 #   i.e. K=2's length), ltsc.
+# LR=RATE (environment) fine-tunes at another LoRA rate (the encoder's is a tenth of it) and
+# writes to results/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
@@ -26,17 +28,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
-name=$1; shift
+task_name=$1; shift
+name=$task_name${LR:+-lr$LR}
+lr=${LR:-5e-4}
+case $lr in ''|*[!0-9.eE+-]*) echo "LR=$lr: expected a number such as 2e-4" >&2; exit 2 ;; esac
+encoder_lr=$(python3 -c "print(f'{$lr / 10:g}')")
 methods=${*:-"uncompressed k2 k3 k4"}
 # --eval-every: the task metric on the run's --n-eval examples every 30 steps, in metrics.jsonl
 # (the fine-tuning curve; greedy evaluation, it does not change the training)
-common=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 5 --seed 0 --save-every 0 --no-progress
+common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --seed 0 --save-every 0 --no-progress
         --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30)
 # the budget curves: a base task with N times its steps and training examples
 declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xxlong]="tree 12"
                    [tree-xmedium-long]="tree-xmedium 4" [commitpack-long]="commitpack 3"
                    [amazon-long]="amazon 3")
-read -r base n <<< "${longer[$name]:-$name 1}"
+read -r base n <<< "${longer[$task_name]:-$task_name 1}"
 case $base in
   tree)         task=tree; data=(--stage small --prompt-mode context)
                 steps=120; batch=16; n_train=1920; n_eval=32; eval=(--n-eval 128) ;;
