@@ -110,7 +110,10 @@ def lineage_info(stage_dirs: list[str | Path], info: dict) -> dict:
     ``cpu_minutes_total`` sums them with the last stage's.
     """
     keep = ("command", "git", "steps", "cpu_minutes", "readability")
-    lineage = [{"run": str(d), **{k: run_info(d)[k] for k in keep}} for d in stage_dirs]
+    lineage = []
+    for d in stage_dirs:
+        stage = run_info(d)  # reads run.json and metrics.jsonl once per stage
+        lineage.append({"run": str(d), **{k: stage[k] for k in keep}})
     total = info["cpu_minutes"] + sum(s["cpu_minutes"] for s in lineage)
     return {**info, "lineage": lineage, "cpu_minutes_total": total}
 
