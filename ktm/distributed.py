@@ -22,6 +22,7 @@ all-reduce per step over the LoRA and encoder gradients (a few MB) is all DDP wo
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from dataclasses import dataclass
@@ -77,7 +78,15 @@ def setup(device: str | torch.device = "cpu") -> World:
                                f"{torch.cuda.device_count()} CUDA devices")
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if cuda else "gloo")
+        # left to interpreter shutdown, gloo's worker threads can abort the process (SIGABRT,
+        # "terminate called without an active exception"): leave the group while Python is alive
+        atexit.register(_leave)
     return current()
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def current() -> World:
