@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ktm.cli_args import TaskArgs, build_task, load_or_build, plain, task_settings
 from ktm.config_args import from_args
 from ktm.errors import KTMError
+from ktm.label_scoring import check_scoring
 
 HELDOUT_SETS = ["reviews", "code"]
 
@@ -33,6 +34,13 @@ class EvalArgs:
         "help": "instead of a task: readability R on these held-out sets (reviews of other "
                 "categories, code of unseen repositories)"})
     n_windows: int = field(default=64, metadata={"help": "held-out windows per readability set"})
+    scoring: str = field(default="generate", metadata={
+        "choices": ["generate", "likelihood"],
+        "help": "classification: 'generate' greedy-decodes an answer; 'likelihood' picks the "
+                "label whose answer text is most likely (every example gets a label)"})
+    n_calibrate: int = field(default=0, metadata={
+        "help": "likelihood scoring: correct for the label prior the model gives these many "
+                "training-side prompts (no labels used; 0: no correction)"})
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -44,6 +52,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.readability:
         return _eval_readability(args)
+    check_scoring(args.scoring, args.n_calibrate)
     targs = from_args(TaskArgs, args)
     task = build_task(targs, args.task_option)
     model = load_or_build(args)
@@ -64,10 +73,20 @@ def run_eval(args: argparse.Namespace) -> int:
         if natural and comp.rewrites_prompts:
             natural, _ = compress_examples(comp, natural)
     merge = args.merge and model.merges
-    if args.predictions and task.kind != "classification":
-        raise KTMError(f"--predictions is for classification tasks; {task.name!r} is scored by "
-                       "perplexity")
-    result = evaluate_task(model, task, examples, merge=merge, progress=True)
+    if task.kind != "classification":
+        for flag, value, default in (("--predictions", args.predictions, None),
+                                     ("--scoring", args.scoring, "generate"),
+                                     ("--n-calibrate", args.n_calibrate, 0)):
+            if value != default:
+                raise KTMError(f"{flag} is for classification tasks; {task.name!r} is scored "
+                               "by perplexity")
+    score = {}
+    if task.kind == "classification":
+        # calibration prompts come from the training side (a seed of their own), never the test
+        n_cal = args.n_calibrate
+        cal = task.train_examples(n_cal, seed=args.seed + 7919) if n_cal else []
+        score = {"scoring": args.scoring, "calibration": cal}
+    result = evaluate_task(model, task, examples, merge=merge, progress=True, **score)
     preds, answers = result.pop("predictions", None), result.pop("answers", None)
     if args.predictions:
         _write_predictions(args.predictions, examples, preds, answers)
@@ -76,13 +95,14 @@ def run_eval(args: argparse.Namespace) -> int:
 
         result = finish_eval_row(result, examples, info)
     if natural:  # tree: accuracy on the natural pair distribution too
-        nat = evaluate_task(model, task, natural, merge=merge, progress=True)
+        nat = evaluate_task(model, task, natural, merge=merge, progress=True, **score)
         result["natural_accuracy"] = nat["accuracy"]
         result["natural_balanced_accuracy"] = nat["balanced_accuracy"]
     method = args.method or args.compressor or (f"ktm-k{model.k}" if merge else "uncompressed")
     config = {"model": model.config_dict, "task": task_settings(task),
               "eval": {"n_eval": targs.n_eval, "seed": args.seed, "merge": merge,
-                       "device": str(model.device)},
+                       "device": str(model.device), "scoring": args.scoring,
+                       "n_calibrate": args.n_calibrate},
               "compressor": None if comp is None else {
                   "name": comp.name, "options": plain(comp.options()),
                   "fitted_on_n_train": None if info.get("state_restored") else targs.n_train}}

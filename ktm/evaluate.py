@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ktm.errors import KTMError
 from ktm.generate import eval_mode
+from ktm.label_scoring import check_scoring, decide, label_logprobs, label_prior, prior_dict
 from ktm.metrics import accuracy, balanced_accuracy, length_reduction, perplexity
 from ktm.tasks.base import Example
 from ktm.tasks.labels import parse_label
@@ -48,8 +50,20 @@ def summary(result: dict) -> dict:
 @eval_mode_call
 def evaluate_classification(model, examples: Sequence[Example], labels: Sequence[str], *,
                             merge: bool = True, batch_size: int = 16, max_new_tokens: int = 4,
-                            progress: bool = False) -> dict:
-    """Greedy-generate an answer per example and compare its first word with the gold label."""
+                            progress: bool = False, scoring: str = "generate",
+                            targets: Sequence[str] | None = None,
+                            calibration: Sequence[Example] = ()) -> dict:
+    """Accuracy and balanced accuracy of a label per example.
+
+    ``scoring="generate"``: greedy-generate an answer and compare its first word with the gold
+    label. ``"likelihood"``: the label whose answer text (``targets``, one per label; default the
+    labels themselves) is most likely, corrected for the prior the model gives each label on the
+    ``calibration`` prompts when there are any (``ktm.label_scoring``).
+    """
+    check_scoring(scoring, len(calibration))
+    if scoring == "likelihood":
+        return _by_likelihood(model, examples, labels, targets or labels, calibration,
+                              merge=merge, batch_size=batch_size, progress=progress)
     preds: list[str | None] = []
     answers: list[str] = []
     before = after = 0
@@ -66,7 +80,43 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
                                merge=merge)
         answers += texts
         preds += [parse_label(t, labels) for t in texts]
-    golds = [e.label or e.target.strip() for e in examples]
+    return _class_row(examples, labels, preds, answers, before, after, compress_s, t0)
+
+
+def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batch_size,
+                   progress) -> dict:
+    if len(targets) != len(labels):
+        raise KTMError(f"{len(targets)} answer texts for {len(labels)} labels: expected one each")
+    t0 = time.perf_counter()
+    prior = None
+    if calibration:
+        cal, _ = label_logprobs(model, calibration, targets, merge=merge,
+                                batch_size=batch_size, progress=progress, desc="calibrate")
+        prior = label_prior(cal)
+    t1 = time.perf_counter()
+    logp, counts = label_logprobs(model, examples, targets, merge=merge, batch_size=batch_size,
+                                  progress=progress)
+    preds = decide(logp, labels, prior)
+    # the per-example record: each label's log-probability, rounded for the predictions file
+    answers = [{lab: round(v, 4) for lab, v in zip(labels, row, strict=True)}
+               for row in logp.tolist()]
+    row = _class_row(examples, labels, preds, answers, counts["tokens_in"],
+                     counts["tokens_out"], counts["compress_s"], t1)
+    row["scoring"] = {"method": "likelihood", "targets": list(targets),
+                      "n_calibrate": len(calibration),
+                      "prior": None if prior is None else prior_dict(prior, labels),
+                      "uncorrected_balanced_accuracy": balanced_accuracy(
+                          decide(logp, labels), _golds(examples), labels),
+                      "calibrate_s": t1 - t0}
+    return row
+
+
+def _golds(examples: Sequence[Example]) -> list[str]:
+    return [e.label or e.target.strip() for e in examples]
+
+
+def _class_row(examples, labels, preds, answers, before, after, compress_s, t0) -> dict:
+    golds = _golds(examples)
     return {
         "n": len(examples),
         "accuracy": accuracy(preds, golds),
@@ -78,7 +128,8 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,
-        "predictions": preds,  # the parsed label (None: unparsed) and the generated text
+        # the parsed label (None: unparsed) and the generated text (likelihood: label log-probs)
+        "predictions": preds,
         "answers": answers,
     }
 
@@ -115,7 +166,11 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
 
 
 def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
+    """``kwargs`` go to the task kind's scorer; for classification, likelihood scoring reads
+    each label's answer text from the task (``task.label_target``)."""
     if task.kind == "perplexity":
-        kwargs.pop("max_new_tokens", None)
+        for name in ("max_new_tokens", "scoring", "calibration"):
+            kwargs.pop(name, None)
         return evaluate_perplexity(model, examples, **kwargs)
-    return evaluate_classification(model, examples, task.labels, **kwargs)
+    targets = [task.label_target(lab) for lab in task.labels]
+    return evaluate_classification(model, examples, task.labels, targets=targets, **kwargs)

@@ -211,7 +211,8 @@ def test_eval_rows_record_what_was_really_used(capsys, tiny_model_dir, tmp_path)
     assert (cfg["model"]["config"]["k"], cfg["model"]["config"]["use_mlp"]) == (2, False)
     assert "k" not in cfg and "mlp" not in cfg  # no unused CLI defaults (they said 4, True)
     assert cfg["task"]["positive_fraction"] == 0.25 and cfg["task"]["stage"] == "small"
-    assert cfg["eval"] == {"n_eval": 4, "seed": 1, "merge": True, "device": "cpu"}
+    assert cfg["eval"] == {"n_eval": 4, "seed": 1, "merge": True, "device": "cpu",
+                           "scoring": "generate", "n_calibrate": 0}
     assert cfg["compressor"] is None
 
 
@@ -360,3 +361,19 @@ def test_eval_predictions_file_one_line_per_example(capsys, tiny_model_dir, tmp_
                        "2", "--predictions", str(tmp_path / "x.jsonl"))
     assert code == 2 and "--predictions is for classification tasks" in err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_eval_by_label_likelihood_records_its_scoring(capsys, tiny_model_dir, tmp_path):
+    out = tmp_path / "r.json"
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--k", "2", "--task", "tree",
+                       "--stage", "small", "--n-eval", "4", "--scoring", "likelihood",
+                       "--n-calibrate", "4", "--json", str(out))
+    assert code == 0, err
+    row = json.loads(out.read_text())
+    assert row["unparsed"] == 0 and row["scoring"]["n_calibrate"] == 4
+    assert set(row["scoring"]["prior"]) == {"true", "false"}
+    assert row["config"]["eval"]["scoring"] == "likelihood"
+    code, _, err = run(capsys, "eval", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-eval", "4", "--n-calibrate", "4", "--json", str(out) + "2")
+    assert code == 2 and "n_calibrate=4 needs scoring='likelihood'" in err
+    assert not (tmp_path / "r.json2").exists()

@@ -134,6 +134,10 @@ class AmazonTask:
     def parse_label(self, text: str) -> str | None:
         return _parse_label(text, SENTIMENT_LABELS)
 
+    def label_target(self, label: str) -> str:
+        """The answer text for ``label``: the word after a space (see the module docstring)."""
+        return " " + label
+
     def train_examples(self, n: int, seed: int) -> list[Example]:
         """``n`` training reviews in reshuffled passes: the natural balance (about 4:1 positive),
         or with ``balance_train`` as many of each label."""
@@ -153,7 +157,7 @@ class AmazonTask:
     def _example(self, review: Review) -> Example:
         return Example(
             segments=review_prompt(review.text, self.prompt_mode),
-            target=" " + review.label,
+            target=self.label_target(review.label),
             label=review.label,
             meta={"line": review.line_no},
         )

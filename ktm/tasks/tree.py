@@ -179,12 +179,16 @@ class TreeTask:
             out.append(self._example(i, p, c))
         return out
 
+    def label_target(self, label: str) -> str:
+        """The answer text for ``label``: the bare word."""
+        return label
+
     def _example(self, tree_id: int, parent: str, child: str) -> Example:
         tree = self.trees[tree_id]
         label = "true" if (parent, child) in tree.edge_set else "false"
         return Example(
             segments=tree_prompt(tree.text, parent, child, self.prompt_mode),
-            target=label,
+            target=self.label_target(label),
             label=label,
             meta={"stage": self.stage, "tree_index": tree_id, "parent": parent, "child": child},
         )
