@@ -111,6 +111,10 @@ class KTokenEncoder(nn.Module):
         """Weights with a wide fan-in (the MLP's linear layers): they want a smaller Adam step."""
         return [] if self.mlp is None else list(self.mlp.parameters())
 
+    def order_parameters(self) -> list[nn.Parameter]:
+        """The slot weights and the gate: fan-in 1, what tells a block's order apart first."""
+        return [p for p in (self.slots, self.gate) if p is not None]
+
     def forward(
         self, embeds: torch.Tensor, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +173,9 @@ class RecursiveEncoder(nn.Module):
 
     def wide_parameters(self) -> list[nn.Parameter]:
         return self.inner.wide_parameters() + self.outer.wide_parameters()
+
+    def order_parameters(self) -> list[nn.Parameter]:
+        return self.inner.order_parameters() + self.outer.order_parameters()
 
     def forward(self, embeds: torch.Tensor, mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

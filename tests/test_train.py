@@ -100,7 +100,8 @@ def test_resume_without_checkpoint_is_refused(tiny_model_dir, tree_task, tmp_pat
               TrainConfig(out_dir=str(tmp_path), resume=True, max_steps=1, progress=False))
 
 
-@pytest.mark.parametrize("field,value", [("batch_size", 0), ("max_steps", 0), ("lr", 0.0)])
+@pytest.mark.parametrize("field,value", [("batch_size", 0), ("max_steps", 0), ("lr", 0.0),
+                                         ("slot_lr", 0.0)])
 def test_bad_train_config(field, value):
     with pytest.raises(KTMError, match=field):
         TrainConfig(**{field: value})
@@ -222,3 +223,31 @@ def test_cuda_rng_states_are_saved_and_restored(monkeypatch):
     assert torch.equal(tensors["rng.cuda.0"], state) and "rng.torch" in tensors
     train_state._restore_rng(tensors)
     assert len(restored) == 1 and torch.equal(restored[0][0], state)
+
+
+def test_slot_lr_moves_the_slot_weights_at_their_own_rate(tiny_model_dir, tree_task, tmp_path):
+    """One Adam step moves each weight by about its group's rate: with slot_lr 1e-2 the slot
+    weights and gate move 100x as far as at lr 1e-4, and LoRA and the MLP are untouched by it."""
+    from ktm.train import param_groups
+
+    moved = {}
+    for slot_lr in (None, 1e-2):
+        torch.manual_seed(0)
+        model = KTMModel.from_base(tiny_model_dir, k=4, slot_weights=True, mlp_gate=True)
+        cfg = TrainConfig(out_dir=str(tmp_path / str(slot_lr)), max_steps=1, batch_size=4,
+                          lr=1e-4, encoder_lr=1e-5, slot_lr=slot_lr, save_every=0,
+                          progress=False)
+        groups = {g["name"]: g for g in param_groups(model, cfg)}
+        order = {id(p) for p in model.encoder.order_parameters()}
+        assert len(order) == 2  # slots and gate
+        if slot_lr is None:
+            assert set(groups) == {"main", "encoder_mlp"}  # as before: old checkpoints resume
+        else:
+            assert {id(p) for p in groups["encoder_order"]["params"]} == order
+            assert groups["encoder_order"]["base_lr"] == slot_lr
+            assert not order & {id(p) for p in groups["main"]["params"]}
+        before = model.encoder.slots.detach().clone()
+        train(model, tree_task.train_examples(4, seed=0), cfg)
+        moved[slot_lr] = float((model.encoder.slots.detach() - before).abs().max())
+    assert moved[None] == pytest.approx(1e-4, rel=0.05)
+    assert moved[1e-2] == pytest.approx(1e-2, rel=0.05)
