@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Amazon by label likelihood: re-score fine-tuned amazon runs (results/amazon-lr/run.sh leaves
-# them in runs/amazon-lr/NAME/) on the same 1,000 test reviews, choosing the label whose answer
+# Amazon by label likelihood: re-score fine-tuned amazon runs on 1,000 test reviews (the same
+# ones as results/amazon-n1000/ and results/amazon-lr/), choosing the label whose answer
 # (" positive" / " negative" + EOS) is more likely, corrected for the label prior the model gives
 # 300 training-side reviews (their labels unused). The uncorrected decision is in each row too
 # (scoring.uncorrected_balanced_accuracy).
 # Usage: bash results/amazon-score/run.sh RUN_DIR [RUN_DIR...]
+#   RUN_DIR: a run folder of results/amazon-lr/run.sh (runs/amazon-lr/NAME) or of
+#   results/experiment.sh amazon (runs/exp/amazon-METHOD; a baseline compressor's run is scored
+#   with its compressor, as experiment.sh evaluates it).
 # Writes results/amazon-score/NAME.json, NAME = the run folder's name (copied in when the script
 # exits, so a later run never records '-dirty' because an earlier one rewrote a tracked file).
 set -euo pipefail
@@ -22,8 +25,14 @@ trap publish EXIT
 for run in "$@"; do
   [ -d "$run/checkpoint" ] || { echo "$run/checkpoint: no checkpoint there" >&2; exit 2; }
   name=$(basename "$run")
+  case ${name#amazon-} in
+    mean_pool) comp=(--compressor mean_pool) ;;
+    selective_context|llmlingua) comp=(--compressor "${name#amazon-}" --compressor-option ratio=0.5) ;;
+    ltsc) comp=(--compressor ltsc) ;;
+    *) comp=() ;;
+  esac
   ktm eval --checkpoint "$run/checkpoint" --task amazon --prompt-mode context \
-    --task-option max_chars=400 --n-eval 1000 --n-train 640 --threads 1 \
+    --task-option max_chars=400 --n-eval 1000 --n-train 640 --threads 1 "${comp[@]}" \
     --scoring likelihood --n-calibrate 300 --method "$name" --json "$stage/$name.json"
   done_runs+=("$name")
 done
