@@ -9,6 +9,7 @@ queue=$1
 common=(--threads 1 --batch-size 4 --lr 5e-4 --encoder-lr 5e-5 --warmup-steps 5 --seed 0
         --save-every 50 --eval-every 50 --n-eval-windows 32 --no-progress)
 export OMP_NUM_THREADS=1
+mkdir -p runs/probes
 while true; do
   line=$(head -n 1 "$queue" 2>/dev/null || true)
   [ -z "$line" ] && break
