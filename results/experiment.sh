@@ -11,7 +11,8 @@
 #   baselines mean_pool (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5,
 #   i.e. K=2's length), ltsc.
 # LR=RATE (environment) fine-tunes at another LoRA rate (the encoder's is a tenth of it) and
-# writes to results/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead.
+# writes to results/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead. SLOT_LR=RATE gives
+# the encoder's slot weights their own rate (ktm train --slot-lr), into results/TASK-slotRATE/.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
@@ -29,15 +30,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 task_name=$1; shift
-name=$task_name${LR:+-lr$LR}
+name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}
 lr=${LR:-5e-4}
 case $lr in ''|*[!0-9.eE+-]*) echo "LR=$lr: expected a number such as 2e-4" >&2; exit 2 ;; esac
+case ${SLOT_LR:-1} in ''|*[!0-9.eE+-]*) echo "SLOT_LR=$SLOT_LR: expected a number such as 1e-2" >&2; exit 2 ;; esac
 encoder_lr=$(python3 -c "print(f'{$lr / 10:g}')")
 methods=${*:-"uncompressed k2 k3 k4"}
 # --eval-every: the task metric on the run's --n-eval examples every 30 steps, in metrics.jsonl
 # (the fine-tuning curve; greedy evaluation, it does not change the training)
 common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --seed 0 --save-every 0 --no-progress
-        --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30)
+        --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30 ${SLOT_LR:+--slot-lr "$SLOT_LR"})
 # the budget curves: a base task with N times its steps and training examples
 declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xxlong]="tree 12"
                    [tree-xmedium-long]="tree-xmedium 4" [commitpack-long]="commitpack 3"
