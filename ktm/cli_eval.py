@@ -73,19 +73,19 @@ def run_eval(args: argparse.Namespace) -> int:
         if natural and comp.rewrites_prompts:
             natural, _ = compress_examples(comp, natural)
     merge = args.merge and model.merges
-    if task.kind != "classification":
-        for flag, value, default in (("--predictions", args.predictions, None),
-                                     ("--scoring", args.scoring, "generate"),
-                                     ("--n-calibrate", args.n_calibrate, 0)):
-            if value != default:
-                raise KTMError(f"{flag} is for classification tasks; {task.name!r} is scored "
-                               "by perplexity")
     score = {}
     if task.kind == "classification":
         # calibration prompts come from the training side (a seed of their own), never the test
         n_cal = args.n_calibrate
         cal = task.train_examples(n_cal, seed=args.seed + 7919) if n_cal else []
         score = {"scoring": args.scoring, "calibration": cal}
+    else:
+        for flag, value, default in (("--predictions", args.predictions, None),
+                                     ("--scoring", args.scoring, "generate"),
+                                     ("--n-calibrate", args.n_calibrate, 0)):
+            if value != default:
+                raise KTMError(f"{flag} is for classification tasks; {task.name!r} is scored "
+                               "by perplexity")
     result = evaluate_task(model, task, examples, merge=merge, progress=True, **score)
     preds, answers = result.pop("predictions", None), result.pop("answers", None)
     if args.predictions:

@@ -102,11 +102,12 @@ def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batc
                for row in logp.tolist()]
     row = _class_row(examples, labels, preds, answers, counts["tokens_in"],
                      counts["tokens_out"], counts["compress_s"], t1)
+    uncorrected = row["balanced_accuracy"] if prior is None else balanced_accuracy(
+        decide(logp, labels), _golds(examples), labels)
     row["scoring"] = {"method": "likelihood", "targets": list(targets),
                       "n_calibrate": len(calibration),
                       "prior": None if prior is None else prior_dict(prior, labels),
-                      "uncorrected_balanced_accuracy": balanced_accuracy(
-                          decide(logp, labels), _golds(examples), labels),
+                      "uncorrected_balanced_accuracy": uncorrected,
                       "calibrate_s": t1 - t0}
     return row
 

@@ -125,8 +125,9 @@ def param_groups(model, cfg: TrainConfig) -> list[dict]:
     wide = {id(p) for p in model.encoder.wide_parameters()}
     order = ({id(p) for p in model.encoder.order_parameters()} if cfg.slot_lr is not None
              else set())
+    special = wide | order
     named = model.trainable_parameters()
-    groups = [{"params": [p for _, p in named if id(p) not in wide | order], "base_lr": cfg.lr,
+    groups = [{"params": [p for _, p in named if id(p) not in special], "base_lr": cfg.lr,
                "name": "main"},
               {"params": [p for _, p in named if id(p) in wide], "base_lr": cfg.encoder_lr,
                "name": "encoder_mlp"},
