@@ -18,6 +18,7 @@
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
 #         tree-long (3x the fine-tuning: 360 steps over 5,760 pairs), tree-xlong (6x),
 #         tree-xxlong (12x), tree-xmedium-long (4x), amazon-long (3x: 240 steps over 1,920 reviews),
+#         amazon-xlong (6x),
 #         commitpack-long (3x: 180 steps over 360 commits);
 #         amazon-balanced: amazon with as many negative as positive training reviews (the test
 #         set keeps its natural 4:1)
@@ -43,7 +44,7 @@ common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --seed 0 --save-e
 # the budget curves: a base task with N times its steps and training examples
 declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xxlong]="tree 12"
                    [tree-xmedium-long]="tree-xmedium 4" [commitpack-long]="commitpack 3"
-                   [amazon-long]="amazon 3")
+                   [amazon-long]="amazon 3" [amazon-xlong]="amazon 6")
 read -r base n <<< "${longer[$task_name]:-$task_name 1}"
 case $base in
   tree)         task=tree; data=(--stage small --prompt-mode context)
