@@ -13,6 +13,8 @@
 # LR=RATE (environment) fine-tunes at another LoRA rate (the encoder's is a tenth of it) and
 # writes to results/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead. SLOT_LR=RATE gives
 # the encoder's slot weights their own rate (ktm train --slot-lr), into results/TASK-slotRATE/.
+# SCHEDULE=cosine decays the learning rate to 10 % over the run after the warm-up (ktm train
+# --schedule cosine) instead of holding it constant, into results/TASK-cosine/.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
@@ -21,7 +23,10 @@
 #         amazon-xlong (6x),
 #         commitpack-long (3x: 180 steps over 360 commits);
 #         amazon-balanced: amazon with as many negative as positive training reviews (the test
-#         set keeps its natural 4:1)
+#         set keeps its natural 4:1);
+#         tree-xmedium-cur (1x), tree-xmedium-cur-long (3x): the tree curriculum, stage small
+#         then xmedium: each method starts from its own stage-small run of the same variant
+#         (runs/exp/tree-METHOD, so run `experiment.sh tree METHOD` first) instead of its reader
 # Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
 # run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
 # The files reach results/ only when the script exits (each finished run's, also after a
@@ -32,6 +37,9 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 task_name=$1; shift
 name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}
+schedule=${SCHEDULE:-constant}
+case $schedule in constant) ;; cosine) name+=-cosine ;;
+  *) echo "SCHEDULE=$schedule: expected constant or cosine" >&2; exit 2 ;; esac
 lr=${LR:-5e-4}
 case $lr in ''|*[!0-9.eE+-]*) echo "LR=$lr: expected a number such as 2e-4" >&2; exit 2 ;; esac
 case ${SLOT_LR:-1} in ''|*[!0-9.eE+-]*) echo "SLOT_LR=$SLOT_LR: expected a number such as 1e-2" >&2; exit 2 ;; esac
@@ -39,12 +47,13 @@ encoder_lr=$(python3 -c "print(f'{$lr / 10:g}')")
 methods=${*:-"uncompressed k2 k3 k4"}
 # --eval-every: the task metric on the run's --n-eval examples every 30 steps, in metrics.jsonl
 # (the fine-tuning curve; greedy evaluation, it does not change the training)
-common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --seed 0 --save-every 0 --no-progress
+common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --schedule "$schedule" --seed 0 --save-every 0 --no-progress
         --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30 ${SLOT_LR:+--slot-lr "$SLOT_LR"})
 # the budget curves: a base task with N times its steps and training examples
 declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xxlong]="tree 12"
                    [tree-xmedium-long]="tree-xmedium 4" [commitpack-long]="commitpack 3"
-                   [amazon-long]="amazon 3" [amazon-xlong]="amazon 6")
+                   [amazon-long]="amazon 3" [amazon-xlong]="amazon 6"
+                   [tree-xmedium-cur]="tree-xmedium 1" [tree-xmedium-cur-long]="tree-xmedium 3")
 read -r base n <<< "${longer[$task_name]:-$task_name 1}"
 case $base in
   tree)         task=tree; data=(--stage small --prompt-mode context)
@@ -86,6 +95,15 @@ for m in $methods; do
     ltsc) model=(); comp=(--compressor ltsc) ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
+  if [[ $task_name == tree-xmedium-cur* ]]; then
+    prev=runs/exp/tree${name#"$task_name"}-$m/checkpoint
+    [ -d "$prev" ] || { echo "$task_name $m needs $prev: run experiment.sh tree $m first" >&2; exit 2; }
+    kept=(); skip=0
+    for a in "${model[@]}"; do   # the stage-small run replaces the reader as the start
+      if ((skip)); then skip=0; elif [ "$a" = --init ]; then skip=1; else kept+=("$a"); fi
+    done
+    model=("${kept[@]}" --init "$prev")
+  fi
   if [[ $m == *-teach* ]]; then
     teacher=runs/exp/$name-uncompressed/checkpoint
     [ -d "$teacher" ] || { echo "$m needs $teacher: run uncompressed first" >&2; exit 2; }
