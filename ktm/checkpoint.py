@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from peft import PeftModel, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -164,8 +164,11 @@ def encoder_state(directory: str | Path, enc_cfg: EncoderConfig) -> dict[str, to
 
 def load_adapter_into(model, directory: str | Path) -> None:
     """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
-    reader's adapter); the LoRA settings and the model's sizes must match. A recursive encoder
-    whose inner level has the checkpoint's encoder config also gets that encoder's weights."""
+    reader's adapter); the LoRA dropout and the model's sizes must match. A recursive encoder
+    whose inner level has the checkpoint's encoder config also gets that encoder's weights.
+
+    A model whose LoRA rank is larger than the checkpoint's *grows* it: see ``grow_lora``.
+    """
     directory = Path(directory)
     saved = read_config(directory)
     check_sizes(model, directory, saved)
@@ -175,23 +178,57 @@ def load_adapter_into(model, directory: str | Path) -> None:
         if theirs == inner.config:
             inner.load_state_dict(encoder_state(directory, theirs))
     theirs, mine = model_config(directory).lora, model.config.lora
-    if (theirs.r, theirs.alpha) != (mine.r, mine.alpha):
+    if theirs.r > mine.r or theirs.dropout != mine.dropout:
         raise KTMError(f"checkpoint {str(directory)!r} has LoRA r={theirs.r}, "
-                       f"alpha={theirs.alpha}, but the model has r={mine.r}, alpha={mine.alpha}: "
-                       "expected the same LoRA settings")
+                       f"dropout={theirs.dropout}, but the model has r={mine.r}, "
+                       f"dropout={mine.dropout}: expected the same LoRA dropout and a rank at "
+                       "least the checkpoint's (a larger one grows the adapter)")
     path = directory / ADAPTER_WEIGHTS
     try:
         state = load_file(str(path))
     except FILE_ERRORS as e:
         raise KTMError(f"LoRA adapter {str(path)!r} is missing or corrupt: {e}") from e
+    if (theirs.r, theirs.alpha) != (mine.r, mine.alpha):
+        state = grow_lora(state, get_peft_model_state_dict(model.peft),
+                          scale=(theirs.alpha / theirs.r) / (mine.alpha / mine.r))
     try:
         result = set_peft_model_state_dict(model.peft, state)
-    except (RuntimeError, ValueError) as e:  # size mismatch: another r or another base model
-        raise KTMError(f"LoRA adapter {str(path)!r} does not fit this model (another LoRA r or "
-                       f"base model?): {str(e).splitlines()[0]}") from e
+    except (RuntimeError, ValueError) as e:  # size mismatch: another base model
+        raise KTMError(f"LoRA adapter {str(path)!r} does not fit this model (another base "
+                       f"model?): {str(e).splitlines()[0]}") from e
     if result.unexpected_keys:
         raise KTMError(f"LoRA adapter {str(path)!r} has unexpected weights "
                        f"{result.unexpected_keys[:3]}: it was trained with other LoRA settings")
+
+
+def grow_lora(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
+              scale: float) -> dict[str, torch.Tensor]:
+    """A rank-r adapter inside a rank-R >= r one (or another alpha), computing exactly the same
+    function.
+
+    LoRA adds ``(alpha/r) * B @ A``. The saved A fills the first r rows of the new A (the other
+    rows keep their fresh init, so gradients reach the new columns of B); the saved B, times
+    ``scale`` = (alpha/r)_saved / (alpha/R)_new, fills the first r columns of the new B, and the
+    other columns are zero. Training then uses the extra rank from the saved adapter's function.
+    """
+    out = {}
+    for key, value in saved.items():
+        if key not in current or not (".lora_A." in key or ".lora_B." in key):
+            out[key] = value  # unknown keys are reported by the caller
+            continue
+        new = current[key].detach().clone()
+        value = value.to(new.dtype)
+        r = value.shape[0] if ".lora_A." in key else value.shape[-1]
+        if ".lora_A." in key and new.shape[1:] == value.shape[1:]:
+            new[:r] = value
+        elif ".lora_B." in key and new.shape[:-1] == value.shape[:-1]:
+            new.zero_()
+            new[..., :r] = value * scale
+        else:
+            raise KTMError(f"LoRA weight {key!r} has shape {tuple(value.shape)}, which does not "
+                           f"fit this model's {tuple(new.shape)}: expected another rank only")
+        out[key] = new
+    return out
 
 
 def load_weights_into(model, directory: str | Path) -> None:

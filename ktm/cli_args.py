@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
         saved = saved.at_level(flags["k"])
     want = from_args(KTMConfig, args, base=saved)
     clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]
+    if trainable and clash and set(clash) <= {"lora_r", "lora_alpha"}:
+        return _grown(args, path, want)
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
         theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
@@ -69,6 +71,26 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     # the dtype is a choice of this run (default float32), not the one the checkpoint trained in
     return KTMModel.load(path, base=flags.get("model"), k=flags.get("k"), device=args.device,
                          dtype=flags.get("dtype", "float32"), trainable=trainable)
+
+
+def _grown(args: argparse.Namespace, path, want: KTMConfig):
+    """``--init CKPT --lora-r R``: the checkpoint's model with its adapter grown to rank R (the
+    same function at the start, more capacity to train; ``ktm.checkpoint.grow_lora``)."""
+    from ktm.checkpoint import encoder_state, load_adapter_into, model_config
+    from ktm.model import KTMModel
+
+    own = model_config(path)
+    if want.lora.r < own.lora.r:
+        raise KTMError(f"--lora-r {want.lora.r} is below checkpoint {str(path)!r}'s r="
+                       f"{own.lora.r}: a starting adapter can grow, not shrink")
+    if want.k != own.k:
+        raise KTMError(f"growing the LoRA of {str(path)!r} needs its own K={own.k}, not the "
+                       f"inner K={want.k}")
+    want = replace(want, dtype=given(KTMConfig, args).get("dtype", "float32"))
+    model = KTMModel.from_base(want.base_model, config=want, device=args.device)
+    model.encoder.load_state_dict(encoder_state(path, model.encoder.config))
+    load_adapter_into(model, path)
+    return model.train()
 
 
 def _value(cfg: KTMConfig, dest: str) -> Any:

@@ -18,6 +18,7 @@ from ktm.pretrain import (
     pretrain_loss,
     teacher_logits,
 )
+from ktm.prompt import Segment
 from ktm.train import TrainConfig, adamw
 
 
@@ -237,6 +238,49 @@ def test_init_adapter_starts_lora_from_another_k(tiny_model_dir, tmp_path):
         if "lora_" in n:
             torch.testing.assert_close(p, lora[n])
     assert k4.k == 4 and torch.all(k4.encoder.slots == 0.25)  # the encoder starts fresh
-    other = KTMModel.from_base(tiny_model_dir, k=4, lora=__import__("ktm").LoraSettings(r=8))
-    with pytest.raises(KTMError, match="expected the same LoRA settings"):
+    other = KTMModel.from_base(tiny_model_dir, k=4, lora=__import__("ktm").LoraSettings(r=2))
+    with pytest.raises(KTMError, match="r=4, dropout=0.05, but the model has r=2"):
         load_adapter_into(other, tmp_path / "k2")
+
+
+def _logits(model, texts=("the quick brown fox jumps", "over the lazy dog")):
+    prompts = [(Segment(t), Segment(" and", compress=False)) for t in texts]
+    with torch.no_grad():
+        return model.target_logits(prompts, [" then it ran"] * len(prompts)).logits
+
+
+def test_grown_lora_computes_the_same_function_then_trains_its_new_rank(tiny_model_dir,
+                                                                       tmp_path):
+    from ktm import LoraSettings
+    from ktm.checkpoint import load_adapter_into
+
+    small = fresh(tiny_model_dir, k=2)
+    randomize_lora(small)
+    small.save(str(tmp_path / "r4"))
+    want = _logits(small.eval())
+    big = fresh(tiny_model_dir, k=2, lora=LoraSettings(r=8, alpha=8))  # other alpha/r too
+    assert (_logits(big.eval()) - want).abs().max() > 1e-2  # so the check below can fail
+    big.encoder.load_state_dict(small.encoder.state_dict())
+    load_adapter_into(big, tmp_path / "r4")
+    torch.testing.assert_close(_logits(big.eval()), want, atol=1e-5, rtol=1e-5)
+    b = next(p for n, p in big.peft.named_parameters() if "lora_B" in n)
+    a = next(p for n, p in big.peft.named_parameters() if "lora_A" in n)
+    assert torch.all(b[:, 4:] == 0) and a[4:].abs().sum() > 0
+    big.train()
+    out = big.target_logits([(Segment("the quick brown fox"),)], [" jumps"])
+    torch.nn.functional.cross_entropy(out.logits, out.labels).backward()
+    assert b.grad[:, 4:].abs().sum() > 0  # the new rank is trainable from the first step
+
+
+def test_init_with_a_larger_lora_rank_grows_the_checkpoint(tiny_model_dir, tmp_path, corpus):
+    small = fresh(tiny_model_dir, k=2)
+    randomize_lora(small)
+    small.save(str(tmp_path / "r4"))
+    common = ["--init", str(tmp_path / "r4"), "--model", tiny_model_dir, "--max-steps", "1",
+              "--no-progress", "--sources", corpus, "--batch-size", "1", "--eval-sets", "none",
+              "--context-tokens", "24", "--target-tokens", "8", "--min-tokens", "8"]
+    assert main(["pretrain", *common, "--lora-r", "8", "--lora-alpha", "32",
+                 "--out-dir", str(tmp_path / "grown")]) == 0
+    grown = KTMModel.load(str(tmp_path / "grown" / "checkpoint"))
+    assert (grown.config.lora.r, grown.config.lora.alpha) == (8, 32)
+    assert main(["pretrain", *common, "--lora-r", "2", "--out-dir", str(tmp_path / "x")]) == 2
