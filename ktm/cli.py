@@ -304,6 +304,8 @@ def _curriculum_parser(cur: argparse.ArgumentParser) -> None:
     add_dataclass_args(cur, CurriculumConfig)
     add_dataclass_args(cur, TrainConfig)
     cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"])
+    _init_args(cur)  # the curriculum starts from a reader like any fine-tune
+    threads_arg(cur)
     _data_args(cur)
     cur.set_defaults(run=cmd_curriculum)
 

@@ -137,6 +137,28 @@ def test_curriculum_rounds_and_stop(capsys, tiny_model_dir, tmp_path):
     assert saved == rows
 
 
+def test_curriculum_starts_from_a_reader(capsys, tiny_model_dir, tmp_path):
+    from ktm.model import KTMModel
+
+    reader = KTMModel.from_base(tiny_model_dir, k=2, slot_weights=True)
+    with __import__("torch").no_grad():
+        reader.encoder.slots.mul_(3.0)
+    reader.save(str(tmp_path / "reader"))
+    code, out, err = run(capsys, "curriculum", "--init", str(tmp_path / "reader"), "--model",
+                       tiny_model_dir, "--start-stage", "small", "--final-stage", "small",
+                       "--threshold", "1.0", "--steps-per-round", "1", "--max-rounds", "1",
+                       "--n-eval", "4", "--batch-size", "2", "--lr", "1e-9", "--threads", "1",
+                       "--out-dir", str(tmp_path / "cur"), "--no-progress")
+    assert code in (0, 1), err
+    assert json.loads(out.splitlines()[0])["stage"] == "small"
+    after = KTMModel.load(str(tmp_path / "cur" / "small-r1" / "checkpoint"))
+    assert after.k == 2  # the reader's K and weights, not a fresh default model
+    __import__("torch").testing.assert_close(after.encoder.slots, reader.encoder.slots)
+    code, _, err = run(capsys, "curriculum", "--init", "smollm2-135m-k9", "--out-dir",
+                       str(tmp_path / "x"))
+    assert code == 2 and "no shipped reader of that name" in err
+
+
 def test_curriculum_rejects_bad_stage_order(capsys, tiny_model_dir, tmp_path):
     code, _, err = run(capsys, "curriculum", "--model", tiny_model_dir, "--start-stage", "large",
                        "--final-stage", "small", "--out-dir", str(tmp_path))
