@@ -164,7 +164,7 @@ def encoder_state(directory: str | Path, enc_cfg: EncoderConfig) -> dict[str, to
 
 def load_adapter_into(model, directory: str | Path) -> None:
     """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
-    reader's adapter); the LoRA dropout and the model's sizes must match. A recursive encoder
+    reader's adapter); the model's sizes must match. A recursive encoder
     whose inner level has the checkpoint's encoder config also gets that encoder's weights.
 
     A model whose LoRA rank is larger than the checkpoint's *grows* it: see ``grow_lora``.
@@ -178,11 +178,10 @@ def load_adapter_into(model, directory: str | Path) -> None:
         if theirs == inner.config:
             inner.load_state_dict(encoder_state(directory, theirs))
     theirs, mine = model_config(directory).lora, model.config.lora
-    if theirs.r > mine.r or theirs.dropout != mine.dropout:
-        raise KTMError(f"checkpoint {str(directory)!r} has LoRA r={theirs.r}, "
-                       f"dropout={theirs.dropout}, but the model has r={mine.r}, "
-                       f"dropout={mine.dropout}: expected the same LoRA dropout and a rank at "
-                       "least the checkpoint's (a larger one grows the adapter)")
+    if theirs.r > mine.r:
+        raise KTMError(f"checkpoint {str(directory)!r} has LoRA r={theirs.r}, but the model has "
+                       f"r={mine.r}: expected a rank at least the checkpoint's (a larger one "
+                       "grows the adapter; a smaller one cannot hold it)")
     path = directory / ADAPTER_WEIGHTS
     try:
         state = load_file(str(path))

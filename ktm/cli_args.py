@@ -53,16 +53,18 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     from ktm.readers import resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
-    saved = model_config(path)
+    own = model_config(path)
     flags = given(KTMConfig, args)
     # K first, as KTMModel.load checks it: a recursive checkpoint also reads at its inner K
-    check_level(saved, flags.get("k"), path)
-    if "k" in flags:
-        saved = saved.at_level(flags["k"])
+    check_level(own, flags.get("k"), path)
+    saved = own.at_level(flags["k"]) if "k" in flags else own
     want = from_args(KTMConfig, args, base=saved)
     clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]
     if trainable and clash and set(clash) <= {"lora_r", "lora_alpha"}:
-        return _grown(args, path, want)
+        if want.k != own.k:
+            raise KTMError(f"growing the LoRA of {checkpoint!r} needs its own K={own.k}, not "
+                           f"the inner K={want.k}")
+        return _grown(path, replace(want, dtype=flags.get("dtype", "float32")), args.device)
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
         theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
@@ -73,21 +75,14 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
                          dtype=flags.get("dtype", "float32"), trainable=trainable)
 
 
-def _grown(args: argparse.Namespace, path, want: KTMConfig):
+def _grown(path: Path, want: KTMConfig, device: str):
     """``--init CKPT --lora-r R``: the checkpoint's model with its adapter grown to rank R (the
-    same function at the start, more capacity to train; ``ktm.checkpoint.grow_lora``)."""
-    from ktm.checkpoint import encoder_state, load_adapter_into, model_config
+    same function at the start, more capacity to train; ``ktm.checkpoint.grow_lora``, which
+    refuses a smaller rank)."""
+    from ktm.checkpoint import encoder_state, load_adapter_into
     from ktm.model import KTMModel
 
-    own = model_config(path)
-    if want.lora.r < own.lora.r:
-        raise KTMError(f"--lora-r {want.lora.r} is below checkpoint {str(path)!r}'s r="
-                       f"{own.lora.r}: a starting adapter can grow, not shrink")
-    if want.k != own.k:
-        raise KTMError(f"growing the LoRA of {str(path)!r} needs its own K={own.k}, not the "
-                       f"inner K={want.k}")
-    want = replace(want, dtype=given(KTMConfig, args).get("dtype", "float32"))
-    model = KTMModel.from_base(want.base_model, config=want, device=args.device)
+    model = KTMModel.from_base(want.base_model, config=want, device=device)
     model.encoder.load_state_dict(encoder_state(path, model.encoder.config))
     load_adapter_into(model, path)
     return model.train()

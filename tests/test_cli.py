@@ -138,10 +138,12 @@ def test_curriculum_rounds_and_stop(capsys, tiny_model_dir, tmp_path):
 
 
 def test_curriculum_starts_from_a_reader(capsys, tiny_model_dir, tmp_path):
+    import torch
+
     from ktm.model import KTMModel
 
     reader = KTMModel.from_base(tiny_model_dir, k=2, slot_weights=True)
-    with __import__("torch").no_grad():
+    with torch.no_grad():
         reader.encoder.slots.mul_(3.0)
     reader.save(str(tmp_path / "reader"))
     code, out, err = run(capsys, "curriculum", "--init", str(tmp_path / "reader"), "--model",
@@ -153,7 +155,7 @@ def test_curriculum_starts_from_a_reader(capsys, tiny_model_dir, tmp_path):
     assert json.loads(out.splitlines()[0])["stage"] == "small"
     after = KTMModel.load(str(tmp_path / "cur" / "small-r1" / "checkpoint"))
     assert after.k == 2  # the reader's K and weights, not a fresh default model
-    __import__("torch").testing.assert_close(after.encoder.slots, reader.encoder.slots)
+    torch.testing.assert_close(after.encoder.slots, reader.encoder.slots)
     code, _, err = run(capsys, "curriculum", "--init", "smollm2-135m-k9", "--out-dir",
                        str(tmp_path / "x"))
     assert code == 2 and "no shipped reader of that name" in err

@@ -239,7 +239,7 @@ def test_init_adapter_starts_lora_from_another_k(tiny_model_dir, tmp_path):
             torch.testing.assert_close(p, lora[n])
     assert k4.k == 4 and torch.all(k4.encoder.slots == 0.25)  # the encoder starts fresh
     other = KTMModel.from_base(tiny_model_dir, k=4, lora=__import__("ktm").LoraSettings(r=2))
-    with pytest.raises(KTMError, match="r=4, dropout=0.05, but the model has r=2"):
+    with pytest.raises(KTMError, match="r=4, but the model has r=2: expected a rank at least"):
         load_adapter_into(other, tmp_path / "k2")
 
 
