@@ -60,11 +60,16 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     saved = own.at_level(flags["k"]) if "k" in flags else own
     want = from_args(KTMConfig, args, base=saved)
     clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]
-    if trainable and clash and set(clash) <= {"lora_r", "lora_alpha"}:
+    if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio"}:
         if want.k != own.k:
-            raise KTMError(f"growing the LoRA of {checkpoint!r} needs its own K={own.k}, not "
+            raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
                            f"the inner K={want.k}")
-        return _grown(path, replace(want, dtype=flags.get("dtype", "float32")), args.device)
+        if want.mlp_ratio < own.mlp_ratio:
+            raise KTMError(f"--mlp-ratio {want.mlp_ratio!r} is below checkpoint {checkpoint!r}'s "
+                           f"{own.mlp_ratio!r}: expected a wider encoder (a narrower one cannot "
+                           "hold it)")
+        return _grown(path, replace(want, dtype=flags.get("dtype", "float32")), args.device,
+                      getattr(args, "seed", 0) or 0)
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
         theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
@@ -75,15 +80,25 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
                          dtype=flags.get("dtype", "float32"), trainable=trainable)
 
 
-def _grown(path: Path, want: KTMConfig, device: str):
-    """``--init CKPT --lora-r R``: the checkpoint's model with its adapter grown to rank R (the
-    same function at the start, more capacity to train; ``ktm.checkpoint.grow_lora``, which
-    refuses a smaller rank)."""
-    from ktm.checkpoint import encoder_state, load_adapter_into
+def _grown(path: Path, want: KTMConfig, device: str, seed: int):
+    """``--init CKPT --lora-r R`` / ``--mlp-ratio M``: the checkpoint's model with its adapter
+    grown to rank R and / or its encoder MLP widened to ratio M (the same function at the start,
+    more capacity to train; ``ktm.checkpoint.grow_lora`` and ``ktm.encoder.grow_encoder``)."""
+    import torch
+
+    from ktm.checkpoint import encoder_state, load_adapter_into, model_config
+    from ktm.encoder import EncoderConfig, grow_encoder
     from ktm.model import KTMModel
 
-    model = KTMModel.from_base(want.base_model, config=want, device=device)
-    model.encoder.load_state_dict(encoder_state(path, model.encoder.config))
+    with torch.random.fork_rng(devices=[]):  # the new units' init comes from the run's seed
+        torch.manual_seed(seed)
+        model = KTMModel.from_base(want.base_model, config=want, device=device)
+    enc = model.encoder.config
+    theirs = EncoderConfig(enc.hidden_size, **model_config(path).encoder_kwargs())
+    state = encoder_state(path, theirs)
+    if theirs != enc:
+        state = grow_encoder(state, model.encoder.state_dict())
+    model.encoder.load_state_dict(state)
     load_adapter_into(model, path)
     return model.train()
 

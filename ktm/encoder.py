@@ -181,3 +181,44 @@ class RecursiveEncoder(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         merged, m = self.inner(embeds, mask)
         return self.outer(merged, m)
+
+
+def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """A narrower encoder's weights inside a wider one (a larger ``mlp_ratio``), computing
+    exactly the same function; the analogue for the MLP of ``ktm.checkpoint.grow_lora``.
+
+    The MLP is ``Linear(KD, h) -> GELU -> Linear(h, h) -> GELU -> Linear(h, D)``. The saved units
+    fill the first h of the new H hidden units of each layer. The new units of the first layer
+    keep their fresh init; the weights from them into the saved units of the second layer are
+    zero, so the saved units compute what they did; the new units of the second layer keep their
+    fresh init, and the last layer's weights from them are zero, so they add nothing to the
+    output until training moves those weights. Slot weights, gates and anything outside an MLP
+    are copied as saved; they must have the same shape.
+    """
+    out = {}
+    for key, new in current.items():
+        if key not in saved:
+            raise KTMError(f"encoder weight {key!r} is missing from the saved encoder: expected "
+                           "the same encoder layout with a narrower MLP")
+        value = saved[key].to(new.dtype)
+        grown = new.detach().clone()
+        layer = key.rsplit(".", 2)[-2] if ".mlp." in f".{key}" else None
+        fits = value.dim() == new.dim() and all(a <= b for a, b in zip(value.shape, new.shape))
+        if layer is None or not fits:
+            if value.shape != new.shape:
+                raise KTMError(f"encoder weight {key!r} has shape {tuple(value.shape)}, which "
+                               f"does not fit {tuple(new.shape)}: expected a wider MLP only")
+            out[key] = value
+            continue
+        if layer == "2" and key.endswith("weight"):
+            grown[: value.shape[0], value.shape[1]:] = 0  # new units in, saved units out: none
+        if layer == "4" and key.endswith("weight"):
+            grown[:, value.shape[1]:] = 0  # the new units reach the output only through training
+        grown[tuple(slice(0, n) for n in value.shape)] = value
+        out[key] = grown
+    unknown = sorted(set(saved) - set(current))
+    if unknown:
+        raise KTMError(f"saved encoder weights {unknown[:3]} do not exist in this encoder: "
+                       "expected the same encoder layout with a narrower MLP")
+    return out

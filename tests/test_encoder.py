@@ -124,3 +124,39 @@ def test_k2_reader_starts_the_inner_level_of_a_recursive_k4(tiny_model_dir, tmp_
     again = KTMModel.load(str(tmp_path / "k4"))
     torch.testing.assert_close(again.encoder.inner.slots, k2.encoder.slots)
     assert again.encoder.config.inner_k == 2
+
+
+@pytest.mark.parametrize("layout", [dict(k=4, slot_weights=True), dict(k=4, inner_k=2),
+                                    dict(k=2, mlp_gate=True)])
+def test_grown_encoder_computes_the_same_function_then_trains_its_new_units(layout):
+    from ktm.encoder import EncoderConfig, grow_encoder
+
+    torch.manual_seed(0)
+    narrow = KTokenEncoder.from_config(EncoderConfig(16, mlp_ratio=0.5, **layout)).double()
+    for p in narrow.parameters():  # a trained encoder: every weight, the last layer too, nonzero
+        p.data.normal_(0, 0.3)
+    wide = KTokenEncoder.from_config(EncoderConfig(16, mlp_ratio=1.5, **layout)).double()
+    for p in wide.parameters():  # so that a unit grown without its zeros changes the output
+        p.data.normal_(0, 0.3)
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    mask = torch.arange(11) < torch.tensor([[11], [6]])
+    want = narrow(x, mask)[0]
+    assert (wide(x, mask)[0] - want).abs().max() > 1e-2  # so the check below can fail
+    wide.load_state_dict(grow_encoder(narrow.state_dict(), wide.state_dict()))
+    torch.testing.assert_close(wide(x, mask)[0], want, atol=1e-9, rtol=1e-9)
+    wide(x, mask)[0].pow(2).sum().backward()
+    h = [p for n, p in narrow.named_parameters() if n.endswith("mlp.4.weight")][-1].shape[1]
+    last = [p for n, p in wide.named_parameters() if n.endswith("mlp.4.weight")][-1]
+    assert last.grad[:, h:].abs().sum() > 0  # the new units are trainable from the first step
+
+
+def test_grow_encoder_refuses_another_layout():
+    from ktm.encoder import EncoderConfig, grow_encoder
+
+    narrow = KTokenEncoder.from_config(EncoderConfig(16, k=4, mlp_ratio=0.5))
+    sloted = KTokenEncoder.from_config(EncoderConfig(16, k=4, mlp_ratio=1.0, slot_weights=True))
+    with pytest.raises(KTMError, match="'slots' is missing from the saved encoder"):
+        grow_encoder(narrow.state_dict(), sloted.state_dict())
+    other_k = KTokenEncoder.from_config(EncoderConfig(16, k=2, mlp_ratio=2.0))
+    with pytest.raises(KTMError, match="expected a wider MLP only"):
+        grow_encoder(narrow.state_dict(), other_k.state_dict())

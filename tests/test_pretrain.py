@@ -284,3 +284,31 @@ def test_init_with_a_larger_lora_rank_grows_the_checkpoint(tiny_model_dir, tmp_p
     grown = KTMModel.load(str(tmp_path / "grown" / "checkpoint"))
     assert (grown.config.lora.r, grown.config.lora.alpha) == (8, 32)
     assert main(["pretrain", *common, "--lora-r", "2", "--out-dir", str(tmp_path / "x")]) == 2
+
+
+def test_init_with_a_larger_mlp_ratio_widens_the_encoder_exactly(tiny_model_dir, tmp_path,
+                                                                  corpus):
+    from ktm.cli import _parser
+    from ktm.cli_args import init_or_build
+
+    small = fresh(tiny_model_dir, k=2, mlp_ratio=0.5)
+    randomize_lora(small)
+    for p in small.encoder.parameters():
+        p.data.normal_(0, 0.05)
+    small.save(str(tmp_path / "narrow"))
+    want = _logits(small.eval())
+    common = ["--init", str(tmp_path / "narrow"), "--model", tiny_model_dir, "--seed", "3"]
+    argv = ["pretrain", *common, "--mlp-ratio", "1.5",
+            "--lora-r", "8", "--sources", corpus]
+    args = _parser(argv).parse_args(argv)
+    wide = init_or_build(args)
+    assert wide.encoder.config.mlp_hidden == 3 * small.encoder.config.mlp_hidden
+    torch.testing.assert_close(_logits(wide.eval()), want, atol=1e-5, rtol=1e-5)
+    again = init_or_build(args)  # the new units' init comes from --seed: the same model twice
+    torch.testing.assert_close(again.encoder.mlp[0].weight, wide.encoder.mlp[0].weight)
+    run = [*common, "--max-steps", "1", "--no-progress", "--sources", corpus, "--batch-size", "1",
+           "--eval-sets", "none", "--context-tokens", "24", "--target-tokens", "8",
+           "--min-tokens", "8"]
+    assert main(["pretrain", *run, "--mlp-ratio", "1.0", "--out-dir", str(tmp_path / "w")]) == 0
+    assert KTMModel.load(str(tmp_path / "w" / "checkpoint")).config.mlp_ratio == 1.0
+    assert main(["pretrain", *run, "--mlp-ratio", "0.25", "--out-dir", str(tmp_path / "x")]) == 2
