@@ -68,8 +68,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
             raise KTMError(f"--mlp-ratio {want.mlp_ratio!r} is below checkpoint {checkpoint!r}'s "
                            f"{own.mlp_ratio!r}: expected a wider encoder (a narrower one cannot "
                            "hold it)")
-        return _grown(path, replace(want, dtype=flags.get("dtype", "float32")), args.device,
-                      getattr(args, "seed", 0) or 0)
+        return _grown(path, own, replace(want, dtype=flags.get("dtype", "float32")),
+                      args.device, getattr(args, "seed", 0) or 0)
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
         theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
@@ -80,13 +80,13 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
                          dtype=flags.get("dtype", "float32"), trainable=trainable)
 
 
-def _grown(path: Path, want: KTMConfig, device: str, seed: int):
+def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):
     """``--init CKPT --lora-r R`` / ``--mlp-ratio M``: the checkpoint's model with its adapter
     grown to rank R and / or its encoder MLP widened to ratio M (the same function at the start,
     more capacity to train; ``ktm.checkpoint.grow_lora`` and ``ktm.encoder.grow_encoder``)."""
     import torch
 
-    from ktm.checkpoint import encoder_state, load_adapter_into, model_config
+    from ktm.checkpoint import encoder_state, load_adapter_into
     from ktm.encoder import EncoderConfig, grow_encoder
     from ktm.model import KTMModel
 
@@ -94,7 +94,7 @@ def _grown(path: Path, want: KTMConfig, device: str, seed: int):
         torch.manual_seed(seed)
         model = KTMModel.from_base(want.base_model, config=want, device=device)
     enc = model.encoder.config
-    theirs = EncoderConfig(enc.hidden_size, **model_config(path).encoder_kwargs())
+    theirs = EncoderConfig(enc.hidden_size, **own.encoder_kwargs())
     state = encoder_state(path, theirs)
     if theirs != enc:
         state = grow_encoder(state, model.encoder.state_dict())

@@ -183,6 +183,12 @@ class RecursiveEncoder(nn.Module):
         return self.outer(merged, m)
 
 
+# (MLP layer index, parameter) -> for each axis, whether it counts hidden units
+_HIDDEN_AXES = {("0", "weight"): (True, False), ("0", "bias"): (True,),
+                ("2", "weight"): (True, True), ("2", "bias"): (True,),
+                ("4", "weight"): (False, True), ("4", "bias"): (False,)}
+
+
 def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]
                  ) -> dict[str, torch.Tensor]:
     """A narrower encoder's weights inside a wider one (a larger ``mlp_ratio``), computing
@@ -202,18 +208,20 @@ def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor
             raise KTMError(f"encoder weight {key!r} is missing from the saved encoder: expected "
                            "the same encoder layout with a narrower MLP")
         value = saved[key].to(new.dtype)
-        grown = new.detach().clone()
-        layer = key.rsplit(".", 2)[-2] if ".mlp." in f".{key}" else None
-        fits = value.dim() == new.dim() and all(a <= b for a, b in zip(value.shape, new.shape))
-        if layer is None or not fits:
-            if value.shape != new.shape:
-                raise KTMError(f"encoder weight {key!r} has shape {tuple(value.shape)}, which "
-                               f"does not fit {tuple(new.shape)}: expected a wider MLP only")
+        layer, param = key.rsplit(".", 2)[-2:] if ".mlp." in f".{key}" else (None, None)
+        # the axes that count hidden units may grow; every other axis must match exactly
+        grows = _HIDDEN_AXES.get((layer, param), (False,) * new.dim())
+        if value.dim() != new.dim() or any(a > b if g else a != b
+                                           for a, b, g in zip(value.shape, new.shape, grows)):
+            raise KTMError(f"encoder weight {key!r} has shape {tuple(value.shape)}, which does "
+                           f"not fit {tuple(new.shape)}: expected a wider MLP only")
+        if value.shape == new.shape:
             out[key] = value
             continue
-        if layer == "2" and key.endswith("weight"):
+        grown = new.detach().clone()
+        if (layer, param) == ("2", "weight"):
             grown[: value.shape[0], value.shape[1]:] = 0  # new units in, saved units out: none
-        if layer == "4" and key.endswith("weight"):
+        if (layer, param) == ("4", "weight"):
             grown[:, value.shape[1]:] = 0  # the new units reach the output only through training
         grown[tuple(slice(0, n) for n in value.shape)] = value
         out[key] = grown

@@ -160,3 +160,6 @@ def test_grow_encoder_refuses_another_layout():
     other_k = KTokenEncoder.from_config(EncoderConfig(16, k=2, mlp_ratio=2.0))
     with pytest.raises(KTMError, match="expected a wider MLP only"):
         grow_encoder(narrow.state_dict(), other_k.state_dict())
+    two = KTokenEncoder.from_config(EncoderConfig(16, k=2, mlp_ratio=0.5))
+    with pytest.raises(KTMError, match="'mlp.0.weight' has shape \\(16, 32\\)"):  # K=2 -> K=4
+        grow_encoder(two.state_dict(), KTokenEncoder(16, k=4, mlp_ratio=1.0).state_dict())
