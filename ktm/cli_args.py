@@ -21,6 +21,7 @@ from ktm.config_args import add_dataclass_args, from_args, given
 from ktm.errors import KTMError
 
 RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
+LAYOUT = ("plain_suffix",)  # how prompts are laid out, not weights: may differ from a checkpoint's
 
 
 @dataclass
@@ -59,7 +60,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     check_level(own, flags.get("k"), path)
     saved = own.at_level(flags["k"]) if "k" in flags else own
     want = from_args(KTMConfig, args, base=saved)
-    clash = [d for d in flags if d not in (*RUNTIME, "k") and _value(want, d) != _value(saved, d)]
+    clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
+             and _value(want, d) != _value(saved, d)]
     if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio"}:
         if want.k != own.k:
             raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
@@ -77,7 +79,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
                        "drop the flag or pick a matching checkpoint")
     # the dtype is a choice of this run (default float32), not the one the checkpoint trained in
     return KTMModel.load(path, base=flags.get("model"), k=flags.get("k"), device=args.device,
-                         dtype=flags.get("dtype", "float32"), trainable=trainable)
+                         dtype=flags.get("dtype", "float32"), trainable=trainable,
+                         plain_suffix=flags.get("plain_suffix"))
 
 
 def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):

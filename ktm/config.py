@@ -78,6 +78,10 @@ class KTMConfig:
         "help": "recursive merging: merge blocks of inner_k tokens first (1: off)"})
     plain_prefix: int = field(default=0, metadata={
         "help": "first prompt tokens kept plain (the LM's attention sink)"})
+    plain_suffix: int = field(default=0, metadata={
+        "help": "last tokens of the last compressed segment kept plain: the recent tokens, "
+                "which the continuation reads most closely (a prompt layout: a checkpoint can be "
+                "read with another)"})
     spread_positions: bool = field(default=False, metadata={
         "help": "a merged block takes its last token's position id, so relative distances are "
                 "the plain prompt's (off: consecutive ids, K times more context fits)"})
@@ -92,6 +96,8 @@ class KTMConfig:
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k)
         if not _is_int(self.plain_prefix) or self.plain_prefix < 0:
             raise KTMError(f"plain_prefix must be an integer >= 0, got {self.plain_prefix!r}")
+        if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
+            raise KTMError(f"plain_suffix must be an integer >= 0, got {self.plain_suffix!r}")
         if self.dtype not in DTYPES:
             raise KTMError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.dtype = DTYPES[self.dtype]

@@ -97,7 +97,8 @@ def _write(model, tmp: Path) -> None:
     write_json_atomic(tmp / MANIFEST, {
         "format": "ktm-vllm", "format_version": FORMAT_VERSION, "k": model.k,
         "encoder": model.encoder.config.to_dict(), "merges": model.merges,
-        "plain_prefix": model.config.plain_prefix, "model": cfg["config"],
+        "plain_prefix": model.config.plain_prefix, "plain_suffix": model.config.plain_suffix,
+        "model": cfg["config"],
         "base_model": model.config.base_model,
         "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
         "dtype": str(model.dtype).removeprefix("torch."), "embeddings": embeddings,

@@ -130,16 +130,19 @@ class KTMModel(nn.Module):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = torch.float32,
         trainable: bool = False,
+        plain_suffix: int | None = None,
     ) -> KTMModel:
         """Load a checkpoint folder or a shipped reader; refuse one whose K or sizes disagree
-        with what the caller expects."""
+        with what the caller expects. ``plain_suffix`` reads it with another number of plain
+        recent tokens than it was saved with (None: its own)."""
         from ktm.readers import resolve_checkpoint
 
         directory = resolve_checkpoint(directory)
         saved = checkpoint.read_config(directory)
         config = checkpoint.model_config(directory)
         checkpoint.check_level(config, k, directory)  # a recursive one also reads at inner K
-        config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype))
+        config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype),
+                         plain_suffix=config.plain_suffix if plain_suffix is None else plain_suffix)
         device = check_device(device)
         lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
         hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
@@ -248,7 +251,8 @@ class KTMModel(nn.Module):
         generation, the benchmark and the server share; ``cache`` reuses merged segments.
         """
         enc = PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
-                            self._config.plain_prefix, self._config.spread_positions)
+                            self._config.plain_prefix, self._config.spread_positions,
+                            self._config.plain_suffix)
         return enc.encode([as_segments(p) for p in prompts], merge and self.merges, cache)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:

@@ -29,7 +29,8 @@ class PromptEncoder:
     """What encoding needs: tokenizer (as ``tokenize(text, first)``), input embeddings, encoder.
 
     ``plain_prefix``: the first tokens of a compressed first segment stay plain (position 0 is
-    the LM's attention sink).
+    the LM's attention sink). ``plain_suffix``: the last tokens of the last compressed segment
+    stay plain (the recent tokens, which a continuation or an answer reads most closely).
     """
 
     tokenize: Callable[[str, bool], list[int]]
@@ -38,6 +39,7 @@ class PromptEncoder:
     pad_id: int
     plain_prefix: int = 0
     spread_positions: bool = False  # merged blocks at their last token's position
+    plain_suffix: int = 0
 
     def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
                cache: MergeCache | None = None) -> list[CompressedPrompt]:
@@ -53,6 +55,10 @@ class PromptEncoder:
             if self.plain_prefix and row and row[0][1]:
                 ids, n = row[0][0], self.plain_prefix
                 row[:1] = [(ids[:n], False), (ids[n:], True)]
+            last = max((i for i, (_, c) in enumerate(row) if c), default=None)
+            if self.plain_suffix and last is not None:
+                ids, n = row[last][0], min(self.plain_suffix, len(row[last][0]))
+                row[last:last + 1] = [(ids[:len(ids) - n], True), (ids[len(ids) - n:], False)]
             pieces.append(row)
         to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
         merged = iter(self.merge_segments(to_merge, cache))

@@ -72,7 +72,8 @@ class VLLMClient:
         self.encoder.eval()  # fp32 weights, as in the model (bf16 runs under autocast)
         pad = self.tokenizer.pad_token_id
         self.prompt_encoder = PromptEncoder(self.tokenize, self.embed, self.encoder,
-                                            pad if pad is not None else 0, m["plain_prefix"])
+                                            pad if pad is not None else 0, m["plain_prefix"],
+                                            plain_suffix=m.get("plain_suffix", 0))
         self.server_checked = False
 
     # ---------------------------------------------------------------- the files

@@ -147,7 +147,8 @@ def test_resume_refuses_other_lora_settings(saved, tiny_model_dir, field, value,
         load_weights_into(other, path)
 
 
-@pytest.mark.parametrize("option,value", [("spread_positions", True), ("plain_prefix", 2)])
+@pytest.mark.parametrize("option,value", [("spread_positions", True), ("plain_prefix", 2),
+                                          ("plain_suffix", 3)])
 def test_resume_refuses_another_prompt_layout(saved, tiny_model_dir, option, value):
     _, path = saved
     other = KTMModel.from_base(tiny_model_dir, k=4, **{option: value})

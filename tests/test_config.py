@@ -10,6 +10,7 @@ from ktm.errors import KTMError
     ({"mlp_ratio": 0.0}, "mlp_ratio must be > 0"),
     ({"use_mlp": False, "mlp_gate": True}, "mlp_gate=True needs use_mlp=True"),
     ({"plain_prefix": -1}, "plain_prefix must be an integer >= 0"),
+    ({"plain_suffix": 1.5}, "plain_suffix must be an integer >= 0, got 1.5"),
     ({"dtype": "int8"}, "dtype must be one of"),
     ({"lora": {"r": 0}}, "LoRA r must be an integer >= 1, got 0"),
     ({"lora": {"dropout": 1.0}}, r"LoRA dropout must be in \[0, 1\)"),

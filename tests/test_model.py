@@ -149,3 +149,59 @@ def test_spread_positions_put_each_block_at_its_last_token(tiny_model_dir):
     compact = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1)
     compact.load_state_dict(model.state_dict())
     assert compact([prompt], [target]).nll[0].item() != pytest.approx(want.item(), rel=1e-4)
+
+
+def test_plain_suffix_keeps_the_last_tokens_of_the_last_merged_segment_plain(tiny_model_dir):
+    import torch
+
+    from ktm.model import KTMModel
+    from ktm.prompt import Segment
+
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1, plain_suffix=3,
+                               spread_positions=True)
+    perturb(model, seed=2)  # the encoder away from mean pooling
+    first, doc, question = tuple(range(10, 16)), tuple(range(20, 31)), (5, 6)
+    prompt = [Segment("", ids=first), Segment("", ids=doc),
+              Segment("", compress=False, ids=question)]
+    cp = model.compress(prompt)
+    emb = model.embed_ids
+    with torch.no_grad():
+        # first segment: 1 plain + 5 merged (2 blocks), untouched by the suffix; the last
+        # compressed segment: 8 merged (2 blocks) + its last 3 plain; then the question
+        def merged(ids):
+            return model.encoder(emb(torch.tensor(ids))[None])[0][0]
+
+        want = torch.cat([emb(torch.tensor(first[:1])), merged(first[1:]), merged(doc[:8]),
+                          emb(torch.tensor(doc[8:] + question))])
+    torch.testing.assert_close(cp.embeds, want)
+    assert (cp.tokens_in, cp.tokens_out) == (19, 10)
+    assert cp.positions.tolist() == [0, 4, 5, 9, 13, 14, 15, 16, 17, 18]
+    assert model.generate(prompt, max_new_tokens=4, use_cache=True) == \
+        model.generate(prompt, max_new_tokens=4, use_cache=False)
+    # a suffix longer than the segment leaves it all plain: the same as not merging it
+    whole = KTMModel.from_base(tiny_model_dir, k=4, plain_suffix=50)
+    whole.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(whole.compress(prompt[1:]).embeds,
+                                   whole.compress(prompt[1:], merge=False).embeds)
+    # and without the suffix the tail is merged, or this test could not fail
+    none = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1, spread_positions=True)
+    none.load_state_dict(model.state_dict())
+    assert none.compress(prompt).tokens_out == 8
+
+
+def test_a_checkpoint_reads_with_another_plain_suffix(tiny_model_dir, tmp_path):
+    import torch
+
+    from ktm.model import KTMModel
+    from ktm.prompt import Segment
+
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    model.save(str(tmp_path / "ck"))
+    prompt = [Segment("", ids=tuple(range(10, 20)))]
+    as_saved = KTMModel.load(tmp_path / "ck")
+    read = KTMModel.load(tmp_path / "ck", plain_suffix=4)
+    assert as_saved.config.plain_suffix == 0 and read.config.plain_suffix == 4
+    assert (as_saved.compress(prompt).tokens_out, read.compress(prompt).tokens_out) == (5, 7)
