@@ -55,10 +55,12 @@ class PromptEncoder:
             if self.plain_prefix and row and row[0][1]:
                 ids, n = row[0][0], self.plain_prefix
                 row[:1] = [(ids[:n], False), (ids[n:], True)]
-            last = max((i for i, (_, c) in enumerate(row) if c), default=None)
-            if self.plain_suffix and last is not None:
-                ids, n = row[last][0], min(self.plain_suffix, len(row[last][0]))
-                row[last:last + 1] = [(ids[:len(ids) - n], True), (ids[len(ids) - n:], False)]
+            if self.plain_suffix:
+                last = max((i for i, (_, c) in enumerate(row) if c), default=None)
+                if last is not None:
+                    ids = row[last][0]
+                    cut = max(len(ids) - self.plain_suffix, 0)
+                    row[last:last + 1] = [(ids[:cut], True), (ids[cut:], False)]
             pieces.append(row)
         to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
         merged = iter(self.merge_segments(to_merge, cache))

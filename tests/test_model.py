@@ -152,11 +152,6 @@ def test_spread_positions_put_each_block_at_its_last_token(tiny_model_dir):
 
 
 def test_plain_suffix_keeps_the_last_tokens_of_the_last_merged_segment_plain(tiny_model_dir):
-    import torch
-
-    from ktm.model import KTMModel
-    from ktm.prompt import Segment
-
     torch.manual_seed(0)
     model = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1, plain_suffix=3,
                                spread_positions=True)
@@ -192,11 +187,6 @@ def test_plain_suffix_keeps_the_last_tokens_of_the_last_merged_segment_plain(tin
 
 
 def test_a_checkpoint_reads_with_another_plain_suffix(tiny_model_dir, tmp_path):
-    import torch
-
-    from ktm.model import KTMModel
-    from ktm.prompt import Segment
-
     torch.manual_seed(0)
     model = KTMModel.from_base(tiny_model_dir, k=2)
     model.save(str(tmp_path / "ck"))
