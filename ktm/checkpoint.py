@@ -123,7 +123,7 @@ def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, obj
     """(name, saved, mine) for every field that changes the model (not base path or dtype)."""
     out = [("K" if name == "k" else name, getattr(saved, name), getattr(mine, name))
            for name in (*KTMConfig.ENCODER_FIELDS, "plain_prefix", "plain_suffix",
-                        "spread_positions", "add_eos")]
+                        "align_lines", "spread_positions", "add_eos")]
     out += [(f"lora.{name}", getattr(saved.lora, name), getattr(mine.lora, name))
             for name in ("r", "alpha", "dropout")]
     return [d for d in out if d[1] != d[2]]

@@ -21,7 +21,8 @@ from ktm.config_args import add_dataclass_args, from_args, given
 from ktm.errors import KTMError
 
 RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
-LAYOUT = ("plain_suffix",)  # how prompts are laid out, not weights: may differ from a checkpoint's
+# how prompts are laid out, not weights: may differ from a checkpoint's
+LAYOUT = ("plain_suffix", "align_lines")
 
 
 @dataclass
@@ -80,7 +81,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     # the dtype is a choice of this run (default float32), not the one the checkpoint trained in
     return KTMModel.load(path, base=flags.get("model"), k=flags.get("k"), device=args.device,
                          dtype=flags.get("dtype", "float32"), trainable=trainable,
-                         plain_suffix=flags.get("plain_suffix"))
+                         plain_suffix=flags.get("plain_suffix"),
+                         align_lines=flags.get("align_lines"))
 
 
 def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):

@@ -82,6 +82,10 @@ class KTMConfig:
         "help": "last tokens of the last compressed segment kept plain: the recent tokens, "
                 "which the continuation reads most closely (a prompt layout: a checkpoint can be "
                 "read with another)"})
+    align_lines: bool = field(default=False, metadata={
+        "help": "merged blocks never span a line break: each line of a compressed segment is "
+                "merged on its own, its last block holding fewer than K tokens if need be (a "
+                "prompt layout: a checkpoint can be read with or without it)"})
     spread_positions: bool = field(default=False, metadata={
         "help": "a merged block takes its last token's position id, so relative distances are "
                 "the plain prompt's (off: consecutive ids, K times more context fits)"})

@@ -98,6 +98,7 @@ def _write(model, tmp: Path) -> None:
         "format": "ktm-vllm", "format_version": FORMAT_VERSION, "k": model.k,
         "encoder": model.encoder.config.to_dict(), "merges": model.merges,
         "plain_prefix": model.config.plain_prefix, "plain_suffix": model.config.plain_suffix,
+        "align_lines": model.config.align_lines,
         "model": cfg["config"],
         "base_model": model.config.base_model,
         "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],

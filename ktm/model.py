@@ -26,7 +26,7 @@ from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
 from ktm.models import check_device, dtype_name, load_base, parse_dtype
-from ktm.prefix import MergeCache, PromptEncoder
+from ktm.prefix import MergeCache, PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments, split_prompts
 
 __all__ = ["CompressedPrompt", "KTMConfig", "KTMModel", "LoraSettings", "LossOutput", "Packed",
@@ -64,6 +64,7 @@ class KTMModel(nn.Module):
         # pads never reach the LM (masked); any valid id will do where a tokenizer has none
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
+        self._line_breaks: frozenset[int] | None = None  # read from the tokenizer on first use
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -131,10 +132,11 @@ class KTMModel(nn.Module):
         dtype: str | torch.dtype = torch.float32,
         trainable: bool = False,
         plain_suffix: int | None = None,
+        align_lines: bool | None = None,
     ) -> KTMModel:
         """Load a checkpoint folder or a shipped reader; refuse one whose K or sizes disagree
-        with what the caller expects. ``plain_suffix`` reads it with another number of plain
-        recent tokens than it was saved with (None: its own)."""
+        with what the caller expects. ``plain_suffix`` / ``align_lines`` read it with another
+        prompt layout than it was saved with (None: its own)."""
         from ktm.readers import resolve_checkpoint
 
         directory = resolve_checkpoint(directory)
@@ -142,7 +144,8 @@ class KTMModel(nn.Module):
         config = checkpoint.model_config(directory)
         checkpoint.check_level(config, k, directory)  # a recursive one also reads at inner K
         config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype),
-                         plain_suffix=config.plain_suffix if plain_suffix is None else plain_suffix)
+                         plain_suffix=config.plain_suffix if plain_suffix is None else plain_suffix,
+                         align_lines=config.align_lines if align_lines is None else align_lines)
         device = check_device(device)
         lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
         hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
@@ -252,8 +255,17 @@ class KTMModel(nn.Module):
         """
         enc = PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
                             self._config.plain_prefix, self._config.spread_positions,
-                            self._config.plain_suffix)
+                            self._config.plain_suffix, self.line_breaks)
         return enc.encode([as_segments(p) for p in prompts], merge and self.merges, cache)
+
+    @property
+    def line_breaks(self) -> frozenset[int] | None:
+        """The tokenizer's line-break ids if this model merges line by line (``align_lines``)."""
+        if not self._config.align_lines:
+            return None
+        if self._line_breaks is None:
+            self._line_breaks = line_break_ids(self.tokenizer)
+        return self._line_breaks
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -38,7 +38,7 @@ from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.export import ENCODER, LM_DIR, lm_files, read_manifest, sha256_files
 from ktm.models import parse_dtype
-from ktm.prefix import PromptEncoder
+from ktm.prefix import PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments
 
 
@@ -73,7 +73,9 @@ class VLLMClient:
         pad = self.tokenizer.pad_token_id
         self.prompt_encoder = PromptEncoder(self.tokenize, self.embed, self.encoder,
                                             pad if pad is not None else 0, m["plain_prefix"],
-                                            plain_suffix=m.get("plain_suffix", 0))
+                                            plain_suffix=m.get("plain_suffix", 0),
+                                            line_breaks=line_break_ids(self.tokenizer)
+                                            if m.get("align_lines") else None)
         self.server_checked = False
 
     # ---------------------------------------------------------------- the files

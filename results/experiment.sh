@@ -17,6 +17,8 @@
 # --schedule cosine) instead of holding it constant, into results/TASK-cosine/.
 # SUFFIX=N keeps the last N prompt tokens of the merged text plain in the K-token-merging runs
 # (ktm train --plain-suffix N; the other methods are unchanged), into results/TASK-suffixN/.
+# ALIGN=lines merges each line of the compressed text on its own in the K-token-merging runs, no
+# block spanning a line break (ktm train --align-lines), into results/TASK-lines/.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
@@ -38,13 +40,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 task_name=$1; shift
-name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}${SUFFIX:+-suffix$SUFFIX}
+name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}${SUFFIX:+-suffix$SUFFIX}${ALIGN:+-$ALIGN}
 schedule=${SCHEDULE:-constant}
 case $schedule in constant) ;; cosine) name+=-cosine ;;
   *) echo "SCHEDULE=$schedule: expected constant or cosine" >&2; exit 2 ;; esac
 lr=${LR:-5e-4}
 case $lr in ''|*[!0-9.eE+-]*) echo "LR=$lr: expected a number such as 2e-4" >&2; exit 2 ;; esac
 case ${SUFFIX:-1} in ''|*[!0-9]*) echo "SUFFIX=$SUFFIX: expected a number of tokens such as 4" >&2; exit 2 ;; esac
+case ${ALIGN:-lines} in lines) ;; *) echo "ALIGN=$ALIGN: expected lines" >&2; exit 2 ;; esac
 case ${SLOT_LR:-1} in ''|*[!0-9.eE+-]*) echo "SLOT_LR=$SLOT_LR: expected a number such as 1e-2" >&2; exit 2 ;; esac
 encoder_lr=$(python3 -c "print(f'{$lr / 10:g}')")
 methods=${*:-"uncompressed k2 k3 k4"}
@@ -99,6 +102,7 @@ for m in $methods; do
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
   [[ $m == k[0-9]* && -n ${SUFFIX:-} ]] && model+=(--plain-suffix "$SUFFIX")
+  [[ $m == k[0-9]* && -n ${ALIGN:-} ]] && model+=(--align-lines)
   if [[ $task_name == tree-xmedium-cur* ]]; then
     prev=runs/exp/tree${name#"$task_name"}-$m/checkpoint
     [ -d "$prev" ] || { echo "$task_name $m needs $prev: run experiment.sh tree $m first" >&2; exit 2; }

@@ -148,7 +148,7 @@ def test_resume_refuses_other_lora_settings(saved, tiny_model_dir, field, value,
 
 
 @pytest.mark.parametrize("option,value", [("spread_positions", True), ("plain_prefix", 2),
-                                          ("plain_suffix", 3)])
+                                          ("plain_suffix", 3), ("align_lines", True)])
 def test_resume_refuses_another_prompt_layout(saved, tiny_model_dir, option, value):
     _, path = saved
     other = KTMModel.from_base(tiny_model_dir, k=4, **{option: value})

@@ -270,9 +270,11 @@ def test_model_flags_that_contradict_a_checkpoint_are_an_error(capsys, tiny_mode
     code, _, err = run(capsys, "generate", "--checkpoint", str(tmp_path / "ck"), "--lora-r", "8",
                        "--prompt", "hi")
     assert code == 2 and "--lora-r 8 contradicts checkpoint" in err and "lora_r=4" in err
-    # the plain suffix is a prompt layout, not weights: a checkpoint reads with another
+    # the plain suffix and line alignment are a prompt layout, not weights: a checkpoint reads
+    # with another
     code, out, err = run(capsys, "generate", "--checkpoint", str(tmp_path / "ck"),
-                         "--plain-suffix", "2", "--prompt", "hi", "--max-new-tokens", "1")
+                         "--plain-suffix", "2", "--align-lines", "--prompt", "hi\nho",
+                         "--max-new-tokens", "1")
     assert code == 0, err
 
 

@@ -24,7 +24,8 @@ PROMPT = [Segment("Tree: AB\n+CD\n++EF\n+GH"), Segment(", Parent: AB, Answer:", 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir):
     torch.manual_seed(0)
-    model = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1, plain_suffix=2)
+    model = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1, plain_suffix=2,
+                               align_lines=True)
     perturb(model, seed=1)  # LoRA and the encoder away from their no-op starts
     return model
 
@@ -51,7 +52,7 @@ def test_exported_lm_loads_in_transformers_with_equal_logits(trained, exported):
     # the export merged a copy: the model still has its adapter and its outputs
     torch.testing.assert_close(trained.prompt_logits(PROMPT), before, atol=0, rtol=0)
     m = read_manifest(exported)
-    assert m["k"] == 4 and (m["plain_prefix"], m["plain_suffix"]) == (1, 2)
+    assert m["k"] == 4 and (m["plain_prefix"], m["plain_suffix"], m["align_lines"]) == (1, 2, True)
     assert m["served_model_name"].startswith("ktm-k4-")
 
 

@@ -195,3 +195,55 @@ def test_a_checkpoint_reads_with_another_plain_suffix(tiny_model_dir, tmp_path):
     read = KTMModel.load(tmp_path / "ck", plain_suffix=4)
     assert as_saved.config.plain_suffix == 0 and read.config.plain_suffix == 4
     assert (as_saved.compress(prompt).tokens_out, read.compress(prompt).tokens_out) == (5, 7)
+
+
+def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1, align_lines=True,
+                               spread_positions=True)
+    perturb(model, seed=3)  # the encoder away from mean pooling
+    text = "Tree: AB\n+CD\n++EF"
+    ids = model.tokenize(text, True)
+    breaks = [i for i, t in enumerate(ids) if "\n" in model.tokenizer.decode([t])]
+    assert len(breaks) == 2 and model.line_breaks == frozenset(
+        t for t in range(len(model.tokenizer)) if "\n" in model.tokenizer.decode([t]))
+    # the lines after the plain first token: cut after each line break, merged one by one
+    lines = [ids[1:breaks[0] + 1], ids[breaks[0] + 1:breaks[1] + 1], ids[breaks[1] + 1:]]
+    cp = model.compress([Segment(text), Segment("Answer:", compress=False)])
+    emb, q = model.embed_ids, model.tokenize("Answer:")
+    with torch.no_grad():
+        want = torch.cat([emb(torch.tensor(ids[:1]))]
+                         + [model.encoder(emb(torch.tensor(line))[None])[0][0] for line in lines]
+                         + [emb(torch.tensor(q))])
+    torch.testing.assert_close(cp.embeds, want)
+    n_blocks = sum(-(-len(line) // 4) for line in lines)
+    assert (cp.tokens_in, cp.tokens_out) == (len(ids) + len(q), 1 + n_blocks + len(q))
+    # spread positions: each block at its own last token's position, counted over the lines
+    want_pos, start = [0], 1
+    for line in lines:
+        want_pos += [start + min(j + 4, len(line)) - 1 for j in range(0, len(line), 4)]
+        start += len(line)
+    assert cp.positions.tolist() == want_pos + list(range(len(ids), len(ids) + len(q)))
+    # a batch is its samples one by one, and a cached decode the full re-run
+    other = [Segment("def add(a, b):\n    return a + b\n"), Segment("#", compress=False)]
+    both = model.compress([[Segment(text), Segment("Answer:", compress=False)], other])
+    torch.testing.assert_close(both[0].embeds, cp.embeds)
+    torch.testing.assert_close(both[1].embeds, model.compress(other).embeds)
+    assert model.generate(other, max_new_tokens=4, use_cache=True) == \
+        model.generate(other, max_new_tokens=4, use_cache=False)
+    # without the alignment the blocks span the lines, or this test could not fail
+    across = KTMModel.from_base(tiny_model_dir, k=4, plain_prefix=1, spread_positions=True)
+    across.load_state_dict(model.state_dict())
+    assert across.compress([Segment(text)]).tokens_out == 1 + -(-(len(ids) - 1) // 4)
+    assert not torch.allclose(across.compress([Segment(text)]).embeds[1:3], cp.embeds[1:3])
+
+
+def test_a_checkpoint_reads_with_aligned_lines(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    KTMModel.from_base(tiny_model_dir, k=4).save(str(tmp_path / "ck"))
+    prompt = [Segment("AB\n+CD\n++EF")]
+    as_saved = KTMModel.load(tmp_path / "ck")
+    read = KTMModel.load(tmp_path / "ck", align_lines=True)
+    assert (as_saved.config.align_lines, read.config.align_lines) == (False, True)
+    assert as_saved.line_breaks is None
+    assert as_saved.compress(prompt).tokens_out < read.compress(prompt).tokens_out
