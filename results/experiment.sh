@@ -19,6 +19,7 @@
 # (ktm train --plain-suffix N; the other methods are unchanged), into results/TASK-suffixN/.
 # ALIGN=lines merges each line of the compressed text on its own in the K-token-merging runs, no
 # block spanning a line break (ktm train --align-lines), into results/TASK-lines/.
+# SEED=N fine-tunes with another seed (ktm train --seed N; default 0), into results/TASK-seedN/.
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
@@ -40,20 +41,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 task_name=$1; shift
-name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}${SUFFIX:+-suffix$SUFFIX}${ALIGN:+-$ALIGN}
+name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}${SUFFIX:+-suffix$SUFFIX}${ALIGN:+-$ALIGN}${SEED:+-seed$SEED}
 schedule=${SCHEDULE:-constant}
 case $schedule in constant) ;; cosine) name+=-cosine ;;
   *) echo "SCHEDULE=$schedule: expected constant or cosine" >&2; exit 2 ;; esac
 lr=${LR:-5e-4}
 case $lr in ''|*[!0-9.eE+-]*) echo "LR=$lr: expected a number such as 2e-4" >&2; exit 2 ;; esac
 case ${SUFFIX:-1} in ''|*[!0-9]*) echo "SUFFIX=$SUFFIX: expected a number of tokens such as 4" >&2; exit 2 ;; esac
+case ${SEED:-0} in ''|*[!0-9]*) echo "SEED=$SEED: expected a number such as 1" >&2; exit 2 ;; esac
 case ${ALIGN:-lines} in lines) ;; *) echo "ALIGN=$ALIGN: expected lines" >&2; exit 2 ;; esac
 case ${SLOT_LR:-1} in ''|*[!0-9.eE+-]*) echo "SLOT_LR=$SLOT_LR: expected a number such as 1e-2" >&2; exit 2 ;; esac
 encoder_lr=$(python3 -c "print(f'{$lr / 10:g}')")
 methods=${*:-"uncompressed k2 k3 k4"}
 # --eval-every: the task metric on the run's --n-eval examples every 30 steps, in metrics.jsonl
 # (the fine-tuning curve; greedy evaluation, it does not change the training)
-common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --schedule "$schedule" --seed 0 --save-every 0 --no-progress
+common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --schedule "$schedule" --seed "${SEED:-0}" --save-every 0 --no-progress
         --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30 ${SLOT_LR:+--slot-lr "$SLOT_LR"})
 # the budget curves: a base task with N times its steps and training examples
 declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xxlong]="tree 12"
