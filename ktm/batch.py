@@ -32,6 +32,9 @@ class CompressedPrompt:
     tokens_out: int
     mergeable: tuple[int, ...] = ()
     positions: torch.Tensor | None = None  # (L,) spread position ids; None: 0 .. L-1
+    # (L,) index in the plain prompt of the last token each position stands for (a plain token:
+    # its own; a merged block: its last token's); the plain reading's state to compare with
+    sources: torch.Tensor | None = None
 
     @property
     def length_reduction(self) -> float:
@@ -76,6 +79,8 @@ class TargetLogits:
     tokens_in: int
     tokens_out: int
     hidden: tuple[torch.Tensor, ...] | None = None  # per layer (N, D), when asked for
+    # per layer (M, D) at every prefix position, rows in order (M = all tokens_out), when asked
+    prompt_hidden: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass

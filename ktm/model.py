@@ -344,11 +344,13 @@ class KTMModel(nn.Module):
     def target_logits(
         self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
         merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
-        hidden: bool = False,
+        hidden: bool = False, prompt_hidden: bool = False,
     ) -> TargetLogits:
         """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch.
 
         ``hidden``: also each layer's hidden states (N, D) at those positions (distillation).
+        ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
+        M = all prefix positions of the batch, row by row (context alignment).
         """
         if len(prompts) != len(targets):
             raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
@@ -363,18 +365,23 @@ class KTMModel(nn.Module):
         p = self.pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
         longest = p.embeds.shape[1]
         keep = torch.zeros(len(seqs), longest, dtype=torch.bool, device=self.device)
+        in_prompt = torch.zeros_like(keep)
         rows, labels = [], []
         for i, (cp, t) in enumerate(zip(prefixes, tgt)):
-            start = longest - p.lengths[i] + cp.tokens_out - 1  # hidden state predicting t[0]
+            first = longest - p.lengths[i]
+            start = first + cp.tokens_out - 1  # hidden state predicting t[0]
             keep[i, start:start + len(t)] = True
+            in_prompt[i, first:first + cp.tokens_out] = True
             rows += [i] * len(t)
             labels += t
-        out = self.lm(p.embeds, p.mask, p.position_ids, keep=keep, hidden=hidden)
-        logits, states = out if hidden else (out, None)
+        deep = hidden or prompt_hidden
+        out = self.lm(p.embeds, p.mask, p.position_ids, keep=keep, hidden=deep)
+        logits, states = out if deep else (out, None)
         return TargetLogits(logits.float(), self._ids(labels), self._ids(rows),
                             [len(t) for t in tgt], sum(cp.tokens_in for cp in prefixes),
                             sum(cp.tokens_out for cp in prefixes),
-                            tuple(h[keep] for h in states[1:]) if hidden else None)
+                            tuple(h[keep] for h in states[1:]) if hidden else None,
+                            tuple(h[in_prompt] for h in states[1:]) if prompt_hidden else None)
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, **kwargs):

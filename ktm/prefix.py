@@ -91,8 +91,10 @@ class PromptEncoder:
                 raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
             embeds = torch.cat(parts, dim=0)
             mergeable = tuple(len(ids) for ids, c in row if c and ids)
-            pos = self._positions(row) if merge and self.spread_positions else None
-            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos))
+            sources = self._positions(row, merge)
+            pos = sources if merge and self.spread_positions else None
+            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos,
+                                            sources))
         return results
 
     def _lines(self, ids: list[int]) -> list[list[int]]:
@@ -106,12 +108,13 @@ class PromptEncoder:
             out.append(ids[start:])
         return out
 
-    def _positions(self, row: list[tuple[list[int], bool]]) -> torch.Tensor:
+    def _positions(self, row: list[tuple[list[int], bool]], merge: bool = True) -> torch.Tensor:
         """Each plain token at its own position, each merged block at its last token's."""
-        k, start, out = self.encoder.k, 0, []
+        start, out = 0, []
         for ids, c in row:
             n = len(ids)
-            if c:
+            if c and merge:
+                k = self.encoder.k
                 out += [start + min(j + k, n) - 1 for j in range(0, n, k)]
             else:
                 out += range(start, start + n)

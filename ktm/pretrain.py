@@ -13,6 +13,13 @@ with one of these objectives (alone or mixed by weight):
              is far more signal per token than the output distribution alone
     ae       autoencoding (ICAE): after the merged context and a plain cue, regenerate the
              context itself. This is the objective that forces every token to survive.
+    align    ``lm`` plus context alignment: at every position of the merged context, each
+             layer's hidden state is pulled (squared distance relative to the teacher's norm,
+             weight ``align_weight``) towards the base LM's (adapter disabled) reading the
+             plain context, at the last token the position stands for: the state the plain
+             reading has there, over exactly the same tokens. The continuation then attends to
+             states like the plain reading's at every K-th token. Position 0, the attention
+             sink, is left out: its states are outliers that would swamp the scale.
 
 A K mix (``k_mix``) gives each window a K drawn by weight from the model's merge levels: its
 own K and, for a recursive encoder (``inner_k``), its inner K. One LoRA then learns to read
@@ -48,7 +55,7 @@ from ktm.tasks.base import Example
 from ktm.teacher import kl_per_token
 from ktm.train import TrainConfig, train
 
-OBJECTIVES = ("lm", "distill", "ae")
+OBJECTIVES = ("lm", "distill", "ae", "align")
 
 
 def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None
@@ -77,13 +84,15 @@ class PretrainConfig:
         "help": "text sources, each NAME or NAME=WEIGHT: code, reviews, trees[:STAGE,...], "
                 "or a text/JSONL file or folder"})
     objectives: tuple[str, ...] = field(default=("lm",), metadata={
-        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae"})
+        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae, align"})
     context_tokens: int = field(default=256, metadata={"help": "longest merged context"})
     target_tokens: int = field(default=64, metadata={"help": "longest continuation target"})
     ae_tokens: int = field(default=128, metadata={"help": "longest context to autoencode"})
     min_tokens: int = field(default=32, metadata={"help": "shortest usable text, in tokens"})
     distill_hidden: float = field(default=0.0, metadata={
         "help": "weight of hidden-state matching added to the distill objective"})
+    align_weight: float = field(default=1.0, metadata={
+        "help": "weight of the context alignment added to the align objective's cross-entropy"})
     ae_cue: str = field(default="\nRepeat the text above:\n",
                         metadata={"help": "plain text between the merged context and its copy"})
     k_mix: tuple[str, ...] = field(default=(), metadata={
@@ -104,8 +113,9 @@ class PretrainConfig:
                           if w > 0} if self.k_mix else {}
         self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
                                  self.min_tokens)
-        if self.distill_hidden < 0:
-            raise KTMError(f"distill_hidden must be >= 0, got {self.distill_hidden}")
+        for name in ("distill_hidden", "align_weight"):
+            if getattr(self, name) < 0:
+                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.n_eval_windows < 1:
             raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
 
@@ -193,30 +203,77 @@ def _hidden_gap(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, 
     return torch.stack(gaps).mean(0)
 
 
-def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0) -> LossOutput:
+def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch.Tensor, ...]
+                 ) -> torch.Tensor:
+    """Per example: the mean hidden-state gap (``_hidden_gap``) over its merged context's
+    positions, each against the teacher's (the base LM reading the plain context) at the last
+    token it stands for; position 0 (the attention sink) left out: (B,)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), model.peft.disable_adapter():
+            plain = model.encode_prompts([e.segments for e in batch], merge=False)
+            first = [e.target[:1] for e in batch]  # the teacher's states at the prompt only
+            teacher = model.target_logits([e.segments for e in batch], first, prefixes=plain,
+                                          prompt_hidden=True).prompt_hidden
+    finally:
+        model.train(was_training)
+    t_idx, s_idx, rows = [], [], []
+    t_off = s_off = 0
+    for i, (cp, tp) in enumerate(zip(prefixes, plain)):
+        if cp.tokens_in != tp.tokens_out:
+            raise KTMError(f"merged prompt {i} stands for {cp.tokens_in} tokens, its plain "
+                           f"reading has {tp.tokens_out}: expected the same tokens")
+        src = cp.sources.tolist()
+        for j, where in enumerate(src):
+            if where > 0:
+                s_idx.append(s_off + j)
+                t_idx.append(t_off + where)
+                rows.append(i)
+        s_off += cp.tokens_out
+        t_off += tp.tokens_out
+    dev = model.device
+    s_idx, t_idx, rows = (torch.tensor(v, dtype=torch.long, device=dev)
+                          for v in (s_idx, t_idx, rows))
+    gap = _hidden_gap(tuple(h[s_idx] for h in student), tuple(h[t_idx] for h in teacher))
+    total = torch.zeros(len(batch), device=dev).index_add(0, rows, gap)
+    count = torch.zeros(len(batch), device=dev).index_add(0, rows, torch.ones_like(gap))
+    return total / count.clamp(min=1)
+
+
+def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
+                  align_weight: float = 1.0) -> LossOutput:
     """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill
-    (plus ``distill_hidden`` times the hidden-state gap)."""
+    (plus ``distill_hidden`` times the hidden-state gap), CE plus ``align_weight`` times the
+    context gap for align."""
     nll = torch.zeros(len(batch), device=model.device)
     n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
     parts: dict[str, tuple[float, int]] = {}
     tokens_in = tokens_out = 0
     groups: dict[tuple[str, int], list[int]] = {}  # one student forward per (loss, K)
     for i, e in enumerate(batch):
-        kind = "distill" if e.meta["objective"] == "distill" else "ce"
+        obj = e.meta["objective"]
+        kind = obj if obj in ("distill", "align") else "ce"
         groups.setdefault((kind, e.meta.get("k", model.k)), []).append(i)
     for (kind, k), idx in sorted(groups.items()):
         sub = [batch[i] for i in idx]
         deep = kind == "distill" and distill_hidden > 0
         with model.merging_at(k):
+            prefixes = model.encode_prompts([e.segments for e in sub])
             t = model.target_logits([e.segments for e in sub], [e.target for e in sub],
-                                    hidden=deep)
-        if kind == "ce":
-            tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
-        else:
+                                    prefixes=prefixes, hidden=deep,
+                                    prompt_hidden=kind == "align")
+            if kind == "align":
+                gap = _context_gap(model, sub, prefixes, t.prompt_hidden)
+        if kind == "distill":
             teacher = teacher_logits(model, sub, hidden=deep)
             tok = kl_per_token(t.logits, teacher.logits)
             if deep:
                 tok = tok + distill_hidden * _hidden_gap(t.hidden, teacher.hidden)
+        else:
+            tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
+            if kind == "align":
+                tok = tok + align_weight * gap[t.rows]
         per = torch.zeros(len(sub), device=model.device).index_add(0, t.rows, tok)
         where = torch.tensor(idx, device=model.device)
         nll = nll.index_add(0, where, per)
@@ -260,7 +317,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
             return r
 
     def loss_fn(m, batch):
-        return pretrain_loss(m, batch, config.distill_hidden)
+        return pretrain_loss(m, batch, config.distill_hidden, config.align_weight)
 
     return train(model, stream, train_config, evaluate=evaluate, loss_fn=loss_fn,
                  run_extra={"pretrain": config.to_dict(), "command": command,

@@ -13,6 +13,7 @@ from ktm.model import KTMModel
 from ktm.pretrain import (
     PretrainConfig,
     WindowStream,
+    _context_gap,
     load_docs,
     pretrain,
     pretrain_loss,
@@ -42,7 +43,7 @@ def randomize_lora(model, seed=1):
 
 
 @pytest.mark.parametrize("objective,hidden", [("lm", 0), ("distill", 0), ("distill", 1.0),
-                                              ("ae", 0)])
+                                              ("ae", 0), ("align", 0)])
 def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective, hidden):
     model = fresh(tiny_model_dir)
     cfg = small_cfg(corpus, (objective,))
@@ -54,6 +55,8 @@ def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective,
     assert set(before.parts) == {objective}
     if hidden:  # the hidden-state gap adds to the KL
         assert before.loss.item() > pretrain_loss(model, batch).loss.item() + 1e-3
+    if objective == "align":  # the context gap adds to the cross-entropy
+        assert before.loss.item() > pretrain_loss(model, batch, align_weight=0).loss.item() + 1e-3
     opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
     before.loss.backward()
     opt.step()
@@ -84,6 +87,64 @@ def test_distillation_teacher_is_the_base_model_exactly(tiny_model_dir, corpus):
         student_plain = model.target_logits([e.segments for e in batch],
                                             [e.target for e in batch], merge=False)
     assert (student_plain.logits - got.logits).abs().max() > 1e-2
+
+
+def test_context_gap_is_against_the_plain_reading_at_each_blocks_last_token(
+        tiny_model_dir, corpus):
+    """Hand-computed: the base LM's hidden states on the plain context at the last token of
+    each merged block (position 0, the sink, left out) against the student's there."""
+    model = fresh(tiny_model_dir, plain_prefix=1)
+    randomize_lora(model)
+    cfg = small_cfg(corpus, ("align",))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 2, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(2)]
+    model.train()
+    prefixes = model.encode_prompts([e.segments for e in batch])
+    n = len(batch[0].segments[0].ids)
+    want_src = [0] + [min(j + 4, n - 1) for j in range(0, n - 1, 4)]  # 1 plain, then blocks of 4
+    assert prefixes[0].sources.tolist() == want_src
+    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                            prefixes=prefixes, prompt_hidden=True)
+    got = _context_gap(model, batch, prefixes, t.prompt_hidden)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    s_all, t_all, rows, off = [], [], [], 0
+    for i, (e, cp) in enumerate(zip(batch, prefixes)):
+        with torch.no_grad():
+            plain = base(torch.tensor([list(e.segments[0].ids)]),
+                         output_hidden_states=True).hidden_states[1:]
+        keep = [j for j, w in enumerate(cp.sources.tolist()) if w > 0]
+        src = cp.sources[keep]
+        s_all.append([h[off + torch.tensor(keep)] for h in t.prompt_hidden])
+        t_all.append([h[0, src] for h in plain])
+        rows += [i] * len(keep)
+        off += cp.tokens_out
+    layers = len(t.prompt_hidden)
+    s_cat = [torch.cat([s[layer] for s in s_all]) for layer in range(layers)]
+    t_cat = [torch.cat([x[layer] for x in t_all]) for layer in range(layers)]
+    per_pos = torch.stack([((a - b) ** 2).sum(-1) / (b ** 2).sum(-1).mean()
+                           for a, b in zip(s_cat, t_cat)]).mean(0)
+    rows = torch.tensor(rows)
+    want = torch.stack([per_pos[rows == i].mean() for i in range(len(batch))])
+    torch.testing.assert_close(got, want.detach(), atol=1e-4, rtol=1e-4)
+    assert (got > 1e-3).all()
+
+
+def test_context_gap_is_zero_when_the_merged_reading_is_the_plain_one(tiny_model_dir, corpus):
+    """K=1 with the LoRA at zero reads exactly the plain prompt: nothing to align. A gather
+    one position off, or a student state against the wrong row, would make it non-zero."""
+    model = fresh(tiny_model_dir, k=1)
+    cfg = small_cfg(corpus, ("align",))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 3, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(3)]
+    prefixes = model.encode_prompts([e.segments for e in batch])
+    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                            prefixes=prefixes, prompt_hidden=True)
+    gap = _context_gap(model, batch, prefixes, t.prompt_hidden)
+    assert gap.abs().max().item() < 1e-8
+    randomize_lora(model)  # a student that reads differently is not aligned: the test can fail
+    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                            prefixes=prefixes, prompt_hidden=True)
+    assert (_context_gap(model, batch, prefixes, t.prompt_hidden) > 1e-3).all()
 
 
 def test_window_stream_is_a_pure_function_of_seed_and_index(tiny_model_dir, corpus):
