@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -182,16 +183,24 @@ def load_docs(tokenizer, cfg: PretrainConfig) -> dict[str, list]:
     return docs
 
 
-def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
-    """The base LM (adapter disabled, eval mode) reading each example's context plain."""
+@contextmanager
+def as_base(model):
+    """The teacher's reading: the base LM itself (adapter disabled, eval mode, no gradient),
+    the student's training mode restored afterwards."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), model.peft.disable_adapter():
-            return model.target_logits([e.segments for e in batch], [e.target for e in batch],
-                                       merge=False, hidden=hidden)
+            yield model
     finally:
         model.train(was_training)
+
+
+def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
+    """The base LM (adapter disabled, eval mode) reading each example's context plain."""
+    with as_base(model):
+        return model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                                   merge=False, hidden=hidden)
 
 
 def _hidden_gap(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]
@@ -208,16 +217,11 @@ def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch
     """Per example: the mean hidden-state gap (``_hidden_gap``) over its merged context's
     positions, each against the teacher's (the base LM reading the plain context) at the last
     token it stands for; position 0 (the attention sink) left out: (B,)."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), model.peft.disable_adapter():
-            plain = model.encode_prompts([e.segments for e in batch], merge=False)
-            first = [e.target[:1] for e in batch]  # the teacher's states at the prompt only
-            teacher = model.target_logits([e.segments for e in batch], first, prefixes=plain,
-                                          prompt_hidden=True).prompt_hidden
-    finally:
-        model.train(was_training)
+    with as_base(model):
+        plain = model.encode_prompts([e.segments for e in batch], merge=False)
+        first = [e.target[:1] for e in batch]  # the teacher's states at the prompt only
+        teacher = model.target_logits([e.segments for e in batch], first, prefixes=plain,
+                                      prompt_hidden=True).prompt_hidden
     t_idx, s_idx, rows = [], [], []
     t_off = s_off = 0
     for i, (cp, tp) in enumerate(zip(prefixes, plain)):
