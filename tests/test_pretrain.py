@@ -373,3 +373,10 @@ def test_init_with_a_larger_mlp_ratio_widens_the_encoder_exactly(tiny_model_dir,
     assert main(["pretrain", *run, "--mlp-ratio", "1.0", "--out-dir", str(tmp_path / "w")]) == 0
     assert KTMModel.load(str(tmp_path / "w" / "checkpoint")).config.mlp_ratio == 1.0
     assert main(["pretrain", *run, "--mlp-ratio", "0.25", "--out-dir", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("name", ["distill_hidden", "align_weight"])
+def test_negative_hidden_state_weights_are_clear_errors(name):
+    with pytest.raises(KTMError, match=f"{name} must be >= 0, got -0.5"):
+        PretrainConfig(eval_sets=(), **{name: -0.5})
+    PretrainConfig(eval_sets=(), **{name: 0.0})  # zero turns the term off
