@@ -228,17 +228,14 @@ def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch
         if cp.tokens_in != tp.tokens_out:
             raise KTMError(f"merged prompt {i} stands for {cp.tokens_in} tokens, its plain "
                            f"reading has {tp.tokens_out}: expected the same tokens")
-        src = cp.sources.tolist()
-        for j, where in enumerate(src):
-            if where > 0:
-                s_idx.append(s_off + j)
-                t_idx.append(t_off + where)
-                rows.append(i)
+        keep = (cp.sources > 0).nonzero().squeeze(1)  # every position but the sink
+        s_idx.append(s_off + keep)
+        t_idx.append(t_off + cp.sources[keep])
+        rows.append(torch.full_like(keep, i))
         s_off += cp.tokens_out
         t_off += tp.tokens_out
     dev = model.device
-    s_idx, t_idx, rows = (torch.tensor(v, dtype=torch.long, device=dev)
-                          for v in (s_idx, t_idx, rows))
+    s_idx, t_idx, rows = (torch.cat(v).to(dev) for v in (s_idx, t_idx, rows))
     gap = _hidden_gap(tuple(h[s_idx] for h in student), tuple(h[t_idx] for h in teacher))
     total = torch.zeros(len(batch), device=dev).index_add(0, rows, gap)
     count = torch.zeros(len(batch), device=dev).index_add(0, rows, torch.ones_like(gap))
