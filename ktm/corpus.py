@@ -168,6 +168,21 @@ def heldout_texts(name: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ documents
+def lead_ids(tokenizer) -> tuple[int, ...]:
+    """The special tokens the tokenizer puts before a text: a BOS for many families (Llama 3,
+    Gemma, Mistral), none for SmolLM2. A task prompt's first segment gets them from the tokenizer;
+    a window cut from a document's token ids does not, so pretraining and the readability metric
+    prepend them, or a model trained always to see a BOS first would read its windows (and its
+    no-context baseline) out of distribution."""
+    probe = "Hello world"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return tuple(full[:i])
+    return ()
+
+
 def tokenize_docs(tokenizer, texts: Sequence[str], min_tokens: int, desc: str = "tokenize"
                   ) -> list[np.ndarray]:
     """Token ids (no special tokens) of each text with at least ``min_tokens`` tokens."""

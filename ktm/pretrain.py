@@ -46,6 +46,7 @@ from ktm.corpus import (
     autoencode_window,
     check_docs,
     continuation_window,
+    lead_ids,
     source_texts,
     tokenize_docs,
 )
@@ -141,8 +142,9 @@ class WindowStream(Sequence):
     is_stream = True  # ktm.train reads it in index order
 
     def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
-                 eos: int | None):
+                 eos: int | None, lead: Sequence[int] = ()):
         self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
+        self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (ktm.corpus.lead_ids)
         self.sources = [s for s in cfg.source_weights if cfg.source_weights[s] > 0]
         self.src_w = [cfg.source_weights[s] for s in self.sources]
         self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
@@ -163,11 +165,12 @@ class WindowStream(Sequence):
         if objective == "ae":
             w = autoencode_window(doc, spec, rng, source)
             target = w.target + ((self.eos,) if self.eos is not None else ())
-            segments = (Segment("", ids=w.context), Segment(self.cfg.ae_cue, compress=False))
+            segments = (Segment("", ids=self.lead + w.context),
+                        Segment(self.cfg.ae_cue, compress=False))
         else:
             w = continuation_window(doc, spec, rng, source)
             target = w.target
-            segments = (Segment("", ids=w.context),)
+            segments = (Segment("", ids=self.lead + w.context),)
         meta = {"objective": objective, "source": source}
         if self.ks:  # drawn last, so that a run without a K mix keeps its windows
             meta["k"] = rng.choices(self.ks, self.k_w)[0]
@@ -300,7 +303,8 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     # the stream covers every process's shard of every step (ktm.distributed)
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
              * distributed.setup(model.device).size)
-    stream = WindowStream(docs, config, steps, train_config.seed, model.tokenizer.eos_token_id)
+    stream = WindowStream(docs, config, steps, train_config.seed, model.tokenizer.eos_token_id,
+                          lead_ids(model.tokenizer))
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:

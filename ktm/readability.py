@@ -7,6 +7,9 @@ windows, all three read by the same model (LoRA on):
     plain    the context as plain tokens (merge off)
     none     no context: a single plain BOS token (EOS where the tokenizer has no BOS)
 
+Where the tokenizer puts a BOS before every text (``ktm.corpus.lead_ids``), the merged and
+plain contexts start with it too, as a task prompt's first segment does, and "none" is it.
+
     R = (NLL_none - NLL_merged) / (NLL_none - NLL_plain)
 
 R = 1: merging loses nothing; R = 0: the merged context is worth no context at all; R < 0: it
@@ -24,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ktm.corpus import Window, WindowSpec, heldout_windows
+from ktm.corpus import Window, WindowSpec, heldout_windows, lead_ids
 from ktm.errors import KTMError
 from ktm.prompt import Segment
 
@@ -82,12 +85,13 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
     model.eval()
     rows = []  # per window: summed NLL merged, plain, none; target tokens
     tokens_in = tokens_out = 0
-    none = (Segment("", compress=False, ids=(none_token(model.tokenizer),)),)
+    lead = lead_ids(model.tokenizer)  # a BOS the tokenizer would put first, as prompts get it
+    none = (Segment("", compress=False, ids=lead or (none_token(model.tokenizer),)),)
     try:
         for i in tqdm(range(0, len(windows), batch_size), desc="readability",
                       disable=not progress):
             batch = windows[i:i + batch_size]
-            ctx = [(Segment("", ids=w.context),) for w in batch]
+            ctx = [(Segment("", ids=lead + w.context),) for w in batch]
             tgt = [w.target for w in batch]
             merged = model(ctx, tgt, merge=True)
             plain = model(ctx, tgt, merge=False).nll

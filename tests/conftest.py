@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CORPUS = [
@@ -15,30 +15,31 @@ CORPUS = [
 ]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
+    """``bos``: the tokenizer puts <bos> before every text, as Llama 3's or Gemma's does."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<pad>", "<eos>"],
+        vocab_size=400, special_tokens=["<pad>", "<eos>"] + ["<bos>"] * bos,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   model_max_length=512)
+                                   model_max_length=512, **({"bos_token": "<bos>"} if bos else {}))
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    """A saved tiny HF causal-LM folder (2 layers, width 64), the same for every test."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tok = build_tokenizer()
+def save_tiny_llama(path, bos: bool = False) -> str:
+    tok = build_tokenizer(bos)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(cfg)
     # random init is tiny; scale up so logits differ enough for generation tests to be meaningful
@@ -49,6 +50,18 @@ def tiny_model_dir(tmp_path_factory) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A saved tiny HF causal-LM folder (2 layers, width 64), the same for every test."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bos_model_dir(tmp_path_factory) -> str:
+    """The same, with a tokenizer that puts a BOS before every text (Llama 3, Gemma)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-bos"), bos=True)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Reader pretraining: objectives, the distillation teacher, the window stream, error paths."""
 
+import importlib
 import json
 
 import pytest
@@ -200,6 +201,26 @@ def test_pretrain_run_writes_metrics_and_resumes_exactly(tiny_model_dir, corpus,
     rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["cpu_s"] > 0 for r in rows)
+
+
+def test_pretraining_windows_start_with_the_tokenizers_bos(tiny_bos_model_dir, corpus, tmp_path,
+                                                          monkeypatch):
+    """As a task prompt's first segment does; the autoencoding target is the text, no BOS."""
+    module = importlib.import_module("ktm.pretrain")  # ktm.pretrain is also the function
+
+    seen = {}
+    monkeypatch.setattr(module, "train", lambda m, stream, *a, **kw: seen.update(s=stream))
+    model = fresh(tiny_bos_model_dir)
+    bos = model.tokenizer.bos_token_id
+    pretrain(model, small_cfg(corpus, ("lm", "ae")),
+             TrainConfig(out_dir=str(tmp_path), max_steps=4, batch_size=2, progress=False))
+    examples = [seen["s"][i] for i in range(8)]
+    assert {e.meta["objective"] for e in examples} == {"lm", "ae"}
+    for e in examples:
+        ids = e.segments[0].ids
+        assert ids[0] == bos and bos not in ids[1:]
+        if e.meta["objective"] == "ae":
+            assert tuple(e.target) == ids[1:] + (model.tokenizer.eos_token_id,)
 
 
 def test_user_jsonl_source_and_field(tmp_path):

@@ -63,6 +63,33 @@ def test_r_matches_hand_computed_nlls(tiny_model_dir, monkeypatch):
     assert got["tokens_out"] == (1 + 4 + 1 + 2) / 2  # 1 plain + ceil(8/2); 1 plain + ceil(4/2)
 
 
+def test_windows_start_with_the_bos_the_tokenizer_puts_first(tiny_bos_model_dir):
+    """A task prompt's first segment gets the tokenizer's BOS; held-out windows, cut from token
+    ids, must get it too, and "no context" is then the BOS alone."""
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_bos_model_dir, k=2, plain_prefix=1)
+    bos = model.tokenizer.bos_token_id
+    ids = model.tokenizer("The quick brown fox jumps over the lazy dog. Hello world",
+                          add_special_tokens=False)["input_ids"]
+    assert bos not in ids
+    w = Window(tuple(ids[:8]), tuple(ids[8:12]), "t")
+    got = readability(model, [w])
+    lm, emb = model.peft, model.embed_ids
+    ctx, tgt = torch.tensor((bos,) + w.context), torch.tensor(w.target)
+    with torch.no_grad():
+        merged, _ = model.encoder(emb(ctx[1:])[None])  # the BOS is the plain first token
+        prefix = torch.cat([emb(ctx[:1])[None], merged], dim=1)
+        want = {"merged": hand_nll(lm, torch.cat([prefix, emb(tgt)[None]], 1), prefix.shape[1],
+                                   w.target),
+                "plain": hand_nll(lm, emb(torch.cat([ctx, tgt]))[None], len(ctx), w.target),
+                "none": hand_nll(lm, emb(torch.cat([ctx[:1], tgt]))[None], 1, w.target)}
+        without = hand_nll(lm, emb(torch.cat([ctx[1:], tgt]))[None], len(ctx) - 1, w.target)
+    assert abs(without - want["plain"]) > 1e-3  # the test can tell a missing BOS
+    for name, v in want.items():
+        assert got[f"nll_{name}"] == pytest.approx(v / len(w.target), rel=1e-4), name
+    assert got["tokens_in"] == 9 and got["tokens_out"] == 1 + 4
+
+
 def test_context_ratio_edges():
     assert context_ratio(3.0, 2.0, 1.0) == 0.5
     assert context_ratio(3.0, 1.0, 1.0) == 1.0
