@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ktm.corpus import lead_ids, segment_ids
 from ktm.errors import KTMError
 from ktm.provenance import git_revision, versions
 
@@ -52,9 +53,10 @@ class Tokens:
             cfg = model_config(resolve_checkpoint(model))
             base, self.checkpoint_k = cfg.base_model, cfg.k
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(base))
+        self.lead_ids = lead_ids(self.tokenizer)  # as KTMModel.tokenize
 
     def tokenize(self, text: str, first: bool = False) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=first)["input_ids"]
+        return segment_ids(self.tokenizer, text, self.lead_ids if first else ())
 
 
 def percentile(xs: list[float], q: float) -> float:

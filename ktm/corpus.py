@@ -183,6 +183,14 @@ def lead_ids(tokenizer) -> tuple[int, ...]:
     return ()
 
 
+def segment_ids(tokenizer, text: str, lead: Sequence[int] = ()) -> list[int]:
+    """Token ids of one prompt segment: ``lead`` (the first segment's ``lead_ids``, else none),
+    then the text without special tokens. Never ``add_special_tokens=True``: a tokenizer that
+    also puts an EOS after a text (Llama 2's ``add_eos_token``) would end the first segment with
+    it, mid-prompt, before the plain question and the answer."""
+    return [*lead, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
 def tokenize_docs(tokenizer, texts: Sequence[str], min_tokens: int, desc: str = "tokenize"
                   ) -> list[np.ndarray]:
     """Token ids (no special tokens) of each text with at least ``min_tokens`` tokens."""

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ktm import checkpoint
 from ktm.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_positions, pack
 from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
+from ktm.corpus import lead_ids, segment_ids
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
@@ -61,6 +62,7 @@ class KTMModel(nn.Module):
         # params); an extension (LTSC's meta rows) replaces it through set_input_embedding
         object.__setattr__(self, "_embed", lm.get_input_embeddings())
         self.eos_ids = eos_ids(lm, tokenizer)
+        self.lead_ids = lead_ids(tokenizer)  # the BOS the first segment opens with, if any
         # pads never reach the LM (masked); any valid id will do where a tokenizer has none
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
@@ -234,8 +236,9 @@ class KTMModel(nn.Module):
 
     # ---------------------------------------------------------------- prompts
     def tokenize(self, text: str, first: bool = False) -> list[int]:
-        """Token ids of one segment; only the first segment gets the tokenizer's special tokens."""
-        return self.tokenizer(text, add_special_tokens=first)["input_ids"]
+        """Token ids of one segment; only the first segment gets the special tokens the tokenizer
+        puts before a text (``ktm.corpus.segment_ids``)."""
+        return segment_ids(self.tokenizer, text, self.lead_ids if first else ())
 
     def compress(
         self, prompt: PromptLike | Sequence[PromptLike], merge: bool = True

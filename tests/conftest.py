@@ -15,8 +15,9 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
-    """``bos``: the tokenizer puts <bos> before every text, as Llama 3's or Gemma's does."""
+def build_tokenizer(bos: bool = False, eos: bool = False) -> PreTrainedTokenizerFast:
+    """``bos``: the tokenizer puts <bos> before every text, as Llama 3's or Gemma's does;
+    ``eos``: it puts <eos> after every text, as Llama 2's with ``add_eos_token`` does."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -25,15 +26,17 @@ def build_tokenizer(bos: bool = False) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
-    if bos:
+    if bos or eos:
+        single = "<bos> " * bos + "$A" + " <eos>" * eos
         tok.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
+            single=single, pair=f"{single} {single.replace('$A', '$B')}",
+            special_tokens=[(t, tok.token_to_id(t)) for t in ("<bos>", "<eos>") if t in single])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                    model_max_length=512, **({"bos_token": "<bos>"} if bos else {}))
 
 
-def save_tiny_llama(path, bos: bool = False) -> str:
-    tok = build_tokenizer(bos)
+def save_tiny_llama(path, bos: bool = False, eos: bool = False) -> str:
+    tok = build_tokenizer(bos, eos)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -46,6 +46,23 @@ def test_compress_counts_and_shapes(ktm_model):
     assert plain_all.tokens_out == n
 
 
+def test_a_prompt_gets_the_tokenizers_bos_once_and_never_its_eos(tmp_path):
+    """A tokenizer that puts an EOS after every text (Llama 2's ``add_eos_token``) must not end
+    the first segment with it: the EOS would sit mid-prompt, before the plain question and the
+    answer. Its BOS still opens the prompt, once."""
+    from conftest import save_tiny_llama
+
+    model = KTMModel.from_base(save_tiny_llama(tmp_path / "bos-eos", bos=True, eos=True), k=2)
+    tok = model.tokenizer
+    prompt = PROMPTS[1]
+    plain = [tok(s.text, add_special_tokens=False)["input_ids"] for s in prompt]
+    assert model.tokenize(prompt[0].text, first=True) == [tok.bos_token_id] + plain[0]
+    ids = [tok.bos_token_id, *plain[0], *plain[1]]
+    cp = model.compress(prompt, merge=False)
+    assert cp.tokens_in == len(ids)
+    torch.testing.assert_close(cp.embeds, model.embed_ids(torch.tensor(ids)))
+
+
 def test_batch_loss_equals_each_sample_alone(ktm_model):
     perturb(ktm_model)
     ktm_model.eval()
