@@ -193,6 +193,23 @@ def test_selective_context_batch_equals_singles(tiny_model_dir):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_selective_context_scores_a_segment_after_the_tokenizers_bos(tiny_bos_model_dir):
+    """A model whose tokenizer puts a BOS before every text (Llama 3, Gemma) has only ever read
+    text after it: self-information is -log p under the base LM reading the segment that way."""
+    from transformers import AutoModelForCausalLM
+
+    comp = SelectiveContext(ratio=0.5)
+    comp.fit([], fresh(tiny_bos_model_dir))
+    ids = comp.model.tokenize(DOC)
+    base = AutoModelForCausalLM.from_pretrained(tiny_bos_model_dir).eval()
+    with torch.no_grad():
+        bos = comp.model.tokenizer.bos_token_id
+        logp = base(torch.tensor([[bos] + ids])).logits[0].log_softmax(-1)
+    want = -logp[1:-1].gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+    torch.testing.assert_close(torch.tensor(comp.self_information([ids])[0][1:]), want,
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_ratio_must_be_a_share():
     with pytest.raises(KTMError, match=r"\[0, 1\)"):
         SelectiveContext(ratio=1.5)

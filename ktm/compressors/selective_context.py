@@ -9,7 +9,7 @@ next such token, so a word is never cut in half.
 Units are dropped lowest self-information first until ``round(ratio * n)`` of the segment's n
 tokens are gone; the last unit may overshoot by less than its own length. The first token has no
 context to be scored in and is always kept. Each segment is scored on its own (a batch of
-segments, left-padded, one forward pass).
+segments, left-padded, one forward pass), after the BOS the tokenizer puts before a text, if any.
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ class SelectiveContext(Compressor):
         out: list[list[float]] = []
         try:
             with model.peft.disable_adapter():
+                # read each segment after the BOS its tokenizer puts before a text (Llama 3,
+                # Gemma): such a model has never read text without it
+                lead = list(model.lead_ids)
                 for batch in self._groups(rows):
-                    p = model.pack([model.embed_ids(model._ids(r)) for r in batch])
+                    p = model.pack([model.embed_ids(model._ids(lead + r)) for r in batch])
                     # logits only where a next token is scored: (N, V), N = sum(len(r) - 1)
                     keep = torch.zeros_like(p.mask, dtype=torch.bool)
                     for b, r in enumerate(batch):
