@@ -3,6 +3,7 @@
 import pytest
 from conftest import build_tokenizer
 
+from ktm.corpus import lead_ids, segment_ids
 from ktm.serve.prompts import chat_segments, completion_segments, context_of
 from ktm.serve.protocol import ChatRequest, CompletionRequest, RequestError
 
@@ -11,12 +12,12 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{%
 
 
 class Model:
-    def __init__(self, template=None):
-        self.tokenizer = build_tokenizer()
+    def __init__(self, template=None, bos=False):
+        self.tokenizer = build_tokenizer(bos)
         self.tokenizer.chat_template = template
 
-    def tokenize(self, text, first=False):
-        return self.tokenizer(text, add_special_tokens=first)["input_ids"]
+    def tokenize(self, text, first=False):  # as KTMModel.tokenize
+        return segment_ids(self.tokenizer, text, lead_ids(self.tokenizer) if first else ())
 
 
 def chat(**kw):
@@ -55,6 +56,16 @@ def test_message_segments_and_top_level_merge_off():
 def test_without_a_template_roles_prefix_the_lines():
     segs = chat_segments(Model(), chat(messages=[{"role": "user", "content": "Hi there"}]))
     assert "".join(s.text for s in segs) == "user: Hi there\nassistant:"
+
+
+def test_without_a_template_the_chat_opens_with_the_tokenizers_bos():
+    """A template writes its own BOS; the role lines standing in for a missing one (a base
+    Llama 3) get it once, first, as a completion's first segment does."""
+    model = Model(bos=True)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = [i for s in chat_segments(model, chat(messages=msgs)) for i in s.ids]
+    bos = model.tokenizer.bos_token_id
+    assert ids[0] == bos and bos not in ids[1:]
 
 
 def test_a_template_that_drops_a_message_is_refused():

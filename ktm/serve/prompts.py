@@ -7,7 +7,8 @@ Chat messages go through the tokenizer's chat template. To know where each messa
 in the rendered text, the template is rendered with a marker as each content and split at the
 markers: the template's text becomes plain segments, the contents are put back in their place as
 given (merged or plain). A tokenizer without a template uses ``role: content`` lines and a final
-``assistant:``. Everything is tokenized without added special tokens: the template has its own.
+``assistant:``. Everything is tokenized without added special tokens: the template has its own
+(the role lines open with the BOS the tokenizer puts before a text, as a completion does).
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
         raise RequestError("messages are empty: expected at least one message with content",
                            param="messages")
     layout = render_chat(model.tokenizer, [(m.role, i) for i, m in enumerate(req.messages)])
+    # a template writes its own BOS; the role lines that stand in for a missing one open with
+    # the tokenizer's, as a completion does (a model with a BOS has never read text without it)
+    lead = not getattr(model.tokenizer, "chat_template", None)
     segs = []
     for piece in layout:
         for text, merge in ([(piece, False)] if isinstance(piece, str) else contents[piece]):
-            ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
-            segs.append(Segment(text, merge, tuple(ids)))
+            segs.append(Segment(text, merge, tuple(model.tokenize(text, first=lead and not segs))))
     return _non_empty(tuple(segs), "messages")
 
 
