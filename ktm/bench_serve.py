@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ktm.corpus import lead_ids, segment_ids
+from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.errors import KTMError
 from ktm.provenance import git_revision, versions
 
@@ -54,9 +54,12 @@ class Tokens:
             base, self.checkpoint_k = cfg.base_model, cfg.k
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(base))
         self.lead_ids = lead_ids(self.tokenizer)  # as KTMModel.tokenize
+        self.anchor = continuation_anchor(self.tokenizer)
 
     def tokenize(self, text: str, first: bool = False) -> list[int]:
-        return segment_ids(self.tokenizer, text, self.lead_ids if first else ())
+        if first:
+            return segment_ids(self.tokenizer, text, self.lead_ids)
+        return segment_ids(self.tokenizer, text, anchor=self.anchor)
 
 
 def percentile(xs: list[float], q: float) -> float:

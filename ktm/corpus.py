@@ -183,12 +183,38 @@ def lead_ids(tokenizer) -> tuple[int, ...]:
     return ()
 
 
-def segment_ids(tokenizer, text: str, lead: Sequence[int] = ()) -> list[int]:
-    """Token ids of one prompt segment: ``lead`` (the first segment's ``lead_ids``, else none),
-    then the text without special tokens. Never ``add_special_tokens=True``: a tokenizer that
-    also puts an EOS after a text (Llama 2's ``add_eos_token``) would end the first segment with
-    it, mid-prompt, before the plain question and the answer."""
-    return [*lead, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+def continuation_anchor(tokenizer) -> str | None:
+    """A special token to tokenize a later segment or a target after, where the tokenizer puts
+    a space before every text it is given (SentencePiece's dummy prefix: Llama 2, Mistral): such
+    a piece continues the prompt, and that space is not in it (", Answer:" would read " ,
+    Answer:"). After a special token the tokenizer starts no new text, so it adds none. None
+    where a text tokenizes the same either way (byte-level BPE: SmolLM2, Llama 3, Qwen)."""
+    probe = "Hello"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    for token in (tokenizer.unk_token, tokenizer.eos_token, tokenizer.bos_token):
+        if token is None:
+            continue
+        ids = tokenizer(token + probe, add_special_tokens=False)["input_ids"]
+        if ids[:1] != [tokenizer.convert_tokens_to_ids(token)]:
+            continue
+        if ids[1:] == plain:
+            return None
+        # a token that strips the spaces after it would eat a segment's own leading space
+        spaced = tokenizer(f"{token} {probe}", add_special_tokens=False)["input_ids"]
+        return token if spaced[1:] != ids[1:] else None
+    return None
+
+
+def segment_ids(tokenizer, text: str, lead: Sequence[int] = (), anchor: str | None = None
+                ) -> list[int]:
+    """Token ids of one prompt segment or target: ``lead`` (the first segment's ``lead_ids``),
+    then the text without special tokens, tokenized after ``anchor`` (a later segment's or a
+    target's ``continuation_anchor``), which is then dropped. Never ``add_special_tokens=True``:
+    a tokenizer that also puts an EOS after a text (Llama 2's ``add_eos_token``) would end the
+    first segment with it, mid-prompt, before the plain question and the answer."""
+    if anchor is None:
+        return [*lead, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return [*lead, *tokenizer(anchor + text, add_special_tokens=False)["input_ids"][1:]]
 
 
 def tokenize_docs(tokenizer, texts: Sequence[str], min_tokens: int, desc: str = "tokenize"

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ktm import checkpoint
 from ktm.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_positions, pack
 from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
-from ktm.corpus import lead_ids, segment_ids
+from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
@@ -63,6 +63,7 @@ class KTMModel(nn.Module):
         object.__setattr__(self, "_embed", lm.get_input_embeddings())
         self.eos_ids = eos_ids(lm, tokenizer)
         self.lead_ids = lead_ids(tokenizer)  # the BOS the first segment opens with, if any
+        self.anchor = continuation_anchor(tokenizer)  # later segments and targets: no new text
         # pads never reach the LM (masked); any valid id will do where a tokenizer has none
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
@@ -237,8 +238,10 @@ class KTMModel(nn.Module):
     # ---------------------------------------------------------------- prompts
     def tokenize(self, text: str, first: bool = False) -> list[int]:
         """Token ids of one segment; only the first segment gets the special tokens the tokenizer
-        puts before a text (``ktm.corpus.segment_ids``)."""
-        return segment_ids(self.tokenizer, text, self.lead_ids if first else ())
+        puts before a text, the others continue it (``ktm.corpus.segment_ids``)."""
+        if first:
+            return segment_ids(self.tokenizer, text, self.lead_ids)
+        return segment_ids(self.tokenizer, text, anchor=self.anchor)
 
     def compress(
         self, prompt: PromptLike | Sequence[PromptLike], merge: bool = True

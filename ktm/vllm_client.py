@@ -34,7 +34,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from ktm.batch import CompressedPrompt
-from ktm.corpus import lead_ids, segment_ids
+from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.export import ENCODER, LM_DIR, lm_files, read_manifest, sha256_files
@@ -67,6 +67,7 @@ class VLLMClient:
                            f"for {m['hidden_size']}: the LM and the encoder do not belong together")
         self.tokenizer = AutoTokenizer.from_pretrained(lm_dir)
         self.lead_ids = lead_ids(self.tokenizer)  # as KTMModel.tokenize
+        self.anchor = continuation_anchor(self.tokenizer)
         dtype = parse_dtype(m["dtype"])
         self.embed = nn.Embedding.from_pretrained(self._embedding_table().to(dtype))
         self.encoder = KTokenEncoder.from_config(EncoderConfig.from_dict(m["encoder"]))
@@ -107,7 +108,9 @@ class VLLMClient:
 
     # ---------------------------------------------------------------- prompts
     def tokenize(self, text: str, first: bool = False) -> list[int]:
-        return segment_ids(self.tokenizer, text, self.lead_ids if first else ())
+        if first:
+            return segment_ids(self.tokenizer, text, self.lead_ids)
+        return segment_ids(self.tokenizer, text, anchor=self.anchor)
 
     @torch.no_grad()
     def encode(self, prompt: PromptLike, merge: bool = True) -> CompressedPrompt:

@@ -3,7 +3,7 @@
 import pytest
 from conftest import build_tokenizer
 
-from ktm.corpus import lead_ids, segment_ids
+from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.serve.prompts import chat_segments, completion_segments, context_of
 from ktm.serve.protocol import ChatRequest, CompletionRequest, RequestError
 
@@ -17,7 +17,9 @@ class Model:
         self.tokenizer.chat_template = template
 
     def tokenize(self, text, first=False):  # as KTMModel.tokenize
-        return segment_ids(self.tokenizer, text, lead_ids(self.tokenizer) if first else ())
+        if first:
+            return segment_ids(self.tokenizer, text, lead_ids(self.tokenizer))
+        return segment_ids(self.tokenizer, text, anchor=continuation_anchor(self.tokenizer))
 
 
 def chat(**kw):
