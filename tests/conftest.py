@@ -35,6 +35,19 @@ def build_tokenizer(bos: bool = False, eos: bool = False) -> PreTrainedTokenizer
                                    model_max_length=512, **({"bos_token": "<bos>"} if bos else {}))
 
 
+def sentencepiece_like_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer that puts a space before every text it is given (SentencePiece's dummy prefix,
+    a ``Metaspace`` pre-tokenizer in the fast tokenizers of Llama 2 and Mistral)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
 def save_tiny_llama(path, bos: bool = False, eos: bool = False) -> str:
     tok = build_tokenizer(bos, eos)
     torch.manual_seed(0)

@@ -182,6 +182,23 @@ def test_selective_context_words_are_kept_whole(tiny_model_dir):
     assert out.meta["tokens_after"] < out.meta["tokens_before"]
 
 
+def test_selective_context_words_start_at_a_sentencepiece_space():
+    """A SentencePiece tokenizer (Llama 2, Mistral) writes a word's space as its token's first
+    character, which the token decoded alone loses: words are told apart all the same (else a
+    segment is one unit, which the unscored first token keeps whole, and nothing is dropped)."""
+    from conftest import sentencepiece_like_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = sentencepiece_like_tokenizer()
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    comp = SelectiveContext(ratio=0.5)
+    comp.fit([], KTMModel.from_base(lm, k=1, tokenizer=tok))
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = comp.model.tokenize(text)
+    assert [tok.decode([ids[i] for i in u]).strip() for u in comp.units(ids)] == text.split()
+
+
 def test_selective_context_batch_equals_singles(tiny_model_dir):
     comp = SelectiveContext(ratio=0.5, batch_size=3)
     comp.fit([], fresh(tiny_model_dir))

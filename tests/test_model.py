@@ -63,27 +63,11 @@ def test_a_prompt_gets_the_tokenizers_bos_once_and_never_its_eos(tmp_path):
     torch.testing.assert_close(cp.embeds, model.embed_ids(torch.tensor(ids)))
 
 
-def sentencepiece_like_tokenizer():
-    """A tokenizer that puts a space before every text it is given (SentencePiece's dummy prefix,
-    a ``Metaspace`` pre-tokenizer in the fast tokenizers of Llama 2 and Mistral)."""
-    from conftest import CORPUS
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(prepend_scheme="first")
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-
-
 def test_later_segments_and_targets_continue_the_text_without_a_dummy_space():
     """Such a tokenizer would start every later segment and every target with a space the text
     does not have: "Tree: AB , Answer:" for the prompt "Tree: AB" + ", Answer:". They continue
     the text; only the first segment starts one."""
+    from conftest import sentencepiece_like_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = sentencepiece_like_tokenizer()

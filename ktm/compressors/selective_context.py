@@ -91,14 +91,26 @@ class SelectiveContext(Compressor):
         if self.unit == "token":
             return [[i] for i in range(len(ids))]
         groups: list[list[int]] = []
-        for i, t in enumerate(ids):
-            piece = self.model.tokenizer.decode([t])
+        for i, piece in enumerate(self.pieces(ids)):
             starts = not groups or not piece or piece[0].isspace() or not piece[0].isalnum()
             if starts:
                 groups.append([i])
             else:
                 groups[-1].append(i)
         return groups
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """The text each token adds after the one before it. A token decoded alone loses the
+        space a SentencePiece tokenizer (Llama 2, Mistral) writes as its first character; after
+        its predecessor it keeps it. Where the pair adds nothing to its first token's text (a
+        character split over byte tokens), the token alone."""
+        decode = self.model.tokenizer.batch_decode
+        alone = decode([[t] for t in ids])
+        pairs = decode([[a, b] for a, b in zip(ids, ids[1:])])
+        out = alone[:1]
+        for a, b, pair in zip(alone, alone[1:], pairs):
+            out.append((pair[len(a):] if pair.startswith(a) else "") or b)
+        return out
 
     def keep_mask(self, ids: list[int], info: list[float]) -> list[bool]:
         """Which token positions survive dropping ``ratio`` of them, least informative first."""
