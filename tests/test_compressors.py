@@ -254,6 +254,21 @@ def test_ltsc_round_trips_exactly(tiny_model_dir):
         assert comp.decode(comp.encode(seq)) == seq
 
 
+def test_ltsc_keeps_the_tokenizers_bos_plain(tiny_bos_model_dir):
+    """Every first segment opens with the BOS a tokenizer like Llama 3's or Gemma's puts first,
+    so mining would fold it into a meta-token with the text after it, and the LM would lose the
+    token it always reads first."""
+    model = fresh(tiny_bos_model_dir)
+    comp = LTSC(max_meta_tokens=8)
+    comp.fit(examples(), model)
+    bos = model.tokenizer.bos_token_id
+    assert comp.vocab and not any(bos in gram for gram in comp.vocab)
+    for e in comp.compress_batch(examples()):
+        ids = e.segments[0].ids
+        assert ids[0] == bos and bos not in ids[1:] and len(ids) < len(comp.decode(ids))
+        assert comp.decode(ids) == model.tokenize(e.segments[0].text, first=True)
+
+
 def test_ltsc_meta_tokens_are_mean_initialised_and_trainable(tiny_model_dir):
     model = fresh(tiny_model_dir)
     vocab_rows = model.embed_ids(torch.arange(3)).detach()

@@ -5,6 +5,7 @@ greedily: each round takes the n-gram (2..``max_len`` tokens) with the largest s
 ``(len - 1) * count`` (count = non-overlapping occurrences), replaces it everywhere with a new
 meta-token, and recounts, until ``max_meta_tokens`` are chosen or nothing repeats
 ``min_count`` times. N-grams never span a meta-token, so every meta-token stands for plain ids.
+The BOS a first segment opens with (``KTMModel.lead_ids``) is never mined and stays plain.
 
 ``encode`` applies the meta-tokens in the order they were learned, each left to right without
 overlaps (exactly what mining did), so ``decode(encode(ids)) == ids`` for every input.
@@ -181,7 +182,7 @@ class LTSC(Compressor):
 
     def fit(self, examples: Sequence[Example], model) -> None:
         super().fit(examples, model)
-        seqs = [model.tokenize(s.text, i == 0) for e in examples
+        seqs = [self._ids(s.text, i == 0)[1] for e in examples
                 for i, s in enumerate(as_segments(e.segments)) if s.compress]
         if not seqs:
             raise KTMError("ltsc found no compressed segments in the training examples")
@@ -200,9 +201,20 @@ class LTSC(Compressor):
         expand = dict(zip(self.meta_ids, self.vocab))
         return [t for x in ids for t in expand.get(x, (x,))]
 
+    def _ids(self, text: str, first: bool) -> tuple[list[int], list[int]]:
+        """A segment's ids as (the BOS the tokenizer opens a prompt with, the rest). The BOS is
+        never mined: in a meta-token with the text after it (every first segment starts with
+        both), the LM would lose the token it always reads first (Llama 3, Gemma)."""
+        ids = self.model.tokenize(text, first)
+        n = len(self.model.lead_ids) if first else 0
+        return ids[:n], ids[n:]
+
     def rewrite(self, texts: list[str], first: list[bool]) -> list[Segment]:
-        return [Segment(t, ids=tuple(self.encode(self.model.tokenize(t, f))))
-                for t, f in zip(texts, first)]
+        out = []
+        for t, f in zip(texts, first):
+            lead, rest = self._ids(t, f)
+            out.append(Segment(t, ids=tuple(lead + self.encode(rest))))
+        return out
 
     def save_state(self, directory: str | Path) -> None:
         d = Path(directory)
