@@ -175,7 +175,8 @@ def load_adapter_into(model, directory: str | Path) -> None:
     check_sizes(model, directory, saved)
     inner = getattr(model.encoder, "inner", None)
     if inner is not None:
-        theirs = EncoderConfig(saved["hidden_size"], **model_config(directory).encoder_kwargs())
+        theirs = EncoderConfig(inner.config.hidden_size,
+                               **model_config(directory).encoder_kwargs())
         if theirs == inner.config:
             inner.load_state_dict(encoder_state(directory, theirs))
     theirs, mine = model_config(directory).lora, model.config.lora

@@ -119,7 +119,10 @@ class KTMModel(nn.Module):
 
     @staticmethod
     def _encoder_config(config: KTMConfig, lm: PreTrainedModel) -> EncoderConfig:
-        return EncoderConfig(lm.config.hidden_size, **config.encoder_kwargs())
+        # as wide as the input embeddings it merges, which OPT-350m projects up to its hidden
+        # size inside the model (512 -> 1024)
+        width = lm.get_input_embeddings().weight.shape[1]
+        return EncoderConfig(width, **config.encoder_kwargs())
 
     def save(self, directory: str | Path) -> None:
         checkpoint.save_model(self, directory)

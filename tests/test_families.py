@@ -124,6 +124,30 @@ def test_checkpoint_records_the_adapted_modules(tmp_path):
     assert sorted(loaded.config.lora.target_modules) == sorted(FAMILIES["phi3"][2])
 
 
+def test_input_embeddings_narrower_than_the_hidden_states(tmp_path):
+    """OPT-350m's input embeddings are 512 wide and projected to its 1024-wide hidden states
+    inside the model: the encoder merges embeddings, so it is as wide as they are."""
+    tok = build_tokenizer()
+    cfg = tiny_config("opt", len(tok))
+    cfg.word_embed_proj_dim = 32
+    torch.manual_seed(0)
+    base = T.AutoModelForCausalLM.from_config(cfg).eval()
+    base.save_pretrained(tmp_path / "opt")
+    tok.save_pretrained(tmp_path / "opt")
+    model = KTMModel.from_base(str(tmp_path / "opt"), k=1)
+    assert model.encoder.config.hidden_size == 32
+    ids = torch.tensor([tok(TEXT)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.prompt_logits(TEXT), base(ids).logits[0], atol=1e-5,
+                                   rtol=1e-5)
+    model = KTMModel.from_base(str(tmp_path / "opt"), k=4)
+    perturb_lora(model)
+    model.save(tmp_path / "ck")
+    loaded = KTMModel.load(tmp_path / "ck")
+    assert loaded.generate(TEXT, max_new_tokens=4) == model.generate(TEXT, max_new_tokens=4)
+    assert torch.isfinite(loaded([TEXT], ["fox"]).loss)
+
+
 def test_targets_a_model_lacks_are_an_error_not_dropped(tmp_path):
     base, tok = save_tiny("phi3", tmp_path / "phi3")
     with pytest.raises(KTMError, match=r"\['q_proj', 'k_proj'\].* not modules of this 'phi3'"):
