@@ -21,8 +21,10 @@ from ktm.errors import KTMError
 LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGETS: dict[str, tuple[str, ...]] = {
     **{family: LLAMA_LIKE for family in (
-        "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+        "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
         "olmo", "olmo2", "cohere", "granite", "smollm3")},
+    # its experts are fused 3-D parameters (``experts.gate_up_proj``), not linear modules
+    "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "gpt2": ("c_attn", "c_proj", "c_fc"),
     "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),

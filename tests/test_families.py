@@ -24,6 +24,9 @@ FAMILIES = {
     "gemma": (T.GemmaConfig, {}, LLAMA),
     "gemma2": (T.Gemma2Config, {"final_logit_softcapping": 2.0}, LLAMA),
     "mistral": (T.MistralConfig, {}, LLAMA),
+    # the experts are fused 3-D parameters, not linear modules: LoRA on the attention only
+    "mixtral": (T.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2},
+                {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj")}),
     "phi3": (T.Phi3Config, {}, {"qkv_proj": LAYERS, "o_proj": LAYERS, "gate_up_proj": LAYERS,
                                 "down_proj": LAYERS}),
     "olmo2": (T.Olmo2Config, {}, LLAMA),
