@@ -30,9 +30,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.errors import KTMError
 from ktm.provenance import git_revision, versions
+from ktm.tokens import SegmentTokenizer
 
 CUE = "\nAnswer:"
 
@@ -53,13 +53,7 @@ class Tokens:
             cfg = model_config(resolve_checkpoint(model))
             base, self.checkpoint_k = cfg.base_model, cfg.k
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(base))
-        self.lead_ids = lead_ids(self.tokenizer)  # as KTMModel.tokenize
-        self.anchor = continuation_anchor(self.tokenizer)
-
-    def tokenize(self, text: str, first: bool = False) -> list[int]:
-        if first:
-            return segment_ids(self.tokenizer, text, self.lead_ids)
-        return segment_ids(self.tokenizer, text, anchor=self.anchor)
+        self.tokenize = SegmentTokenizer(self.tokenizer)  # as KTMModel.tokenize
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -168,55 +168,6 @@ def heldout_texts(name: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ documents
-def lead_ids(tokenizer) -> tuple[int, ...]:
-    """The special tokens the tokenizer puts before a text: a BOS for many families (Llama 3,
-    Gemma, Mistral), none for SmolLM2. A task prompt's first segment gets them from the tokenizer;
-    a window cut from a document's token ids does not, so pretraining and the readability metric
-    prepend them, or a model trained always to see a BOS first would read its windows (and its
-    no-context baseline) out of distribution."""
-    probe = "Hello world"
-    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
-    for i in range(len(full) - len(plain) + 1):
-        if full[i:i + len(plain)] == plain:
-            return tuple(full[:i])
-    return ()
-
-
-def continuation_anchor(tokenizer) -> str | None:
-    """A special token to tokenize a later segment or a target after, where the tokenizer puts
-    a space before every text it is given (SentencePiece's dummy prefix: Llama 2, Mistral): such
-    a piece continues the prompt, and that space is not in it (", Answer:" would read " ,
-    Answer:"). After a special token the tokenizer starts no new text, so it adds none. None
-    where a text tokenizes the same either way (byte-level BPE: SmolLM2, Llama 3, Qwen)."""
-    probe = "Hello"
-    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    for token in (tokenizer.unk_token, tokenizer.eos_token, tokenizer.bos_token):
-        if token is None:
-            continue
-        ids = tokenizer(token + probe, add_special_tokens=False)["input_ids"]
-        if ids[:1] != [tokenizer.convert_tokens_to_ids(token)]:
-            continue
-        if ids[1:] == plain:
-            return None
-        # a token that strips the spaces after it would eat a segment's own leading space
-        spaced = tokenizer(f"{token} {probe}", add_special_tokens=False)["input_ids"]
-        return token if spaced[1:] != ids[1:] else None
-    return None
-
-
-def segment_ids(tokenizer, text: str, lead: Sequence[int] = (), anchor: str | None = None
-                ) -> list[int]:
-    """Token ids of one prompt segment or target: ``lead`` (the first segment's ``lead_ids``),
-    then the text without special tokens, tokenized after ``anchor`` (a later segment's or a
-    target's ``continuation_anchor``), which is then dropped. Never ``add_special_tokens=True``:
-    a tokenizer that also puts an EOS after a text (Llama 2's ``add_eos_token``) would end the
-    first segment with it, mid-prompt, before the plain question and the answer."""
-    if anchor is None:
-        return [*lead, *tokenizer(text, add_special_tokens=False)["input_ids"]]
-    return [*lead, *tokenizer(anchor + text, add_special_tokens=False)["input_ids"][1:]]
-
-
 def tokenize_docs(tokenizer, texts: Sequence[str], min_tokens: int, desc: str = "tokenize"
                   ) -> list[np.ndarray]:
     """Token ids (no special tokens) of each text with at least ``min_tokens`` tokens."""

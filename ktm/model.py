@@ -22,13 +22,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ktm import checkpoint
 from ktm.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_positions, pack
 from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
-from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
 from ktm.models import check_device, dtype_name, load_base, parse_dtype
 from ktm.prefix import MergeCache, PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments, split_prompts
+from ktm.tokens import SegmentTokenizer
 
 __all__ = ["CompressedPrompt", "KTMConfig", "KTMModel", "LoraSettings", "LossOutput", "Packed",
            "TargetLogits"]
@@ -62,8 +62,8 @@ class KTMModel(nn.Module):
         # params); an extension (LTSC's meta rows) replaces it through set_input_embedding
         object.__setattr__(self, "_embed", lm.get_input_embeddings())
         self.eos_ids = eos_ids(lm, tokenizer)
-        self.lead_ids = lead_ids(tokenizer)  # the BOS the first segment opens with, if any
-        self.anchor = continuation_anchor(tokenizer)  # later segments and targets: no new text
+        self._segment_ids = SegmentTokenizer(tokenizer)
+        self.lead_ids = self._segment_ids.lead_ids  # the BOS the first segment opens with, if any
         # pads never reach the LM (masked); any valid id will do where a tokenizer has none
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
@@ -241,10 +241,8 @@ class KTMModel(nn.Module):
     # ---------------------------------------------------------------- prompts
     def tokenize(self, text: str, first: bool = False) -> list[int]:
         """Token ids of one segment; only the first segment gets the special tokens the tokenizer
-        puts before a text, the others continue it (``ktm.corpus.segment_ids``)."""
-        if first:
-            return segment_ids(self.tokenizer, text, self.lead_ids)
-        return segment_ids(self.tokenizer, text, anchor=self.anchor)
+        puts before a text, the others continue it (``ktm.tokens``)."""
+        return self._segment_ids(text, first)
 
     def compress(
         self, prompt: PromptLike | Sequence[PromptLike], merge: bool = True

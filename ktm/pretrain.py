@@ -46,7 +46,6 @@ from ktm.corpus import (
     autoencode_window,
     check_docs,
     continuation_window,
-    lead_ids,
     source_texts,
     tokenize_docs,
 )
@@ -55,6 +54,7 @@ from ktm.model import LossOutput
 from ktm.prompt import Segment
 from ktm.tasks.base import Example
 from ktm.teacher import kl_per_token
+from ktm.tokens import lead_ids
 from ktm.train import TrainConfig, train
 
 OBJECTIVES = ("lm", "distill", "ae", "align")
@@ -144,7 +144,7 @@ class WindowStream(Sequence):
     def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
                  eos: int | None, lead: Sequence[int] = ()):
         self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
-        self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (ktm.corpus.lead_ids)
+        self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (ktm.tokens.lead_ids)
         self.sources = [s for s in cfg.source_weights if cfg.source_weights[s] > 0]
         self.src_w = [cfg.source_weights[s] for s in self.sources]
         self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]

@@ -7,7 +7,7 @@ windows, all three read by the same model (LoRA on):
     plain    the context as plain tokens (merge off)
     none     no context: a single plain BOS token (EOS where the tokenizer has no BOS)
 
-Where the tokenizer puts a BOS before every text (``ktm.corpus.lead_ids``), the merged and
+Where the tokenizer puts a BOS before every text (``ktm.tokens.lead_ids``), the merged and
 plain contexts start with it too, as a task prompt's first segment does, and "none" is it.
 
     R = (NLL_none - NLL_merged) / (NLL_none - NLL_plain)
@@ -27,9 +27,10 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ktm.corpus import Window, WindowSpec, heldout_windows, lead_ids
+from ktm.corpus import Window, WindowSpec, heldout_windows
 from ktm.errors import KTMError
 from ktm.prompt import Segment
+from ktm.tokens import lead_ids
 
 # held-out windows: reviews are short, so a window needs 64 tokens (48 context + 16 target)
 READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)

@@ -34,13 +34,13 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from ktm.batch import CompressedPrompt
-from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.export import ENCODER, LM_DIR, lm_files, read_manifest, sha256_files
 from ktm.models import parse_dtype
 from ktm.prefix import PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments
+from ktm.tokens import SegmentTokenizer
 
 
 def encode_embeds(embeds: torch.Tensor) -> str:
@@ -66,8 +66,7 @@ class VLLMClient:
                            f"the encoder {m['encoder']['hidden_size']}, but the export was made "
                            f"for {m['hidden_size']}: the LM and the encoder do not belong together")
         self.tokenizer = AutoTokenizer.from_pretrained(lm_dir)
-        self.lead_ids = lead_ids(self.tokenizer)  # as KTMModel.tokenize
-        self.anchor = continuation_anchor(self.tokenizer)
+        self.tokenize = SegmentTokenizer(self.tokenizer)  # as KTMModel.tokenize
         dtype = parse_dtype(m["dtype"])
         self.embed = nn.Embedding.from_pretrained(self._embedding_table().to(dtype))
         self.encoder = KTokenEncoder.from_config(EncoderConfig.from_dict(m["encoder"]))
@@ -107,11 +106,6 @@ class VLLMClient:
         return table
 
     # ---------------------------------------------------------------- prompts
-    def tokenize(self, text: str, first: bool = False) -> list[int]:
-        if first:
-            return segment_ids(self.tokenizer, text, self.lead_ids)
-        return segment_ids(self.tokenizer, text, anchor=self.anchor)
-
     @torch.no_grad()
     def encode(self, prompt: PromptLike, merge: bool = True) -> CompressedPrompt:
         """The prompt's LM input embeddings, merged exactly as the ktm model merges them."""

@@ -3,9 +3,9 @@
 import pytest
 from conftest import build_tokenizer
 
-from ktm.corpus import continuation_anchor, lead_ids, segment_ids
 from ktm.serve.prompts import chat_segments, completion_segments, context_of
 from ktm.serve.protocol import ChatRequest, CompletionRequest, RequestError
+from ktm.tokens import SegmentTokenizer
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -17,9 +17,7 @@ class Model:
         self.tokenizer.chat_template = template
 
     def tokenize(self, text, first=False):  # as KTMModel.tokenize
-        if first:
-            return segment_ids(self.tokenizer, text, lead_ids(self.tokenizer))
-        return segment_ids(self.tokenizer, text, anchor=continuation_anchor(self.tokenizer))
+        return SegmentTokenizer(self.tokenizer)(text, first)
 
 
 def chat(**kw):

@@ -1,0 +1,66 @@
+"""How text becomes prompt token ids, the same way for every model family.
+
+A prompt is a list of segments (``ktm.prompt``). The first opens with the special tokens the
+tokenizer puts *before* a text (a BOS: Llama 3, Gemma; none for SmolLM2), never with those it
+puts after one (Llama 2's ``add_eos_token`` would land an EOS mid-prompt, before the plain
+question and the answer). Later segments and targets continue the text: where a tokenizer puts
+a space before every text it is given (SentencePiece's dummy prefix: Llama 2, Mistral), they are
+tokenized after a special token that is then dropped, so ``"Tree: AB" + ", Answer:"`` does not
+read ``"Tree: AB , Answer:"``.
+"""
+
+from __future__ import annotations
+
+
+def lead_ids(tokenizer) -> tuple[int, ...]:
+    """The special tokens the tokenizer puts before a text: a BOS for many families (Llama 3,
+    Gemma, Mistral), none for SmolLM2. A prompt's first segment opens with them; so do the
+    windows pretraining and the readability metric cut from a document's token ids, or a model
+    trained always to see a BOS first would read them (and R's no-context baseline) out of
+    distribution."""
+    probe = "Hello world"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return tuple(full[:i])
+    return ()
+
+
+def continuation_anchor(tokenizer) -> str | None:
+    """A special token to tokenize a later segment or a target after, where the tokenizer puts
+    a space before every text it is given (SentencePiece's dummy prefix: Llama 2, Mistral): such
+    a piece continues the prompt, and that space is not in it (", Answer:" would read " ,
+    Answer:"). After a special token the tokenizer starts no new text, so it adds none. None
+    where a text tokenizes the same either way (byte-level BPE: SmolLM2, Llama 3, Qwen)."""
+    probe = "Hello"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    for token in (tokenizer.unk_token, tokenizer.eos_token, tokenizer.bos_token):
+        if token is None:
+            continue
+        ids = tokenizer(token + probe, add_special_tokens=False)["input_ids"]
+        if ids[:1] != [tokenizer.convert_tokens_to_ids(token)]:
+            continue
+        if ids[1:] == plain:
+            return None
+        # a token that strips the spaces after it would eat a segment's own leading space
+        spaced = tokenizer(f"{token} {probe}", add_special_tokens=False)["input_ids"]
+        return token if spaced[1:] != ids[1:] else None
+    return None
+
+
+class SegmentTokenizer:
+    """``tokenize(text, first)``: a prompt segment's or a target's token ids, as above."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.lead_ids = lead_ids(tokenizer)
+        self.anchor = continuation_anchor(tokenizer)
+
+    def __call__(self, text: str, first: bool = False) -> list[int]:
+        # never add_special_tokens=True: it would also add what a tokenizer puts after a text
+        if first:
+            return [*self.lead_ids, *self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if self.anchor is None:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self.anchor + text, add_special_tokens=False)["input_ids"][1:]
