@@ -34,17 +34,24 @@ __all__ = ["CompressedPrompt", "KTMConfig", "KTMModel", "LoraSettings", "LossOut
            "TargetLogits"]
 
 
+def _eos_lists(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """The EOS ids of the tokenizer, the model config and its generation config, in that order."""
+    sources = (tokenizer.eos_token_id, getattr(lm.config, "eos_token_id", None),
+               getattr(getattr(lm, "generation_config", None), "eos_token_id", None))
+    return [[int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+            for ids in sources if ids is not None]
+
+
 def eos_ids(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Every id that ends a generation: the tokenizer's EOS plus the model's (generation) config
     EOS lists (Llama-3 ``<|eot_id|>``, Qwen ``<|im_end|>``)."""
-    found: set[int] = set()
-    sources = (tokenizer.eos_token_id, getattr(lm.config, "eos_token_id", None),
-               getattr(getattr(lm, "generation_config", None), "eos_token_id", None))
-    for ids in sources:
-        if ids is None:
-            continue
-        found.update(int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]))
-    return frozenset(found)
+    return frozenset(i for ids in _eos_lists(lm, tokenizer) for i in ids)
+
+
+def target_eos(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The EOS a target ends with (``add_eos``): the tokenizer's, else the first the model's
+    (generation) config names, so a model whose tokenizer lacks one still learns to stop."""
+    return next((ids[0] for ids in _eos_lists(lm, tokenizer) if ids), None)
 
 
 class KTMModel(nn.Module):
@@ -62,6 +69,7 @@ class KTMModel(nn.Module):
         # params); an extension (LTSC's meta rows) replaces it through set_input_embedding
         object.__setattr__(self, "_embed", lm.get_input_embeddings())
         self.eos_ids = eos_ids(lm, tokenizer)
+        self.eos_id = target_eos(lm, tokenizer)
         self._segment_ids = SegmentTokenizer(tokenizer)
         self.lead_ids = self._segment_ids.lead_ids  # the BOS the first segment opens with, if any
         # pads never reach the LM (masked); any valid id will do where a tokenizer has none
@@ -109,6 +117,11 @@ class KTMModel(nn.Module):
             if tokenizer is None:
                 raise KTMError("from_base with a model object needs tokenizer=...")
             lm, tok = base.to(device=device, dtype=torch_dtype), tokenizer
+        if config.add_eos and target_eos(lm, tok) is None:
+            raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
+                           "model or generation config names one): training targets could not "
+                           "end with one and the model would never learn to stop; expected an "
+                           "eos_token_id, or add_eos=False (--no-add-eos) to train without")
         config = replace(config, lora=replace(config.lora,
                                               target_modules=resolve_targets(lm, config.lora)))
         # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT
@@ -328,8 +341,8 @@ class KTMModel(nn.Module):
                 raise KTMError("target token ids are empty: expected at least one id")
             return ids
         ids = self.tokenize(target)
-        if self._config.add_eos and self.tokenizer.eos_token_id is not None:
-            ids = ids + [self.tokenizer.eos_token_id]
+        if self._config.add_eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
         if not ids:
             raise KTMError(f"target {target!r} tokenizes to nothing: expected a non-empty target")
         return ids

@@ -303,7 +303,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     # the stream covers every process's shard of every step (ktm.distributed)
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
              * distributed.setup(model.device).size)
-    stream = WindowStream(docs, config, steps, train_config.seed, model.tokenizer.eos_token_id,
+    stream = WindowStream(docs, config, steps, train_config.seed, model.eos_id,
                           lead_ids(model.tokenizer))
     # n_examples in run.json is then the windows this run will see
     evaluate = None

@@ -283,3 +283,31 @@ def test_a_checkpoint_reads_with_aligned_lines(tiny_model_dir, tmp_path):
     assert (as_saved.config.align_lines, read.config.align_lines) == (False, True)
     assert as_saved.line_breaks is None
     assert as_saved.compress(prompt).tokens_out < read.compress(prompt).tokens_out
+
+
+def _tokenizer_without_eos():
+    from conftest import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.eos_token = None  # e.g. a base model's tokenizer saved without special tokens
+    assert tok.eos_token_id is None
+    return tok
+
+
+def test_a_tokenizer_without_eos_ends_targets_with_the_models_eos():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _tokenizer_without_eos()
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+               num_attention_heads=4)
+    lm = LlamaForCausalLM(LlamaConfig(eos_token_id=[7, 1], **cfg))
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    assert model.target_ids("true") == model.tokenize("true") + [7]
+    assert model.target_ids("true") != model.tokenize("true")
+    # neither names one: refused up front, not a model that never learns to stop
+    lm = LlamaForCausalLM(LlamaConfig(eos_token_id=None, **cfg))
+    lm.generation_config.eos_token_id = None
+    with pytest.raises(KTMError, match=r"no EOS token.*add_eos=False"):
+        KTMModel.from_base(lm, k=2, tokenizer=tok)
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok, add_eos=False)
+    assert model.target_ids("true") == model.tokenize("true")
