@@ -102,6 +102,9 @@ def _write(model, tmp: Path) -> None:
         "model": cfg["config"],
         "base_model": model.config.base_model,
         "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+        # what the encoder and prompt_embeds are as wide as: OPT-350m's 512-wide embeddings are
+        # projected to its 1024-wide hidden states inside the LM
+        "embedding_size": emb.shape[1],
         "dtype": str(model.dtype).removeprefix("torch."), "embeddings": embeddings,
         "sha256": {"lm": lm_sha, "encoder": enc_sha},
         "served_model_name": f"ktm-k{model.k}-{fingerprint[:12]}",

@@ -61,10 +61,14 @@ class VLLMClient:
             self._verify_files()
         lm_dir = self.dir / LM_DIR
         lm_cfg = AutoConfig.from_pretrained(lm_dir)
-        if (lm_cfg.hidden_size, m["encoder"]["hidden_size"]) != (m["hidden_size"],) * 2:
+        # the encoder is as wide as the input embeddings, which the LM may project up to its
+        # hidden size (OPT-350m); an export without the field has them equal
+        self.width: int = m.get("embedding_size", m["hidden_size"])
+        if (lm_cfg.hidden_size, m["encoder"]["hidden_size"]) != (m["hidden_size"], self.width):
             raise KTMError(f"the LM in {str(lm_dir)!r} has hidden_size {lm_cfg.hidden_size} and "
                            f"the encoder {m['encoder']['hidden_size']}, but the export was made "
-                           f"for {m['hidden_size']}: the LM and the encoder do not belong together")
+                           f"for hidden_size {m['hidden_size']} and input embeddings "
+                           f"{self.width} wide: the LM and the encoder do not belong together")
         self.tokenizer = AutoTokenizer.from_pretrained(lm_dir)
         self.tokenize = SegmentTokenizer(self.tokenizer)  # as KTMModel.tokenize
         dtype = parse_dtype(m["dtype"])
@@ -100,9 +104,9 @@ class VLLMClient:
         except (SafetensorError, OSError, KeyError) as err:
             raise KTMError(f"input embeddings {e['key']!r} not found in "
                            f"{str(self.dir / e['file'])!r}: {err}") from err
-        if tuple(table.shape) != (self.manifest["vocab_size"], self.manifest["hidden_size"]):
+        if tuple(table.shape) != (self.manifest["vocab_size"], self.width):
             raise KTMError(f"input embeddings have shape {tuple(table.shape)}, expected "
-                           f"({self.manifest['vocab_size']}, {self.manifest['hidden_size']})")
+                           f"({self.manifest['vocab_size']}, {self.width})")
         return table
 
     # ---------------------------------------------------------------- prompts

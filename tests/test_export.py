@@ -181,3 +181,27 @@ def test_export_cli_and_its_errors(capsys, tiny_model_dir, trained, tmp_path):
         assert match in capsys.readouterr().err
     with pytest.raises(KTMError, match="not a ktm vLLM export"):
         VLLMClient(tmp_path / "occupied")
+
+
+def test_export_of_a_model_whose_input_embeddings_are_narrower_than_its_hidden_states(tmp_path):
+    """OPT-350m projects its 512-wide input embeddings to 1024 inside the model: the encoder,
+    the embedding table and prompt_embeds are all as wide as the embeddings, not the LM."""
+    import transformers as T
+    from conftest import build_tokenizer
+    from test_families import tiny_config
+
+    tok = build_tokenizer()
+    cfg = tiny_config("opt", len(tok))
+    cfg.word_embed_proj_dim = 32
+    torch.manual_seed(0)
+    model = KTMModel.from_base(T.AutoModelForCausalLM.from_config(cfg), k=4, tokenizer=tok)
+    perturb(model, seed=1)
+    m = export_vllm(model, tmp_path / "opt")
+    assert (m["hidden_size"], m["embedding_size"], m["encoder"]["hidden_size"]) == (64, 32, 32)
+    client = VLLMClient(tmp_path / "opt")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "opt" / "lm").eval()
+    with torch.no_grad():
+        cp = client.encode(PROMPT)
+        assert cp.embeds.shape[1] == 32
+        torch.testing.assert_close(hf(inputs_embeds=cp.embeds[None]).logits[0],
+                                   model.prompt_logits(PROMPT), atol=1e-5, rtol=1e-5)
