@@ -25,7 +25,7 @@ from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
-from ktm.models import check_device, dtype_name, load_base, parse_dtype
+from ktm.models import check_device, check_inputs_embeds, dtype_name, load_base, parse_dtype
 from ktm.prefix import MergeCache, PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments, split_prompts
 from ktm.tokens import SegmentTokenizer
@@ -117,6 +117,7 @@ class KTMModel(nn.Module):
             if tokenizer is None:
                 raise KTMError("from_base with a model object needs tokenizer=...")
             lm, tok = base.to(device=device, dtype=torch_dtype), tokenizer
+        check_inputs_embeds(lm)
         if config.add_eos and target_eos(lm, tok) is None:
             raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
                            "model or generation config names one): training targets could not "

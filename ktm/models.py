@@ -9,6 +9,7 @@ later loads read that folder.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import shutil
 import tempfile
@@ -122,6 +123,23 @@ def load_base(
     except (OSError, ValueError) as e:
         raise KTMError(f"could not load a causal LM from {str(path)!r}: {e}") from e
     return model.to(device).eval(), tok
+
+
+# PEFT's causal-LM wrapper raises on inputs_embeds for these (so does mosaicml's own MPT code)
+NO_INPUTS_EMBEDS = ("mpt",)
+
+
+def check_inputs_embeds(lm: PreTrainedModel) -> None:
+    """Refuse a model that cannot read input embeddings: ktm feeds the LM merged embeddings
+    (``inputs_embeds``), never token ids, and such a model would only fail on its first prompt."""
+    model_type = getattr(lm.config, "model_type", "?")
+    params = inspect.signature(lm.forward).parameters
+    # a forward taking **kwargs may pass them on to a model that reads them
+    takes = "inputs_embeds" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if model_type in NO_INPUTS_EMBEDS or not takes:
+        raise KTMError(f"{type(lm).__name__} ({model_type!r}) cannot read input embeddings: ktm "
+                       "feeds the LM merged embeddings, so it needs a causal LM whose forward "
+                       "takes inputs_embeds (llama, qwen2, gemma, mistral, phi3, gpt2, opt, ...)")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -201,3 +201,22 @@ def test_no_k_fits_when_the_plain_part_alone_is_too_long(gpt2_128):
     prompt = [Segment("fox"), Segment(long_text(tok, 130), compress=False)]
     with pytest.raises(KTMError, match="no K fits: shorten the plain segments"):
         model([prompt], [[5]])
+
+
+def test_a_model_that_cannot_read_inputs_embeds_is_refused_up_front():
+    """ktm feeds the LM embeddings, never ids: PEFT's causal-LM wrapper refuses inputs_embeds
+    for MPT, and a forward without the parameter cannot take them; say so before adapting it."""
+    tok = build_tokenizer()
+    mpt = T.AutoModelForCausalLM.from_config(T.MptConfig(
+        vocab_size=len(tok), d_model=64, n_heads=4, n_layers=1, max_seq_len=64))
+    with pytest.raises(KTMError, match=r"MptForCausalLM \('mpt'\).*inputs_embeds"):
+        KTMModel.from_base(mpt, tokenizer=tok)
+    assert not any("lora" in n for n, _ in mpt.named_parameters())  # left as it was
+
+    class IdsOnly(T.LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask)
+
+    ids_only = IdsOnly(tiny_config("llama", len(tok)))
+    with pytest.raises(KTMError, match=r"IdsOnly \('llama'\).*inputs_embeds"):
+        KTMModel.from_base(ids_only, tokenizer=tok)
