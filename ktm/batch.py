@@ -123,6 +123,10 @@ def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: i
     for cp, more in zip(prefixes, extra):
         if cp.next_position + more <= limit:
             continue
+        if more >= limit:  # the prompt takes at least one position: no K or layout helps
+            raise KTMError(f"{more} {what} alone reach the model's limit of {limit} positions, "
+                           f"leaving none for the prompt ({cp.tokens_in} tokens): expected fewer "
+                           f"than {limit} {what}")
         if cp.positions is not None:
             raise KTMError(f"prompt spans {cp.next_position} positions ({cp.tokens_in} tokens; "
                            f"spread positions keep the original token positions) + {more} "
@@ -130,7 +134,15 @@ def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: i
                            "with spread_positions on")
         fits = next((kk for kk in range(1, max(cp.mergeable, default=1) + 1)
                      if cp.positions_at(kk) + more <= limit), None)
-        hint = f"K={fits} would fit" if fits else "no K fits: shorten the plain segments"
+        least = cp.positions_at(max(cp.mergeable, default=1))  # each merged segment one block
+        if fits:
+            hint = f"K={fits} would fit"
+        elif least >= limit:
+            hint = "no K fits: shorten the plain segments"
+        else:
+            hint = (f"no K fits: the prompt takes at least {least} positions, leaving "
+                    f"{limit - least} for the {more} {what}; shorten the plain segments or the "
+                    f"{what}")
         raise KTMError(f"prompt is {cp.tokens_out} positions after merging (K={k}, "
                        f"{cp.tokens_in} tokens before) + {more} {what}, over the model's limit "
                        f"of {limit} positions; {hint}")

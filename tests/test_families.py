@@ -220,3 +220,23 @@ def test_a_model_that_cannot_read_inputs_embeds_is_refused_up_front():
     ids_only = IdsOnly(tiny_config("llama", len(tok)))
     with pytest.raises(KTMError, match=r"IdsOnly \('llama'\).*inputs_embeds"):
         KTMModel.from_base(ids_only, tokenizer=tok)
+
+
+def test_a_target_too_long_on_its_own_is_named_not_the_plain_segments(gpt2_128):
+    """An autoencoding target as long as the model's positions fits under no K and no prompt;
+    the error names the target, not the plain segments the prompt may not even have."""
+    from ktm.prompt import Segment
+
+    path, tok = gpt2_128
+    model = KTMModel.from_base(path, k=4)
+    with pytest.raises(KTMError, match=r"130 target tokens alone reach the model's limit of 128 "
+                                       r"positions.*expected fewer than 128"):
+        model([long_text(tok, 40)], [[5] * 130])
+    with pytest.raises(KTMError, match=r"200 new tokens alone reach the model's limit of 128"):
+        model.generate("fox", max_new_tokens=200)
+    # neither alone is too long, together they are: both are named
+    prompt = [Segment("fox"), Segment(long_text(tok, 100), compress=False)]
+    with pytest.raises(KTMError, match=r"no K fits: the prompt takes at least 101 positions, "
+                                       r"leaving 27 for the 40 target tokens; shorten the plain "
+                                       r"segments or the target tokens"):
+        model([prompt], [[5] * 40])
