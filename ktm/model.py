@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -96,6 +97,9 @@ class KTMModel(nn.Module):
         ``config`` gives everything at once; otherwise it is built from ``k``, ``lora``,
         ``dtype`` and any other ``KTMConfig`` field given by keyword (``mlp_ratio=0.5``,
         ``slot_weights=True``, ``spread_positions=True``, ...).
+
+        A model object is adapted in place (PEFT injects the LoRA layers into it), so it then
+        belongs to the returned model; from_base refuses it a second time.
         """
         name = base if isinstance(base, str) else (base.name_or_path or type(base).__name__)
         if config is None:
@@ -116,6 +120,12 @@ class KTMModel(nn.Module):
         else:
             if tokenizer is None:
                 raise KTMError("from_base with a model object needs tokenizer=...")
+            # adapting it again would re-initialise the LoRA of the KTMModel that owns it
+            if any(isinstance(m, BaseTunerLayer) for m in base.modules()):
+                raise KTMError(f"model {name!r} already carries PEFT (LoRA) adapter layers: "
+                               "from_base adapts a model object in place, so one given to it "
+                               "before belongs to that KTMModel; expected a model without "
+                               "adapters (load a fresh copy, or merge_and_unload() this one)")
             lm, tok = base.to(device=device, dtype=torch_dtype), tokenizer
         check_inputs_embeds(lm)
         if config.add_eos and target_eos(lm, tok) is None:

@@ -311,3 +311,22 @@ def test_a_tokenizer_without_eos_ends_targets_with_the_models_eos():
         KTMModel.from_base(lm, k=2, tokenizer=tok)
     model = KTMModel.from_base(lm, k=2, tokenizer=tok, add_eos=False)
     assert model.target_ids("true") == model.tokenize("true")
+
+
+def test_a_model_object_already_adapted_is_refused_not_adapted_twice():
+    """from_base adapts a model object in place; a second from_base on it re-initialised the
+    first KTMModel's LoRA (shared with the second) behind a PEFT warning."""
+    from conftest import build_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer()
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    first = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    perturb(first)
+    before = first.prompt_logits(TEXT)
+    with pytest.raises(KTMError, match=r"model 'LlamaForCausalLM' already carries PEFT"):
+        KTMModel.from_base(lm, k=2, tokenizer=tok)
+    with pytest.raises(KTMError, match=r"already carries PEFT \(LoRA\) adapter layers"):
+        KTMModel.from_base(first.peft, k=2, tokenizer=tok)
+    torch.testing.assert_close(first.prompt_logits(TEXT), before, atol=0, rtol=0)
