@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -52,13 +52,15 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
                             merge: bool = True, batch_size: int = 16, max_new_tokens: int = 4,
                             progress: bool = False, scoring: str = "generate",
                             targets: Sequence[str] | None = None,
-                            calibration: Sequence[Example] = ()) -> dict:
+                            calibration: Sequence[Example] = (),
+                            parse: Callable[[str], str | None] | None = None) -> dict:
     """Accuracy and balanced accuracy of a label per example.
 
     ``scoring="generate"``: greedy-generate an answer and compare its first word with the gold
-    label. ``"likelihood"``: the label whose answer text (``targets``, one per label; default the
-    labels themselves) is most likely, corrected for the prior the model gives each label on the
-    ``calibration`` prompts when there are any (``ktm.label_scoring``).
+    label (``parse``: another reading of the answer, e.g. the task's own). ``"likelihood"``: the
+    label whose answer text (``targets``, one per label; default the labels themselves) is most
+    likely, corrected for the prior the model gives each label on the ``calibration`` prompts
+    when there are any (``ktm.label_scoring``).
     """
     check_scoring(scoring, len(calibration))
     if scoring == "likelihood":
@@ -79,7 +81,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
                                merge=merge)
         answers += texts
-        preds += [parse_label(t, labels) for t in texts]
+        preds += [parse(t) if parse else parse_label(t, labels) for t in texts]
     return _class_row(examples, labels, preds, answers, before, after, compress_s, t0)
 
 
@@ -168,10 +170,21 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
 
 def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
     """``kwargs`` go to the task kind's scorer; for classification, likelihood scoring reads
-    each label's answer text from the task (``task.label_target``)."""
+    each label's answer text from the task (``task.label_target``), and a generated answer is
+    read by the task's ``parse_label`` when it has one.
+
+    A task that picks its metric from the data (``custom``) has ``chosen_metric``, which the
+    row records as ``metric``."""
+    chosen = getattr(task, "chosen_metric", None)
     if task.kind == "perplexity":
         for name in ("max_new_tokens", "scoring", "calibration"):
             kwargs.pop(name, None)
-        return evaluate_perplexity(model, examples, **kwargs)
-    targets = [task.label_target(lab) for lab in task.labels]
-    return evaluate_classification(model, examples, task.labels, targets=targets, **kwargs)
+        row = evaluate_perplexity(model, examples, **kwargs)
+    else:
+        targets = [task.label_target(lab) for lab in task.labels]
+        # room for the longest answer and its EOS: a user's label may be several tokens long
+        longest = max(len(model.target_ids(t)) for t in targets)
+        kwargs.setdefault("max_new_tokens", max(4, longest))
+        row = evaluate_classification(model, examples, task.labels, targets=targets,
+                                      parse=getattr(task, "parse_label", None), **kwargs)
+    return row if chosen is None else {"metric": chosen, **row}

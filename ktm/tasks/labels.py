@@ -19,3 +19,14 @@ def parse_label(text: str, labels: Sequence[str]) -> str | None:
     word = words[0].strip(string.punctuation).lower()
     wanted = {label.lower(): label for label in labels}
     return wanted.get(word)
+
+
+def match_label(text: str, labels: Sequence[str]) -> str | None:
+    """The whole answer, stripped, if it is exactly one of ``labels`` (case included), else None.
+
+    For labels a user brings (``custom``), which may be several words or case-sensitive codes: the
+    first-word rule above would never match "very good". The model is trained to stop (EOS) right
+    after the label, so anything more or less than the label is a wrong answer.
+    """
+    answer = text.strip()
+    return answer if answer in labels else None
