@@ -27,7 +27,7 @@ LAYOUT = ("plain_suffix", "align_lines")
 
 @dataclass
 class TaskArgs:
-    task: str = field(default="tree", metadata={"help": "tree | amazon | commitpack"})
+    task: str = field(default="tree", metadata={"help": "tree | amazon | commitpack | custom"})
     stage: str = field(default="xmedium", metadata={"help": "tree stage (tree task only)"})
     prompt_mode: str = field(default="context",
                              metadata={"help": "context: question plain | paper: all compressed"})

@@ -43,6 +43,11 @@ def _commits(n: int = 40) -> list[dict]:
     ]
 
 
+def _own_rows(n: int = 40) -> list[dict]:
+    return [{"context": f"item {i} " + "y" * i, "prompt": "Even or odd?",
+             "target": ("even", "odd")[i % 2]} for i in range(n)]
+
+
 @pytest.fixture
 def fixture_kwargs(tmp_path: Path) -> dict[str, dict]:
     trees = [
@@ -53,6 +58,7 @@ def fixture_kwargs(tmp_path: Path) -> dict[str, dict]:
         "tree": {"data_path": _write(tmp_path / "trees.jsonl", trees), "stage": "medium"},
         "amazon": {"data_path": _write(tmp_path / "reviews.jsonl.gz", _reviews()), "test_size": 8},
         "commitpack": {"data_path": _write(tmp_path / "commits.jsonl", _commits()), "test_size": 8},
+        "custom": {"data_path": _write(tmp_path / "own.jsonl", _own_rows()), "test_size": 8},
     }
 
 
@@ -82,7 +88,7 @@ def test_paper_mode_is_one_compressed_segment(name: str, fixture_kwargs) -> None
 
 
 def test_get_task_errors_name_the_bad_value() -> None:
-    with pytest.raises(KTMError, match="unknown task 'trees'.*amazon, commitpack, tree"):
+    with pytest.raises(KTMError, match="unknown task 'trees'.*amazon, commitpack, custom, tree"):
         get_task("trees")
     with pytest.raises(KTMError, match="has no option stages.*stage"):
         get_task("tree", stages="small")

@@ -8,6 +8,7 @@ from ktm.errors import KTMError
 from ktm.tasks.amazon import AmazonTask
 from ktm.tasks.base import Example, Task
 from ktm.tasks.commitpack import CommitPackTask
+from ktm.tasks.custom import CustomTask
 from ktm.tasks.options import check_options
 from ktm.tasks.tree import TreeTask
 
@@ -15,6 +16,7 @@ TASKS: dict[str, type] = {
     "tree": TreeTask,
     "amazon": AmazonTask,
     "commitpack": CommitPackTask,
+    "custom": CustomTask,
 }
 
 
@@ -26,4 +28,5 @@ def get_task(name: str, **kwargs: Any) -> Task:
     return TASKS[name](**check_options(name, TASKS[name], kwargs))
 
 
-__all__ = ["TASKS", "AmazonTask", "CommitPackTask", "Example", "Task", "TreeTask", "get_task"]
+__all__ = ["TASKS", "AmazonTask", "CommitPackTask", "CustomTask", "Example", "Task", "TreeTask",
+           "get_task"]
