@@ -221,3 +221,15 @@ def test_cli_without_data_path_exits_2_naming_the_option(capsys, tiny_model_dir,
                         "--n-eval", "2", "--json", str(tmp_path / "r.json"))
     assert code == 2 and "needs the option data_path" in err and "Traceback" not in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_shipped_evaluation_only_sets_are_refused_as_training_data(tmp_path):
+    held = tmp_path / "amazon_reviews_other"
+    held.mkdir()
+    path = held / "reviews.jsonl"
+    path.write_text(json.dumps({"context": "a", "target": "b"}) + "\n")
+    with pytest.raises(KTMError, match="evaluation-only"):
+        CustomTask(data_path=str(path))
+    ok = tmp_path / "mine.jsonl"
+    ok.write_text(path.read_text())
+    assert CustomTask(data_path=str(ok), eval_path=str(path)).eval_rows[0].target == "b"

@@ -35,8 +35,10 @@ from typing import Any, Literal
 
 from ktm.errors import KTMError
 from ktm.prompt import Segment
+from ktm.tasks.amazon import EVAL_ONLY as AMAZON_EVAL_ONLY
 from ktm.tasks.base import Example, PromptMode, TaskKind
-from ktm.tasks.jsonl import read_jsonl, resolve_data_path, row_error
+from ktm.tasks.commitpack import EVAL_ONLY as COMMITPACK_EVAL_ONLY
+from ktm.tasks.jsonl import read_jsonl, refuse_eval_only, resolve_data_path, row_error
 from ktm.tasks.labels import match_label
 from ktm.tasks.split import (
     cycle_shuffled,
@@ -114,6 +116,9 @@ class CustomTask:
             raise KTMError(f"metric={self.metric!r}: expected 'auto', 'accuracy' or 'perplexity'")
         test_size_from_fraction(2, self.test_fraction)  # validates the fraction early
         self.path = resolve_data_path(self.data_path, "")
+        # the shipped evaluation-only sets stay evaluation-only, whatever the task reads them as
+        refuse_eval_only(self.path, AMAZON_EVAL_ONLY + COMMITPACK_EVAL_ONLY,
+                         "a shipped held-out set")
         self.eval_file = None if self.eval_path is None else resolve_data_path(self.eval_path, "")
 
     def _load(self, path: Path) -> list[Row]:
