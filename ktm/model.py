@@ -26,7 +26,14 @@ from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
-from ktm.models import check_device, check_inputs_embeds, dtype_name, load_base, parse_dtype
+from ktm.models import (
+    check_device,
+    check_inputs_embeds,
+    dtype_name,
+    load_base,
+    model_location,
+    parse_dtype,
+)
 from ktm.prefix import MergeCache, PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments, split_prompts
 from ktm.tokens import SegmentTokenizer
@@ -117,6 +124,7 @@ class KTMModel(nn.Module):
         device = check_device(device)
         if isinstance(base, str):
             lm, tok = load_base(config.base_model, device, torch_dtype)
+            config = replace(config, base_model=model_location(config.base_model))
         else:
             if tokenizer is None:
                 raise KTMError("from_base with a model object needs tokenizer=...")
@@ -178,6 +186,7 @@ class KTMModel(nn.Module):
                          align_lines=config.align_lines if align_lines is None else align_lines)
         device = check_device(device)
         lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
+        config = replace(config, base_model=model_location(config.base_model))
         hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
         if (hidden, vocab) != (saved.get("hidden_size"), saved.get("vocab_size")):
             raise KTMError(

@@ -112,6 +112,15 @@ def resolve_model_path(name_or_path: str) -> Path:
     )
 
 
+def model_location(name_or_path: str) -> str:
+    """What a config records as its base model: an embedded name as it is, a folder as an
+    absolute path, so a checkpoint, a packed reader or an export made with a relative ``--model``
+    still finds its base model from another working directory."""
+    if name_or_path in EMBEDDED:
+        return name_or_path
+    return str(Path(name_or_path).expanduser().resolve())
+
+
 def load_base(
     name_or_path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

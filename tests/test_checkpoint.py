@@ -154,3 +154,22 @@ def test_resume_refuses_another_prompt_layout(saved, tiny_model_dir, option, val
     other = KTMModel.from_base(tiny_model_dir, k=4, **{option: value})
     with pytest.raises(KTMError, match=f"{option}="):
         load_weights_into(other, path)
+
+
+def test_a_base_model_given_by_a_relative_path_loads_from_any_folder(tiny_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """The checkpoint records where its base model is: a relative --model path is made absolute,
+    so ``--init``, ``ktm eval`` or a packed reader find it from another working directory."""
+    from pathlib import Path
+
+    base = Path(tiny_model_dir)
+    monkeypatch.chdir(base.parent)
+    torch.manual_seed(0)
+    model = KTMModel.from_base(base.name, k=4)
+    perturb(model, seed=1)
+    assert model.config.base_model == str(base.resolve())
+    model.save(str(tmp_path / "ck"))
+    monkeypatch.chdir(tmp_path)
+    loaded = KTMModel.load(tmp_path / "ck")
+    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+                               atol=0, rtol=0)
