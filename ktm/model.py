@@ -185,7 +185,16 @@ class KTMModel(nn.Module):
                          plain_suffix=config.plain_suffix if plain_suffix is None else plain_suffix,
                          align_lines=config.align_lines if align_lines is None else align_lines)
         device = check_device(device)
-        lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
+        try:
+            lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
+        except KTMError as e:
+            if base:  # the caller's own choice: its error is the whole story
+                raise
+            # the checkpoint names a model that is not here (moved, another machine): say whose
+            # it is and how to point at a copy
+            raise KTMError(f"checkpoint {str(directory)!r} was trained on base model "
+                           f"{config.base_model!r}, which cannot be loaded here ({e}); expected "
+                           "that model, or base= (--model) naming a local copy of it") from e
         config = replace(config, base_model=model_location(config.base_model))
         hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
         if (hidden, vocab) != (saved.get("hidden_size"), saved.get("vocab_size")):

@@ -173,3 +173,19 @@ def test_a_base_model_given_by_a_relative_path_loads_from_any_folder(tiny_model_
     loaded = KTMModel.load(tmp_path / "ck")
     torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
                                atol=0, rtol=0)
+
+
+def test_a_checkpoint_whose_base_model_is_gone_says_which_and_how_to_point_elsewhere(
+        saved, tiny_model_dir, tmp_path):
+    model, path = saved
+    cfg = json.loads((path / "ktm_config.json").read_text())
+    cfg["config"]["base_model"] = str(tmp_path / "moved-away")
+    (path / "ktm_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KTMError, match=rf"checkpoint '{path}' was trained on base model "
+                                       rf"'{tmp_path / 'moved-away'}', which cannot be loaded "
+                                       r"here \(unknown model .*\); expected that model, or "
+                                       r"base= \(--model\) naming a local copy of it"):
+        KTMModel.load(path)
+    loaded = KTMModel.load(path, base=tiny_model_dir)
+    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+                               atol=0, rtol=0)
