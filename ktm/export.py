@@ -112,6 +112,23 @@ def _write(model, tmp: Path) -> None:
     })
 
 
+def _check_plain_lookup(model) -> None:
+    """Refuse an LM whose embedding layer is more than a table lookup (Gemma's multiplies the
+    rows by sqrt(hidden)): ktm merges what the layer returns, the client builds prompt_embeds
+    from the table, and vLLM's Gemma scales prompt_embeds itself, so the served prefix would be
+    at another scale than the one the model was trained on."""
+    emb = model.input_embedding
+    ids = torch.arange(min(8, emb.weight.shape[0]), device=emb.weight.device)
+    looked_up, rows = emb(ids), emb.weight[ids]
+    if not torch.equal(looked_up, rows):
+        scale = float(looked_up.float().norm() / rows.float().norm())
+        raise KTMError(f"the {model.lm_config.model_type!r} LM's embedding layer scales the table "
+                       f"rows (x{scale:.2f}), and vLLM's handling of prompt_embeds for it differs "
+                       "(Gemma scales them again): the served prefix would not be the one the "
+                       "model was trained on; the vLLM export covers LMs whose embedding layer "
+                       "is a plain lookup (serve this one with ktm serve)")
+
+
 def export_vllm(model, out: str | Path) -> dict:
     """Write ``model`` for vLLM into ``out`` (atomically); returns the manifest.
 
@@ -124,6 +141,7 @@ def export_vllm(model, out: str | Path) -> dict:
         raise KTMError("this model uses spread_positions, but vLLM places prompt_embeds at "
                        "consecutive positions: it would read the prefix differently; export a "
                        "model trained with consecutive positions")
+    _check_plain_lookup(model)
     out = Path(out)
     if out.exists() and not (out / MANIFEST).is_file():
         raise KTMError(f"{str(out)!r} exists and is not a ktm export: expected a new folder")

@@ -205,3 +205,17 @@ def test_export_of_a_model_whose_input_embeddings_are_narrower_than_its_hidden_s
         assert cp.embeds.shape[1] == 32
         torch.testing.assert_close(hf(inputs_embeds=cp.embeds[None]).logits[0],
                                    model.prompt_logits(PROMPT), atol=1e-5, rtol=1e-5)
+
+
+def test_export_refuses_a_model_whose_embedding_layer_scales_its_output(tmp_path):
+    """Gemma's embedding layer multiplies the table rows by sqrt(hidden): ktm merges those scaled
+    vectors, while the client builds prompt_embeds from the raw table and vLLM's Gemma scales
+    prompt_embeds itself; the served prefix would not be the one the model was trained on."""
+    from test_families import save_tiny
+
+    base, tok = save_tiny("gemma", tmp_path / "gemma")
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    with pytest.raises(KTMError, match=r"'gemma' LM's embedding layer scales the table rows "
+                                       r"\(x8\.00\)"):
+        export_vllm(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
