@@ -198,8 +198,12 @@ def load_adapter_into(model, directory: str | Path) -> None:
         raise KTMError(f"LoRA adapter {str(path)!r} does not fit this model (another base "
                        f"model?): {str(e).splitlines()[0]}") from e
     if result.unexpected_keys:
+        # same sizes, other module names: most often another model family (gpt2 vs opt)
+        kind, mine = saved.get("model_type"), model.config_dict["model_type"]
+        why = (f"it was trained on a {kind!r} model, this one is {mine!r}" if kind and kind != mine
+               else "it was trained with other LoRA settings")
         raise KTMError(f"LoRA adapter {str(path)!r} has unexpected weights "
-                       f"{result.unexpected_keys[:3]}: it was trained with other LoRA settings")
+                       f"{result.unexpected_keys[:3]}: {why}")
 
 
 def grow_lora(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor],

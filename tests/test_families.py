@@ -240,3 +240,17 @@ def test_a_target_too_long_on_its_own_is_named_not_the_plain_segments(gpt2_128):
                                        r"leaving 27 for the 40 target tokens; shorten the plain "
                                        r"segments or the target tokens"):
         model([prompt], [[5] * 40])
+
+
+def test_an_adapter_from_another_family_is_named_as_such(tmp_path):
+    """``--init-adapter`` across families of the same sizes: the error says so, not that the
+    LoRA settings differ."""
+    from ktm.checkpoint import load_adapter_into
+
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2")
+    KTMModel.from_base(base, k=4, tokenizer=tok).save(tmp_path / "ck")
+    base, tok = save_tiny("opt", tmp_path / "opt")
+    other = KTMModel.from_base(base, k=2, tokenizer=tok)
+    with pytest.raises(KTMError, match=r"has unexpected weights .*: it was trained on a 'gpt2' "
+                                       r"model, this one is 'opt'"):
+        load_adapter_into(other, tmp_path / "ck")
