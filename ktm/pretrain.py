@@ -299,6 +299,10 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
                        "to learn to read")
     for k in config.k_weights:
         model.encoder_at(k)  # a clear error before any text is read
+    if config.eval_sets:  # so is a model too short for R, which runs before the last save
+        from ktm.readability import check_read_positions
+
+        check_read_positions(model)
     docs = load_docs(model.tokenizer, config)
     # the stream covers every process's shard of every step (ktm.distributed)
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum

@@ -36,6 +36,19 @@ from ktm.tokens import lead_ids
 READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)
 
 
+def check_read_positions(model) -> None:
+    """Refuse a model whose positions cannot hold a held-out window read plain (the BOS if any,
+    ``READ_SPEC``'s context and continuation): R reads every context both merged and plain."""
+    need = (len(lead_ids(model.tokenizer)) + READ_SPEC.context_tokens
+            + READ_SPEC.target_tokens)
+    if model.max_positions and need > model.max_positions:
+        raise KTMError(f"the readability R reads held-out contexts plain: {need} positions "
+                       f"(a {READ_SPEC.context_tokens}-token context and a "
+                       f"{READ_SPEC.target_tokens}-token continuation), over this model's limit "
+                       f"of {model.max_positions}: expected no R for this model (ktm pretrain "
+                       "--eval-sets none)")
+
+
 def none_token(tokenizer) -> int:
     tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if tok is None:
@@ -118,6 +131,7 @@ def heldout_readability(model, sets: Sequence[str] = ("reviews", "code"), n: int
                         seed: int = 0, progress: bool = False,
                         _cache: dict | None = None) -> dict:
     """R per held-out set (``reviews``: other product categories, ``code``: unseen repos)."""
+    check_read_positions(model)
     out = {}
     for name in sets:
         key = (name, n, seed)

@@ -276,6 +276,25 @@ def test_pretraining_needs_merging(tiny_model_dir, corpus, tmp_path):
         pretrain(model, small_cfg(corpus), TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1))
 
 
+def test_a_model_too_short_for_the_readability_windows_is_refused_before_training(
+        tmp_path, corpus):
+    """R reads 256-token held-out contexts plain before a 64-token continuation: a model with
+    fewer positions is refused up front, not after training to the end (where R runs before
+    the last checkpoint is written) with a hint about K."""
+    from test_families import save_tiny
+
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2", positions=256)
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    cfg = PretrainConfig(sources=(corpus,), context_tokens=24, target_tokens=8, min_tokens=8,
+                         eval_sets=("code",))
+    with pytest.raises(KTMError, match=r"readability R .* 320 positions .* over this model's "
+                                       r"limit of 256: expected no R for this model \(ktm "
+                                       r"pretrain --eval-sets none\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1,
+                                         progress=False))
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
 def test_cli_pretrain_then_train_from_it(tiny_model_dir, corpus, tmp_path, capsys):
     out = tmp_path / "reader"
     code = main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--slot-weights",
