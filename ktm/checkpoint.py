@@ -115,8 +115,13 @@ def check_sizes(model, directory: str | Path, saved: dict) -> None:
     mine = model.config_dict
     for key in ("hidden_size", "vocab_size"):
         if saved.get(key) != mine[key]:
-            raise KTMError(f"checkpoint {str(directory)!r} has {key}={saved.get(key)}, "
-                           f"but the model has {key}={mine[key]}")
+            # most often the model was built on another base (--init-adapter without --model
+            # builds the default one): name both
+            theirs = (saved.get("config") or saved).get("base_model")
+            raise KTMError(f"checkpoint {str(directory)!r} has {key}={saved.get(key)} (base "
+                           f"model {theirs!r}), but the model has {key}={mine[key]} (base model "
+                           f"{model.config.base_model!r}): expected the checkpoint's base model "
+                           "(--model)")
 
 
 def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, object, object]]:

@@ -189,3 +189,19 @@ def test_a_checkpoint_whose_base_model_is_gone_says_which_and_how_to_point_elsew
     loaded = KTMModel.load(path, base=tiny_model_dir)
     torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
                                atol=0, rtol=0)
+
+
+def test_an_adapter_of_another_size_names_both_base_models(saved, tiny_model_dir):
+    """``--init-adapter CKPT`` without ``--model`` builds the default base model: the error says
+    which base model each side is, not only the two sizes."""
+    from ktm.checkpoint import load_adapter_into
+
+    model, path = saved
+    cfg = json.loads((path / "ktm_config.json").read_text())
+    cfg["hidden_size"], cfg["config"]["base_model"] = 128, "/elsewhere/wide-model"
+    (path / "ktm_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KTMError, match=rf"has hidden_size=128 \(base model '/elsewhere/wide-model'"
+                                       rf"\), but the model has hidden_size=64 \(base model "
+                                       rf"'{model.config.base_model}'\): expected the "
+                                       r"checkpoint's base model \(--model\)"):
+        load_adapter_into(model, path)
