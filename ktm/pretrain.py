@@ -54,7 +54,6 @@ from ktm.model import LossOutput
 from ktm.prompt import Segment
 from ktm.tasks.base import Example
 from ktm.teacher import kl_per_token
-from ktm.tokens import lead_ids
 from ktm.train import TrainConfig, train
 
 OBJECTIVES = ("lm", "distill", "ae", "align")
@@ -144,7 +143,7 @@ class WindowStream(Sequence):
     def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
                  eos: int | None, lead: Sequence[int] = ()):
         self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
-        self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (ktm.tokens.lead_ids)
+        self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (KTMModel.lead_ids)
         self.sources = [s for s in cfg.source_weights if cfg.source_weights[s] > 0]
         self.src_w = [cfg.source_weights[s] for s in self.sources]
         self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
@@ -308,7 +307,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
              * distributed.setup(model.device).size)
     stream = WindowStream(docs, config, steps, train_config.seed, model.eos_id,
-                          lead_ids(model.tokenizer))
+                          model.lead_ids)
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:

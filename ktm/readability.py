@@ -7,7 +7,7 @@ windows, all three read by the same model (LoRA on):
     plain    the context as plain tokens (merge off)
     none     no context: a single plain BOS token (EOS where the tokenizer has no BOS)
 
-Where the tokenizer puts a BOS before every text (``ktm.tokens.lead_ids``), the merged and
+Where the tokenizer puts a BOS before every text (``KTMModel.lead_ids``), the merged and
 plain contexts start with it too, as a task prompt's first segment does, and "none" is it.
 
     R = (NLL_none - NLL_merged) / (NLL_none - NLL_plain)
@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 from ktm.corpus import Window, WindowSpec, heldout_windows
 from ktm.errors import KTMError
 from ktm.prompt import Segment
-from ktm.tokens import lead_ids
 
 # held-out windows: reviews are short, so a window needs 64 tokens (48 context + 16 target)
 READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)
@@ -39,8 +38,7 @@ READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)
 def check_read_positions(model) -> None:
     """Refuse a model whose positions cannot hold a held-out window read plain (the BOS if any,
     ``READ_SPEC``'s context and continuation): R reads every context both merged and plain."""
-    need = (len(lead_ids(model.tokenizer)) + READ_SPEC.context_tokens
-            + READ_SPEC.target_tokens)
+    need = len(model.lead_ids) + READ_SPEC.context_tokens + READ_SPEC.target_tokens
     if model.max_positions and need > model.max_positions:
         raise KTMError(f"the readability R reads held-out contexts plain: {need} positions "
                        f"(a {READ_SPEC.context_tokens}-token context and a "
@@ -99,7 +97,7 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
     model.eval()
     rows = []  # per window: summed NLL merged, plain, none; target tokens
     tokens_in = tokens_out = 0
-    lead = lead_ids(model.tokenizer)  # a BOS the tokenizer would put first, as prompts get it
+    lead = model.lead_ids  # a BOS the tokenizer would put first, as prompts get it
     none = (Segment("", compress=False, ids=lead or (none_token(model.tokenizer),)),)
     try:
         for i in tqdm(range(0, len(windows), batch_size), desc="readability",
