@@ -16,6 +16,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm import distributed
+from ktm.ema import WeightAverage
 from ktm.errors import KTMError
 from ktm.provenance import git_revision, versions
 from ktm.tasks.base import Example
@@ -56,6 +58,10 @@ class TrainConfig:
     # K=4 reader's two slots per level differ by 0.03-0.06 on average after 1,350 steps). None: lr.
     slot_lr: float | None = field(default=None, metadata={
         "help": "learning rate of the encoder's slot weights and gate (default: --lr)"})
+    ema_decay: float = field(default=0.0, metadata={
+        "help": "keep an exponential moving average of the trainable weights with this decay "
+                "(e.g. 0.95): evaluations, the checkpoint and the returned model use it, the "
+                "last iterate is kept in checkpoint/live; 0: off"})
     schedule: str = field(default="constant", metadata={"choices": ["constant", "cosine"],
                           "help": "after warm-up: constant, or cosine decay to 10% of lr"})
     weight_decay: float = 0.0
@@ -83,6 +89,8 @@ class TrainConfig:
             raise KTMError(f"encoder_lr must be > 0, got {self.encoder_lr}")
         if self.slot_lr is not None and self.slot_lr <= 0:
             raise KTMError(f"slot_lr must be > 0 (or unset: lr), got {self.slot_lr}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise KTMError(f"ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}")
 
 
 class _Order:
@@ -246,9 +254,11 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     opt = adamw(param_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
     distributed.broadcast_params([p for g in opt.param_groups for p in g["params"]], world)
     data = data_signature(examples)
+    ema = (WeightAverage([p for _, p in model.trainable_parameters()], config.ema_decay)
+           if config.ema_decay else None)
     step = 0
     if config.resume:
-        step = load_checkpoint(model, opt, out, config, data, world)
+        step = load_checkpoint(model, opt, out, config, data, world, ema)
     else:
         check_fresh(out)
     distributed.barrier(world)  # every process has checked the folder before rank 0 writes
@@ -282,6 +292,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             st = train_step(model, opt, window, config.batch_size, loss_fn, config.clip_norm,
                             world)
             step += 1
+            if ema is not None:
+                ema.update()
             dt = time.perf_counter() - t0
             last = {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
                     "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm, "step_s": dt,
@@ -300,7 +312,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                 model.eval()
                 # evaluation may draw random numbers (sampling, a shuffled subset): on a forked
                 # state, so a run with --eval-every trains exactly as one without it
-                with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)):
+                with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)), \
+                        (ema.applied() if ema is not None else nullcontext()):
                     result = evaluate(model)
                 model.train()
                 last = {**last, "eval": result}
@@ -308,9 +321,11 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                                                "eval": result}) + "\n")
                 metrics_file.flush()
             if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
-                save_checkpoint(model, opt, step, config, out, data, save_extra, world)
+                save_checkpoint(model, opt, step, config, out, data, save_extra, world, ema)
             if on_step:
                 on_step(step, last)
+        if ema is not None:  # the run is complete: hand out the average, as the checkpoint does
+            ema.copy_to_params()
     finally:
         bar.close()
         if metrics_file:

@@ -4,7 +4,9 @@
     OUT/metrics.jsonl      one JSON row per logged step / evaluation (an append-only log)
     OUT/checkpoint/        a loadable KTMModel checkpoint + optimizer.safetensors (Adam moments,
                            CPU and CUDA RNG states) + trainer_state.json; extra files (LTSC
-                           state) are written inside the same atomic folder swap
+                           state) are written inside the same atomic folder swap. With a weight
+                           average (``ema_decay``) the checkpoint's weights are the average and
+                           checkpoint/live/ is the last iterate, itself a loadable checkpoint
 
 A resume refuses anything that would change the data a step sees (the global batch: processes
 x batch size x accumulation; the seed; the examples) or the model (K, encoder, LoRA
@@ -34,6 +36,7 @@ METRICS = "metrics.jsonl"
 RUN = "run.json"
 OPTIMIZER = "optimizer.safetensors"
 TRAINER = "trainer_state.json"
+LIVE = "live"  # the last iterate beside a weight average (ktm.ema)
 BATCH = ("processes", "batch_size", "grad_accum")  # only their product must stay
 FINGERPRINT_EXAMPLES = 16
 
@@ -84,15 +87,22 @@ def _restore_rng(tensors: dict[str, torch.Tensor],
 
 def save_checkpoint(model, opt, step: int, cfg, out: Path, data: dict,
                     extra: Callable[[Path], None] | None = None,
-                    world: distributed.World = distributed.ONE) -> None:
+                    world: distributed.World = distributed.ONE, ema=None) -> None:
     """Model, optimizer, RNG and trainer state, plus ``extra(folder)``'s files, in one swap.
-    Every process calls it; rank 0 alone writes."""
+    With ``ema`` (a ``ktm.ema.WeightAverage``) the model files hold the average and ``live/``
+    the weights training continues from. Every process calls it; rank 0 alone writes."""
     rngs = _rng_tensors(world)
     if not world.is_main:
         return
 
     def write(tmp: Path) -> None:
-        write_model_files(model, tmp)
+        if ema is not None:
+            (tmp / LIVE).mkdir()
+            write_model_files(model, tmp / LIVE)
+            with ema.applied():
+                write_model_files(model, tmp)
+        else:
+            write_model_files(model, tmp)
         sd = opt.state_dict()
         tensors = {f"state.{i}.{name}": (v if torch.is_tensor(v) else torch.tensor(v)).cpu()
                    for i, st in sd["state"].items() for name, v in st.items()}
@@ -136,8 +146,11 @@ def check_resume(saved: dict, cfg, data: dict, where: Path, processes: int = 1) 
 
 
 def load_checkpoint(model, opt, out: Path, cfg, data: dict,
-                    world: distributed.World = distributed.ONE) -> int:
-    """Restore a run's checkpoint into ``model`` and ``opt``; returns the step it reached."""
+                    world: distributed.World = distributed.ONE, ema=None) -> int:
+    """Restore a run's checkpoint into ``model`` and ``opt``; returns the step it reached.
+
+    Training continues from the last iterate (``live/`` when the run kept a weight average).
+    ``ema`` gets the saved average, or starts at the weights if the run kept none."""
     ckpt = existing_dir(out / CHECKPOINT)
     if not (ckpt / TRAINER).is_file():
         shared = (" (with several machines, out_dir must be on a filesystem they all see)"
@@ -151,6 +164,11 @@ def load_checkpoint(model, opt, out: Path, cfg, data: dict,
         raise KTMError(f"trainer state in {str(ckpt)!r} is corrupt: {e}") from e
     check_resume(state, cfg, data, ckpt, world.size)
     load_weights_into(model, ckpt)
+    if ema is not None:
+        ema.reset_to(ema.params)  # the saved average, or (no live/ folder) the weights
+        ema.updates = step
+    if (ckpt / LIVE).is_dir():
+        load_weights_into(model, ckpt / LIVE)
     try:
         tensors = load_file(str(ckpt / OPTIMIZER))
         opt_state: dict[int, dict] = {}

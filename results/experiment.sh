@@ -20,6 +20,9 @@
 # ALIGN=lines merges each line of the compressed text on its own in the K-token-merging runs, no
 # block spanning a line break (ktm train --align-lines), into results/TASK-lines/.
 # SEED=N fine-tunes with another seed (ktm train --seed N; default 0), into results/TASK-seedN/.
+# EMA=D keeps an average of the weights (ktm train --ema-decay D), into results/TASK-emaD/: each
+# run's METHOD.json reads the average, METHOD-live.json the last iterate of the same run (a paired
+# comparison: the average does not change the training).
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
 # Usage: bash results/experiment.sh TASK [METHOD...]
 #   TASK: tree (stage small) | tree-xmedium | amazon | commitpack, or a longer budget of one:
@@ -41,7 +44,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 task_name=$1; shift
-name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}${SUFFIX:+-suffix$SUFFIX}${ALIGN:+-$ALIGN}${SEED:+-seed$SEED}
+name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}${SUFFIX:+-suffix$SUFFIX}${ALIGN:+-$ALIGN}${SEED:+-seed$SEED}${EMA:+-ema$EMA}
 schedule=${SCHEDULE:-constant}
 case $schedule in constant) ;; cosine) name+=-cosine ;;
   *) echo "SCHEDULE=$schedule: expected constant or cosine" >&2; exit 2 ;; esac
@@ -50,13 +53,15 @@ case $lr in ''|*[!0-9.eE+-]*) echo "LR=$lr: expected a number such as 2e-4" >&2;
 case ${SUFFIX:-1} in ''|*[!0-9]*) echo "SUFFIX=$SUFFIX: expected a number of tokens such as 4" >&2; exit 2 ;; esac
 case ${SEED:-0} in ''|*[!0-9]*) echo "SEED=$SEED: expected a number such as 1" >&2; exit 2 ;; esac
 case ${ALIGN:-lines} in lines) ;; *) echo "ALIGN=$ALIGN: expected lines" >&2; exit 2 ;; esac
+case ${EMA:-0.5} in 0.[0-9]*) ;; *) echo "EMA=$EMA: expected a decay in (0, 1) such as 0.95" >&2; exit 2 ;; esac
 case ${SLOT_LR:-1} in ''|*[!0-9.eE+-]*) echo "SLOT_LR=$SLOT_LR: expected a number such as 1e-2" >&2; exit 2 ;; esac
 encoder_lr=$(python3 -c "print(f'{$lr / 10:g}')")
 methods=${*:-"uncompressed k2 k3 k4"}
 # --eval-every: the task metric on the run's --n-eval examples every 30 steps, in metrics.jsonl
 # (the fine-tuning curve; greedy evaluation, it does not change the training)
 common=(--lr "$lr" --encoder-lr "$encoder_lr" --warmup-steps 5 --schedule "$schedule" --seed "${SEED:-0}" --save-every 0 --no-progress
-        --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30 ${SLOT_LR:+--slot-lr "$SLOT_LR"})
+        --lora-r 16 --lora-alpha 64 --threads 1 --eval-every 30 ${SLOT_LR:+--slot-lr "$SLOT_LR"}
+        ${EMA:+--ema-decay "$EMA"})
 # the budget curves: a base task with N times its steps and training examples
 declare -A longer=([tree-long]="tree 3" [tree-xlong]="tree 6" [tree-xxlong]="tree 12"
                    [tree-xmedium-long]="tree-xmedium 4" [commitpack-long]="commitpack 3"
@@ -87,6 +92,10 @@ publish() {
     cp "runs/exp/$name-$m/eval.json" "results/$name/$m.json"
     cp "runs/exp/$name-$m/metrics.jsonl" "results/$name/$m.metrics.jsonl"
     echo "wrote results/$name/$m.json and $m.metrics.jsonl"
+    if [ -f "runs/exp/$name-$m/eval-live.json" ]; then
+      cp "runs/exp/$name-$m/eval-live.json" "results/$name/$m-live.json"
+      echo "wrote results/$name/$m-live.json"
+    fi
   done
 }
 trap publish EXIT
@@ -126,5 +135,9 @@ for m in $methods; do
     "${train[@]}" --out-dir "$out"
   ktm eval --checkpoint "$out/checkpoint" --task "$task" "${data[@]}" "${eval[@]}" "${comp[@]}" \
     --n-train "$n_train" --threads 1 --method "$m" --json "$out/eval.json"
+  if [ -n "${EMA:-}" ]; then   # the same run's last iterate
+    ktm eval --checkpoint "$out/checkpoint/live" --task "$task" "${data[@]}" "${eval[@]}" "${comp[@]}" \
+      --n-train "$n_train" --threads 1 --method "$m-live" --json "$out/eval-live.json"
+  fi
   done_runs+=("$m")
 done

@@ -8,6 +8,8 @@
 #   RUN_DIR: a run folder of results/amazon-lr/run.sh (runs/amazon-lr/NAME) or of
 #   results/experiment.sh amazon (runs/exp/amazon-METHOD; a baseline compressor's run is scored
 #   with its compressor, as experiment.sh evaluates it).
+# A run kept with a weight average (experiment.sh with EMA=D) is scored twice: the average as NAME,
+# its last iterate (RUN_DIR/checkpoint/live) as NAME-live.
 # Writes results/amazon-score/NAME.json, NAME = the run folder's name (copied in when the script
 # exits, so a later run never records '-dirty' because an earlier one rewrote a tracked file).
 set -euo pipefail
@@ -31,8 +33,12 @@ for run in "$@"; do
     ltsc) comp=(--compressor ltsc) ;;
     *) comp=() ;;
   esac
-  ktm eval --checkpoint "$run/checkpoint" --task amazon --prompt-mode context \
-    --task-option max_chars=400 --n-eval 1000 --n-train 640 --threads 1 "${comp[@]}" \
-    --scoring likelihood --n-calibrate 300 --method "$name" --json "$stage/$name.json"
-  done_runs+=("$name")
+  ckpts=("$run/checkpoint"); names=("$name")
+  [ -d "$run/checkpoint/live" ] && { ckpts+=("$run/checkpoint/live"); names+=("$name-live"); }
+  for i in "${!ckpts[@]}"; do
+    ktm eval --checkpoint "${ckpts[$i]}" --task amazon --prompt-mode context \
+      --task-option max_chars=400 --n-eval 1000 --n-train 640 --threads 1 "${comp[@]}" \
+      --scoring likelihood --n-calibrate 300 --method "${names[$i]}" --json "$stage/${names[$i]}.json"
+    done_runs+=("${names[$i]}")
+  done
 done
