@@ -80,10 +80,15 @@ class KTMModel(nn.Module):
         self.eos_id = target_eos(lm, tokenizer)
         self._segment_ids = SegmentTokenizer(tokenizer)
         self.lead_ids = self._segment_ids.lead_ids  # the BOS the first segment opens with, if any
-        # pads never reach the LM (masked); any valid id will do where a tokenizer has none
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = self._valid_pad(tokenizer.pad_token_id)
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
         self._line_breaks: frozenset[int] | None = None  # read from the tokenizer on first use
+
+    def _valid_pad(self, pad: int | None) -> int:
+        """The id pads are written with. Pads never reach the LM (masked), but they are looked
+        up in the embedding table, so any row of it will do: the tokenizer's pad, else (none, or
+        one added past the table, as ``add_special_tokens({"pad_token": ...})`` does) 0."""
+        return int(pad) if pad is not None and 0 <= pad < self._embed.weight.shape[0] else 0
 
     # ---------------------------------------------------------------- construction
     @classmethod

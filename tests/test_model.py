@@ -330,3 +330,37 @@ def test_a_model_object_already_adapted_is_refused_not_adapted_twice():
     with pytest.raises(KTMError, match=r"already carries PEFT \(LoRA\) adapter layers"):
         KTMModel.from_base(first.peft, k=2, tokenizer=tok)
     torch.testing.assert_close(first.prompt_logits(TEXT), before, atol=0, rtol=0)
+
+
+def _tiny_lm(tok, **cfg):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4, **cfg))
+
+
+def test_a_pad_token_added_past_the_embedding_table_is_never_looked_up():
+    """``add_special_tokens({"pad_token": ...})`` gives the pad an id the model's embedding table
+    lacks; padding a batch with it crashed with a bare IndexError."""
+    from conftest import build_tokenizer
+
+    tok = build_tokenizer()
+    lm = _tiny_lm(tok, eos_token_id=1)
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    assert tok.pad_token_id >= lm.get_input_embeddings().weight.shape[0]
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    prompts = ["Hello world, my name is ktm. The quick", "Tree"]
+    batch = model.generate(prompts, max_new_tokens=3, stop_at_eos=False)
+    assert batch == [model.generate(p, max_new_tokens=3, stop_at_eos=False) for p in prompts]
+    assert model.forward(prompts, [" true", " false"]).loss.isfinite()
+
+
+def test_a_refused_model_object_is_left_on_its_device_and_dtype():
+    """from_base moved the caller's model to the asked dtype in place before refusing it."""
+    tok = _tokenizer_without_eos()
+    lm = _tiny_lm(tok, eos_token_id=None)
+    lm.generation_config.eos_token_id = None
+    with pytest.raises(KTMError, match="no EOS token"):
+        KTMModel.from_base(lm, k=2, tokenizer=tok, dtype="bfloat16")
+    assert {p.dtype for p in lm.parameters()} == {torch.float32}
