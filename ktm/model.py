@@ -139,13 +139,15 @@ class KTMModel(nn.Module):
                                "from_base adapts a model object in place, so one given to it "
                                "before belongs to that KTMModel; expected a model without "
                                "adapters (load a fresh copy, or merge_and_unload() this one)")
-            lm, tok = base.to(device=device, dtype=torch_dtype), tokenizer
+            lm, tok = base, tokenizer
         check_inputs_embeds(lm)
         if config.add_eos and target_eos(lm, tok) is None:
             raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
                            "model or generation config names one): training targets could not "
                            "end with one and the model would never learn to stop; expected an "
                            "eos_token_id, or add_eos=False (--no-add-eos) to train without")
+        # a model object moves only once it is accepted: a refused one is left as it was given
+        lm = lm.to(device=device, dtype=torch_dtype)
         config = replace(config, lora=replace(config.lora,
                                               target_modules=resolve_targets(lm, config.lora)))
         # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT
