@@ -233,3 +233,19 @@ def test_the_shipped_evaluation_only_sets_are_refused_as_training_data(tmp_path)
     ok = tmp_path / "mine.jsonl"
     ok.write_text(path.read_text())
     assert CustomTask(data_path=str(ok), eval_path=str(path)).eval_rows[0].target == "b"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_byte_order_mark_and_crlf_lines_are_read(tmp_path, suffix):
+    """A file saved by a Windows editor: BOM first, CRLF line ends, blank lines. The BOM made
+    line 1 'bad JSON'."""
+    rows = [{"context": f"text {i} é 中文 🙂", "target": "yes" if i % 2 else "no"}
+            for i in range(6)]
+    text = "\ufeff" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n\r\n" for r in rows)
+    path = tmp_path / f"d{suffix}"
+    data = text.encode("utf-8")
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    task = CustomTask(data_path=str(path), test_size=2)
+    assert [r.context for r in task.rows] == [r["context"] for r in rows]
+    assert [r.line_no for r in task.rows] == [1, 3, 5, 7, 9, 11]
+    assert task.labels == ("no", "yes")
