@@ -127,7 +127,8 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
         elif len(prefixes) != len(prompts):
             raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
                            "expected one each")
-        model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens")
+        # the last new token is returned, never read back: it takes no position
+        model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
         state = prefill(model, prefixes, cfg.use_cache)
     gen = None
     if cfg.do_sample and cfg.seed is not None:

@@ -344,8 +344,9 @@ class KTMModel(nn.Module):
     def pack(self, seqs: list[torch.Tensor], positions=None) -> Packed:
         return pack(seqs, positions)
 
-    def check_fits(self, prefixes: list[CompressedPrompt], extra: list[int], what: str) -> None:
-        check_positions(prefixes, extra, self.max_positions, self.k, what)
+    def check_fits(self, prefixes: list[CompressedPrompt], extra: list[int], what: str,
+                   unread: int = 0) -> None:
+        check_positions(prefixes, extra, self.max_positions, self.k, what, unread)
 
     def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
            cache=None, keep: int | torch.Tensor = 0, hidden: bool = False):
