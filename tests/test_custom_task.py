@@ -130,6 +130,25 @@ def test_parse_label_is_an_exact_match_of_the_stripped_answer(tmp_path):
     assert task.parse_label("Very good") is None and task.parse_label("bad bad") is None
 
 
+def test_a_label_with_a_combining_accent_matches_a_normalizing_tokenizers_answer(tmp_path):
+    """A tokenizer with an NFC normalizer answers "café" composed, whichever way the label spelt
+    it; the exact match never matched a label written with a combining accent."""
+    from conftest import build_tokenizer
+    from tokenizers import normalizers
+
+    decomposed = "cafe\u0301 noir"
+    tok = build_tokenizer()
+    tok.backend_tokenizer.normalizer = normalizers.NFC()
+    answer = tok.decode(tok(decomposed, add_special_tokens=False)["input_ids"])
+    assert answer == "caf\u00e9 noir" != decomposed
+    rows = [{"context": f"c{i}", "target": (decomposed, "\u4e2d\u6587 \U0001f642")[i % 2]}
+            for i in range(10)]
+    task = CustomTask(data_path=_write(tmp_path / "d.jsonl", rows), test_size=2)
+    assert task.parse_label(answer + "\n") == decomposed
+    assert task.parse_label(" \u4e2d\u6587 \U0001f642 ") == "\u4e2d\u6587 \U0001f642"
+    assert task.parse_label("cafe noir") is None
+
+
 @pytest.mark.parametrize("line, expected", [
     ('{"context": "a"}', "line 2: missing field 'target'"),
     ('{"target": "a"}', "line 2: missing field 'context'"),
