@@ -9,6 +9,7 @@ Sequence layout and the batch types: ``ktm.batch``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -35,7 +36,7 @@ from ktm.models import (
     parse_dtype,
 )
 from ktm.prefix import MergeCache, PromptEncoder, line_break_ids
-from ktm.prompt import PromptLike, as_segments, split_prompts
+from ktm.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.tokens import SegmentTokenizer
 
 __all__ = ["CompressedPrompt", "KTMConfig", "KTMModel", "LoraSettings", "LossOutput", "Packed",
@@ -373,7 +374,7 @@ class KTMModel(nn.Module):
         """Token ids the loss covers: a string is tokenized and gets EOS (``add_eos``); ids given
         directly (a window cut from a longer text) are used exactly as they are."""
         if not isinstance(target, str):
-            ids = [int(i) for i in target]
+            ids = self._target_id_list(target)
             if not ids:
                 raise KTMError("target token ids are empty: expected at least one id")
             return ids
@@ -382,6 +383,19 @@ class KTMModel(nn.Module):
             ids = ids + [self.eos_id]
         if not ids:
             raise KTMError(f"target {target!r} tokenizes to nothing: expected a non-empty target")
+        return ids
+
+    def _target_id_list(self, target) -> list[int]:
+        rows = self._embed.weight.shape[0]
+        try:
+            ids = [operator.index(i) for i in target]
+        except TypeError:
+            raise KTMError(f"target must be a str or a sequence of token ids, got "
+                           f"{type(target).__name__} {target!r:.60}") from None
+        bad = next((i for i in ids if not 0 <= i < rows), None)
+        if bad is not None:
+            raise KTMError(f"target token id {bad} is outside the vocabulary: expected ids in "
+                           f"[0, {rows})")
         return ids
 
     def forward(
@@ -409,8 +423,14 @@ class KTMModel(nn.Module):
         ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
         M = all prefix positions of the batch, row by row (context alignment).
         """
+        single = next((x for x in (prompts, targets) if isinstance(x, (str, Segment))), None)
+        if single is not None:  # a str would be read as one prompt (or target) per character
+            raise KTMError("expected a list of prompts and a list of targets, one each, got a "
+                           f"single {type(single).__name__} {single!r:.40}: wrap it in a list")
         if len(prompts) != len(targets):
             raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
+        if not prompts:
+            raise KTMError("no prompts given: expected at least one prompt and its target")
         if prefixes is None:
             prefixes = self.encode_prompts(prompts, merge)
         elif len(prefixes) != len(prompts):

@@ -404,3 +404,25 @@ def test_a_refused_model_object_is_left_on_its_device_and_dtype():
     with pytest.raises(KTMError, match="no EOS token"):
         KTMModel.from_base(lm, k=2, tokenizer=tok, dtype="bfloat16")
     assert {p.dtype for p in lm.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.forward(["a b"], [None]), r"target must be a str or a sequence of token ids, "
+                                           r"got NoneType"),
+    (lambda m: m.forward(["a b"], [["x"]]), r"target must be a str or a sequence of token ids"),
+    (lambda m: m.forward(["a b"], [[10**6]]), r"target token id 1000000 is outside the vocab"),
+    (lambda m: m.forward(["a b"], [[-1]]), r"target token id -1 is outside the vocabulary"),
+    # a str was read as one prompt per character
+    (lambda m: m.forward("abc", "xyz"), r"got a single str 'abc': wrap it in a list"),
+    (lambda m: m.forward([], []), r"no prompts given"),
+    (lambda m: m.generate(Segment(b"abc")), r"Segment text must be a str, got bytes"),
+    (lambda m: m.generate([Segment(None)]), r"Segment text must be a str, got NoneType"),
+    (lambda m: m.generate(Segment("", ids=(-3,))), r"Segment ids must be token ids .* got -3"),
+    (lambda m: m.generate(Segment("", ids=(10**6,))), r"token id 1000000 is outside the "
+                                                      r"embedding table"),
+])
+def test_wrong_prompt_and_target_types_are_named(ktm_model, call, match):
+    """These crashed deep inside (TypeError, IndexError, the tokenizer's ValueError), or with a
+    str, silently trained on one prompt per character."""
+    with pytest.raises(KTMError, match=match):
+        call(ktm_model)
