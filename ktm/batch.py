@@ -113,27 +113,30 @@ def pack(seqs: list[torch.Tensor], positions: list[torch.Tensor | None] | None =
 
 
 def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: int | None,
-                    k: int, what: str) -> None:
+                    k: int, what: str, unread: int = 0) -> None:
     """Refuse a sequence longer than the model's positions, saying which K would make it fit.
 
-    ``extra[i]``: positions after prefix i (its target tokens, or the tokens to generate).
+    ``extra[i]``: tokens after prefix i (its target tokens, or the tokens to generate), of which
+    the last ``unread`` are never read by the LM and take no position (the last generated token
+    is returned, not fed back: a prompt exactly at the limit still yields one new token).
     """
     if not limit:
         return
     for cp, more in zip(prefixes, extra):
-        if cp.next_position + more <= limit:
+        read = max(more - unread, 0)
+        if cp.next_position + read <= limit:
             continue
-        if more >= limit:  # the prompt takes at least one position: no K or layout helps
+        if read >= limit:  # the prompt takes at least one position: no K or layout helps
             raise KTMError(f"{more} {what} alone reach the model's limit of {limit} positions, "
                            f"leaving none for the prompt ({cp.tokens_in} tokens): expected fewer "
-                           f"than {limit} {what}")
+                           f"than {limit + min(unread, more)} {what}")
         if cp.positions is not None:
             raise KTMError(f"prompt spans {cp.next_position} positions ({cp.tokens_in} tokens; "
                            f"spread positions keep the original token positions) + {more} "
                            f"{what}, over the model's limit of {limit} positions; no K fits "
                            "with spread_positions on")
         fits = next((kk for kk in range(1, max(cp.mergeable, default=1) + 1)
-                     if cp.positions_at(kk) + more <= limit), None)
+                     if cp.positions_at(kk) + read <= limit), None)
         least = cp.positions_at(max(cp.mergeable, default=1))  # each merged segment one block
         if fits:
             hint = f"K={fits} would fit"

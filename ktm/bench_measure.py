@@ -22,11 +22,16 @@ from ktm.train import train_step
 
 # ---------------------------------------------------------------- synthetic prompts
 def word_pool(tokenizer, seed: int = 0, size: int = 1024) -> list[str]:
-    """Words that are one token each and stay one token inside text: ' word' (space + letters)."""
+    """Words that are one token each and stay one token inside text: ' word' (space + letters).
+
+    A word start is read from the token's own piece where it is a SentencePiece one (``▁word``:
+    decoding it alone drops that space), else from its decoded text (byte-level BPE's ``Ġword``).
+    """
     order = torch.randperm(len(tokenizer), generator=torch.Generator().manual_seed(seed)).tolist()
     special, pool = set(tokenizer.all_special_ids), []
     for i in order:
-        s = tokenizer.decode([i])
+        piece = tokenizer.convert_ids_to_tokens(i) or ""
+        s = " " + piece[1:] if piece.startswith("\u2581") else tokenizer.decode([i])
         if (i in special or len(s) < 2 or s[0] != " " or not s[1:].isascii()
                 or not s[1:].isalpha()):
             continue
@@ -36,7 +41,8 @@ def word_pool(tokenizer, seed: int = 0, size: int = 1024) -> list[str]:
                 break
     if len(pool) < 4:
         raise KTMError(f"found only {len(pool)} single-token words in the tokenizer; "
-                       "expected a tokenizer with ' word' tokens (byte-level BPE)")
+                       "expected a tokenizer with ' word' tokens (byte-level BPE 'Ġword' or "
+                       "SentencePiece '▁word')")
     return pool
 
 

@@ -130,13 +130,14 @@ def cmd_pack_reader(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ktm.prompt import Segment
-
-    segments = [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]
-    model = load_or_build(args)
     from ktm.generate import GenerationConfig
+    from ktm.prompt import Segment, as_segments
 
+    # the options and the prompt are checked before the model is loaded (seconds, or minutes)
+    segments = list(as_segments([Segment(args.prompt)]
+                                + [Segment(p, compress=False) for p in args.plain]))
     opts = from_args(GenerationConfig, args).to_dict()
+    model = load_or_build(args)
     if args.stream:
         for piece in model.stream(segments, **opts):
             print(piece, end="", flush=True)

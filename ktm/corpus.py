@@ -106,7 +106,7 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
             out.append(value)
         return out
     try:
-        return [path.read_text(encoding="utf-8")]
+        return [path.read_text(encoding="utf-8-sig")]  # a byte-order mark is not text
     except UnicodeDecodeError as e:
         raise KTMError(f"{path} is not UTF-8 text ({e.reason}): expected a text file") from None
 

@@ -8,6 +8,7 @@ variants (e.g. merging generated tokens) hook in at one place.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -39,10 +40,11 @@ class GenerationConfig:
         return asdict(self)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise KTMError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise KTMError(f"temperature must be > 0, got {self.temperature}")
+        if (not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool)
+                or self.max_new_tokens < 1):
+            raise KTMError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not 0 < self.temperature < math.inf:  # NaN fails it too
+            raise KTMError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise KTMError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -127,7 +129,8 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
         elif len(prefixes) != len(prompts):
             raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
                            "expected one each")
-        model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens")
+        # the last new token is returned, never read back: it takes no position
+        model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
         state = prefill(model, prefixes, cfg.use_cache)
     gen = None
     if cfg.do_sample and cfg.seed is not None:

@@ -9,6 +9,7 @@ Sequence layout and the batch types: ``ktm.batch``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -35,7 +36,7 @@ from ktm.models import (
     parse_dtype,
 )
 from ktm.prefix import MergeCache, PromptEncoder, line_break_ids
-from ktm.prompt import PromptLike, as_segments, split_prompts
+from ktm.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.tokens import SegmentTokenizer
 
 __all__ = ["CompressedPrompt", "KTMConfig", "KTMModel", "LoraSettings", "LossOutput", "Packed",
@@ -80,10 +81,15 @@ class KTMModel(nn.Module):
         self.eos_id = target_eos(lm, tokenizer)
         self._segment_ids = SegmentTokenizer(tokenizer)
         self.lead_ids = self._segment_ids.lead_ids  # the BOS the first segment opens with, if any
-        # pads never reach the LM (masked); any valid id will do where a tokenizer has none
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = self._valid_pad(tokenizer.pad_token_id)
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
         self._line_breaks: frozenset[int] | None = None  # read from the tokenizer on first use
+
+    def _valid_pad(self, pad: int | None) -> int:
+        """The id pads are written with. Pads never reach the LM (masked), but they are looked
+        up in the embedding table, so any row of it will do: the tokenizer's pad, else (none, or
+        one added past the table, as ``add_special_tokens({"pad_token": ...})`` does) 0."""
+        return int(pad) if pad is not None and 0 <= pad < self._embed.weight.shape[0] else 0
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -134,13 +140,15 @@ class KTMModel(nn.Module):
                                "from_base adapts a model object in place, so one given to it "
                                "before belongs to that KTMModel; expected a model without "
                                "adapters (load a fresh copy, or merge_and_unload() this one)")
-            lm, tok = base.to(device=device, dtype=torch_dtype), tokenizer
+            lm, tok = base, tokenizer
         check_inputs_embeds(lm)
         if config.add_eos and target_eos(lm, tok) is None:
             raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
                            "model or generation config names one): training targets could not "
                            "end with one and the model would never learn to stop; expected an "
                            "eos_token_id, or add_eos=False (--no-add-eos) to train without")
+        # a model object moves only once it is accepted: a refused one is left as it was given
+        lm = lm.to(device=device, dtype=torch_dtype)
         config = replace(config, lora=replace(config.lora,
                                               target_modules=resolve_targets(lm, config.lora)))
         # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT
@@ -337,8 +345,9 @@ class KTMModel(nn.Module):
     def pack(self, seqs: list[torch.Tensor], positions=None) -> Packed:
         return pack(seqs, positions)
 
-    def check_fits(self, prefixes: list[CompressedPrompt], extra: list[int], what: str) -> None:
-        check_positions(prefixes, extra, self.max_positions, self.k, what)
+    def check_fits(self, prefixes: list[CompressedPrompt], extra: list[int], what: str,
+                   unread: int = 0) -> None:
+        check_positions(prefixes, extra, self.max_positions, self.k, what, unread)
 
     def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
            cache=None, keep: int | torch.Tensor = 0, hidden: bool = False):
@@ -365,7 +374,7 @@ class KTMModel(nn.Module):
         """Token ids the loss covers: a string is tokenized and gets EOS (``add_eos``); ids given
         directly (a window cut from a longer text) are used exactly as they are."""
         if not isinstance(target, str):
-            ids = [int(i) for i in target]
+            ids = self._target_id_list(target)
             if not ids:
                 raise KTMError("target token ids are empty: expected at least one id")
             return ids
@@ -374,6 +383,19 @@ class KTMModel(nn.Module):
             ids = ids + [self.eos_id]
         if not ids:
             raise KTMError(f"target {target!r} tokenizes to nothing: expected a non-empty target")
+        return ids
+
+    def _target_id_list(self, target) -> list[int]:
+        rows = self._embed.weight.shape[0]
+        try:
+            ids = [operator.index(i) for i in target]
+        except TypeError:
+            raise KTMError(f"target must be a str or a sequence of token ids, got "
+                           f"{type(target).__name__} {target!r:.60}") from None
+        bad = next((i for i in ids if not 0 <= i < rows), None)
+        if bad is not None:
+            raise KTMError(f"target token id {bad} is outside the vocabulary: expected ids in "
+                           f"[0, {rows})")
         return ids
 
     def forward(
@@ -401,8 +423,14 @@ class KTMModel(nn.Module):
         ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
         M = all prefix positions of the batch, row by row (context alignment).
         """
+        single = next((x for x in (prompts, targets) if isinstance(x, (str, Segment))), None)
+        if single is not None:  # a str would be read as one prompt (or target) per character
+            raise KTMError("expected a list of prompts and a list of targets, one each, got a "
+                           f"single {type(single).__name__} {single!r:.40}: wrap it in a list")
         if len(prompts) != len(targets):
             raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
+        if not prompts:
+            raise KTMError("no prompts given: expected at least one prompt and its target")
         if prefixes is None:
             prefixes = self.encode_prompts(prompts, merge)
         elif len(prefixes) != len(prompts):

@@ -75,6 +75,7 @@ class PromptEncoder:
             if self.line_breaks:
                 row = [(line, c) for ids, c in row for line in (self._lines(ids) if c else [ids])]
             pieces.append(row)
+        self._check_ids(prompts)
         to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
         merged = iter(self.merge_segments(to_merge, cache))
         device = self.embed.weight.device
@@ -96,6 +97,18 @@ class PromptEncoder:
             results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos,
                                             sources))
         return results
+
+    def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:
+        """Ids given directly must be rows of the embedding table (the LM's, plus any extra rows
+        an extension such as LTSC's meta tokens adds)."""
+        extra = getattr(self.embed, "meta", None)
+        rows = self.embed.weight.shape[0] + (0 if extra is None else extra.shape[0])
+        for segs in prompts:
+            for s in segs:
+                bad = next((i for i in s.ids or () if i >= rows), None)
+                if bad is not None:
+                    raise KTMError(f"Segment token id {bad} is outside the embedding table: "
+                                   f"expected ids below {rows}")
 
     def _lines(self, ids: list[int]) -> list[list[int]]:
         """``ids`` cut after every line-break token: consecutive pieces, none spanning a break."""

@@ -8,6 +8,7 @@ compressing a long context is the usual mixed layout:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,20 @@ class Segment:
     text: str
     compress: bool = True
     ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # what the tokenizer or the embedding table would otherwise refuse deep inside
+        if not isinstance(self.text, str):
+            raise KTMError(f"Segment text must be a str, got {type(self.text).__name__} "
+                           f"{self.text!r:.60}")
+        if self.ids is not None:
+            for i in self.ids:
+                try:
+                    if isinstance(i, bool) or operator.index(i) < 0:
+                        raise TypeError
+                except TypeError:
+                    raise KTMError(f"Segment ids must be token ids (integers >= 0), got {i!r}"
+                                   ) from None
 
 
 PromptLike = str | Segment | Sequence[Segment]

@@ -6,10 +6,15 @@ puts after one (Llama 2's ``add_eos_token`` would land an EOS mid-prompt, before
 question and the answer). Later segments and targets continue the text: where a tokenizer puts
 a space before every text it is given (SentencePiece's dummy prefix: Llama 2, Mistral), they are
 tokenized after a special token that is then dropped, so ``"Tree: AB" + ", Answer:"`` does not
-read ``"Tree: AB , Answer:"``.
+read ``"Tree: AB , Answer:"``. A tokenizer that puts that space after special tokens too (a
+``legacy=True`` Llama tokenizer: ``prepend_scheme="always"``, or a ``Prepend("▁")``
+normalizer) has no such token; later segments then go through a copy of its Rust tokenizer
+that adds no space before a text.
 """
 
 from __future__ import annotations
+
+import json
 
 
 def lead_ids(tokenizer) -> tuple[int, ...]:
@@ -49,6 +54,55 @@ def continuation_anchor(tokenizer) -> str | None:
     return None
 
 
+def _is_prepend(node) -> bool:
+    return isinstance(node, dict) and node.get("type") == "Prepend" and (
+        node.get("prepend") == "\u2581")
+
+
+def _drop_dummy_prefix(node) -> bool:
+    """Remove, in place, every dummy-prefix step below a serialized normalizer or pre-tokenizer
+    (a ``Metaspace`` that prepends its replacement, a ``Prepend("▁")``); whether there was one."""
+    changed = False
+    if isinstance(node, list):
+        kept = [v for v in node if not _is_prepend(v)]
+        changed, node[:] = len(kept) != len(node), kept
+        for value in node:
+            changed |= _drop_dummy_prefix(value)
+    elif isinstance(node, dict):
+        if node.get("type") == "Metaspace" and node.get("prepend_scheme") != "never":
+            node["prepend_scheme"], changed = "never", True
+        for value in node.values():
+            changed |= _drop_dummy_prefix(value)
+    return changed
+
+
+def prefixless_backend(tokenizer):
+    """A copy of a fast tokenizer's Rust tokenizer that puts no dummy space before a text, for
+    one that puts it even after a special token (so ``continuation_anchor`` finds none). None
+    where there is none to remove, or where the copy does not read " Hello" as the original
+    reads "Hello" (then it was not a plain dummy space)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # cheap first look: serializing a large vocabulary takes a quarter of a second
+    if backend is None or not any(step in f"{backend.normalizer} {backend.pre_tokenizer}"
+                                  for step in ("Metaspace", "Prepend")):
+        return None
+    from tokenizers import Tokenizer
+
+    state = json.loads(backend.to_str())
+    changed = _is_prepend(state.get("normalizer"))
+    if changed:
+        state["normalizer"] = None
+    changed |= _drop_dummy_prefix([state.get("normalizer"), state.get("pre_tokenizer")])
+    if not changed:
+        return None
+    copy = Tokenizer.from_str(json.dumps(state))
+    plain = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    if (copy.encode("Hello", add_special_tokens=False).ids == plain
+            or copy.encode(" Hello", add_special_tokens=False).ids != plain):
+        return None
+    return copy
+
+
 class SegmentTokenizer:
     """``tokenize(text, first)``: a prompt segment's or a target's token ids, as above."""
 
@@ -56,11 +110,14 @@ class SegmentTokenizer:
         self.tokenizer = tokenizer
         self.lead_ids = lead_ids(tokenizer)
         self.anchor = continuation_anchor(tokenizer)
+        self.prefixless = None if self.anchor else prefixless_backend(tokenizer)
 
     def __call__(self, text: str, first: bool = False) -> list[int]:
         # never add_special_tokens=True: it would also add what a tokenizer puts after a text
         if first:
             return [*self.lead_ids, *self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if self.prefixless is not None:
+            return self.prefixless.encode(text, add_special_tokens=False).ids
         if self.anchor is None:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(self.anchor + text, add_special_tokens=False)["input_ids"][1:]

@@ -97,6 +97,24 @@ def test_synthetic_text_has_exact_token_count(ktm_model, n):
     assert text == synthetic_text(ktm_model, n, seed=n, pool=pool)  # deterministic
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_word_pool_reads_sentencepiece_word_starts(first):
+    """A SentencePiece '▁word' decodes alone without its space: the pool was empty and the
+    benchmark refused every Llama-2 / Mistral style tokenizer."""
+    from conftest import sentencepiece_like_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = sentencepiece_like_tokenizer()
+    pool = word_pool(tok)
+    assert len(pool) >= 4 and all(w[0] == " " and w[1:].isalpha() for w in pool)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    for n in (3, 40):
+        text = synthetic_text(model, n, seed=n, pool=pool, first=first)
+        assert len(model.tokenize(text, first=first)) == n
+
+
 @pytest.mark.parametrize("merge", [True, False])
 def test_timed_path_matches_model_prefix_and_generate(ktm_model, merge):
     """The benchmark times the same computation as encode_prompts + decode_steps."""

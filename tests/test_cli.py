@@ -33,6 +33,9 @@ def test_train_then_generate_from_checkpoint(capsys, tiny_model_dir, tmp_path):
     (["generate", "--model", "{tiny}", "--k", "0", "--prompt", "hi"], "k must be an integer >= 1"),
     (["generate", "--model", "{tiny}", "--prompt", ""], "prompt is empty"),
     (["generate", "--checkpoint", "{tmp}", "--prompt", "hi"], "not a ktm checkpoint"),
+    # generation options and the prompt are checked before the model is loaded
+    (["generate", "--model", "no-such-model", "--prompt", "hi", "--top-p", "0"], "top_p must be"),
+    (["generate", "--model", "no-such-model", "--prompt", "", "--plain", ""], "prompt is empty"),
     (["train", "--model", "{tiny}", "--task", "nope", "--out-dir", "{tmp}/x"], "unknown task"),
     (["train", "--model", "{tiny}", "--batch-size", "0", "--out-dir", "{tmp}/x"], "batch_size"),
 ])

@@ -130,6 +130,25 @@ def test_parse_label_is_an_exact_match_of_the_stripped_answer(tmp_path):
     assert task.parse_label("Very good") is None and task.parse_label("bad bad") is None
 
 
+def test_a_label_with_a_combining_accent_matches_a_normalizing_tokenizers_answer(tmp_path):
+    """A tokenizer with an NFC normalizer answers "café" composed, whichever way the label spelt
+    it; the exact match never matched a label written with a combining accent."""
+    from conftest import build_tokenizer
+    from tokenizers import normalizers
+
+    decomposed = "cafe\u0301 noir"
+    tok = build_tokenizer()
+    tok.backend_tokenizer.normalizer = normalizers.NFC()
+    answer = tok.decode(tok(decomposed, add_special_tokens=False)["input_ids"])
+    assert answer == "caf\u00e9 noir" != decomposed
+    rows = [{"context": f"c{i}", "target": (decomposed, "\u4e2d\u6587 \U0001f642")[i % 2]}
+            for i in range(10)]
+    task = CustomTask(data_path=_write(tmp_path / "d.jsonl", rows), test_size=2)
+    assert task.parse_label(answer + "\n") == decomposed
+    assert task.parse_label(" \u4e2d\u6587 \U0001f642 ") == "\u4e2d\u6587 \U0001f642"
+    assert task.parse_label("cafe noir") is None
+
+
 @pytest.mark.parametrize("line, expected", [
     ('{"context": "a"}', "line 2: missing field 'target'"),
     ('{"target": "a"}', "line 2: missing field 'context'"),
@@ -233,3 +252,19 @@ def test_the_shipped_evaluation_only_sets_are_refused_as_training_data(tmp_path)
     ok = tmp_path / "mine.jsonl"
     ok.write_text(path.read_text())
     assert CustomTask(data_path=str(ok), eval_path=str(path)).eval_rows[0].target == "b"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_byte_order_mark_and_crlf_lines_are_read(tmp_path, suffix):
+    """A file saved by a Windows editor: BOM first, CRLF line ends, blank lines. The BOM made
+    line 1 'bad JSON'."""
+    rows = [{"context": f"text {i} é 中文 🙂", "target": "yes" if i % 2 else "no"}
+            for i in range(6)]
+    text = "\ufeff" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n\r\n" for r in rows)
+    path = tmp_path / f"d{suffix}"
+    data = text.encode("utf-8")
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    task = CustomTask(data_path=str(path), test_size=2)
+    assert [r.context for r in task.rows] == [r["context"] for r in rows]
+    assert [r.line_no for r in task.rows] == [1, 3, 5, 7, 9, 11]
+    assert task.labels == ("no", "yes")

@@ -193,6 +193,24 @@ def test_prompt_that_fits_only_after_merging_works(gpt2_128):
     assert len(model.generate(text, max_new_tokens=8, stop_at_eos=False)) > 0
 
 
+def test_a_prompt_exactly_at_the_position_limit_still_yields_one_token(gpt2_128):
+    """The last new token is returned, never read back: a prompt of exactly 128 positions can be
+    answered with one token (it was refused); one more position or one more token cannot."""
+    path, tok = gpt2_128
+    model = KTMModel.from_base(path, k=4)
+    for merge, n in ((False, 128), (True, 512)):
+        text = long_text(tok, n)
+        assert len(generate_ids(model, text, max_new_tokens=1, stop_at_eos=False,
+                                merge=merge)[0]) == 1
+        with pytest.raises(KTMError, match=r"over the model's limit of 128 positions"):
+            generate_ids(model, text, max_new_tokens=2, merge=merge)
+    with pytest.raises(KTMError, match=r"129 positions after merging.*\+ 1 new tokens, over"):
+        generate_ids(model, long_text(tok, 129), max_new_tokens=1, merge=False)
+    assert len(generate_ids(model, "fox", max_new_tokens=128, stop_at_eos=False)[0]) == 128
+    with pytest.raises(KTMError, match=r"129 new tokens alone reach.*fewer than 129"):
+        generate_ids(model, "fox", max_new_tokens=129)
+
+
 def test_no_k_fits_when_the_plain_part_alone_is_too_long(gpt2_128):
     from ktm.prompt import Segment
 

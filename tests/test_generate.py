@@ -52,6 +52,12 @@ def test_stops_at_eos(ktm_model):
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"temperature": 0.0}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
+    # NaN passed "<= 0" and crashed sampling in torch.multinomial; inf sampled uniform noise;
+    # a float or bool count crashed in range() or generated one token
+    ({"temperature": float("nan"), "do_sample": True}, r"temperature .* got nan"),
+    ({"temperature": float("inf"), "do_sample": True}, r"temperature .* got inf"),
+    ({"max_new_tokens": 2.5}, r"max_new_tokens must be an integer >= 1, got 2.5"),
+    ({"max_new_tokens": True}, r"max_new_tokens must be an integer >= 1, got True"),
 ])
 def test_bad_generation_options(ktm_model, kwargs, match):
     with pytest.raises(KTMError, match=match):

@@ -82,6 +82,46 @@ def test_later_segments_and_targets_continue_the_text_without_a_dummy_space():
     assert model.compress(prompt, merge=False).tokens_in == len(ids)
 
 
+def _legacy_sentencepiece_tokenizers():
+    """Tokenizers that put the dummy space before a text even after a special token, so none can
+    anchor a later segment: a ``legacy=True`` Llama tokenizer (Metaspace ``prepend_scheme=
+    "always"``) and a Llama-2 ``tokenizer.json`` (a ``Prepend("▁")`` normalizer)."""
+    import json
+
+    from conftest import sentencepiece_like_tokenizer
+    from tokenizers import Tokenizer, normalizers
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
+
+    sp = sentencepiece_like_tokenizer()
+    state = json.loads(sp.backend_tokenizer.to_str())["model"]
+    legacy = LlamaTokenizer(vocab=state["vocab"], merges=[tuple(m) for m in state["merges"]],
+                            legacy=True)
+    backend = Tokenizer.from_str(sp.backend_tokenizer.to_str())
+    backend.pre_tokenizer = None
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    prepend = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                      eos_token="</s>", unk_token="<unk>")
+    return {"legacy": legacy, "prepend": prepend}
+
+
+@pytest.mark.parametrize("kind", ["legacy", "prepend"])
+def test_legacy_sentencepiece_later_segments_get_no_dummy_space(kind):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _legacy_sentencepiece_tokenizers()[kind]
+    assert tok.convert_ids_to_tokens(tok("</s>, x", add_special_tokens=False)["input_ids"])[1] \
+        == "\u2581"  # the dummy space even after a special token: no anchor removes it
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    ids = model.tokenize("Tree: AB", first=True) + model.tokenize(", Answer:")
+    ids += model.target_ids(" true")
+    assert tok.decode(ids, skip_special_tokens=True) == "Tree: AB, Answer: true"
+    assert tok.convert_ids_to_tokens(model.tokenize(", Answer:"))[0] == ","
+    assert tok.convert_ids_to_tokens(model.tokenize(" true")) == ["\u2581true"]
+
+
 def test_batch_loss_equals_each_sample_alone(ktm_model):
     perturb(ktm_model)
     ktm_model.eval()
@@ -330,3 +370,59 @@ def test_a_model_object_already_adapted_is_refused_not_adapted_twice():
     with pytest.raises(KTMError, match=r"already carries PEFT \(LoRA\) adapter layers"):
         KTMModel.from_base(first.peft, k=2, tokenizer=tok)
     torch.testing.assert_close(first.prompt_logits(TEXT), before, atol=0, rtol=0)
+
+
+def _tiny_lm(tok, **cfg):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4, **cfg))
+
+
+def test_a_pad_token_added_past_the_embedding_table_is_never_looked_up():
+    """``add_special_tokens({"pad_token": ...})`` gives the pad an id the model's embedding table
+    lacks; padding a batch with it crashed with a bare IndexError."""
+    from conftest import build_tokenizer
+
+    tok = build_tokenizer()
+    lm = _tiny_lm(tok, eos_token_id=1)
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    assert tok.pad_token_id >= lm.get_input_embeddings().weight.shape[0]
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    prompts = ["Hello world, my name is ktm. The quick", "Tree"]
+    batch = model.generate(prompts, max_new_tokens=3, stop_at_eos=False)
+    assert batch == [model.generate(p, max_new_tokens=3, stop_at_eos=False) for p in prompts]
+    assert model.forward(prompts, [" true", " false"]).loss.isfinite()
+
+
+def test_a_refused_model_object_is_left_on_its_device_and_dtype():
+    """from_base moved the caller's model to the asked dtype in place before refusing it."""
+    tok = _tokenizer_without_eos()
+    lm = _tiny_lm(tok, eos_token_id=None)
+    lm.generation_config.eos_token_id = None
+    with pytest.raises(KTMError, match="no EOS token"):
+        KTMModel.from_base(lm, k=2, tokenizer=tok, dtype="bfloat16")
+    assert {p.dtype for p in lm.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.forward(["a b"], [None]), r"target must be a str or a sequence of token ids, "
+                                           r"got NoneType"),
+    (lambda m: m.forward(["a b"], [["x"]]), r"target must be a str or a sequence of token ids"),
+    (lambda m: m.forward(["a b"], [[10**6]]), r"target token id 1000000 is outside the vocab"),
+    (lambda m: m.forward(["a b"], [[-1]]), r"target token id -1 is outside the vocabulary"),
+    # a str was read as one prompt per character
+    (lambda m: m.forward("abc", "xyz"), r"got a single str 'abc': wrap it in a list"),
+    (lambda m: m.forward([], []), r"no prompts given"),
+    (lambda m: m.generate(Segment(b"abc")), r"Segment text must be a str, got bytes"),
+    (lambda m: m.generate([Segment(None)]), r"Segment text must be a str, got NoneType"),
+    (lambda m: m.generate(Segment("", ids=(-3,))), r"Segment ids must be token ids .* got -3"),
+    (lambda m: m.generate(Segment("", ids=(10**6,))), r"token id 1000000 is outside the "
+                                                      r"embedding table"),
+])
+def test_wrong_prompt_and_target_types_are_named(ktm_model, call, match):
+    """These crashed deep inside (TypeError, IndexError, the tokenizer's ValueError), or with a
+    str, silently trained on one prompt per character."""
+    with pytest.raises(KTMError, match=match):
+        call(ktm_model)

@@ -420,3 +420,8 @@ def test_negative_hidden_state_weights_are_clear_errors(name):
     with pytest.raises(KTMError, match=f"{name} must be >= 0, got -0.5"):
         PretrainConfig(eval_sets=(), **{name: -0.5})
     PretrainConfig(eval_sets=(), **{name: 0.0})  # zero turns the term off
+
+
+def test_a_text_files_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "bom.txt").write_bytes("\ufeffhello world".encode("utf-8"))
+    assert path_texts(str(tmp_path / "bom.txt")) == ["hello world"]

@@ -67,9 +67,10 @@ def refuse_eval_only(path: Path, eval_only: tuple[str, ...], what: str) -> None:
 
 
 def _open_text(path: Path) -> TextIO:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of line 1's JSON
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open("r", encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return path.open("r", encoding="utf-8-sig")
 
 
 def _matches(value: Any, spec: FieldSpec) -> bool:

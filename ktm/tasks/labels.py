@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import string
+import unicodedata
 from collections.abc import Sequence
 
 
@@ -27,6 +28,13 @@ def match_label(text: str, labels: Sequence[str]) -> str | None:
     For labels a user brings (``custom``), which may be several words or case-sensitive codes: the
     first-word rule above would never match "very good". The model is trained to stop (EOS) right
     after the label, so anything more or less than the label is a wrong answer.
+
+    Compared as Unicode NFKC when not equal as given: a tokenizer that normalizes its input
+    (NFC, NFKC) gives back "café" composed however the label spelled it, so a label with a
+    combining accent was never matched.
     """
     answer = text.strip()
-    return answer if answer in labels else None
+    if answer in labels:
+        return answer
+    folded = unicodedata.normalize("NFKC", answer)
+    return next((lab for lab in labels if unicodedata.normalize("NFKC", lab) == folded), None)
