@@ -162,7 +162,11 @@ def test_a_repeated_context_reuses_its_merged_kv(server, client):
 
 BAD = [
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, "malformed JSON"),
-    ("unknown field", {"prompt": "hi", "logprobs": 2}, 400, "unknown field 'logprobs'"),
+    ("unknown field", {"prompt": "hi", "tools": []}, 400, "unknown field 'tools'"),
+    ("unimplemented option", {"prompt": "hi", "logprobs": 2}, 400,
+     "logprobs=2 is not supported by this server: it accepts only false or null"),
+    ("a penalty", {"prompt": "hi", "presence_penalty": 0.5}, 400,
+     "presence_penalty=0.5 is not supported"),
     ("unknown ktm field", {"prompt": "hi", "ktm": {"merge_all": True}}, 400, "ktm.merge_all"),
     ("empty prompt", {"prompt": ""}, 400, "prompt is empty"),
     ("no prompt", {}, 400, "prompt is empty"),
@@ -198,6 +202,25 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, name, bod
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200 and json.loads(r.read())["choices"][0]["finish_reason"]
+
+
+def test_null_fields_mean_their_default_and_neutral_options_are_accepted(client):
+    # OpenAI's optional fields are nullable, and some clients always send options this server
+    # does not implement, at their neutral values: neither may change the answer or be refused
+    kw = dict(model="tiny", prompt=DOC, max_tokens=8, seed=5)
+    sampled = client.completions.create(temperature=1.0, top_p=1.0, **kw).choices[0].text
+    r = client.completions.create(temperature=None, top_p=None, n=None, stream=None, stop=None,
+                                  logprobs=None, suffix=None, user=None, presence_penalty=0,
+                                  frequency_penalty=0.0, logit_bias={}, best_of=1, echo=False,
+                                  **kw)
+    assert r.choices[0].text == sampled
+    msgs = [{"role": "user", "content": DOC, "name": None, "ktm": None}]
+    chat = dict(model="tiny", messages=msgs, temperature=0)
+    want = client.chat.completions.create(max_tokens=6, **chat).choices[0].message.content
+    got = client.chat.completions.create(max_tokens=None, max_completion_tokens=6, logprobs=False,
+                                         top_logprobs=None, presence_penalty=0,
+                                         response_format={"type": "text"}, **chat)
+    assert got.choices[0].message.content == want
 
 
 @pytest.mark.parametrize("body,message", [

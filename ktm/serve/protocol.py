@@ -2,7 +2,8 @@
 
 Unknown fields are refused (``extra="forbid"``), so a client that relies on an option this server
 does not implement (``logprobs``, ``n > 1``, penalties, tools) gets a 400 naming it instead of a
-silently different answer.
+silently different answer; such an option sent with its neutral value (``presence_penalty: 0``,
+``logprobs: false``, ...) is accepted, and ``null`` means a field's default, as in OpenAI's API.
 
 The ktm extension is one optional field named ``ktm``; with the official client it goes in
 ``extra_body``. It says which parts are merged and which stay plain:
@@ -21,13 +22,32 @@ own text (role markers, the generation prompt) is always plain.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# options this server does not implement, with the values that leave an answer unchanged: some
+# clients always send them, so these values are accepted; any other value is refused (400)
+NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+           "logprobs": (False,), "echo": (False,), "best_of": (1,),
+           "response_format": ({"type": "text"},)}
+
+
+def _is(value, neutral) -> bool:
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data):
+        """OpenAI's optional fields are nullable: ``null`` means the field's default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class SegmentIn(Strict):
@@ -80,6 +100,14 @@ class Sampling(Strict):
     user: str | None = None
     ktm: KtmOptions | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (k in NEUTRAL and any(_is(v, n) for n in NEUTRAL[k]))}
+        return data
+
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
@@ -119,6 +147,10 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     where = ".".join(loc) or None
     if e.get("type") == "json_invalid":
         return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    if e.get("type") == "extra_forbidden" and where in NEUTRAL:
+        ok = " or ".join(json.dumps(n) for n in NEUTRAL[where])
+        return (f"{where}={json.dumps(e.get('input'))} is not supported by this server: it "
+                f"accepts only {ok} or null (or the field left out)", where)
     if e.get("type") == "extra_forbidden":
         return f"unknown field {where!r}: this server does not accept it", where
     if e.get("type") == "missing":
