@@ -75,6 +75,26 @@ def test_a_template_that_drops_a_message_is_refused():
                                             {"role": "user", "content": "b"}]))
 
 
+def test_a_template_that_raises_on_the_roles_is_a_bad_request_not_a_crash():
+    # Gemma's template refuses a system message, Llama 2's and Mistral's a user turn after a user
+    # turn: the client gets a 400 with the template's own words, not a 500
+    model = Model("{% if messages[0]['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE)
+    with pytest.raises(RequestError, match=r"refuses these messages \(roles \['system', "
+                                           r"'user'\]\): System role not supported") as e:
+        chat_segments(model, chat(messages=[{"role": "system", "content": "a"},
+                                            {"role": "user", "content": "b"}]))
+    assert e.value.param == "messages" and e.value.status == 400
+
+
+def test_lone_surrogates_are_a_bad_request():
+    with pytest.raises(RequestError, match=r"prompt is not valid Unicode: '\\ud800' at "
+                                           r"character 6"):
+        completion_segments(Model(), CompletionRequest(model="m", prompt="Hello \ud800 world"))
+    with pytest.raises(RequestError, match="messages is not valid Unicode"):
+        chat_segments(Model(TEMPLATE), chat(messages=[{"role": "user", "content": "\udfff"}]))
+
+
 def test_completion_segments_follow_the_python_api():
     model = Model()
     req = CompletionRequest(model="m", prompt="Doc. Q?", ktm={"segments": [

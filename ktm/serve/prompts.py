@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from jinja2 import TemplateError
+
 from ktm.prompt import Segment
 from ktm.serve.protocol import ChatRequest, CompletionRequest, KtmOptions, RequestError
 
@@ -37,7 +39,7 @@ def completion_segments(model, req: CompletionRequest) -> tuple[Segment, ...]:
     else:
         parts = [(req.prompt or "", ext.merge)]
     parts = [(t, m) for t, m in parts if t]
-    segs = tuple(Segment(t, m, tuple(model.tokenize(t, first=i == 0)))
+    segs = tuple(Segment(t, m, _ids(model, t, i == 0, "prompt"))
                  for i, (t, m) in enumerate(parts))
     return _non_empty(segs, "prompt")
 
@@ -49,9 +51,13 @@ def render_chat(tokenizer, turns: list[tuple[str, int]]) -> list[str | int]:
         for role, i in turns:
             out += [f"{role}: ", i, "\n"]
         return out + ["assistant:"]
-    rendered = tokenizer.apply_chat_template(
-        [{"role": role, "content": MARK.format(i)} for role, i in turns],
-        tokenize=False, add_generation_prompt=True)
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": role, "content": MARK.format(i)} for role, i in turns],
+            tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # the template's raise_exception: roles it does not take, ...
+        raise RequestError(f"this model's chat template refuses these messages (roles "
+                           f"{[role for role, _ in turns]}): {e}", param="messages") from e
     pieces = MARK_RE.split(rendered)
     out = [int(p) if j % 2 else p for j, p in enumerate(pieces)]
     found = [p for p in out if isinstance(p, int)]
@@ -87,8 +93,17 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     segs = []
     for piece in layout:
         for text, merge in ([(piece, False)] if isinstance(piece, str) else contents[piece]):
-            segs.append(Segment(text, merge, tuple(model.tokenize(text, first=lead and not segs))))
+            segs.append(Segment(text, merge, _ids(model, text, lead and not segs, "messages")))
     return _non_empty(tuple(segs), "messages")
+
+
+def _ids(model, text: str, first: bool, param: str) -> tuple[int, ...]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON may escape a lone surrogate ("\\ud800")
+        raise RequestError(f"{param} is not valid Unicode: {text[e.start:e.end]!r} at character "
+                           f"{e.start} is a lone surrogate; expected text", param=param) from e
+    return tuple(model.tokenize(text, first=first))
 
 
 def _non_empty(segs: tuple[Segment, ...], param: str) -> tuple[Segment, ...]:
