@@ -223,6 +223,19 @@ def test_null_fields_mean_their_default_and_neutral_options_are_accepted(client)
     assert got.choices[0].message.content == want
 
 
+def test_an_unexpected_failure_is_a_500_in_openais_shape(server, client, monkeypatch):
+    def broken(*_):
+        raise RuntimeError("a bug")
+
+    # the globals of the module the server runs (another test may have re-imported ktm)
+    monkeypatch.setitem(create_app.__globals__, "completion_segments", broken)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 500
+    assert e.value.body == {"message": "internal error: RuntimeError: a bug",
+                            "type": "server_error", "param": None, "code": None}
+
+
 @pytest.mark.parametrize("body,message", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": ""}]}, "messages are empty"),

@@ -115,6 +115,11 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _crashed(_: Request, exc: Exception) -> JSONResponse:  # a bug: OpenAI's shape too
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       "server_error"), status_code=500)
+
     def model_card() -> dict:
         return {"id": cfg.served_name, "object": "model", "created": started, "owned_by": "ktm",
                 "root": cfg.model, "k": model.k, "merges": model.merges,
