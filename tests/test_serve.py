@@ -178,6 +178,10 @@ BAD = [
      "more than the model's context of 512"),
     ("bad temperature", {"prompt": "hi", "temperature": 3}, 400, "temperature"),
     ("n > 1", {"prompt": "hi", "n": 2}, 400, "n:"),
+    ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
+    ("token ids", {"prompt": [1, 2, 3]}, 400, "prompt as token ids is not supported"),
+    ("token id lists", {"prompt": [[1, 2]]}, 400, "prompt as token ids is not supported"),
+    ("empty prompt list", {"prompt": []}, 400, "prompt is empty"),
     ("prompt contradicts segments", {"prompt": "other", **segs_body("a", "b")}, 400,
      "segments' texts joined"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "not served here"),
@@ -221,6 +225,12 @@ def test_null_fields_mean_their_default_and_neutral_options_are_accepted(client)
                                          top_logprobs=None, presence_penalty=0,
                                          response_format={"type": "text"}, **chat)
     assert got.choices[0].message.content == want
+
+
+def test_a_list_of_one_prompt_is_that_prompt(client):
+    kw = dict(model="tiny", max_tokens=8, temperature=0)
+    want = client.completions.create(prompt=DOC, **kw).choices[0].text
+    assert client.completions.create(prompt=[DOC], **kw).choices[0].text == want
 
 
 def test_an_unexpected_failure_is_a_500_in_openais_shape(server, client, monkeypatch):

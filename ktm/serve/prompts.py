@@ -33,11 +33,12 @@ def _check_joined(given: str | None, parts, where: str) -> None:
 
 def completion_segments(model, req: CompletionRequest) -> tuple[Segment, ...]:
     ext = req.ktm or KtmOptions()
+    prompt = req.prompt_text()
     if ext.segments is not None:
-        _check_joined(req.prompt, ext.segments, "prompt")
+        _check_joined(prompt, ext.segments, "prompt")
         parts = [(s.text, s.merge and ext.merge) for s in ext.segments]
     else:
-        parts = [(req.prompt or "", ext.merge)]
+        parts = [(prompt or "", ext.merge)]
     parts = [(t, m) for t, m in parts if t]
     segs = tuple(Segment(t, m, _ids(model, t, i == 0, "prompt"))
                  for i, (t, m) in enumerate(parts))

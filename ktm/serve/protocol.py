@@ -114,7 +114,21 @@ class Sampling(Strict):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+
+    def prompt_text(self) -> str | None:
+        """The one text prompt; OpenAI also takes a list of prompts or token ids."""
+        p = self.prompt
+        if not isinstance(p, list) or not p:
+            return p or None
+        if not all(isinstance(x, str) for x in p):
+            raise RequestError("prompt as token ids is not supported: expected text (a string, "
+                               "or a list of one string)", param="prompt")
+        if len(p) > 1:
+            raise RequestError(f"prompt is a list of {len(p)} prompts, but this server completes "
+                               "one prompt per request: send them as separate requests (they "
+                               "are batched together)", param="prompt")
+        return p[0]
 
 
 class ChatRequest(Sampling):
