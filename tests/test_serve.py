@@ -308,6 +308,10 @@ def test_models_and_health(server):
     models = get(server, "/v1/models")["data"]
     assert [(m["id"], m["k"], m["base_model"], m["max_model_len"]) for m in models] == [
         ("tiny", 4, server.model.config.base_model, 512)]
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    assert (c.models.retrieve("tiny").id, c.models.retrieve("tiny").k) == ("tiny", 4)
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
+        c.models.retrieve("gpt-4")
     health = get(server, "/health")
     assert health["status"] == "ok" and health["running"] == 0 and health["k"] == 4
     assert health["continuous_batching"] and "kv" in health["prefix_cache"]

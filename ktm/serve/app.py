@@ -2,7 +2,7 @@
 
     POST /v1/completions        prompt (or ktm segments) -> text, SSE with "stream": true
     POST /v1/chat/completions   messages through the chat template -> assistant message
-    GET  /v1/models             the served model, its K and base model
+    GET  /v1/models             the served model, its K and base model (/v1/models/{id}: its card)
     GET  /health                engine state: running / waiting requests, cache statistics
 
 Why FastAPI + uvicorn: it is the most used and best kept ASGI stack in Python (vLLM's and
@@ -135,6 +135,14 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict:
+        if model_id != cfg.served_name:
+            raise RequestError(f"model {model_id!r} is not served here: this server serves "
+                               f"{cfg.served_name!r}", param="model", code="model_not_found",
+                               status=404)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
