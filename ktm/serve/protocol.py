@@ -23,6 +23,7 @@ own text (role markers, the generation prompt) is always plain.
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -154,10 +155,19 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# the names pydantic gives a union's members in an error's location ("str", "list[TextPart]")
+UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict|tuple)\[.*|[A-Z]\w*)$")
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic errors of a request body -> (one readable message, the offending field)."""
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    """pydantic errors of a request body -> (one readable message, the offending field).
+
+    A value that fits none of a union's members gets an error for each; the deepest one names
+    the part that is wrong (a content part of type "image_url", not "should be a valid string").
+    """
+    e = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(x) for x in e.get("loc", ())
+           if x != "body" and not (isinstance(x, str) and UNION_MEMBER.match(x))]
     where = ".".join(loc) or None
     if e.get("type") == "json_invalid":
         return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
@@ -169,4 +179,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return f"unknown field {where!r}: this server does not accept it", where
     if e.get("type") == "missing":
         return f"missing required field {where!r}", where
-    return f"{where}: {e.get('msg')}" if where else str(e.get("msg")), where
+    msg = str(e.get("msg"))
+    if isinstance(e.get("input"), (str, int, float, bool)):
+        msg += f", got {json.dumps(e['input'])}"
+    return (f"{where}: {msg}" if where else msg), where
