@@ -1,5 +1,6 @@
 """``ktm serve`` over loopback with the official openai client, on the tiny in-process model."""
 
+import bisect
 import http.client
 import json
 import threading
@@ -48,6 +49,13 @@ def segs_body(doc: str, question: str) -> dict:
 
 def get(server, path: str) -> dict:
     with urllib.request.urlopen(server.url + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def post(server, body: dict, path: str = "/v1/completions") -> dict:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
 
@@ -375,7 +383,7 @@ def test_too_long_message_counts_the_positions_a_spread_prompt_spans(tiny_model_
                       log_level="warning")
     prompt = "Hello world " * 50  # fits alone (K=4: ~26 embeddings), not with LIMIT more tokens
     cp = model.compress([Segment(prompt)])
-    assert cp.tokens_out + LIMIT <= 512 < cp.next_position + LIMIT
+    assert cp.tokens_out + LIMIT <= 512 < cp.next_position + LIMIT - 1
     with BackgroundServer(create_app(model, cfg)) as srv:
         data = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": LIMIT}).encode()
         req = urllib.request.Request(srv.url + "/v1/completions", data=data,
@@ -384,4 +392,25 @@ def test_too_long_message_counts_the_positions_a_spread_prompt_spans(tiny_model_
             urllib.request.urlopen(req, timeout=30)
     message = json.loads(e.value.read())["error"]["message"]
     assert f"spans {cp.next_position} positions" in message, message
-    assert f"needs {cp.next_position + LIMIT} positions" in message, message
+    assert f"needs {cp.next_position + LIMIT - 1} positions" in message, message
+
+
+def test_a_prompt_exactly_at_the_context_still_gets_one_token(server):
+    # the last new token is returned, never read back: a prompt spanning all 512 positions can
+    # have max_tokens=1, and with max_tokens=n it needs 511 + n positions
+    words = "Hello world, my name is ktm. " * 200
+    n = bisect.bisect_left(range(len(words)), 512,
+                           key=lambda i: len(server.model.tokenize(words[:i], first=True)))
+    text = words[:n]
+    assert len(server.model.tokenize(text, first=True)) == 512
+    body = {"model": "tiny", "prompt": text, "temperature": 0, "ktm": {"merge": False}}
+    r = post(server, {**body, "max_tokens": 1})
+    assert r["usage"]["prompt_tokens_merged"] == 512 and r["usage"]["completion_tokens"] == 1
+    with torch.no_grad():
+        greedy = int(server.model.prompt_logits(text, merge=False)[-1].argmax())
+    assert r["choices"][0]["text"] == server.model.tokenizer.decode([greedy],
+                                                                   skip_special_tokens=True)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(server, {**body, "max_tokens": 2})
+    message = json.loads(e.value.read())["error"]["message"]
+    assert "needs 513 positions" in message and "context of 512" in message, message

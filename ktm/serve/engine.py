@@ -198,7 +198,8 @@ class Engine:
 
     def _limit(self, job: Job, cp: CompressedPrompt) -> int | None:
         """Tokens this request may generate, or None after answering it with an error."""
-        room = None if self.context is None else self.context - cp.next_position
+        # tokens it may generate: the last one is returned, never read back, so it takes no position
+        room = None if self.context is None else self.context - cp.next_position + 1
         # the limit is on the positions the prompt spans: with spread positions a merged block
         # takes its last token's position, so that can exceed the number of merged embeddings
         what = (f"the prompt spans {cp.next_position} positions after merging ({cp.tokens_out} "
@@ -208,8 +209,9 @@ class Engine:
         if room is not None and room < 1:
             err = f"{what}: more than the model's context of {self.context} positions"
         elif room is not None and want > room:
-            err = (f"{what}; with max_tokens={want} it needs {cp.next_position + want} positions, "
-                   f"more than the model's context of {self.context}")
+            err = (f"{what}; with max_tokens={want} it needs {cp.next_position + want - 1} "
+                   f"positions (the last new token is not read back), more than the model's "
+                   f"context of {self.context}")
         if err:
             self.counts["rejected"] += 1
             job.deliver(Event(error=RequestError(err, param="max_tokens" if room and room > 0
