@@ -264,10 +264,12 @@ def test_an_unexpected_failure_is_a_500_in_openais_shape(server, client, monkeyp
     ({"messages": [{"role": "user", "content": "hi"}],
       "extra_body": {"ktm": {"segments": [{"text": "a"}]}}},
      "ktm.segments is for /v1/completions"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": LIMIT + 1},
+     f"max_completion_tokens={LIMIT + 1} is over this server's limit of {LIMIT}"),
 ])
 def test_bad_chat_requests(client, body, message):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", max_tokens=2, **body)
+        client.chat.completions.create(model="tiny", **{"max_tokens": 2, **body})
     assert message in e.value.body["message"]
 
 

@@ -160,8 +160,10 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
                       else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
-            raise RequestError(f"max_tokens={max_tokens} is over this server's limit of "
-                               f"{cfg.max_tokens_limit}", param="max_tokens")
+            name = ("max_completion_tokens" if chat and body.max_completion_tokens
+                    else "max_tokens")
+            raise RequestError(f"{name}={max_tokens} is over this server's limit of "
+                               f"{cfg.max_tokens_limit}", param=name)
         build = chat_segments if chat else completion_segments
         segments = await run_in_threadpool(build, model, body)
         ext = body.ktm or KtmOptions()
