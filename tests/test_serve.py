@@ -187,6 +187,8 @@ BAD = [
     ("bad temperature", {"prompt": "hi", "temperature": 3}, 400,
      "temperature: Input should be less than or equal to 2, got 3"),
     ("n > 1", {"prompt": "hi", "n": 2}, 400, "n:"),
+    ("seed over int64", {"prompt": "hi", "temperature": 1, "seed": 2**64}, 400,
+     f"seed: Input should be less than or equal to {2**63 - 1}, got {2**64}"),
     ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
     ("token ids", {"prompt": [1, 2, 3]}, 400, "prompt as token ids is not supported"),
     ("token id lists", {"prompt": [[1, 2]]}, 400, "prompt as token ids is not supported"),

@@ -94,7 +94,7 @@ class Sampling(Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # int64, as OpenAI's
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
