@@ -319,6 +319,33 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
+    import inspect
+
+    engine_globals = next(f for f in vars(type(server.engine)).values()
+                          if inspect.isfunction(f)).__globals__
+    advance, context_of = engine_globals["advance"], engine_globals["context_of"]
+
+    def failing_context_of(segs):
+        if any("BOOM" in s.text for s in segs):
+            raise RuntimeError("this request cannot start")
+        return context_of(segs)
+
+    monkeypatch.setitem(engine_globals, "advance", lambda *a: time.sleep(0.02) or advance(*a))
+    monkeypatch.setitem(engine_globals, "context_of", failing_context_of)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
+              extra_body={"ktm": {"ignore_eos": True}})
+    alone = c.completions.create(**kw).choices[0].text
+    stream = c.completions.create(stream=True, **kw)
+    pieces = [next(stream).choices[0].text]  # it is decoding
+    with pytest.raises(openai.InternalServerError, match="this request cannot start"):
+        c.completions.create(model="tiny", prompt="BOOM", max_tokens=2)
+    pieces += [ch.choices[0].text for ch in stream]
+    assert "".join(pieces) == alone  # it went on, undisturbed
+
+
 def test_models_and_health(server):
     models = get(server, "/v1/models")["data"]
     assert [(m["id"], m["k"], m["base_model"], m["max_model_len"]) for m in models] == [

@@ -220,6 +220,21 @@ class Engine:
         return want
 
     def _admit(self, jobs: list[Job]) -> None:
+        """Prefill ``jobs`` and join them to the running batch. A failure before the join fails
+        these requests only: the running ones never saw them."""
+        try:
+            parts, rows = self._prefill(jobs)
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep the others
+            log.exception("admitting requests failed")
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._fail([j for j in jobs if not j.cancelled.is_set()], e, running=False)
+            return
+        for part in parts:
+            self._batch = part if self._batch is None else join(self._batch, part)
+        self._rows += rows
+        self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
+
+    def _prefill(self, jobs: list[Job]) -> tuple[list[DecodeState], list[Row]]:
         cps = self.model.encode_prompts([j.segments for j in jobs], cache=self.merged)
         parts: list[DecodeState] = []
         rows: list[Row] = []
@@ -247,10 +262,7 @@ class Engine:
                     self.kv[key] = row_kv(batch, i, n)
                 rows.append(Row(job, self.model, cp, 0, limit))
             parts.append(batch)
-        for part in parts:
-            self._batch = part if self._batch is None else join(self._batch, part)
-        self._rows += rows
-        self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
+        return parts, rows
 
     def _select(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) -> (B,) next tokens: greedy rows at once, sampled rows each with its own
@@ -300,8 +312,10 @@ class Engine:
         keep_rows(self._batch, rows)
         self._rows = [self._rows[i] for i in rows]
 
-    def _fail(self, jobs: list[Job], e: Exception) -> None:
-        self._batch, self._rows = None, []
+    def _fail(self, jobs: list[Job], e: Exception, running: bool = True) -> None:
+        """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
+        if running:
+            self._batch, self._rows = None, []
         self.counts["failed"] += len(jobs)
         err = RequestError(f"internal error while generating: {type(e).__name__}: {e}",
                            status=500, kind="server_error")
