@@ -40,6 +40,25 @@ def test_chat_template_text_is_plain_and_contents_keep_their_merge_flags():
     assert [s.text for s in context_of(segs)] == ["<|system|>", "The quick brown fox."]
 
 
+def test_a_template_that_trims_the_contents_gets_them_trimmed():
+    # Llama 3's template writes `message['content'] | trim`: the contents go back trimmed, so the
+    # model reads what apply_chat_template gives, not a document's trailing blank lines
+    model = Model(TEMPLATE.replace("m['content']", "m['content'] | trim"))
+    msgs = [{"role": "system", "content": "\n The quick brown fox.\n\n"},
+            {"role": "user", "content": " Who? ", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs))
+    assert [(s.text, s.compress) for s in segs] == [
+        ("<|system|>", False), ("The quick brown fox.", True), ("<eos><|user|>", False),
+        ("Who?", False), ("<eos><|assistant|>", False)]
+    rendered = model.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                   add_generation_prompt=True)
+    assert "".join(s.text for s in segs) == rendered
+    parts = [{"text": " \n"}, {"text": " A document. "}, {"text": "Question? \n", "merge": False}]
+    segs = chat_segments(model, chat(messages=[{"role": "user", "ktm": {"segments": parts}}]))
+    assert [(s.text, s.compress) for s in segs][1:3] == [("A document. ", True),
+                                                         ("Question?", False)]
+
+
 def test_message_segments_and_top_level_merge_off():
     model = Model(TEMPLATE)
     parts = [{"text": "A long document. ", "merge": True}, {"text": "Question?", "merge": False}]
