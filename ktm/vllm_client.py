@@ -138,7 +138,8 @@ class VLLMClient:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
-            raise KTMError(f"vLLM at {url} answered {e.code}: {e.read()[:1000].decode()}") from e
+            text = e.read().decode("utf-8", "replace")[:1000]  # bytes cut mid-character failed
+            raise KTMError(f"vLLM at {url} answered {e.code}: {text}") from e
         except urllib.error.URLError as e:
             raise KTMError(f"no vLLM server at {url} ({e.reason}); start one with: "
                            f"{self.serve_command()}") from e

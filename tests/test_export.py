@@ -83,7 +83,7 @@ class StubVLLM(BaseHTTPRequestHandler):
         pass
 
     def _send(self, obj, code=200):
-        data = json.dumps(obj).encode()
+        data = json.dumps(obj, ensure_ascii=False).encode()  # as vLLM's FastAPI answers
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -99,6 +99,8 @@ class StubVLLM(BaseHTTPRequestHandler):
         type(self).bodies.append(body)
         if body["model"] not in self.served:
             return self._send({"error": {"message": "model not found"}}, 404)
+        if body["max_tokens"] > 512:  # vLLM's answer is long and need not be ASCII
+            return self._send({"error": {"message": "é" * 600}}, 400)  # byte 1000: mid-é
         raw = base64.b64decode(body["prompt_embeds"], validate=True)
         embeds = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
         with torch.no_grad():
@@ -133,6 +135,12 @@ def test_client_completion_through_a_vllm_shaped_server_equals_generate(trained,
         assert client.complete(prompt, max_tokens=8) == trained.generate(prompt,
                                                                           max_new_tokens=8)
     assert client.server_checked and len(StubVLLM.bodies) == 2
+
+
+def test_client_reports_a_long_non_ascii_error_of_the_server(exported, stub):
+    client = VLLMClient(exported, stub)
+    with pytest.raises(KTMError, match=r"answered 400: \{\"error\": \{\"message\": \"é"):
+        client.complete(PROMPT, max_tokens=1000)
 
 
 def test_client_refuses_a_server_serving_another_model(exported, stub):

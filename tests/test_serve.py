@@ -1,5 +1,6 @@
 """``ktm serve`` over loopback with the official openai client, on the tiny in-process model."""
 
+import bisect
 import http.client
 import json
 import threading
@@ -48,6 +49,13 @@ def segs_body(doc: str, question: str) -> dict:
 
 def get(server, path: str) -> dict:
     with urllib.request.urlopen(server.url + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def post(server, body: dict, path: str = "/v1/completions") -> dict:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
 
@@ -162,7 +170,11 @@ def test_a_repeated_context_reuses_its_merged_kv(server, client):
 
 BAD = [
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, "malformed JSON"),
-    ("unknown field", {"prompt": "hi", "logprobs": 2}, 400, "unknown field 'logprobs'"),
+    ("unknown field", {"prompt": "hi", "tools": []}, 400, "unknown field 'tools'"),
+    ("unimplemented option", {"prompt": "hi", "logprobs": 2}, 400,
+     "logprobs=2 is not supported by this server: it accepts only false or null"),
+    ("a penalty", {"prompt": "hi", "presence_penalty": 0.5}, 400,
+     "presence_penalty=0.5 is not supported"),
     ("unknown ktm field", {"prompt": "hi", "ktm": {"merge_all": True}}, 400, "ktm.merge_all"),
     ("empty prompt", {"prompt": ""}, 400, "prompt is empty"),
     ("no prompt", {}, 400, "prompt is empty"),
@@ -172,8 +184,15 @@ BAD = [
      "more than the model's context of 512"),
     ("too long with max_tokens", {"prompt": "Hello world " * 300, "max_tokens": LIMIT}, 400,
      "more than the model's context of 512"),
-    ("bad temperature", {"prompt": "hi", "temperature": 3}, 400, "temperature"),
+    ("bad temperature", {"prompt": "hi", "temperature": 3}, 400,
+     "temperature: Input should be less than or equal to 2, got 3"),
     ("n > 1", {"prompt": "hi", "n": 2}, 400, "n:"),
+    ("seed over int64", {"prompt": "hi", "temperature": 1, "seed": 2**64}, 400,
+     f"seed: Input should be less than or equal to {2**63 - 1}, got {2**64}"),
+    ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
+    ("token ids", {"prompt": [1, 2, 3]}, 400, "prompt as token ids is not supported"),
+    ("token id lists", {"prompt": [[1, 2]]}, 400, "prompt as token ids is not supported"),
+    ("empty prompt list", {"prompt": []}, 400, "prompt is empty"),
     ("prompt contradicts segments", {"prompt": "other", **segs_body("a", "b")}, 400,
      "segments' texts joined"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "not served here"),
@@ -200,17 +219,59 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, name, bod
         assert r.status == 200 and json.loads(r.read())["choices"][0]["finish_reason"]
 
 
+def test_null_fields_mean_their_default_and_neutral_options_are_accepted(client):
+    # OpenAI's optional fields are nullable, and some clients always send options this server
+    # does not implement, at their neutral values: neither may change the answer or be refused
+    kw = dict(model="tiny", prompt=DOC, max_tokens=8, seed=5)
+    sampled = client.completions.create(temperature=1.0, top_p=1.0, **kw).choices[0].text
+    r = client.completions.create(temperature=None, top_p=None, n=None, stream=None, stop=None,
+                                  logprobs=None, suffix=None, user=None, presence_penalty=0,
+                                  frequency_penalty=0.0, logit_bias={}, best_of=1, echo=False,
+                                  **kw)
+    assert r.choices[0].text == sampled
+    msgs = [{"role": "user", "content": DOC, "name": None, "ktm": None}]
+    chat = dict(model="tiny", messages=msgs, temperature=0)
+    want = client.chat.completions.create(max_tokens=6, **chat).choices[0].message.content
+    got = client.chat.completions.create(max_tokens=None, max_completion_tokens=6, logprobs=False,
+                                         top_logprobs=None, presence_penalty=0,
+                                         response_format={"type": "text"}, **chat)
+    assert got.choices[0].message.content == want
+
+
+def test_a_list_of_one_prompt_is_that_prompt(client):
+    kw = dict(model="tiny", max_tokens=8, temperature=0)
+    want = client.completions.create(prompt=DOC, **kw).choices[0].text
+    assert client.completions.create(prompt=[DOC], **kw).choices[0].text == want
+
+
+def test_an_unexpected_failure_is_a_500_in_openais_shape(server, client, monkeypatch):
+    def broken(*_):
+        raise RuntimeError("a bug")
+
+    # the globals of the module the server runs (another test may have re-imported ktm)
+    monkeypatch.setitem(create_app.__globals__, "completion_segments", broken)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 500
+    assert e.value.body == {"message": "internal error: RuntimeError: a bug",
+                            "type": "server_error", "param": None, "code": None}
+
+
 @pytest.mark.parametrize("body,message", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": ""}]}, "messages are empty"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     'messages.0.content.0.type: Input should be \'text\', got "image_url"'),
     ({"messages": [{"role": "user", "content": "hi"}],
       "extra_body": {"ktm": {"segments": [{"text": "a"}]}}},
      "ktm.segments is for /v1/completions"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": LIMIT + 1},
+     f"max_completion_tokens={LIMIT + 1} is over this server's limit of {LIMIT}"),
 ])
 def test_bad_chat_requests(client, body, message):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", max_tokens=2, **body)
+        client.chat.completions.create(model="tiny", **{"max_tokens": 2, **body})
     assert message in e.value.body["message"]
 
 
@@ -258,10 +319,41 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
+    import inspect
+
+    engine_globals = next(f for f in vars(type(server.engine)).values()
+                          if inspect.isfunction(f)).__globals__
+    advance, context_of = engine_globals["advance"], engine_globals["context_of"]
+
+    def failing_context_of(segs):
+        if any("BOOM" in s.text for s in segs):
+            raise RuntimeError("this request cannot start")
+        return context_of(segs)
+
+    monkeypatch.setitem(engine_globals, "advance", lambda *a: time.sleep(0.02) or advance(*a))
+    monkeypatch.setitem(engine_globals, "context_of", failing_context_of)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
+              extra_body={"ktm": {"ignore_eos": True}})
+    alone = c.completions.create(**kw).choices[0].text
+    stream = c.completions.create(stream=True, **kw)
+    pieces = [next(stream).choices[0].text]  # it is decoding
+    with pytest.raises(openai.InternalServerError, match="this request cannot start"):
+        c.completions.create(model="tiny", prompt="BOOM", max_tokens=2)
+    pieces += [ch.choices[0].text for ch in stream]
+    assert "".join(pieces) == alone  # it went on, undisturbed
+
+
 def test_models_and_health(server):
     models = get(server, "/v1/models")["data"]
     assert [(m["id"], m["k"], m["base_model"], m["max_model_len"]) for m in models] == [
         ("tiny", 4, server.model.config.base_model, 512)]
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    assert (c.models.retrieve("tiny").id, c.models.retrieve("tiny").k) == ("tiny", 4)
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
+        c.models.retrieve("gpt-4")
     health = get(server, "/health")
     assert health["status"] == "ok" and health["running"] == 0 and health["k"] == 4
     assert health["continuous_batching"] and "kv" in health["prefix_cache"]
@@ -322,7 +414,7 @@ def test_too_long_message_counts_the_positions_a_spread_prompt_spans(tiny_model_
                       log_level="warning")
     prompt = "Hello world " * 50  # fits alone (K=4: ~26 embeddings), not with LIMIT more tokens
     cp = model.compress([Segment(prompt)])
-    assert cp.tokens_out + LIMIT <= 512 < cp.next_position + LIMIT
+    assert cp.tokens_out + LIMIT <= 512 < cp.next_position + LIMIT - 1
     with BackgroundServer(create_app(model, cfg)) as srv:
         data = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": LIMIT}).encode()
         req = urllib.request.Request(srv.url + "/v1/completions", data=data,
@@ -331,4 +423,25 @@ def test_too_long_message_counts_the_positions_a_spread_prompt_spans(tiny_model_
             urllib.request.urlopen(req, timeout=30)
     message = json.loads(e.value.read())["error"]["message"]
     assert f"spans {cp.next_position} positions" in message, message
-    assert f"needs {cp.next_position + LIMIT} positions" in message, message
+    assert f"needs {cp.next_position + LIMIT - 1} positions" in message, message
+
+
+def test_a_prompt_exactly_at_the_context_still_gets_one_token(server):
+    # the last new token is returned, never read back: a prompt spanning all 512 positions can
+    # have max_tokens=1, and with max_tokens=n it needs 511 + n positions
+    words = "Hello world, my name is ktm. " * 200
+    n = bisect.bisect_left(range(len(words)), 512,
+                           key=lambda i: len(server.model.tokenize(words[:i], first=True)))
+    text = words[:n]
+    assert len(server.model.tokenize(text, first=True)) == 512
+    body = {"model": "tiny", "prompt": text, "temperature": 0, "ktm": {"merge": False}}
+    r = post(server, {**body, "max_tokens": 1})
+    assert r["usage"]["prompt_tokens_merged"] == 512 and r["usage"]["completion_tokens"] == 1
+    with torch.no_grad():
+        greedy = int(server.model.prompt_logits(text, merge=False)[-1].argmax())
+    assert r["choices"][0]["text"] == server.model.tokenizer.decode([greedy],
+                                                                   skip_special_tokens=True)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(server, {**body, "max_tokens": 2})
+    message = json.loads(e.value.read())["error"]["message"]
+    assert "needs 513 positions" in message and "context of 512" in message, message

@@ -40,6 +40,25 @@ def test_chat_template_text_is_plain_and_contents_keep_their_merge_flags():
     assert [s.text for s in context_of(segs)] == ["<|system|>", "The quick brown fox."]
 
 
+def test_a_template_that_trims_the_contents_gets_them_trimmed():
+    # Llama 3's template writes `message['content'] | trim`: the contents go back trimmed, so the
+    # model reads what apply_chat_template gives, not a document's trailing blank lines
+    model = Model(TEMPLATE.replace("m['content']", "m['content'] | trim"))
+    msgs = [{"role": "system", "content": "\n The quick brown fox.\n\n"},
+            {"role": "user", "content": " Who? ", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs))
+    assert [(s.text, s.compress) for s in segs] == [
+        ("<|system|>", False), ("The quick brown fox.", True), ("<eos><|user|>", False),
+        ("Who?", False), ("<eos><|assistant|>", False)]
+    rendered = model.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                   add_generation_prompt=True)
+    assert "".join(s.text for s in segs) == rendered
+    parts = [{"text": " \n"}, {"text": " A document. "}, {"text": "Question? \n", "merge": False}]
+    segs = chat_segments(model, chat(messages=[{"role": "user", "ktm": {"segments": parts}}]))
+    assert [(s.text, s.compress) for s in segs][1:3] == [("A document. ", True),
+                                                         ("Question?", False)]
+
+
 def test_message_segments_and_top_level_merge_off():
     model = Model(TEMPLATE)
     parts = [{"text": "A long document. ", "merge": True}, {"text": "Question?", "merge": False}]
@@ -73,6 +92,26 @@ def test_a_template_that_drops_a_message_is_refused():
     with pytest.raises(RequestError, match="does not place each message"):
         chat_segments(model, chat(messages=[{"role": "system", "content": "a"},
                                             {"role": "user", "content": "b"}]))
+
+
+def test_a_template_that_raises_on_the_roles_is_a_bad_request_not_a_crash():
+    # Gemma's template refuses a system message, Llama 2's and Mistral's a user turn after a user
+    # turn: the client gets a 400 with the template's own words, not a 500
+    model = Model("{% if messages[0]['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE)
+    with pytest.raises(RequestError, match=r"refuses these messages \(roles \['system', "
+                                           r"'user'\]\): System role not supported") as e:
+        chat_segments(model, chat(messages=[{"role": "system", "content": "a"},
+                                            {"role": "user", "content": "b"}]))
+    assert e.value.param == "messages" and e.value.status == 400
+
+
+def test_lone_surrogates_are_a_bad_request():
+    with pytest.raises(RequestError, match=r"prompt is not valid Unicode: '\\ud800' at "
+                                           r"character 6"):
+        completion_segments(Model(), CompletionRequest(model="m", prompt="Hello \ud800 world"))
+    with pytest.raises(RequestError, match="messages is not valid Unicode"):
+        chat_segments(Model(TEMPLATE), chat(messages=[{"role": "user", "content": "\udfff"}]))
 
 
 def test_completion_segments_follow_the_python_api():

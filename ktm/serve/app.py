@@ -2,7 +2,7 @@
 
     POST /v1/completions        prompt (or ktm segments) -> text, SSE with "stream": true
     POST /v1/chat/completions   messages through the chat template -> assistant message
-    GET  /v1/models             the served model, its K and base model
+    GET  /v1/models             the served model, its K and base model (/v1/models/{id}: its card)
     GET  /health                engine state: running / waiting requests, cache statistics
 
 Why FastAPI + uvicorn: it is the most used and best kept ASGI stack in Python (vLLM's and
@@ -115,6 +115,11 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _crashed(_: Request, exc: Exception) -> JSONResponse:  # a bug: OpenAI's shape too
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       "server_error"), status_code=500)
+
     def model_card() -> dict:
         return {"id": cfg.served_name, "object": "model", "created": started, "owned_by": "ktm",
                 "root": cfg.model, "k": model.k, "merges": model.merges,
@@ -130,6 +135,14 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict:
+        if model_id != cfg.served_name:
+            raise RequestError(f"model {model_id!r} is not served here: this server serves "
+                               f"{cfg.served_name!r}", param="model", code="model_not_found",
+                               status=404)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -147,8 +160,10 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
                       else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
-            raise RequestError(f"max_tokens={max_tokens} is over this server's limit of "
-                               f"{cfg.max_tokens_limit}", param="max_tokens")
+            name = ("max_completion_tokens" if chat and body.max_completion_tokens
+                    else "max_tokens")
+            raise RequestError(f"{name}={max_tokens} is over this server's limit of "
+                               f"{cfg.max_tokens_limit}", param=name)
         build = chat_segments if chat else completion_segments
         segments = await run_in_threadpool(build, model, body)
         ext = body.ktm or KtmOptions()

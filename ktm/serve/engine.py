@@ -198,7 +198,8 @@ class Engine:
 
     def _limit(self, job: Job, cp: CompressedPrompt) -> int | None:
         """Tokens this request may generate, or None after answering it with an error."""
-        room = None if self.context is None else self.context - cp.next_position
+        # tokens it may generate: the last one is returned, never read back, so it takes no position
+        room = None if self.context is None else self.context - cp.next_position + 1
         # the limit is on the positions the prompt spans: with spread positions a merged block
         # takes its last token's position, so that can exceed the number of merged embeddings
         what = (f"the prompt spans {cp.next_position} positions after merging ({cp.tokens_out} "
@@ -208,8 +209,9 @@ class Engine:
         if room is not None and room < 1:
             err = f"{what}: more than the model's context of {self.context} positions"
         elif room is not None and want > room:
-            err = (f"{what}; with max_tokens={want} it needs {cp.next_position + want} positions, "
-                   f"more than the model's context of {self.context}")
+            err = (f"{what}; with max_tokens={want} it needs {cp.next_position + want - 1} "
+                   f"positions (the last new token is not read back), more than the model's "
+                   f"context of {self.context}")
         if err:
             self.counts["rejected"] += 1
             job.deliver(Event(error=RequestError(err, param="max_tokens" if room and room > 0
@@ -218,6 +220,21 @@ class Engine:
         return want
 
     def _admit(self, jobs: list[Job]) -> None:
+        """Prefill ``jobs`` and join them to the running batch. A failure before the join fails
+        these requests only: the running ones never saw them."""
+        try:
+            parts, rows = self._prefill(jobs)
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep the others
+            log.exception("admitting requests failed")
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._fail([j for j in jobs if not j.cancelled.is_set()], e, running=False)
+            return
+        for part in parts:
+            self._batch = part if self._batch is None else join(self._batch, part)
+        self._rows += rows
+        self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
+
+    def _prefill(self, jobs: list[Job]) -> tuple[list[DecodeState], list[Row]]:
         cps = self.model.encode_prompts([j.segments for j in jobs], cache=self.merged)
         parts: list[DecodeState] = []
         rows: list[Row] = []
@@ -245,10 +262,7 @@ class Engine:
                     self.kv[key] = row_kv(batch, i, n)
                 rows.append(Row(job, self.model, cp, 0, limit))
             parts.append(batch)
-        for part in parts:
-            self._batch = part if self._batch is None else join(self._batch, part)
-        self._rows += rows
-        self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
+        return parts, rows
 
     def _select(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, V) -> (B,) next tokens: greedy rows at once, sampled rows each with its own
@@ -298,8 +312,10 @@ class Engine:
         keep_rows(self._batch, rows)
         self._rows = [self._rows[i] for i in rows]
 
-    def _fail(self, jobs: list[Job], e: Exception) -> None:
-        self._batch, self._rows = None, []
+    def _fail(self, jobs: list[Job], e: Exception, running: bool = True) -> None:
+        """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
+        if running:
+            self._batch, self._rows = None, []
         self.counts["failed"] += len(jobs)
         err = RequestError(f"internal error while generating: {type(e).__name__}: {e}",
                            status=500, kind="server_error")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import re
 
+from jinja2 import TemplateError
+
 from ktm.prompt import Segment
 from ktm.serve.protocol import ChatRequest, CompletionRequest, KtmOptions, RequestError
 
@@ -31,27 +33,39 @@ def _check_joined(given: str | None, parts, where: str) -> None:
 
 def completion_segments(model, req: CompletionRequest) -> tuple[Segment, ...]:
     ext = req.ktm or KtmOptions()
+    prompt = req.prompt_text()
     if ext.segments is not None:
-        _check_joined(req.prompt, ext.segments, "prompt")
+        _check_joined(prompt, ext.segments, "prompt")
         parts = [(s.text, s.merge and ext.merge) for s in ext.segments]
     else:
-        parts = [(req.prompt or "", ext.merge)]
+        parts = [(prompt or "", ext.merge)]
     parts = [(t, m) for t, m in parts if t]
-    segs = tuple(Segment(t, m, tuple(model.tokenize(t, first=i == 0)))
+    segs = tuple(Segment(t, m, _ids(model, t, i == 0, "prompt"))
                  for i, (t, m) in enumerate(parts))
     return _non_empty(segs, "prompt")
 
 
-def render_chat(tokenizer, turns: list[tuple[str, int]]) -> list[str | int]:
-    """The chat as template text (str) and message indices (int) where contents go."""
+def _apply(tokenizer, turns: list[tuple[str, int]], pad: str = "") -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            [{"role": role, "content": pad + MARK.format(i) + pad} for role, i in turns],
+            tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # the template's raise_exception: roles it does not take, ...
+        raise RequestError(f"this model's chat template refuses these messages (roles "
+                           f"{[role for role, _ in turns]}): {e}", param="messages") from e
+
+
+def render_chat(tokenizer, turns: list[tuple[str, int]]) -> tuple[list[str | int], set[int]]:
+    """The chat as template text (str) and message indices (int) where contents go, and the
+    messages whose content the template trims (Llama 3's ``| trim``): they are put back trimmed."""
     if not getattr(tokenizer, "chat_template", None):
         out: list[str | int] = []
         for role, i in turns:
             out += [f"{role}: ", i, "\n"]
-        return out + ["assistant:"]
-    rendered = tokenizer.apply_chat_template(
-        [{"role": role, "content": MARK.format(i)} for role, i in turns],
-        tokenize=False, add_generation_prompt=True)
+        return out + ["assistant:"], set()
+    rendered = _apply(tokenizer, turns)
+    padded = _apply(tokenizer, turns, pad=" \n")
+    trimmed = {i for _, i in turns if f" \n{MARK.format(i)} \n" not in padded}
     pieces = MARK_RE.split(rendered)
     out = [int(p) if j % 2 else p for j, p in enumerate(pieces)]
     found = [p for p in out if isinstance(p, int)]
@@ -59,7 +73,7 @@ def render_chat(tokenizer, turns: list[tuple[str, int]]) -> list[str | int]:
         raise RequestError("this model's chat template does not place each message's content "
                            f"once and in order (found messages {found}); send a completion with "
                            "ktm.segments instead", param="messages")
-    return [p for p in out if p != ""]
+    return [p for p in out if p != ""], trimmed
 
 
 def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
@@ -80,15 +94,40 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     if not any(contents):
         raise RequestError("messages are empty: expected at least one message with content",
                            param="messages")
-    layout = render_chat(model.tokenizer, [(m.role, i) for i, m in enumerate(req.messages)])
+    layout, trimmed = render_chat(model.tokenizer,
+                                  [(m.role, i) for i, m in enumerate(req.messages)])
+    for i in trimmed:
+        contents[i] = _strip(contents[i])
     # a template writes its own BOS; the role lines that stand in for a missing one open with
     # the tokenizer's, as a completion does (a model with a BOS has never read text without it)
     lead = not getattr(model.tokenizer, "chat_template", None)
     segs = []
     for piece in layout:
         for text, merge in ([(piece, False)] if isinstance(piece, str) else contents[piece]):
-            segs.append(Segment(text, merge, tuple(model.tokenize(text, first=lead and not segs))))
+            segs.append(Segment(text, merge, _ids(model, text, lead and not segs, "messages")))
     return _non_empty(tuple(segs), "messages")
+
+
+def _strip(parts: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """A content's parts with the whitespace around the whole content removed."""
+    parts = list(parts)
+    while parts and not parts[0][0].strip():
+        parts.pop(0)
+    while parts and not parts[-1][0].strip():
+        parts.pop()
+    if parts:
+        parts[0] = (parts[0][0].lstrip(), parts[0][1])
+        parts[-1] = (parts[-1][0].rstrip(), parts[-1][1])
+    return parts
+
+
+def _ids(model, text: str, first: bool, param: str) -> tuple[int, ...]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON may escape a lone surrogate ("\\ud800")
+        raise RequestError(f"{param} is not valid Unicode: {text[e.start:e.end]!r} at character "
+                           f"{e.start} is a lone surrogate; expected text", param=param) from e
+    return tuple(model.tokenize(text, first=first))
 
 
 def _non_empty(segs: tuple[Segment, ...], param: str) -> tuple[Segment, ...]:

@@ -2,7 +2,8 @@
 
 Unknown fields are refused (``extra="forbid"``), so a client that relies on an option this server
 does not implement (``logprobs``, ``n > 1``, penalties, tools) gets a 400 naming it instead of a
-silently different answer.
+silently different answer; such an option sent with its neutral value (``presence_penalty: 0``,
+``logprobs: false``, ...) is accepted, and ``null`` means a field's default, as in OpenAI's API.
 
 The ktm extension is one optional field named ``ktm``; with the official client it goes in
 ``extra_body``. It says which parts are merged and which stay plain:
@@ -21,13 +22,33 @@ own text (role markers, the generation prompt) is always plain.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# options this server does not implement, with the values that leave an answer unchanged: some
+# clients always send them, so these values are accepted; any other value is refused (400)
+NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+           "logprobs": (False,), "echo": (False,), "best_of": (1,),
+           "response_format": ({"type": "text"},)}
+
+
+def _is(value, neutral) -> bool:
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data):
+        """OpenAI's optional fields are nullable: ``null`` means the field's default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class SegmentIn(Strict):
@@ -73,12 +94,20 @@ class Sampling(Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # int64, as OpenAI's
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ktm: KtmOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if not (k in NEUTRAL and any(_is(v, n) for n in NEUTRAL[k]))}
+        return data
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -86,7 +115,21 @@ class Sampling(Strict):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+
+    def prompt_text(self) -> str | None:
+        """The one text prompt; OpenAI also takes a list of prompts or token ids."""
+        p = self.prompt
+        if not isinstance(p, list) or not p:
+            return p or None
+        if not all(isinstance(x, str) for x in p):
+            raise RequestError("prompt as token ids is not supported: expected text (a string, "
+                               "or a list of one string)", param="prompt")
+        if len(p) > 1:
+            raise RequestError(f"prompt is a list of {len(p)} prompts, but this server completes "
+                               "one prompt per request: send them as separate requests (they "
+                               "are batched together)", param="prompt")
+        return p[0]
 
 
 class ChatRequest(Sampling):
@@ -112,15 +155,31 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# the names pydantic gives a union's members in an error's location ("str", "list[TextPart]")
+UNION_MEMBER = re.compile(r"^(str|int|float|bool|(list|dict|tuple)\[.*|[A-Z]\w*)$")
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic errors of a request body -> (one readable message, the offending field)."""
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    """pydantic errors of a request body -> (one readable message, the offending field).
+
+    A value that fits none of a union's members gets an error for each; the deepest one names
+    the part that is wrong (a content part of type "image_url", not "should be a valid string").
+    """
+    e = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(x) for x in e.get("loc", ())
+           if x != "body" and not (isinstance(x, str) and UNION_MEMBER.match(x))]
     where = ".".join(loc) or None
     if e.get("type") == "json_invalid":
         return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    if e.get("type") == "extra_forbidden" and where in NEUTRAL:
+        ok = " or ".join(json.dumps(n) for n in NEUTRAL[where])
+        return (f"{where}={json.dumps(e.get('input'))} is not supported by this server: it "
+                f"accepts only {ok} or null (or the field left out)", where)
     if e.get("type") == "extra_forbidden":
         return f"unknown field {where!r}: this server does not accept it", where
     if e.get("type") == "missing":
         return f"missing required field {where!r}", where
-    return f"{where}: {e.get('msg')}" if where else str(e.get("msg")), where
+    msg = str(e.get("msg"))
+    if isinstance(e.get("input"), (str, int, float, bool)):
+        msg += f", got {json.dumps(e['input'])}"
+    return (f"{where}: {msg}" if where else msg), where
