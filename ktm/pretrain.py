@@ -32,6 +32,7 @@ windows. Every ``eval_every`` steps it logs the readability R on held-out text.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -69,8 +70,10 @@ def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None
             weight = float(w)
         except ValueError:
             raise KTMError(f"{what} {spec!r}: weight {w!r} is not a number") from None
-        if weight < 0:
-            raise KTMError(f"{what} {spec!r}: weight must be >= 0, got {weight}")
+        if not math.isfinite(weight) or weight < 0:
+            raise KTMError(f"{what} {spec!r}: weight must be a finite number >= 0, got {w!r}")
+        if not name:
+            raise KTMError(f"{what} {spec!r} has no name: expected NAME or NAME=WEIGHT")
         if allowed is not None and name not in allowed:
             raise KTMError(f"unknown {what} {name!r}: expected one of {', '.join(allowed)}")
         out[name] = out.get(name, 0.0) + weight
@@ -115,8 +118,8 @@ class PretrainConfig:
         self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
                                  self.min_tokens)
         for name in ("distill_hidden", "align_weight"):
-            if getattr(self, name) < 0:
-                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise KTMError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if self.n_eval_windows < 1:
             raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
 

@@ -270,6 +270,22 @@ def test_bad_objective_and_weight_are_clear_errors(corpus):
         small_cfg(corpus, ("lm=0",))
 
 
+@pytest.mark.parametrize("field,spec", [("sources", "x=nan"), ("sources", "x=inf"),
+                                        ("objectives", "lm=nan"), ("k_mix", "4=inf"),
+                                        ("distill_hidden", float("nan"))])
+def test_a_weight_that_is_not_finite_is_a_clear_error(field, spec):
+    # NaN was taken as a weight (random.choices then fails mid-run, or draws one name always)
+    value = spec if isinstance(spec, float) else (spec,)
+    with pytest.raises(KTMError, match="finite number >= 0"):
+        PretrainConfig(**{field: value}, eval_sets=())
+
+
+def test_a_source_without_a_name_is_a_clear_error():
+    # '=0.5' named the source '', the current folder, and read every text file under it
+    with pytest.raises(KTMError, match="has no name"):
+        PretrainConfig(sources=("=0.5",), eval_sets=())
+
+
 def test_pretraining_needs_merging(tiny_model_dir, corpus, tmp_path):
     model = KTMModel.from_base(tiny_model_dir, k=1, use_mlp=False)
     with pytest.raises(KTMError, match="needs merging"):
@@ -417,7 +433,7 @@ def test_init_with_a_larger_mlp_ratio_widens_the_encoder_exactly(tiny_model_dir,
 
 @pytest.mark.parametrize("name", ["distill_hidden", "align_weight"])
 def test_negative_hidden_state_weights_are_clear_errors(name):
-    with pytest.raises(KTMError, match=f"{name} must be >= 0, got -0.5"):
+    with pytest.raises(KTMError, match=f"{name} must be a finite number >= 0, got -0.5"):
         PretrainConfig(eval_sets=(), **{name: -0.5})
     PretrainConfig(eval_sets=(), **{name: 0.0})  # zero turns the term off
 
