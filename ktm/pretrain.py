@@ -43,6 +43,7 @@ from torch import nn
 
 from ktm import distributed
 from ktm.corpus import (
+    HELDOUT,
     WindowSpec,
     autoencode_window,
     check_docs,
@@ -120,6 +121,10 @@ class PretrainConfig:
         for name in ("distill_hidden", "align_weight"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise KTMError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        unknown = [s for s in self.eval_sets if s not in HELDOUT]
+        if unknown:  # else the first evaluation, after training, would fail
+            raise KTMError(f"unknown held-out set {unknown[0]!r} in eval_sets: expected "
+                           f"{', '.join(HELDOUT)} or none")
         if self.n_eval_windows < 1:
             raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
 
@@ -314,9 +319,13 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:
-        from ktm.readability import heldout_readability
+        from ktm.corpus import heldout_windows
+        from ktm.readability import READ_SPEC, heldout_readability
 
-        cache: dict = {}
+        # read now, so that a missing data folder fails before training, not after it
+        cache: dict = {(name, config.n_eval_windows, 0): heldout_windows(
+            model.tokenizer, name, config.n_eval_windows, READ_SPEC, 0)
+            for name in config.eval_sets}
 
         def evaluate(m) -> dict:
             r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)

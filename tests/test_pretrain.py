@@ -441,3 +441,22 @@ def test_negative_hidden_state_weights_are_clear_errors(name):
 def test_a_text_files_byte_order_mark_is_not_text(tmp_path):
     (tmp_path / "bom.txt").write_bytes("\ufeffhello world".encode("utf-8"))
     assert path_texts(str(tmp_path / "bom.txt")) == ["hello world"]
+
+
+def test_an_unknown_held_out_set_is_refused_before_training():
+    # it was found only at the first evaluation, after the training steps
+    with pytest.raises(KTMError, match="unknown held-out set 'review' in eval_sets"):
+        PretrainConfig(sources=("x",), eval_sets=("review",))
+
+
+def test_missing_held_out_data_fails_before_training(tiny_model_dir, corpus, tmp_path,
+                                                     monkeypatch):
+    # without the data folder the default eval sets failed at the end, the steps lost
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "no-data"))
+    cfg = PretrainConfig(sources=(corpus,), context_tokens=24, target_tokens=8, min_tokens=8,
+                         eval_sets=("reviews",), n_eval_windows=2)
+    out = tmp_path / "run"
+    with pytest.raises(KTMError, match="data file not found"):
+        pretrain(fresh(tiny_model_dir), cfg, TrainConfig(out_dir=str(out), max_steps=1,
+                                                         batch_size=2, progress=False))
+    assert not (out / "metrics.jsonl").exists()
