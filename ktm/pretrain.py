@@ -157,6 +157,14 @@ class WindowStream(Sequence):
         self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
         self.obj_w = [cfg.objective_weights[o] for o in self.objs]
         self.ks, self.k_w = list(cfg.k_weights), list(cfg.k_weights.values())
+        w = cfg.window
+        # what example i is drawn from, beyond (seed, i): a resume must keep it (ktm.train_state)
+        self.signature = {
+            "sources": dict(cfg.source_weights), "objectives": dict(cfg.objective_weights),
+            "k_mix": {str(k): v for k, v in cfg.k_weights.items()},
+            "windows": [w.context_tokens, w.target_tokens, w.ae_tokens, w.min_tokens],
+            "text_field": cfg.text_field, "ae_cue": cfg.ae_cue,
+            "docs": {name: len(d) for name, d in docs.items()}}
 
     def __len__(self) -> int:
         return self.length

@@ -460,3 +460,24 @@ def test_missing_held_out_data_fails_before_training(tiny_model_dir, corpus, tmp
         pretrain(fresh(tiny_model_dir), cfg, TrainConfig(out_dir=str(out), max_steps=1,
                                                          batch_size=2, progress=False))
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_resume_with_another_mix_is_refused_even_when_the_first_window_is_the_same(
+        tiny_model_dir, corpus, tmp_path):
+    from ktm.train_state import data_signature
+
+    def run(objectives, steps, resume=False, **kw):
+        cfg = small_cfg(corpus, objectives, **kw)
+        tc = TrainConfig(out_dir=str(tmp_path / "r"), max_steps=steps, batch_size=2,
+                         save_every=1, progress=False, resume=resume)
+        pretrain(fresh(tiny_model_dir), cfg, tc)
+
+    run(("lm", "ae"), 1)
+    model = fresh(tiny_model_dir)
+    first = [data_signature(WindowStream(load_docs(model.tokenizer, small_cfg(corpus, o)),
+                                         small_cfg(corpus, o), 8, 0, model.eos_id))["fingerprint"]
+             for o in (("lm", "ae"), ("lm", "ae=0.5"))]
+    assert first[0] == first[1]  # the first window alone does not tell the two mixes apart
+    with pytest.raises(KTMError, match=r"cannot resume .*objectives=\{'lm': 1.0, 'ae': 1.0\}"):
+        run(("lm", "ae=0.5"), 2, resume=True)
+    run(("lm", "ae"), 2, resume=True, n_eval_windows=4)  # the eval settings may change
