@@ -192,6 +192,33 @@ class WindowStream(Sequence):
         return Example(segments, target, meta=meta)
 
 
+def check_window_positions(model, cfg: PretrainConfig) -> None:
+    """Refuse windows of ``cfg``'s sizes that the model's positions cannot hold, before any
+    step: only the longest documents give full windows, and the first step to draw one would
+    fail mid-run. distill and align also read the context plain (the teacher)."""
+    if not model.max_positions:
+        return
+    spec, objs = cfg.window, [o for o, w in cfg.objective_weights.items() if w > 0]
+    filler = model.tokenizer("a", add_special_tokens=False)["input_ids"][:1] or [0]
+    k = min(cfg.k_weights or (model.k,))  # the smallest K gives the longest prefix
+    for obj in objs:
+        n_ctx = spec.ae_tokens if obj == "ae" else spec.context_tokens
+        segments = [Segment("", ids=tuple(model.lead_ids) + tuple(filler) * n_ctx)]
+        if obj == "ae":
+            segments.append(Segment(cfg.ae_cue, compress=False))
+        n_target = (spec.ae_tokens + (model.eos_id is not None) if obj == "ae"
+                    else spec.target_tokens)
+        try:
+            with model.merging_at(k):
+                for merge in (True, False) if obj in ("distill", "align") else (True,):
+                    model.check_fits(model.encode_prompts([segments], merge), [n_target],
+                                     "target tokens")
+        except KTMError as e:
+            flags = ("--ae-tokens" if obj == "ae" else "--context-tokens / --target-tokens")
+            raise KTMError(f"a full {obj} window does not fit this model's positions ({e}): "
+                           f"expected smaller windows ({flags})") from None
+
+
 def load_docs(tokenizer, cfg: PretrainConfig) -> dict[str, list]:
     docs = {}
     for spec in cfg.source_weights:
@@ -318,6 +345,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
         from ktm.readability import check_read_positions
 
         check_read_positions(model)
+    check_window_positions(model, config)
     docs = load_docs(model.tokenizer, config)
     # the stream covers every process's shard of every step (ktm.distributed)
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum

@@ -481,3 +481,29 @@ def test_resume_with_another_mix_is_refused_even_when_the_first_window_is_the_sa
     with pytest.raises(KTMError, match=r"cannot resume .*objectives=\{'lm': 1.0, 'ae': 1.0\}"):
         run(("lm", "ae=0.5"), 2, resume=True)
     run(("lm", "ae"), 2, resume=True, n_eval_windows=4)  # the eval settings may change
+
+
+def test_windows_longer_than_the_models_positions_are_refused_before_training(tmp_path):
+    """Only long documents give full windows: one long text among short ones failed at the
+    first step that drew it, mid-run. The full window is checked up front, naming the flags."""
+    from test_families import save_tiny
+
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2", positions=48)
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(40):
+        (texts / f"short{i:02d}.txt").write_text(f"The quick brown fox {i} jumps.")
+    (texts / "long.txt").write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    cfg = PretrainConfig(sources=(str(texts),), context_tokens=160, target_tokens=16,
+                         min_tokens=4, eval_sets=())
+    out = tmp_path / "x"
+    with pytest.raises(KTMError, match=r"a full lm window does not fit .* "
+                                       r"\(--context-tokens / --target-tokens\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=6, batch_size=2,
+                                         progress=False))
+    assert not (out / "metrics.jsonl").exists()
+    cfg = PretrainConfig(sources=(str(texts),), objectives=("ae",), ae_tokens=64, min_tokens=4,
+                         eval_sets=())
+    with pytest.raises(KTMError, match=r"a full ae window .* \(--ae-tokens\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=1, progress=False))
