@@ -89,9 +89,9 @@ def test_registered_but_missing_reader_says_how_to_train_it(registry):
 
 def test_pack_reader_refuses_a_run_killed_before_its_last_step(tiny_model_dir, tmp_path,
                                                                 registry, monkeypatch, capsys):
-    import sys
+    import importlib
 
-    train_module = sys.modules["ktm.train"]  # ktm.train is also the function
+    train_module = importlib.import_module("ktm.train")  # ktm.train is also the function
     real, calls = train_module.train_step, []
 
     def dies_at_step_3(*a, **kw):
