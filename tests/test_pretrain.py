@@ -227,8 +227,25 @@ def test_user_jsonl_source_and_field(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"body": "hello"}) + "\n" + json.dumps({"body": "world"}) + "\n")
     assert path_texts(str(path), "body") == ["hello", "world"]
-    with pytest.raises(KTMError, match="line 1: expected a string field 'text'"):
+    # the message named only the missing field, not the fields there nor --text-field
+    with pytest.raises(KTMError, match=r"line 1: no field 'text' \(its fields: 'body'\); "
+                                       r"expected .* or --text-field"):
         path_texts(str(path))
+    path.write_text(json.dumps({"text": 3}) + "\n")
+    with pytest.raises(KTMError, match="line 1: expected a string field 'text', got int"):
+        path_texts(str(path))
+
+
+def test_a_corpus_folder_skips_hidden_folders_and_reads_gzipped_text(tmp_path):
+    import gzip
+
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / ".venv" / "lib").mkdir(parents=True)
+    (tmp_path / "c" / "sub" / "a.txt").write_text("plain text")
+    (tmp_path / "c" / ".venv" / "lib" / "site.py").write_text("not the corpus")
+    with gzip.open(tmp_path / "c" / "sub" / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("gzipped text")  # was 'not UTF-8 text'
+    assert path_texts(str(tmp_path / "c")) == ["plain text", "gzipped text"]
 
 
 def test_empty_corpus_is_a_clear_error(tiny_model_dir, tmp_path):
