@@ -196,9 +196,16 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
     """Refuse windows of ``cfg``'s sizes that the model's positions cannot hold, before any
     step: only the longest documents give full windows, and the first step to draw one would
     fail mid-run. distill and align also read the context plain (the teacher)."""
+    spec, objs = cfg.window, [o for o, w in cfg.objective_weights.items() if w > 0]
+    plain = model.config.plain_prefix + model.config.plain_suffix
+    longest = len(model.lead_ids) + max(spec.ae_tokens if o == "ae" else spec.context_tokens
+                                        for o in objs)
+    if plain >= longest:  # the run would train a reader on plain text only
+        raise KTMError(f"plain_prefix + plain_suffix = {plain} keep every token of the longest "
+                       f"window context ({longest} tokens) plain: nothing would be merged; "
+                       "expected fewer plain tokens or longer windows (--context-tokens)")
     if not model.max_positions:
         return
-    spec, objs = cfg.window, [o for o, w in cfg.objective_weights.items() if w > 0]
     filler = model.tokenizer("a", add_special_tokens=False)["input_ids"][:1] or [0]
     k = min(cfg.k_weights or (model.k,))  # the smallest K gives the longest prefix
     for obj in objs:

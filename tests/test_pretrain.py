@@ -524,3 +524,12 @@ def test_windows_longer_than_the_models_positions_are_refused_before_training(tm
                          eval_sets=())
     with pytest.raises(KTMError, match=r"a full ae window .* \(--ae-tokens\)"):
         pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=1, progress=False))
+
+
+def test_plain_tokens_covering_every_window_are_refused(tiny_model_dir, corpus, tmp_path):
+    # --plain-prefix 100 with 24-token contexts trained a 'reader' on plain text only
+    model = fresh(tiny_model_dir, plain_prefix=20, plain_suffix=4)
+    with pytest.raises(KTMError, match=r"plain_prefix \+ plain_suffix = 24 keep every token"):
+        pretrain(model, small_cfg(corpus), TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1,
+                                                       progress=False))
+    assert not (tmp_path / "x").exists()
