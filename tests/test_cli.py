@@ -439,3 +439,14 @@ def test_curriculum_resumes_a_run_killed_in_a_later_round(capsys, tiny_model_dir
     saved = [json.loads(r) for r in (tmp_path / "curriculum.jsonl").read_text().splitlines()]
     assert saved == rows and len(rows) >= 2
     assert len({(r["stage"], r["round"]) for r in rows}) == len(rows)
+
+
+@pytest.mark.parametrize("flag", ["--n-eval", "--n-train"])
+def test_no_training_or_evaluation_examples_is_refused_before_training(capsys, tiny_model_dir,
+                                                                       tmp_path, flag):
+    # --n-eval 0 trained every step, then failed at the final evaluation, before the last save
+    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--max-steps", "1", "--batch-size", "2", "--n-eval", "2",
+                       flag, "0", "--out-dir", str(tmp_path / "x"), "--no-progress")
+    assert code == 2 and f"{flag} must be >= 1, got 0" in err
+    assert not (tmp_path / "x").exists()
