@@ -118,8 +118,9 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_pack_reader(args: argparse.Namespace) -> int:
-    from ktm.readers import lineage_info, pack_reader, run_info
+    from ktm.readers import check_finished, lineage_info, pack_reader, run_info
 
+    check_finished(args.run_dir)
     info = lineage_info(args.after, run_info(args.run_dir))
     path = pack_reader(Path(args.run_dir) / "checkpoint", args.name, info)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

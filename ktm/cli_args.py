@@ -35,6 +35,12 @@ class TaskArgs:
     n_train: int = field(default=2000, metadata={"help": "training examples to draw"})
     n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
 
+    def __post_init__(self) -> None:
+        for name in ("n_train", "n_eval"):  # n_eval 0 failed at the evaluation after training
+            if getattr(self, name) < 1:
+                raise KTMError(f"--{name.replace('_', '-')} must be >= 1, "
+                               f"got {getattr(self, name)}")
+
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, KTMConfig, suppress=True)

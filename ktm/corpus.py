@@ -18,6 +18,7 @@ loss covers (the plain continuation, or the context itself for autoencoding).
 
 from __future__ import annotations
 
+import gzip
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,13 +101,22 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
         out = []
         for line_no, row in read_jsonl(path):
             value = row.get(text_field)
+            if text_field not in row:
+                raise KTMError(f"{path} line {line_no}: no field {text_field!r} (its fields: "
+                               f"{', '.join(map(repr, row)) or 'none'}); expected the text "
+                               "there, or --text-field naming the field that holds it")
             if not isinstance(value, str):
                 raise KTMError(f"{path} line {line_no}: expected a string field {text_field!r}, "
                                f"got {type(value).__name__}")
             out.append(value)
         return out
     try:
+        if name.endswith(".gz"):  # a gzipped text file (the folder listing takes .gz)
+            with gzip.open(path, "rt", encoding="utf-8-sig") as f:
+                return [f.read()]
         return [path.read_text(encoding="utf-8-sig")]  # a byte-order mark is not text
+    except (OSError, EOFError) as e:
+        raise KTMError(f"cannot read {path}: {e} (expected a text file, gzip if .gz)") from None
     except UnicodeDecodeError as e:
         raise KTMError(f"{path} is not UTF-8 text ({e.reason}): expected a text file") from None
 
@@ -118,7 +128,9 @@ def path_texts(spec: str, text_field: str = "text") -> list[str]:
         return _file_texts(path, text_field)
     if path.is_dir():
         _refuse_eval_only(path.resolve())
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+        # hidden files and folders (.git, .venv, .ipynb_checkpoints) are not the corpus
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts)
                        and p.name.lower().endswith(TEXT_SUFFIXES))
         if not files:
             raise KTMError(f"folder {str(path)!r} has no text files "

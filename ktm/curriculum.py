@@ -13,9 +13,11 @@ from pathlib import Path
 
 from ktm.errors import KTMError
 from ktm.evaluate import evaluate_classification
+from ktm.fileio import write_text_atomic
 from ktm.tasks.tree import PASS_ACCURACY, TreeTask
 from ktm.tasks.tree_gen import STAGES
 from ktm.train import TrainConfig, train
+from ktm.train_state import CHECKPOINT, METRICS
 
 
 @dataclass
@@ -56,15 +58,23 @@ def run_curriculum(model, cfg: CurriculumConfig, train_cfg: TrainConfig,
         for rnd in range(1, cfg.max_rounds + 1):
             n = cfg.steps_per_round * train_cfg.batch_size * train_cfg.grad_accum
             seed = train_cfg.seed + 1000 * rnd  # fresh pairs every round
-            round_cfg = TrainConfig(**{**asdict(train_cfg), "out_dir": str(out / f"{stage}-r{rnd}"),
-                                       "max_steps": cfg.steps_per_round, "seed": seed})
+            folder = out / f"{stage}-r{rnd}"
+            # --resume: rounds that saved a checkpoint continue from it (a finished one just
+            # loads its weights); a round killed before its first save, or never reached,
+            # starts afresh (the steps it logged are redone, on the same data)
+            resume = train_cfg.resume and (folder / CHECKPOINT).is_dir()
+            if train_cfg.resume and not resume:
+                (folder / METRICS).unlink(missing_ok=True)
+            round_cfg = TrainConfig(**{**asdict(train_cfg), "out_dir": str(folder),
+                                       "max_steps": cfg.steps_per_round, "seed": seed,
+                                       "resume": resume})
             train(model, task.train_examples(n, seed=seed), round_cfg)
             res = evaluate_classification(model, eval_set, task.labels)
             row = {"stage": stage, "round": rnd, "balanced_accuracy": res["balanced_accuracy"],
                    "threshold": need, "passed": res["balanced_accuracy"] >= need}
             rows.append(row)
-            with (out / "curriculum.jsonl").open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            # this invocation's rows, whole: a resume re-evaluates the finished rounds
+            write_text_atomic(out / "curriculum.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
             if row["passed"]:
                 break
         if not rows[-1]["passed"]:

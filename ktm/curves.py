@@ -37,13 +37,21 @@ def load_curve(path: str | Path) -> dict:
     """``{"run": name, "points": [{"step", "cpu_min", "metrics": {name: value}}], "config"}``."""
     path = Path(path)
     try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        rows = []
+        for i, line in enumerate(lines):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise
+                # a run killed mid-write leaves a half line: drop it, as a resume does
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise KTMError(f"metrics file {str(path)!r} cannot be read as JSONL: {e}") from e
     points = []
     for r in rows:
         ev = r.get("eval") if isinstance(r, dict) else None
-        if isinstance(ev, dict) and "cpu_s" in r:
+        if isinstance(ev, dict) and "cpu_s" in r and "step" in r:
             metrics = _metrics(ev)
             if metrics:
                 points.append({"step": r["step"], "cpu_min": r["cpu_s"] / 60, "metrics": metrics})
@@ -51,7 +59,10 @@ def load_curve(path: str | Path) -> dict:
         raise KTMError(f"{str(path)!r} has no evaluations: expected the metrics.jsonl of a "
                        "`ktm pretrain` or `ktm train` run with --eval-every")
     meta_path = path.with_name("run.json")
-    config = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    try:  # what started the run, for the record only
+        config = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = {}
     return {"run": _name(path), "points": points, "config": config}
 
 

@@ -32,6 +32,7 @@ windows. Every ``eval_every`` steps it logs the readability R on held-out text.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from torch import nn
 
 from ktm import distributed
 from ktm.corpus import (
+    HELDOUT,
     WindowSpec,
     autoencode_window,
     check_docs,
@@ -69,8 +71,10 @@ def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None
             weight = float(w)
         except ValueError:
             raise KTMError(f"{what} {spec!r}: weight {w!r} is not a number") from None
-        if weight < 0:
-            raise KTMError(f"{what} {spec!r}: weight must be >= 0, got {weight}")
+        if not math.isfinite(weight) or weight < 0:
+            raise KTMError(f"{what} {spec!r}: weight must be a finite number >= 0, got {w!r}")
+        if not name:
+            raise KTMError(f"{what} {spec!r} has no name: expected NAME or NAME=WEIGHT")
         if allowed is not None and name not in allowed:
             raise KTMError(f"unknown {what} {name!r}: expected one of {', '.join(allowed)}")
         out[name] = out.get(name, 0.0) + weight
@@ -115,8 +119,12 @@ class PretrainConfig:
         self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
                                  self.min_tokens)
         for name in ("distill_hidden", "align_weight"):
-            if getattr(self, name) < 0:
-                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise KTMError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        unknown = [s for s in self.eval_sets if s not in HELDOUT]
+        if unknown:  # else the first evaluation, after training, would fail
+            raise KTMError(f"unknown held-out set {unknown[0]!r} in eval_sets: expected "
+                           f"{', '.join(HELDOUT)} or none")
         if self.n_eval_windows < 1:
             raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
 
@@ -149,6 +157,14 @@ class WindowStream(Sequence):
         self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
         self.obj_w = [cfg.objective_weights[o] for o in self.objs]
         self.ks, self.k_w = list(cfg.k_weights), list(cfg.k_weights.values())
+        w = cfg.window
+        # what example i is drawn from, beyond (seed, i): a resume must keep it (ktm.train_state)
+        self.signature = {
+            "sources": dict(cfg.source_weights), "objectives": dict(cfg.objective_weights),
+            "k_mix": {str(k): v for k, v in cfg.k_weights.items()},
+            "windows": [w.context_tokens, w.target_tokens, w.ae_tokens, w.min_tokens],
+            "text_field": cfg.text_field, "ae_cue": cfg.ae_cue,
+            "docs": {name: len(d) for name, d in docs.items()}}
 
     def __len__(self) -> int:
         return self.length
@@ -174,6 +190,40 @@ class WindowStream(Sequence):
         if self.ks:  # drawn last, so that a run without a K mix keeps its windows
             meta["k"] = rng.choices(self.ks, self.k_w)[0]
         return Example(segments, target, meta=meta)
+
+
+def check_window_positions(model, cfg: PretrainConfig) -> None:
+    """Refuse windows of ``cfg``'s sizes that the model's positions cannot hold, before any
+    step: only the longest documents give full windows, and the first step to draw one would
+    fail mid-run. distill and align also read the context plain (the teacher)."""
+    spec, objs = cfg.window, [o for o, w in cfg.objective_weights.items() if w > 0]
+    plain = model.config.plain_prefix + model.config.plain_suffix
+    longest = len(model.lead_ids) + max(spec.ae_tokens if o == "ae" else spec.context_tokens
+                                        for o in objs)
+    if plain >= longest:  # the run would train a reader on plain text only
+        raise KTMError(f"plain_prefix + plain_suffix = {plain} keep every token of the longest "
+                       f"window context ({longest} tokens) plain: nothing would be merged; "
+                       "expected fewer plain tokens or longer windows (--context-tokens)")
+    if not model.max_positions:
+        return
+    filler = model.tokenizer("a", add_special_tokens=False)["input_ids"][:1] or [0]
+    k = min(cfg.k_weights or (model.k,))  # the smallest K gives the longest prefix
+    for obj in objs:
+        n_ctx = spec.ae_tokens if obj == "ae" else spec.context_tokens
+        segments = [Segment("", ids=tuple(model.lead_ids) + tuple(filler) * n_ctx)]
+        if obj == "ae":
+            segments.append(Segment(cfg.ae_cue, compress=False))
+        n_target = (spec.ae_tokens + (model.eos_id is not None) if obj == "ae"
+                    else spec.target_tokens)
+        try:
+            with model.merging_at(k):
+                for merge in (True, False) if obj in ("distill", "align") else (True,):
+                    model.check_fits(model.encode_prompts([segments], merge), [n_target],
+                                     "target tokens")
+        except KTMError as e:
+            flags = ("--ae-tokens" if obj == "ae" else "--context-tokens / --target-tokens")
+            raise KTMError(f"a full {obj} window does not fit this model's positions ({e}): "
+                           f"expected smaller windows ({flags})") from None
 
 
 def load_docs(tokenizer, cfg: PretrainConfig) -> dict[str, list]:
@@ -302,6 +352,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
         from ktm.readability import check_read_positions
 
         check_read_positions(model)
+    check_window_positions(model, config)
     docs = load_docs(model.tokenizer, config)
     # the stream covers every process's shard of every step (ktm.distributed)
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
@@ -311,9 +362,13 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:
-        from ktm.readability import heldout_readability
+        from ktm.corpus import heldout_windows
+        from ktm.readability import READ_SPEC, heldout_readability
 
-        cache: dict = {}
+        # read now, so that a missing data folder fails before training, not after it
+        cache: dict = {(name, config.n_eval_windows, 0): heldout_windows(
+            model.tokenizer, name, config.n_eval_windows, READ_SPEC, 0)
+            for name in config.eval_sets}
 
         def evaluate(m) -> dict:
             r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)

@@ -52,6 +52,9 @@ def load_results(paths: list[str]) -> list[dict]:
             row = json.loads(Path(p).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise KTMError(f"result file {p!r} cannot be read as JSON: {e}") from e
+        if not isinstance(row, dict):
+            raise KTMError(f"result file {p!r} holds a JSON {type(row).__name__}: expected one "
+                           "object, as `ktm eval` writes")
         if row.get("task") == "readability" and isinstance(row.get("readability"), dict):
             rows.append(row)
             continue
@@ -77,6 +80,12 @@ def score(rows: list[dict]) -> dict[str, list[dict]]:
     by_task: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by_task[group_name(r)].append(dict(r))
+    for name, task_rows in list(by_task.items()):  # one task scored both ways (custom's
+        kinds = {"perplexity" in r for r in task_rows}  # metric=auto on other data): two tables
+        if len(kinds) > 1:
+            del by_task[name]
+            for r in task_rows:
+                by_task[f"{name} ({'perplexity' if 'perplexity' in r else 'accuracy'})"].append(r)
     for task_rows in by_task.values():
         ppls = [r["perplexity"] for r in task_rows if "perplexity" in r]
         best = min(ppls) if ppls else None

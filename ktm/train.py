@@ -81,6 +81,12 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "encoder_lr", "slot_lr", "weight_decay", "clip_norm"):
+            v = getattr(self, name)  # NaN passed every comparison and trained to NaN weights
+            if v is not None and not math.isfinite(v):
+                raise KTMError(f"{name} must be a finite number, got {v}")
+        if self.weight_decay < 0:
+            raise KTMError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.lr <= 0:
             raise KTMError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in ("constant", "cosine"):

@@ -48,7 +48,10 @@ def data_signature(examples: Sequence) -> dict:
     stream = bool(getattr(examples, "is_stream", False))
     head = [examples[i] for i in range(1 if stream else min(FINGERPRINT_EXAMPLES, len(examples)))]
     digest = hashlib.sha256(repr([(e.segments, e.target) for e in head]).encode()).hexdigest()
-    return {"n_examples": None if stream else len(examples), "fingerprint": digest[:16]}
+    out = {"n_examples": None if stream else len(examples), "fingerprint": digest[:16]}
+    if getattr(examples, "signature", None) is not None:  # the settings a stream draws from
+        out["stream"] = examples.signature
+    return out
 
 
 # ---------------------------------------------------------------- checkpoint
@@ -137,6 +140,11 @@ def check_resume(saved: dict, cfg, data: dict, where: Path, processes: int = 1) 
             diffs.append(("n_train", old_data.get("n_examples"), data["n_examples"]))
         elif old_data.get("fingerprint") != data["fingerprint"]:
             diffs.append(("examples", "the checkpoint's", "other ones (task, seed or options)"))
+        # a stream's first example can survive a change of its mix: compare the settings
+        # (checkpoints written before streams recorded them have none)
+        old_stream, stream = old_data.get("stream") or {}, data.get("stream") or {}
+        diffs += [(n, old_stream[n], stream.get(n)) for n in old_stream
+                  if old_stream[n] != stream.get(n)]
     if diffs:
         theirs = ", ".join(f"{n}={a}" for n, a, _ in diffs)
         ours = ", ".join(f"{n}={b}" for n, _, b in diffs)

@@ -410,3 +410,43 @@ def test_eval_by_label_likelihood_records_its_scoring(capsys, tiny_model_dir, tm
                        "small", "--n-eval", "4", "--n-calibrate", "4", "--json", str(out) + "2")
     assert code == 2 and "n_calibrate=4 needs scoring='likelihood'" in err
     assert not (tmp_path / "r.json2").exists()
+
+
+def test_curriculum_resumes_a_run_killed_in_a_later_round(capsys, tiny_model_dir, tmp_path,
+                                                           monkeypatch):
+    import importlib
+
+    train_module = importlib.import_module("ktm.train")  # ktm.train is also the function
+    real, calls = train_module.train_step, []
+
+    def killed_once_at_the_second_step(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second round dies before its checkpoint
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_module, "train_step", killed_once_at_the_second_step)
+    argv = ["curriculum", "--model", tiny_model_dir, "--start-stage", "small",
+            "--final-stage", "xsmall", "--threshold", "1.0", "--steps-per-round", "1",
+            "--max-rounds", "2", "--n-eval", "4", "--batch-size", "2", "--out-dir",
+            str(tmp_path), "--no-progress"]
+    assert run(capsys, *argv)[0] == 130
+    # the resume failed with "cannot resume: no checkpoint" in the round it had not saved yet,
+    # and curriculum.jsonl got the finished rounds' rows twice
+    code, out, err = run(capsys, *argv, "--resume")
+    assert code in (0, 1), err
+    rows = [json.loads(r) for r in out.strip().splitlines()]
+    saved = [json.loads(r) for r in (tmp_path / "curriculum.jsonl").read_text().splitlines()]
+    assert saved == rows and len(rows) >= 2
+    assert len({(r["stage"], r["round"]) for r in rows}) == len(rows)
+
+
+@pytest.mark.parametrize("flag", ["--n-eval", "--n-train"])
+def test_no_training_or_evaluation_examples_is_refused_before_training(capsys, tiny_model_dir,
+                                                                       tmp_path, flag):
+    # --n-eval 0 trained every step, then failed at the final evaluation, before the last save
+    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--max-steps", "1", "--batch-size", "2", "--n-eval", "2",
+                       flag, "0", "--out-dir", str(tmp_path / "x"), "--no-progress")
+    assert code == 2 and f"{flag} must be >= 1, got 0" in err
+    assert not (tmp_path / "x").exists()

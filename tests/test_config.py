@@ -41,3 +41,19 @@ def test_format_1_config_is_read_with_later_fields_off():
         "add_eos": False})
     assert (cfg.k, cfg.mlp_ratio, cfg.slot_weights, cfg.mlp_gate, cfg.add_eos) == (
         2, 1.0, False, False, False)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"lr": float("nan")}, "lr must be a finite number, got nan"),
+    ({"encoder_lr": float("inf")}, "encoder_lr must be a finite number"),
+    ({"slot_lr": float("nan")}, "slot_lr must be a finite number"),
+    ({"clip_norm": float("nan")}, "clip_norm must be a finite number"),
+    ({"weight_decay": float("nan")}, "weight_decay must be a finite number"),
+    ({"weight_decay": -0.1}, "weight_decay must be >= 0"),  # AdamW's own ValueError before
+])
+def test_train_config_refuses_rates_that_are_not_finite(kw, match):
+    from ktm.train import TrainConfig
+
+    with pytest.raises(KTMError, match=match):
+        TrainConfig(**kw)
+    TrainConfig(clip_norm=0.0, weight_decay=0.0)  # clipping off, no decay: fine

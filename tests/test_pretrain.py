@@ -227,8 +227,25 @@ def test_user_jsonl_source_and_field(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"body": "hello"}) + "\n" + json.dumps({"body": "world"}) + "\n")
     assert path_texts(str(path), "body") == ["hello", "world"]
-    with pytest.raises(KTMError, match="line 1: expected a string field 'text'"):
+    # the message named only the missing field, not the fields there nor --text-field
+    with pytest.raises(KTMError, match=r"line 1: no field 'text' \(its fields: 'body'\); "
+                                       r"expected .* or --text-field"):
         path_texts(str(path))
+    path.write_text(json.dumps({"text": 3}) + "\n")
+    with pytest.raises(KTMError, match="line 1: expected a string field 'text', got int"):
+        path_texts(str(path))
+
+
+def test_a_corpus_folder_skips_hidden_folders_and_reads_gzipped_text(tmp_path):
+    import gzip
+
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / ".venv" / "lib").mkdir(parents=True)
+    (tmp_path / "c" / "sub" / "a.txt").write_text("plain text")
+    (tmp_path / "c" / ".venv" / "lib" / "site.py").write_text("not the corpus")
+    with gzip.open(tmp_path / "c" / "sub" / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("gzipped text")  # was 'not UTF-8 text'
+    assert path_texts(str(tmp_path / "c")) == ["plain text", "gzipped text"]
 
 
 def test_empty_corpus_is_a_clear_error(tiny_model_dir, tmp_path):
@@ -268,6 +285,22 @@ def test_bad_objective_and_weight_are_clear_errors(corpus):
         small_cfg(corpus, ("lm=x",))
     with pytest.raises(KTMError, match="positive weight"):
         small_cfg(corpus, ("lm=0",))
+
+
+@pytest.mark.parametrize("field,spec", [("sources", "x=nan"), ("sources", "x=inf"),
+                                        ("objectives", "lm=nan"), ("k_mix", "4=inf"),
+                                        ("distill_hidden", float("nan"))])
+def test_a_weight_that_is_not_finite_is_a_clear_error(field, spec):
+    # NaN was taken as a weight (random.choices then fails mid-run, or draws one name always)
+    value = spec if isinstance(spec, float) else (spec,)
+    with pytest.raises(KTMError, match="finite number >= 0"):
+        PretrainConfig(**{field: value}, eval_sets=())
+
+
+def test_a_source_without_a_name_is_a_clear_error():
+    # '=0.5' named the source '', the current folder, and read every text file under it
+    with pytest.raises(KTMError, match="has no name"):
+        PretrainConfig(sources=("=0.5",), eval_sets=())
 
 
 def test_pretraining_needs_merging(tiny_model_dir, corpus, tmp_path):
@@ -417,7 +450,7 @@ def test_init_with_a_larger_mlp_ratio_widens_the_encoder_exactly(tiny_model_dir,
 
 @pytest.mark.parametrize("name", ["distill_hidden", "align_weight"])
 def test_negative_hidden_state_weights_are_clear_errors(name):
-    with pytest.raises(KTMError, match=f"{name} must be >= 0, got -0.5"):
+    with pytest.raises(KTMError, match=f"{name} must be a finite number >= 0, got -0.5"):
         PretrainConfig(eval_sets=(), **{name: -0.5})
     PretrainConfig(eval_sets=(), **{name: 0.0})  # zero turns the term off
 
@@ -425,3 +458,78 @@ def test_negative_hidden_state_weights_are_clear_errors(name):
 def test_a_text_files_byte_order_mark_is_not_text(tmp_path):
     (tmp_path / "bom.txt").write_bytes("\ufeffhello world".encode("utf-8"))
     assert path_texts(str(tmp_path / "bom.txt")) == ["hello world"]
+
+
+def test_an_unknown_held_out_set_is_refused_before_training():
+    # it was found only at the first evaluation, after the training steps
+    with pytest.raises(KTMError, match="unknown held-out set 'review' in eval_sets"):
+        PretrainConfig(sources=("x",), eval_sets=("review",))
+
+
+def test_missing_held_out_data_fails_before_training(tiny_model_dir, corpus, tmp_path,
+                                                     monkeypatch):
+    # without the data folder the default eval sets failed at the end, the steps lost
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "no-data"))
+    cfg = PretrainConfig(sources=(corpus,), context_tokens=24, target_tokens=8, min_tokens=8,
+                         eval_sets=("reviews",), n_eval_windows=2)
+    out = tmp_path / "run"
+    with pytest.raises(KTMError, match="data file not found"):
+        pretrain(fresh(tiny_model_dir), cfg, TrainConfig(out_dir=str(out), max_steps=1,
+                                                         batch_size=2, progress=False))
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_resume_with_another_mix_is_refused_even_when_the_first_window_is_the_same(
+        tiny_model_dir, corpus, tmp_path):
+    from ktm.train_state import data_signature
+
+    def run(objectives, steps, resume=False, **kw):
+        cfg = small_cfg(corpus, objectives, **kw)
+        tc = TrainConfig(out_dir=str(tmp_path / "r"), max_steps=steps, batch_size=2,
+                         save_every=1, progress=False, resume=resume)
+        pretrain(fresh(tiny_model_dir), cfg, tc)
+
+    run(("lm", "ae"), 1)
+    model = fresh(tiny_model_dir)
+    first = [data_signature(WindowStream(load_docs(model.tokenizer, small_cfg(corpus, o)),
+                                         small_cfg(corpus, o), 8, 0, model.eos_id))["fingerprint"]
+             for o in (("lm", "ae"), ("lm", "ae=0.5"))]
+    assert first[0] == first[1]  # the first window alone does not tell the two mixes apart
+    with pytest.raises(KTMError, match=r"cannot resume .*objectives=\{'lm': 1.0, 'ae': 1.0\}"):
+        run(("lm", "ae=0.5"), 2, resume=True)
+    run(("lm", "ae"), 2, resume=True, n_eval_windows=4)  # the eval settings may change
+
+
+def test_windows_longer_than_the_models_positions_are_refused_before_training(tmp_path):
+    """Only long documents give full windows: one long text among short ones failed at the
+    first step that drew it, mid-run. The full window is checked up front, naming the flags."""
+    from test_families import save_tiny
+
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2", positions=48)
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(40):
+        (texts / f"short{i:02d}.txt").write_text(f"The quick brown fox {i} jumps.")
+    (texts / "long.txt").write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    cfg = PretrainConfig(sources=(str(texts),), context_tokens=160, target_tokens=16,
+                         min_tokens=4, eval_sets=())
+    out = tmp_path / "x"
+    with pytest.raises(KTMError, match=r"a full lm window does not fit .* "
+                                       r"\(--context-tokens / --target-tokens\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=6, batch_size=2,
+                                         progress=False))
+    assert not (out / "metrics.jsonl").exists()
+    cfg = PretrainConfig(sources=(str(texts),), objectives=("ae",), ae_tokens=64, min_tokens=4,
+                         eval_sets=())
+    with pytest.raises(KTMError, match=r"a full ae window .* \(--ae-tokens\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=1, progress=False))
+
+
+def test_plain_tokens_covering_every_window_are_refused(tiny_model_dir, corpus, tmp_path):
+    # --plain-prefix 100 with 24-token contexts trained a 'reader' on plain text only
+    model = fresh(tiny_model_dir, plain_prefix=20, plain_suffix=4)
+    with pytest.raises(KTMError, match=r"plain_prefix \+ plain_suffix = 24 keep every token"):
+        pretrain(model, small_cfg(corpus), TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1,
+                                                       progress=False))
+    assert not (tmp_path / "x").exists()

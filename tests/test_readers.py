@@ -85,3 +85,30 @@ def test_pack_reader_refuses_unregistered_name_and_unfinished_run(tmp_path, regi
 def test_registered_but_missing_reader_says_how_to_train_it(registry):
     with pytest.raises(KTMError, match="train_readers.sh"):
         KTMModel.load("tiny-k2")
+
+
+def test_pack_reader_refuses_a_run_killed_before_its_last_step(tiny_model_dir, tmp_path,
+                                                                registry, monkeypatch, capsys):
+    import importlib
+
+    train_module = importlib.import_module("ktm.train")  # ktm.train is also the function
+    real, calls = train_module.train_step, []
+
+    def dies_at_step_3(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the run is killed after its step-2 checkpoint
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_module, "train_step", dies_at_step_3)
+    run = tmp_path / "run"
+    assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--sources",
+                 str(tiny_model_dir) + "/tokenizer.json", "--context-tokens", "16",
+                 "--target-tokens", "4", "--min-tokens", "8", "--eval-sets", "none",
+                 "--max-steps", "4", "--save-every", "2", "--batch-size", "2",
+                 "--out-dir", str(run), "--no-progress"]) == 130
+    capsys.readouterr()
+    # it was packed as a finished reader of 2 steps
+    assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 2
+    assert "is unfinished: its checkpoint is at step 2 of 4" in capsys.readouterr().err
+    assert not (registry / "tiny-k2").exists()

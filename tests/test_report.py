@@ -119,3 +119,36 @@ def test_tree_stages_are_separate_tables():
             "config": {"task": {"name": "tree", "stage": "xmedium"}}}
     assert set(score([small, xmed])) == {"tree small", "tree xmedium"}
     assert set(score([row("k4", 0.8, 0.5, 0.6)])) == {"amazon"}  # no stage: the task alone
+
+
+def test_a_result_file_that_is_not_one_object_is_a_clear_error(tmp_path, capsys):
+    from ktm.cli import main
+
+    (tmp_path / "r.json").write_text("[1, 2]")  # was an AttributeError traceback
+    assert main(["report", str(tmp_path / "r.json")]) == 2
+    assert "holds a JSON list: expected one object" in capsys.readouterr().err
+
+
+def test_one_task_scored_by_accuracy_and_by_perplexity_gets_two_tables(tmp_path):
+    # custom data with few distinct targets is scored by accuracy, other data by perplexity;
+    # the one table of the task looked up 'perplexity' in the accuracy row (KeyError)
+    acc = {**row("k4", 0.8, 0.7, 0.6, 4), "task": "custom"}
+    ppl = {"task": "custom", "method": "k2", "k": 2, "perplexity": 3.0, "length_reduction": 0.5}
+    paths = []
+    for i, r in enumerate((acc, ppl)):
+        paths.append(str(tmp_path / f"{i}.json"))
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    out = report(paths, str(tmp_path / "p.png"))
+    assert "### custom (accuracy)" in out and "### custom (perplexity)" in out
+    assert "| k2 ‡ | 2 | 3.000 | 1.000 | 50.0% |" in out
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_metrics_of_a_run_killed_mid_write_are_read(tmp_path):
+    run = tmp_path / "killed"
+    run.mkdir()
+    row1 = {"step": 1, "cpu_s": 60.0, "eval": {"code": {"R": 0.2}}}
+    (run / "metrics.jsonl").write_text(json.dumps(row1) + '\n{"step": 2, "cpu')  # half a line
+    (run / "run.json").write_text('{"config": ')  # and a half-written run.json
+    out = report([str(run / "metrics.jsonl")], str(tmp_path / "c.png"))
+    assert "| killed | 1 | 1.0 | 0.200 |" in out

@@ -101,6 +101,21 @@ def run_info(run_dir: str | Path) -> dict:
             "readability": evals[-1]["eval"] if evals else None}
 
 
+def check_finished(run_dir: str | Path) -> None:
+    """Refuse a run whose checkpoint has not reached its ``max_steps`` (killed, or still
+    training): its last checkpoint is not the reader its run.json and metrics describe."""
+    run = Path(run_dir)
+    try:
+        step = json.loads((run / "checkpoint" / "trainer_state.json").read_text())["step"]
+        want = json.loads((run / "run.json").read_text())["config"]["max_steps"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KTMError(f"{str(run)!r} is not a finished ktm run (checkpoint/trainer_state.json, "
+                       f"run.json): {e}") from e
+    if step < want:
+        raise KTMError(f"{str(run)!r} is unfinished: its checkpoint is at step {step} of "
+                       f"{want}; expected a finished run (continue it with --resume)")
+
+
 def lineage_info(stage_dirs: list[str | Path], info: dict) -> dict:
     """``info`` with the earlier stages a run continues (their run folders, oldest first).
 
