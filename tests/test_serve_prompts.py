@@ -72,6 +72,22 @@ def test_message_segments_and_top_level_merge_off():
         chat_segments(model, chat(messages=[{**msg, "content": "something else"}]))
 
 
+@pytest.mark.parametrize("template,role", [(TEMPLATE, "system"), (None, "system"),
+                                           (TEMPLATE.replace("<|", "{# developer #}<|", 1),
+                                            "developer")])
+def test_the_developer_role_reads_as_system_where_the_template_does_not_know_it(template, role):
+    model = Model(template)
+    msgs = [{"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "Hi"}]
+    text = "".join(s.text for s in chat_segments(model, chat(messages=msgs)))
+    expected = [{**msgs[0], "role": role}, msgs[1]]
+    if template is None:
+        assert text == f"{role}: Answer briefly.\nuser: Hi\nassistant:"
+    else:
+        assert text == model.tokenizer.apply_chat_template(expected, tokenize=False,
+                                                           add_generation_prompt=True)
+
+
 def test_without_a_template_roles_prefix_the_lines():
     segs = chat_segments(Model(), chat(messages=[{"role": "user", "content": "Hi there"}]))
     assert "".join(s.text for s in segs) == "user: Hi there\nassistant:"

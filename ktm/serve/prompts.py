@@ -76,6 +76,17 @@ def render_chat(tokenizer, turns: list[tuple[str, int]]) -> tuple[list[str | int
     return [p for p in out if p != ""], trimmed
 
 
+def template_role(tokenizer, role: str) -> str:
+    """OpenAI's ``developer`` role (system instructions for newer models) reaches a template
+    that never names it, or the role lines without one, as ``system``: the model was trained
+    on that, and would read ``<|im_start|>developer`` as an unknown speaker."""
+    if role != "developer":
+        return role
+    template = getattr(tokenizer, "chat_template", None)
+    known = isinstance(template, str) and "developer" in template
+    return role if known else "system"
+
+
 def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     ext_all = req.ktm or KtmOptions()
     if ext_all.segments is not None:
@@ -94,8 +105,8 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     if not any(contents):
         raise RequestError("messages are empty: expected at least one message with content",
                            param="messages")
-    layout, trimmed = render_chat(model.tokenizer,
-                                  [(m.role, i) for i, m in enumerate(req.messages)])
+    layout, trimmed = render_chat(model.tokenizer, [(template_role(model.tokenizer, m.role), i)
+                                                    for i, m in enumerate(req.messages)])
     for i in trimmed:
         contents[i] = _strip(contents[i])
     # a template writes its own BOS; the role lines that stand in for a missing one open with
