@@ -151,6 +151,35 @@ def check_inputs_embeds(lm: PreTrainedModel) -> None:
                        "takes inputs_embeds (llama, qwen2, gemma, mistral, phi3, gpt2, opt, ...)")
 
 
+def check_decoder_with_cache(lm: PreTrainedModel) -> None:
+    """Refuse a model ktm cannot decode with correctly: the decoder of an encoder-decoder model
+    (BART's learned positions count from the start of the padded row, so a left-padded batch
+    reads shifted positions, and it expects an encoder), and a recurrent model whose forward
+    keeps its state outside ``past_key_values`` (Mamba, RWKV) or whose cache has no attention
+    layer: cached decoding would read an empty cache and return wrong tokens, not an error."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import CacheLayerMixin
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(lm.config, "model_type", "?")
+    name = f"{type(lm).__name__} ({model_type!r})"
+    if getattr(lm.config, "is_encoder_decoder", False) or \
+            model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        raise KTMError(f"{name} is an encoder-decoder model (or its decoder alone): ktm feeds "
+                       "a decoder-only causal LM left-padded prompt embeddings, which this "
+                       "model cannot read position by position; expected a decoder-only causal "
+                       "LM (llama, qwen2, gemma, mistral, phi3, gpt2, opt, ...)")
+    if "past_key_values" not in inspect.signature(lm.forward).parameters:
+        raise KTMError(f"{name} keeps no key/value cache (its forward takes no "
+                       "past_key_values: a recurrent state such as Mamba's or RWKV's): ktm "
+                       "decodes from a KV cache of the prompt; expected an attention-based "
+                       "causal LM")
+    if not any(isinstance(x, CacheLayerMixin) for x in DynamicCache(config=lm.config).layers):
+        raise KTMError(f"{name} has no attention layer (every layer is recurrent): its KV cache "
+                       "would hold nothing to decode from; expected a causal LM with attention "
+                       "layers")
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name

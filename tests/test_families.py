@@ -272,3 +272,39 @@ def test_an_adapter_from_another_family_is_named_as_such(tmp_path):
     with pytest.raises(KTMError, match=r"has unexpected weights .*: it was trained on a 'gpt2' "
                                        r"model, this one is 'opt'"):
         load_adapter_into(other, tmp_path / "ck")
+
+
+# ---------------------------------------------------------------- families ktm cannot decode
+@pytest.mark.parametrize("make, match", [
+    # the state lives outside past_key_values: cached decoding read an empty cache
+    (lambda v: T.MambaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, state_size=4),
+     r"MambaForCausalLM \('mamba'\) keeps no key/value cache"),
+    (lambda v: T.RwkvConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2,
+                            attention_hidden_size=32, intermediate_size=64),
+     r"RwkvForCausalLM \('rwkv'\) keeps no key/value cache"),
+    # every layer recurrent: the HF forward itself failed inside the cache
+    (lambda v: T.RecurrentGemmaConfig(vocab_size=v, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=16, lru_width=32),
+     r"RecurrentGemmaForCausalLM \('recurrent_gemma'\) has no attention layer"),
+    # BART's decoder: learned positions ignore the left padding (a batch read shifted positions)
+    (lambda v: T.BartConfig(vocab_size=v, d_model=32, encoder_layers=1, decoder_layers=2,
+                            encoder_attention_heads=2, decoder_attention_heads=2,
+                            encoder_ffn_dim=64, decoder_ffn_dim=64),
+     r"BartForCausalLM \('bart'\) is an encoder-decoder model"),
+], ids=["mamba", "rwkv", "recurrent_gemma", "bart"])
+def test_a_family_ktm_cannot_decode_is_refused_up_front(make, match):
+    tok = build_tokenizer()
+    lm = T.AutoModelForCausalLM.from_config(make(len(tok)))
+    with pytest.raises(KTMError, match=match):
+        KTMModel.from_base(lm, tokenizer=tok)
+    assert not any("lora" in n for n, _ in lm.named_parameters())  # left as it was
+
+
+def test_an_encoder_decoder_model_object_is_refused():
+    tok = build_tokenizer()
+    t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=len(tok), d_model=32, d_ff=64,
+                                                 num_layers=1, num_heads=2, d_kv=16))
+    with pytest.raises(KTMError, match=r"T5ForConditionalGeneration \('t5'\) is an "
+                                       r"encoder-decoder model"):
+        KTMModel.from_base(t5, tokenizer=tok)
