@@ -31,6 +31,7 @@ from ktm.models import (
     check_decoder_with_cache,
     check_device,
     check_inputs_embeds,
+    check_reads_positions,
     dtype_name,
     load_base,
     model_location,
@@ -144,6 +145,8 @@ class KTMModel(nn.Module):
             lm, tok = base, tokenizer
         check_inputs_embeds(lm)
         check_decoder_with_cache(lm)
+        if config.spread_positions:
+            check_reads_positions(lm)
         if config.add_eos and target_eos(lm, tok) is None:
             raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
                            "model or generation config names one): training targets could not "

@@ -180,6 +180,31 @@ def check_decoder_with_cache(lm: PreTrainedModel) -> None:
                        "layers")
 
 
+def check_reads_positions(lm: PreTrainedModel) -> None:
+    """Refuse ``spread_positions`` for a model that ignores ``position_ids`` (ALiBi's Bloom and
+    Falcon, a model without positional encoding such as Jamba): spread positions would change
+    nothing while the config and checkpoint said they were on. Tried, not looked up: the same
+    few embeddings are read at consecutive and at spread positions, and must differ."""
+    table = lm.get_input_embeddings().weight
+    embeds = table[torch.arange(4, device=table.device) % table.shape[0]][None]
+    mask = torch.ones(1, 4, dtype=torch.long, device=table.device)
+    steps = torch.arange(4, device=table.device)[None]
+    was_training = lm.training
+    lm.eval()
+    try:
+        with torch.no_grad():
+            outs = [lm(inputs_embeds=embeds, attention_mask=mask, position_ids=pos,
+                       use_cache=False).logits for pos in (steps, steps * 3)]
+    finally:
+        lm.train(was_training)
+    if torch.equal(*outs):
+        model_type = getattr(lm.config, "model_type", "?")
+        raise KTMError(f"{type(lm).__name__} ({model_type!r}) ignores position_ids (ALiBi or no "
+                       "positional encoding): spread_positions (--spread-positions) would "
+                       "change nothing; expected spread_positions=False for this model, or a "
+                       "model with rotary or learned positions")
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name

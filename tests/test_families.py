@@ -308,3 +308,26 @@ def test_an_encoder_decoder_model_object_is_refused():
     with pytest.raises(KTMError, match=r"T5ForConditionalGeneration \('t5'\) is an "
                                        r"encoder-decoder model"):
         KTMModel.from_base(t5, tokenizer=tok)
+
+
+@pytest.mark.parametrize("cfg", [
+    T.BloomConfig(hidden_size=32, n_layer=2, n_head=2),
+    T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, alibi=True),
+], ids=["bloom", "falcon-alibi"])
+def test_spread_positions_are_refused_for_a_model_that_ignores_position_ids(cfg):
+    """ALiBi reads no position_ids: spread positions changed nothing, silently; without them
+    the same models work (their K=1 logits equal the HF forward, see FAMILIES)."""
+    tok = build_tokenizer()
+    cfg.vocab_size = len(tok)
+    lm = T.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(KTMError, match=r"\('(bloom|falcon)'\) ignores position_ids.*"
+                                       r"expected spread_positions=False"):
+        KTMModel.from_base(lm, tokenizer=tok, spread_positions=True)
+    assert not any("lora" in n for n, _ in lm.named_parameters())
+    KTMModel.from_base(lm, tokenizer=tok)
+
+
+def test_spread_positions_are_kept_for_a_model_that_reads_them(tmp_path):
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2")
+    model = KTMModel.from_base(base, k=4, tokenizer=tok, spread_positions=True)
+    assert model.config.spread_positions and model.compress(TEXT).positions is not None
