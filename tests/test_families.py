@@ -16,6 +16,9 @@ TEXT = "The quick brown fox jumps over the lazy dog. Hello world"
 LAYERS = 2
 LLAMA = {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj")}
+ATTENTION = {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+NEOX = {n: LAYERS for n in ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")}
+MOE = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
 # family -> (config class, extra config fields, modules LoRA must cover: name -> count)
 FAMILIES = {
     "llama": (T.LlamaConfig, {}, LLAMA),
@@ -25,8 +28,7 @@ FAMILIES = {
     "gemma2": (T.Gemma2Config, {"final_logit_softcapping": 2.0}, LLAMA),
     "mistral": (T.MistralConfig, {}, LLAMA),
     # the experts are fused 3-D parameters, not linear modules: LoRA on the attention only
-    "mixtral": (T.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2},
-                {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+    "mixtral": (T.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTENTION),
     "phi3": (T.Phi3Config, {}, {"qkv_proj": LAYERS, "o_proj": LAYERS, "gate_up_proj": LAYERS,
                                 "down_proj": LAYERS}),
     "olmo2": (T.Olmo2Config, {}, LLAMA),
@@ -35,26 +37,52 @@ FAMILIES = {
     "gpt2": (T.GPT2Config, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS, "c_fc": LAYERS}),
     "opt": (T.OPTConfig, {}, {"q_proj": LAYERS, "k_proj": LAYERS, "v_proj": LAYERS,
                               "out_proj": LAYERS, "fc1": LAYERS, "fc2": LAYERS}),
+    "gemma3_text": (T.Gemma3TextConfig, {"sliding_window": 8, "final_logit_softcapping": 2.0},
+                    LLAMA),
+    "smollm3": (T.SmolLM3Config, {"no_rope_layer_interval": 2}, LLAMA),
+    "olmo": (T.OlmoConfig, {}, LLAMA),
+    "stablelm": (T.StableLmConfig, {"num_key_value_heads": 2}, LLAMA),
+    "exaone4": (T.Exaone4Config, {"sliding_window": 8, "sliding_window_pattern": 2}, LLAMA),
+    "cohere2": (T.Cohere2Config, {"sliding_window": 8}, LLAMA),
     # not in ktm.lora.TARGETS: every linear layer but the head
-    "gpt_neox": (T.GPTNeoXConfig, {}, {"query_key_value": LAYERS, "dense": LAYERS,
-                                       "dense_h_to_4h": LAYERS, "dense_4h_to_h": LAYERS}),
+    "gpt_neox": (T.GPTNeoXConfig, {}, NEOX),
+    "falcon": (T.FalconConfig, {}, NEOX),  # rotary
+    "bloom": (T.BloomConfig, {}, NEOX),  # ALiBi: no position ids (spread positions refused)
+    "gptj": (T.GPTJConfig, {"rotary_dim": 8}, {n: LAYERS for n in (
+        "q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")}),
+    "codegen": (T.CodeGenConfig, {"rotary_dim": 8}, {n: LAYERS for n in (
+        "qkv_proj", "out_proj", "fc_in", "fc_out")}),
+    "gpt_bigcode": (T.GPTBigCodeConfig, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS,
+                                             "c_fc": LAYERS}),
+    "phi": (T.PhiConfig, {}, {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "dense", "fc1",
+                                                  "fc2")}),
+    "starcoder2": (T.Starcoder2Config, {}, {n: LAYERS for n in (
+        "q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")}),
+    "glm": (T.GlmConfig, {}, {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_up_proj", "down_proj")}),
+    # the routed experts are fused 3-D parameters: LoRA on the shared expert's linear layers
+    "qwen2_moe": (T.Qwen2MoeConfig, MOE | {"shared_expert_intermediate_size": 64},
+                  LLAMA | {"shared_expert_gate": LAYERS}),
+    "qwen3_moe": (T.Qwen3MoeConfig, MOE, ATTENTION),
 }
 
 
 def tiny_config(family: str, vocab: int, positions: int = 256):
     cls, extra, _ = FAMILIES[family]
     common = dict(vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=None, **extra)
-    if family == "gpt2":
+    if family in ("gpt2", "gpt_bigcode", "gptj", "codegen"):
         return cls(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=positions, **common)
+    if family in ("falcon", "bloom"):
+        return cls(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, **common)
     if family == "opt":
         return cls(hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS, num_attention_heads=4,
                    word_embed_proj_dim=64, max_position_embeddings=positions, **common)
-    if family == "gpt_neox":
+    if family in ("gpt_neox", "phi", "stablelm", "starcoder2"):
         return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                    num_attention_heads=4, max_position_embeddings=positions, **common)
-    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               max_position_embeddings=positions, **common)
+    return cls(**{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "max_position_embeddings": positions, **common})
 
 
 def save_tiny(family: str, path, positions: int = 256):
@@ -116,6 +144,37 @@ def test_cached_generation_equals_full_rerun(family):
     prompts = [TEXT, "Hello world"]
     assert generate_ids(model, prompts, max_new_tokens=6) == generate_ids(
         model, prompts, max_new_tokens=6, use_cache=False)
+
+
+def test_a_left_padded_batch_equals_its_rows_one_by_one(family):
+    """Rows of different lengths are left-padded and position ids count real positions only, so
+    each row reads as it would alone (the family's own positions, ALiBi's from the mask)."""
+    _, path, _, _ = family
+    torch.manual_seed(0)
+    model = KTMModel.from_base(path, k=4)
+    perturb_lora(model)
+    prompts, targets = [TEXT, "Hello world"], ["fox jumps", "world"]
+    with torch.no_grad():
+        batch = model.target_logits(prompts, targets).logits
+        rows = [model.target_logits([p], [t]).logits for p, t in zip(prompts, targets)]
+    torch.testing.assert_close(batch, torch.cat(rows), atol=1e-5, rtol=1e-5)
+
+
+def test_a_saved_model_reloads_exactly_and_a_step_lowers_its_loss(family, tmp_path):
+    _, path, _, _ = family
+    torch.manual_seed(0)
+    model = KTMModel.from_base(path, k=4)
+    perturb_lora(model)
+    model.save(tmp_path / "ck")
+    loaded = KTMModel.load(tmp_path / "ck", trainable=True).eval()  # eval: no dropout noise
+    with torch.no_grad():
+        assert torch.equal(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT))
+    opt = torch.optim.SGD([p for _, p in loaded.trainable_parameters()], lr=1e-3)
+    before = loaded([TEXT], ["fox jumps"]).loss
+    before.backward()
+    opt.step()
+    with torch.no_grad():
+        assert loaded([TEXT], ["fox jumps"]).loss < before
 
 
 def test_checkpoint_records_the_adapted_modules(tmp_path):
