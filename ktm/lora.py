@@ -7,7 +7,9 @@ paper adapts all of them. Each family names its projections differently (Phi-3 f
 lacks are an error, never silently dropped: a partial match once left Phi-3 with LoRA on
 ``o_proj`` and ``down_proj`` only. A family missing from the table gets every linear layer
 inside the model except the output head (what PEFT's ``"all-linear"`` picks), named in the
-checkpoint config like any other.
+checkpoint config like any other. Names PEFT would not adapt as linear layers (on MoE families
+whose experts transformers fuses into 3-D parameters, or on Mamba hybrids) are left out of the
+defaults and refused when asked for.
 """
 
 from __future__ import annotations
@@ -53,7 +55,45 @@ def resolve_targets(lm: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
         raise KTMError(f"LoRA targets {missing} (from {source}) are not modules of this "
                        f"{model_type!r} model: expected names such as the last part of "
                        f"'model.layers.0.self_attn.q_proj'")
-    return tuple(targets)
+    refused = _peft_refuses(lm, targets)
+    if refused and settings.target_modules is not None:
+        raise KTMError(f"LoRA targets {sorted(refused)} cannot be adapted on this {model_type!r} "
+                       "model: PEFT moves them onto the fused 3-D expert parameters of its MoE "
+                       "layers (which need lora_dropout 0 and drop the plain linear layers of "
+                       "the same name), or refuses them on its Mamba layers; expected other "
+                       "target_modules, such as the attention projections")
+    targets = tuple(t for t in targets if t not in refused)
+    if not targets:
+        raise KTMError(f"no linear layers to adapt in this {model_type!r} model: pass "
+                       "target_modules (--lora-target-modules)")
+    return targets
+
+
+def _peft_refuses(lm: nn.Module, targets) -> set[str]:
+    """Names PEFT would not adapt as linear modules: on MoE families whose experts transformers 5
+    fused into 3-D parameters (DeepSeek-V3, Qwen3-MoE, ...), PEFT retargets ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` / ``gate`` to those parameters, taking them off the dense and
+    shared-expert linear layers; on Mamba hybrids (Falcon-H1) it refuses ``out_proj`` and
+    ``conv1d``. Asked of PEFT itself, on a throwaway config."""
+    try:
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # another PEFT: nothing known to move
+        return set()
+    probe = LoraConfig(target_modules=list(targets))
+    try:
+        convert_peft_config_for_transformers(probe, lm, None)
+    except ValueError as e:  # half of a fused pair (gate_proj without up_proj)
+        model_type = getattr(lm.config, "model_type", "?")
+        raise KTMError(f"LoRA targets {list(targets)} cannot be adapted on this {model_type!r} "
+                       f"model: {e}") from e
+    refused = set(targets) - set(probe.target_modules or ())
+    for name in set(targets) - refused:
+        try:
+            _check_lora_target_modules_mamba(probe, lm, name)
+        except ValueError:
+            refused.add(name)
+    return refused
 
 
 def _all_linear(lm: nn.Module) -> tuple[str, ...]:

@@ -64,6 +64,17 @@ FAMILIES = {
     "qwen2_moe": (T.Qwen2MoeConfig, MOE | {"shared_expert_intermediate_size": 64},
                   LLAMA | {"shared_expert_gate": LAYERS}),
     "qwen3_moe": (T.Qwen3MoeConfig, MOE, ATTENTION),
+    # PEFT would move gate/up/down_proj onto the fused experts: LoRA on the (MLA) attention only
+    "deepseek_v3": (T.DeepseekV3Config, {
+        "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16, "num_key_value_heads": 4, "head_dim": 8}, {n: LAYERS for n in (
+            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}),
+    # a Mamba hybrid: PEFT refuses LoRA on its mixers' out_proj (and conv1d)
+    "falcon_h1": (T.FalconH1Config, {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                                     "mamba_d_state": 8, "mamba_chunk_size": 16},
+                  LLAMA | {"in_proj": LAYERS}),
 }
 
 
@@ -215,6 +226,20 @@ def test_targets_a_model_lacks_are_an_error_not_dropped(tmp_path):
     with pytest.raises(KTMError, match=r"\['q_proj', 'k_proj'\].* not modules of this 'phi3'"):
         KTMModel.from_base(base, tokenizer=tok,
                            lora=LoraSettings(target_modules=("q_proj", "k_proj", "o_proj")))
+
+
+def test_targets_peft_would_move_onto_fused_experts_are_an_error(tmp_path):
+    """On DeepSeek-V3 PEFT turns a ``down_proj`` target into one on the fused 3-D expert
+    parameters (and off the dense layers' ``down_proj``), which failed inside PEFT."""
+    base, tok = save_tiny("deepseek_v3", tmp_path / "ds")
+    with pytest.raises(KTMError, match=r"LoRA targets \['down_proj'\] cannot be adapted on this "
+                                       r"'deepseek_v3' model: PEFT moves them onto the fused"):
+        KTMModel.from_base(base, tokenizer=tok,
+                           lora=LoraSettings(target_modules=("q_a_proj", "down_proj")))
+    with pytest.raises(KTMError, match=r"'deepseek_v3' model: .*gate_proj without also "
+                                       r"targeting up_proj"):
+        KTMModel.from_base(base, tokenizer=tok,
+                           lora=LoraSettings(target_modules=("q_a_proj", "gate_proj")))
 
 
 # ---------------------------------------------------------------- position limits
