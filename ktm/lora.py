@@ -14,6 +14,7 @@ defaults and refused when asked for.
 
 from __future__ import annotations
 
+import torch
 from peft import LoraConfig
 from torch import nn
 
@@ -97,14 +98,27 @@ def _peft_refuses(lm: nn.Module, targets) -> set[str]:
 
 
 def _all_linear(lm: nn.Module) -> tuple[str, ...]:
-    """Short names of the linear layers (``nn.Linear``, GPT-2-style ``Conv1D``), head excluded."""
+    """Short names of the linear layers (``nn.Linear``, GPT-2-style ``Conv1D``), head excluded,
+    and so are ``nn.Linear`` subclasses that do not return a tensor: a MoE router (Phi-MoE's,
+    Llama-4's) returns a tuple, which PEFT's LoRA layer cannot add its update to."""
     # PEFT matches short names, so the head's name is dropped whatever else carries it
     head = lm.get_output_embeddings()
-    names, head_names = set(), set()
+    names, skipped = set(), set()
     for n, m in lm.named_modules():
         if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D":
-            (head_names if m is head else names).add(n.rsplit(".", 1)[-1])
-    return tuple(sorted(names - head_names))
+            usable = m is not head and _returns_tensor(m)
+            (names if usable else skipped).add(n.rsplit(".", 1)[-1])
+    return tuple(sorted(names - skipped))
+
+
+def _returns_tensor(m: nn.Module) -> bool:
+    """True for a plain linear layer; a subclass with its own forward (Falcon's ``FalconLinear``
+    is one, a MoE router another) is tried once on zeros."""
+    if not isinstance(m, nn.Linear) or type(m).forward is nn.Linear.forward:
+        return True
+    with torch.no_grad():
+        out = m(m.weight.new_zeros(1, 1, m.in_features))
+    return isinstance(out, torch.Tensor) and out.shape[-1] == m.out_features
 
 
 def lora_config(lm: nn.Module, settings: LoraSettings) -> LoraConfig:

@@ -71,6 +71,9 @@ FAMILIES = {
         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
         "v_head_dim": 16, "num_key_value_heads": 4, "head_dim": 8}, {n: LAYERS for n in (
             "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}),
+    # the router is an nn.Linear returning a tuple: not adapted, LoRA on the attention only
+    "phimoe": (T.PhimoeConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTENTION),
+    "llama4_text": (T.Llama4TextConfig, {"num_local_experts": 4}, LLAMA),  # + shared expert
     # a Mamba hybrid: PEFT refuses LoRA on its mixers' out_proj (and conv1d)
     "falcon_h1": (T.FalconH1Config, {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
                                      "mamba_d_state": 8, "mamba_chunk_size": 16},
