@@ -32,6 +32,10 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "gpt2": ("c_attn", "c_proj", "c_fc"),
     "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
 }
+# linear layers whose weight the model reads directly, so a LoRA on them would never train
+WEIGHT_READ: dict[str, tuple[str, ...]] = {
+    "jamba": ("dt_proj",),  # its Mamba mixers compute dt_proj.weight @ x
+}
 
 
 def _module_names(lm: nn.Module) -> set[str]:
@@ -56,13 +60,14 @@ def resolve_targets(lm: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
         raise KTMError(f"LoRA targets {missing} (from {source}) are not modules of this "
                        f"{model_type!r} model: expected names such as the last part of "
                        f"'model.layers.0.self_attn.q_proj'")
-    refused = _peft_refuses(lm, targets)
+    refused = _peft_refuses(lm, targets) | (set(targets) & set(WEIGHT_READ.get(model_type, ())))
     if refused and settings.target_modules is not None:
         raise KTMError(f"LoRA targets {sorted(refused)} cannot be adapted on this {model_type!r} "
                        "model: PEFT moves them onto the fused 3-D expert parameters of its MoE "
                        "layers (which need lora_dropout 0 and drop the plain linear layers of "
-                       "the same name), or refuses them on its Mamba layers; expected other "
-                       "target_modules, such as the attention projections")
+                       "the same name) or refuses them on its Mamba layers, or the model reads "
+                       "their weight directly (ktm.lora.WEIGHT_READ), so their LoRA would never "
+                       "train; expected other target_modules, such as the attention projections")
     targets = tuple(t for t in targets if t not in refused)
     if not targets:
         raise KTMError(f"no linear layers to adapt in this {model_type!r} model: pass "

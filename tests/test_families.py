@@ -74,6 +74,14 @@ FAMILIES = {
     # the router is an nn.Linear returning a tuple: not adapted, LoRA on the attention only
     "phimoe": (T.PhimoeConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTENTION),
     "llama4_text": (T.Llama4TextConfig, {"num_local_experts": 4}, LLAMA),  # + shared expert
+    # a Mamba hybrid without positional encoding (spread positions refused); its mixers read
+    # dt_proj.weight directly, so LoRA there would never train
+    "jamba": (T.JambaConfig, {"num_experts": 2, "num_experts_per_tok": 1, "attn_layer_period": 2,
+                              "attn_layer_offset": 1, "expert_layer_period": 2,
+                              "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8,
+                              "use_mamba_kernels": False},
+              {n: 1 for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                              "down_proj", "in_proj", "x_proj", "out_proj")}),
     # a Mamba hybrid: PEFT refuses LoRA on its mixers' out_proj (and conv1d)
     "falcon_h1": (T.FalconH1Config, {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
                                      "mamba_d_state": 8, "mamba_chunk_size": 16},
@@ -186,6 +194,10 @@ def test_a_saved_model_reloads_exactly_and_a_step_lowers_its_loss(family, tmp_pa
     opt = torch.optim.SGD([p for _, p in loaded.trainable_parameters()], lr=1e-3)
     before = loaded([TEXT], ["fox jumps"]).loss
     before.backward()
+    # a module whose weight the model reads directly (Jamba's dt_proj) bypasses its LoRA
+    dead = {n for n, p in loaded.trainable_parameters() if "lora_A" in n
+            and (p.grad is None or not p.grad.any())}
+    assert not dead
     opt.step()
     with torch.no_grad():
         assert loaded([TEXT], ["fox jumps"]).loss < before
@@ -243,6 +255,14 @@ def test_targets_peft_would_move_onto_fused_experts_are_an_error(tmp_path):
                                        r"targeting up_proj"):
         KTMModel.from_base(base, tokenizer=tok,
                            lora=LoraSettings(target_modules=("q_a_proj", "gate_proj")))
+
+
+def test_a_target_whose_weight_the_model_reads_directly_is_an_error(tmp_path):
+    base, tok = save_tiny("jamba", tmp_path / "jamba")
+    with pytest.raises(KTMError, match=r"LoRA targets \['dt_proj'\] cannot be adapted on this "
+                                       r"'jamba' model: .*reads their weight directly"):
+        KTMModel.from_base(base, tokenizer=tok,
+                           lora=LoraSettings(target_modules=("q_proj", "dt_proj")))
 
 
 # ---------------------------------------------------------------- position limits
@@ -400,14 +420,15 @@ def test_an_encoder_decoder_model_object_is_refused():
 @pytest.mark.parametrize("cfg", [
     T.BloomConfig(hidden_size=32, n_layer=2, n_head=2),
     T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, alibi=True),
-], ids=["bloom", "falcon-alibi"])
+    tiny_config("jamba", 1),
+], ids=["bloom", "falcon-alibi", "jamba"])
 def test_spread_positions_are_refused_for_a_model_that_ignores_position_ids(cfg):
     """ALiBi reads no position_ids: spread positions changed nothing, silently; without them
     the same models work (their K=1 logits equal the HF forward, see FAMILIES)."""
     tok = build_tokenizer()
     cfg.vocab_size = len(tok)
     lm = T.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(KTMError, match=r"\('(bloom|falcon)'\) ignores position_ids.*"
+    with pytest.raises(KTMError, match=r"\('(bloom|falcon|jamba)'\) ignores position_ids.*"
                                        r"expected spread_positions=False"):
         KTMModel.from_base(lm, tokenizer=tok, spread_positions=True)
     assert not any("lora" in n for n, _ in lm.named_parameters())
