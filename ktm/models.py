@@ -152,7 +152,9 @@ def check_inputs_embeds(lm: PreTrainedModel) -> None:
 
 
 def check_decoder_with_cache(lm: PreTrainedModel) -> None:
-    """Refuse a model ktm cannot decode with correctly: the decoder of an encoder-decoder model
+    """Refuse a model ktm cannot decode with correctly: a multimodal wrapper (Gemma-3's
+    ``Gemma3ForConditionalGeneration``: saving failed on its missing ``hidden_size``), the decoder
+    of an encoder-decoder model
     (BART's learned positions count from the start of the padded row, so a left-padded batch
     reads shifted positions, and it expects an encoder), and a recurrent model whose forward
     keeps its state outside ``past_key_values`` (Mamba, RWKV) or whose cache has no attention
@@ -163,6 +165,12 @@ def check_decoder_with_cache(lm: PreTrainedModel) -> None:
 
     model_type = getattr(lm.config, "model_type", "?")
     name = f"{type(lm).__name__} ({model_type!r})"
+    get_text_config = getattr(lm.config, "get_text_config", None)
+    if get_text_config is not None and get_text_config() is not lm.config:
+        # sizes, positions and LoRA names would be read from the wrapper, not the text model
+        raise KTMError(f"{name} is a multimodal model (its language model is configured in "
+                       "text_config): ktm adapts a text-only causal LM; expected one, such as "
+                       "this model's language model saved as a causal LM of its own")
     if getattr(lm.config, "is_encoder_decoder", False) or \
             model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         raise KTMError(f"{name} is an encoder-decoder model (or its decoder alone): ktm feeds "

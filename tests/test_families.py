@@ -408,6 +408,22 @@ def test_a_family_ktm_cannot_decode_is_refused_up_front(make, match):
     assert not any("lora" in n for n, _ in lm.named_parameters())  # left as it was
 
 
+def test_a_multimodal_model_is_refused(tmp_path):
+    """AutoModelForCausalLM loads a Gemma-3 checkpoint as Gemma3ForConditionalGeneration, whose
+    config keeps the text model's sizes in text_config: saving a checkpoint then failed."""
+    tok = build_tokenizer()
+    text = tiny_config("gemma3_text", len(tok)).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                         image_token_index=399, boi_token_index=398, eoi_token_index=397)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "g3")
+    tok.save_pretrained(tmp_path / "g3")
+    with pytest.raises(KTMError, match=r"Gemma3ForConditionalGeneration \('gemma3'\) is a "
+                                       r"multimodal model"):
+        KTMModel.from_base(str(tmp_path / "g3"), k=2)
+
+
 def test_an_encoder_decoder_model_object_is_refused():
     tok = build_tokenizer()
     t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=len(tok), d_model=32, d_ff=64,
