@@ -7,11 +7,14 @@ paper adapts all of them. Each family names its projections differently (Phi-3 f
 lacks are an error, never silently dropped: a partial match once left Phi-3 with LoRA on
 ``o_proj`` and ``down_proj`` only. A family missing from the table gets every linear layer
 inside the model except the output head (what PEFT's ``"all-linear"`` picks), named in the
-checkpoint config like any other.
+checkpoint config like any other. Names PEFT would not adapt as linear layers (on MoE families
+whose experts transformers fuses into 3-D parameters, or on Mamba hybrids) are left out of the
+defaults and refused when asked for.
 """
 
 from __future__ import annotations
 
+import torch
 from peft import LoraConfig
 from torch import nn
 
@@ -28,6 +31,10 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     "gpt2": ("c_attn", "c_proj", "c_fc"),
     "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+# linear layers whose weight the model reads directly, so a LoRA on them would never train
+WEIGHT_READ: dict[str, tuple[str, ...]] = {
+    "jamba": ("dt_proj",),  # its Mamba mixers compute dt_proj.weight @ x
 }
 
 
@@ -53,18 +60,70 @@ def resolve_targets(lm: nn.Module, settings: LoraSettings) -> tuple[str, ...]:
         raise KTMError(f"LoRA targets {missing} (from {source}) are not modules of this "
                        f"{model_type!r} model: expected names such as the last part of "
                        f"'model.layers.0.self_attn.q_proj'")
-    return tuple(targets)
+    refused = _peft_refuses(lm, targets) | (set(targets) & set(WEIGHT_READ.get(model_type, ())))
+    if refused and settings.target_modules is not None:
+        raise KTMError(f"LoRA targets {sorted(refused)} cannot be adapted on this {model_type!r} "
+                       "model: PEFT moves them onto the fused 3-D expert parameters of its MoE "
+                       "layers (which need lora_dropout 0 and drop the plain linear layers of "
+                       "the same name) or refuses them on its Mamba layers, or the model reads "
+                       "their weight directly (ktm.lora.WEIGHT_READ), so their LoRA would never "
+                       "train; expected other target_modules, such as the attention projections")
+    targets = tuple(t for t in targets if t not in refused)
+    if not targets:
+        raise KTMError(f"no linear layers to adapt in this {model_type!r} model: pass "
+                       "target_modules (--lora-target-modules)")
+    return targets
+
+
+def _peft_refuses(lm: nn.Module, targets) -> set[str]:
+    """Names PEFT would not adapt as linear modules: on MoE families whose experts transformers 5
+    fused into 3-D parameters (DeepSeek-V3, Qwen3-MoE, ...), PEFT retargets ``gate_proj`` /
+    ``up_proj`` / ``down_proj`` / ``gate`` to those parameters, taking them off the dense and
+    shared-expert linear layers; on Mamba hybrids (Falcon-H1) it refuses ``out_proj`` and
+    ``conv1d``. Asked of PEFT itself, on a throwaway config."""
+    try:
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # another PEFT: nothing known to move
+        return set()
+    probe = LoraConfig(target_modules=list(targets))
+    try:
+        convert_peft_config_for_transformers(probe, lm, None)
+    except ValueError as e:  # half of a fused pair (gate_proj without up_proj)
+        model_type = getattr(lm.config, "model_type", "?")
+        raise KTMError(f"LoRA targets {list(targets)} cannot be adapted on this {model_type!r} "
+                       f"model: {e}") from e
+    refused = set(targets) - set(probe.target_modules or ())
+    for name in set(targets) - refused:
+        try:
+            _check_lora_target_modules_mamba(probe, lm, name)
+        except ValueError:
+            refused.add(name)
+    return refused
 
 
 def _all_linear(lm: nn.Module) -> tuple[str, ...]:
-    """Short names of the linear layers (``nn.Linear``, GPT-2-style ``Conv1D``), head excluded."""
+    """Short names of the linear layers (``nn.Linear``, GPT-2-style ``Conv1D``), head excluded,
+    and so are ``nn.Linear`` subclasses that do not return a tensor: a MoE router (Phi-MoE's,
+    Llama-4's) returns a tuple, which PEFT's LoRA layer cannot add its update to."""
     # PEFT matches short names, so the head's name is dropped whatever else carries it
     head = lm.get_output_embeddings()
-    names, head_names = set(), set()
+    names, skipped = set(), set()
     for n, m in lm.named_modules():
         if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D":
-            (head_names if m is head else names).add(n.rsplit(".", 1)[-1])
-    return tuple(sorted(names - head_names))
+            usable = m is not head and _returns_tensor(m)
+            (names if usable else skipped).add(n.rsplit(".", 1)[-1])
+    return tuple(sorted(names - skipped))
+
+
+def _returns_tensor(m: nn.Module) -> bool:
+    """True for a plain linear layer; a subclass with its own forward (Falcon's ``FalconLinear``
+    is one, a MoE router another) is tried once on zeros."""
+    if not isinstance(m, nn.Linear) or type(m).forward is nn.Linear.forward:
+        return True
+    with torch.no_grad():
+        out = m(m.weight.new_zeros(1, 1, m.in_features))
+    return isinstance(out, torch.Tensor) and out.shape[-1] == m.out_features
 
 
 def lora_config(lm: nn.Module, settings: LoraSettings) -> LoraConfig:

@@ -28,8 +28,10 @@ from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.lora import adapted_modules, lora_config, resolve_targets
 from ktm.models import (
+    check_decoder_with_cache,
     check_device,
     check_inputs_embeds,
+    check_reads_positions,
     dtype_name,
     load_base,
     model_location,
@@ -142,6 +144,9 @@ class KTMModel(nn.Module):
                                "adapters (load a fresh copy, or merge_and_unload() this one)")
             lm, tok = base, tokenizer
         check_inputs_embeds(lm)
+        check_decoder_with_cache(lm)
+        if config.spread_positions:
+            check_reads_positions(lm)
         if config.add_eos and target_eos(lm, tok) is None:
             raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
                            "model or generation config names one): training targets could not "

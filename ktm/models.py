@@ -151,6 +151,68 @@ def check_inputs_embeds(lm: PreTrainedModel) -> None:
                        "takes inputs_embeds (llama, qwen2, gemma, mistral, phi3, gpt2, opt, ...)")
 
 
+def check_decoder_with_cache(lm: PreTrainedModel) -> None:
+    """Refuse a model ktm cannot decode with correctly: a multimodal wrapper (Gemma-3's
+    ``Gemma3ForConditionalGeneration``: saving failed on its missing ``hidden_size``), the decoder
+    of an encoder-decoder model
+    (BART's learned positions count from the start of the padded row, so a left-padded batch
+    reads shifted positions, and it expects an encoder), and a recurrent model whose forward
+    keeps its state outside ``past_key_values`` (Mamba, RWKV) or whose cache has no attention
+    layer: cached decoding would read an empty cache and return wrong tokens, not an error."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import CacheLayerMixin
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(lm.config, "model_type", "?")
+    name = f"{type(lm).__name__} ({model_type!r})"
+    get_text_config = getattr(lm.config, "get_text_config", None)
+    if get_text_config is not None and get_text_config() is not lm.config:
+        # sizes, positions and LoRA names would be read from the wrapper, not the text model
+        raise KTMError(f"{name} is a multimodal model (its language model is configured in "
+                       "text_config): ktm adapts a text-only causal LM; expected one, such as "
+                       "this model's language model saved as a causal LM of its own")
+    if getattr(lm.config, "is_encoder_decoder", False) or \
+            model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        raise KTMError(f"{name} is an encoder-decoder model (or its decoder alone): ktm feeds "
+                       "a decoder-only causal LM left-padded prompt embeddings, which this "
+                       "model cannot read position by position; expected a decoder-only causal "
+                       "LM (llama, qwen2, gemma, mistral, phi3, gpt2, opt, ...)")
+    if "past_key_values" not in inspect.signature(lm.forward).parameters:
+        raise KTMError(f"{name} keeps no key/value cache (its forward takes no "
+                       "past_key_values: a recurrent state such as Mamba's or RWKV's): ktm "
+                       "decodes from a KV cache of the prompt; expected an attention-based "
+                       "causal LM")
+    if not any(isinstance(x, CacheLayerMixin) for x in DynamicCache(config=lm.config).layers):
+        raise KTMError(f"{name} has no attention layer (every layer is recurrent): its KV cache "
+                       "would hold nothing to decode from; expected a causal LM with attention "
+                       "layers")
+
+
+def check_reads_positions(lm: PreTrainedModel) -> None:
+    """Refuse ``spread_positions`` for a model that ignores ``position_ids`` (ALiBi's Bloom and
+    Falcon, a model without positional encoding such as Jamba): spread positions would change
+    nothing while the config and checkpoint said they were on. Tried, not looked up: the same
+    few embeddings are read at consecutive and at spread positions, and must differ."""
+    table = lm.get_input_embeddings().weight
+    embeds = table[torch.arange(4, device=table.device) % table.shape[0]][None]
+    mask = torch.ones(1, 4, dtype=torch.long, device=table.device)
+    steps = torch.arange(4, device=table.device)[None]
+    was_training = lm.training
+    lm.eval()
+    try:
+        with torch.no_grad():
+            outs = [lm(inputs_embeds=embeds, attention_mask=mask, position_ids=pos,
+                       use_cache=False).logits for pos in (steps, steps * 3)]
+    finally:
+        lm.train(was_training)
+    if torch.equal(*outs):
+        model_type = getattr(lm.config, "model_type", "?")
+        raise KTMError(f"{type(lm).__name__} ({model_type!r}) ignores position_ids (ALiBi or no "
+                       "positional encoding): spread_positions (--spread-positions) would "
+                       "change nothing; expected spread_positions=False for this model, or a "
+                       "model with rotary or learned positions")
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name

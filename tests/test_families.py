@@ -16,6 +16,9 @@ TEXT = "The quick brown fox jumps over the lazy dog. Hello world"
 LAYERS = 2
 LLAMA = {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                              "down_proj")}
+ATTENTION = {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+NEOX = {n: LAYERS for n in ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")}
+MOE = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
 # family -> (config class, extra config fields, modules LoRA must cover: name -> count)
 FAMILIES = {
     "llama": (T.LlamaConfig, {}, LLAMA),
@@ -25,8 +28,7 @@ FAMILIES = {
     "gemma2": (T.Gemma2Config, {"final_logit_softcapping": 2.0}, LLAMA),
     "mistral": (T.MistralConfig, {}, LLAMA),
     # the experts are fused 3-D parameters, not linear modules: LoRA on the attention only
-    "mixtral": (T.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2},
-                {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj")}),
+    "mixtral": (T.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTENTION),
     "phi3": (T.Phi3Config, {}, {"qkv_proj": LAYERS, "o_proj": LAYERS, "gate_up_proj": LAYERS,
                                 "down_proj": LAYERS}),
     "olmo2": (T.Olmo2Config, {}, LLAMA),
@@ -35,26 +37,74 @@ FAMILIES = {
     "gpt2": (T.GPT2Config, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS, "c_fc": LAYERS}),
     "opt": (T.OPTConfig, {}, {"q_proj": LAYERS, "k_proj": LAYERS, "v_proj": LAYERS,
                               "out_proj": LAYERS, "fc1": LAYERS, "fc2": LAYERS}),
+    "gemma3_text": (T.Gemma3TextConfig, {"sliding_window": 8, "final_logit_softcapping": 2.0},
+                    LLAMA),
+    "smollm3": (T.SmolLM3Config, {"no_rope_layer_interval": 2}, LLAMA),
+    "olmo": (T.OlmoConfig, {}, LLAMA),
+    "stablelm": (T.StableLmConfig, {"num_key_value_heads": 2}, LLAMA),
+    "exaone4": (T.Exaone4Config, {"sliding_window": 8, "sliding_window_pattern": 2}, LLAMA),
+    "cohere2": (T.Cohere2Config, {"sliding_window": 8}, LLAMA),
     # not in ktm.lora.TARGETS: every linear layer but the head
-    "gpt_neox": (T.GPTNeoXConfig, {}, {"query_key_value": LAYERS, "dense": LAYERS,
-                                       "dense_h_to_4h": LAYERS, "dense_4h_to_h": LAYERS}),
+    "gpt_neox": (T.GPTNeoXConfig, {}, NEOX),
+    "falcon": (T.FalconConfig, {}, NEOX),  # rotary
+    "bloom": (T.BloomConfig, {}, NEOX),  # ALiBi: no position ids (spread positions refused)
+    "gptj": (T.GPTJConfig, {"rotary_dim": 8}, {n: LAYERS for n in (
+        "q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")}),
+    "codegen": (T.CodeGenConfig, {"rotary_dim": 8}, {n: LAYERS for n in (
+        "qkv_proj", "out_proj", "fc_in", "fc_out")}),
+    "gpt_bigcode": (T.GPTBigCodeConfig, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS,
+                                             "c_fc": LAYERS}),
+    "phi": (T.PhiConfig, {}, {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "dense", "fc1",
+                                                  "fc2")}),
+    "starcoder2": (T.Starcoder2Config, {}, {n: LAYERS for n in (
+        "q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")}),
+    "glm": (T.GlmConfig, {}, {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_up_proj", "down_proj")}),
+    # the routed experts are fused 3-D parameters: LoRA on the shared expert's linear layers
+    "qwen2_moe": (T.Qwen2MoeConfig, MOE | {"shared_expert_intermediate_size": 64},
+                  LLAMA | {"shared_expert_gate": LAYERS}),
+    "qwen3_moe": (T.Qwen3MoeConfig, MOE, ATTENTION),
+    # PEFT would move gate/up/down_proj onto the fused experts: LoRA on the (MLA) attention only
+    "deepseek_v3": (T.DeepseekV3Config, {
+        "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16, "num_key_value_heads": 4, "head_dim": 8}, {n: LAYERS for n in (
+            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}),
+    # the router is an nn.Linear returning a tuple: not adapted, LoRA on the attention only
+    "phimoe": (T.PhimoeConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTENTION),
+    "llama4_text": (T.Llama4TextConfig, {"num_local_experts": 4}, LLAMA),  # + shared expert
+    # a Mamba hybrid without positional encoding (spread positions refused); its mixers read
+    # dt_proj.weight directly, so LoRA there would never train
+    "jamba": (T.JambaConfig, {"num_experts": 2, "num_experts_per_tok": 1, "attn_layer_period": 2,
+                              "attn_layer_offset": 1, "expert_layer_period": 2,
+                              "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8,
+                              "use_mamba_kernels": False},
+              {n: 1 for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                              "down_proj", "in_proj", "x_proj", "out_proj")}),
+    # a Mamba hybrid: PEFT refuses LoRA on its mixers' out_proj (and conv1d)
+    "falcon_h1": (T.FalconH1Config, {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                                     "mamba_d_state": 8, "mamba_chunk_size": 16},
+                  LLAMA | {"in_proj": LAYERS}),
 }
 
 
 def tiny_config(family: str, vocab: int, positions: int = 256):
     cls, extra, _ = FAMILIES[family]
     common = dict(vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=None, **extra)
-    if family == "gpt2":
+    if family in ("gpt2", "gpt_bigcode", "gptj", "codegen"):
         return cls(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=positions, **common)
+    if family in ("falcon", "bloom"):
+        return cls(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, **common)
     if family == "opt":
         return cls(hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS, num_attention_heads=4,
                    word_embed_proj_dim=64, max_position_embeddings=positions, **common)
-    if family == "gpt_neox":
+    if family in ("gpt_neox", "phi", "stablelm", "starcoder2"):
         return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
                    num_attention_heads=4, max_position_embeddings=positions, **common)
-    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               max_position_embeddings=positions, **common)
+    return cls(**{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "max_position_embeddings": positions, **common})
 
 
 def save_tiny(family: str, path, positions: int = 256):
@@ -118,6 +168,41 @@ def test_cached_generation_equals_full_rerun(family):
         model, prompts, max_new_tokens=6, use_cache=False)
 
 
+def test_a_left_padded_batch_equals_its_rows_one_by_one(family):
+    """Rows of different lengths are left-padded and position ids count real positions only, so
+    each row reads as it would alone (the family's own positions, ALiBi's from the mask)."""
+    _, path, _, _ = family
+    torch.manual_seed(0)
+    model = KTMModel.from_base(path, k=4)
+    perturb_lora(model)
+    prompts, targets = [TEXT, "Hello world"], ["fox jumps", "world"]
+    with torch.no_grad():
+        batch = model.target_logits(prompts, targets).logits
+        rows = [model.target_logits([p], [t]).logits for p, t in zip(prompts, targets)]
+    torch.testing.assert_close(batch, torch.cat(rows), atol=1e-5, rtol=1e-5)
+
+
+def test_a_saved_model_reloads_exactly_and_a_step_lowers_its_loss(family, tmp_path):
+    _, path, _, _ = family
+    torch.manual_seed(0)
+    model = KTMModel.from_base(path, k=4)
+    perturb_lora(model)
+    model.save(tmp_path / "ck")
+    loaded = KTMModel.load(tmp_path / "ck", trainable=True).eval()  # eval: no dropout noise
+    with torch.no_grad():
+        assert torch.equal(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT))
+    opt = torch.optim.SGD([p for _, p in loaded.trainable_parameters()], lr=1e-3)
+    before = loaded([TEXT], ["fox jumps"]).loss
+    before.backward()
+    # a module whose weight the model reads directly (Jamba's dt_proj) bypasses its LoRA
+    dead = {n for n, p in loaded.trainable_parameters() if "lora_A" in n
+            and (p.grad is None or not p.grad.any())}
+    assert not dead
+    opt.step()
+    with torch.no_grad():
+        assert loaded([TEXT], ["fox jumps"]).loss < before
+
+
 def test_checkpoint_records_the_adapted_modules(tmp_path):
     base, tok = save_tiny("phi3", tmp_path / "phi3")
     model = KTMModel.from_base(base, k=2, tokenizer=tok)
@@ -156,6 +241,28 @@ def test_targets_a_model_lacks_are_an_error_not_dropped(tmp_path):
     with pytest.raises(KTMError, match=r"\['q_proj', 'k_proj'\].* not modules of this 'phi3'"):
         KTMModel.from_base(base, tokenizer=tok,
                            lora=LoraSettings(target_modules=("q_proj", "k_proj", "o_proj")))
+
+
+def test_targets_peft_would_move_onto_fused_experts_are_an_error(tmp_path):
+    """On DeepSeek-V3 PEFT turns a ``down_proj`` target into one on the fused 3-D expert
+    parameters (and off the dense layers' ``down_proj``), which failed inside PEFT."""
+    base, tok = save_tiny("deepseek_v3", tmp_path / "ds")
+    with pytest.raises(KTMError, match=r"LoRA targets \['down_proj'\] cannot be adapted on this "
+                                       r"'deepseek_v3' model: PEFT moves them onto the fused"):
+        KTMModel.from_base(base, tokenizer=tok,
+                           lora=LoraSettings(target_modules=("q_a_proj", "down_proj")))
+    with pytest.raises(KTMError, match=r"'deepseek_v3' model: .*gate_proj without also "
+                                       r"targeting up_proj"):
+        KTMModel.from_base(base, tokenizer=tok,
+                           lora=LoraSettings(target_modules=("q_a_proj", "gate_proj")))
+
+
+def test_a_target_whose_weight_the_model_reads_directly_is_an_error(tmp_path):
+    base, tok = save_tiny("jamba", tmp_path / "jamba")
+    with pytest.raises(KTMError, match=r"LoRA targets \['dt_proj'\] cannot be adapted on this "
+                                       r"'jamba' model: .*reads their weight directly"):
+        KTMModel.from_base(base, tokenizer=tok,
+                           lora=LoraSettings(target_modules=("q_proj", "dt_proj")))
 
 
 # ---------------------------------------------------------------- position limits
@@ -272,3 +379,79 @@ def test_an_adapter_from_another_family_is_named_as_such(tmp_path):
     with pytest.raises(KTMError, match=r"has unexpected weights .*: it was trained on a 'gpt2' "
                                        r"model, this one is 'opt'"):
         load_adapter_into(other, tmp_path / "ck")
+
+
+# ---------------------------------------------------------------- families ktm cannot decode
+@pytest.mark.parametrize("make, match", [
+    # the state lives outside past_key_values: cached decoding read an empty cache
+    (lambda v: T.MambaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, state_size=4),
+     r"MambaForCausalLM \('mamba'\) keeps no key/value cache"),
+    (lambda v: T.RwkvConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2,
+                            attention_hidden_size=32, intermediate_size=64),
+     r"RwkvForCausalLM \('rwkv'\) keeps no key/value cache"),
+    # every layer recurrent: the HF forward itself failed inside the cache
+    (lambda v: T.RecurrentGemmaConfig(vocab_size=v, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=16, lru_width=32),
+     r"RecurrentGemmaForCausalLM \('recurrent_gemma'\) has no attention layer"),
+    # BART's decoder: learned positions ignore the left padding (a batch read shifted positions)
+    (lambda v: T.BartConfig(vocab_size=v, d_model=32, encoder_layers=1, decoder_layers=2,
+                            encoder_attention_heads=2, decoder_attention_heads=2,
+                            encoder_ffn_dim=64, decoder_ffn_dim=64),
+     r"BartForCausalLM \('bart'\) is an encoder-decoder model"),
+], ids=["mamba", "rwkv", "recurrent_gemma", "bart"])
+def test_a_family_ktm_cannot_decode_is_refused_up_front(make, match):
+    tok = build_tokenizer()
+    lm = T.AutoModelForCausalLM.from_config(make(len(tok)))
+    with pytest.raises(KTMError, match=match):
+        KTMModel.from_base(lm, tokenizer=tok)
+    assert not any("lora" in n for n, _ in lm.named_parameters())  # left as it was
+
+
+def test_a_multimodal_model_is_refused(tmp_path):
+    """AutoModelForCausalLM loads a Gemma-3 checkpoint as Gemma3ForConditionalGeneration, whose
+    config keeps the text model's sizes in text_config: saving a checkpoint then failed."""
+    tok = build_tokenizer()
+    text = tiny_config("gemma3_text", len(tok)).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                         image_token_index=399, boi_token_index=398, eoi_token_index=397)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "g3")
+    tok.save_pretrained(tmp_path / "g3")
+    with pytest.raises(KTMError, match=r"Gemma3ForConditionalGeneration \('gemma3'\) is a "
+                                       r"multimodal model"):
+        KTMModel.from_base(str(tmp_path / "g3"), k=2)
+
+
+def test_an_encoder_decoder_model_object_is_refused():
+    tok = build_tokenizer()
+    t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=len(tok), d_model=32, d_ff=64,
+                                                 num_layers=1, num_heads=2, d_kv=16))
+    with pytest.raises(KTMError, match=r"T5ForConditionalGeneration \('t5'\) is an "
+                                       r"encoder-decoder model"):
+        KTMModel.from_base(t5, tokenizer=tok)
+
+
+@pytest.mark.parametrize("cfg", [
+    T.BloomConfig(hidden_size=32, n_layer=2, n_head=2),
+    T.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, alibi=True),
+    tiny_config("jamba", 1),
+], ids=["bloom", "falcon-alibi", "jamba"])
+def test_spread_positions_are_refused_for_a_model_that_ignores_position_ids(cfg):
+    """ALiBi reads no position_ids: spread positions changed nothing, silently; without them
+    the same models work (their K=1 logits equal the HF forward, see FAMILIES)."""
+    tok = build_tokenizer()
+    cfg.vocab_size = len(tok)
+    lm = T.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(KTMError, match=r"\('(bloom|falcon|jamba)'\) ignores position_ids.*"
+                                       r"expected spread_positions=False"):
+        KTMModel.from_base(lm, tokenizer=tok, spread_positions=True)
+    assert not any("lora" in n for n, _ in lm.named_parameters())
+    KTMModel.from_base(lm, tokenizer=tok)
+
+
+def test_spread_positions_are_kept_for_a_model_that_reads_them(tmp_path):
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2")
+    model = KTMModel.from_base(base, k=4, tokenizer=tok, spread_positions=True)
+    assert model.config.spread_positions and model.compress(TEXT).positions is not None
