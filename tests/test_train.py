@@ -225,6 +225,23 @@ def test_cuda_rng_states_are_saved_and_restored(monkeypatch):
     assert len(restored) == 1 and torch.equal(restored[0][0], state)
 
 
+def test_rank0_restores_its_cuda_rng_beside_other_ranks_states(monkeypatch):
+    """A checkpoint of a multi-GPU run also holds the other processes' CUDA states
+    (rng.cuda.rank1): rank 0 restores only its own devices' states (the key was read as a
+    device number and every resume failed as a corrupt optimizer state)."""
+    from ktm import train_state
+
+    mine, theirs = torch.arange(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    train_state._restore_rng({"rng.torch": torch.get_rng_state(), "rng.cuda.0": mine,
+                              "rng.torch.rank1": torch.get_rng_state(),
+                              "rng.cuda.rank1": theirs})
+    assert len(restored) == 1 and len(restored[0]) == 1 and torch.equal(restored[0][0], mine)
+
+
 def test_slot_lr_moves_the_slot_weights_at_their_own_rate(tiny_model_dir, tree_task, tmp_path):
     """One Adam step moves each weight by about its group's rate: with slot_lr 1e-2 the slot
     weights and gate move 100x as far as at lr 1e-4, and LoRA and the MLP are untouched by it."""
