@@ -242,6 +242,21 @@ def test_rank0_restores_its_cuda_rng_beside_other_ranks_states(monkeypatch):
     assert len(restored) == 1 and len(restored[0]) == 1 and torch.equal(restored[0][0], mine)
 
 
+def test_step_time_waits_for_the_device(tiny_model_dir, tree_task, tmp_path, monkeypatch):
+    """step_s (and tokens/s) read the device-waiting clock: on CUDA the optimizer step's kernels
+    are still queued when train_step returns, and a plain clock counted them in the next step."""
+    import sys
+
+    train_module = sys.modules["ktm.train"]  # the package exports train() under this name
+    model, seen, ticks = fresh(tiny_model_dir), [], iter([0.0, 2.0, 10.0, 13.0])
+    monkeypatch.setattr(train_module, "clock",
+                        lambda device: seen.append(device) or next(ticks))
+    last = train(model, tree_task.train_examples(4, seed=0),
+                 TrainConfig(out_dir=str(tmp_path), max_steps=2, batch_size=2, save_every=0,
+                             progress=False))
+    assert last["step_s"] == 3.0 and seen == [model.device] * 4
+
+
 def test_slot_lr_moves_the_slot_weights_at_their_own_rate(tiny_model_dir, tree_task, tmp_path):
     """One Adam step moves each weight by about its group's rate: with slot_lr 1e-2 the slot
     weights and gate move 100x as far as at lr 1e-4, and LoRA and the MLP are untouched by it."""
