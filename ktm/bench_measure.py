@@ -78,6 +78,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device, interval_s: float = 0.002):
         self.cuda = device.type == "cuda"
+        self.device = device  # the model's GPU, which need not be the current one
         self.kind = "cuda_max_allocated" if self.cuda else "rss"
         self.interval_s, self.start, self.peak = interval_s, 0, 0
         self._stop = threading.Event()
@@ -98,9 +99,9 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.start = torch.cuda.memory_allocated()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
         else:
             self.start = self.peak = self.rss()
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -109,8 +110,8 @@ class PeakMemory:
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated()
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
         else:
             self._stop.set()
             self._thread.join()

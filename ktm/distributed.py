@@ -70,8 +70,13 @@ def setup(device: str | torch.device = "cpu") -> World:
     size, local = _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
     if size <= 1:
         return World()
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda and dev.index is not None and dev.index != local:
+        # every process would put its model on the one GPU named, and NCCL fails obscurely
+        raise KTMError(f"device {str(device)!r} under a launcher: each process uses "
+                       f"cuda:LOCAL_RANK (this one cuda:{local}); expected --device cuda")
     if not dist.is_initialized():
-        cuda = torch.device(device).type == "cuda"
         if cuda:
             if local >= torch.cuda.device_count():
                 raise KTMError(f"LOCAL_RANK={local} but this machine has "

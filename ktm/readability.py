@@ -109,7 +109,8 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
             plain = model(ctx, tgt, merge=False).nll
             empty = model([none] * len(batch), tgt, merge=False).nll
             cols = (merged.nll, plain, empty, merged.n_tokens)  # doubles: a bf16 count rounds
-            rows.append(torch.stack([c.double().cpu() for c in cols], dim=1))
+            # to the CPU first: MPS has no float64
+            rows.append(torch.stack([c.cpu().double() for c in cols], dim=1))
             tokens_in += merged.tokens_in
             tokens_out += merged.tokens_out
     finally:

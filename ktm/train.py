@@ -28,6 +28,7 @@ from ktm.ema import WeightAverage
 from ktm.errors import KTMError
 from ktm.provenance import git_revision, versions
 from ktm.tasks.base import Example
+from ktm.timing import clock
 from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics: public names)
     CHECKPOINT,
     METRICS,
@@ -291,7 +292,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     per_step = config.batch_size * config.grad_accum * world.size  # the global window
     try:
         while step < config.max_steps:
-            t0 = time.perf_counter()
+            t0 = clock(model.device)  # on CUDA: after the last step's kernels, AdamW's too
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_factor(step, config)
             window = [examples[order[step * per_step + j]] for j in world.shard(per_step)]
@@ -300,7 +301,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             step += 1
             if ema is not None:
                 ema.update()
-            dt = time.perf_counter() - t0
+            dt = clock(model.device) - t0
             last = {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
                     "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm, "step_s": dt,
                     "input_tokens_per_s": st.input_tokens / dt,

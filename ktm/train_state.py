@@ -82,8 +82,11 @@ def _restore_rng(tensors: dict[str, torch.Tensor],
             torch.cuda.set_rng_state(tensors[f"rng.cuda.rank{world.rank}"])
         return
     torch.set_rng_state(tensors["rng.torch"])
-    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("rng.cuda.")),
-                                       key=lambda k: int(k.rsplit(".", 1)[1]))]
+    # rank 0's own device states only (rng.cuda.0, rng.cuda.1, ...), not other processes'
+    # (rng.cuda.rank1, ...)
+    own = {int(k.rsplit(".", 1)[1]): v for k, v in tensors.items()
+           if k.startswith("rng.cuda.") and k.rsplit(".", 1)[1].isdigit()}
+    cuda = [own[i] for i in sorted(own)]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 

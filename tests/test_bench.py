@@ -20,6 +20,7 @@ from ktm.bench import (
     run_bench,
 )
 from ktm.bench_measure import (
+    PeakMemory,
     encode_prefix,
     infer_once,
     synthetic_text,
@@ -151,6 +152,23 @@ def test_timing_runs_through_generates_own_prefill_and_decode(ktm_model, monkeyp
                                              pool=word_pool(ktm_model.tokenizer)), first=True)]
     infer_once(ktm_model, ids, True, output_tokens=5)
     assert calls == {"prefill": 1, "advance": 4}
+
+
+def test_cuda_peak_memory_is_read_on_the_models_device(monkeypatch):
+    """On cuda:1 the peak is cuda:1's, not that of the current device (cuda:0 by default)."""
+    seen = []
+
+    def fake(name, value=0):
+        return lambda device=None: seen.append((name, device)) or value
+
+    for name, value in (("synchronize", None), ("reset_peak_memory_stats", None),
+                        ("memory_allocated", 10), ("max_memory_allocated", 30)):
+        monkeypatch.setattr(torch.cuda, name, fake(name, value))
+    gpu = torch.device("cuda:1")
+    with PeakMemory(gpu) as mem:
+        pass
+    assert (mem.start, mem.peak) == (10, 30)
+    assert len(seen) == 5 and all(device == gpu for _, device in seen)
 
 
 def test_infer_rows_have_schema_and_exact_counts(infer_rows):

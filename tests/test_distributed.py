@@ -200,3 +200,24 @@ def test_no_launcher_means_one_process(monkeypatch):
     with pytest.raises(KTMError, match="WORLD_SIZE='two' is not an integer"):
         distributed.setup("cpu")
 
+
+
+def test_a_launched_process_refuses_another_processs_gpu(monkeypatch):
+    """Under a launcher each process uses cuda:LOCAL_RANK; --device cuda:0 would put every
+    process's model on GPU 0, which NCCL refuses obscurely (or every collective hangs)."""
+    import torch.distributed as dist
+
+    from ktm import distributed
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("joined a process group with the wrong device")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", no_group)
+    with pytest.raises(KTMError, match=r"'cuda:0' under a launcher: each process uses "
+                                       r"cuda:LOCAL_RANK \(this one cuda:1\); expected --device"):
+        distributed.setup("cuda:0")

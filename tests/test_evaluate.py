@@ -21,3 +21,27 @@ def test_perplexity_is_measured_in_eval_mode(tiny_model_dir):
     scores = [evaluate_perplexity(model, EXAMPLES)["perplexity"] for _ in range(3)]
     assert scores == [reference] * 3
     assert model.training  # the caller's mode comes back
+
+
+def test_merging_time_waits_for_the_device(ktm_model, monkeypatch):
+    """compression_s times the encoder's kernels on CUDA, not only their launch: every clock
+    read around the merging waits for the model's device (``ktm.timing.clock``)."""
+    import ktm.evaluate as evaluate
+    import ktm.label_scoring as label_scoring
+
+    seen = []
+
+    def fake_clock(device):
+        seen.append(device)
+        return float(len(seen))  # each timed merging takes 1 s on this clock
+
+    monkeypatch.setattr(evaluate, "clock", fake_clock)
+    monkeypatch.setattr(label_scoring, "clock", fake_clock)
+    labelled = [Example(e.segments, label) for e, label in zip(EXAMPLES, ("yes", "no"))]
+    rows = [evaluate_perplexity(ktm_model, EXAMPLES, batch_size=1),
+            evaluate.evaluate_classification(ktm_model, labelled, ["yes", "no"], batch_size=1,
+                                             max_new_tokens=1),
+            evaluate.evaluate_classification(ktm_model, labelled, ["yes", "no"], batch_size=1,
+                                             scoring="likelihood")]
+    assert [r["compression_s"] for r in rows] == [2.0, 2.0, 2.0]  # two batches each
+    assert len(seen) == 12 and set(seen) == {ktm_model.device}

@@ -225,6 +225,38 @@ def test_cuda_rng_states_are_saved_and_restored(monkeypatch):
     assert len(restored) == 1 and torch.equal(restored[0][0], state)
 
 
+def test_rank0_restores_its_cuda_rng_beside_other_ranks_states(monkeypatch):
+    """A checkpoint of a multi-GPU run also holds the other processes' CUDA states
+    (rng.cuda.rank1): rank 0 restores only its own devices' states (the key was read as a
+    device number and every resume failed as a corrupt optimizer state)."""
+    from ktm import train_state
+
+    mine, theirs = torch.arange(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    train_state._restore_rng({"rng.torch": torch.get_rng_state(), "rng.cuda.0": mine,
+                              "rng.torch.rank1": torch.get_rng_state(),
+                              "rng.cuda.rank1": theirs})
+    assert len(restored) == 1 and len(restored[0]) == 1 and torch.equal(restored[0][0], mine)
+
+
+def test_step_time_waits_for_the_device(tiny_model_dir, tree_task, tmp_path, monkeypatch):
+    """step_s (and tokens/s) read the device-waiting clock: on CUDA the optimizer step's kernels
+    are still queued when train_step returns, and a plain clock counted them in the next step."""
+    import sys
+
+    train_module = sys.modules["ktm.train"]  # the package exports train() under this name
+    model, seen, ticks = fresh(tiny_model_dir), [], iter([0.0, 2.0, 10.0, 13.0])
+    monkeypatch.setattr(train_module, "clock",
+                        lambda device: seen.append(device) or next(ticks))
+    last = train(model, tree_task.train_examples(4, seed=0),
+                 TrainConfig(out_dir=str(tmp_path), max_steps=2, batch_size=2, save_every=0,
+                             progress=False))
+    assert last["step_s"] == 3.0 and seen == [model.device] * 4
+
+
 def test_slot_lr_moves_the_slot_weights_at_their_own_rate(tiny_model_dir, tree_task, tmp_path):
     """One Adam step moves each weight by about its group's rate: with slot_lr 1e-2 the slot
     weights and gate move 100x as far as at lr 1e-4, and LoRA and the MLP are untouched by it."""
