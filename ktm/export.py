@@ -134,7 +134,8 @@ def export_vllm(model, out: str | Path) -> dict:
 
     Needs memory for a second copy of the LM while LoRA is merged.
     """
-    if getattr(model, "meta_embedding", None) is not None:
+    # any extension of the input table (LTSC's meta-token rows) has ids vLLM's LM lacks
+    if getattr(model, "input_extension", None) is not None:
         raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "
                        "the vLLM export covers K-token merging models only")
     if model.config.spread_positions:

@@ -227,3 +227,13 @@ def test_export_refuses_a_model_whose_embedding_layer_scales_its_output(tmp_path
                                        r"\(x8\.00\)"):
         export_vllm(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_a_model_with_ltsc_meta_rows(tiny_model_dir, tmp_path):
+    from ktm.compressors.ltsc import add_meta_tokens
+
+    model = KTMModel.from_base(tiny_model_dir, k=4)
+    add_meta_tokens(model, [[5, 6, 7]])
+    with pytest.raises(KTMError, match="LTSC meta-token rows"):
+        export_vllm(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
