@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,20 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
     assert result["trained"]["n"] == 4 and result["prefill"]["plain_s"] > 0
     assert result["last_step"]["step"] == 2
     assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
+
+
+def test_demo_reads_its_reader_on_the_model_given(capsys, tiny_model_dir, tiny_bos_model_dir,
+                                                   tmp_path):
+    """--model with --reader: the reader is read on that folder, not on the reader's own base
+    (which the demo once used silently while demo.json recorded --model)."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    flags = ["--stage", "small", "--steps", "1", "--batch-size", "2", "--n-eval", "2"]
+    assert run(capsys, "demo", "--model", tiny_model_dir, *flags, "--out-dir", str(first))[0] == 0
+    code, _, err = run(capsys, "demo", "--model", tiny_bos_model_dir, "--reader",
+                       str(first / "checkpoint"), *flags, "--out-dir", str(again))
+    assert code == 0, err
+    saved = json.loads((again / "checkpoint" / "ktm_config.json").read_text())
+    assert saved["config"]["base_model"] == str(Path(tiny_bos_model_dir).resolve())
 
 
 @pytest.mark.parametrize("method,options", [
