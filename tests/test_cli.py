@@ -116,6 +116,24 @@ def test_demo_reads_its_reader_on_the_model_given(capsys, tiny_model_dir, tiny_b
     assert saved["config"]["base_model"] == str(Path(tiny_bos_model_dir).resolve())
 
 
+def test_a_checkpoint_of_another_size_is_named_in_the_error(capsys, tiny_model_dir, tmp_path):
+    """--init / --checkpoint / --reader on a --model of another size: the error names the
+    checkpoint and its own base model (it named neither, e.g. for a shipped reader)."""
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "ck"
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(ckpt))
+    meta = json.loads((ckpt / "ktm_config.json").read_text())
+    meta["hidden_size"], meta["config"]["base_model"] = 99, "/elsewhere/wide-model"
+    (ckpt / "ktm_config.json").write_text(json.dumps(meta))
+    capsys.readouterr()  # the save's own progress bar
+    code, _, err = run(capsys, "generate", "--checkpoint", str(ckpt), "--model", tiny_model_dir,
+                       "--prompt", "Hello world")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"checkpoint {str(ckpt)!r} expects hidden_size=99" in err
+    assert "'/elsewhere/wide-model' or a local copy" in err
+
+
 @pytest.mark.parametrize("method,options", [
     ("selective_context", ["ratio=0.5"]), ("ltsc", ["max_meta_tokens=8"]), ("mean_pool", []),
 ])
