@@ -133,6 +133,7 @@ class KTMModel(nn.Module):
         if isinstance(base, str):
             lm, tok = load_base(config.base_model, device, torch_dtype)
             config = replace(config, base_model=model_location(config.base_model))
+            name = config.base_model  # config= (the CLI's --model) names it, not base
         else:
             if tokenizer is None:
                 raise KTMError("from_base with a model object needs tokenizer=...")
