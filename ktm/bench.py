@@ -89,6 +89,8 @@ class BenchConfig:
             preset = {**SERVE, **(SERVE_QUICK if self.quick else {})}
         else:
             preset = QUICK if self.quick else {}
+        # lengths nobody chose (the default or a preset's) are cut to the model's context later
+        self.lengths_unchosen = self.lengths == BenchConfig.lengths
         for f in fields(self):
             if f.name in preset and getattr(self, f.name) == f.default:
                 setattr(self, f.name, preset[f.name])
@@ -268,6 +270,13 @@ def run_bench(config: BenchConfig) -> list[dict]:
     model = load_model(config)
     extra = config.output_tokens if config.mode == "infer" else config.target_tokens + 1
     limit = getattr(model.peft.get_base_model().config, "max_position_embeddings", None)
+    fit = tuple(n for n in config.lengths if not limit or n + extra <= limit)
+    if getattr(config, "lengths_unchosen", False) and fit and fit != config.lengths:
+        # a local model of a shorter context than the embedded one's: the preset's longest
+        # lengths are left out, said so; lengths given (--lengths) are refused below
+        print(f"bench: lengths {[n for n in config.lengths if n not in fit]} left out: beyond "
+              f"the model's context of {limit} positions", file=sys.stderr)
+        config.lengths = fit
     if limit and max(config.lengths) + extra > limit:
         raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "
                        f"the model's context of {limit} positions")

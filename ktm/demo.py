@@ -141,7 +141,11 @@ def _start_model(cfg: DemoConfig) -> tuple[KTMModel, str]:
         model = KTMModel.from_base(cfg.model, k=cfg.k, device=cfg.device, dtype=dtype)
         return model, "untrained (mean pooling)"
     print(f"loading reader {name} (K={cfg.k}) ...", flush=True)
-    model = KTMModel.load(name, k=cfg.k, device=cfg.device, dtype=dtype, trainable=True)
+    # a --model other than the default is the base the reader is read on (a local copy of its
+    # base model; another model is refused by the load's size check), never silently dropped
+    base = None if cfg.model == DEFAULT_MODEL else cfg.model
+    model = KTMModel.load(name, base=base, k=cfg.k, device=cfg.device, dtype=dtype,
+                          trainable=True)
     return model, f"reader {name}"[:26]
 
 

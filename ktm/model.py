@@ -133,6 +133,7 @@ class KTMModel(nn.Module):
         if isinstance(base, str):
             lm, tok = load_base(config.base_model, device, torch_dtype)
             config = replace(config, base_model=model_location(config.base_model))
+            name = config.base_model  # config= (the CLI's --model) names it, not base
         else:
             if tokenizer is None:
                 raise KTMError("from_base with a model object needs tokenizer=...")
@@ -212,9 +213,10 @@ class KTMModel(nn.Module):
         hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
         if (hidden, vocab) != (saved.get("hidden_size"), saved.get("vocab_size")):
             raise KTMError(
-                f"checkpoint expects hidden_size={saved.get('hidden_size')}, "
+                f"checkpoint {str(directory)!r} expects hidden_size={saved.get('hidden_size')}, "
                 f"vocab_size={saved.get('vocab_size')}, but base model {config.base_model!r} "
-                f"has hidden_size={hidden}, vocab_size={vocab}")
+                f"has hidden_size={hidden}, vocab_size={vocab}: expected the checkpoint's base "
+                f"model {saved['config'].get('base_model')!r} or a local copy of it")
         enc_cfg = cls._encoder_config(config, lm)
         encoder = KTokenEncoder.from_config(enc_cfg)
         encoder.load_state_dict(checkpoint.encoder_state(directory, enc_cfg))

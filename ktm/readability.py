@@ -44,7 +44,7 @@ def check_read_positions(model) -> None:
                        f"(a {READ_SPEC.context_tokens}-token context and a "
                        f"{READ_SPEC.target_tokens}-token continuation), over this model's limit "
                        f"of {model.max_positions}: expected no R for this model (ktm pretrain "
-                       "--eval-sets none)")
+                       "--eval-sets none; ktm eval without --readability)")
 
 
 def none_token(tokenizer) -> int:

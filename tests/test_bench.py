@@ -27,6 +27,7 @@ from ktm.bench_measure import (
     word_pool,
 )
 from ktm.bench_plot import plot_results
+from ktm.cli import main
 from ktm.config_args import add_dataclass_args, from_args
 from ktm.generate import GenerationConfig, decode_steps
 from ktm.model import KTMModel
@@ -255,6 +256,19 @@ def test_checkpoint_folder_reuses_its_trained_encoder(tiny_model_dir, tmp_path):
 def test_too_long_prompt_is_refused(tiny_model_dir, tmp_path):
     with pytest.raises(KTMError, match="context"):
         run_bench(small(tiny_model_dir, tmp_path, lengths=(600,)))
+
+
+def test_preset_lengths_beyond_a_short_context_are_left_out(tiny_model_dir, tmp_path, capsys):
+    """`ktm bench --quick` on a local model of 512 positions (the preset reaches 2048): the
+    lengths nobody chose that do not fit are left out and said so, not refused."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", tiny_model_dir, "--quick", "--ks", "2", "--repeats", "1",
+                 "--warmup", "0", "--no-progress", "--out", str(out)]) == 0
+    assert "[1024, 2048] left out" in capsys.readouterr().err
+    rows = json.loads(out.read_text())
+    assert {r["input_tokens"] for r in rows} == {256} and rows[0]["config"]["lengths"] == [256]
+    assert main(["bench", "--model", tiny_model_dir, "--lengths", "256", "1024", "--ks", "2",
+                 "--out", str(out)]) == 2  # lengths given are never cut
 
 
 def test_main_writes_json_and_plots_read_it(tiny_model_dir, tmp_path, capsys):

@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,38 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
     assert result["trained"]["n"] == 4 and result["prefill"]["plain_s"] > 0
     assert result["last_step"]["step"] == 2
     assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
+
+
+def test_demo_reads_its_reader_on_the_model_given(capsys, tiny_model_dir, tiny_bos_model_dir,
+                                                   tmp_path):
+    """--model with --reader: the reader is read on that folder, not on the reader's own base
+    (which the demo once used silently while demo.json recorded --model)."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    flags = ["--stage", "small", "--steps", "1", "--batch-size", "2", "--n-eval", "2"]
+    assert run(capsys, "demo", "--model", tiny_model_dir, *flags, "--out-dir", str(first))[0] == 0
+    code, _, err = run(capsys, "demo", "--model", tiny_bos_model_dir, "--reader",
+                       str(first / "checkpoint"), *flags, "--out-dir", str(again))
+    assert code == 0, err
+    saved = json.loads((again / "checkpoint" / "ktm_config.json").read_text())
+    assert saved["config"]["base_model"] == str(Path(tiny_bos_model_dir).resolve())
+
+
+def test_a_checkpoint_of_another_size_is_named_in_the_error(capsys, tiny_model_dir, tmp_path):
+    """--init / --checkpoint / --reader on a --model of another size: the error names the
+    checkpoint and its own base model (it named neither, e.g. for a shipped reader)."""
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "ck"
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(ckpt))
+    meta = json.loads((ckpt / "ktm_config.json").read_text())
+    meta["hidden_size"], meta["config"]["base_model"] = 99, "/elsewhere/wide-model"
+    (ckpt / "ktm_config.json").write_text(json.dumps(meta))
+    capsys.readouterr()  # the save's own progress bar
+    code, _, err = run(capsys, "generate", "--checkpoint", str(ckpt), "--model", tiny_model_dir,
+                       "--prompt", "Hello world")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"checkpoint {str(ckpt)!r} expects hidden_size=99" in err
+    assert "'/elsewhere/wide-model' or a local copy" in err
 
 
 @pytest.mark.parametrize("method,options", [

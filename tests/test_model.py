@@ -353,6 +353,25 @@ def test_a_tokenizer_without_eos_ends_targets_with_the_models_eos():
     assert model.target_ids("true") == model.tokenize("true")
 
 
+def test_a_folder_without_eos_is_named_in_the_refusal(tmp_path, capsys):
+    """`ktm train --model FOLDER` builds the model from config=: the refusal named the default
+    'smollm2-135m' instead of the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ktm.cli import main
+
+    tok = _tokenizer_without_eos()
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      eos_token_id=None))
+    lm.generation_config.eos_token_id = None
+    lm.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "Hello world"]) == 2
+    err = capsys.readouterr().err
+    assert f"base model {str((tmp_path / 'm').resolve())!r} has no EOS token" in err
+
+
 def test_a_model_object_already_adapted_is_refused_not_adapted_twice():
     """from_base adapts a model object in place; a second from_base on it re-initialised the
     first KTMModel's LoRA (shared with the second) behind a PEFT warning."""

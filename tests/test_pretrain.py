@@ -322,10 +322,26 @@ def test_a_model_too_short_for_the_readability_windows_is_refused_before_trainin
                          eval_sets=("code",))
     with pytest.raises(KTMError, match=r"readability R .* 320 positions .* over this model's "
                                        r"limit of 256: expected no R for this model \(ktm "
-                                       r"pretrain --eval-sets none\)"):
+                                       r"pretrain --eval-sets none; ktm eval without "
+                                       r"--readability\)"):
         pretrain(model, cfg, TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1,
                                          progress=False))
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_eval_readability_on_a_model_too_short_says_what_to_drop(tmp_path, capsys):
+    """`ktm eval --readability` on a local model of 256 positions: the refusal named only
+    `ktm pretrain --eval-sets none`, a flag of another command."""
+    from test_families import save_tiny
+
+    from ktm.cli import main
+
+    save_tiny("gpt2", tmp_path / "gpt2", positions=256)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tmp_path / "gpt2"), "--readability", "code",
+                 "--n-eval", "2", "--json", str(tmp_path / "r.json")]) == 2
+    assert "ktm eval without --readability" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_cli_pretrain_then_train_from_it(tiny_model_dir, corpus, tmp_path, capsys):

@@ -82,6 +82,27 @@ def test_pack_reader_refuses_unregistered_name_and_unfinished_run(tmp_path, regi
         readers.reader_path("nope")
 
 
+def test_pack_reader_refuses_a_run_of_another_model_or_k(tiny_model_dir, tmp_path, monkeypatch,
+                                                        capsys):
+    """A run packed under a reader name of another K, or of the embedded model while it trained
+    a local folder, would replace the shipped reader with one its users cannot load."""
+    monkeypatch.setattr(readers, "HERE", tmp_path / "pkg")
+    monkeypatch.setattr(readers, "READERS", {"tiny-k4": "tiny-k4",
+                                             "smollm2-135m-k2": "smollm2-135m-k2"})
+    run = tmp_path / "run"
+    assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--sources",
+                 str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm",
+                 "--context-tokens", "16", "--target-tokens", "4", "--min-tokens", "8",
+                 "--eval-sets", "none", "--max-steps", "1", "--batch-size", "2",
+                 "--out-dir", str(run), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["pack-reader", str(run), "--name", "tiny-k4"]) == 2
+    assert "says K=4, but the run has K=2" in capsys.readouterr().err
+    assert main(["pack-reader", str(run), "--name", "smollm2-135m-k2"]) == 2
+    assert "is for the embedded model 'smollm2-135m'" in capsys.readouterr().err
+    assert not (tmp_path / "pkg").exists()
+
+
 def test_registered_but_missing_reader_says_how_to_train_it(registry):
     with pytest.raises(KTMError, match="train_readers.sh"):
         KTMModel.load("tiny-k2")

@@ -61,6 +61,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
     if name not in READERS:
         raise KTMError(f"reader name {name!r} is not registered: expected one of "
                        f"{', '.join(sorted(READERS))} (add it to ktm.readers.READERS)")
+    check_name_fits(name, cfg["config"])
 
     def write(tmp: Path) -> None:
         (tmp / ADAPTER).mkdir()
@@ -75,6 +76,21 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
 
     save_atomic(HERE / READERS[name], write)
     return HERE / READERS[name]
+
+
+def check_name_fits(name: str, config: dict) -> None:
+    """A reader named ``MODEL-kN`` (how ``ktm demo`` finds one) must be a K=N checkpoint, and of
+    ``MODEL`` itself when that is an embedded model's name: packing a run of another model or K
+    under it would replace the shipped reader with one its users cannot load."""
+    from ktm.models import EMBEDDED
+
+    stem, _, level = name.rpartition("-k")
+    if level.isdigit() and int(level) != config.get("k"):
+        raise KTMError(f"reader name {name!r} says K={level}, but the run has "
+                       f"K={config.get('k')}: expected a reader name ending in -k{config.get('k')}")
+    if stem in EMBEDDED and config.get("base_model") != stem:
+        raise KTMError(f"reader name {name!r} is for the embedded model {stem!r}, but the run "
+                       f"trained {config.get('base_model')!r}: expected a run of {stem!r}")
 
 
 def run_info(run_dir: str | Path) -> dict:
