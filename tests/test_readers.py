@@ -82,6 +82,14 @@ def test_pack_reader_refuses_unregistered_name_and_unfinished_run(tmp_path, regi
         readers.reader_path("nope")
 
 
+def tiny_pretrain(model_dir, run, *flags) -> int:
+    """``ktm pretrain`` of a K=2 reader on the tiny model's own tokenizer file; its exit code."""
+    return main(["pretrain", "--model", model_dir, "--k", "2", "--sources",
+                 str(model_dir) + "/tokenizer.json", "--objectives", "lm", "--context-tokens",
+                 "16", "--target-tokens", "4", "--min-tokens", "8", "--eval-sets", "none",
+                 "--batch-size", "2", "--out-dir", str(run), "--no-progress", *flags])
+
+
 def test_pack_reader_refuses_a_run_of_another_model_or_k(tiny_model_dir, tmp_path, monkeypatch,
                                                         capsys):
     """A run packed under a reader name of another K, or of the embedded model while it trained
@@ -90,11 +98,7 @@ def test_pack_reader_refuses_a_run_of_another_model_or_k(tiny_model_dir, tmp_pat
     monkeypatch.setattr(readers, "READERS", {"tiny-k4": "tiny-k4",
                                              "smollm2-135m-k2": "smollm2-135m-k2"})
     run = tmp_path / "run"
-    assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--sources",
-                 str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm",
-                 "--context-tokens", "16", "--target-tokens", "4", "--min-tokens", "8",
-                 "--eval-sets", "none", "--max-steps", "1", "--batch-size", "2",
-                 "--out-dir", str(run), "--no-progress"]) == 0
+    assert tiny_pretrain(tiny_model_dir, run, "--max-steps", "1") == 0
     capsys.readouterr()
     assert main(["pack-reader", str(run), "--name", "tiny-k4"]) == 2
     assert "says K=4, but the run has K=2" in capsys.readouterr().err
@@ -123,11 +127,7 @@ def test_pack_reader_refuses_a_run_killed_before_its_last_step(tiny_model_dir, t
 
     monkeypatch.setattr(train_module, "train_step", dies_at_step_3)
     run = tmp_path / "run"
-    assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--sources",
-                 str(tiny_model_dir) + "/tokenizer.json", "--context-tokens", "16",
-                 "--target-tokens", "4", "--min-tokens", "8", "--eval-sets", "none",
-                 "--max-steps", "4", "--save-every", "2", "--batch-size", "2",
-                 "--out-dir", str(run), "--no-progress"]) == 130
+    assert tiny_pretrain(tiny_model_dir, run, "--max-steps", "4", "--save-every", "2") == 130
     capsys.readouterr()
     # it was packed as a finished reader of 2 steps
     assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 2
