@@ -128,6 +128,14 @@ class KTMModel(nn.Module):
                                dtype=dtype_name(dtype), **fields)
         elif fields:
             raise KTMError(f"give config= or options {sorted(fields)}, not both")
+        elif isinstance(base, str) and base != DEFAULT_MODEL:
+            # a base named beside a config: the config's own base must be that one (or the
+            # default, i.e. not set), never silently another
+            if config.base_model not in (DEFAULT_MODEL, base):
+                raise KTMError(f"from_base got base {base!r} and a config whose base_model is "
+                               f"{config.base_model!r}: expected one base model (name it in "
+                               "one place, or give the same in both)")
+            config = replace(config, base_model=base)
         torch_dtype = parse_dtype(config.dtype)
         device = check_device(device)
         if isinstance(base, str):

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -445,3 +447,13 @@ def test_wrong_prompt_and_target_types_are_named(ktm_model, call, match):
     str, silently trained on one prompt per character."""
     with pytest.raises(KTMError, match=match):
         call(ktm_model)
+
+
+def test_a_base_named_beside_a_config_is_the_one_loaded(tiny_model_dir, tiny_bos_model_dir):
+    from ktm.config import KTMConfig
+
+    model = KTMModel.from_base(tiny_model_dir, config=KTMConfig(k=2))  # config without a base
+    assert Path(model.config.base_model).resolve() == Path(tiny_model_dir).resolve()
+    assert model.k == 2
+    with pytest.raises(KTMError, match="one base model"):
+        KTMModel.from_base(tiny_model_dir, config=KTMConfig(base_model=tiny_bos_model_dir))
