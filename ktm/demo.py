@@ -118,7 +118,9 @@ def run_demo(cfg: DemoConfig) -> dict:
     for piece in model.stream(ex.segments, max_new_tokens=4):
         print(piece, end="", flush=True)
     print()
-    result = {"config": asdict(cfg), "start_model": start_name, "start": summary(start),
+    # the base actually trained: a --reader checkpoint without --model brings its own
+    result = {"config": asdict(cfg), "base_model": model.config.base_model,
+              "start_model": start_name, "start": summary(start),
               "trained": summary(trained),
               "prefill": timing, "train_s": train_s, "last_step": last,
               "versions": versions(), "git": git_revision()}

@@ -114,6 +114,14 @@ def test_demo_reads_its_reader_on_the_model_given(capsys, tiny_model_dir, tiny_b
     assert code == 0, err
     saved = json.loads((again / "checkpoint" / "ktm_config.json").read_text())
     assert saved["config"]["base_model"] == str(Path(tiny_bos_model_dir).resolve())
+    assert json.loads((again / "demo.json").read_text())["base_model"] == saved["config"][
+        "base_model"]
+    # without --model the reader brings its own base, and demo.json names that one
+    alone = tmp_path / "alone"
+    assert run(capsys, "demo", "--reader", str(first / "checkpoint"), *flags, "--out-dir",
+               str(alone))[0] == 0
+    assert json.loads((alone / "demo.json").read_text())["base_model"] == str(
+        Path(tiny_model_dir).resolve())
 
 
 def test_a_checkpoint_of_another_size_is_named_in_the_error(capsys, tiny_model_dir, tmp_path):
