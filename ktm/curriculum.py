@@ -14,6 +14,7 @@ from pathlib import Path
 from ktm.errors import KTMError
 from ktm.evaluate import evaluate_classification
 from ktm.fileio import write_text_atomic
+from ktm.provenance import git_revision, versions
 from ktm.tasks.tree import PASS_ACCURACY, TreeTask
 from ktm.tasks.tree_gen import STAGES
 from ktm.train import TrainConfig, train
@@ -51,6 +52,10 @@ def run_curriculum(model, cfg: CurriculumConfig, train_cfg: TrainConfig,
     out.mkdir(parents=True, exist_ok=True)
     stages = STAGES[STAGES.index(cfg.start_stage): STAGES.index(cfg.final_stage) + 1]
     rows: list[dict] = []
+    # what made the rows, in each row of the file (as every result row of ktm has)
+    made_by = {"config": {"curriculum": asdict(cfg), "train": asdict(train_cfg),
+                          "model": model.config_dict, "prompt_mode": prompt_mode},
+               "versions": versions(), "git": git_revision()}
     for stage in stages:
         task = TreeTask(stage=stage, prompt_mode=prompt_mode)
         need = cfg.threshold if cfg.threshold is not None else PASS_ACCURACY[stage]
@@ -74,7 +79,8 @@ def run_curriculum(model, cfg: CurriculumConfig, train_cfg: TrainConfig,
                    "threshold": need, "passed": res["balanced_accuracy"] >= need}
             rows.append(row)
             # this invocation's rows, whole: a resume re-evaluates the finished rounds
-            write_text_atomic(out / "curriculum.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            write_text_atomic(out / "curriculum.jsonl",
+                              "".join(json.dumps({**r, **made_by}) + "\n" for r in rows))
             if row["passed"]:
                 break
         if not rows[-1]["passed"]:

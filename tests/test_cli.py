@@ -6,6 +6,8 @@ import pytest
 
 from ktm.cli import main
 
+PROVENANCE = ("config", "versions", "git")  # what each saved curriculum row adds
+
 
 def run(capsys, *argv):
     code = main(list(argv))
@@ -178,7 +180,11 @@ def test_curriculum_rounds_and_stop(capsys, tiny_model_dir, tmp_path):
     assert rows[0]["stage"] == "small" and rows[0]["round"] == 1
     assert (tmp_path / "small-r1" / "checkpoint").is_dir()
     saved = [json.loads(r) for r in (tmp_path / "curriculum.jsonl").read_text().splitlines()]
-    assert saved == rows
+    assert [{k: v for k, v in r.items() if k not in PROVENANCE} for r in saved] == rows
+    # each saved row says what made it
+    assert all(r["git"] and r["versions"]["torch"] for r in saved)
+    assert saved[0]["config"]["curriculum"]["steps_per_round"] == 1
+    assert saved[0]["config"]["model"]["config"]["base_model"]
 
 
 def test_curriculum_starts_from_a_reader(capsys, tiny_model_dir, tmp_path):
@@ -478,6 +484,7 @@ def test_curriculum_resumes_a_run_killed_in_a_later_round(capsys, tiny_model_dir
     assert code in (0, 1), err
     rows = [json.loads(r) for r in out.strip().splitlines()]
     saved = [json.loads(r) for r in (tmp_path / "curriculum.jsonl").read_text().splitlines()]
+    saved = [{k: v for k, v in r.items() if k not in PROVENANCE} for r in saved]
     assert saved == rows and len(rows) >= 2
     assert len({(r["stage"], r["round"]) for r in rows}) == len(rows)
 
