@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
-from ktm.tasks.jsonl import read_jsonl
+from ktm.tasks.jsonl import base_name, is_gzip, read_jsonl
 
 EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
                    "heldout_repos_test.jsonl.gz")
@@ -88,7 +88,7 @@ def autoencode_window(doc: np.ndarray, spec: WindowSpec, rng: random.Random, sou
 
 # ------------------------------------------------------------------ texts
 def _refuse_eval_only(path: Path) -> None:
-    hit = set(path.parts).intersection(EVAL_ONLY_NAMES)
+    hit = {base_name(p) for p in path.parts}.intersection(base_name(n) for n in EVAL_ONLY_NAMES)
     if hit:
         raise KTMError(f"{path} is an evaluation-only set ({sorted(hit)[0]}): it is never used "
                        "for training, not even its text; expected training text")
@@ -111,7 +111,7 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
             out.append(value)
         return out
     try:
-        if name.endswith(".gz"):  # a gzipped text file (the folder listing takes .gz)
+        if is_gzip(path):  # a gzipped text file, whatever its name (the folder listing takes .gz)
             with gzip.open(path, "rt", encoding="utf-8-sig") as f:
                 return [f.read()]
         return [path.read_text(encoding="utf-8-sig")]  # a byte-order mark is not text

@@ -549,3 +549,18 @@ def test_plain_tokens_covering_every_window_are_refused(tiny_model_dir, corpus, 
         pretrain(model, small_cfg(corpus), TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1,
                                                        progress=False))
     assert not (tmp_path / "x").exists()
+
+
+def test_uncompressed_heldout_copy_is_refused_as_training_text(tmp_path) -> None:
+    for name in ("heldout_repos_test.jsonl", "amazon_other_categories_2018.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"text": "held out"}) + "\n")
+        with pytest.raises(KTMError, match="evaluation-only"):
+            path_texts(str(tmp_path / name))
+
+
+def test_gzipped_text_under_a_plain_name_is_read_as_text(tmp_path) -> None:
+    import gzip
+
+    path = tmp_path / "notes.txt"
+    path.write_bytes(gzip.compress(b"plain words"))
+    assert path_texts(str(path)) == ["plain words"]

@@ -189,6 +189,38 @@ def test_eval_only_files_are_accepted_as_eval_path(tmp_path: Path) -> None:
     assert len(commits.eval_examples(100, seed=0)) == 5
 
 
+def test_a_copy_gzipped_or_not_is_read_and_still_held_out(tmp_path: Path, monkeypatch) -> None:
+    """$KTM_DATA may hold the files uncompressed (or gzipped under a plain name): the default file
+    is found either way, and an uncompressed held-out set is still refused as training data."""
+    monkeypatch.setenv("KTM_DATA", str(tmp_path))
+    _write(tmp_path / "amazon_reviews_fashion" / "amazon_fashion_2018_combined.jsonl", _reviews())
+    assert len(AmazonTask(test_size=4).reviews) == 40
+    plain_named = tmp_path / "commitpackft_python" / "commitpackft_style_python_mined.jsonl.gz"
+    plain_named.parent.mkdir()
+    plain_named.write_text("".join(json.dumps(r) + "\n" for r in _commits()))  # not gzipped
+    assert len(CommitPackTask(test_size=4).all_commits) == 40
+    trees = [{"indent_tree": t.text, "edges": [list(e) for e in t.edges]}
+             for t in generate_trees(stage_config("small"), 5)]
+    _write(tmp_path / "textualized_tree" / "trees_small_seed42_first10000.jsonl", trees)
+    task = TreeTask(stage="small")  # "auto" reads the copy instead of generating 10,000 trees
+    assert task.path is not None and len(task.trees) == 5
+    heldout = _write(tmp_path / "heldout_repos_test.jsonl", _commits())
+    with pytest.raises(KTMError, match="evaluation-only"):
+        CommitPackTask(data_path=heldout)
+    other = _write(tmp_path / "amazon_other_categories_2018.jsonl", _reviews())
+    with pytest.raises(KTMError, match="evaluation-only"):
+        AmazonTask(data_path=other)
+
+
+def test_missing_default_file_names_folder_and_ktm_data(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KTM_DATA", str(tmp_path))
+    with pytest.raises(KTMError) as e:
+        AmazonTask()
+    msg = str(e.value)
+    assert "amazon_fashion_2018_combined.jsonl.gz" in msg and f"$KTM_DATA={tmp_path}" in msg
+    assert f"data folder {tmp_path}" in msg
+
+
 @pytest.mark.skipif(not (data_root() / "amazon_reviews_other").is_dir(), reason="no shared data")
 def test_shipped_eval_only_files_are_refused() -> None:
     with pytest.raises(KTMError, match="evaluation-only"):

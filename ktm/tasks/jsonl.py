@@ -42,14 +42,28 @@ def set_data_dir(path: str | Path) -> Path:
 def resolve_data_path(path: str | Path | None, default: str) -> Path:
     """``path`` if given, else ``default`` under ``data_root()``; a missing file is an error."""
     resolved = Path(path).expanduser() if path is not None else data_root() / default
+    if path is None and not resolved.is_file():
+        # a user's copy may be stored uncompressed (or gzipped) under the other name
+        other = (resolved.with_name(resolved.name[:-3]) if resolved.name.endswith(".gz")
+                 else resolved.with_name(resolved.name + ".gz"))
+        if other.is_file():
+            return other
     if not resolved.is_file():
-        how = (
-            "pass an existing file" if path is not None
-            else "set KTM_DATA (or --data-dir) to the folder holding the data, or pass "
-            "data_path; README, Data, says where to get it"
-        )
+        if path is not None:
+            how = "pass an existing file"
+        else:
+            env = os.environ.get("KTM_DATA")
+            root = f"$KTM_DATA={env}" if env else "$KTM_DATA is not set"
+            how = (f"looked for {default} (or without .gz) in the data folder {data_root()}, "
+                   f"{root}; set KTM_DATA (or --data-dir) to the folder holding the data, or "
+                   "pass data_path; README, Data, says where to get it")
         raise KTMError(f"data file not found: {resolved} ({how})")
     return resolved
+
+
+def base_name(name: str) -> str:
+    """``name`` without a trailing ``.gz``: a held-out file is the same set gzipped or not."""
+    return name[:-3] if name.lower().endswith(".gz") else name
 
 
 def refuse_eval_only(path: Path, eval_only: tuple[str, ...], what: str) -> None:
@@ -58,17 +72,24 @@ def refuse_eval_only(path: Path, eval_only: tuple[str, ...], what: str) -> None:
     Why by name: these files are held out on purpose (other domains / other repositories), and the
     cheapest reliable guard is to refuse the shipped file or folder names outright.
     """
-    names = {path.name, path.parent.name}
-    hit = names.intersection(eval_only)
+    names = {base_name(path.name), base_name(path.parent.name)}
+    hit = names.intersection(base_name(n) for n in eval_only)
     if hit:
         raise KTMError(
             f"{path} is evaluation-only ({what}); expected training data, so pass it as eval_path"
         )
 
 
+def is_gzip(path: Path) -> bool:
+    """Whether ``path`` starts with the gzip magic bytes (a user's copy may be gzipped or not,
+    whatever its name says)."""
+    with path.open("rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def _open_text(path: Path) -> TextIO:
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of line 1's JSON
-    if path.suffix == ".gz":
+    if is_gzip(path):
         return gzip.open(path, "rt", encoding="utf-8-sig")
     return path.open("r", encoding="utf-8-sig")
 
@@ -125,7 +146,7 @@ def read_jsonl(
     except FileNotFoundError:
         raise KTMError(f"data file not found: {path} (expected a JSONL or JSONL.gz file)") from None
     except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise KTMError(f"cannot read {path}: {e} (expected UTF-8 JSONL, gzip if .gz)") from e
+        raise KTMError(f"cannot read {path}: {e} (expected UTF-8 JSONL, gzipped or not)") from e
 
 
 def task_files(task, default: str, eval_only: tuple[str, ...], what: str

@@ -100,7 +100,8 @@ class TreeTask:
             raise KTMError(f"num_trees={self.num_trees}: expected at least 2 (train and test)")
         test_size_from_fraction(2, self.test_fraction)  # validates the fraction early
         self.path: Path | None = None
-        default_exists = (data_root() / stage_file(self.stage)).is_file()
+        default = data_root() / stage_file(self.stage)
+        default_exists = default.is_file() or default.with_name(default.name[:-3]).is_file()
         if self.source == "file" or self.data_path is not None or (
             self.source == "auto" and default_exists
         ):
