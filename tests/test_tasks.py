@@ -242,6 +242,14 @@ def test_amazon_labels_truncation_and_empty_reviews(tmp_path: Path) -> None:
     assert ex.target == " positive" and ex.label == "positive"
 
 
+@pytest.mark.parametrize("rating", [10, 0, 0.8, "NaN"])
+def test_amazon_rating_on_another_scale_is_an_error(tmp_path: Path, rating) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"text": "good", "rating": 5}\n' + f'{{"text": "meh", "rating": {rating}}}\n')
+    with pytest.raises(KTMError, match=r"r\.jsonl line 2: field 'rating' is .*expected 1 to 5"):
+        AmazonTask(data_path=path, test_size=1).train_examples(1, 0)
+
+
 def test_amazon_eval_keeps_natural_distribution(tmp_path: Path) -> None:
     rows = [{"text": f"r{i}", "rating": 5.0 if i % 4 else 1.0} for i in range(100)]
     task = AmazonTask(data_path=_write(tmp_path / "r.jsonl", rows), test_size=40)

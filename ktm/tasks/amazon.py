@@ -2,8 +2,9 @@
 
 Data: ``amazon_reviews_fashion/amazon_fashion_2018_combined.jsonl.gz`` (2018 crawl; the paper used
 the 2023 one, see its PROVENANCE.md). Rows carry ``text`` and ``rating``; the original 2018 schema
-(``reviewText``, ``overall``) is read too. Reviews with empty text are skipped, and text is cut to
-``max_chars`` characters (default 1000) so one long review cannot dominate a CPU run.
+(``reviewText``, ``overall``) is read too; a rating outside 1-5 stars is an error. Reviews with
+empty text are skipped, and text is cut to ``max_chars`` characters (default 1000) so one long
+review cannot dominate a CPU run.
 
 Target text: the prompt ends with ``"Label:"`` and the target is ``" positive"`` / ``" negative"``
 with a leading space, because BPE tokenizers spell a word after a space as one " word" token; the
@@ -35,6 +36,7 @@ OTHER_CATEGORIES_FILE = "amazon_reviews_other/amazon_other_categories_2018.jsonl
 EVAL_ONLY = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz")
 SENTIMENT_LABELS: tuple[str, ...] = ("positive", "negative")
 POSITIVE_ABOVE = 3.5  # ratings are whole stars, so 4 and 5 are positive
+MIN_RATING, MAX_RATING = 1, 5  # a rating on another scale (0-10, 0-1) is an error, not a label
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ def load_reviews(path: Path, max_chars: int | None, for_training: bool = True) -
         if isinstance(rating, bool) or not isinstance(rating, int | float):
             got = type(rating).__name__
             raise row_error(path, line_no, f"field 'rating' must be a number, got {got}")
+        if not MIN_RATING <= rating <= MAX_RATING:  # also NaN: another scale would mislabel
+            raise row_error(path, line_no, f"field 'rating' is {rating}: expected 1 to 5 stars")
         text = text.strip()
         if not text:
             continue
