@@ -146,6 +146,32 @@ def test_malformed_rows_inside_tasks(tmp_path: Path) -> None:
         CommitPackTask(data_path=bad_commit, test_size=1).train_examples(1, 0)
 
 
+@pytest.mark.parametrize(
+    ("tree", "edges", "expected"),
+    [
+        ("AA\n+BB\n+CC", [["AA", "BB"], ["AA", "ZZ"]], "'edges' does not match"),
+        ("AA\n+BB\n\n+CC", [["AA", "BB"], ["AA", "CC"]], "tree line 3 '': expected"),
+        ("AA\n+BB\n+BB", [["AA", "BB"], ["AA", "BB"]], "name 'BB' appears twice"),
+        ("AA\n++BB", [["AA", "BB"]], "depth 2 does not follow"),
+        ("AA\nBB", [], "depth 0 does not follow"),
+    ],
+)
+def test_tree_text_and_edges_must_agree(tmp_path: Path, tree, edges, expected) -> None:
+    path = _write(tmp_path / "t.jsonl", [{"indent_tree": "AA\n+BB", "edges": [["AA", "BB"]]},
+                                         {"indent_tree": tree, "edges": edges}])
+    with pytest.raises(KTMError, match=rf"t\.jsonl line 2: .*{expected}"):
+        _ = TreeTask(data_path=path).trees
+
+
+def test_tree_trailing_newline_and_crlf_are_not_nodes(tmp_path: Path) -> None:
+    rows = [{"indent_tree": "AA\r\n+BB\r\n+CC\n", "edges": [["AA", "BB"], ["AA", "CC"]]}] * 2
+    task = TreeTask(data_path=_write(tmp_path / "t.jsonl", rows))
+    assert task.trees[0].nodes == ("AA", "BB", "CC")
+    for ex in task.train_examples(50, seed=0):
+        assert ex.meta["parent"] in "AA BB CC" and ex.meta["child"] in "AA BB CC"
+        assert "\r" not in ex.segments[0].text
+
+
 def test_missing_file_says_which_path_and_how_to_fix(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(KTMError, match=r"not found: .*nope\.jsonl \(pass an existing file\)"):
         AmazonTask(data_path=tmp_path / "nope.jsonl")

@@ -66,10 +66,43 @@ def load_trees(path: Path, limit: int | None = None) -> list[Tree]:
         edges = row["edges"]
         if not all(isinstance(e, list) and [type(x) for x in e] == [str, str] for e in edges):
             raise row_error(path, line_no, "field 'edges' must be a list of [parent, child] names")
-        if not row["indent_tree"]:
+        # a trailing newline or Windows line ends are not part of the tree
+        text = row["indent_tree"].replace("\r\n", "\n").strip("\n")
+        if not text:
             raise row_error(path, line_no, "field 'indent_tree' must be a non-empty tree text")
-        trees.append(Tree(row["indent_tree"], tuple((p, c) for p, c in edges)))
+        problem = _tree_problem(text, edges)
+        if problem:
+            raise row_error(path, line_no, problem)
+        trees.append(Tree(text, tuple((p, c) for p, c in edges)))
     return trees
+
+
+def _tree_problem(text: str, edges: list[list[str]]) -> str | None:
+    """Why ``text`` is not a tree in the shipped format matching ``edges``, or None.
+
+    Checked because questions are drawn from both: a blank line, a repeated name or an edge the
+    text does not show would silently give wrong labels.
+    """
+    seen: set[str] = set()
+    stack: list[str] = []  # the names on the path from the root to the previous line
+    derived: set[tuple[str, str]] = set()
+    for k, line in enumerate(text.split("\n"), start=1):
+        name = line.lstrip("+")
+        depth = len(line) - len(name)
+        if not name.strip() or name != name.strip():
+            return f"tree line {k} {line!r}: expected '+' * depth then a name, no blanks"
+        if name in seen:
+            return f"tree line {k}: name {name!r} appears twice; expected unique node names"
+        if depth > len(stack) or (k > 1 and depth == 0):
+            return f"tree line {k} {line!r}: depth {depth} does not follow the line above"
+        del stack[depth:]
+        if stack:
+            derived.add((stack[-1], name))
+        stack.append(name)
+        seen.add(name)
+    if set(map(tuple, edges)) != derived or len(edges) != len(derived):
+        return "field 'edges' does not match the tree in 'indent_tree' (parent: one '+' less)"
+    return None
 
 
 @dataclass
