@@ -313,6 +313,13 @@ def test_cycle_balanced_errors_and_uneven_groups() -> None:
     assert sorted(out).count(7) == 3 and len(out) == 5
 
 
+def test_commitpack_blank_new_contents_is_not_an_example(tmp_path: Path) -> None:
+    rows = _commits(10) + [{"old_contents": "x = 1\n", "new_contents": " \n", "subject": "Drop x"}]
+    task = CommitPackTask(data_path=_write(tmp_path / "c.jsonl", rows), test_size=2)
+    assert len(task.all_commits) == 10
+    assert all(ex.target.strip() for ex in task.train_examples(30, 0) + task.eval_examples(9, 0))
+
+
 def test_commitpack_prompt_and_length_filter(tmp_path: Path) -> None:
     header = "Update the old python code content based on the instrutions.\nOld Content: "
     tail = "\nInstructions: Fix it\nNew Content:\n"

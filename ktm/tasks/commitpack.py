@@ -4,7 +4,7 @@ Scored by perplexity of ``new_contents``. Data: ``commitpackft_style_python_mine
 ``commitpackft_python/`` (real commits mined with CommitPackFT's rules, see its PROVENANCE.md).
 Records are kept only when ``len(old_contents) + len(new_contents) <= max_chars`` (default 3000
 characters, about 1,000 tokens, 977 of the 7,857 shipped records) so a CPU run fits; pass
-``max_chars=None`` for all.
+``max_chars=None`` for all. Records with a blank ``new_contents`` are skipped (nothing to score).
 ``heldout_repos_test.jsonl.gz`` (five repositories absent from the main file) is evaluation only:
 give it as ``eval_path``; it is refused as training data.
 
@@ -55,9 +55,14 @@ def commit_prompt(old: str, subject: str, mode: PromptMode) -> tuple[Segment, ..
 
 
 def load_commits(path: Path, max_chars: int | None) -> list[Commit]:
-    """Records whose old + new code is at most ``max_chars`` characters (all when None)."""
+    """Records whose old + new code is at most ``max_chars`` characters (all when None).
+
+    A record whose ``new_contents`` is blank (a deleted file) is skipped: there is no target to
+    score (CommitPackFT keeps none; the shipped files have none).
+    """
     return _fit(path, [Commit(row["old_contents"], row["new_contents"], row["subject"], line_no)
-                       for line_no, row in read_jsonl(path, FIELDS)], max_chars)
+                       for line_no, row in read_jsonl(path, FIELDS)
+                       if row["new_contents"].strip()], max_chars)
 
 
 def _fit(path: Path, commits: list[Commit], max_chars: int | None) -> list[Commit]:
