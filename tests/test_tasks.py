@@ -320,6 +320,15 @@ def test_commitpack_blank_new_contents_is_not_an_example(tmp_path: Path) -> None
     assert all(ex.target.strip() for ex in task.train_examples(30, 0) + task.eval_examples(9, 0))
 
 
+def test_too_few_records_for_the_split_names_the_file(tmp_path: Path) -> None:
+    reviews = _write(tmp_path / "few_reviews.jsonl", _reviews(5))
+    with pytest.raises(KTMError, match=r"few_reviews\.jsonl has 5 non-empty reviews: test_size"):
+        AmazonTask(data_path=reviews).train_examples(1, 0)
+    commits = _write(tmp_path / "one_commit.jsonl", _commits(1))
+    with pytest.raises(KTMError, match=r"one_commit\.jsonl has 1 records: test_size"):
+        CommitPackTask(data_path=commits).train_examples(1, 0)
+
+
 def test_commitpack_prompt_and_length_filter(tmp_path: Path) -> None:
     header = "Update the old python code content based on the instrutions.\nOld Content: "
     tail = "\nInstructions: Fix it\nNew Content:\n"

@@ -105,7 +105,11 @@ class CommitPackTask:
         n = len(self.all_commits)
         size = self.test_size if self.test_size is not None else test_size_from_fraction(
             n, self.test_fraction)
-        return split_indices(n, size, self.split_seed)
+        try:
+            return split_indices(n, size, self.split_seed)
+        except KTMError as e:  # say which file is too small: it may be a user's own copy
+            raise KTMError(f"{self.path} has {n} records: {e}; lower test_size or give more "
+                           "records") from None
 
     def train_side(self) -> list[Commit]:
         """The train side of the split at every length: the text reader pretraining may use."""
