@@ -133,11 +133,8 @@ class AmazonTask:
 
     @cached_property
     def _split(self) -> tuple[list[int], list[int]]:
-        try:
-            return split_indices(len(self.reviews), self.test_size, self.split_seed)
-        except KTMError as e:  # say which file is too small: it may be a user's own copy
-            raise KTMError(f"{self.path} has {len(self.reviews)} non-empty reviews: {e}; "
-                           "lower test_size or give more reviews") from None
+        return split_indices(len(self.reviews), self.test_size, self.split_seed,
+                             source=str(self.path), items="non-empty reviews")
 
     def parse_label(self, text: str) -> str | None:
         return _parse_label(text, SENTIMENT_LABELS)

@@ -105,11 +105,7 @@ class CommitPackTask:
         n = len(self.all_commits)
         size = self.test_size if self.test_size is not None else test_size_from_fraction(
             n, self.test_fraction)
-        try:
-            return split_indices(n, size, self.split_seed)
-        except KTMError as e:  # say which file is too small: it may be a user's own copy
-            raise KTMError(f"{self.path} has {n} records: {e}; lower test_size or give more "
-                           "records") from None
+        return split_indices(n, size, self.split_seed, source=str(self.path), items="records")
 
     def train_side(self) -> list[Commit]:
         """The train side of the split at every length: the text reader pretraining may use."""

@@ -8,16 +8,21 @@ import random
 from ktm.errors import KTMError
 
 
-def split_indices(n: int, test_size: int, seed: int) -> tuple[list[int], list[int]]:
+def split_indices(n: int, test_size: int, seed: int, source: str | None = None,
+                  items: str = "items") -> tuple[list[int], list[int]]:
     """Shuffle ``range(n)`` with ``random.Random(seed)``; the first ``test_size`` are the test set.
 
-    Both parts come back sorted, so iteration order does not depend on the shuffle.
+    Both parts come back sorted, so iteration order does not depend on the shuffle. ``source``
+    (a file) and ``items`` (what it holds) name what is too small when the split cannot be made:
+    it may be a user's own copy of the data.
     """
     if not 0 < test_size < n:
-        raise KTMError(
-            f"test_size={test_size} with {n} items: expected 0 < test_size < {n} so both "
-            "train and test are non-empty"
-        )
+        problem = (f"test_size={test_size} with {n} items: expected 0 < test_size < {n} so both "
+                   "train and test are non-empty")
+        if source is None:
+            raise KTMError(problem)
+        raise KTMError(f"{source} has {n} {items}: {problem}; lower test_size or give more "
+                       f"{items}")
     order = list(range(n))
     random.Random(seed).shuffle(order)
     return sorted(order[test_size:]), sorted(order[:test_size])
