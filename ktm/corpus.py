@@ -18,7 +18,6 @@ loss covers (the plain continuation, or the context itself for autoencoding).
 
 from __future__ import annotations
 
-import gzip
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
-from ktm.tasks.jsonl import base_name, is_gzip, read_jsonl
+from ktm.tasks.jsonl import base_name, open_text, read_jsonl
 
 EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
                    "heldout_repos_test.jsonl.gz")
@@ -111,10 +110,9 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
             out.append(value)
         return out
     try:
-        if is_gzip(path):  # a gzipped text file, whatever its name (the folder listing takes .gz)
-            with gzip.open(path, "rt", encoding="utf-8-sig") as f:
-                return [f.read()]
-        return [path.read_text(encoding="utf-8-sig")]  # a byte-order mark is not text
+        # gzipped or not, whatever its name (the folder listing takes .gz); a BOM is not text
+        with open_text(path) as f:
+            return [f.read()]
     except (OSError, EOFError) as e:
         raise KTMError(f"cannot read {path}: {e} (expected a text file, gzip if .gz)") from None
     except UnicodeDecodeError as e:

@@ -39,15 +39,21 @@ def set_data_dir(path: str | Path) -> Path:
     return root
 
 
+def find_data_file(default: str) -> Path | None:
+    """``default`` under ``data_root()``, or the same name gzipped or not (a user's copy may be
+    stored either way); None when neither is there."""
+    path = data_root() / default
+    other = (path.with_name(path.name[:-3]) if path.name.endswith(".gz")
+             else path.with_name(path.name + ".gz"))
+    return next((p for p in (path, other) if p.is_file()), None)
+
+
 def resolve_data_path(path: str | Path | None, default: str) -> Path:
-    """``path`` if given, else ``default`` under ``data_root()``; a missing file is an error."""
+    """``path`` if given, else ``default`` under ``data_root()`` (gzipped or not); a missing
+    file is an error."""
+    if path is None and (found := find_data_file(default)) is not None:
+        return found
     resolved = Path(path).expanduser() if path is not None else data_root() / default
-    if path is None and not resolved.is_file():
-        # a user's copy may be stored uncompressed (or gzipped) under the other name
-        other = (resolved.with_name(resolved.name[:-3]) if resolved.name.endswith(".gz")
-                 else resolved.with_name(resolved.name + ".gz"))
-        if other.is_file():
-            return other
     if not resolved.is_file():
         if path is not None:
             how = "pass an existing file"
@@ -87,8 +93,9 @@ def is_gzip(path: Path) -> bool:
         return f.read(2) == b"\x1f\x8b"
 
 
-def _open_text(path: Path) -> TextIO:
-    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of line 1's JSON
+def open_text(path: Path) -> TextIO:
+    """A text file, gzipped or not whatever its name says, as UTF-8; utf-8-sig: a byte-order
+    mark (Windows editors write one) is not part of its text (or of line 1's JSON)."""
     if is_gzip(path):
         return gzip.open(path, "rt", encoding="utf-8-sig")
     return path.open("r", encoding="utf-8-sig")
@@ -139,7 +146,7 @@ def read_jsonl(
     object carrying each required field with the given type.
     """
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             for line_no, line in enumerate(f, start=1):
                 if line.strip():
                     yield line_no, parse_row(path, line_no, line, fields or {})

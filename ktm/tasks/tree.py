@@ -18,7 +18,7 @@ from typing import Literal
 from ktm.errors import KTMError
 from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
-from ktm.tasks.jsonl import data_root, read_jsonl, resolve_data_path, row_error
+from ktm.tasks.jsonl import find_data_file, read_jsonl, resolve_data_path, row_error
 from ktm.tasks.labels import parse_label as _parse_label
 from ktm.tasks.split import split_indices, test_size_from_fraction
 from ktm.tasks.tree_gen import STAGES, Tree, generate_trees, stage_config
@@ -133,8 +133,7 @@ class TreeTask:
             raise KTMError(f"num_trees={self.num_trees}: expected at least 2 (train and test)")
         test_size_from_fraction(2, self.test_fraction)  # validates the fraction early
         self.path: Path | None = None
-        default = data_root() / stage_file(self.stage)
-        default_exists = default.is_file() or default.with_name(default.name[:-3]).is_file()
+        default_exists = find_data_file(stage_file(self.stage)) is not None
         if self.source == "file" or self.data_path is not None or (
             self.source == "auto" and default_exists
         ):
