@@ -362,13 +362,11 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:
-        from ktm.corpus import heldout_windows
-        from ktm.readability import READ_SPEC, heldout_readability
+        from ktm.readability import heldout_readability, heldout_sets
 
         # read now, so that a missing data folder fails before training, not after it
-        cache: dict = {(name, config.n_eval_windows, 0): heldout_windows(
-            model.tokenizer, name, config.n_eval_windows, READ_SPEC, 0)
-            for name in config.eval_sets}
+        cache: dict = {}
+        heldout_sets(model.tokenizer, config.eval_sets, config.n_eval_windows, cache=cache)
 
         def evaluate(m) -> dict:
             r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)

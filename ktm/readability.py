@@ -126,19 +126,20 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
             "tokens_in": tokens_in / len(windows), "tokens_out": tokens_out / len(windows)}
 
 
+def heldout_sets(tokenizer, sets: Sequence[str], n: int, seed: int = 0,
+                 cache: dict | None = None) -> dict[str, list[Window]]:
+    """The ``n`` held-out windows of each set, read once per (set, n, seed) into ``cache``."""
+    cache = {} if cache is None else cache
+    for name in sets:
+        if (name, n, seed) not in cache:
+            cache[(name, n, seed)] = heldout_windows(tokenizer, name, n, READ_SPEC, seed)
+    return {name: cache[(name, n, seed)] for name in sets}
+
+
 def heldout_readability(model, sets: Sequence[str] = ("reviews", "code"), n: int = 64,
                         seed: int = 0, progress: bool = False,
                         _cache: dict | None = None) -> dict:
     """R per held-out set (``reviews``: other product categories, ``code``: unseen repos)."""
     check_read_positions(model)
-    out = {}
-    for name in sets:
-        key = (name, n, seed)
-        if _cache is not None and key in _cache:
-            windows = _cache[key]
-        else:
-            windows = heldout_windows(model.tokenizer, name, n, READ_SPEC, seed)
-            if _cache is not None:
-                _cache[key] = windows
-        out[name] = readability(model, windows, progress=progress)
-    return out
+    windows = heldout_sets(model.tokenizer, sets, n, seed, _cache)
+    return {name: readability(model, windows[name], progress=progress) for name in sets}
