@@ -21,7 +21,7 @@ from ktm.label_scoring import check_scoring, decide, label_logprobs, label_prior
 from ktm.metrics import accuracy, balanced_accuracy, length_reduction, perplexity
 from ktm.tasks.base import Example
 from ktm.tasks.labels import parse_label
-from ktm.timing import clock
+from ktm.timing import timed
 
 
 def eval_mode_call(fn):
@@ -74,9 +74,9 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
-        t1 = clock(model.device)  # the encoder's kernels, not only their launch, on CUDA
-        prefixes = model.encode_prompts(prompts, merge)
-        compress_s += clock(model.device) - t1
+        # the encoder's kernels, not only their launch, on CUDA
+        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
+        compress_s += seconds
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
         texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
@@ -148,9 +148,9 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
-        t1 = clock(model.device)  # the encoder's kernels, not only their launch, on CUDA
-        prefixes = model.encode_prompts(prompts, merge)
-        compress_s += clock(model.device) - t1
+        # the encoder's kernels, not only their launch, on CUDA
+        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
+        compress_s += seconds
         out = model(prompts, [e.target for e in batch], merge=merge, prefixes=prefixes)
         nll += float(out.nll.sum())
         n_tok += int(out.n_tokens.sum())

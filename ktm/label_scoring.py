@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
-from ktm.timing import clock
+from ktm.timing import timed
 
 SCORINGS = ("generate", "likelihood")
 
@@ -46,9 +46,9 @@ def label_logprobs(model, examples: Sequence[Example], targets: Sequence[str], *
     rows, before, after, compress_s = [], 0, 0, 0.0
     for i in tqdm(range(0, len(examples), batch_size), desc=desc, disable=not progress):
         prompts = [e.segments for e in examples[i:i + batch_size]]
-        t0 = clock(model.device)  # the encoder's kernels, not only their launch, on CUDA
-        prefixes = model.encode_prompts(prompts, merge)
-        compress_s += clock(model.device) - t0
+        # the encoder's kernels, not only their launch, on CUDA
+        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
+        compress_s += seconds
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
         cols = [model(prompts, [t] * len(prompts), merge=merge, prefixes=prefixes).nll

@@ -12,3 +12,10 @@ def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def timed(device: torch.device, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and the seconds its device work took (``clock`` at both ends)."""
+    t0 = clock(device)
+    out = fn(*args, **kwargs)
+    return out, clock(device) - t0

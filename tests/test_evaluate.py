@@ -27,7 +27,7 @@ def test_merging_time_waits_for_the_device(ktm_model, monkeypatch):
     """compression_s times the encoder's kernels on CUDA, not only their launch: every clock
     read around the merging waits for the model's device (``ktm.timing.clock``)."""
     import ktm.evaluate as evaluate
-    import ktm.label_scoring as label_scoring
+    import ktm.timing as timing
 
     seen = []
 
@@ -35,8 +35,7 @@ def test_merging_time_waits_for_the_device(ktm_model, monkeypatch):
         seen.append(device)
         return float(len(seen))  # each timed merging takes 1 s on this clock
 
-    monkeypatch.setattr(evaluate, "clock", fake_clock)
-    monkeypatch.setattr(label_scoring, "clock", fake_clock)
+    monkeypatch.setattr(timing, "clock", fake_clock)  # what ktm.timing.timed reads
     labelled = [Example(e.segments, label) for e, label in zip(EXAMPLES, ("yes", "no"))]
     rows = [evaluate_perplexity(ktm_model, EXAMPLES, batch_size=1),
             evaluate.evaluate_classification(ktm_model, labelled, ["yes", "no"], batch_size=1,
