@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from ktm.errors import KTMError
+from ktm.fileio import read_metrics
 
 TASK_METRICS = ("balanced_accuracy", "perplexity", "accuracy")  # the first one an eval has
 
@@ -36,17 +37,11 @@ def _name(path: Path) -> str:
 def load_curve(path: str | Path) -> dict:
     """``{"run": name, "points": [{"step", "cpu_min", "metrics": {name: value}}], "config"}``."""
     path = Path(path)
+    if not path.is_file():
+        raise KTMError(f"metrics file {str(path)!r} cannot be read as JSONL: no such file")
     try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        rows = []
-        for i, line in enumerate(lines):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i < len(lines) - 1:
-                    raise
-                # a run killed mid-write leaves a half line: drop it, as a resume does
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        rows = read_metrics(path)  # a half line a killed run left is dropped, as a resume does
+    except (OSError, UnicodeDecodeError) as e:
         raise KTMError(f"metrics file {str(path)!r} cannot be read as JSONL: {e}") from e
     points = []
     for r in rows:

@@ -1,4 +1,5 @@
 """Crash-safe writes: a reader sees the old file or the new one, never half of one, never none.
+And the one append-only log, ``metrics.jsonl``, read as a crash left it (``read_metrics``).
 
 Every file is written to a temp file beside its destination, flushed and fsynced, then renamed
 over it (``atomic_open``). A folder (a checkpoint) is written whole into a temp folder, fsynced,
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
+
+from ktm.errors import KTMError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -160,3 +163,22 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics file; a half-written last line (a crash mid-write) is dropped."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise KTMError(f"{str(path)!r} line {i + 1} is not JSON ({e}): the metrics file is "
+                           "corrupt") from e
+    return rows

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from ktm import distributed
 from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
 from ktm.errors import KTMError
-from ktm.fileio import existing_dir, write_json_atomic, write_text_atomic
+from ktm.fileio import existing_dir, read_metrics, write_json_atomic, write_text_atomic
 
 CHECKPOINT = "checkpoint"
 METRICS = "metrics.jsonl"
@@ -199,25 +199,6 @@ def load_checkpoint(model, opt, out: Path, cfg, data: dict,
 
 
 # ---------------------------------------------------------------- metrics and run.json
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics file; a half-written last line (a crash mid-write) is dropped."""
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                break
-            raise KTMError(f"{str(path)!r} line {i + 1} is not JSON ({e}): the metrics file is "
-                           "corrupt") from e
-    return rows
-
-
 def trim_metrics(path: Path, step: int) -> None:
     """Drop rows logged after the checkpoint we resume from; they will be logged again."""
     if path.exists():
