@@ -27,6 +27,7 @@ from ktm.config import KTMConfig
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
 from ktm.fileio import replace_dir, write_json_atomic
+from ktm.lora import peft_wrapping
 from ktm.provenance import versions
 
 CONFIG = "ktm_config.json"
@@ -253,7 +254,8 @@ def load_peft(lm, directory: str | Path, trainable: bool) -> PeftModel:
     """The base LM with the checkpoint's LoRA adapter (trainable adapter weights stay fp32)."""
     path = Path(directory) / ADAPTER
     try:
-        return PeftModel.from_pretrained(lm, str(path), is_trainable=trainable)
+        with peft_wrapping():
+            return PeftModel.from_pretrained(lm, str(path), is_trainable=trainable)
     except FILE_ERRORS as e:
         raise KTMError(f"LoRA adapter in {str(path)!r} is missing or corrupt, or does not fit the "
                        f"base model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"

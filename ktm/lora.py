@@ -14,6 +14,10 @@ defaults and refused when asked for.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from peft import LoraConfig
 from torch import nn
@@ -143,3 +147,15 @@ def adapted_modules(peft_model: nn.Module) -> dict[str, int]:
             short = name.rsplit(".", 1)[-1]
             counts[short] = counts.get(short, 0) + 1
     return dict(sorted(counts.items()))
+
+
+@contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Wrap a base model in PEFT (``get_peft_model``, ``PeftModel.from_pretrained``) without
+    transformers' FutureWarning that ``is_gradient_checkpointing`` is deprecated: PEFT's
+    ``PeftModel.__init__`` reads that property of every model it wraps, so each model ktm built
+    or loaded printed it to the user. Only that message is silenced, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield

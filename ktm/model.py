@@ -26,7 +26,7 @@ from ktm.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_
 from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
-from ktm.lora import adapted_modules, lora_config, resolve_targets
+from ktm.lora import adapted_modules, lora_config, peft_wrapping, resolve_targets
 from ktm.models import (
     check_decoder_with_cache,
     check_device,
@@ -167,8 +167,9 @@ class KTMModel(nn.Module):
                                               target_modules=resolve_targets(lm, config.lora)))
         # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT
         encoder = KTokenEncoder.from_config(cls._encoder_config(config, lm)).to(device)
-        peft_model = get_peft_model(lm, lora_config(lm, config.lora),
-                                    autocast_adapter_dtype=True)
+        with peft_wrapping():
+            peft_model = get_peft_model(lm, lora_config(lm, config.lora),
+                                        autocast_adapter_dtype=True)
         return cls(peft_model, tok, encoder, config).eval()
 
     @staticmethod

@@ -205,3 +205,18 @@ def test_an_adapter_of_another_size_names_both_base_models(saved, tiny_model_dir
                                        rf"'{model.config.base_model}'\): expected the "
                                        r"checkpoint's base model \(--model\)"):
         load_adapter_into(model, path)
+
+
+def test_building_and_loading_a_model_print_no_gradient_checkpointing_warning(saved,
+                                                                              tiny_model_dir):
+    """PEFT reads transformers' deprecated ``is_gradient_checkpointing`` of every model it wraps:
+    a user's script printed its FutureWarning once per model built or loaded."""
+    import warnings
+
+    _, path = saved
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # over pytest's own filters
+        KTMModel.from_base(tiny_model_dir, k=4)
+        KTMModel.load(path)
+        KTMModel.load(path, trainable=True)
+    assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
