@@ -65,6 +65,22 @@ def target_eos(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int |
     return next((ids[0] for ids in _eos_lists(lm, tokenizer) if ids), None)
 
 
+def check_base(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: KTMConfig,
+               name: str) -> None:
+    """Refuse a base model ktm cannot run as ``config`` asks (``ktm.models``' family checks; no
+    EOS to end targets with): the one gate both ``from_base`` and ``load`` pass a base through,
+    so a checkpoint read on another base (``base=``, ``--model``) is held to the same rules."""
+    check_inputs_embeds(lm)
+    check_decoder_with_cache(lm)
+    if config.spread_positions:
+        check_reads_positions(lm)
+    if config.add_eos and target_eos(lm, tokenizer) is None:
+        raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
+                       "model or generation config names one): training targets could not "
+                       "end with one and the model would never learn to stop; expected an "
+                       "eos_token_id, or add_eos=False (--no-add-eos) to train without")
+
+
 class KTMModel(nn.Module):
     """Base causal LM + PEFT LoRA + K-token merging encoder, described by one ``KTMConfig``."""
 
@@ -152,15 +168,7 @@ class KTMModel(nn.Module):
                                "before belongs to that KTMModel; expected a model without "
                                "adapters (load a fresh copy, or merge_and_unload() this one)")
             lm, tok = base, tokenizer
-        check_inputs_embeds(lm)
-        check_decoder_with_cache(lm)
-        if config.spread_positions:
-            check_reads_positions(lm)
-        if config.add_eos and target_eos(lm, tok) is None:
-            raise KTMError(f"base model {name!r} has no EOS token (neither its tokenizer nor its "
-                           "model or generation config names one): training targets could not "
-                           "end with one and the model would never learn to stop; expected an "
-                           "eos_token_id, or add_eos=False (--no-add-eos) to train without")
+        check_base(lm, tok, config, name)
         # a model object moves only once it is accepted: a refused one is left as it was given
         lm = lm.to(device=device, dtype=torch_dtype)
         config = replace(config, lora=replace(config.lora,
@@ -219,6 +227,7 @@ class KTMModel(nn.Module):
                            f"{config.base_model!r}, which cannot be loaded here ({e}); expected "
                            "that model, or base= (--model) naming a local copy of it") from e
         config = replace(config, base_model=model_location(config.base_model))
+        check_base(lm, tok, config, config.base_model)  # the family first: the deeper reason
         hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
         if (hidden, vocab) != (saved.get("hidden_size"), saved.get("vocab_size")):
             raise KTMError(

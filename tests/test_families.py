@@ -2,6 +2,8 @@
 MLP projections, logits equal the HF forward's (post-head transforms included), and cached
 generation equals a full re-run."""
 
+import json
+
 import pytest
 import torch
 import transformers as T
@@ -455,3 +457,25 @@ def test_spread_positions_are_kept_for_a_model_that_reads_them(tmp_path):
     base, tok = save_tiny("gpt2", tmp_path / "gpt2")
     model = KTMModel.from_base(base, k=4, tokenizer=tok, spread_positions=True)
     assert model.config.spread_positions and model.compress(TEXT).positions is not None
+
+
+def test_loading_a_checkpoint_applies_the_same_family_checks(tmp_path):
+    """``KTMModel.load`` once skipped the checks ``from_base`` runs: a checkpoint that asks for
+    spread positions on an ALiBi model, or read on a Mamba base of the same sizes, loaded
+    silently (and decoded wrongly)."""
+    base, tok = save_tiny("bloom", tmp_path / "bloom")
+    KTMModel.from_base(base, k=2, tokenizer=tok).save(tmp_path / "ck")
+    cfg_path = tmp_path / "ck" / "ktm_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["config"]["spread_positions"] = True
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(KTMError, match=r"BloomForCausalLM \('bloom'\) ignores position_ids"):
+        KTMModel.load(tmp_path / "ck")
+    mamba = T.MambaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, state_size=4)
+    T.AutoModelForCausalLM.from_config(mamba).save_pretrained(tmp_path / "mamba")
+    tok.save_pretrained(tmp_path / "mamba")
+    cfg["config"]["spread_positions"] = False
+    cfg_path.write_text(json.dumps(cfg))
+    KTMModel.load(tmp_path / "ck")  # as saved, it loads
+    with pytest.raises(KTMError, match=r"MambaForCausalLM \('mamba'\) keeps no key/value cache"):
+        KTMModel.load(tmp_path / "ck", base=str(tmp_path / "mamba"))
