@@ -1,6 +1,7 @@
 """A ktm checkpoint's files: JSON config + encoder safetensors + PEFT adapter. No pickle.
 
-    DIR/ktm_config.json        KTMConfig, sizes, which modules got LoRA, package versions
+    DIR/ktm_config.json        KTMConfig, sizes, base model identity (ktm.base_identity),
+                               which modules got LoRA, package versions
     DIR/encoder.safetensors    encoder weights (fp32)
     DIR/adapter/               PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)
 
@@ -23,6 +24,7 @@ from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ktm.base_identity import check_same_base
 from ktm.config import KTMConfig
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
@@ -123,6 +125,7 @@ def check_sizes(model, directory: str | Path, saved: dict) -> None:
                            f"model {theirs!r}), but the model has {key}={mine[key]} (base model "
                            f"{model.config.base_model!r}): expected the checkpoint's base model "
                            "(--model)")
+    check_same_base(directory, saved, model.config.base_model, lambda: model.base_identity)
 
 
 def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, object, object]]:

@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktm import checkpoint
+from ktm.base_identity import base_identity, check_same_base
 from ktm.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_positions, pack
 from ktm.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.encoder import EncoderConfig, KTokenEncoder
@@ -102,6 +103,7 @@ class KTMModel(nn.Module):
         self.pad_id = self._valid_pad(tokenizer.pad_token_id)
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
         self._line_breaks: frozenset[int] | None = None  # read from the tokenizer on first use
+        self._base_identity: dict | None = None  # hashed from the tokenizer on first use
 
     def _valid_pad(self, pad: int | None) -> int:
         """The id pads are written with. Pads never reach the LM (masked), but they are looked
@@ -228,13 +230,15 @@ class KTMModel(nn.Module):
                            "that model, or base= (--model) naming a local copy of it") from e
         config = replace(config, base_model=model_location(config.base_model))
         check_base(lm, tok, config, config.base_model)  # the family first: the deeper reason
+        recorded = (saved.get("config") or saved).get("base_model")
         hidden, vocab = lm.config.hidden_size, lm.get_input_embeddings().weight.shape[0]
         if (hidden, vocab) != (saved.get("hidden_size"), saved.get("vocab_size")):
             raise KTMError(
                 f"checkpoint {str(directory)!r} expects hidden_size={saved.get('hidden_size')}, "
                 f"vocab_size={saved.get('vocab_size')}, but base model {config.base_model!r} "
                 f"has hidden_size={hidden}, vocab_size={vocab}: expected the checkpoint's base "
-                f"model {saved['config'].get('base_model')!r} or a local copy of it")
+                f"model {recorded!r} or a local copy of it")
+        check_same_base(directory, saved, config.base_model, lambda: base_identity(lm.config, tok))
         enc_cfg = cls._encoder_config(config, lm)
         encoder = KTokenEncoder.from_config(enc_cfg)
         encoder.load_state_dict(checkpoint.encoder_state(directory, enc_cfg))
@@ -311,7 +315,15 @@ class KTMModel(nn.Module):
             "vocab_size": self._embed.weight.shape[0],
             "model_type": self.lm_config.model_type,
             "lora_modules": adapted_modules(self.peft),
+            "base_identity": self.base_identity,
         }
+
+    @property
+    def base_identity(self) -> dict:
+        """The base model's sizes and tokenizer vocabulary (``ktm.base_identity``)."""
+        if self._base_identity is None:
+            self._base_identity = base_identity(self.lm_config, self.tokenizer)
+        return self._base_identity
 
     # ---------------------------------------------------------------- prompts
     def tokenize(self, text: str, first: bool = False) -> list[int]:

@@ -220,3 +220,36 @@ def test_building_and_loading_a_model_print_no_gradient_checkpointing_warning(sa
         KTMModel.load(path)
         KTMModel.load(path, trainable=True)
     assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_a_base_model_of_the_same_sizes_with_another_tokenizer_is_refused(
+        saved, tiny_model_dir, tiny_bos_model_dir, tmp_path):
+    """``--checkpoint X --model Y``, Y as wide and with as many tokens as X's base but another
+    vocabulary: it loaded and read every id as another token. A copy of the base still loads;
+    a checkpoint from before the record loads with a warning."""
+    import shutil
+    import warnings
+
+    from ktm.checkpoint import load_adapter_into
+
+    model, path = saved
+    other = KTMModel.from_base(tiny_bos_model_dir, k=4)
+    assert other.config_dict["vocab_size"] == model.config_dict["vocab_size"]
+    with pytest.raises(KTMError, match=rf"checkpoint '{path}' was trained on base model "
+                                       rf"'{model.config.base_model}', but base model "
+                                       rf"'{other.config.base_model}' is another model of the "
+                                       r"same sizes \(tokenizer vocabulary 400 tokens, sha256 "):
+        KTMModel.load(path, base=tiny_bos_model_dir)
+    with pytest.raises(KTMError, match="is another model of the same sizes"):
+        load_adapter_into(other, path)  # --init-adapter
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = KTMModel.load(path, base=str(copy))
+    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+                               atol=0, rtol=0)
+    cfg = json.loads((path / "ktm_config.json").read_text())
+    del cfg["base_identity"]
+    (path / "ktm_config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="predates the record of its base model's identity"):
+        KTMModel.load(path, base=tiny_bos_model_dir)

@@ -104,18 +104,20 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
     assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
 
 
-def test_demo_reads_its_reader_on_the_model_given(capsys, tiny_model_dir, tiny_bos_model_dir,
-                                                   tmp_path):
-    """--model with --reader: the reader is read on that folder, not on the reader's own base
-    (which the demo once used silently while demo.json recorded --model)."""
+def test_demo_reads_its_reader_on_the_model_given(capsys, tiny_model_dir, tmp_path):
+    """--model with --reader: the reader is read on that folder (a copy of its base), not on the
+    reader's own base (which the demo once used silently while demo.json recorded --model)."""
+    import shutil
+
     first, again = tmp_path / "first", tmp_path / "again"
+    copy = str(shutil.copytree(tiny_model_dir, tmp_path / "copy"))
     flags = ["--stage", "small", "--steps", "1", "--batch-size", "2", "--n-eval", "2"]
     assert run(capsys, "demo", "--model", tiny_model_dir, *flags, "--out-dir", str(first))[0] == 0
-    code, _, err = run(capsys, "demo", "--model", tiny_bos_model_dir, "--reader",
+    code, _, err = run(capsys, "demo", "--model", copy, "--reader",
                        str(first / "checkpoint"), *flags, "--out-dir", str(again))
     assert code == 0, err
     saved = json.loads((again / "checkpoint" / "ktm_config.json").read_text())
-    assert saved["config"]["base_model"] == str(Path(tiny_bos_model_dir).resolve())
+    assert saved["config"]["base_model"] == str(Path(copy).resolve())
     assert json.loads((again / "demo.json").read_text())["base_model"] == saved["config"][
         "base_model"]
     # without --model the reader brings its own base, and demo.json names that one
@@ -498,3 +500,17 @@ def test_no_training_or_evaluation_examples_is_refused_before_training(capsys, t
                        flag, "0", "--out-dir", str(tmp_path / "x"), "--no-progress")
     assert code == 2 and f"{flag} must be >= 1, got 0" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_checkpoint_read_on_another_tokenizer_of_the_same_size_is_refused(
+        capsys, tiny_model_dir, tiny_bos_model_dir, tmp_path):
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "ck"
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(ckpt))
+    capsys.readouterr()
+    code, _, err = run(capsys, "generate", "--checkpoint", str(ckpt), "--model",
+                       tiny_bos_model_dir, "--prompt", "Hello world")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"trained on base model {str(Path(tiny_model_dir).resolve())!r}" in err
+    assert f"but base model {str(Path(tiny_bos_model_dir).resolve())!r} is another model" in err

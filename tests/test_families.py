@@ -378,8 +378,17 @@ def test_an_adapter_from_another_family_is_named_as_such(tmp_path):
     KTMModel.from_base(base, k=4, tokenizer=tok).save(tmp_path / "ck")
     base, tok = save_tiny("opt", tmp_path / "opt")
     other = KTMModel.from_base(base, k=2, tokenizer=tok)
+    with pytest.raises(KTMError, match=r"another model of the same sizes \(model_type='gpt2' "
+                                       r"vs 'opt'"):
+        load_adapter_into(other, tmp_path / "ck")
+    # a checkpoint from before the base model's identity was recorded: its adapter tells
+    cfg_path = tmp_path / "ck" / "ktm_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["base_identity"]
+    cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(KTMError, match=r"has unexpected weights .*: it was trained on a 'gpt2' "
-                                       r"model, this one is 'opt'"):
+                                       r"model, this one is 'opt'"), \
+            pytest.warns(UserWarning, match="predates the record of its base model's identity"):
         load_adapter_into(other, tmp_path / "ck")
 
 
