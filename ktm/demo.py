@@ -130,34 +130,25 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def _start_model(cfg: DemoConfig) -> tuple[KTMModel, str]:
-    from ktm.readers import READERS
+    from ktm.readers import READERS, find_reader
 
     dtype = parse_dtype(cfg.dtype)
     name = cfg.reader
     if name == "auto":
-        name = f"{cfg.model}-k{cfg.k}"
-        if name not in READERS or not _installed(name):
-            name = "none"
+        name = find_reader(cfg.model, cfg.k) or "none"
+        if name == "none":
+            print(f"no shipped reader fits {cfg.model} at K={cfg.k}: a reader is used for its "
+                  "own base model or a local copy of it (same sizes and tokenizer); shipped: "
+                  f"{', '.join(sorted(READERS))}. Starting from mean pooling; pass --reader NAME "
+                  "to start from one anyway", flush=True)
     if name == "none":
         print(f"loading {cfg.model} with K={cfg.k}, mean pooling ...", flush=True)
         model = KTMModel.from_base(cfg.model, k=cfg.k, device=cfg.device, dtype=dtype)
         return model, "untrained (mean pooling)"
     print(f"loading reader {name} (K={cfg.k}) ...", flush=True)
     # a --model other than the default is the base the reader is read on (a local copy of its
-    # base model; another model is refused by the load's size check), never silently dropped
+    # base model; another model is refused by the load's checks), never silently dropped
     base = None if cfg.model == DEFAULT_MODEL else cfg.model
     model = KTMModel.load(name, base=base, k=cfg.k, device=cfg.device, dtype=dtype,
                           trainable=True)
     return model, f"reader {name}"[:26]
-
-
-def _installed(name: str) -> bool:
-    from ktm.errors import KTMError
-    from ktm.readers import reader_path
-
-    try:
-        reader_path(name)
-    except KTMError:
-        return False
-    return True
-

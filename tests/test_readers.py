@@ -133,3 +133,29 @@ def test_pack_reader_refuses_a_run_killed_before_its_last_step(tiny_model_dir, t
     assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 2
     assert "is unfinished: its checkpoint is at step 2 of 4" in capsys.readouterr().err
     assert not (registry / "tiny-k2").exists()
+
+
+def test_demo_auto_finds_the_reader_of_a_local_copy_of_its_base_by_content(
+        tiny_model_dir, tiny_bos_model_dir, tmp_path, registry, capsys):
+    """``--reader auto`` matched readers by model name only: a local folder holding a copy of
+    the reader's base model fell back to mean pooling. Now the base is known by its sizes and
+    tokenizer; another model (same sizes, another tokenizer) never gets the reader."""
+    import shutil
+
+    run = tmp_path / "run"
+    assert tiny_pretrain(tiny_model_dir, run, "--max-steps", "1") == 0
+    assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 0
+    copy = str(shutil.copytree(tiny_model_dir, tmp_path / "copy"))
+    flags = ["--k", "2", "--stage", "small", "--steps", "1", "--batch-size", "2", "--n-eval", "2"]
+    capsys.readouterr()
+    assert main(["demo", "--model", copy, *flags, "--out-dir", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "loading reader tiny-k2 (K=2)" in out and "| reader tiny-k2" in out
+    assert main(["demo", "--model", tiny_bos_model_dir, *flags, "--out-dir",
+                 str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert f"no shipped reader fits {tiny_bos_model_dir} at K=2" in out
+    assert "pass --reader NAME" in out and "| untrained (mean pooling)" in out
+    assert readers.find_reader(copy, 2) == "tiny-k2"  # the API the demo uses
+    assert readers.find_reader(copy, 4) is None
+    assert readers.find_reader(tiny_bos_model_dir, 2) is None

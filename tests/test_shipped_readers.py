@@ -58,3 +58,23 @@ def test_shipped_reader_reads_merged_text_better_than_mean_pooling(name):
     windows = [Window(tuple(ids[:n]), tuple(ids[n:n + 24]), "code") for n in (48, 64, 80)]
     got, base = readability(reader, windows), readability(mean, windows)
     assert got["nll_merged"] < base["nll_merged"] - 0.2, (got, base)
+
+
+def test_a_local_copy_of_the_embedded_model_gets_its_readers():
+    """The embedded model's converted folder under any path is the readers' base: ``--reader
+    auto`` finds them by content (sizes + tokenizer vocabulary), and reads them on it."""
+    import warnings
+
+    from ktm.demo import DemoConfig, _start_model
+    from ktm.models import resolve_model_path
+
+    folder = str(resolve_model_path("smollm2-135m"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # its identity is recorded: checked, no warning
+        model, start = _start_model(DemoConfig(model=folder, k=4))  # ktm demo --model FOLDER
+    assert start == "reader smollm2-135m-k4" and model.k == 4
+    from ktm.readers import find_reader  # the API the demo uses
+
+    assert find_reader(folder, 4) == "smollm2-135m-k4"
+    assert find_reader(folder, 2) == "smollm2-135m-k2"
+    assert find_reader(folder, 3) is None

@@ -37,6 +37,42 @@ def reader_path(name: str) -> Path:
     return path
 
 
+def installed(name: str) -> bool:
+    """Whether shipped reader ``name`` is registered and in this installation."""
+    try:
+        reader_path(name)
+    except KTMError:
+        return False
+    return True
+
+
+def find_reader(model: str, k: int) -> str | None:
+    """The installed shipped reader for base model ``model`` at K=``k``, or None.
+
+    An embedded model's is found by name (``smollm2-135m`` -> ``smollm2-135m-k4``); a folder's
+    by content: the reader of K=``k`` whose recorded base-model identity (sizes and tokenizer
+    vocabulary, ``ktm.base_identity``) is the folder's, so a local copy of the embedded model
+    gets its reader under any path and another model never does.
+    """
+    from ktm.base_identity import differences, folder_identity
+    from ktm.checkpoint import read_config
+    from ktm.models import EMBEDDED, resolve_model_path
+
+    named = f"{model}-k{k}"
+    if named in READERS or model in EMBEDDED:
+        return named if installed(named) else None
+    mine = folder_identity(resolve_model_path(model))
+    for name in sorted(READERS):
+        if not installed(name):
+            continue
+        saved = read_config(reader_path(name))
+        recorded = saved.get("base_identity")
+        if saved["config"].get("k") == k and isinstance(recorded, dict) and \
+                not differences(recorded, mine):
+            return name
+    return None
+
+
 def resolve_checkpoint(name_or_path: str | Path) -> Path:
     """A checkpoint folder from a path, or a shipped reader's name."""
     path = Path(name_or_path).expanduser()
