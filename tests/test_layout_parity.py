@@ -17,6 +17,7 @@ from test_model import perturb
 from transformers import AutoModelForCausalLM
 
 from ktm import Segment
+from ktm.decode_batch import join, keep_rows, prefill_from_kv, row_kv
 from ktm.generate import advance, generate_ids, prefill
 from ktm.model import KTMModel
 
@@ -156,4 +157,39 @@ def test_k1_merging_is_the_base_model(families, family, layout):
             w.add_(torch.randn(w.shape, generator=g) * 0.1)
     for p in PROMPTS:
         torch.testing.assert_close(model.prompt_logits(p), model.prompt_logits(p, merge=False),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family, layout", [("llama", "all"), ("gpt2", "spread_positions")])
+def test_continuous_batching_and_a_stored_kv_prefix_keep_the_layouts_positions(
+        families, family, layout):
+    """Rows joined and dropped mid-decode, and a row prefilled from a stored KV prefix (the
+    server's paths), decode as each prompt alone, spread position ids included."""
+    model = build(families, family, layout)
+    alone = generate_ids(model, PROMPTS, max_new_tokens=8, stop_at_eos=False)
+    cps = model.encode_prompts(PROMPTS)
+    out: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    state, rows = prefill(model, cps[1:3]), [1, 2]
+    for step in range(12):
+        if step == 3:  # the longest prompt and two multi-segment ones arrive mid-decode
+            state = join(state, prefill(model, [cps[0], cps[3], cps[4]]))
+            rows += [0, 3, 4]
+        tok = state.logits.argmax(-1)
+        for r, t in zip(rows, tok.tolist()):
+            out[r].append(t)
+        keep = [i for i, r in enumerate(rows) if len(out[r]) < 8]
+        if len(keep) < len(rows):
+            keep_rows(state, keep)
+            rows, tok = [rows[i] for i in keep], tok[keep]
+        if not rows:
+            break
+        advance(model, state, tok)
+    assert [out[i] for i in range(len(PROMPTS))] == alone
+    full = cps[3]
+    donor = prefill(model, [cps[1], full])
+    for n in (1, full.tokens_out - 1):
+        rest = None if full.positions is None else full.positions[n:]
+        part = prefill_from_kv(model, row_kv(donor, 1, n), full.embeds[n:], rest)
+        torch.testing.assert_close(part.logits, prefill(model, [full]).logits,
                                    atol=1e-4, rtol=1e-4)
