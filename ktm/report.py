@@ -9,15 +9,13 @@ majority class (on amazon that would put a chance-level model on the frontier). 
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from pathlib import Path
 
 from ktm.errors import KTMError
 from ktm.fileio import save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
+from ktm.result_rows import load_results
 
-REQUIRED = ("task", "method", "length_reduction")
 DIRTY, UNKNOWN = "†", "‡"
 
 
@@ -45,29 +43,6 @@ def provenance_notes(rows: list[dict]) -> str:
     return "\n".join(notes)
 
 
-def load_results(paths: list[str]) -> list[dict]:
-    rows = []
-    for p in paths:
-        try:
-            row = json.loads(Path(p).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise KTMError(f"result file {p!r} cannot be read as JSON: {e}") from e
-        if not isinstance(row, dict):
-            raise KTMError(f"result file {p!r} holds a JSON {type(row).__name__}: expected one "
-                           "object, as `ktm eval` writes")
-        if row.get("task") == "readability" and isinstance(row.get("readability"), dict):
-            rows.append(row)
-            continue
-        missing = [k for k in REQUIRED if k not in row]
-        if missing or not ("accuracy" in row or "perplexity" in row):
-            raise KTMError(f"result file {p!r} lacks {missing or ['accuracy|perplexity']}: "
-                           "expected a file written by `ktm eval`")
-        rows.append(row)
-    if not rows:
-        raise KTMError("no result files given")
-    return rows
-
-
 def group_name(row: dict) -> str:
     """The task, with its stage when it has one (tree small and tree xmedium are two tables)."""
     task = (row.get("config") or {}).get("task")
@@ -93,7 +68,7 @@ def score(rows: list[dict]) -> dict[str, list[dict]]:
             if "perplexity" in r:
                 r["P"] = normalised_performance(r["perplexity"], best)
             else:
-                r["P"] = r.get("balanced_accuracy", r["accuracy"])
+                r["P"] = r["balanced_accuracy"]
             r["pl_f1"] = pl_f1(r["P"], max(0.0, r["length_reduction"]))
         # uncompressed first, then K-token merging by K, then the baselines
         task_rows.sort(key=lambda r: (r["method"] != "uncompressed", "compressor" in r,
@@ -110,7 +85,7 @@ def table(task: str, rows: list[dict]) -> str:
     for r in rows:
         k = r.get("k") if r.get("k") is not None else "–"
         mid = (f"{r['perplexity']:.3f} | {r['P']:.3f}" if ppl else
-               f"{r['accuracy']:.3f} | {r.get('balanced_accuracy', float('nan')):.3f}")
+               f"{r['accuracy']:.3f} | {r['balanced_accuracy']:.3f}")
         overhead = r.get("compression_ms_per_1k_tokens")
         cost = "–" if overhead is None else f"{overhead:.0f}"
         lines.append(f"| {r['method']}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "

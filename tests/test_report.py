@@ -1,6 +1,7 @@
 """ktm report: balanced accuracy as P, the readability table, plot labels that never overlap."""
 
 import json
+import re
 
 import pytest
 
@@ -152,3 +153,50 @@ def test_metrics_of_a_run_killed_mid_write_are_read(tmp_path):
     (run / "run.json").write_text('{"config": ')  # and a half-written run.json
     out = report([str(run / "metrics.jsonl")], str(tmp_path / "c.png"))
     assert "| killed | 1 | 1.0 | 0.200 |" in out
+
+
+ODD_ROWS = {  # each was a traceback (KeyError / TypeError) or a silent wrong number
+    "null length reduction": (row("k4", 0.8, 0.7, None), "length_reduction=None"),
+    "accuracy as text": (row("k4", "0.8", 0.7, 0.5), "accuracy='0.8'"),
+    "NaN accuracy": (row("k4", float("nan"), 0.7, 0.5), "accuracy=nan"),
+    "null balanced accuracy": (row("k4", 0.8, None, 0.5), "balanced_accuracy=None"),
+    # P of a classification row is balanced accuracy: plain accuracy would rank a
+    # majority-class answerer as if it were balanced
+    "no balanced accuracy": ({k: v for k, v in row("k4", 0.8, 0.7, 0.5).items()
+                              if k != "balanced_accuracy"}, "lacks \\['balanced_accuracy'\\]"),
+    "null perplexity": ({"task": "c", "method": "m", "perplexity": None,
+                         "length_reduction": 0.5}, "perplexity=None"),
+    "zero perplexity": ({"task": "c", "method": "m", "perplexity": 0.0,
+                         "length_reduction": 0.5}, "perplexity=0.0"),
+    "no task": ({**row("k4", 0.8, 0.7, 0.5), "task": None}, "task=None"),
+    "no method": ({**row("k4", 0.8, 0.7, 0.5), "method": ""}, "method=''"),
+    "text k": (row("k4", 0.8, 0.7, 0.5, k="4"), "k='4'"),
+    "readability without method": ({"task": "readability", "readability": {"code": {"R": 0.5}}},
+                                   "method=None"),
+    "readability without NLLs": ({"task": "readability", "method": "m",
+                                  "readability": {"code": {"R": 0.5}}}, "code.*nll_merged=None"),
+    "readability as a list": ({"task": "readability", "method": "m", "readability": [1]},
+                              "readability=\\[1\\]"),
+}
+
+
+@pytest.mark.parametrize("name", ODD_ROWS)
+def test_odd_result_rows_are_clear_errors_naming_the_file(name, tmp_path, capsys):
+    from ktm.cli import main
+
+    bad, match = ODD_ROWS[name]
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(bad))
+    assert main(["report", str(path), "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "odd.json" in err and re.search(match, err), err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_a_result_given_twice_is_one_row(tmp_path):
+    # overlapping globs (results/*/*.json results/amazon/*.json) or a copied file
+    path, copy = tmp_path / "a.json", tmp_path / "copy.json"
+    path.write_text(json.dumps(row("k4", 0.8, 0.7, 0.5, 4)))
+    copy.write_text(path.read_text())
+    out = report([str(path), str(path), str(copy)])
+    assert out.count("| k4 ‡ | 4 |") == 1
