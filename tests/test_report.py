@@ -200,3 +200,52 @@ def test_a_result_given_twice_is_one_row(tmp_path):
     copy.write_text(path.read_text())
     out = report([str(path), str(path), str(copy)])
     assert out.count("| k4 ‡ | 4 |") == 1
+
+
+def _crowded(task: str, n: int) -> list[dict]:
+    """An uncompressed row far away and ``n`` methods in a tight 4-high cluster."""
+    out = [{**row("uncompressed", 0.9, 0.9, 0.0), "task": task, "P": 0.9}]
+    for i in range(n):
+        bal = 0.5 + 0.004 * (i % 4)
+        out.append({**row(f"m{i}-selective", 0.6, bal, 0.6 + 0.004 * (i // 4)), "task": task,
+                    "P": bal})
+    return out
+
+
+@pytest.mark.parametrize("n, tasks", [(8, 3), (12, 1)])
+def test_crowded_plot_labels_overlap_no_label_marker_or_legend(n, tasks, monkeypatch, tmp_path):
+    # the 14 fixed offsets ran out on a cluster of 8: the fallback stacked labels on each other
+    import ktm.report as rep
+
+    seen = []
+
+    def check(fig, path):
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            boxes = [rep.label_box(t, renderer) for t in ax.texts]
+            assert len(boxes) == n + 1
+            legend = ax.get_legend().get_window_extent(renderer)
+            offsets = ax.collections[0].get_offsets()
+            marks = [ax.transData.transform(p) for p in offsets]
+            for i, b in enumerate(boxes):
+                assert not b.overlaps(legend), ax.texts[i].get_text()
+                assert ax.bbox.contains(b.x0, b.y0) and ax.bbox.contains(b.x1, b.y1)
+                assert not any(b.contains(mx, my) for mx, my in marks), ax.texts[i].get_text()
+                for j in range(i):
+                    assert not b.overlaps(boxes[j]), (ax.texts[i].get_text(),
+                                                      ax.texts[j].get_text())
+        seen.append(path)
+
+    monkeypatch.setattr(rep, "save_figure", check)
+    rep.plot({f"t{j}": _crowded(f"t{j}", n) for j in range(tasks)}, str(tmp_path / "p.png"))
+    assert seen
+
+
+def test_a_single_point_frontier_is_drawn(monkeypatch, tmp_path):
+    # a dashed line through one point draws nothing: one method had no visible frontier
+    import ktm.report as rep
+
+    lines = []
+    monkeypatch.setattr(rep, "save_figure", lambda fig, path: lines.extend(fig.axes[0].lines))
+    rep.plot({"amazon": [{**row("k4", 0.8, 0.7, 0.5, 4), "P": 0.7}]}, str(tmp_path / "p.png"))
+    assert lines and lines[0].get_marker() not in ("None", None, "")
