@@ -1,0 +1,55 @@
+"""git_revision: the revision of the code that ran, '-dirty' when that code differs from it."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ktm.provenance import git_revision
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("x = 1\n")
+    (tmp_path / ".gitignore").write_text("venv/\n")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "first")
+    return tmp_path
+
+
+def test_clean_and_dirty(repo: Path) -> None:
+    head = _git(repo, "rev-parse", "HEAD")
+    assert git_revision(repo / "pkg") == head
+    (repo / "pkg" / "__init__.py").write_text("x = 2\n")
+    assert git_revision(repo / "pkg") == head + "-dirty"
+
+
+def test_an_untracked_module_of_the_package_is_dirty(repo: Path) -> None:
+    # a new, not yet added ktm/tasks/x.py ran: the revision alone cannot reproduce the result
+    (repo / "pkg" / "new_task.py").write_text("y = 1\n")
+    assert git_revision(repo / "pkg").endswith("-dirty")
+    (repo / "notes.txt").write_text("outside the package: not code that ran\n")
+    (repo / "pkg" / "new_task.py").unlink()
+    assert not git_revision(repo / "pkg").endswith("-dirty")
+
+
+def test_a_copy_installed_inside_another_repo_has_no_revision(repo: Path) -> None:
+    # pip install (not -e) into a venv inside a clone: the clone's HEAD is not this code's
+    site = repo / "venv" / "lib" / "site-packages" / "pkg"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("x = 0\n")
+    assert git_revision(site) is None
+
+
+def test_outside_any_repo(tmp_path: Path) -> None:
+    assert git_revision(tmp_path) is None
