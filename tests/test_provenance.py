@@ -1,5 +1,6 @@
 """git_revision: the revision of the code that ran, '-dirty' when that code differs from it."""
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,3 +54,28 @@ def test_a_copy_installed_inside_another_repo_has_no_revision(repo: Path) -> Non
 
 def test_outside_any_repo(tmp_path: Path) -> None:
     assert git_revision(tmp_path) is None
+
+
+def test_eval_records_the_revision_it_started_from(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    # an eval of many minutes read git at its end: a commit or an edit made meanwhile was
+    # recorded as the code that ran
+    import ktm.evaluate
+    import ktm.provenance
+    from ktm.cli import main
+    from ktm.model import KTMModel
+
+    state, evaluate = {"git": "start"}, ktm.evaluate.evaluate_task
+
+    def evaluate_then_commit(*args, **kwargs):
+        row = evaluate(*args, **kwargs)
+        state["git"] = "a commit made during the eval"
+        return row
+
+    monkeypatch.setattr(ktm.provenance, "git_revision", lambda: state["git"])
+    monkeypatch.setattr(ktm.evaluate, "evaluate_task", evaluate_then_commit)
+    ckpt = tmp_path / "ck"
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(ckpt))
+    out = tmp_path / "r.json"
+    assert main(["eval", "--checkpoint", str(ckpt), "--task", "tree", "--stage", "small",
+                 "--n-eval", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["git"] == "start"
