@@ -79,3 +79,22 @@ def test_eval_records_the_revision_it_started_from(capsys, tiny_model_dir, tmp_p
     assert main(["eval", "--checkpoint", str(ckpt), "--task", "tree", "--stage", "small",
                  "--n-eval", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["git"] == "start"
+
+
+def test_demo_records_the_revision_it_started_from(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    import ktm.demo
+    from ktm.cli import main
+
+    state, train = {"git": "start"}, ktm.demo.train
+
+    def train_then_commit(*args, **kwargs):
+        out = train(*args, **kwargs)
+        state["git"] = "a commit made during the demo"
+        return out
+
+    monkeypatch.setattr(ktm.demo, "git_revision", lambda: state["git"])
+    monkeypatch.setattr(ktm.demo, "train", train_then_commit)
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", tiny_model_dir, "--stage", "small", "--steps", "1",
+                 "--batch-size", "2", "--n-eval", "2", "--out-dir", str(out)]) == 0
+    assert json.loads((out / "demo.json").read_text())["git"] == "start"
