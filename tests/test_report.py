@@ -249,3 +249,20 @@ def test_a_single_point_frontier_is_drawn(monkeypatch, tmp_path):
     monkeypatch.setattr(rep, "save_figure", lambda fig, path: lines.extend(fig.axes[0].lines))
     rep.plot({"amazon": [{**row("k4", 0.8, 0.7, 0.5, 4), "P": 0.7}]}, str(tmp_path / "p.png"))
     assert lines and lines[0].get_marker() not in ("None", None, "")
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"step": 1, "cpu_s": None, "eval": {"accuracy": 0.5}}, "cpu_s=None"),
+    ({"step": 1, "cpu_s": 5, "eval": {"balanced_accuracy": "0.5"}}, "balanced_accuracy='0.5'"),
+    ({"step": 1, "cpu_s": 5, "eval": {"code": {"R": "x"}}}, "R code='x'"),
+    ({"step": "1", "cpu_s": 5, "eval": {"accuracy": 0.5}}, "step='1'"),
+])
+def test_odd_metrics_rows_are_clear_errors(bad, match, tmp_path, capsys):
+    # were TypeError / ValueError tracebacks
+    from ktm.cli import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(bad) + "\n")
+    assert main(["report", str(tmp_path / "run" / "metrics.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and match in err and "row 1" in err, err
