@@ -222,12 +222,15 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
     rows = load_results(paths)
     read = [r for r in rows if r.get("task") == "readability"]
     by_task = score([r for r in rows if r.get("task") != "readability"])
+    if plot_path and not by_task:
+        raise KTMError(f"--plot {plot_path}: no task results to plot (readability rows have a "
+                       "table only): expected at least one `ktm eval --task` result file")
     parts = [table(t, task_rows) for t, task_rows in sorted(by_task.items())]
     if read:
         parts.append(readability_table(read))
     notes = provenance_notes(rows)
     if notes:
         parts.append(notes)
-    if plot_path and by_task:
+    if plot_path:
         plot(by_task, plot_path)
     return "\n\n".join(parts)

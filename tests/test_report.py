@@ -266,3 +266,15 @@ def test_odd_metrics_rows_are_clear_errors(bad, match, tmp_path, capsys):
     assert main(["report", str(tmp_path / "run" / "metrics.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl" in err and match in err and "row 1" in err, err
+
+
+def test_a_plot_asked_of_readability_rows_alone_is_an_error(tmp_path, capsys):
+    # the plot is of task rows; asked for with none, nothing was written and nothing said
+    from ktm.cli import main
+
+    r = {"task": "readability", "method": "ktm-k4", "k": 4, "readability": {"code": {
+        "R": 0.6, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5, "tokens_in": 256.0,
+        "tokens_out": 64.0}}}
+    (tmp_path / "r.json").write_text(json.dumps(r))
+    assert main(["report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "no task results to plot" in capsys.readouterr().err
