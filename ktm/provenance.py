@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ktm.fileio import atomic_path, replace_dir, write_json_atomic  # noqa: F401  (old home)
 
-PACKAGES = ("ktm", "torch", "transformers", "peft", "safetensors", "gguf")
+PACKAGES = ("ktm", "torch", "transformers", "tokenizers", "peft", "safetensors", "gguf", "numpy",
+            "matplotlib")
 
 
 def versions() -> dict[str, str]:

@@ -98,3 +98,13 @@ def test_demo_records_the_revision_it_started_from(capsys, tiny_model_dir, tmp_p
     assert main(["demo", "--model", tiny_model_dir, "--stage", "small", "--steps", "1",
                  "--batch-size", "2", "--n-eval", "2", "--out-dir", str(out)]) == 0
     assert json.loads((out / "demo.json").read_text())["git"] == "start"
+
+
+def test_versions_name_the_libraries_that_shape_the_numbers() -> None:
+    # tokenizers decides every token count (length reduction); numpy/matplotlib make the plots
+    from ktm.provenance import versions
+
+    v = versions()
+    assert {"python", "ktm", "torch", "transformers", "tokenizers", "peft", "safetensors",
+            "numpy"} <= set(v)
+    assert v["tokenizers"] != "not installed"
