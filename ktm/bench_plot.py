@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -22,6 +23,8 @@ from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 from ktm.errors import KTMError  # noqa: E402
 from ktm.fileio import save_figure  # noqa: E402
 
+PLOTTED = ("method", "k", "mlp_ratio", "input_tokens", "batch")  # what every infer/train row has
+
 
 def load_rows(path: str | Path) -> list[dict]:
     try:
@@ -30,6 +33,11 @@ def load_rows(path: str | Path) -> list[dict]:
         raise KTMError(f"cannot read bench results {str(path)!r}: {e}") from e
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "mode" in r for r in rows):
         raise KTMError(f"{str(path)!r} is not a ktm bench result file (a JSON list of rows)")
+    for i, r in enumerate(rows):
+        missing = [k for k in PLOTTED if r["mode"] in ("infer", "train") and k not in r]
+        if missing:
+            raise KTMError(f"{str(path)!r} row {i} lacks {missing}: expected the rows `ktm "
+                           "bench` writes")
     return rows
 
 
@@ -111,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", help="bench JSON result files")
     parser.add_argument("--out-dir", default=None, help="folder for the PNGs (default: beside)")
     args = parser.parse_args(argv)
-    for p in args.results:
-        for f in plot_results(p, args.out_dir):
-            print(f"wrote {f}")
+    try:
+        for p in args.results:
+            for f in plot_results(p, args.out_dir):
+                print(f"wrote {f}")
+    except KTMError as e:
+        print(f"ktm bench-plot: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -50,8 +50,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from ktm.fileio import write_json_atomic
     from ktm.provenance import git_revision, versions
 
+    # what is running, read before the run: a commit or an edit during a long eval is not it
+    made_by = {"versions": versions(), "git": git_revision()}
     if args.readability:
-        return _eval_readability(args)
+        return _eval_readability(args, made_by)
     check_scoring(args.scoring, args.n_calibrate)
     targs = from_args(TaskArgs, args)
     task = build_task(targs, args.task_option)
@@ -108,8 +110,7 @@ def run_eval(args: argparse.Namespace) -> int:
                   "fitted_on_n_train": None if info.get("state_restored") else targs.n_train}}
     row = {"task": task.name, "method": method, "k": model.k if merge else None, **result,
            "eval_wall_s": time.perf_counter() - t0, "checkpoint": args.checkpoint,
-           "config": config, "command": args.command_line,
-           "versions": versions(), "git": git_revision()}
+           "config": config, "command": args.command_line, **made_by}
     if args.json:
         write_json_atomic(args.json, row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
@@ -125,12 +126,11 @@ def _write_predictions(path: str, examples, preds, answers) -> None:
     write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _eval_readability(args: argparse.Namespace) -> int:
+def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     """R and the three NLLs on held-out text, per set, as one result row."""
     import time
 
     from ktm.fileio import write_json_atomic
-    from ktm.provenance import git_revision, versions
     from ktm.readability import BOOTSTRAP, heldout_readability
 
     model = load_or_build(args)
@@ -145,7 +145,7 @@ def _eval_readability(args: argparse.Namespace) -> int:
     row = {"task": "readability", "method": method, "k": model.k, "readability": sets,
            "n_windows": args.n_windows, "eval_wall_s": time.perf_counter() - t0,
            "checkpoint": args.checkpoint, "config": config, "command": args.command_line,
-           "versions": versions(), "git": git_revision()}
+           **made_by}
     if args.json:
         write_json_atomic(args.json, row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))

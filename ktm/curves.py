@@ -10,6 +10,7 @@ fairly. A run is named by its folder, or ``folder/stem`` for a copied ``NAME.met
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ktm.errors import KTMError
@@ -28,6 +29,22 @@ def _metrics(ev: dict) -> dict[str, float | None]:
     return {}
 
 
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_point(path: Path, i: int, row: dict, metrics: dict) -> None:
+    """An evaluation row's step, CPU time and values, so a bad one is named, not a traceback."""
+    fields = {"step": (row["step"], isinstance(row["step"], int)
+                       and not isinstance(row["step"], bool), "an integer"),
+              "cpu_s": (row["cpu_s"], _number(row["cpu_s"]), "a finite number")}
+    fields |= {m: (v, v is None or _number(v), "a finite number or null")
+               for m, v in metrics.items()}
+    for name, (v, ok, expected) in fields.items():
+        if not ok:
+            raise KTMError(f"metrics file {str(path)!r} row {i}: {name}={v!r}: expected {expected}")
+
+
 def _name(path: Path) -> str:
     if path.name == "metrics.jsonl":
         return path.parent.name
@@ -44,11 +61,12 @@ def load_curve(path: str | Path) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise KTMError(f"metrics file {str(path)!r} cannot be read as JSONL: {e}") from e
     points = []
-    for r in rows:
+    for i, r in enumerate(rows, 1):
         ev = r.get("eval") if isinstance(r, dict) else None
         if isinstance(ev, dict) and "cpu_s" in r and "step" in r:
             metrics = _metrics(ev)
             if metrics:
+                _check_point(path, i, r, metrics)
                 points.append({"step": r["step"], "cpu_min": r["cpu_s"] / 60, "metrics": metrics})
     if not points:
         raise KTMError(f"{str(path)!r} has no evaluations: expected the metrics.jsonl of a "

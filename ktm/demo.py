@@ -81,6 +81,7 @@ def _row(name: str, r: dict) -> str:
 
 
 def run_demo(cfg: DemoConfig) -> dict:
+    made_by = {"versions": versions(), "git": git_revision()}  # the code that starts to run
     torch.manual_seed(cfg.seed)
     model, start_name = _start_model(cfg)
     task = TreeTask(stage=cfg.stage, prompt_mode="context")
@@ -123,7 +124,7 @@ def run_demo(cfg: DemoConfig) -> dict:
               "start_model": start_name, "start": summary(start),
               "trained": summary(trained),
               "prefill": timing, "train_s": train_s, "last_step": last,
-              "versions": versions(), "git": git_revision()}
+              **made_by}
     write_json_atomic(out / "demo.json", result)
     print(f"\nresults: {out / 'demo.json'}, model: {out / 'checkpoint'}")
     return result

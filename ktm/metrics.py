@@ -66,8 +66,12 @@ def length_reduction(tokens_before: Count, tokens_after: Count) -> float:
 def pl_f1(performance: float, length_reduction: float) -> float:
     """Harmonic mean ``2PL / (P + L)`` of normalised performance P and length reduction L.
 
-    0 when both are 0 (nothing kept, nothing gained).
+    0 when both are 0 (nothing kept, nothing gained). Both must lie in [0, 1]: a negative L
+    (a prompt made longer) is clamped to 0 by the caller, since the mean is meaningless there.
     """
+    for name, v in (("performance", performance), ("length_reduction", length_reduction)):
+        if not 0.0 <= v <= 1.0:  # NaN fails this too
+            raise KTMError(f"{name}={v}: expected a number in [0, 1]")
     total = performance + length_reduction
     return 0.0 if total == 0 else 2.0 * performance * length_reduction / total
 
@@ -104,6 +108,8 @@ def pareto_frontier(
     for p in pts:
         if len(p) != dims:
             raise KTMError(f"point {p} has {len(p)} coordinates: expected {dims} (len(maximize))")
+        if not all(math.isfinite(v) for v in p):  # a NaN would never be dominated
+            raise KTMError(f"point {p}: expected finite coordinates")
     # Flip minimised coordinates so "larger is better" everywhere.
     signed = [tuple(v if up else -v for v, up in zip(p, maximize, strict=True)) for p in pts]
 

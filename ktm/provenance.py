@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ktm.fileio import atomic_path, replace_dir, write_json_atomic  # noqa: F401  (old home)
 
-PACKAGES = ("ktm", "torch", "transformers", "peft", "safetensors", "gguf")
+PACKAGES = ("ktm", "torch", "transformers", "tokenizers", "peft", "safetensors", "gguf", "numpy",
+            "matplotlib")
 
 
 def versions() -> dict[str, str]:
@@ -22,14 +23,22 @@ def versions() -> dict[str, str]:
     return out
 
 
-def git_revision() -> str | None:
-    """The repository's HEAD (with '-dirty' for uncommitted changes), or None outside a repo."""
-    here = Path(__file__).resolve().parent
+def _git(where: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=5,
+                          check=True).stdout.strip()
+
+
+def git_revision(package_dir: Path | None = None) -> str | None:
+    """The repository's HEAD, with '-dirty' for uncommitted changes to tracked files or new
+    files in the package itself (a module not yet added ran too); None outside a repository,
+    or when the package is not tracked by the repository it sits in (a copy installed into a
+    venv inside some clone: that clone's HEAD says nothing about this code)."""
+    here = Path(__file__).resolve().parent if package_dir is None else Path(package_dir)
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        rev = _git(here, "rev-parse", "HEAD")
+        _git(here, "ls-files", "--error-unmatch", "--", "__init__.py")
+        dirty = _git(here, "status", "--porcelain", "--untracked-files=no")
+        dirty += _git(here, "status", "--porcelain", "--untracked-files=all", "--", ".")
     except (OSError, subprocess.SubprocessError):
         return None
     return rev + ("-dirty" if dirty else "")

@@ -9,15 +9,13 @@ majority class (on amazon that would put a chance-level model on the frontier). 
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from pathlib import Path
 
 from ktm.errors import KTMError
 from ktm.fileio import save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
+from ktm.result_rows import load_results
 
-REQUIRED = ("task", "method", "length_reduction")
 DIRTY, UNKNOWN = "†", "‡"
 
 
@@ -45,29 +43,6 @@ def provenance_notes(rows: list[dict]) -> str:
     return "\n".join(notes)
 
 
-def load_results(paths: list[str]) -> list[dict]:
-    rows = []
-    for p in paths:
-        try:
-            row = json.loads(Path(p).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise KTMError(f"result file {p!r} cannot be read as JSON: {e}") from e
-        if not isinstance(row, dict):
-            raise KTMError(f"result file {p!r} holds a JSON {type(row).__name__}: expected one "
-                           "object, as `ktm eval` writes")
-        if row.get("task") == "readability" and isinstance(row.get("readability"), dict):
-            rows.append(row)
-            continue
-        missing = [k for k in REQUIRED if k not in row]
-        if missing or not ("accuracy" in row or "perplexity" in row):
-            raise KTMError(f"result file {p!r} lacks {missing or ['accuracy|perplexity']}: "
-                           "expected a file written by `ktm eval`")
-        rows.append(row)
-    if not rows:
-        raise KTMError("no result files given")
-    return rows
-
-
 def group_name(row: dict) -> str:
     """The task, with its stage when it has one (tree small and tree xmedium are two tables)."""
     task = (row.get("config") or {}).get("task")
@@ -93,7 +68,7 @@ def score(rows: list[dict]) -> dict[str, list[dict]]:
             if "perplexity" in r:
                 r["P"] = normalised_performance(r["perplexity"], best)
             else:
-                r["P"] = r.get("balanced_accuracy", r["accuracy"])
+                r["P"] = r["balanced_accuracy"]
             r["pl_f1"] = pl_f1(r["P"], max(0.0, r["length_reduction"]))
         # uncompressed first, then K-token merging by K, then the baselines
         task_rows.sort(key=lambda r: (r["method"] != "uncompressed", "compressor" in r,
@@ -110,7 +85,7 @@ def table(task: str, rows: list[dict]) -> str:
     for r in rows:
         k = r.get("k") if r.get("k") is not None else "–"
         mid = (f"{r['perplexity']:.3f} | {r['P']:.3f}" if ppl else
-               f"{r['accuracy']:.3f} | {r.get('balanced_accuracy', float('nan')):.3f}")
+               f"{r['accuracy']:.3f} | {r['balanced_accuracy']:.3f}")
         overhead = r.get("compression_ms_per_1k_tokens")
         cost = "–" if overhead is None else f"{overhead:.0f}"
         lines.append(f"| {r['method']}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
@@ -134,57 +109,100 @@ def readability_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# label offsets (points) tried in order until a label overlaps no other label and no marker
-_OFFSETS = [(5, 5), (5, -12), (-5, 5), (-5, -12), (5, 16), (5, -24), (-5, 16), (-5, -24),
-            (12, 28), (12, -36), (-12, 28), (-12, -36), (20, 40), (20, -48)]
+def _offsets() -> list[tuple[int, int]]:
+    """Label offsets (points) from a point, nearest first: beside it, then ever further up,
+    down and sideways, so a cluster of many methods still finds a free place for each label."""
+    cands = [(dx * sx, (5 + 11 * i) * sy) for dx in (5, 20, 40, 60) for i in range(14)
+             for sx in (1, -1) for sy in (1, -1)]
+    return sorted(cands, key=lambda o: (o[0] ** 2 + o[1] ** 2, -o[0], -o[1]))
+
+
+_OFFSETS = _offsets()
+_MARKER_PT = 3.5  # a scatter marker's radius in points (default size 36 pt², plus its edge)
 
 
 def _place_labels(ax, fig, labels: list[str], xs: list[float], ys: list[float]) -> list:
-    """Annotate each point, moving a label to the first offset where it overlaps nothing."""
+    """Annotate each point at the nearest offset where its label stays inside the axes and
+    overlaps no other label, no marker and no legend; where none is free, the offset with the
+    fewest collisions. Call after the layout is final: positions are read in pixels."""
+    from matplotlib.transforms import Bbox
+
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    markers = [ax.transData.transform((x, y)) for x, y in zip(xs, ys)]
+    r = _MARKER_PT * fig.dpi / 72
+    markers = [Bbox.from_extents(mx - r, my - r, mx + r, my + r)
+               for mx, my in (ax.transData.transform((x, y)) for x, y in zip(xs, ys))]
+    legend = ax.get_legend()
+    obstacles = markers + ([legend.get_window_extent(renderer)] if legend else [])
     boxes, placed = [], []
     for label, x, y in zip(labels, xs, ys):
+        best = None  # (collisions, offset, box)
         for dx, dy in _OFFSETS:
-            ann = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy),
-                              fontsize=8, ha="left" if dx >= 0 else "right",
-                              arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"}
-                              if abs(dy) > 12 else None)
-            box = ann.get_window_extent(renderer).expanded(1.05, 1.1)
-            hits_marker = any(box.contains(mx, my) for mx, my in markers)
-            if not hits_marker and not any(box.overlaps(b) for b in boxes):
-                break
+            ann = _annotate(ax, label, (x, y), (dx, dy), leader=False)
+            box = label_box(ann, renderer).expanded(1.05, 1.1)
             ann.remove()
-        else:  # every offset collides: keep the last one rather than drop the label
-            ann = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy),
-                              fontsize=8)
-            box = ann.get_window_extent(renderer)
-        boxes.append(box)
-        placed.append(ann)
+            inside = ax.bbox.contains(box.x0, box.y0) and ax.bbox.contains(box.x1, box.y1)
+            hits = sum(box.overlaps(b) for b in obstacles + boxes) + (0 if inside else 100)
+            if best is None or hits < best[0]:
+                best = (hits, (dx, dy), box)
+            if hits == 0:
+                break
+        dx, dy = best[1]
+        boxes.append(best[2])
+        placed.append(_annotate(ax, label, (x, y), (dx, dy), leader=abs(dx) > 5 or abs(dy) > 5))
     return placed
 
 
-def plot(by_task: dict[str, list[dict]], path: str) -> None:
+def _annotate(ax, label: str, xy, offset, leader: bool):
+    """A label ``offset`` points from ``xy``, hanging away from it; a thin leader line when far."""
+    return ax.annotate(label, xy, textcoords="offset points", xytext=offset, fontsize=8,
+                       ha="left" if offset[0] >= 0 else "right",
+                       va="bottom" if offset[1] >= 0 else "top",
+                       arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"}
+                       if leader else None)
+
+
+def label_box(ann, renderer):
+    """The pixels of an annotation's text alone (its own extent includes the leader line)."""
+    from matplotlib.text import Text
+
+    ann.update_positions(renderer)
+    return Text.get_window_extent(ann, renderer)
+
+
+def figure(by_task: dict[str, list[dict]]):
+    """P against length reduction per task, the Pareto frontier, each point labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(by_task), figsize=(5 * len(by_task), 4), squeeze=False)
+    panels = []
     for ax, (task, rows) in zip(axes[0], sorted(by_task.items())):
         xs, ys = [r["length_reduction"] for r in rows], [r["P"] for r in rows]
         ax.scatter(xs, ys, color="tab:blue")
         front = sorted(pareto_frontier(list(zip(xs, ys))))
-        ax.plot([p[0] for p in front], [p[1] for p in front], "--", color="tab:red",
-                label="Pareto frontier")
+        # ringed points: a frontier of one point is visible too
+        ax.plot([p[0] for p in front], [p[1] for p in front], "--o", color="tab:red", ms=9,
+                mfc="none", label="Pareto frontier")
         ax.set_xlabel("length reduction")
         ax.set_ylabel("ppl_min / ppl" if "perplexity" in rows[0] else "balanced accuracy")
         ax.margins(0.15)
-        _place_labels(ax, fig, [r["method"] for r in rows], xs, ys)
         ax.set_title(task)
         ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
+        panels.append((ax, [r["method"] for r in rows], xs, ys))
+    fig.tight_layout()  # first: labels are placed in the final pixels
+    for ax, labels, xs, ys in panels:
+        for t in _place_labels(ax, fig, labels, xs, ys):
+            t.set_in_layout(False)
+    return fig
+
+
+def plot(by_task: dict[str, list[dict]], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(by_task)
     save_figure(fig, path)
     plt.close(fig)
 
@@ -204,12 +222,15 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
     rows = load_results(paths)
     read = [r for r in rows if r.get("task") == "readability"]
     by_task = score([r for r in rows if r.get("task") != "readability"])
+    if plot_path and not by_task:
+        raise KTMError(f"--plot {plot_path}: no task results to plot (readability rows have a "
+                       "table only): expected at least one `ktm eval --task` result file")
     parts = [table(t, task_rows) for t, task_rows in sorted(by_task.items())]
     if read:
         parts.append(readability_table(read))
     notes = provenance_notes(rows)
     if notes:
         parts.append(notes)
-    if plot_path and by_task:
+    if plot_path:
         plot(by_task, plot_path)
     return "\n\n".join(parts)

@@ -6,6 +6,7 @@ Timings are never asserted: only what the numbers are computed from.
 import argparse
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -296,3 +297,21 @@ def test_bench_errors_use_the_ktm_error_form(tmp_path, capsys):
     assert err.strip().splitlines()[-1].startswith("ktm: error: unknown model")
     with pytest.raises(KTMError, match="unknown model"):
         main_bench(BenchConfig(model=str(tmp_path / "nope"), progress=False))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{}", "not a ktm bench result"),
+    ('[{"mode": "infer"}]', "row 0 lacks \\['method', 'k', 'mlp_ratio', 'input_tokens', 'batch'"),
+    ("[", "cannot read bench results"),
+])
+def test_bench_plot_errors_are_one_line(text, match, tmp_path, capsys):
+    # `python -m ktm.bench_plot` printed a traceback (a KeyError for a row without its fields)
+    from ktm.bench_plot import main as plot_main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    assert plot_main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ktm bench-plot: error:")
+    assert re.search(match, err[0]), err[0]
+    assert not list(tmp_path.glob("*.png"))

@@ -1,7 +1,9 @@
+import pytest
 import torch
 from test_model import perturb
 
 from ktm.evaluate import evaluate_perplexity
+from ktm.generate import eval_mode
 from ktm.model import KTMModel, LoraSettings
 from ktm.prompt import Segment
 from ktm.tasks.base import Example
@@ -44,3 +46,23 @@ def test_merging_time_waits_for_the_device(ktm_model, monkeypatch):
                                              scoring="likelihood")]
     assert [r["compression_s"] for r in rows] == [2.0, 2.0, 2.0]  # two batches each
     assert len(seen) == 12 and set(seen) == {ktm_model.device}
+
+
+def test_perplexity_pools_tokens_and_length_reduction_pools_totals(ktm_model):
+    """Hand-computed: perplexity is exp(total NLL / total target tokens), not a mean of
+    per-example perplexities, and length reduction is 1 - total after / total before."""
+    import math
+
+    res = evaluate_perplexity(ktm_model, EXAMPLES, batch_size=1)
+    with torch.no_grad(), eval_mode(ktm_model):
+        outs = [ktm_model([e.segments], [e.target]) for e in EXAMPLES]
+    nll = sum(float(o.nll.sum()) for o in outs)
+    n_tok = sum(int(o.n_tokens.sum()) for o in outs)
+    assert res["target_tokens"] == n_tok
+    assert res["perplexity"] == pytest.approx(math.exp(nll / n_tok), rel=1e-5)
+    per_example = [math.exp(float(o.nll.sum()) / int(o.n_tokens.sum())) for o in outs]
+    assert res["perplexity"] != pytest.approx(sum(per_example) / 2, rel=1e-6)
+    before = sum(o.tokens_in for o in outs)
+    after = sum(o.tokens_out for o in outs)
+    assert res["length_reduction"] == pytest.approx(1 - after / before)
+    assert res["tokens_before"] == before / 2

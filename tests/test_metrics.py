@@ -74,3 +74,22 @@ def test_pareto_frontier_with_a_minimised_axis() -> None:
     assert both_down == [(0.9, 0.1), (0.4, 0.2)]
     with pytest.raises(KTMError, match="expected 2"):
         pareto_frontier([(1.0, 2.0, 3.0)])
+
+
+def test_pareto_frontier_refuses_a_nan_point() -> None:
+    # a NaN compares false with everything, so it was never dominated: always "on" the frontier
+    with pytest.raises(KTMError, match=r"\(nan, 0.5\).*finite"):
+        pareto_frontier([(0.9, 0.9), (float("nan"), 0.5)])
+
+
+def test_pareto_frontier_ties_and_a_single_point() -> None:
+    assert pareto_frontier([(0.5, 0.7)]) == [(0.5, 0.7)]
+    # equal length reduction: the lower performance is dominated; exact ties are kept once
+    assert pareto_frontier([(0.5, 0.6), (0.5, 0.7), (0.5, 0.7)]) == [(0.5, 0.7)]
+
+
+@pytest.mark.parametrize("p, lr", [(float("nan"), 0.5), (0.5, -0.2), (1.5, 0.5), (0.5, 1.1)])
+def test_pl_f1_refuses_values_outside_0_1(p, lr) -> None:
+    # pl_f1(0.2, -0.1) was -0.4 and pl_f1(0.5, -0.5) a silent 0; NaN went through
+    with pytest.raises(KTMError, match="expected .*in \\[0, 1\\]"):
+        pl_f1(p, lr)

@@ -1,6 +1,7 @@
 """ktm report: balanced accuracy as P, the readability table, plot labels that never overlap."""
 
 import json
+import re
 
 import pytest
 
@@ -152,3 +153,128 @@ def test_metrics_of_a_run_killed_mid_write_are_read(tmp_path):
     (run / "run.json").write_text('{"config": ')  # and a half-written run.json
     out = report([str(run / "metrics.jsonl")], str(tmp_path / "c.png"))
     assert "| killed | 1 | 1.0 | 0.200 |" in out
+
+
+ODD_ROWS = {  # each was a traceback (KeyError / TypeError) or a silent wrong number
+    "null length reduction": (row("k4", 0.8, 0.7, None), "length_reduction=None"),
+    "accuracy as text": (row("k4", "0.8", 0.7, 0.5), "accuracy='0.8'"),
+    "NaN accuracy": (row("k4", float("nan"), 0.7, 0.5), "accuracy=nan"),
+    "null balanced accuracy": (row("k4", 0.8, None, 0.5), "balanced_accuracy=None"),
+    # P of a classification row is balanced accuracy: plain accuracy would rank a
+    # majority-class answerer as if it were balanced
+    "no balanced accuracy": ({k: v for k, v in row("k4", 0.8, 0.7, 0.5).items()
+                              if k != "balanced_accuracy"}, "lacks \\['balanced_accuracy'\\]"),
+    "null perplexity": ({"task": "c", "method": "m", "perplexity": None,
+                         "length_reduction": 0.5}, "perplexity=None"),
+    "zero perplexity": ({"task": "c", "method": "m", "perplexity": 0.0,
+                         "length_reduction": 0.5}, "perplexity=0.0"),
+    "no task": ({**row("k4", 0.8, 0.7, 0.5), "task": None}, "task=None"),
+    "no method": ({**row("k4", 0.8, 0.7, 0.5), "method": ""}, "method=''"),
+    "text k": (row("k4", 0.8, 0.7, 0.5, k="4"), "k='4'"),
+    "readability without method": ({"task": "readability", "readability": {"code": {"R": 0.5}}},
+                                   "method=None"),
+    "readability without NLLs": ({"task": "readability", "method": "m",
+                                  "readability": {"code": {"R": 0.5}}}, "code.*nll_merged=None"),
+    "readability as a list": ({"task": "readability", "method": "m", "readability": [1]},
+                              "readability=\\[1\\]"),
+}
+
+
+@pytest.mark.parametrize("name", ODD_ROWS)
+def test_odd_result_rows_are_clear_errors_naming_the_file(name, tmp_path, capsys):
+    from ktm.cli import main
+
+    bad, match = ODD_ROWS[name]
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(bad))
+    assert main(["report", str(path), "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "odd.json" in err and re.search(match, err), err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_a_result_given_twice_is_one_row(tmp_path):
+    # overlapping globs (results/*/*.json results/amazon/*.json) or a copied file
+    path, copy = tmp_path / "a.json", tmp_path / "copy.json"
+    path.write_text(json.dumps(row("k4", 0.8, 0.7, 0.5, 4)))
+    copy.write_text(path.read_text())
+    out = report([str(path), str(path), str(copy)])
+    assert out.count("| k4 ‡ | 4 |") == 1
+
+
+def _crowded(task: str, n: int) -> list[dict]:
+    """An uncompressed row far away and ``n`` methods in a tight 4-high cluster."""
+    out = [{**row("uncompressed", 0.9, 0.9, 0.0), "task": task, "P": 0.9}]
+    for i in range(n):
+        bal = 0.5 + 0.004 * (i % 4)
+        out.append({**row(f"m{i}-selective", 0.6, bal, 0.6 + 0.004 * (i // 4)), "task": task,
+                    "P": bal})
+    return out
+
+
+@pytest.mark.parametrize("n, tasks", [(8, 3), (12, 1)])
+def test_crowded_plot_labels_overlap_no_label_marker_or_legend(n, tasks, monkeypatch, tmp_path):
+    # the 14 fixed offsets ran out on a cluster of 8: the fallback stacked labels on each other
+    import ktm.report as rep
+
+    seen = []
+
+    def check(fig, path):
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            boxes = [rep.label_box(t, renderer) for t in ax.texts]
+            assert len(boxes) == n + 1
+            legend = ax.get_legend().get_window_extent(renderer)
+            offsets = ax.collections[0].get_offsets()
+            marks = [ax.transData.transform(p) for p in offsets]
+            for i, b in enumerate(boxes):
+                assert not b.overlaps(legend), ax.texts[i].get_text()
+                assert ax.bbox.contains(b.x0, b.y0) and ax.bbox.contains(b.x1, b.y1)
+                assert not any(b.contains(mx, my) for mx, my in marks), ax.texts[i].get_text()
+                for j in range(i):
+                    assert not b.overlaps(boxes[j]), (ax.texts[i].get_text(),
+                                                      ax.texts[j].get_text())
+        seen.append(path)
+
+    monkeypatch.setattr(rep, "save_figure", check)
+    rep.plot({f"t{j}": _crowded(f"t{j}", n) for j in range(tasks)}, str(tmp_path / "p.png"))
+    assert seen
+
+
+def test_a_single_point_frontier_is_drawn(monkeypatch, tmp_path):
+    # a dashed line through one point draws nothing: one method had no visible frontier
+    import ktm.report as rep
+
+    lines = []
+    monkeypatch.setattr(rep, "save_figure", lambda fig, path: lines.extend(fig.axes[0].lines))
+    rep.plot({"amazon": [{**row("k4", 0.8, 0.7, 0.5, 4), "P": 0.7}]}, str(tmp_path / "p.png"))
+    assert lines and lines[0].get_marker() not in ("None", None, "")
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"step": 1, "cpu_s": None, "eval": {"accuracy": 0.5}}, "cpu_s=None"),
+    ({"step": 1, "cpu_s": 5, "eval": {"balanced_accuracy": "0.5"}}, "balanced_accuracy='0.5'"),
+    ({"step": 1, "cpu_s": 5, "eval": {"code": {"R": "x"}}}, "R code='x'"),
+    ({"step": "1", "cpu_s": 5, "eval": {"accuracy": 0.5}}, "step='1'"),
+])
+def test_odd_metrics_rows_are_clear_errors(bad, match, tmp_path, capsys):
+    # were TypeError / ValueError tracebacks
+    from ktm.cli import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(bad) + "\n")
+    assert main(["report", str(tmp_path / "run" / "metrics.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and match in err and "row 1" in err, err
+
+
+def test_a_plot_asked_of_readability_rows_alone_is_an_error(tmp_path, capsys):
+    # the plot is of task rows; asked for with none, nothing was written and nothing said
+    from ktm.cli import main
+
+    r = {"task": "readability", "method": "ktm-k4", "k": 4, "readability": {"code": {
+        "R": 0.6, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5, "tokens_in": 256.0,
+        "tokens_out": 64.0}}}
+    (tmp_path / "r.json").write_text(json.dumps(r))
+    assert main(["report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "no task results to plot" in capsys.readouterr().err
