@@ -190,6 +190,8 @@ BAD = [
     ("seed over int64", {"prompt": "hi", "temperature": 1, "seed": 2**64}, 400,
      f"seed: Input should be less than or equal to {2**63 - 1}, got {2**64}"),
     ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
+    ("five stop sequences", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400,
+     "Invalid 'stop': 5 stop sequences, expected at most 4"),
     ("token ids", {"prompt": [1, 2, 3]}, 400, "prompt as token ids is not supported"),
     ("token id lists", {"prompt": [[1, 2]]}, 400, "prompt as token ids is not supported"),
     ("empty prompt list", {"prompt": []}, 400, "prompt is empty"),
@@ -242,6 +244,12 @@ def test_a_list_of_one_prompt_is_that_prompt(client):
     kw = dict(model="tiny", max_tokens=8, temperature=0)
     want = client.completions.create(prompt=DOC, **kw).choices[0].text
     assert client.completions.create(prompt=[DOC], **kw).choices[0].text == want
+
+
+def test_four_stop_sequences_are_accepted(client):
+    r = client.completions.create(model="tiny", prompt=DOC, max_tokens=4, temperature=0,
+                                  stop=["\x00a", "\x00b", "\x00c", "\x00d"])
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_an_unexpected_failure_is_a_500_in_openais_shape(server, client, monkeypatch):

@@ -164,12 +164,13 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                     else "max_tokens")
             raise RequestError(f"{name}={max_tokens} is over this server's limit of "
                                f"{cfg.max_tokens_limit}", param=name)
+        stop = tuple(body.stop_list())
         build = chat_segments if chat else completion_segments
         segments = await run_in_threadpool(build, model, body)
         ext = body.ktm or KtmOptions()
         handle = Handle({"segments": segments, "max_tokens": max_tokens,
                          "temperature": body.temperature, "top_p": body.top_p,
-                         "seed": body.seed, "stop": tuple(body.stop_list()),
+                         "seed": body.seed, "stop": stop,
                          "ignore_eos": ext.ignore_eos})
         engine.submit(handle.job)
         handle.watch(request)

@@ -35,6 +35,9 @@ NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({
            "response_format": ({"type": "text"},)}
 
 
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
 def _is(value, neutral) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
@@ -111,6 +114,9 @@ class Sampling(Strict):
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise RequestError(f"Invalid 'stop': {len(stops)} stop sequences, expected at most "
+                               f"{MAX_STOP}", param="stop", code="array_above_max_length")
         return [s for s in stops if s]
 
 
