@@ -192,8 +192,17 @@ BAD = [
     ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
     ("five stop sequences", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400,
      "Invalid 'stop': 5 stop sequences, expected at most 4"),
-    ("token ids", {"prompt": [1, 2, 3]}, 400, "prompt as token ids is not supported"),
-    ("token id lists", {"prompt": [[1, 2]]}, 400, "prompt as token ids is not supported"),
+    ("token id outside the vocabulary", {"prompt": [1, 10**6]}, 400,
+     "prompt token id 1000000 is outside this model's vocabulary: expected ids in [0, "),
+    ("negative token id", {"prompt": [[1, -1]]}, 400, "prompt token id -1 is outside"),
+    ("token id as a string", {"prompt": [1, "2"]}, 400,
+     'prompt[1] is "2": expected a token id (an integer)'),
+    ("token id as a bool", {"prompt": [[1, True]]}, 400, "prompt[0][1] is true: expected a token"),
+    ("token id as a float", {"prompt": [1.0]}, 400, "prompt[0] is 1.0: expected a token id"),
+    ("two token-id prompts", {"prompt": [[1, 2], [3]]}, 400, "prompt is a list of 2 prompts"),
+    ("token ids and segments", {"prompt": [1, 2], **segs_body("a", "b")}, 400,
+     "prompt is token ids and ktm.segments gives the prompt too"),
+    ("empty token-id prompt", {"prompt": [[]]}, 400, "prompt is empty"),
     ("empty prompt list", {"prompt": []}, 400, "prompt is empty"),
     ("prompt contradicts segments", {"prompt": "other", **segs_body("a", "b")}, 400,
      "segments' texts joined"),
@@ -244,6 +253,20 @@ def test_a_list_of_one_prompt_is_that_prompt(client):
     kw = dict(model="tiny", max_tokens=8, temperature=0)
     want = client.completions.create(prompt=DOC, **kw).choices[0].text
     assert client.completions.create(prompt=[DOC], **kw).choices[0].text == want
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_prompt_of_token_ids_is_those_tokens(server, client, merge):
+    # as OpenAI (and vLLM) take it: a list of ints, or a list of one such list, is the prompt's
+    # tokens as given, merged like a text prompt unless "ktm": {"merge": false}
+    ids = server.model.tokenize(DOC, first=True)
+    kw = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ktm": {"merge": merge}})
+    want = client.completions.create(prompt=DOC, **kw)
+    for prompt in (ids, [ids]):
+        got = client.completions.create(prompt=prompt, **kw)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.prompt_tokens == len(ids)
+        assert got.usage.prompt_tokens_merged == want.usage.prompt_tokens_merged
 
 
 def test_four_stop_sequences_are_accepted(client):

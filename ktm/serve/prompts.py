@@ -17,6 +17,7 @@ import re
 
 from jinja2 import TemplateError
 
+from ktm.prefix import embedding_rows
 from ktm.prompt import Segment
 from ktm.serve.protocol import ChatRequest, CompletionRequest, KtmOptions, RequestError
 
@@ -33,7 +34,12 @@ def _check_joined(given: str | None, parts, where: str) -> None:
 
 def completion_segments(model, req: CompletionRequest) -> tuple[Segment, ...]:
     ext = req.ktm or KtmOptions()
-    prompt = req.prompt_text()
+    prompt = req.prompt_value()
+    if isinstance(prompt, tuple):
+        if ext.segments is not None:
+            raise RequestError("prompt is token ids and ktm.segments gives the prompt too: "
+                               "send one of them", param="prompt")
+        return _non_empty((Segment("", ext.merge, _in_vocabulary(model, prompt)),), "prompt")
     if ext.segments is not None:
         _check_joined(prompt, ext.segments, "prompt")
         parts = [(s.text, s.merge and ext.merge) for s in ext.segments]
@@ -139,6 +145,16 @@ def _ids(model, text: str, first: bool, param: str) -> tuple[int, ...]:
         raise RequestError(f"{param} is not valid Unicode: {text[e.start:e.end]!r} at character "
                            f"{e.start} is a lone surrogate; expected text", param=param) from e
     return tuple(model.tokenize(text, first=first))
+
+
+def _in_vocabulary(model, ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Token ids as given (no special tokens added), each a row of the model's embedding."""
+    rows = embedding_rows(model.input_embedding)
+    bad = next((i for i in ids if not 0 <= i < rows), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad} is outside this model's vocabulary: expected "
+                           f"ids in [0, {rows})", param="prompt")
+    return ids
 
 
 def _non_empty(segs: tuple[Segment, ...], param: str) -> tuple[Segment, ...]:

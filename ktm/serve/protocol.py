@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -121,21 +121,36 @@ class Sampling(Strict):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # checked by prompt_value, whose errors name the element: pydantic's lax mode would turn
+    # true or "7" into a token id, and its union errors name no element
+    prompt: str | list[Any] | None = None
 
-    def prompt_text(self) -> str | None:
-        """The one text prompt; OpenAI also takes a list of prompts or token ids."""
+    def prompt_value(self) -> str | tuple[int, ...] | None:
+        """The one prompt: text, or token ids (a list of integers, or a list of one such list),
+        as OpenAI takes them; a list of several prompts is refused."""
         p = self.prompt
         if not isinstance(p, list) or not p:
             return p or None
-        if not all(isinstance(x, str) for x in p):
-            raise RequestError("prompt as token ids is not supported: expected text (a string, "
-                               "or a list of one string)", param="prompt")
-        if len(p) > 1:
-            raise RequestError(f"prompt is a list of {len(p)} prompts, but this server completes "
-                               "one prompt per request: send them as separate requests (they "
-                               "are batched together)", param="prompt")
-        return p[0]
+        if all(isinstance(x, str) for x in p):
+            prompts: list = p
+        elif all(isinstance(x, list) for x in p):
+            prompts = [_token_ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
+        else:
+            prompts = [_token_ids(p, "prompt")]
+        if len(prompts) > 1:
+            raise RequestError(f"prompt is a list of {len(prompts)} prompts, but this server "
+                               "completes one prompt per request: send them as separate requests "
+                               "(they are batched together)", param="prompt")
+        return prompts[0]
+
+
+def _token_ids(values: list, where: str) -> tuple[int, ...]:
+    for i, v in enumerate(values):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise RequestError(f"{where}[{i}] is {json.dumps(v)}: expected a token id (an "
+                               "integer); a prompt is a string, a list of strings, a list of "
+                               "token ids or a list of token-id lists", param="prompt")
+    return tuple(values)
 
 
 class ChatRequest(Sampling):
