@@ -377,6 +377,110 @@ def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, mo
     assert "".join(pieces) == alone  # it went on, undisturbed
 
 
+def _engine_globals(server) -> dict:
+    """The globals the running engine really uses: another test may have re-imported ktm, so
+    `from ktm.serve import engine` could give a fresh module the server never calls into."""
+    import inspect
+
+    return next(f for f in vars(type(server.engine)).values()
+                if inspect.isfunction(f)).__globals__
+
+
+@pytest.mark.parametrize("where", ["sampling", "text"])
+def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeypatch, where):
+    g = _engine_globals(server)
+    advance, select_next, push = g["advance"], g["select_next"], g["Row"].push
+
+    def failing_select(logits, cfg, gen):  # e.g. NaN logits of one row, which cannot be sampled
+        if cfg.temperature == 0.625:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return select_next(logits, cfg, gen)
+
+    def failing_push(row, token):  # e.g. a token its detokenizer cannot decode
+        if row.job.temperature == 0.625:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return push(row, token)
+
+    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.02) or advance(*a))
+    if where == "sampling":
+        monkeypatch.setitem(g, "select_next", failing_select)
+    else:
+        monkeypatch.setattr(g["Row"], "push", failing_push)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    before = dict(server.engine.counts)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
+              extra_body={"ktm": {"ignore_eos": True}})
+    alone = c.completions.create(**kw).choices[0].text
+    stream = c.completions.create(stream=True, **kw)
+    pieces = [next(stream).choices[0].text]  # it is decoding
+    with pytest.raises(openai.InternalServerError, match="inf, nan") as e:
+        c.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0.625,
+                             seed=1)
+    assert e.value.body["type"] == "server_error"
+    pieces += [ch.choices[0].text for ch in stream]
+    assert "".join(pieces) == alone  # it went on, undisturbed
+    counts = server.engine.counts
+    assert counts["failed"] == before["failed"] + 1
+    assert counts["finished"] == before["finished"] + 2
+
+
+def test_a_failed_forward_step_fails_the_running_requests_and_the_server_goes_on(
+        server, monkeypatch):
+    g = _engine_globals(server)
+    advance = g["advance"]
+    calls = []
+
+    def failing_advance(*a):  # the shared forward pass: no request is to blame
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return advance(*a)
+
+    monkeypatch.setitem(g, "advance", failing_advance)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    before = dict(server.engine.counts)
+    start = threading.Barrier(2)
+
+    def ask(prompt):
+        start.wait()
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="out of memory"):
+            c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                 extra_body={"ktm": {"ignore_eos": True}})
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ask, [DOC, "Hello there"]))
+    health = get(server, "/health")
+    assert health["running"] == 0 and health["status"] == "ok"
+    assert health["failed"] == before["failed"] + 2
+    r = post(server, {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_failed_join_fails_the_running_and_the_joining_requests(server, monkeypatch):
+    # joining grows the running batch's cache in place: a failure there leaves no batch to go
+    # on with, and the request that was joining must be answered too, not left waiting
+    g = _engine_globals(server)
+    advance = g["advance"]
+
+    def failing_join(*_):
+        raise RuntimeError("join failed")
+
+    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.02) or advance(*a))
+    monkeypatch.setitem(g, "join", failing_join)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    stream = c.completions.create(model="tiny", prompt=DOC, max_tokens=200, stream=True,
+                                  extra_body={"ktm": {"ignore_eos": True}})
+    next(stream)  # it is decoding
+    with pytest.raises(openai.InternalServerError, match="join failed"):
+        c.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    with pytest.raises(openai.APIError, match="join failed"):
+        list(stream)
+    assert get(server, "/health")["running"] == 0
+
+
 def test_models_and_health(server):
     models = get(server, "/v1/models")["data"]
     assert [(m["id"], m["k"], m["base_model"], m["max_model_len"]) for m in models] == [
