@@ -1,8 +1,10 @@
 """``ktm serve`` over loopback with the official openai client, on the tiny in-process model."""
 
 import bisect
+import contextlib
 import http.client
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -350,6 +352,59 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, monkeypatch,
+                                                                      caplog):
+    # the race: the disconnect watcher sees the client go in the same loop turn as the first
+    # token arrives; its "gone" mark then waits behind that token and is read by the stream,
+    # which once let it escape as a traceback ("Exception in ASGI application")
+    import logging
+
+    g = _engine_globals(server)
+    advance = g["advance"]
+    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.05) or advance(*a))
+    submit = server.engine.submit
+
+    def submit_then_go(job):
+        handle, first = job.deliver.__self__, []
+
+        def deliver(ev):
+            handle._deliver(ev)
+            if not first:  # what the watcher does when the client goes at this moment
+                first.append(ev)
+                handle.loop.call_soon_threadsafe(handle.queue.put_nowait, None)
+
+        job.deliver = deliver
+        submit(job)
+
+    monkeypatch.setattr(server.engine, "submit", submit_then_go)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="ktm.serve")
+    try:
+        assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+        before = dict(server.engine.counts)
+        body = {"model": "tiny", "prompt": DOC, "max_tokens": LIMIT, "stream": True,
+                "ktm": {"ignore_eos": True}}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        with contextlib.suppress(http.client.IncompleteRead):  # (it broke off, once)
+            resp.read()  # the stream ends at once: its client is gone
+        conn.close()
+        assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+        assert server.engine.counts["cancelled"] == before["cancelled"] + 1
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO and not gone[0].exc_info
+    assert "\n" not in gone[0].getMessage()
+
+
 def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
     import inspect
 
@@ -505,7 +560,7 @@ def test_ktm_serve_command_serves_and_stops_cleanly(tiny_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "ktm.cli", "serve", "--model", tiny_model_dir, "--k", "2",
-           "--port", str(port), "--served-name", "tiny", "--log-level", "warning"]
+           "--port", str(port), "--served-name", "tiny", "--log-level", "info"]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -520,11 +575,21 @@ def test_ktm_serve_command_serves_and_stops_cleanly(tiny_model_dir):
         assert [m.k for m in c.models.list().data] == [2]
         r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=3)
         assert r.usage.prompt_tokens_merged == -(-r.usage.prompt_tokens // 2)
+        # a client that goes mid-stream: one line, no traceback
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "stream": True,
+             "ktm": {"ignore_eos": True}}), {"Content-Type": "application/json"})
+        assert conn.getresponse().readline().startswith(b"data: ")
+        conn.sock.close()
+        conn.close()
+        assert _wait_until(lambda: get(type("S", (), {"url": url}), "/health")["cancelled"] == 1)
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     # uvicorn shuts down gracefully, then re-raises the signal it caught
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in err, err
+    assert len(re.findall(r"INFO: +cmpl-\w+: the client went away mid-stream", err)) == 1, err
     assert f"on http://127.0.0.1:{port}/v1" in out
 
 

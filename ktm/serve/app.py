@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -41,6 +42,7 @@ from ktm.serve.protocol import (
     validation_message,
 )
 
+log = logging.getLogger("ktm.serve")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -187,6 +189,8 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                     texts.append(ev.text)
         except ClientGone:
             engine.cancel(handle.job)
+            log.info("the client of a %s request went away; its row is freed",
+                     "chat" if chat else "completion")
             return JSONResponse(error_body("client disconnected"), status_code=499)
         finally:
             handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
@@ -219,6 +223,7 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                    "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
             return {**out, "usage": None} if usage else out
 
+        done = False
         try:
             if chat:
                 yield _sse(chunk(None, None, role=True))
@@ -238,8 +243,13 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                     break
                 ev = await handle.next()
             yield _sse("[DONE]")
+            done = True
+        except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
+            pass
         finally:
             engine.cancel(handle.job)  # a client gone mid-stream frees its row at the next step
+            if not done:
+                log.info("%s: the client went away mid-stream; its row is freed", head["id"])
 
     return app
 
@@ -294,4 +304,17 @@ def serve(cfg: ServeConfig) -> None:
     model = load_served_model(cfg)
     print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
           f"http://{cfg.host}:{cfg.port}/v1", flush=True)
-    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                log_config=log_config(cfg.log_level))
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging, with ktm's own lines (a failed request, a client gone) printed like
+    uvicorn's at the same level; without it they would reach stderr only from warning up."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    out = copy.deepcopy(LOGGING_CONFIG)
+    out["loggers"]["ktm"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return out
