@@ -251,6 +251,15 @@ def test_null_fields_mean_their_default_and_neutral_options_are_accepted(client)
     assert got.choices[0].message.content == want
 
 
+def test_top_p_zero_is_greedy(client):
+    # OpenAI takes top_p in [0, 1]; a nucleus of mass 0 keeps only the most likely token
+    kw = dict(model="tiny", prompt=DOC, max_tokens=12)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    for seed in (1, 2):
+        r = client.completions.create(temperature=1.5, top_p=0, seed=seed, **kw)
+        assert r.choices[0].text == greedy
+
+
 def test_a_list_of_one_prompt_is_that_prompt(client):
     kw = dict(model="tiny", max_tokens=8, temperature=0)
     want = client.completions.create(prompt=DOC, **kw).choices[0].text

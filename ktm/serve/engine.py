@@ -58,7 +58,7 @@ class Job:
     max_tokens: int | None  # None: as many as fit, at most the server's max_tokens_limit
     deliver: Callable[[Event], None]  # thread-safe; called from the engine thread
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0: greedy
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -75,8 +75,10 @@ class Row:
 
     def __init__(self, job: Job, model, cp: CompressedPrompt, cached: int, limit: int):
         self.job, self.limit, self.n = job, limit, 0
-        self.cfg = GenerationConfig(max_new_tokens=limit, do_sample=job.temperature > 0,
-                                    temperature=job.temperature or 1.0, top_p=job.top_p,
+        # temperature 0 or top_p 0 (a nucleus of the most likely token only): greedy
+        self.cfg = GenerationConfig(max_new_tokens=limit,
+                                    do_sample=job.temperature > 0 and job.top_p > 0,
+                                    temperature=job.temperature or 1.0, top_p=job.top_p or 1.0,
                                     seed=job.seed, stop_at_eos=not job.ignore_eos)
         self.gen = None
         if self.cfg.do_sample and job.seed is not None:

@@ -95,7 +95,7 @@ class Sampling(Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: greedy, as OpenAI takes it
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # int64, as OpenAI's
     n: Literal[1] = 1
