@@ -184,11 +184,14 @@ BAD = [
      f"over this server's limit of {LIMIT}"),
     ("too long after merging", {"prompt": "Hello world " * 1200}, 400,
      "more than the model's context of 512"),
+    ("too long, n=2", {"prompt": "Hello world " * 1200, "n": 2}, 400,
+     "more than the model's context of 512"),
     ("too long with max_tokens", {"prompt": "Hello world " * 300, "max_tokens": LIMIT}, 400,
      "more than the model's context of 512"),
     ("bad temperature", {"prompt": "hi", "temperature": 3}, 400,
      "temperature: Input should be less than or equal to 2, got 3"),
-    ("n > 1", {"prompt": "hi", "n": 2}, 400, "n:"),
+    ("n = 0", {"prompt": "hi", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
+    ("n over OpenAI's 128", {"prompt": "hi", "n": 129}, 400, "n: Input should be less than"),
     ("seed over int64", {"prompt": "hi", "temperature": 1, "seed": 2**64}, 400,
      f"seed: Input should be less than or equal to {2**63 - 1}, got {2**64}"),
     ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
@@ -258,6 +261,47 @@ def test_top_p_zero_is_greedy(client):
     for seed in (1, 2):
         r = client.completions.create(temperature=1.5, top_p=0, seed=seed, **kw)
         assert r.choices[0].text == greedy
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices_are_n_seeded_samples(client, chat):
+    # OpenAI's n: n choices of the one prompt; choice i samples with seed + i, so each equals a
+    # request of n=1 with that seed, and the usage counts the prompt once
+    kw = dict(model="tiny", max_tokens=10, temperature=1.0, seed=7)
+    if chat:
+        kw["messages"] = [{"role": "user", "content": DOC}]
+        create, text = client.chat.completions.create, lambda c: c.message.content
+    else:
+        kw["prompt"] = DOC
+        create, text = client.completions.create, lambda c: c.text
+    ones = [create(**{**kw, "seed": 7 + i}) for i in range(3)]
+    r = create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [text(c) for c in r.choices] == [text(o.choices[0]) for o in ones]
+    assert len({text(c) for c in r.choices}) > 1
+    assert [c.finish_reason for c in r.choices] == [o.choices[0].finish_reason for o in ones]
+    assert r.usage.prompt_tokens == ones[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = ["", "", ""]
+    finish = [None] * 3
+    for ch in chunks[:-1]:
+        (c,) = ch.choices
+        streamed[c.index] += (c.delta.content or "") if chat else c.text
+        if c.finish_reason:
+            assert finish[c.index] is None
+            finish[c.index] = c.finish_reason
+    assert streamed == [text(c) for c in r.choices]
+    assert finish == [c.finish_reason for c in r.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        r.usage.completion_tokens
+
+
+def test_more_choices_than_the_queue_holds_are_refused(server, client, monkeypatch):
+    monkeypatch.setattr(server.engine.cfg, "max_queue", 2)  # the app's config too
+    with pytest.raises(openai.BadRequestError, match="n=3 is over this server's max_queue of 2"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=3)
 
 
 def test_a_list_of_one_prompt_is_that_prompt(client):
@@ -371,21 +415,16 @@ def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, mo
     g = _engine_globals(server)
     advance = g["advance"]
     monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.05) or advance(*a))
-    submit = server.engine.submit
+    handle_cls = create_app.__globals__["Handle"]
+    deliver, gone = handle_cls._deliver, []
 
-    def submit_then_go(job):
-        handle, first = job.deliver.__self__, []
+    def deliver_then_go(self, choice, ev):
+        deliver(self, choice, ev)
+        if not gone:  # what the watcher does when the client goes at this moment
+            gone.append(ev)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
-        def deliver(ev):
-            handle._deliver(ev)
-            if not first:  # what the watcher does when the client goes at this moment
-                first.append(ev)
-                handle.loop.call_soon_threadsafe(handle.queue.put_nowait, None)
-
-        job.deliver = deliver
-        submit(job)
-
-    monkeypatch.setattr(server.engine, "submit", submit_then_go)
+    monkeypatch.setattr(handle_cls, "_deliver", deliver_then_go)
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,19 +52,27 @@ class ClientGone(Exception):
 
 
 class Handle:
-    """One request's link to the engine: events arrive on an asyncio queue."""
+    """One request's link to the engine: its jobs (one per choice, ``n``) deliver
+    ``(choice, event)`` on one asyncio queue."""
 
-    def __init__(self, job_args: dict):
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        self.job = Job(deliver=self._deliver, **job_args)
+    def __init__(self, engine: Engine, jobs: list[dict]):
+        self.engine, self.loop = engine, asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
+        self.jobs = [Job(deliver=partial(self._deliver, i), **args)
+                     for i, args in enumerate(jobs)]
         self._watcher: asyncio.Task | None = None
 
-    def _deliver(self, ev: Event) -> None:  # engine thread
+    def _deliver(self, choice: int, ev: Event) -> None:  # engine thread
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, ev))
         except RuntimeError:  # the event loop is gone (shutdown)
-            self.job.cancelled.set()
+            for job in self.jobs:
+                job.cancelled.set()
+
+    def cancel(self) -> None:
+        """Its rows are dropped before the next step (those still running)."""
+        for job in self.jobs:
+            self.engine.cancel(job)
 
     def watch(self, request: Request) -> None:
         """Until ``unwatch``, a disconnect of the client (the ASGI receive channel says
@@ -79,11 +88,18 @@ class Handle:
         if self._watcher is not None:
             self._watcher.cancel()
 
-    async def next(self) -> Event:
-        ev = await self.queue.get()
-        if ev is None:
+    async def next(self) -> tuple[int, Event]:
+        item = await self.queue.get()
+        if item is None:
             raise ClientGone
-        return ev
+        return item
+
+
+def merged_usage(usages: list[dict]) -> dict:
+    """The choices of one prompt: its prompt counted once, their completions summed."""
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {**usages[0], "completion_tokens": completion,
+            "total_tokens": usages[0]["prompt_tokens"] + completion}
 
 
 def _sse(obj: dict | str) -> str:
@@ -166,90 +182,107 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                     else "max_tokens")
             raise RequestError(f"{name}={max_tokens} is over this server's limit of "
                                f"{cfg.max_tokens_limit}", param=name)
+        if body.n > cfg.max_queue:
+            raise RequestError(f"n={body.n} is over this server's max_queue of {cfg.max_queue}",
+                               param="n")
         stop = tuple(body.stop_list())
         build = chat_segments if chat else completion_segments
         segments = await run_in_threadpool(build, model, body)
         ext = body.ktm or KtmOptions()
-        handle = Handle({"segments": segments, "max_tokens": max_tokens,
-                         "temperature": body.temperature, "top_p": body.top_p,
-                         "seed": body.seed, "stop": stop,
-                         "ignore_eos": ext.ignore_eos})
-        engine.submit(handle.job)
+        job = {"segments": segments, "max_tokens": max_tokens, "temperature": body.temperature,
+               "top_p": body.top_p, "stop": stop, "ignore_eos": ext.ignore_eos}
+        # choice i samples with seed + i: n different answers, each reproducible alone
+        handle = Handle(engine, [{**job, "seed": None if body.seed is None else body.seed + i}
+                                 for i in range(body.n)])
+        engine.submit(*handle.jobs)
         handle.watch(request)
+        events: list[tuple[int, Event]] = []
         try:
-            first = await handle.next()  # a prompt too long is refused here, before the 200
-            if first.error:
-                raise first.error
-            if not body.stream:
-                texts, ev = [first.text], first
-                while not ev.finish:
-                    ev = await handle.next()
-                    if ev.error:
-                        raise ev.error
-                    texts.append(ev.text)
+            # a prompt too long is refused here, before the 200: every choice has started
+            started, ends = set(), 0
+            while len(started) < body.n or (not body.stream and ends < body.n):
+                i, ev = await handle.next()
+                if ev.error:
+                    raise ev.error
+                started.add(i)
+                ends += ev.finish is not None
+                events.append((i, ev))
         except ClientGone:
-            engine.cancel(handle.job)
-            log.info("the client of a %s request went away; its row is freed",
+            handle.cancel()
+            log.info("the client of a %s request went away; its rows are freed",
                      "chat" if chat else "completion")
             return JSONResponse(error_body("client disconnected"), status_code=499)
+        except BaseException:
+            handle.cancel()  # one choice refused or failed: the others end too
+            raise
         finally:
             handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, first, head, chat, usage),
+            return StreamingResponse(_stream(handle, events, head, chat, usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text = "".join(texts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                  else {"index": 0, "text": text})
+        texts, ends_of = [""] * body.n, [Event()] * body.n
+        for i, ev in events:
+            texts[i] += ev.text
+            if ev.finish:
+                ends_of[i] = ev
+        choices = [{"index": i, **({"message": {"role": "assistant", "content": text}} if chat
+                                   else {"text": text}),
+                    "logprobs": None, "finish_reason": end.finish}
+                   for i, (text, end) in enumerate(zip(texts, ends_of))]
         return {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": [{**choice, "logprobs": None, "finish_reason": ev.finish}],
-                "usage": ev.usage}
+                "choices": choices, "usage": merged_usage([e.usage for e in ends_of])}
 
-    async def _stream(handle: Handle, first: Event, head: dict, chat: bool, usage: bool
-                      ) -> AsyncIterator[str]:
+    async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
+                      usage: bool) -> AsyncIterator[str]:
+        """SSE chunks: the events read before the 200, then the rest as they come; a chunk
+        carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else (
                     {"content": text} if text else {})
-                choice = {"index": 0, "delta": delta}
+                choice = {"index": i, "delta": delta}
             else:
-                choice = {"index": 0, "text": text or ""}
+                choice = {"index": i, "text": text or ""}
             out = {**head, "object": kind,
                    "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
-            return {**out, "usage": None} if usage else out
+            return _sse({**out, "usage": None} if usage else out)
 
-        done = False
+        done, n, ends = False, len(handle.jobs), {}
+        early = iter(events)
         try:
             if chat:
-                yield _sse(chunk(None, None, role=True))
-            ev = first
-            while True:
+                for i in range(n):
+                    yield chunk(i, None, None, role=True)
+            while len(ends) < n:
+                i, ev = next(early, None) or await handle.next()
                 if ev.error:
                     yield _sse(ev.error.body())
                     break
                 if chat and ev.text and ev.finish:
-                    yield _sse(chunk(ev.text, None))
-                    yield _sse(chunk(None, ev.finish))
+                    yield chunk(i, ev.text, None)
+                    yield chunk(i, None, ev.finish)
                 elif ev.text or ev.finish:
-                    yield _sse(chunk(ev.text, ev.finish))
+                    yield chunk(i, ev.text, ev.finish)
                 if ev.finish:
-                    if usage:
-                        yield _sse({**head, "object": kind, "choices": [], "usage": ev.usage})
-                    break
-                ev = await handle.next()
+                    ends[i] = ev.usage
+            else:
+                if usage:
+                    yield _sse({**head, "object": kind, "choices": [],
+                                "usage": merged_usage([ends[i] for i in range(n)])})
             yield _sse("[DONE]")
             done = True
         except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
             pass
         finally:
-            engine.cancel(handle.job)  # a client gone mid-stream frees its row at the next step
+            handle.cancel()  # a client gone mid-stream frees its rows at the next step
             if not done:
-                log.info("%s: the client went away mid-stream; its row is freed", head["id"])
+                log.info("%s: the client went away mid-stream; its rows are freed", head["id"])
 
     return app
 

@@ -137,13 +137,14 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (the choices of one request): all of them, or none if they do not fit."""
         with self._cond:
-            if len(self._waiting) >= self.cfg.max_queue:
+            if len(self._waiting) + len(jobs) > self.cfg.max_queue:
                 raise RequestError(f"server busy: {len(self._waiting)} requests are waiting "
                                    f"(max_queue={self.cfg.max_queue}); retry later",
                                    code="server_busy", status=503, kind="server_error")
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:

@@ -1,7 +1,7 @@
 """The OpenAI request shapes `ktm serve` accepts, its one extension field, OpenAI's error shape.
 
 Unknown fields are refused (``extra="forbid"``), so a client that relies on an option this server
-does not implement (``logprobs``, ``n > 1``, penalties, tools) gets a 400 naming it instead of a
+does not implement (``logprobs``, ``echo``, penalties, tools) gets a 400 naming it instead of a
 silently different answer; such an option sent with its neutral value (``presence_penalty: 0``,
 ``logprobs: false``, ...) is accepted, and ``null`` means a field's default, as in OpenAI's API.
 
@@ -98,7 +98,7 @@ class Sampling(Strict):
     top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: greedy, as OpenAI takes it
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # int64, as OpenAI's
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=128)  # choices, as OpenAI's (up to 128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
