@@ -194,7 +194,6 @@ BAD = [
     ("n over OpenAI's 128", {"prompt": "hi", "n": 129}, 400, "n: Input should be less than"),
     ("seed over int64", {"prompt": "hi", "temperature": 1, "seed": 2**64}, 400,
      f"seed: Input should be less than or equal to {2**63 - 1}, got {2**64}"),
-    ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
     ("five stop sequences", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400,
      "Invalid 'stop': 5 stop sequences, expected at most 4"),
     ("token id outside the vocabulary", {"prompt": [1, 10**6]}, 400,
@@ -204,9 +203,13 @@ BAD = [
      'prompt[1] is "2": expected a token id (an integer)'),
     ("token id as a bool", {"prompt": [[1, True]]}, 400, "prompt[0][1] is true: expected a token"),
     ("token id as a float", {"prompt": [1.0]}, 400, "prompt[0] is 1.0: expected a token id"),
-    ("two token-id prompts", {"prompt": [[1, 2], [3]]}, 400, "prompt is a list of 2 prompts"),
     ("token ids and segments", {"prompt": [1, 2], **segs_body("a", "b")}, 400,
-     "prompt is token ids and ktm.segments gives the prompt too"),
+     "ktm.segments gives the one prompt: prompt must be omitted"),
+    ("two prompts and segments", {"prompt": ["a", "b"], **segs_body("a", "b")}, 400,
+     "not token ids or a list of 2 prompts"),
+    ("an empty prompt of two", {"prompt": ["hi", ""]}, 400, "prompt[1] is empty"),
+    ("an unknown id in the second prompt", {"prompt": [[1], [10**6]]}, 400,
+     "prompt[1] token id 1000000 is outside"),
     ("empty token-id prompt", {"prompt": [[]]}, 400, "prompt is empty"),
     ("empty prompt list", {"prompt": []}, 400, "prompt is empty"),
     ("prompt contradicts segments", {"prompt": "other", **segs_body("a", "b")}, 400,
@@ -299,9 +302,36 @@ def test_n_choices_are_n_seeded_samples(client, chat):
 
 
 def test_more_choices_than_the_queue_holds_are_refused(server, client, monkeypatch):
-    monkeypatch.setattr(server.engine.cfg, "max_queue", 2)  # the app's config too
-    with pytest.raises(openai.BadRequestError, match="n=3 is over this server's max_queue of 2"):
-        client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=3)
+    monkeypatch.setattr(server.engine.cfg, "max_queue", 5)  # the app's config too
+    with pytest.raises(openai.BadRequestError, match="2 prompt.s. with n=3 make 6 choices, over "
+                                                     "this server's max_queue of 5"):
+        client.completions.create(model="tiny", prompt=["hi", "ho"], max_tokens=2, n=3)
+
+
+def test_a_list_of_prompts_gets_their_choices_in_order(client):
+    # OpenAI's order: each prompt's n choices in turn; the usage counts each prompt once
+    prompts = [DOC, "Hello world", DOC[::-1]]
+    kw = dict(model="tiny", max_tokens=6, temperature=1.0, seed=3)
+    ones = [client.completions.create(prompt=p, **{**kw, "seed": 3 + i})
+            for p in prompts for i in range(2)]
+    ids = [client.completions.create(prompt=p, max_tokens=1, model="tiny").usage.prompt_tokens
+           for p in prompts]
+    for stream in (False, True):
+        r = client.completions.create(prompt=prompts, n=2, stream=stream, **kw)
+        if stream:
+            chunks = list(r)
+            texts = [""] * 6
+            for ch in chunks:
+                texts[ch.choices[0].index] += ch.choices[0].text
+        else:
+            assert [c.index for c in r.choices] == list(range(6))
+            texts = [c.text for c in r.choices]
+            assert r.usage.prompt_tokens == sum(ids)
+            assert r.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+        assert texts == [o.choices[0].text for o in ones]
+    r = client.completions.create(model="tiny", prompt=[[5, 6, 7, 8], [10, 11, 12]],
+                                  max_tokens=3)
+    assert len(r.choices) == 2 and r.usage.prompt_tokens == 7
 
 
 def test_a_list_of_one_prompt_is_that_prompt(client):

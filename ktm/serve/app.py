@@ -95,11 +95,18 @@ class Handle:
         return item
 
 
-def merged_usage(usages: list[dict]) -> dict:
-    """The choices of one prompt: its prompt counted once, their completions summed."""
-    completion = sum(u["completion_tokens"] for u in usages)
-    return {**usages[0], "completion_tokens": completion,
-            "total_tokens": usages[0]["prompt_tokens"] + completion}
+def merged_usage(usages: list[dict], n: int) -> dict:
+    """The usage of the choices of a request, ``n`` per prompt: each prompt counted once (by its
+    first choice), every completion."""
+    def total(key: str, of: list[dict]) -> int:
+        return sum(u[key] for u in of)
+
+    firsts = usages[::n]
+    prompt, completion = total("prompt_tokens", firsts), total("completion_tokens", usages)
+    return {"prompt_tokens": prompt, "prompt_tokens_merged": total("prompt_tokens_merged", firsts),
+            "prompt_tokens_details": {"cached_tokens": sum(
+                u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
+            "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(obj: dict | str) -> str:
@@ -182,25 +189,29 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                     else "max_tokens")
             raise RequestError(f"{name}={max_tokens} is over this server's limit of "
                                f"{cfg.max_tokens_limit}", param=name)
-        if body.n > cfg.max_queue:
-            raise RequestError(f"n={body.n} is over this server's max_queue of {cfg.max_queue}",
-                               param="n")
         stop = tuple(body.stop_list())
-        build = chat_segments if chat else completion_segments
-        segments = await run_in_threadpool(build, model, body)
+        prompts = ([await run_in_threadpool(chat_segments, model, body)] if chat
+                   else await run_in_threadpool(completion_segments, model, body))
+        if len(prompts) * body.n > cfg.max_queue:
+            raise RequestError(f"{len(prompts)} prompt(s) with n={body.n} make "
+                               f"{len(prompts) * body.n} choices, over this server's max_queue "
+                               f"of {cfg.max_queue}", param="n")
         ext = body.ktm or KtmOptions()
-        job = {"segments": segments, "max_tokens": max_tokens, "temperature": body.temperature,
-               "top_p": body.top_p, "stop": stop, "ignore_eos": ext.ignore_eos}
-        # choice i samples with seed + i: n different answers, each reproducible alone
-        handle = Handle(engine, [{**job, "seed": None if body.seed is None else body.seed + i}
-                                 for i in range(body.n)])
+        job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+               "stop": stop, "ignore_eos": ext.ignore_eos}
+        # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
+        # seed + i: n different answers, each reproducible alone
+        handle = Handle(engine, [{**job, "segments": segments,
+                                  "seed": None if body.seed is None else body.seed + i}
+                                 for segments in prompts for i in range(body.n)])
+        choices = len(handle.jobs)
         engine.submit(*handle.jobs)
         handle.watch(request)
         events: list[tuple[int, Event]] = []
         try:
             # a prompt too long is refused here, before the 200: every choice has started
             started, ends = set(), 0
-            while len(started) < body.n or (not body.stream and ends < body.n):
+            while len(started) < choices or (not body.stream and ends < choices):
                 i, ev = await handle.next()
                 if ev.error:
                     raise ev.error
@@ -221,23 +232,23 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, events, head, chat, usage),
+            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        texts, ends_of = [""] * body.n, [Event()] * body.n
+        texts, ends_of = [""] * choices, [Event()] * choices
         for i, ev in events:
             texts[i] += ev.text
             if ev.finish:
                 ends_of[i] = ev
-        choices = [{"index": i, **({"message": {"role": "assistant", "content": text}} if chat
-                                   else {"text": text}),
-                    "logprobs": None, "finish_reason": end.finish}
-                   for i, (text, end) in enumerate(zip(texts, ends_of))]
         return {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": choices, "usage": merged_usage([e.usage for e in ends_of])}
+                "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
+                                            if chat else {"text": text}),
+                             "logprobs": None, "finish_reason": end.finish}
+                            for i, (text, end) in enumerate(zip(texts, ends_of))],
+                "usage": merged_usage([e.usage for e in ends_of], body.n)}
 
     async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
-                      usage: bool) -> AsyncIterator[str]:
+                      usage: bool, per_prompt: int) -> AsyncIterator[str]:
         """SSE chunks: the events read before the 200, then the rest as they come; a chunk
         carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended."""
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -274,7 +285,8 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
             else:
                 if usage:
                     yield _sse({**head, "object": kind, "choices": [],
-                                "usage": merged_usage([ends[i] for i in range(n)])})
+                                "usage": merged_usage([ends[i] for i in range(n)],
+                                                      per_prompt)})
             yield _sse("[DONE]")
             done = True
         except ClientGone:  # the watcher saw it go just as the first event came: no one to tell

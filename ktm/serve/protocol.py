@@ -121,27 +121,21 @@ class Sampling(Strict):
 
 
 class CompletionRequest(Sampling):
-    # checked by prompt_value, whose errors name the element: pydantic's lax mode would turn
+    # checked by prompt_values, whose errors name the element: pydantic's lax mode would turn
     # true or "7" into a token id, and its union errors name no element
     prompt: str | list[Any] | None = None
 
-    def prompt_value(self) -> str | tuple[int, ...] | None:
-        """The one prompt: text, or token ids (a list of integers, or a list of one such list),
-        as OpenAI takes them; a list of several prompts is refused."""
+    def prompt_values(self) -> list[str | tuple[int, ...]]:
+        """The prompts, as OpenAI takes them: a text, token ids (a list of integers), or a list
+        of texts or of token-id lists (a choice or ``n`` for each)."""
         p = self.prompt
         if not isinstance(p, list) or not p:
-            return p or None
+            return [p or ""]
         if all(isinstance(x, str) for x in p):
-            prompts: list = p
-        elif all(isinstance(x, list) for x in p):
-            prompts = [_token_ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
-        else:
-            prompts = [_token_ids(p, "prompt")]
-        if len(prompts) > 1:
-            raise RequestError(f"prompt is a list of {len(prompts)} prompts, but this server "
-                               "completes one prompt per request: send them as separate requests "
-                               "(they are batched together)", param="prompt")
-        return prompts[0]
+            return list(p)
+        if all(isinstance(x, list) for x in p):
+            return [_token_ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
+        return [_token_ids(p, "prompt")]
 
 
 def _token_ids(values: list, where: str) -> tuple[int, ...]:
