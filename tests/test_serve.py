@@ -519,6 +519,36 @@ def _engine_globals(server) -> dict:
                 if inspect.isfunction(f)).__globals__
 
 
+def test_a_refused_request_is_not_failed_again_by_its_batch(server, monkeypatch):
+    # a request refused at admission (too long) has its answer; when a later request of the same
+    # admission then fails, the refused one is not answered and counted a second time
+    g = _engine_globals(server)
+    context_of = g["context_of"]
+
+    def failing_context_of(segs):
+        if any("BOOM" in s.text for s in segs):
+            raise RuntimeError("this request cannot start")
+        return context_of(segs)
+
+    monkeypatch.setitem(g, "context_of", failing_context_of)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    before = dict(server.engine.counts)
+
+    def ask(body):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(server, {"model": "tiny", "max_tokens": 2, **body})
+        return e.value.code
+
+    with ThreadPoolExecutor(2) as pool:
+        too_long = pool.submit(ask, {"prompt": "Hello world " * 1200})
+        time.sleep(0.02)  # after it, in the same batch window
+        boom = pool.submit(ask, {"prompt": "BOOM"})
+        assert (too_long.result(), boom.result()) == (400, 500)
+    counts = server.engine.counts
+    assert (counts["rejected"], counts["failed"]) == (before["rejected"] + 1,
+                                                      before["failed"] + 1)
+
+
 @pytest.mark.parametrize("where", ["sampling", "text"])
 def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeypatch, where):
     g = _engine_globals(server)

@@ -220,6 +220,7 @@ class Engine:
             self.counts["rejected"] += 1
             job.deliver(Event(error=RequestError(err, param="max_tokens" if room and room > 0
                                                  else "prompt", code="context_length_exceeded")))
+            job.cancelled.set()  # answered: a failure of its batch-mates must not answer it again
             return None
         return want
 
