@@ -31,6 +31,13 @@ def line_break_ids(tokenizer) -> frozenset[int]:
     return frozenset(i for i, text in enumerate(texts) if "\n" in text)
 
 
+def embedding_rows(embed: nn.Module) -> int:
+    """Ids an embedding looks up: the LM's table plus any rows an extension adds (LTSC's meta
+    tokens)."""
+    extra = getattr(embed, "meta", None)
+    return embed.weight.shape[0] + (0 if extra is None else extra.shape[0])
+
+
 @dataclass
 class PromptEncoder:
     """What encoding needs: tokenizer (as ``tokenize(text, first)``), input embeddings, encoder.
@@ -101,8 +108,7 @@ class PromptEncoder:
     def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:
         """Ids given directly must be rows of the embedding table (the LM's, plus any extra rows
         an extension such as LTSC's meta tokens adds)."""
-        extra = getattr(self.embed, "meta", None)
-        rows = self.embed.weight.shape[0] + (0 if extra is None else extra.shape[0])
+        rows = embedding_rows(self.embed)
         for segs in prompts:
             for s in segs:
                 bad = next((i for i in s.ids or () if i >= rows), None)

@@ -1,8 +1,10 @@
 """``ktm serve`` over loopback with the official openai client, on the tiny in-process model."""
 
 import bisect
+import contextlib
 import http.client
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -182,16 +184,33 @@ BAD = [
      f"over this server's limit of {LIMIT}"),
     ("too long after merging", {"prompt": "Hello world " * 1200}, 400,
      "more than the model's context of 512"),
+    ("too long, n=2", {"prompt": "Hello world " * 1200, "n": 2}, 400,
+     "more than the model's context of 512"),
     ("too long with max_tokens", {"prompt": "Hello world " * 300, "max_tokens": LIMIT}, 400,
      "more than the model's context of 512"),
     ("bad temperature", {"prompt": "hi", "temperature": 3}, 400,
      "temperature: Input should be less than or equal to 2, got 3"),
-    ("n > 1", {"prompt": "hi", "n": 2}, 400, "n:"),
+    ("n = 0", {"prompt": "hi", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
+    ("n over OpenAI's 128", {"prompt": "hi", "n": 129}, 400, "n: Input should be less than"),
     ("seed over int64", {"prompt": "hi", "temperature": 1, "seed": 2**64}, 400,
      f"seed: Input should be less than or equal to {2**63 - 1}, got {2**64}"),
-    ("two prompts", {"prompt": ["hi", "ho"]}, 400, "prompt is a list of 2 prompts"),
-    ("token ids", {"prompt": [1, 2, 3]}, 400, "prompt as token ids is not supported"),
-    ("token id lists", {"prompt": [[1, 2]]}, 400, "prompt as token ids is not supported"),
+    ("five stop sequences", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400,
+     "Invalid 'stop': 5 stop sequences, expected at most 4"),
+    ("token id outside the vocabulary", {"prompt": [1, 10**6]}, 400,
+     "prompt token id 1000000 is outside this model's vocabulary: expected ids in [0, "),
+    ("negative token id", {"prompt": [[1, -1]]}, 400, "prompt token id -1 is outside"),
+    ("token id as a string", {"prompt": [1, "2"]}, 400,
+     'prompt[1] is "2": expected a token id (an integer)'),
+    ("token id as a bool", {"prompt": [[1, True]]}, 400, "prompt[0][1] is true: expected a token"),
+    ("token id as a float", {"prompt": [1.0]}, 400, "prompt[0] is 1.0: expected a token id"),
+    ("token ids and segments", {"prompt": [1, 2], **segs_body("a", "b")}, 400,
+     "ktm.segments gives the one prompt: prompt must be omitted"),
+    ("two prompts and segments", {"prompt": ["a", "b"], **segs_body("a", "b")}, 400,
+     "not token ids or a list of 2 prompts"),
+    ("an empty prompt of two", {"prompt": ["hi", ""]}, 400, "prompt[1] is empty"),
+    ("an unknown id in the second prompt", {"prompt": [[1], [10**6]]}, 400,
+     "prompt[1] token id 1000000 is outside"),
+    ("empty token-id prompt", {"prompt": [[]]}, 400, "prompt is empty"),
     ("empty prompt list", {"prompt": []}, 400, "prompt is empty"),
     ("prompt contradicts segments", {"prompt": "other", **segs_body("a", "b")}, 400,
      "segments' texts joined"),
@@ -238,10 +257,107 @@ def test_null_fields_mean_their_default_and_neutral_options_are_accepted(client)
     assert got.choices[0].message.content == want
 
 
+def test_top_p_zero_is_greedy(client):
+    # OpenAI takes top_p in [0, 1]; a nucleus of mass 0 keeps only the most likely token
+    kw = dict(model="tiny", prompt=DOC, max_tokens=12)
+    greedy = client.completions.create(temperature=0, **kw).choices[0].text
+    for seed in (1, 2):
+        r = client.completions.create(temperature=1.5, top_p=0, seed=seed, **kw)
+        assert r.choices[0].text == greedy
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices_are_n_seeded_samples(client, chat):
+    # OpenAI's n: n choices of the one prompt; choice i samples with seed + i, so each equals a
+    # request of n=1 with that seed, and the usage counts the prompt once
+    kw = dict(model="tiny", max_tokens=10, temperature=1.0, seed=7)
+    if chat:
+        kw["messages"] = [{"role": "user", "content": DOC}]
+        create, text = client.chat.completions.create, lambda c: c.message.content
+    else:
+        kw["prompt"] = DOC
+        create, text = client.completions.create, lambda c: c.text
+    ones = [create(**{**kw, "seed": 7 + i}) for i in range(3)]
+    r = create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [text(c) for c in r.choices] == [text(o.choices[0]) for o in ones]
+    assert len({text(c) for c in r.choices}) > 1
+    assert [c.finish_reason for c in r.choices] == [o.choices[0].finish_reason for o in ones]
+    assert r.usage.prompt_tokens == ones[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = ["", "", ""]
+    finish = [None] * 3
+    for ch in chunks[:-1]:
+        (c,) = ch.choices
+        streamed[c.index] += (c.delta.content or "") if chat else c.text
+        if c.finish_reason:
+            assert finish[c.index] is None
+            finish[c.index] = c.finish_reason
+    assert streamed == [text(c) for c in r.choices]
+    assert finish == [c.finish_reason for c in r.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        r.usage.completion_tokens
+
+
+def test_more_choices_than_the_queue_holds_are_refused(server, client, monkeypatch):
+    monkeypatch.setattr(server.engine.cfg, "max_queue", 5)  # the app's config too
+    with pytest.raises(openai.BadRequestError, match="2 prompt.s. with n=3 make 6 choices, over "
+                                                     "this server's max_queue of 5"):
+        client.completions.create(model="tiny", prompt=["hi", "ho"], max_tokens=2, n=3)
+
+
+def test_a_list_of_prompts_gets_their_choices_in_order(client):
+    # OpenAI's order: each prompt's n choices in turn; the usage counts each prompt once
+    prompts = [DOC, "Hello world", DOC[::-1]]
+    kw = dict(model="tiny", max_tokens=6, temperature=1.0, seed=3)
+    ones = [client.completions.create(prompt=p, **{**kw, "seed": 3 + i})
+            for p in prompts for i in range(2)]
+    ids = [client.completions.create(prompt=p, max_tokens=1, model="tiny").usage.prompt_tokens
+           for p in prompts]
+    for stream in (False, True):
+        r = client.completions.create(prompt=prompts, n=2, stream=stream, **kw)
+        if stream:
+            chunks = list(r)
+            texts = [""] * 6
+            for ch in chunks:
+                texts[ch.choices[0].index] += ch.choices[0].text
+        else:
+            assert [c.index for c in r.choices] == list(range(6))
+            texts = [c.text for c in r.choices]
+            assert r.usage.prompt_tokens == sum(ids)
+            assert r.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones)
+        assert texts == [o.choices[0].text for o in ones]
+    r = client.completions.create(model="tiny", prompt=[[5, 6, 7, 8], [10, 11, 12]],
+                                  max_tokens=3)
+    assert len(r.choices) == 2 and r.usage.prompt_tokens == 7
+
+
 def test_a_list_of_one_prompt_is_that_prompt(client):
     kw = dict(model="tiny", max_tokens=8, temperature=0)
     want = client.completions.create(prompt=DOC, **kw).choices[0].text
     assert client.completions.create(prompt=[DOC], **kw).choices[0].text == want
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_prompt_of_token_ids_is_those_tokens(server, client, merge):
+    # as OpenAI (and vLLM) take it: a list of ints, or a list of one such list, is the prompt's
+    # tokens as given, merged like a text prompt unless "ktm": {"merge": false}
+    ids = server.model.tokenize(DOC, first=True)
+    kw = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ktm": {"merge": merge}})
+    want = client.completions.create(prompt=DOC, **kw)
+    for prompt in (ids, [ids]):
+        got = client.completions.create(prompt=prompt, **kw)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.prompt_tokens == len(ids)
+        assert got.usage.prompt_tokens_merged == want.usage.prompt_tokens_merged
+
+
+def test_four_stop_sequences_are_accepted(client):
+    r = client.completions.create(model="tiny", prompt=DOC, max_tokens=4, temperature=0,
+                                  stop=["\x00a", "\x00b", "\x00c", "\x00d"])
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_an_unexpected_failure_is_a_500_in_openais_shape(server, client, monkeypatch):
@@ -319,6 +435,54 @@ def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, monkeypatch,
+                                                                      caplog):
+    # the race: the disconnect watcher sees the client go in the same loop turn as the first
+    # token arrives; its "gone" mark then waits behind that token and is read by the stream,
+    # which once let it escape as a traceback ("Exception in ASGI application")
+    import logging
+
+    g = _engine_globals(server)
+    advance = g["advance"]
+    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.05) or advance(*a))
+    handle_cls = create_app.__globals__["Handle"]
+    deliver, gone = handle_cls._deliver, []
+
+    def deliver_then_go(self, choice, ev):
+        deliver(self, choice, ev)
+        if not gone:  # what the watcher does when the client goes at this moment
+            gone.append(ev)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+    monkeypatch.setattr(handle_cls, "_deliver", deliver_then_go)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="ktm.serve")
+    try:
+        assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+        before = dict(server.engine.counts)
+        body = {"model": "tiny", "prompt": DOC, "max_tokens": LIMIT, "stream": True,
+                "ktm": {"ignore_eos": True}}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        with contextlib.suppress(http.client.IncompleteRead):  # (it broke off, once)
+            resp.read()  # the stream ends at once: its client is gone
+        conn.close()
+        assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+        assert server.engine.counts["cancelled"] == before["cancelled"] + 1
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records]
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO and not gone[0].exc_info
+    assert "\n" not in gone[0].getMessage()
+
+
 def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
     import inspect
 
@@ -346,6 +510,140 @@ def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, mo
     assert "".join(pieces) == alone  # it went on, undisturbed
 
 
+def _engine_globals(server) -> dict:
+    """The globals the running engine really uses: another test may have re-imported ktm, so
+    `from ktm.serve import engine` could give a fresh module the server never calls into."""
+    import inspect
+
+    return next(f for f in vars(type(server.engine)).values()
+                if inspect.isfunction(f)).__globals__
+
+
+def test_a_refused_request_is_not_failed_again_by_its_batch(server, monkeypatch):
+    # a request refused at admission (too long) has its answer; when a later request of the same
+    # admission then fails, the refused one is not answered and counted a second time
+    g = _engine_globals(server)
+    context_of = g["context_of"]
+
+    def failing_context_of(segs):
+        if any("BOOM" in s.text for s in segs):
+            raise RuntimeError("this request cannot start")
+        return context_of(segs)
+
+    monkeypatch.setitem(g, "context_of", failing_context_of)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    before = dict(server.engine.counts)
+
+    def ask(body):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(server, {"model": "tiny", "max_tokens": 2, **body})
+        return e.value.code
+
+    with ThreadPoolExecutor(2) as pool:
+        too_long = pool.submit(ask, {"prompt": "Hello world " * 1200})
+        time.sleep(0.02)  # after it, in the same batch window
+        boom = pool.submit(ask, {"prompt": "BOOM"})
+        assert (too_long.result(), boom.result()) == (400, 500)
+    counts = server.engine.counts
+    assert (counts["rejected"], counts["failed"]) == (before["rejected"] + 1,
+                                                      before["failed"] + 1)
+
+
+@pytest.mark.parametrize("where", ["sampling", "text"])
+def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeypatch, where):
+    g = _engine_globals(server)
+    advance, select_next, push = g["advance"], g["select_next"], g["Row"].push
+
+    def failing_select(logits, cfg, gen):  # e.g. NaN logits of one row, which cannot be sampled
+        if cfg.temperature == 0.625:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return select_next(logits, cfg, gen)
+
+    def failing_push(row, token):  # e.g. a token its detokenizer cannot decode
+        if row.job.temperature == 0.625:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return push(row, token)
+
+    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.02) or advance(*a))
+    if where == "sampling":
+        monkeypatch.setitem(g, "select_next", failing_select)
+    else:
+        monkeypatch.setattr(g["Row"], "push", failing_push)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    before = dict(server.engine.counts)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
+              extra_body={"ktm": {"ignore_eos": True}})
+    alone = c.completions.create(**kw).choices[0].text
+    stream = c.completions.create(stream=True, **kw)
+    pieces = [next(stream).choices[0].text]  # it is decoding
+    with pytest.raises(openai.InternalServerError, match="inf, nan") as e:
+        c.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0.625,
+                             seed=1)
+    assert e.value.body["type"] == "server_error"
+    pieces += [ch.choices[0].text for ch in stream]
+    assert "".join(pieces) == alone  # it went on, undisturbed
+    counts = server.engine.counts
+    assert counts["failed"] == before["failed"] + 1
+    assert counts["finished"] == before["finished"] + 2
+
+
+def test_a_failed_forward_step_fails_the_running_requests_and_the_server_goes_on(
+        server, monkeypatch):
+    g = _engine_globals(server)
+    advance = g["advance"]
+    calls = []
+
+    def failing_advance(*a):  # the shared forward pass: no request is to blame
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return advance(*a)
+
+    monkeypatch.setitem(g, "advance", failing_advance)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    before = dict(server.engine.counts)
+    start = threading.Barrier(2)
+
+    def ask(prompt):
+        start.wait()
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="out of memory"):
+            c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                 extra_body={"ktm": {"ignore_eos": True}})
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ask, [DOC, "Hello there"]))
+    health = get(server, "/health")
+    assert health["running"] == 0 and health["status"] == "ok"
+    assert health["failed"] == before["failed"] + 2
+    r = post(server, {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert r["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_failed_join_fails_the_running_and_the_joining_requests(server, monkeypatch):
+    # joining grows the running batch's cache in place: a failure there leaves no batch to go
+    # on with, and the request that was joining must be answered too, not left waiting
+    g = _engine_globals(server)
+    advance = g["advance"]
+
+    def failing_join(*_):
+        raise RuntimeError("join failed")
+
+    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.02) or advance(*a))
+    monkeypatch.setitem(g, "join", failing_join)
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    stream = c.completions.create(model="tiny", prompt=DOC, max_tokens=200, stream=True,
+                                  extra_body={"ktm": {"ignore_eos": True}})
+    next(stream)  # it is decoding
+    with pytest.raises(openai.InternalServerError, match="join failed"):
+        c.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    with pytest.raises(openai.APIError, match="join failed"):
+        list(stream)
+    assert get(server, "/health")["running"] == 0
+
+
 def test_models_and_health(server):
     models = get(server, "/v1/models")["data"]
     assert [(m["id"], m["k"], m["base_model"], m["max_model_len"]) for m in models] == [
@@ -370,7 +668,7 @@ def test_ktm_serve_command_serves_and_stops_cleanly(tiny_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "ktm.cli", "serve", "--model", tiny_model_dir, "--k", "2",
-           "--port", str(port), "--served-name", "tiny", "--log-level", "warning"]
+           "--port", str(port), "--served-name", "tiny", "--log-level", "info"]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -385,11 +683,21 @@ def test_ktm_serve_command_serves_and_stops_cleanly(tiny_model_dir):
         assert [m.k for m in c.models.list().data] == [2]
         r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=3)
         assert r.usage.prompt_tokens_merged == -(-r.usage.prompt_tokens // 2)
+        # a client that goes mid-stream: one line, no traceback
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "stream": True,
+             "ktm": {"ignore_eos": True}}), {"Content-Type": "application/json"})
+        assert conn.getresponse().readline().startswith(b"data: ")
+        conn.sock.close()
+        conn.close()
+        assert _wait_until(lambda: get(type("S", (), {"url": url}), "/health")["cancelled"] == 1)
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=30)
     # uvicorn shuts down gracefully, then re-raises the signal it caught
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in err, err
+    assert len(re.findall(r"INFO: +cmpl-\w+: the client went away mid-stream", err)) == 1, err
     assert f"on http://127.0.0.1:{port}/v1" in out
 
 

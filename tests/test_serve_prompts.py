@@ -134,7 +134,7 @@ def test_completion_segments_follow_the_python_api():
     model = Model()
     req = CompletionRequest(model="m", prompt="Doc. Q?", ktm={"segments": [
         {"text": "Doc."}, {"text": "", "merge": False}, {"text": " Q?", "merge": False}]})
-    segs = completion_segments(model, req)
+    (segs,) = completion_segments(model, req)
     assert [(s.text, s.compress) for s in segs] == [("Doc.", True), (" Q?", False)]
     assert list(segs[0].ids) == model.tokenize("Doc.", first=True)
     with pytest.raises(RequestError, match="prompt is empty"):

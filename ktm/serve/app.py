@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +43,7 @@ from ktm.serve.protocol import (
     validation_message,
 )
 
+log = logging.getLogger("ktm.serve")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -49,19 +52,27 @@ class ClientGone(Exception):
 
 
 class Handle:
-    """One request's link to the engine: events arrive on an asyncio queue."""
+    """One request's link to the engine: its jobs (one per choice, ``n``) deliver
+    ``(choice, event)`` on one asyncio queue."""
 
-    def __init__(self, job_args: dict):
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Event | None] = asyncio.Queue()
-        self.job = Job(deliver=self._deliver, **job_args)
+    def __init__(self, engine: Engine, jobs: list[dict]):
+        self.engine, self.loop = engine, asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
+        self.jobs = [Job(deliver=partial(self._deliver, i), **args)
+                     for i, args in enumerate(jobs)]
         self._watcher: asyncio.Task | None = None
 
-    def _deliver(self, ev: Event) -> None:  # engine thread
+    def _deliver(self, choice: int, ev: Event) -> None:  # engine thread
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, ev))
         except RuntimeError:  # the event loop is gone (shutdown)
-            self.job.cancelled.set()
+            for job in self.jobs:
+                job.cancelled.set()
+
+    def cancel(self) -> None:
+        """Its rows are dropped before the next step (those still running)."""
+        for job in self.jobs:
+            self.engine.cancel(job)
 
     def watch(self, request: Request) -> None:
         """Until ``unwatch``, a disconnect of the client (the ASGI receive channel says
@@ -77,11 +88,25 @@ class Handle:
         if self._watcher is not None:
             self._watcher.cancel()
 
-    async def next(self) -> Event:
-        ev = await self.queue.get()
-        if ev is None:
+    async def next(self) -> tuple[int, Event]:
+        item = await self.queue.get()
+        if item is None:
             raise ClientGone
-        return ev
+        return item
+
+
+def merged_usage(usages: list[dict], n: int) -> dict:
+    """The usage of the choices of a request, ``n`` per prompt: each prompt counted once (by its
+    first choice), every completion."""
+    def total(key: str, of: list[dict]) -> int:
+        return sum(u[key] for u in of)
+
+    firsts = usages[::n]
+    prompt, completion = total("prompt_tokens", firsts), total("completion_tokens", usages)
+    return {"prompt_tokens": prompt, "prompt_tokens_merged": total("prompt_tokens_merged", firsts),
+            "prompt_tokens_details": {"cached_tokens": sum(
+                u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
+            "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(obj: dict | str) -> str:
@@ -164,81 +189,112 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                     else "max_tokens")
             raise RequestError(f"{name}={max_tokens} is over this server's limit of "
                                f"{cfg.max_tokens_limit}", param=name)
-        build = chat_segments if chat else completion_segments
-        segments = await run_in_threadpool(build, model, body)
+        stop = tuple(body.stop_list())
+        prompts = ([await run_in_threadpool(chat_segments, model, body)] if chat
+                   else await run_in_threadpool(completion_segments, model, body))
+        if len(prompts) * body.n > cfg.max_queue:
+            raise RequestError(f"{len(prompts)} prompt(s) with n={body.n} make "
+                               f"{len(prompts) * body.n} choices, over this server's max_queue "
+                               f"of {cfg.max_queue}", param="n")
         ext = body.ktm or KtmOptions()
-        handle = Handle({"segments": segments, "max_tokens": max_tokens,
-                         "temperature": body.temperature, "top_p": body.top_p,
-                         "seed": body.seed, "stop": tuple(body.stop_list()),
-                         "ignore_eos": ext.ignore_eos})
-        engine.submit(handle.job)
+        job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+               "stop": stop, "ignore_eos": ext.ignore_eos}
+        # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
+        # seed + i: n different answers, each reproducible alone
+        handle = Handle(engine, [{**job, "segments": segments,
+                                  "seed": None if body.seed is None else body.seed + i}
+                                 for segments in prompts for i in range(body.n)])
+        choices = len(handle.jobs)
+        engine.submit(*handle.jobs)
         handle.watch(request)
+        events: list[tuple[int, Event]] = []
         try:
-            first = await handle.next()  # a prompt too long is refused here, before the 200
-            if first.error:
-                raise first.error
-            if not body.stream:
-                texts, ev = [first.text], first
-                while not ev.finish:
-                    ev = await handle.next()
-                    if ev.error:
-                        raise ev.error
-                    texts.append(ev.text)
+            # a prompt too long is refused here, before the 200: every choice has started
+            started, ends = set(), 0
+            while len(started) < choices or (not body.stream and ends < choices):
+                i, ev = await handle.next()
+                if ev.error:
+                    raise ev.error
+                started.add(i)
+                ends += ev.finish is not None
+                events.append((i, ev))
         except ClientGone:
-            engine.cancel(handle.job)
+            handle.cancel()
+            log.info("the client of a %s request went away; its rows are freed",
+                     "chat" if chat else "completion")
             return JSONResponse(error_body("client disconnected"), status_code=499)
+        except BaseException:
+            handle.cancel()  # one choice refused or failed: the others end too
+            raise
         finally:
             handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, first, head, chat, usage),
+            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text = "".join(texts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                  else {"index": 0, "text": text})
+        texts, ends_of = [""] * choices, [Event()] * choices
+        for i, ev in events:
+            texts[i] += ev.text
+            if ev.finish:
+                ends_of[i] = ev
         return {**head, "object": "chat.completion" if chat else "text_completion",
-                "choices": [{**choice, "logprobs": None, "finish_reason": ev.finish}],
-                "usage": ev.usage}
+                "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
+                                            if chat else {"text": text}),
+                             "logprobs": None, "finish_reason": end.finish}
+                            for i, (text, end) in enumerate(zip(texts, ends_of))],
+                "usage": merged_usage([e.usage for e in ends_of], body.n)}
 
-    async def _stream(handle: Handle, first: Event, head: dict, chat: bool, usage: bool
-                      ) -> AsyncIterator[str]:
+    async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
+                      usage: bool, per_prompt: int) -> AsyncIterator[str]:
+        """SSE chunks: the events read before the 200, then the rest as they come; a chunk
+        carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else (
                     {"content": text} if text else {})
-                choice = {"index": 0, "delta": delta}
+                choice = {"index": i, "delta": delta}
             else:
-                choice = {"index": 0, "text": text or ""}
+                choice = {"index": i, "text": text or ""}
             out = {**head, "object": kind,
                    "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
-            return {**out, "usage": None} if usage else out
+            return _sse({**out, "usage": None} if usage else out)
 
+        done, n, ends = False, len(handle.jobs), {}
+        early = iter(events)
         try:
             if chat:
-                yield _sse(chunk(None, None, role=True))
-            ev = first
-            while True:
+                for i in range(n):
+                    yield chunk(i, None, None, role=True)
+            while len(ends) < n:
+                i, ev = next(early, None) or await handle.next()
                 if ev.error:
                     yield _sse(ev.error.body())
                     break
                 if chat and ev.text and ev.finish:
-                    yield _sse(chunk(ev.text, None))
-                    yield _sse(chunk(None, ev.finish))
+                    yield chunk(i, ev.text, None)
+                    yield chunk(i, None, ev.finish)
                 elif ev.text or ev.finish:
-                    yield _sse(chunk(ev.text, ev.finish))
+                    yield chunk(i, ev.text, ev.finish)
                 if ev.finish:
-                    if usage:
-                        yield _sse({**head, "object": kind, "choices": [], "usage": ev.usage})
-                    break
-                ev = await handle.next()
+                    ends[i] = ev.usage
+            else:
+                if usage:
+                    yield _sse({**head, "object": kind, "choices": [],
+                                "usage": merged_usage([ends[i] for i in range(n)],
+                                                      per_prompt)})
             yield _sse("[DONE]")
+            done = True
+        except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
+            pass
         finally:
-            engine.cancel(handle.job)  # a client gone mid-stream frees its row at the next step
+            handle.cancel()  # a client gone mid-stream frees its rows at the next step
+            if not done:
+                log.info("%s: the client went away mid-stream; its rows are freed", head["id"])
 
     return app
 
@@ -293,4 +349,17 @@ def serve(cfg: ServeConfig) -> None:
     model = load_served_model(cfg)
     print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
           f"http://{cfg.host}:{cfg.port}/v1", flush=True)
-    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                log_config=log_config(cfg.log_level))
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging, with ktm's own lines (a failed request, a client gone) printed like
+    uvicorn's at the same level; without it they would reach stderr only from warning up."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    out = copy.deepcopy(LOGGING_CONFIG)
+    out["loggers"]["ktm"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return out

@@ -58,7 +58,7 @@ class Job:
     max_tokens: int | None  # None: as many as fit, at most the server's max_tokens_limit
     deliver: Callable[[Event], None]  # thread-safe; called from the engine thread
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0: greedy
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -75,8 +75,10 @@ class Row:
 
     def __init__(self, job: Job, model, cp: CompressedPrompt, cached: int, limit: int):
         self.job, self.limit, self.n = job, limit, 0
-        self.cfg = GenerationConfig(max_new_tokens=limit, do_sample=job.temperature > 0,
-                                    temperature=job.temperature or 1.0, top_p=job.top_p,
+        # temperature 0 or top_p 0 (a nucleus of the most likely token only): greedy
+        self.cfg = GenerationConfig(max_new_tokens=limit,
+                                    do_sample=job.temperature > 0 and job.top_p > 0,
+                                    temperature=job.temperature or 1.0, top_p=job.top_p or 1.0,
                                     seed=job.seed, stop_at_eos=not job.ignore_eos)
         self.gen = None
         if self.cfg.do_sample and job.seed is not None:
@@ -135,13 +137,14 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (the choices of one request): all of them, or none if they do not fit."""
         with self._cond:
-            if len(self._waiting) >= self.cfg.max_queue:
+            if len(self._waiting) + len(jobs) > self.cfg.max_queue:
                 raise RequestError(f"server busy: {len(self._waiting)} requests are waiting "
                                    f"(max_queue={self.cfg.max_queue}); retry later",
                                    code="server_busy", status=503, kind="server_error")
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:
@@ -167,12 +170,13 @@ class Engine:
                         self._admit(jobs)
                     if self._rows:
                         self._step()
-                except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
-                    log.exception("engine step failed")
-                    self.last_error = f"{type(e).__name__}: {e}"
-                    pending = [j for j in jobs if not j.cancelled.is_set()]
-                    self._fail(list({id(j): j for j in pending + [r.job for r in self._rows]}
-                                    .values()), e)
+                except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving
+                    # the shared forward pass (or the batch's book-keeping) failed: no request is
+                    # to blame and the batch's state is unknown, so every row ends; _admit and
+                    # _step answer what they can attribute to one request themselves
+                    log.exception("engine step failed: the %d running requests fail",
+                                  len(self._rows))
+                    self._fail([r.job for r in self._rows], e)
 
     def _take(self) -> list[Job] | None:
         """Block until there is work; the waiting requests that fit in the batch now."""
@@ -216,6 +220,7 @@ class Engine:
             self.counts["rejected"] += 1
             job.deliver(Event(error=RequestError(err, param="max_tokens" if room and room > 0
                                                  else "prompt", code="context_length_exceeded")))
+            job.cancelled.set()  # answered: a failure of its batch-mates must not answer it again
             return None
         return want
 
@@ -226,12 +231,11 @@ class Engine:
             parts, rows = self._prefill(jobs)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep the others
             log.exception("admitting requests failed")
-            self.last_error = f"{type(e).__name__}: {e}"
             self._fail([j for j in jobs if not j.cancelled.is_set()], e, running=False)
             return
+        self._rows += rows  # first: a failed join (it grows the batch's cache) fails them too
         for part in parts:
             self._batch = part if self._batch is None else join(self._batch, part)
-        self._rows += rows
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
     def _prefill(self, jobs: list[Job]) -> tuple[list[DecodeState], list[Row]]:
@@ -264,18 +268,27 @@ class Engine:
             parts.append(batch)
         return parts, rows
 
-    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+    def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:
         """(B, V) -> (B,) next tokens: greedy rows at once, sampled rows each with its own
-        generator, so a row's draws do not depend on its batch-mates."""
-        out = torch.empty(len(self._rows), dtype=torch.long, device=logits.device)
+        generator, so a row's draws do not depend on its batch-mates. A row whose choice fails
+        (NaN logits cannot be sampled) is returned with its error; the others are unaffected."""
+        out = torch.zeros(len(self._rows), dtype=torch.long, device=logits.device)
+        failed: dict[int, Exception] = {}
         greedy = [i for i, r in enumerate(self._rows) if not r.cfg.do_sample]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            out[idx] = select_next(logits[idx], self._rows[greedy[0]].cfg, None)
-        for i, r in enumerate(self._rows):
-            if r.cfg.do_sample:
-                out[i] = select_next(logits[i:i + 1], r.cfg, r.gen)[0]
-        return out
+        groups = deque([greedy] if greedy else [])
+        groups += [[i] for i, r in enumerate(self._rows) if r.cfg.do_sample]
+        while groups:
+            rows = groups.popleft()
+            row = self._rows[rows[0]]
+            try:
+                idx = torch.tensor(rows, device=logits.device)
+                out[idx] = select_next(logits[idx], row.cfg, row.gen)
+            except Exception as e:  # noqa: BLE001 - one request's failure
+                if len(rows) > 1:  # the greedy rows: find which one it was
+                    groups.extend([i] for i in rows)
+                else:
+                    failed[rows[0]] = e
+        return out, failed
 
     def _step(self) -> None:
         gone = [i for i, r in enumerate(self._rows) if r.job.cancelled.is_set()]
@@ -284,18 +297,21 @@ class Engine:
             self._keep([i for i in range(len(self._rows)) if i not in gone])
             if not self._rows:
                 return
-        tokens = self._select(self._batch.logits)
+        tokens, failed = self._select(self._batch.logits)
         done, out = [], []
         for i, (row, tok) in enumerate(zip(self._rows, tokens.tolist())):
-            ev = row.push(tok)
-            if ev.text or ev.finish:
+            try:
+                ev = self._row_failed(row, failed[i]) if i in failed else row.push(tok)
+            except Exception as e:  # noqa: BLE001 - its text or stop strings: this request only
+                ev = self._row_failed(row, e)
+            if ev.text or ev.finish or ev.error:
                 out.append((row.job, ev))
-            if ev.finish:
+            if ev.finish or ev.error:
                 done.append(i)
         # book-keeping first, then deliver: a client that has its last event never sees its row
         # still running or uncounted in /health
         self.counts["steps"] += 1
-        self.counts["finished"] += len(done)
+        self.counts["finished"] += sum(1 for _, ev in out if ev.finish)
         if done:
             keep = [i for i in range(len(self._rows)) if i not in done]
             self._keep(keep)
@@ -304,6 +320,14 @@ class Engine:
             job.deliver(ev)
         if self._rows:
             advance(self.model, self._batch, tokens)
+
+    def _row_failed(self, row: Row, e: Exception) -> Event:
+        """One request failed while decoding: a 500 for it, its row dropped, the others go on."""
+        log.error("a request failed while decoding (the others go on): %s: %s",
+                  type(e).__name__, e, exc_info=e)
+        self.last_error = f"{type(e).__name__}: {e}"
+        self.counts["failed"] += 1
+        return Event(error=_internal(e))
 
     def _keep(self, rows: list[int]) -> None:
         if not rows:
@@ -316,8 +340,12 @@ class Engine:
         """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
         if running:
             self._batch, self._rows = None, []
+        self.last_error = f"{type(e).__name__}: {e}"
         self.counts["failed"] += len(jobs)
-        err = RequestError(f"internal error while generating: {type(e).__name__}: {e}",
-                           status=500, kind="server_error")
         for job in jobs:
-            job.deliver(Event(error=err))
+            job.deliver(Event(error=_internal(e)))
+
+
+def _internal(e: Exception) -> RequestError:
+    return RequestError(f"internal error while generating: {type(e).__name__}: {e}",
+                        status=500, kind="server_error")

@@ -17,6 +17,7 @@ import re
 
 from jinja2 import TemplateError
 
+from ktm.prefix import embedding_rows
 from ktm.prompt import Segment
 from ktm.serve.protocol import ChatRequest, CompletionRequest, KtmOptions, RequestError
 
@@ -31,18 +32,28 @@ def _check_joined(given: str | None, parts, where: str) -> None:
                            "joined, since the segments already give it", param=where)
 
 
-def completion_segments(model, req: CompletionRequest) -> tuple[Segment, ...]:
+def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ...]]:
+    """The request's prompts (one, or each of a list) as segments."""
     ext = req.ktm or KtmOptions()
-    prompt = req.prompt_text()
+    prompts = req.prompt_values()
     if ext.segments is not None:
-        _check_joined(prompt, ext.segments, "prompt")
-        parts = [(s.text, s.merge and ext.merge) for s in ext.segments]
-    else:
-        parts = [(prompt or "", ext.merge)]
+        if len(prompts) > 1 or isinstance(prompts[0], tuple):
+            raise RequestError("ktm.segments gives the one prompt: prompt must be omitted, empty "
+                               "or exactly the segments' texts joined, not token ids or a list "
+                               f"of {len(prompts)} prompts", param="prompt")
+        _check_joined(prompts[0], ext.segments, "prompt")
+        return [_text_segments(model, [(s.text, s.merge and ext.merge) for s in ext.segments],
+                               "prompt")]
+    where = (lambda i: "prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
+    return [_non_empty((Segment("", ext.merge, _in_vocabulary(model, p, where(i))),), where(i))
+            if isinstance(p, tuple) else _text_segments(model, [(p, ext.merge)], where(i))
+            for i, p in enumerate(prompts)]
+
+
+def _text_segments(model, parts: list[tuple[str, bool]], where: str) -> tuple[Segment, ...]:
     parts = [(t, m) for t, m in parts if t]
-    segs = tuple(Segment(t, m, _ids(model, t, i == 0, "prompt"))
-                 for i, (t, m) in enumerate(parts))
-    return _non_empty(segs, "prompt")
+    return _non_empty(tuple(Segment(t, m, _ids(model, t, i == 0, where))
+                            for i, (t, m) in enumerate(parts)), where)
 
 
 def _apply(tokenizer, turns: list[tuple[str, int]], pad: str = "") -> str:
@@ -139,6 +150,16 @@ def _ids(model, text: str, first: bool, param: str) -> tuple[int, ...]:
         raise RequestError(f"{param} is not valid Unicode: {text[e.start:e.end]!r} at character "
                            f"{e.start} is a lone surrogate; expected text", param=param) from e
     return tuple(model.tokenize(text, first=first))
+
+
+def _in_vocabulary(model, ids: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """Token ids as given (no special tokens added), each a row of the model's embedding."""
+    rows = embedding_rows(model.input_embedding)
+    bad = next((i for i in ids if not 0 <= i < rows), None)
+    if bad is not None:
+        raise RequestError(f"{where} token id {bad} is outside this model's vocabulary: "
+                           f"expected ids in [0, {rows})", param="prompt")
+    return ids
 
 
 def _non_empty(segs: tuple[Segment, ...], param: str) -> tuple[Segment, ...]:

@@ -1,7 +1,7 @@
 """The OpenAI request shapes `ktm serve` accepts, its one extension field, OpenAI's error shape.
 
 Unknown fields are refused (``extra="forbid"``), so a client that relies on an option this server
-does not implement (``logprobs``, ``n > 1``, penalties, tools) gets a 400 naming it instead of a
+does not implement (``logprobs``, ``echo``, penalties, tools) gets a 400 naming it instead of a
 silently different answer; such an option sent with its neutral value (``presence_penalty: 0``,
 ``logprobs: false``, ...) is accepted, and ``null`` means a field's default, as in OpenAI's API.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -33,6 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
            "logprobs": (False,), "echo": (False,), "best_of": (1,),
            "response_format": ({"type": "text"},)}
+
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
 
 
 def _is(value, neutral) -> bool:
@@ -92,10 +95,10 @@ class Sampling(Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: greedy, as OpenAI takes it
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # int64, as OpenAI's
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=128)  # choices, as OpenAI's (up to 128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -111,25 +114,37 @@ class Sampling(Strict):
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise RequestError(f"Invalid 'stop': {len(stops)} stop sequences, expected at most "
+                               f"{MAX_STOP}", param="stop", code="array_above_max_length")
         return [s for s in stops if s]
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # checked by prompt_values, whose errors name the element: pydantic's lax mode would turn
+    # true or "7" into a token id, and its union errors name no element
+    prompt: str | list[Any] | None = None
 
-    def prompt_text(self) -> str | None:
-        """The one text prompt; OpenAI also takes a list of prompts or token ids."""
+    def prompt_values(self) -> list[str | tuple[int, ...]]:
+        """The prompts, as OpenAI takes them: a text, token ids (a list of integers), or a list
+        of texts or of token-id lists (a choice or ``n`` for each)."""
         p = self.prompt
         if not isinstance(p, list) or not p:
-            return p or None
-        if not all(isinstance(x, str) for x in p):
-            raise RequestError("prompt as token ids is not supported: expected text (a string, "
-                               "or a list of one string)", param="prompt")
-        if len(p) > 1:
-            raise RequestError(f"prompt is a list of {len(p)} prompts, but this server completes "
-                               "one prompt per request: send them as separate requests (they "
-                               "are batched together)", param="prompt")
-        return p[0]
+            return [p or ""]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, list) for x in p):
+            return [_token_ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
+        return [_token_ids(p, "prompt")]
+
+
+def _token_ids(values: list, where: str) -> tuple[int, ...]:
+    for i, v in enumerate(values):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise RequestError(f"{where}[{i}] is {json.dumps(v)}: expected a token id (an "
+                               "integer); a prompt is a string, a list of strings, a list of "
+                               "token ids or a list of token-id lists", param="prompt")
+    return tuple(values)
 
 
 class ChatRequest(Sampling):
