@@ -1,7 +1,9 @@
 """``ktm report``: paper-style tables and the performance-vs-length-reduction plot.
 
-It reads only result files written by ``ktm eval`` (one JSON object each). For perplexity tasks
-the normalised performance P = ppl_min / ppl uses the lowest perplexity among the files given;
+It reads only result files written by ``ktm eval`` (one JSON object each). A table (and a plot
+panel, with its Pareto frontier) holds comparable rows only: same task settings, examples and
+scoring (``ktm.result_groups``). For perplexity tasks the normalised performance P = ppl_min /
+ppl uses the lowest perplexity of the table (a table without the uncompressed row says so);
 for classification P is the *balanced* accuracy, since plain accuracy rewards answering the
 majority class (on amazon that would put a chance-level model on the frontier). Readability rows
 (``ktm eval --readability``) get their own table.
@@ -9,11 +11,10 @@ majority class (on amazon that would put a chance-level model on the frontier). 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from ktm.errors import KTMError
 from ktm.fileio import save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
+from ktm.result_groups import group_rows, is_uncompressed, row_labels
 from ktm.result_rows import load_results
 
 DIRTY, UNKNOWN = "†", "‡"
@@ -30,8 +31,8 @@ def mark(row: dict) -> str:
 def provenance_notes(rows: list[dict]) -> str:
     """Footnotes for marked rows, and a warning when the rows come from several revisions."""
     notes = []
-    dirty = sorted({r["method"] for r in rows if mark(r) == f" {DIRTY}"})
-    unknown = sorted({r["method"] for r in rows if mark(r) == f" {UNKNOWN}"})
+    dirty = sorted({r.get("label", r["method"]) for r in rows if mark(r) == f" {DIRTY}"})
+    unknown = sorted({r.get("label", r["method"]) for r in rows if mark(r) == f" {UNKNOWN}"})
     if dirty:
         notes.append(f"{DIRTY} from a dirty tree (uncommitted changes when it ran, so the code "
                      f"is not reproducible from its revision): {', '.join(dirty)}")
@@ -43,24 +44,10 @@ def provenance_notes(rows: list[dict]) -> str:
     return "\n".join(notes)
 
 
-def group_name(row: dict) -> str:
-    """The task, with its stage when it has one (tree small and tree xmedium are two tables)."""
-    task = (row.get("config") or {}).get("task")
-    stage = task.get("stage") if isinstance(task, dict) else None
-    return f"{row['task']} {stage}" if stage else row["task"]
-
-
 def score(rows: list[dict]) -> dict[str, list[dict]]:
-    """Group by task (and stage) and add P (normalised performance) and the P-L F1 to each row."""
-    by_task: dict[str, list[dict]] = defaultdict(list)
-    for r in rows:
-        by_task[group_name(r)].append(dict(r))
-    for name, task_rows in list(by_task.items()):  # one task scored both ways (custom's
-        kinds = {"perplexity" in r for r in task_rows}  # metric=auto on other data): two tables
-        if len(kinds) > 1:
-            del by_task[name]
-            for r in task_rows:
-                by_task[f"{name} ({'perplexity' if 'perplexity' in r else 'accuracy'})"].append(r)
+    """Group comparable rows (``ktm.result_groups``), add P (normalised performance), the P-L
+    F1 and a ``label`` (the method, told apart from a namesake of the same table) to each row."""
+    by_task = {name: [dict(r) for r in group] for name, group in group_rows(rows).items()}
     for task_rows in by_task.values():
         ppls = [r["perplexity"] for r in task_rows if "perplexity" in r]
         best = min(ppls) if ppls else None
@@ -70,10 +57,22 @@ def score(rows: list[dict]) -> dict[str, list[dict]]:
             else:
                 r["P"] = r["balanced_accuracy"]
             r["pl_f1"] = pl_f1(r["P"], max(0.0, r["length_reduction"]))
+        for r, label in zip(task_rows, row_labels(task_rows)):
+            r["label"] = label
         # uncompressed first, then K-token merging by K, then the baselines
         task_rows.sort(key=lambda r: (r["method"] != "uncompressed", "compressor" in r,
-                                      r.get("k") or 0, r["method"]))
-    return dict(by_task)
+                                      r.get("k") or 0, r["label"]))
+    return by_task
+
+
+def reference_note(rows: list[dict]) -> str | None:
+    """For perplexity, P = ppl_min / ppl is relative to the uncompressed model only when its row
+    is among ``rows``; without it the best method given gets P = 1, which the table must say."""
+    if "perplexity" not in rows[0] or any(is_uncompressed(r) for r in rows):
+        return None
+    best = min(rows, key=lambda r: r["perplexity"])
+    return (f"No uncompressed row: P is relative to the best method given, {best['label']} "
+            f"(perplexity {best['perplexity']:.3f}), not to the uncompressed model.")
 
 
 def table(task: str, rows: list[dict]) -> str:
@@ -88,9 +87,10 @@ def table(task: str, rows: list[dict]) -> str:
                f"{r['accuracy']:.3f} | {r['balanced_accuracy']:.3f}")
         overhead = r.get("compression_ms_per_1k_tokens")
         cost = "–" if overhead is None else f"{overhead:.0f}"
-        lines.append(f"| {r['method']}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
+        lines.append(f"| {r['label']}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
                      f"{r['pl_f1']:.3f} | {cost} |")
-    return "\n".join(lines)
+    note = reference_note(rows)
+    return "\n".join(lines + ["", note] if note else lines)
 
 
 def readability_table(rows: list[dict]) -> str:
@@ -191,7 +191,7 @@ def figure(by_task: dict[str, list[dict]]):
         ax.margins(0.15)
         ax.set_title(task)
         ax.legend(loc="lower left", fontsize=8)
-        panels.append((ax, [r["method"] for r in rows], xs, ys))
+        panels.append((ax, [r.get("label", r["method"]) for r in rows], xs, ys))
     fig.tight_layout()  # first: labels are placed in the final pixels
     for ax, labels, xs, ys in panels:
         for t in _place_labels(ax, fig, labels, xs, ys):
@@ -228,7 +228,7 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
     parts = [table(t, task_rows) for t, task_rows in sorted(by_task.items())]
     if read:
         parts.append(readability_table(read))
-    notes = provenance_notes(rows)
+    notes = provenance_notes([r for t in by_task.values() for r in t] + read)
     if notes:
         parts.append(notes)
     if plot_path:

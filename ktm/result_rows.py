@@ -4,7 +4,8 @@ rather than a traceback or a silently wrong number in a table.
 
 A classification row must carry ``balanced_accuracy`` (P in the report); a perplexity row a
 positive ``perplexity``; a readability row its per-set NLLs and token counts. The same result
-given twice (overlapping globs, a copied file) is kept once.
+given twice (overlapping globs, a copied file) is kept once. Each row gets ``result_file``,
+the path it was read from (the report tells namesakes apart by their folders).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def load_results(paths: list[str]) -> list[dict]:
         key = json.dumps(row, sort_keys=True)
         if key not in seen:
             seen.add(key)
-            rows.append(row)
+            rows.append({**row, "result_file": str(p)})
     if not rows:
         raise KTMError("no result files given")
     return rows

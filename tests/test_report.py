@@ -278,3 +278,67 @@ def test_a_plot_asked_of_readability_rows_alone_is_an_error(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps(r))
     assert main(["report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")]) == 2
     assert "no task results to plot" in capsys.readouterr().err
+
+
+def _amazon(method, bal, n=300, scoring=None, **task):
+    """A row as `ktm eval` writes it: the task's settings and the evaluation protocol."""
+    ev = {"n_eval": n, "seed": 1, "merge": method == "uncompressed", "device": "cpu"}
+    if scoring:
+        ev.update(scoring=scoring, n_calibrate=300 if scoring == "likelihood" else 0)
+    settings = {"name": "amazon", "data_path": None, "prompt_mode": "context", "test_size": 2000,
+                "max_chars": 400, "split_seed": 42, "eval_path": None, **task}
+    return {**row(method, 0.8, bal, 0.6, 4), "n": n,
+            "config": {"task": settings, "eval": ev, "compressor": None}}
+
+
+def test_rows_scored_on_other_examples_or_another_way_are_separate_tables():
+    # all of these were one "amazon" table and one Pareto frontier
+    groups = score([_amazon("uncompressed", 0.8), _amazon("k4", 0.6),
+                    _amazon("k4-n1000", 0.7, n=1000),
+                    _amazon("k4-lik", 0.78, scoring="likelihood"),
+                    _amazon("k4-short", 0.5, max_chars=200)])
+    assert {name: sorted(r["method"] for r in rows) for name, rows in groups.items()} == {
+        "amazon (n=300, scoring=generate, max_chars=400)": ["k4", "uncompressed"],
+        "amazon (n=1000, scoring=generate, max_chars=400)": ["k4-n1000"],
+        "amazon (n=300, scoring=likelihood, n_calibrate=300, max_chars=400)": ["k4-lik"],
+        "amazon (n=300, scoring=generate, max_chars=200)": ["k4-short"]}
+
+
+def test_rows_that_differ_only_in_training_or_record_format_share_a_table():
+    # balance_train changes the training examples only; a row written before an option or
+    # `scoring` was recorded ran with its default
+    groups = score([_amazon("uncompressed", 0.8), _amazon("k4", 0.6, balance_train=False),
+                    _amazon("k4-bal", 0.7, scoring="generate", balance_train=True)])
+    assert list(groups) == ["amazon"] and len(groups["amazon"]) == 3
+
+
+def test_namesakes_of_one_table_are_told_apart_by_their_files(tmp_path):
+    # results/amazon/k4.json and results/amazon-seed1/k4.json were two rows named "k4"
+    files = {"amazon/k4.json": 0.60, "amazon-seed1/k4.json": 0.56, "amazon-long/k4.json": 0.63,
+             "amazon-long/k4r.json": 0.70, "amazon/uncompressed.json": 0.84}
+    paths = []
+    for name, bal in files.items():
+        method = "uncompressed" if "uncompressed" in name else "k4"
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(_amazon(method, bal)))
+        paths.append(str(tmp_path / name))
+    out = report(paths)
+    for label, bal in (("amazon/k4", 0.600), ("amazon-seed1/k4", 0.560),
+                       ("k4 (amazon-long/k4.json)", 0.630), ("k4 (amazon-long/k4r.json)", 0.700),
+                       ("uncompressed", 0.840)):
+        assert re.search(rf"^\| {re.escape(label)} ‡ \| .* \| {bal:.3f} \|", out, re.M), label
+
+
+def test_a_perplexity_table_without_the_uncompressed_row_says_so(tmp_path):
+    # P = ppl_min / ppl silently made the best compressed method P = 1
+    k4 = {"task": "commitpack", "method": "k4", "k": 4, "perplexity": 3.8, "length_reduction": 0.5}
+    k2 = {**k4, "method": "k2", "k": 2, "perplexity": 3.6}
+    plain = {**k4, "method": "uncompressed", "k": None, "perplexity": 3.4, "length_reduction": 0}
+    paths = []
+    for r in (k4, k2, plain):
+        paths.append(str(tmp_path / f"{r['method']}.json"))
+        (tmp_path / f"{r['method']}.json").write_text(json.dumps(r))
+    out = report(paths[:2])
+    assert ("No uncompressed row: P is relative to the best method given, k2 (perplexity 3.600)"
+            in out)
+    assert "No uncompressed row" not in report(paths)

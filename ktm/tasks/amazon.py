@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ktm.errors import KTMError
 from ktm.prompt import Segment
@@ -110,6 +110,8 @@ class AmazonTask:
     name: str = field(default="amazon", init=False)
     kind: TaskKind = field(default="classification", init=False)
     labels: tuple[str, ...] = field(default=SENTIMENT_LABELS, init=False)
+    # settings that change only the training examples: results differing in them are comparable
+    TRAIN_ONLY: ClassVar[tuple[str, ...]] = ("balance_train",)
 
     def __post_init__(self) -> None:
         if not isinstance(self.balance_train, bool):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from ktm.errors import KTMError
 from ktm.prompt import Segment
@@ -120,6 +120,8 @@ class TreeTask:
     name: str = field(default="tree", init=False)
     kind: TaskKind = field(default="classification", init=False)
     labels: tuple[str, ...] = field(default=TREE_LABELS, init=False)
+    # settings that change only the training examples: results differing in them are comparable
+    TRAIN_ONLY: ClassVar[tuple[str, ...]] = ("positive_fraction",)
 
     def __post_init__(self) -> None:
         self.config = stage_config(self.stage)
