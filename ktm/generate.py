@@ -28,7 +28,9 @@ class GenerationConfig:
         "flag": "sample", "help": "sample (temperature, top-p) instead of greedy"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
-    seed: int | None = field(default=None, metadata={"help": "sampling seed"})
+    # each prompt of a batch draws from a generator of its own seeded with it, so a batch gives
+    # each prompt the samples it gets alone (one prompt twice: the same sample twice)
+    seed: int | None = field(default=None, metadata={"help": "sampling seed (per prompt)"})
     stop_at_eos: bool = field(default=True, metadata={
         "help": "stop at the tokenizer's or the model's end-of-sequence ids"})
     use_cache: bool = field(default=True, metadata={
@@ -61,6 +63,15 @@ def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generato
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def select_rows(logits: torch.Tensor, cfg: GenerationConfig,
+                gens: list[torch.Generator] | None) -> torch.Tensor:
+    """(B, V) -> (B,): ``gens`` (seeded sampling) holds one generator per row, and each row
+    draws from its own, so its tokens do not depend on its batch-mates (as in the server)."""
+    if gens is None:
+        return select_next(logits, cfg, None)
+    return torch.cat([select_next(logits[i:i + 1], cfg, g) for i, g in enumerate(gens)])
 
 
 @contextmanager
@@ -132,13 +143,14 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
         # the last new token is returned, never read back: it takes no position
         model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
         state = prefill(model, prefixes, cfg.use_cache)
-    gen = None
+    gens = None
     if cfg.do_sample and cfg.seed is not None:
-        gen = torch.Generator(device=model.device).manual_seed(cfg.seed)
+        gens = [torch.Generator(device=model.device).manual_seed(cfg.seed)
+                for _ in range(state.logits.shape[0])]
     eos = torch.tensor(sorted(model.eos_ids), dtype=torch.long, device=model.device)
     finished = torch.zeros(state.logits.shape[0], dtype=torch.bool, device=model.device)
     for i in range(cfg.max_new_tokens):
-        nxt = select_next(state.logits, cfg, gen).masked_fill(finished, model.pad_id)
+        nxt = select_rows(state.logits, cfg, gens).masked_fill(finished, model.pad_id)
         yield nxt
         if cfg.stop_at_eos and len(eos):
             finished |= torch.isin(nxt, eos)

@@ -39,6 +39,20 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(ktm_model):
     assert nucleus == greedy
 
 
+def test_seeded_sampling_of_a_batch_equals_each_prompt_alone(ktm_model):
+    # one generator was shared by the batch: a prompt's samples depended on its batch-mates
+    perturb(ktm_model)
+    kw = dict(max_new_tokens=10, do_sample=True, temperature=1.5, seed=0)
+    batch = ktm_model.generate(PROMPTS, **kw)
+    assert batch == [ktm_model.generate(p, **kw) for p in PROMPTS]
+    assert ktm_model.generate(PROMPTS[::-1], **kw) == batch[::-1]
+    # a batch == its samples one by one: one prompt twice is one sample twice, other seeds differ
+    twice = ktm_model.generate([PROMPTS[0]] * 2, **kw)
+    assert twice == [batch[0]] * 2
+    others = {ktm_model.generate(PROMPTS[0], **{**kw, "seed": s}) for s in range(1, 6)}
+    assert len(others | {batch[0]}) > 1
+
+
 def test_stops_at_eos(ktm_model):
     eos = ktm_model.tokenizer.eos_token_id
     head = ktm_model.peft.get_base_model().get_output_embeddings().weight
