@@ -15,7 +15,7 @@ from ktm.errors import KTMError
 from ktm.fileio import save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
 from ktm.result_groups import group_rows, is_uncompressed, row_labels
-from ktm.result_rows import load_results
+from ktm.result_rows import load_results, skipped_note
 
 DIRTY, UNKNOWN = "†", "‡"
 
@@ -219,7 +219,7 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
         if plot_path:
             plot_curves(curves, plot_path)
         return curves_table(curves)
-    rows = load_results(paths)
+    rows, others = load_results(paths)
     read = [r for r in rows if r.get("task") == "readability"]
     by_task = score([r for r in rows if r.get("task") != "readability"])
     if plot_path and not by_task:
@@ -231,6 +231,8 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
     notes = provenance_notes([r for t in by_task.values() for r in t] + read)
     if notes:
         parts.append(notes)
+    if others:
+        parts.append(skipped_note(others))
     if plot_path:
         plot(by_task, plot_path)
     return "\n\n".join(parts)

@@ -4,8 +4,11 @@ rather than a traceback or a silently wrong number in a table.
 
 A classification row must carry ``balanced_accuracy`` (P in the report); a perplexity row a
 positive ``perplexity``; a readability row its per-set NLLs and token counts. The same result
-given twice (overlapping globs, a copied file) is kept once. Each row gets ``result_file``,
-the path it was read from (the report tells namesakes apart by their folders).
+given twice (overlapping globs, a copied file) is kept once. Each row gets ``result_file``, the
+path it was read from (the report tells namesakes apart by their folders). Files other ktm
+commands write (``ktm bench`` rows, ``ktm demo``'s result) are recognised and set aside, so a
+glob over a results folder (``results/*/*.json``) reads its evaluation rows; anything else is
+an error.
 """
 
 from __future__ import annotations
@@ -73,14 +76,28 @@ def _check_task(path: str, row: dict) -> None:
            "a finite number or null")
 
 
-def load_results(paths: list[str]) -> list[dict]:
-    """The checked rows of ``paths``, each distinct result once, in the order given."""
-    rows, seen = [], set()
+def written_by(data: object) -> str | None:
+    """The ktm command other than ``ktm eval`` that writes JSON of this shape, if any."""
+    if isinstance(data, list) and data and all(
+            isinstance(r, dict) and {"mode", "method"} <= r.keys() for r in data):
+        return "ktm bench"
+    if isinstance(data, dict) and "task" not in data and {"start", "trained"} <= data.keys():
+        return "ktm demo"
+    return None
+
+
+def load_results(paths: list[str]) -> tuple[list[dict], dict[str, list[str]]]:
+    """The checked rows of ``paths``, each distinct result once, in the order given, and the
+    files set aside as another command's output (command -> paths)."""
+    rows, seen, others = [], set(), {}
     for p in paths:
         try:
             row = json.loads(Path(p).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise KTMError(f"result file {p!r} cannot be read as JSON: {e}") from e
+        if command := written_by(row):
+            others.setdefault(command, []).append(str(p))
+            continue
         if not isinstance(row, dict):
             raise KTMError(f"result file {p!r} holds a JSON {type(row).__name__}: expected one "
                            "object, as `ktm eval` writes")
@@ -95,5 +112,15 @@ def load_results(paths: list[str]) -> list[dict]:
             seen.add(key)
             rows.append({**row, "result_file": str(p)})
     if not rows:
-        raise KTMError("no result files given")
-    return rows
+        raise KTMError(f"no `ktm eval` result files given{skipped_note(others, ': ')}")
+    return rows, others
+
+
+def skipped_note(others: dict[str, list[str]], lead: str = "") -> str:
+    """``others`` (from ``load_results``) in one line: how many files of each, and where."""
+    if not others:
+        return ""
+    parts = [f"{len(ps)} `{cmd}` file{'s' * (len(ps) > 1)} in "
+             f"{', '.join(sorted({str(Path(p).parent) for p in ps}))}"
+             for cmd, ps in others.items()]
+    return f"{lead}skipped, not `ktm eval` results: {'; '.join(parts)}"

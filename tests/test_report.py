@@ -342,3 +342,24 @@ def test_a_perplexity_table_without_the_uncompressed_row_says_so(tmp_path):
     assert ("No uncompressed row: P is relative to the best method given, k2 (perplexity 3.600)"
             in out)
     assert "No uncompressed row" not in report(paths)
+
+
+def test_a_glob_over_a_results_folder_sets_aside_what_other_commands_wrote(tmp_path, capsys):
+    # `ktm report results/*/*.json` (the README's example) stopped at results/bench/*.json
+    from ktm.cli import main
+
+    for d in ("amazon", "bench", "demo"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "amazon" / "k4.json").write_text(json.dumps(row("k4", 0.8, 0.7, 0.6, 4)))
+    (tmp_path / "bench" / "quick.json").write_text(json.dumps(
+        [{"mode": "infer", "method": "uncompressed", "k": 1, "batch": 1}]))
+    (tmp_path / "demo" / "demo.json").write_text(json.dumps(
+        {"config": {}, "start": {"accuracy": 0.5}, "trained": {"accuracy": 0.9}}))
+    paths = sorted(str(p) for p in tmp_path.glob("*/*.json"))
+    assert main(["report", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "| k4 ‡ | 4 |" in out
+    assert (f"skipped, not `ktm eval` results: 1 `ktm bench` file in {tmp_path / 'bench'}; "
+            f"1 `ktm demo` file in {tmp_path / 'demo'}") in out
+    assert main(["report", paths[1]]) == 2  # nothing to report is still an error
+    assert "no `ktm eval` result files given: skipped" in capsys.readouterr().err
