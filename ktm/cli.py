@@ -214,7 +214,9 @@ def threads_arg(parser: argparse.ArgumentParser) -> None:
 def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
                         help="start from a reader: a checkpoint folder or a shipped reader's name "
-                             "(its K must equal --k; its encoder and LoRA settings are used)")
+                             "(--k, if given, must be its K or a recursive reader's inner K; its "
+                             "encoder and LoRA settings are used, grown by a larger --lora-r, "
+                             "--lora-alpha or --mlp-ratio)")
     parser.add_argument("--init-adapter", metavar="CHECKPOINT_OR_NAME",
                         help="start only LoRA from a checkpoint or reader, with a fresh encoder "
                              "(any K: the K curriculum, e.g. K=4 from the K=2 reader)")
