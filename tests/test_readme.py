@@ -47,3 +47,23 @@ def test_every_flag_the_readme_names_exists():
     flags = {o for sp in sub.choices.values() for a in sp._actions for o in a.option_strings}
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*[a-z0-9])", README))
     assert named - flags - OTHER_TOOLS == set()
+
+
+def test_the_python_api_example_runs_on_the_tiny_model(tiny_model_dir, corpus, tmp_path,
+                                                       monkeypatch):
+    # the README's first Python block as written, on the tiny model, with tiny step counts; the
+    # shipped reader (the real model) is replaced by the checkpoint the example itself saves
+    code = re.search(r"```python\n(.*?)```", README, flags=re.S).group(1)
+    for old, new in [('"smollm2-135m"', repr(tiny_model_dir)),
+                     ('"smollm2-135m-k4"', '"runs/tree/final"'), ('"my_corpus/"', repr(corpus)),
+                     ("train_examples(2000", "train_examples(8"), ("max_steps=200", "max_steps=2"),
+                     ("max_steps=500", "max_steps=2"), ("max_new_tokens=32", "max_new_tokens=4")]:
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    scope = {"long_document": "The quick brown fox jumps over the lazy dog. " * 8}
+    exec(compile(code, "README.md", "exec"), scope)  # our own README
+    cp = scope["cp"]
+    assert cp.embeds.shape[0] == cp.tokens_out < cp.tokens_in
+    assert (tmp_path / "runs" / "tree-r4" / "checkpoint" / "ktm_config.json").is_file()
+    assert (tmp_path / "runs" / "my-reader" / "metrics.jsonl").is_file()
