@@ -214,7 +214,9 @@ def threads_arg(parser: argparse.ArgumentParser) -> None:
 def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
                         help="start from a reader: a checkpoint folder or a shipped reader's name "
-                             "(its K must equal --k; its encoder and LoRA settings are used)")
+                             "(--k, if given, must be its K or a recursive reader's inner K; its "
+                             "encoder and LoRA settings are used, grown by a larger --lora-r, "
+                             "--lora-alpha or --mlp-ratio)")
     parser.add_argument("--init-adapter", metavar="CHECKPOINT_OR_NAME",
                         help="start only LoRA from a checkpoint or reader, with a fresh encoder "
                              "(any K: the K curriculum, e.g. K=4 from the K=2 reader)")
@@ -293,8 +295,12 @@ def _pack_parser(pack: argparse.ArgumentParser) -> None:
 
 
 def _report_parser(rep: argparse.ArgumentParser) -> None:
-    rep.add_argument("results", nargs="+", help="result JSON files")
-    rep.add_argument("--plot", help="write the performance-vs-length-reduction plot here")
+    rep.add_argument("results", nargs="+",
+                     help="`ktm eval` result JSON files, or the metrics.jsonl of training runs "
+                          "(`ktm pretrain` / `ktm train` with --eval-every): their metric "
+                          "against CPU-minutes")
+    rep.add_argument("--plot", help="write the plot here: performance against length reduction "
+                                    "with the Pareto frontier, or the metric against CPU-minutes")
     rep.set_defaults(run=cmd_report, light=True)
 
 
@@ -328,7 +334,7 @@ COMMANDS = {
     "generate": ("generate from a compressed prompt", _generate_parser),
     "eval": ("evaluate a checkpoint on a task; write one JSON result", _eval_parser),
     "pack-reader": ("store a pretraining run as a shipped reader (fp16)", _pack_parser),
-    "report": ("tables and Pareto plot from `ktm eval` result files", _report_parser),
+    "report": ("tables and plots from `ktm eval` results or training metrics", _report_parser),
     "curriculum": ("tree curriculum: advance a stage once it passes", _curriculum_parser),
     "bench": ("prefill / decode / training-throughput benchmark", _bench_parser),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, SSE)", serve_parser),

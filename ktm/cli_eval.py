@@ -43,6 +43,19 @@ class EvalArgs:
                 "training-side prompts (no labels used; 0: no correction)"})
 
 
+def _check_trained_compressor(checkpoint: str | None, compressor: str | None) -> None:
+    """A checkpoint holding LTSC's fitted state was trained on prompts with its meta-tokens:
+    evaluated without them it would be scored on plain prompts, as "uncompressed"."""
+    from pathlib import Path
+
+    from ktm.compressors.ltsc import STATE_JSON
+
+    if checkpoint and compressor is None and (Path(checkpoint) / STATE_JSON).is_file():
+        raise KTMError(f"checkpoint {checkpoint!r} was trained with --compressor ltsc (it holds "
+                       f"{STATE_JSON}): expected --compressor ltsc, which reads its prompts "
+                       "as it was trained")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     import time
 
@@ -55,6 +68,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.readability:
         return _eval_readability(args, made_by)
     check_scoring(args.scoring, args.n_calibrate)
+    _check_trained_compressor(args.checkpoint, args.compressor)
     targs = from_args(TaskArgs, args)
     task = build_task(targs, args.task_option)
     model = load_or_build(args)

@@ -237,3 +237,18 @@ def test_export_refuses_a_model_with_ltsc_meta_rows(tiny_model_dir, tmp_path):
     with pytest.raises(KTMError, match="LTSC meta-token rows"):
         export_vllm(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_a_model_trained_with_spread_positions(tiny_model_dir, tmp_path, capsys):
+    # README, "Serving on vLLM": vLLM puts prompt_embeds at consecutive positions, so a model
+    # whose merged blocks take their last token's position (the shipped readers) is refused
+    from ktm.cli import main
+
+    model = KTMModel.from_base(tiny_model_dir, k=4, spread_positions=True)
+    with pytest.raises(KTMError, match="spread_positions.*consecutive positions"):
+        export_vllm(model, tmp_path / "x")
+    model.save(tmp_path / "ckpt")
+    assert main(["export", "--format", "vllm", str(tmp_path / "y"),
+                 "--model", str(tmp_path / "ckpt")]) == 2
+    assert "spread_positions" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

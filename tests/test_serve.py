@@ -753,3 +753,32 @@ def test_a_prompt_exactly_at_the_context_still_gets_one_token(server):
         post(server, {**body, "max_tokens": 2})
     message = json.loads(e.value.read())["error"]["message"]
     assert "needs 513 positions" in message and "context of 512" in message, message
+
+
+def test_a_full_queue_answers_503_and_the_waiting_request_is_served_later(tiny_model_dir,
+                                                                          monkeypatch):
+    # README: 503 when --max-queue is full, in OpenAI's error shape. The engine is held back
+    # until the check, so the first request is surely still waiting when the second arrives.
+    model = KTMModel.from_base(tiny_model_dir, k=4)
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", max_queue=1, max_batch=1,
+                      log_level="warning")
+    app = create_app(model, cfg)
+    engine = app.state.engine
+    start = engine.start
+    monkeypatch.setattr(engine, "start", lambda: None)
+    body = {"model": "tiny", "prompt": DOC, "max_tokens": 2}
+    with BackgroundServer(app) as srv, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, srv, body)
+        try:
+            assert _wait_until(lambda: len(engine._waiting) == 1)
+            req = urllib.request.Request(srv.url + "/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)  # a queued request would time out
+        finally:
+            start()
+        assert e.value.code == 503
+        error = json.loads(e.value.read())["error"]
+        assert error["code"] == "server_busy" and "max_queue=1" in error["message"], error
+        assert first.result(timeout=60)["usage"]["completion_tokens"] == 2

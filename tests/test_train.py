@@ -283,3 +283,23 @@ def test_slot_lr_moves_the_slot_weights_at_their_own_rate(tiny_model_dir, tree_t
         moved[slot_lr] = float((model.encoder.slots.detach() - before).abs().max())
     assert moved[None] == pytest.approx(1e-4, rel=0.05)
     assert moved[1e-2] == pytest.approx(1e-2, rel=0.05)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_learning_rate_schedule_after_warm_up(tiny_model_dir, tree_task, tmp_path, schedule):
+    # README / --schedule: linear warm-up, then constant or a cosine decay to 10% of lr; each
+    # step's lr is logged in metrics.jsonl
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), max_steps=8, batch_size=2, lr=1e-3,
+                      warmup_steps=2, schedule=schedule, save_every=0, progress=False)
+    train(fresh(tiny_model_dir), tree_task.train_examples(16, seed=0), cfg)
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] / cfg.lr for r in rows if "lr" in r]
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])  # warm-up, then the full rate
+    if schedule == "constant":
+        assert lrs[2:] == pytest.approx([1.0] * 6)
+    else:  # strictly falling from the full rate towards a tenth of it, never below
+        assert all(a > b for a, b in zip(lrs[2:], lrs[3:])), lrs
+        assert 0.1 < lrs[-1] < 0.2, lrs
+        from ktm.train import lr_factor
+
+        assert lr_factor(cfg.max_steps, cfg) == pytest.approx(0.1)

@@ -1,0 +1,69 @@
+"""The README's commands and flags against the CLI: a renamed or dropped flag fails here, not on a
+new user's first try."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from ktm.cli import COMMANDS, _parser
+
+README = (Path(__file__).parents[1] / "README.md").read_text()
+# flags of the launchers and servers the README also shows (torchrun, accelerate, pip, vllm)
+OTHER_TOOLS = {"--cpu", "--enable-prompt-embeds", "--machine_rank", "--main_process_ip",
+               "--main_process_port", "--master_addr", "--master_port", "--multi_gpu",
+               "--nnodes", "--no-deps", "--node_rank", "--nproc_per_node", "--num_machines",
+               "--num_processes", "--served-model-name", "--standalone"}
+
+
+def shown_commands() -> list[str]:
+    """Every whole ktm command line: the CLI table's first column and the bash blocks."""
+    found = re.findall(r"^\| `(ktm [^`]+)` \|", README, flags=re.M)
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0].strip()
+            if "-m ktm.cli " in line:
+                line = "ktm " + line.split("-m ktm.cli ", 1)[1]
+            if line.startswith("ktm "):
+                found.append(line)
+    return found
+
+
+def test_the_readme_shows_every_subcommand():
+    assert {shlex.split(c)[1] for c in shown_commands()} == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", shown_commands())
+def test_every_command_the_readme_shows_parses(command):
+    # "..." stands for flags left out, "[...]" for optional ones
+    argv = shlex.split(command.replace("...", "").replace("[", "").replace("]", ""))[1:]
+    _parser(argv).parse_args(argv)  # argparse exits (SystemExit 2) on a flag it does not know
+
+
+def test_every_flag_the_readme_names_exists():
+    parser = _parser([])
+    sub = next(a for a in parser._actions if isinstance(getattr(a, "choices", None), dict))
+    flags = {o for sp in sub.choices.values() for a in sp._actions for o in a.option_strings}
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*[a-z0-9])", README))
+    assert named - flags - OTHER_TOOLS == set()
+
+
+def test_the_python_api_example_runs_on_the_tiny_model(tiny_model_dir, corpus, tmp_path,
+                                                       monkeypatch):
+    # the README's first Python block as written, on the tiny model, with tiny step counts; the
+    # shipped reader (the real model) is replaced by the checkpoint the example itself saves
+    code = re.search(r"```python\n(.*?)```", README, flags=re.S).group(1)
+    for old, new in [('"smollm2-135m"', repr(tiny_model_dir)),
+                     ('"smollm2-135m-k4"', '"runs/tree/final"'), ('"my_corpus/"', repr(corpus)),
+                     ("train_examples(2000", "train_examples(8"), ("max_steps=200", "max_steps=2"),
+                     ("max_steps=500", "max_steps=2"), ("max_new_tokens=32", "max_new_tokens=4")]:
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    scope = {"long_document": "The quick brown fox jumps over the lazy dog. " * 8}
+    exec(compile(code, "README.md", "exec"), scope)  # our own README
+    cp = scope["cp"]
+    assert cp.embeds.shape[0] == cp.tokens_out < cp.tokens_in
+    assert (tmp_path / "runs" / "tree-r4" / "checkpoint" / "ktm_config.json").is_file()
+    assert (tmp_path / "runs" / "my-reader" / "metrics.jsonl").is_file()
