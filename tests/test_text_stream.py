@@ -48,3 +48,43 @@ def test_nothing_after_a_stop():
     ts = TextStream(Bytes(), ["!"])
     assert ts.push(ord("a")) == "a" and ts.push(ord("!")) == "" and ts.stopped
     assert ts.push(ord("b")) == "" and ts.flush() == ""
+
+
+def byte_fallback_tokenizer():
+    """SentencePiece with byte fallback (Llama 2, Mistral): a character missing from the
+    vocabulary is written as its UTF-8 bytes, one ``<0xNN>`` token each."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581ok": 257}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_byte_fallback_pieces_join_to_the_whole_decoding():
+    """The decoder turns an invalid byte run into one U+FFFD per byte, the valid bytes before the
+    bad one included: a newline byte released at once was no longer in the final text ("ok\\n�
+    ok" streamed, "ok�� ok" generated). A run is released when a non-byte token closes it (a
+    special token does not: decoding skips it)."""
+    import random
+
+    tok = byte_fallback_tokenizer()
+    ok, byte = 257, [1 + b for b in range(256)]
+    for ids in ([ok, byte[0x0A], byte[0xE6], ok], [ok, *(byte[b] for b in "\n東".encode()), ok],
+                [ok, byte[0x6C], byte[0xFF]]):
+        ts = TextStream(tok)
+        pieces = [ts.push(i) for i in ids]
+        assert "".join(pieces) + ts.flush() == tok.decode(ids, skip_special_tokens=True)
+    assert pieces == ["ok", "", ""]  # an open run is held back
+    ts = TextStream(tok)
+    assert [ts.push(i) for i in (ok, *(byte[b] for b in "東".encode()), ok)] == [
+        "ok", "", "", "", "東 ok"]  # never a broken character mid-stream
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.choice([ok, 0, *rng.sample(byte, 3)]) for _ in range(10)]  # 0: <unk>
+        ts = TextStream(tok)
+        assert "".join(ts.push(i) for i in ids) + ts.flush() == tok.decode(
+            ids, skip_special_tokens=True)
