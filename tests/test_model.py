@@ -457,3 +457,14 @@ def test_a_base_named_beside_a_config_is_the_one_loaded(tiny_model_dir, tiny_bos
     assert model.k == 2
     with pytest.raises(KTMError, match="one base model"):
         KTMModel.from_base(tiny_model_dir, config=KTMConfig(base_model=tiny_bos_model_dir))
+
+
+def test_a_lone_surrogate_in_a_prompt_or_target_is_named(ktm_model):
+    """A str may hold half a UTF-16 pair (``json.loads('"\\ud800"')``); the Rust tokenizer
+    refused it with a TypeError about its input types."""
+    with pytest.raises(KTMError, match=r"holds a lone surrogate '\\udc00' at character 3 .*"
+                                       r"expected valid Unicode text"):
+        ktm_model.generate([Segment("abc\udc00"), Segment("Q:", compress=False)],
+                           max_new_tokens=1)
+    with pytest.raises(KTMError, match=r"lone surrogate '\\ud800' at character 1"):
+        ktm_model(["ok"], ["x\ud800"])
