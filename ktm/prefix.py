@@ -26,9 +26,16 @@ MergeCache = MutableMapping[tuple[int, ...], torch.Tensor]
 
 def line_break_ids(tokenizer) -> frozenset[int]:
     """Ids of every token whose text holds a line break (``"\\n"``, ``"\\n    "``, ...), read from
-    the tokenizer's own decoding, so any family's vocabulary works (about 0.5 s for 50k ids)."""
+    the tokenizer's own decoding, so any family's vocabulary works (about 0.5 s for 50k ids). A
+    tokenizer without one (its line breaks normalized to spaces or unknown) is an error: a model
+    asked to align lines would silently merge across them."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return frozenset(i for i, text in enumerate(texts) if "\n" in text)
+    ids = frozenset(i for i, text in enumerate(texts) if "\n" in text)
+    if not ids:  # its line breaks become spaces or unknown tokens: there are no lines to align
+        raise KTMError(f"align_lines: no token of this tokenizer ({type(tokenizer).__name__}, "
+                       f"{len(texts)} tokens) holds a line break, so it cannot find a prompt's "
+                       "lines; expected a tokenizer that writes '\\n', or align_lines off")
+    return ids
 
 
 @dataclass

@@ -316,6 +316,27 @@ def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
     assert not torch.allclose(across.compress([Segment(text)]).embeds[1:3], cp.embeds[1:3])
 
 
+def test_align_lines_on_a_tokenizer_without_line_breaks_is_an_error():
+    """A SentencePiece vocabulary without "\\n" or byte fallback reads a line break as <unk>:
+    align_lines found no line-break token and silently merged across every line."""
+    from conftest import CORPUS
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.train_from_iterator([t.replace("\n", " ") for t in CORPUS] * 4, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "</s>"], show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+    assert tok("AB\nCD", add_special_tokens=False)["input_ids"][1] == tok.unk_token_id
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok, align_lines=True)
+    with pytest.raises(KTMError, match=r"align_lines: no token of this tokenizer .* holds a line "
+                                       r"break.*or align_lines off"):
+        model.compress("AB\n+CD\n++EF")
+
+
 def test_a_checkpoint_reads_with_aligned_lines(tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     KTMModel.from_base(tiny_model_dir, k=4).save(str(tmp_path / "ck"))
