@@ -47,20 +47,22 @@ class TextStream:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # ends inside a multi-byte character
             return ""
+        return self._update(text, final=False)
+
+    def flush(self) -> str:
+        """Everything held back (a tail that never became a stop string or a whole character,
+        a byte run never closed), up to a stop string in it: the output is over."""
+        if self.stopped:
+            return ""
+        return self._update(self.tokenizer.decode(self.ids, skip_special_tokens=True), final=True)
+
+    def _update(self, text: str, final: bool) -> str:
         self.text = text
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
             return self._release(min(hits))
-        return self._release(len(text) - self._partial_stop(text))
-
-    def flush(self) -> str:
-        """Everything held back (a tail that never became a stop string or a whole character):
-        the output is over."""
-        if self.stopped:
-            return ""
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self._release(len(self.text))
+        return self._release(len(text) if final else len(text) - self._partial_stop(text))
 
     def _partial_stop(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""

@@ -88,3 +88,26 @@ def test_byte_fallback_pieces_join_to_the_whole_decoding():
         ts = TextStream(tok)
         assert "".join(ts.push(i) for i in ids) + ts.flush() == tok.decode(
             ids, skip_special_tokens=True)
+
+
+def test_a_stop_string_in_text_held_back_to_the_end_still_stops():
+    """A byte run still open when the output ends (Llama 2 writes "\\n" as <0x0A>; the EOS after
+    it is skipped, so it does not close the run) was flushed whole, stop string and all; the
+    engine then called a stop a length limit."""
+    from types import SimpleNamespace
+
+    from ktm.serve.engine import Job, Row
+
+    tok = byte_fallback_tokenizer()
+    ok, newline = 257, 1 + 0x0A
+    ts = TextStream(tok, ["\n"])
+    assert [ts.push(ok), ts.push(newline), ts.push(ok), ts.flush()] == ["ok", "", "", ""]
+    assert ts.stopped
+    ts = TextStream(tok, ["\n"])
+    assert [ts.push(ok), ts.push(newline), ts.flush()] == ["ok", "", ""] and ts.stopped
+    model = SimpleNamespace(tokenizer=tok, eos_ids=frozenset(), device="cpu")
+    cp = SimpleNamespace(tokens_in=1, tokens_out=1)
+    row = Row(Job((), 2, lambda e: None, stop=("\n",)), model, cp, 0, limit=2)
+    assert row.push(ok).text == "ok"
+    end = row.push(newline)
+    assert (end.text, end.finish) == ("", "stop")
