@@ -283,8 +283,8 @@ def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
     text = "Tree: AB\n+CD\n++EF"
     ids = model.tokenize(text, True)
     breaks = [i for i, t in enumerate(ids) if "\n" in model.tokenizer.decode([t])]
-    assert len(breaks) == 2 and model.line_breaks == frozenset(
-        t for t in range(len(model.tokenizer)) if "\n" in model.tokenizer.decode([t]))
+    assert len(breaks) == 2 and model.line_breaks.ids == frozenset(
+        t for t in range(len(model.tokenizer)) if {"\n", "\r"} & set(model.tokenizer.decode([t])))
     # the lines after the plain first token: cut after each line break, merged one by one
     lines = [ids[1:breaks[0] + 1], ids[breaks[0] + 1:breaks[1] + 1], ids[breaks[1] + 1:]]
     cp = model.compress([Segment(text), Segment("Answer:", compress=False)])
@@ -314,6 +314,26 @@ def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
     across.load_state_dict(model.state_dict())
     assert across.compress([Segment(text)]).tokens_out == 1 + -(-(len(ids) - 1) // 4)
     assert not torch.allclose(across.compress([Segment(text)]).embeds[1:3], cp.embeds[1:3])
+
+
+def test_align_lines_reads_classic_mac_line_ends_and_a_crlf_split_in_two(tiny_model_dir):
+    """A lone "\\r" ends a line too (it ended none: blocks spanned every line of such a text);
+    a "\\r\\n" tokenized as "\\r" then "\\n" is one line end, after the "\\n"."""
+    model = KTMModel.from_base(tiny_model_dir, k=4, align_lines=True, spread_positions=True)
+    tok = model.tokenizer
+    cr, lf = (tok.convert_tokens_to_ids(t) for t in ("\u010d", "\u010a"))  # byte-level \r, \n
+    for end in ("\r", "\r\n"):
+        lines = [f"AB{end}", f"+CD{end}", "++EF"]
+        ids = [i for line in lines for i in tok(line, add_special_tokens=False)["input_ids"]]
+        text = "".join(lines)
+        assert model.tokenize(text, True) == ids and ids.count(cr) == 2
+        assert ids.count(lf) == (2 if end == "\r\n" else 0)
+        want, start = [], 0
+        for line in lines:
+            n = len(tok(line, add_special_tokens=False)["input_ids"])
+            want += [start + min(j + 4, n) - 1 for j in range(0, n, 4)]
+            start += n
+        assert model.compress(text).positions.tolist() == want
 
 
 def test_align_lines_on_a_tokenizer_without_line_breaks_is_an_error():
