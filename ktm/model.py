@@ -38,7 +38,7 @@ from ktm.models import (
     model_location,
     parse_dtype,
 )
-from ktm.prefix import MergeCache, PromptEncoder, line_break_ids
+from ktm.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.tokens import SegmentTokenizer
 
@@ -102,7 +102,7 @@ class KTMModel(nn.Module):
         self.lead_ids = self._segment_ids.lead_ids  # the BOS the first segment opens with, if any
         self.pad_id = self._valid_pad(tokenizer.pad_token_id)
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
-        self._line_breaks: frozenset[int] | None = None  # read from the tokenizer on first use
+        self._line_breaks: LineBreaks | None = None  # read from the tokenizer on first use
         self._base_identity: dict | None = None  # hashed from the tokenizer on first use
 
     def _valid_pad(self, pad: int | None) -> int:
@@ -353,8 +353,8 @@ class KTMModel(nn.Module):
         return enc.encode([as_segments(p) for p in prompts], merge and self.merges, cache)
 
     @property
-    def line_breaks(self) -> frozenset[int] | None:
-        """The tokenizer's line-break ids if this model merges line by line (``align_lines``)."""
+    def line_breaks(self) -> LineBreaks | None:
+        """The tokenizer's line-break tokens if this model merges line by line (``align_lines``)."""
         if not self._config.align_lines:
             return None
         if self._line_breaks is None:

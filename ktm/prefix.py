@@ -24,11 +24,37 @@ from ktm.prompt import Segment
 MergeCache = MutableMapping[tuple[int, ...], torch.Tensor]
 
 
-def line_break_ids(tokenizer) -> frozenset[int]:
-    """Ids of every token whose text holds a line break (``"\\n"``, ``"\\n    "``, ...), read from
-    the tokenizer's own decoding, so any family's vocabulary works (about 0.5 s for 50k ids)."""
+@dataclass(frozen=True)
+class LineBreaks:
+    """The tokens that end a line, read from a vocabulary (``line_break_ids``). ``ids``: every
+    token whose text holds a line break, "\\n" or "\\r" (``"\\n"``, ``"\\r\\n"``, ``"\\n    "``,
+    a classic Mac "\\r"). Of these, one that holds no "\\n" and ends in "\\r" (``cr_end``) ends
+    no line when the next token starts with "\\n" (``lf_start``): a "\\r\\n" written as two
+    tokens is one line break, after its "\\n"."""
+
+    ids: frozenset[int]
+    cr_end: frozenset[int] = frozenset()
+    lf_start: frozenset[int] = frozenset()
+
+    def ends_line(self, ids: list[int], i: int) -> bool:
+        """Whether a line ends after ``ids[i]``."""
+        return ids[i] in self.ids and not (
+            ids[i] in self.cr_end and i + 1 < len(ids) and ids[i + 1] in self.lf_start)
+
+
+def line_break_ids(tokenizer) -> LineBreaks:
+    """The tokenizer's line-break tokens (``LineBreaks``), read from its own decoding, so any
+    family's vocabulary works (about 0.5 s for 50k ids). A tokenizer without one (its line
+    breaks normalized to spaces or unknown) is an error: a model asked to align lines would
+    silently merge across them."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return frozenset(i for i, text in enumerate(texts) if "\n" in text)
+    ids = frozenset(i for i, text in enumerate(texts) if "\n" in text or "\r" in text)
+    if not ids:  # its line breaks become spaces or unknown tokens: there are no lines to align
+        raise KTMError(f"align_lines: no token of this tokenizer ({type(tokenizer).__name__}, "
+                       f"{len(texts)} tokens) holds a line break, so it cannot find a prompt's "
+                       "lines; expected a tokenizer that writes '\\n', or align_lines off")
+    cr_end = frozenset(i for i in ids if texts[i].endswith("\r") and "\n" not in texts[i])
+    return LineBreaks(ids, cr_end, frozenset(i for i in ids if texts[i].startswith("\n")))
 
 
 def embedding_rows(embed: nn.Module) -> int:
@@ -45,7 +71,7 @@ class PromptEncoder:
     ``plain_prefix``: the first tokens of a compressed first segment stay plain (position 0 is
     the LM's attention sink). ``plain_suffix``: the last tokens of the last compressed segment
     stay plain (the recent tokens, which a continuation or an answer reads most closely).
-    ``line_breaks``: ids of the tokens that hold a line break (``line_break_ids``); given, a
+    ``line_breaks``: the tokens that end a line (``line_break_ids``); given, a
     compressed segment is cut after each of them and every line merged on its own, so no block
     spans two lines (a tree's node, a line of code, stays in blocks of its own).
     """
@@ -57,7 +83,7 @@ class PromptEncoder:
     plain_prefix: int = 0
     spread_positions: bool = False  # merged blocks at their last token's position
     plain_suffix: int = 0
-    line_breaks: frozenset[int] | None = None
+    line_breaks: LineBreaks | None = None
 
     def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
                cache: MergeCache | None = None) -> list[CompressedPrompt]:
@@ -79,7 +105,7 @@ class PromptEncoder:
                     ids = row[last][0]
                     cut = max(len(ids) - self.plain_suffix, 0)
                     row[last:last + 1] = [(ids[:cut], True), (ids[cut:], False)]
-            if self.line_breaks:
+            if self.line_breaks is not None:
                 row = [(line, c) for ids, c in row for line in (self._lines(ids) if c else [ids])]
             pieces.append(row)
         self._check_ids(prompts)
@@ -119,8 +145,8 @@ class PromptEncoder:
     def _lines(self, ids: list[int]) -> list[list[int]]:
         """``ids`` cut after every line-break token: consecutive pieces, none spanning a break."""
         out, start = [], 0
-        for i, t in enumerate(ids):
-            if t in self.line_breaks:
+        for i in range(len(ids)):
+            if self.line_breaks.ends_line(ids, i):
                 out.append(ids[start:i + 1])
                 start = i + 1
         if start < len(ids) or not out:

@@ -1,8 +1,9 @@
 """Token ids -> text pieces as they are decoded, with OpenAI-style stop strings.
 
 A piece is released only when it is final: text ending inside a multi-byte character is held
-back, and so is a tail that could still grow into a stop string. The output stops before the
-first stop string, which is not included.
+back, and so is a run of byte-fallback tokens still open (``byte_fallback_ids``), and a tail that
+could still grow into a stop string. The output stops before the first stop string, which is not
+included.
 """
 
 from __future__ import annotations
@@ -10,9 +11,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def byte_fallback_ids(tokenizer) -> frozenset[int]:
+    """Ids of SentencePiece's byte-fallback tokens (``<0xE6>``: Llama 2, Mistral). Their decoder
+    rewrites a run of them as a whole once it ends, and an invalid run becomes one U+FFFD per
+    byte, the valid bytes before its bad one included: a newline already released could vanish
+    from the final text. Empty for byte-level BPE, whose decoder replaces only the bad bytes."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is None:
+        return frozenset()
+    ids = convert([f"<0x{b:02X}>" for b in range(256)])
+    return frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
+        self.byte_ids = byte_fallback_ids(tokenizer)
+        # decoding skips special tokens: one between two bytes does not end their run
+        self.skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.open_run = False
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.text = ""  # decoded text of all ids, up to the last complete character
@@ -24,23 +41,28 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(token)
+        self.open_run = token in self.byte_ids or (self.open_run and token in self.skipped)
+        if self.open_run:  # its text is not final yet
+            return ""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # ends inside a multi-byte character
             return ""
+        return self._update(text, final=False)
+
+    def flush(self) -> str:
+        """Everything held back (a tail that never became a stop string or a whole character,
+        a byte run never closed), up to a stop string in it: the output is over."""
+        if self.stopped:
+            return ""
+        return self._update(self.tokenizer.decode(self.ids, skip_special_tokens=True), final=True)
+
+    def _update(self, text: str, final: bool) -> str:
         self.text = text
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
             return self._release(min(hits))
-        return self._release(len(text) - self._partial_stop(text))
-
-    def flush(self) -> str:
-        """Everything held back (a tail that never became a stop string or a whole character):
-        the output is over."""
-        if self.stopped:
-            return ""
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self._release(len(self.text))
+        return self._release(len(text) if final else len(text) - self._partial_stop(text))
 
     def _partial_stop(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""

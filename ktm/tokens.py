@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 
+from ktm.errors import KTMError
+
 
 def lead_ids(tokenizer) -> tuple[int, ...]:
     """The special tokens the tokenizer puts before a text: a BOS for many families (Llama 3,
@@ -113,6 +115,19 @@ class SegmentTokenizer:
         self.prefixless = None if self.anchor else prefixless_backend(tokenizer)
 
     def __call__(self, text: str, first: bool = False) -> list[int]:
+        try:
+            return self._ids(text, first)
+        except TypeError:  # what the Rust tokenizer raises for a lone surrogate
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise KTMError(f"text {text[max(e.start - 20, 0):e.end + 20]!r} holds a lone "
+                               f"surrogate {text[e.start]!r} at character {e.start} (half of a "
+                               "UTF-16 pair, not a character): expected valid Unicode text"
+                               ) from None
+            raise
+
+    def _ids(self, text: str, first: bool) -> list[int]:
         # never add_special_tokens=True: it would also add what a tokenizer puts after a text
         if first:
             return [*self.lead_ids, *self.tokenizer(text, add_special_tokens=False)["input_ids"]]

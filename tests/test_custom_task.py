@@ -158,6 +158,10 @@ def test_a_label_with_a_combining_accent_matches_a_normalizing_tokenizers_answer
     ('{"context": " ", "target": "b"}', "line 2: field 'context' must be a non-empty string"),
     ('{"context": "a", "target": ""}', "line 2: field 'target' must be a non-empty string"),
     ('{"context": "a", "target": "b"', "line 2: expected a JSON object, got bad JSON"),
+    # JSON may escape half a UTF-16 pair; the tokenizer's TypeError was a traceback
+    ('{"context": "a\\ud800b", "target": "b"}', r"line 2: field 'context' holds a lone "
+                                                r"surrogate '\\ud800' \(half of a UTF-16 pair"),
+    ('{"context": "a", "target": "\\udc00"}', "line 2: field 'target' holds a lone surrogate"),
 ])
 def test_bad_rows_name_the_line_and_field(tmp_path, line, expected):
     path = _write(tmp_path / "bad.jsonl", [{"context": "ok", "target": "ok"}], raw=line + "\n")

@@ -283,8 +283,8 @@ def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
     text = "Tree: AB\n+CD\n++EF"
     ids = model.tokenize(text, True)
     breaks = [i for i, t in enumerate(ids) if "\n" in model.tokenizer.decode([t])]
-    assert len(breaks) == 2 and model.line_breaks == frozenset(
-        t for t in range(len(model.tokenizer)) if "\n" in model.tokenizer.decode([t]))
+    assert len(breaks) == 2 and model.line_breaks.ids == frozenset(
+        t for t in range(len(model.tokenizer)) if {"\n", "\r"} & set(model.tokenizer.decode([t])))
     # the lines after the plain first token: cut after each line break, merged one by one
     lines = [ids[1:breaks[0] + 1], ids[breaks[0] + 1:breaks[1] + 1], ids[breaks[1] + 1:]]
     cp = model.compress([Segment(text), Segment("Answer:", compress=False)])
@@ -314,6 +314,47 @@ def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
     across.load_state_dict(model.state_dict())
     assert across.compress([Segment(text)]).tokens_out == 1 + -(-(len(ids) - 1) // 4)
     assert not torch.allclose(across.compress([Segment(text)]).embeds[1:3], cp.embeds[1:3])
+
+
+def test_align_lines_reads_classic_mac_line_ends_and_a_crlf_split_in_two(tiny_model_dir):
+    """A lone "\\r" ends a line too (it ended none: blocks spanned every line of such a text);
+    a "\\r\\n" tokenized as "\\r" then "\\n" is one line end, after the "\\n"."""
+    model = KTMModel.from_base(tiny_model_dir, k=4, align_lines=True, spread_positions=True)
+    tok = model.tokenizer
+    cr, lf = (tok.convert_tokens_to_ids(t) for t in ("\u010d", "\u010a"))  # byte-level \r, \n
+    for end in ("\r", "\r\n"):
+        lines = [f"AB{end}", f"+CD{end}", "++EF"]
+        ids = [i for line in lines for i in tok(line, add_special_tokens=False)["input_ids"]]
+        text = "".join(lines)
+        assert model.tokenize(text, True) == ids and ids.count(cr) == 2
+        assert ids.count(lf) == (2 if end == "\r\n" else 0)
+        want, start = [], 0
+        for line in lines:
+            n = len(tok(line, add_special_tokens=False)["input_ids"])
+            want += [start + min(j + 4, n) - 1 for j in range(0, n, 4)]
+            start += n
+        assert model.compress(text).positions.tolist() == want
+
+
+def test_align_lines_on_a_tokenizer_without_line_breaks_is_an_error():
+    """A SentencePiece vocabulary without "\\n" or byte fallback reads a line break as <unk>:
+    align_lines found no line-break token and silently merged across every line."""
+    from conftest import CORPUS
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.train_from_iterator([t.replace("\n", " ") for t in CORPUS] * 4, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "</s>"], show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+    assert tok("AB\nCD", add_special_tokens=False)["input_ids"][1] == tok.unk_token_id
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok, align_lines=True)
+    with pytest.raises(KTMError, match=r"align_lines: no token of this tokenizer .* holds a line "
+                                       r"break.*or align_lines off"):
+        model.compress("AB\n+CD\n++EF")
 
 
 def test_a_checkpoint_reads_with_aligned_lines(tiny_model_dir, tmp_path):
@@ -457,3 +498,14 @@ def test_a_base_named_beside_a_config_is_the_one_loaded(tiny_model_dir, tiny_bos
     assert model.k == 2
     with pytest.raises(KTMError, match="one base model"):
         KTMModel.from_base(tiny_model_dir, config=KTMConfig(base_model=tiny_bos_model_dir))
+
+
+def test_a_lone_surrogate_in_a_prompt_or_target_is_named(ktm_model):
+    """A str may hold half a UTF-16 pair (``json.loads('"\\ud800"')``); the Rust tokenizer
+    refused it with a TypeError about its input types."""
+    with pytest.raises(KTMError, match=r"holds a lone surrogate '\\udc00' at character 3 .*"
+                                       r"expected valid Unicode text"):
+        ktm_model.generate([Segment("abc\udc00"), Segment("Q:", compress=False)],
+                           max_new_tokens=1)
+    with pytest.raises(KTMError, match=r"lone surrogate '\\ud800' at character 1"):
+        ktm_model(["ok"], ["x\ud800"])

@@ -234,6 +234,11 @@ def test_user_jsonl_source_and_field(tmp_path):
     path.write_text(json.dumps({"text": 3}) + "\n")
     with pytest.raises(KTMError, match="line 1: expected a string field 'text', got int"):
         path_texts(str(path))
+    path.write_text('{"text": "ok"}\n{"text": "a \\ud83d b"}\n')  # half a UTF-16 pair
+    with pytest.raises(KTMError, match=r"line 2: field 'text' holds a lone surrogate '\\ud83d'"):
+        path_texts(str(path))
+    path.write_text('{"text": "a \\ud83d\\ude00 b"}\n')  # a whole pair is a character
+    assert path_texts(str(path)) == ["a \U0001f600 b"]
 
 
 def test_a_corpus_folder_skips_hidden_folders_and_reads_gzipped_text(tmp_path):

@@ -48,3 +48,66 @@ def test_nothing_after_a_stop():
     ts = TextStream(Bytes(), ["!"])
     assert ts.push(ord("a")) == "a" and ts.push(ord("!")) == "" and ts.stopped
     assert ts.push(ord("b")) == "" and ts.flush() == ""
+
+
+def byte_fallback_tokenizer():
+    """SentencePiece with byte fallback (Llama 2, Mistral): a character missing from the
+    vocabulary is written as its UTF-8 bytes, one ``<0xNN>`` token each."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581ok": 257}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_byte_fallback_pieces_join_to_the_whole_decoding():
+    """The decoder turns an invalid byte run into one U+FFFD per byte, the valid bytes before the
+    bad one included: a newline byte released at once was no longer in the final text ("ok\\n�
+    ok" streamed, "ok�� ok" generated). A run is released when a non-byte token closes it (a
+    special token does not: decoding skips it)."""
+    import random
+
+    tok = byte_fallback_tokenizer()
+    ok, byte = 257, [1 + b for b in range(256)]
+    for ids in ([ok, byte[0x0A], byte[0xE6], ok], [ok, *(byte[b] for b in "\n東".encode()), ok],
+                [ok, byte[0x6C], byte[0xFF]]):
+        ts = TextStream(tok)
+        pieces = [ts.push(i) for i in ids]
+        assert "".join(pieces) + ts.flush() == tok.decode(ids, skip_special_tokens=True)
+    assert pieces == ["ok", "", ""]  # an open run is held back
+    ts = TextStream(tok)
+    assert [ts.push(i) for i in (ok, *(byte[b] for b in "東".encode()), ok)] == [
+        "ok", "", "", "", "東 ok"]  # never a broken character mid-stream
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.choice([ok, 0, *rng.sample(byte, 3)]) for _ in range(10)]  # 0: <unk>
+        ts = TextStream(tok)
+        assert "".join(ts.push(i) for i in ids) + ts.flush() == tok.decode(
+            ids, skip_special_tokens=True)
+
+
+def test_a_stop_string_in_text_held_back_to_the_end_still_stops():
+    """A byte run still open when the output ends (Llama 2 writes "\\n" as <0x0A>; the EOS after
+    it is skipped, so it does not close the run) was flushed whole, stop string and all; the
+    engine then called a stop a length limit."""
+    from types import SimpleNamespace
+
+    from ktm.serve.engine import Job, Row
+
+    tok = byte_fallback_tokenizer()
+    ok, newline = 257, 1 + 0x0A
+    ts = TextStream(tok, ["\n"])
+    assert [ts.push(ok), ts.push(newline), ts.push(ok), ts.flush()] == ["ok", "", "", ""]
+    assert ts.stopped
+    ts = TextStream(tok, ["\n"])
+    assert [ts.push(ok), ts.push(newline), ts.flush()] == ["ok", "", ""] and ts.stopped
+    model = SimpleNamespace(tokenizer=tok, eos_ids=frozenset(), device="cpu")
+    cp = SimpleNamespace(tokens_in=1, tokens_out=1)
+    row = Row(Job((), 2, lambda e: None, stop=("\n",)), model, cp, 0, limit=2)
+    assert row.push(ok).text == "ok"
+    end = row.push(newline)
+    assert (end.text, end.finish) == ("", "stop")

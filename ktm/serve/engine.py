@@ -95,8 +95,9 @@ class Row:
         piece = self.text.push(token)
         if self.text.stopped:
             return self._end(piece, "stop")
-        if self.n >= self.limit:
-            return self._end(piece + self.text.flush(), "length")
+        if self.n >= self.limit:  # what was held back may end in a stop string
+            piece += self.text.flush()
+            return self._end(piece, "stop" if self.text.stopped else "length")
         return Event(piece)
 
     def _end(self, text: str, reason: str) -> Event:

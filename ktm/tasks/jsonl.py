@@ -120,6 +120,20 @@ def row_error(path: Path, line_no: int, expected: str) -> KTMError:
     return KTMError(f"{path} line {line_no}: {expected}")
 
 
+def lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in a JSON value's strings, if any: JSON may escape one
+    (``"\\ud800"``), but it is half of a UTF-16 pair, not a character, and tokenizers refuse it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return value[e.start]
+    elif isinstance(value, (list, dict)):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        return next((c for c in map(lone_surrogate, items) if c is not None), None)
+    return None
+
+
 def parse_row(path: Path, line_no: int, line: str, fields: Mapping[str, FieldSpec]) -> dict:
     """One line as a JSON object carrying each of ``fields`` (name -> type), else a row error."""
     try:
@@ -128,6 +142,10 @@ def parse_row(path: Path, line_no: int, line: str, fields: Mapping[str, FieldSpe
         raise row_error(path, line_no, f"expected a JSON object, got bad JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise row_error(path, line_no, f"expected a JSON object, got {type(row).__name__}")
+    for name, value in row.items():
+        if (bad := lone_surrogate({name: value})) is not None:
+            raise row_error(path, line_no, f"field {name!r} holds a lone surrogate {bad!r} (half "
+                            "of a UTF-16 pair, not a character): expected valid Unicode text")
     for name, spec in fields.items():
         if name not in row:
             raise row_error(path, line_no, f"missing field {name!r} ({_spec_name(spec)})")
