@@ -12,30 +12,36 @@ LONG = [Segment("def add(a, b):\n    return a + b\n# Update the old python code 
         Segment(" Hello world, my name is", compress=False)]
 
 
+def decode_rejoining(model, cps, first: list[int], n_new: int) -> list[list[int]]:
+    """Greedy ids per prompt when rows ``first`` start, the rest join at step 3 and each row is
+    dropped once it has ``n_new`` tokens: the server's continuous batching, driven by hand."""
+    later = [i for i in range(len(cps)) if i not in first]
+    out: dict[int, list[int]] = {i: [] for i in range(len(cps))}
+    state, rows = prefill(model, [cps[i] for i in first]), list(first)
+    for step in range(n_new + 4):
+        if step == 3:  # rows arrive mid-decode, some longer than anything running
+            state = join(state, prefill(model, [cps[i] for i in later]))
+            rows += later
+        tok = state.logits.argmax(-1)
+        for r, t in zip(rows, tok.tolist()):
+            out[r].append(t)
+        keep = [i for i, r in enumerate(rows) if len(out[r]) < n_new]
+        if len(keep) < len(rows):
+            keep_rows(state, keep)
+            rows, tok = [rows[i] for i in keep], tok[keep]
+        if not rows:
+            break
+        advance(model, state, tok)
+    return [out[i] for i in range(len(cps))]
+
+
 @torch.no_grad()
 def test_rows_dropped_and_joined_mid_decode_equal_each_alone(ktm_model):
     perturb(ktm_model)
     prompts = PROMPTS + [LONG]
     alone = generate_ids(ktm_model, prompts, max_new_tokens=8, stop_at_eos=False)
     assert can_rebatch(ktm_model)
-    cps = ktm_model.encode_prompts(prompts)
-    out: dict[int, list[int]] = {i: [] for i in range(4)}
-    state, rows = prefill(ktm_model, cps[:2]), [0, 1]
-    for step in range(12):
-        if step == 3:  # two rows arrive mid-decode, one longer than anything running
-            state = join(state, prefill(ktm_model, cps[2:]))
-            rows += [2, 3]
-        tok = state.logits.argmax(-1)
-        for r, t in zip(rows, tok.tolist()):
-            out[r].append(t)
-        keep = [i for i, r in enumerate(rows) if len(out[r]) < 8]
-        if len(keep) < len(rows):
-            keep_rows(state, keep)
-            rows, tok = [rows[i] for i in keep], tok[keep]
-        if not rows:
-            break
-        advance(ktm_model, state, tok)
-    assert [out[i] for i in range(4)] == alone
+    assert decode_rejoining(ktm_model, ktm_model.encode_prompts(prompts), [0, 1], 8) == alone
 
 
 @torch.no_grad()

@@ -12,12 +12,13 @@ plain ones, empty lines.
 import pytest
 import torch
 from conftest import save_tiny_llama
+from test_decode_batch import decode_rejoining
 from test_families import save_tiny
 from test_model import perturb
 from transformers import AutoModelForCausalLM
 
 from ktm import Segment
-from ktm.decode_batch import join, keep_rows, prefill_from_kv, row_kv
+from ktm.decode_batch import prefill_from_kv, row_kv
 from ktm.generate import advance, generate_ids, prefill
 from ktm.model import KTMModel
 
@@ -169,23 +170,7 @@ def test_continuous_batching_and_a_stored_kv_prefix_keep_the_layouts_positions(
     model = build(families, family, layout)
     alone = generate_ids(model, PROMPTS, max_new_tokens=8, stop_at_eos=False)
     cps = model.encode_prompts(PROMPTS)
-    out: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
-    state, rows = prefill(model, cps[1:3]), [1, 2]
-    for step in range(12):
-        if step == 3:  # the longest prompt and two multi-segment ones arrive mid-decode
-            state = join(state, prefill(model, [cps[0], cps[3], cps[4]]))
-            rows += [0, 3, 4]
-        tok = state.logits.argmax(-1)
-        for r, t in zip(rows, tok.tolist()):
-            out[r].append(t)
-        keep = [i for i, r in enumerate(rows) if len(out[r]) < 8]
-        if len(keep) < len(rows):
-            keep_rows(state, keep)
-            rows, tok = [rows[i] for i in keep], tok[keep]
-        if not rows:
-            break
-        advance(model, state, tok)
-    assert [out[i] for i in range(len(PROMPTS))] == alone
+    assert decode_rejoining(model, cps, [1, 2], 8) == alone
     full = cps[3]
     donor = prefill(model, [cps[1], full])
     for n in (1, full.tokens_out - 1):
