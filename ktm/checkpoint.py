@@ -4,6 +4,9 @@
                                which modules got LoRA, package versions
     DIR/encoder.safetensors    encoder weights (fp32)
     DIR/adapter/               PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)
+    DIR/compressor.json        a baseline's method and options, when trained with one (written
+                               by ``ktm.compressors.record``, not here: the core never imports a
+                               baseline), with the method's fitted state (LTSC)
 
 A leaf module (PEFT's ``save_pretrained``/``from_pretrained`` split): it reads and writes files
 for any object with the model's attributes and never imports the model; ``KTMModel.load`` builds

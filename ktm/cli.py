@@ -49,13 +49,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
     ckpt = Path(tcfg.out_dir) / "checkpoint"
     distill = _distillation(args, model)  # before a baseline's compression: its errors first
-    comp = info = None
+    comp = info = save_extra = None
     if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
         from ktm.compressors.cli import apply_compressor, parse_options
+        from ktm.compressors.record import checkpoint_saver
 
+        options = parse_options(args.compressor_option)
         model, train_set, eval_set, info, comp = apply_compressor(
-            args.compressor, parse_options(args.compressor_option), model, train_set, eval_set,
+            args.compressor, options, model, train_set, eval_set,
             state_dir=ckpt if tcfg.resume else None)
+        # every checkpoint holds the method's fitted state (LTSC vocabulary, meta rows) and
+        # its record (compressor.json), so eval / generate / serve read it as it was trained
+        save_extra = checkpoint_saver(comp, plain(options))
 
     def evaluate(m) -> dict:
         r = summary(evaluate_task(m, task, eval_set))
@@ -65,7 +70,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             r = finish_eval_row(r, eval_set, info)
         return r
 
-    # the method's fitted state (LTSC vocabulary, meta rows) is written inside each checkpoint
     extra = {"command": args.command_line, "task": task_settings(task),
              "compressor": None if comp is None else {"name": comp.name,
                                                       "options": plain(comp.options())}}
@@ -73,7 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if distill:
         loss_fn, extra["teacher"] = distill
     last = train(model, train_set, tcfg, evaluate=evaluate, loss_fn=loss_fn, run_extra=extra,
-                 save_extra=comp.save_state if comp else None)
+                 save_extra=save_extra)
     if world.is_main:
         print(json.dumps({k: v for k, v in last.items()}, indent=2))
     return 0
@@ -131,6 +135,8 @@ def cmd_pack_reader(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from ktm.compressors.cli import parse_options
+    from ktm.compressors.record import resolve
     from ktm.generate import GenerationConfig
     from ktm.prompt import Segment, as_segments
 
@@ -138,7 +144,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     segments = list(as_segments([Segment(args.prompt)]
                                 + [Segment(p, compress=False) for p in args.plain]))
     opts = from_args(GenerationConfig, args).to_dict()
+    # a baseline's checkpoint reads its prompts as the method it records rewrote them
+    name, options = resolve(args.checkpoint, args.compressor,
+                            parse_options(args.compressor_option))
     model = load_or_build(args)
+    before = None
+    if name:
+        segments, before = _baseline_prompt(args, name, options, model, segments)
     if args.stream:
         for piece in model.stream(segments, **opts):
             print(piece, end="", flush=True)
@@ -146,8 +158,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print(model.generate(segments, **opts))
     cp = model.compress(segments, merge=opts["merge"])
-    print(f"[prompt tokens {cp.tokens_in} -> {cp.tokens_out}, K={model.k}]", file=sys.stderr)
+    how = "" if before is None else f" ({name}: {before} tokens rewritten to {cp.tokens_in})"
+    n_in = cp.tokens_in if before is None else before
+    print(f"[prompt tokens {n_in} -> {cp.tokens_out}{how}, K={model.k}]",
+          file=sys.stderr)
     return 0
+
+
+def _baseline_prompt(args: argparse.Namespace, name: str, options: dict, model, segments):
+    """``segments`` rewritten by method ``name`` (its fitted state restored from the checkpoint),
+    and the original prompt's token count."""
+    from ktm.compressors.cli import apply_compressor
+    from ktm.compressors.ltsc import STATE_JSON
+    from ktm.tasks.base import Example
+
+    if name == "ltsc" and not (args.checkpoint and (Path(args.checkpoint) / STATE_JSON).is_file()):
+        raise KTMError(f"--compressor ltsc learns its meta-tokens in training, but "
+                       f"{args.checkpoint or 'the model'!r} holds none ({STATE_JSON}): expected "
+                       "--checkpoint of a model trained with --compressor ltsc")
+    applied = apply_compressor(name, options, model, [], [Example(tuple(segments), "")],
+                               state_dir=args.checkpoint, replace_encoder=not args.checkpoint,
+                               compress_train=False)
+    ex = applied.eval_examples[0]
+    return list(ex.segments), ex.meta.get("tokens_before")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -190,13 +223,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _compressor_args(parser: argparse.ArgumentParser) -> None:
-    from ktm.compressors.cli import METHODS
-
     parser.add_argument("--task-option", action="append", default=[], metavar="NAME=VALUE",
                         help="task constructor option, e.g. max_chars=400 or (amazon) "
                         "balance_train=true (repeatable)")
+    _method_args(parser)
+
+
+def _method_args(parser: argparse.ArgumentParser) -> None:
+    from ktm.compressors.cli import METHODS
+
     parser.add_argument("--compressor", choices=METHODS,
-                        help="a baseline instead of K-token merging")
+                        help="a baseline instead of K-token merging (a checkpoint trained with "
+                             "one is read with it by default: its compressor.json)")
     parser.add_argument("--compressor-option", action="append", default=[], metavar="NAME=VALUE",
                         help="e.g. ratio=0.5, unit=token, max_meta_tokens=64 (repeatable)")
 
@@ -269,6 +307,7 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--plain", action="append", default=[],
                      help="text appended as plain tokens (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
+    _method_args(gen)
     add_dataclass_args(gen, GenerationConfig)
     gen.set_defaults(run=cmd_generate)
 

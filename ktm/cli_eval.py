@@ -43,19 +43,6 @@ class EvalArgs:
                 "training-side prompts (no labels used; 0: no correction)"})
 
 
-def _check_trained_compressor(checkpoint: str | None, compressor: str | None) -> None:
-    """A checkpoint holding LTSC's fitted state was trained on prompts with its meta-tokens:
-    evaluated without them it would be scored on plain prompts, as "uncompressed"."""
-    from pathlib import Path
-
-    from ktm.compressors.ltsc import STATE_JSON
-
-    if checkpoint and compressor is None and (Path(checkpoint) / STATE_JSON).is_file():
-        raise KTMError(f"checkpoint {checkpoint!r} was trained with --compressor ltsc (it holds "
-                       f"{STATE_JSON}): expected --compressor ltsc, which reads its prompts "
-                       "as it was trained")
-
-
 def run_eval(args: argparse.Namespace) -> int:
     import time
 
@@ -68,7 +55,12 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.readability:
         return _eval_readability(args, made_by)
     check_scoring(args.scoring, args.n_calibrate)
-    _check_trained_compressor(args.checkpoint, args.compressor)
+    from ktm.compressors.cli import parse_options
+    from ktm.compressors.record import resolve
+
+    # a baseline's checkpoint is read with the method it records (compressor.json)
+    method_name, options = resolve(args.checkpoint, args.compressor,
+                                   parse_options(args.compressor_option))
     targs = from_args(TaskArgs, args)
     task = build_task(targs, args.task_option)
     model = load_or_build(args)
@@ -77,13 +69,13 @@ def run_eval(args: argparse.Namespace) -> int:
     natural = (task.natural_eval_examples(targs.n_eval, args.seed)
                if hasattr(task, "natural_eval_examples") else None)  # tree only
     comp = info = None
-    if args.compressor:
+    if method_name:
         from ktm.compressors import compress_examples
-        from ktm.compressors.cli import apply_compressor, parse_options
+        from ktm.compressors.cli import apply_compressor
 
         # only LTSC fits on training prompts; its state is restored from the checkpoint if there
         model, _, examples, info, comp = apply_compressor(
-            args.compressor, parse_options(args.compressor_option), model,
+            method_name, options, model,
             task.train_examples(targs.n_train, seed=0), examples, state_dir=args.checkpoint,
             replace_encoder=not args.checkpoint, compress_train=False)
         if natural and comp.rewrites_prompts:
@@ -114,7 +106,7 @@ def run_eval(args: argparse.Namespace) -> int:
         nat = evaluate_task(model, task, natural, merge=merge, progress=True, **score)
         result["natural_accuracy"] = nat["accuracy"]
         result["natural_balanced_accuracy"] = nat["balanced_accuracy"]
-    method = args.method or args.compressor or (f"ktm-k{model.k}" if merge else "uncompressed")
+    method = args.method or method_name or (f"ktm-k{model.k}" if merge else "uncompressed")
     config = {"model": model.config_dict, "task": task_settings(task),
               "eval": {"n_eval": targs.n_eval, "seed": args.seed, "merge": merge,
                        "device": str(model.device), "scoring": args.scoring,

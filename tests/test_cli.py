@@ -271,23 +271,6 @@ def test_ltsc_state_is_inside_the_atomic_checkpoint(capsys, tiny_model_dir, tmp_
         {"ltsc.json", "ltsc_meta.safetensors"} <= set(names) for names in checkpoint_swaps)
 
 
-def test_eval_of_an_ltsc_checkpoint_without_its_compressor_is_refused(capsys, tiny_model_dir,
-                                                                      tmp_path):
-    # its LoRA was trained on prompts with LTSC's meta-tokens; read without them it was scored
-    # on plain prompts and its row said "uncompressed"
-    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
-                       "small", "--n-train", "8", "--n-eval", "2", "--max-steps", "1",
-                       "--batch-size", "2", "--out-dir", str(tmp_path / "r"), "--no-progress",
-                       "--compressor", "ltsc", "--compressor-option", "max_meta_tokens=8")
-    assert code == 0, err
-    code, _, err = run(capsys, "eval", "--checkpoint", str(tmp_path / "r" / "checkpoint"),
-                       "--task", "tree", "--stage", "small", "--n-eval", "2",
-                       "--json", str(tmp_path / "row.json"))
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "--compressor ltsc" in err and "ltsc.json" in err
-    assert not (tmp_path / "row.json").exists()
-
-
 def test_eval_rows_record_what_was_really_used(capsys, tiny_model_dir, tmp_path):
     """The model's K and MLP come from the checkpoint, the task's options and the compressor's
     options are recorded; flag defaults that were never used are not."""

@@ -1,0 +1,99 @@
+"""What a checkpoint records about the baseline it was trained with: ``compressor.json``.
+
+    {"name": "selective_context", "options": {"ratio": 0.5}}
+
+A baseline's LoRA learned to read prompts as the method rewrote them (text dropped, LTSC's
+meta-tokens): read as plain prompts it is silently another model. ``ktm train --compressor``
+writes the record beside ``ktm_config.json``, inside every checkpoint's atomic swap; ``ktm eval``
+and ``ktm generate`` apply the recorded method unless told otherwise (a contradicting
+``--compressor`` is an error), ``ktm serve`` refuses a method that rewrites prompts. ``options``
+are the constructor options given (``--compressor-option``), so ``get_compressor(name,
+**options)`` builds the method again. A checkpoint without the record reads as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ktm.compressors import COMPRESSORS, get_compressor
+from ktm.compressors.base import Compressor
+from ktm.compressors.ltsc import STATE_JSON
+from ktm.errors import KTMError
+from ktm.fileio import write_json_atomic
+
+RECORD = "compressor.json"
+
+
+def write_record(directory: str | Path, name: str, options: dict[str, Any]) -> None:
+    write_json_atomic(Path(directory) / RECORD, {"name": name, "options": options})
+
+
+def checkpoint_saver(compressor: Compressor, options: dict[str, Any]) -> Callable[[Path], None]:
+    """``save_extra`` for ``ktm.train.train``: the method's fitted state and its record."""
+    def save(directory: Path) -> None:
+        compressor.save_state(directory)
+        write_record(directory, compressor.name, options)
+
+    return save
+
+
+def read_record(checkpoint: str | Path | None) -> dict[str, Any] | None:
+    """``{"name", "options"}`` the checkpoint was trained with; None when it has no record."""
+    path = Path(checkpoint) / RECORD if checkpoint else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KTMError(f"compressor record {str(path)!r} is unreadable: {e}") from e
+    if (not isinstance(rec, dict) or rec.get("name") not in COMPRESSORS
+            or not isinstance(rec.get("options"), dict)):
+        raise KTMError(f"compressor record {str(path)!r} is corrupt: expected "
+                       f"{{'name': one of {', '.join(COMPRESSORS)}, 'options': {{...}}}}, "
+                       f"got {rec!r}")
+    return rec
+
+
+def resolve(checkpoint: str | None, name: str | None,
+            options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The method and options to read ``checkpoint`` with: its recorded ones by default; a
+    given ``--compressor`` or ``--compressor-option`` must agree with them."""
+    rec = read_record(checkpoint)
+    if rec is None:
+        _check_unrecorded_ltsc(checkpoint, name)
+        return name, options
+    if name is not None and name != rec["name"]:
+        raise KTMError(f"--compressor {name} contradicts checkpoint {checkpoint!r}, which was "
+                       f"trained with --compressor {rec['name']} ({RECORD}): drop the flag or "
+                       f"pick a checkpoint trained with {name}")
+    merged = {**rec["options"], **options}
+    theirs = get_compressor(rec["name"], **rec["options"]).options()
+    ours = get_compressor(rec["name"], **merged).options()
+    diff = [key for key in ours if ours[key] != theirs.get(key)]
+    if diff:
+        given = ", ".join(f"{key}={ours[key]!r}" for key in diff)
+        saved = ", ".join(f"{key}={theirs.get(key)!r}" for key in diff)
+        raise KTMError(f"--compressor-option {given} contradicts checkpoint {checkpoint!r}, "
+                       f"which was trained with {rec['name']} {saved} ({RECORD}): drop the "
+                       "option or pick a checkpoint trained with it")
+    return rec["name"], merged
+
+
+def _check_unrecorded_ltsc(checkpoint: str | None, name: str | None) -> None:
+    """A checkpoint from before the record that holds LTSC's fitted state was trained on prompts
+    with its meta-tokens: read without them it would be scored on plain prompts."""
+    if checkpoint and name is None and (Path(checkpoint) / STATE_JSON).is_file():
+        raise KTMError(f"checkpoint {checkpoint!r} was trained with --compressor ltsc (it holds "
+                       f"{STATE_JSON}): expected --compressor ltsc, which reads its prompts "
+                       "as it was trained")
+
+
+def rewriting_method(checkpoint: str | Path) -> str | None:
+    """The method that rewrites this checkpoint's prompts (None: it reads them as given)."""
+    rec = read_record(checkpoint)
+    if rec is not None:
+        return rec["name"] if COMPRESSORS[rec["name"]].rewrites_prompts else None
+    return "ltsc" if (Path(checkpoint) / STATE_JSON).is_file() else None

@@ -1,0 +1,132 @@
+"""A baseline's checkpoint records its compressor (compressor.json); eval and generate read
+the checkpoint with it, refuse a contradicting one, and old checkpoints read as before."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ktm.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def train_baseline(capsys, model_dir, out_dir, method, *options) -> str:
+    opts = [a for o in options for a in ("--compressor-option", o)]
+    code, _, err = run(capsys, "train", "--model", model_dir, "--task", "tree", "--stage",
+                       "small", "--n-train", "8", "--n-eval", "2", "--max-steps", "1",
+                       "--batch-size", "2", "--out-dir", str(out_dir), "--no-progress",
+                       "--compressor", method, *opts)
+    assert code == 0, err
+    return str(out_dir / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def sc_checkpoint(tiny_model_dir, tmp_path_factory) -> str:
+    """A checkpoint trained with Selective Context at ratio 0.4 (one step)."""
+    out_dir = tmp_path_factory.mktemp("sc")
+    code = main(["train", "--model", tiny_model_dir, "--task", "tree", "--stage", "small",
+                 "--n-train", "8", "--n-eval", "2", "--max-steps", "1", "--batch-size", "2",
+                 "--out-dir", str(out_dir), "--no-progress",
+                 "--compressor", "selective_context", "--compressor-option", "ratio=0.4"])
+    assert code == 0
+    return str(out_dir / "checkpoint")
+
+
+def eval_row(capsys, ckpt, tmp_path, *flags):
+    out = tmp_path / "row.json"
+    code, _, err = run(capsys, "eval", "--checkpoint", ckpt, "--task", "tree", "--stage",
+                       "small", "--n-train", "8", "--n-eval", "4", "--json", str(out), *flags)
+    return code, err, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_a_baseline_checkpoint_records_its_compressor(sc_checkpoint):
+    record = json.loads((Path(sc_checkpoint) / "compressor.json").read_text())
+    assert record == {"name": "selective_context", "options": {"ratio": 0.4}}
+
+
+def test_eval_reads_a_baseline_checkpoint_with_its_recorded_compressor(capsys, sc_checkpoint,
+                                                                       tmp_path):
+    # it was scored on plain prompts and its row said "uncompressed"
+    code, err, row = eval_row(capsys, sc_checkpoint, tmp_path)
+    assert code == 0, err
+    assert row["method"] == "selective_context" and row["length_reduction"] > 0.0
+    assert row["config"]["compressor"]["name"] == "selective_context"
+    assert row["config"]["compressor"]["options"] == {"ratio": 0.4, "unit": "word"}
+
+
+@pytest.mark.parametrize("flags,names", [
+    (["--compressor", "llmlingua"], ["--compressor llmlingua", "--compressor selective_context"]),
+    (["--compressor-option", "ratio=0.2"], ["ratio=0.2", "ratio=0.4"]),
+    (["--compressor", "selective_context", "--compressor-option", "unit=token"],
+     ["unit='token'", "unit='word'"]),
+])
+def test_eval_refuses_a_compressor_that_contradicts_the_checkpoint(capsys, sc_checkpoint,
+                                                                   tmp_path, flags, names):
+    code, err, row = eval_row(capsys, sc_checkpoint, tmp_path, *flags)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert all(n in err for n in names) and "compressor.json" in err
+    assert row is None
+
+
+def test_eval_agrees_with_the_recorded_compressor_given_again(capsys, sc_checkpoint, tmp_path):
+    code, err, row = eval_row(capsys, sc_checkpoint, tmp_path, "--compressor",
+                              "selective_context", "--compressor-option", "ratio=0.4")
+    assert code == 0, err
+    assert row["config"]["compressor"]["options"]["ratio"] == 0.4
+
+
+def test_generate_applies_the_recorded_compressor(capsys, sc_checkpoint):
+    # it read the plain prompt without saying so
+    code, out, err = run(capsys, "generate", "--checkpoint", sc_checkpoint, "--prompt",
+                         "Tree: AB\n+CD\n++EF\n+GH\n++IJ", "--plain", ", Parent: AB, Answer: ",
+                         "--max-new-tokens", "2")
+    assert code == 0, err
+    m = re.search(r"prompt tokens (\d+) -> (\d+) \(selective_context: (\d+) tokens rewritten to "
+                  r"(\d+)\)", err)
+    assert m, err
+    before, _, again, after = map(int, m.groups())
+    assert before == again and after < before
+
+
+def test_generate_refuses_a_contradicting_compressor(capsys, sc_checkpoint):
+    code, _, err = run(capsys, "generate", "--checkpoint", sc_checkpoint, "--prompt", "Tree: AB",
+                       "--compressor", "mean_pool")
+    assert code == 2 and "--compressor mean_pool" in err and "selective_context" in err
+
+
+def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, tiny_model_dir,
+                                                                       tmp_path):
+    ckpt = train_baseline(capsys, tiny_model_dir, tmp_path / "r", "ltsc", "max_meta_tokens=8")
+    code, err, row = eval_row(capsys, ckpt, tmp_path)
+    assert code == 0, err
+    assert row["method"] == "ltsc"
+    assert row["config"]["compressor"]["options"]["max_meta_tokens"] == 8
+    prompt = ["--prompt", "Tree: AB\n+CD\n++EF, Task: Parent/Child Relationship, Parent: AB",
+              "--max-new-tokens", "1"]
+    code, _, err = run(capsys, "generate", "--checkpoint", ckpt, *prompt)
+    assert code == 0 and "(ltsc: " in err, err
+    # a checkpoint from before the record: refused (eval as before), generate now too
+    (tmp_path / "r" / "checkpoint" / "compressor.json").unlink()
+    code, err, row = eval_row(capsys, ckpt, tmp_path)
+    assert code == 2 and "expected --compressor ltsc" in err and "ltsc.json" in err
+    code, _, err = run(capsys, "generate", "--checkpoint", ckpt, *prompt)
+    assert code == 2 and "expected --compressor ltsc" in err
+    code, _, err = run(capsys, "generate", "--checkpoint", ckpt, *prompt, "--compressor", "ltsc",
+                       "--compressor-option", "max_meta_tokens=8")
+    assert code == 0 and "(ltsc: " in err, err
+
+
+def test_a_checkpoint_without_a_record_reads_as_before(capsys, tiny_model_dir, tmp_path):
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "plain"
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(ckpt))
+    code, err, row = eval_row(capsys, str(ckpt), tmp_path)
+    assert code == 0, err
+    assert row["method"] == "ktm-k2" and row["config"]["compressor"] is None
