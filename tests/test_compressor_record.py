@@ -1,4 +1,4 @@
-"""A baseline's checkpoint records its compressor (compressor.json); eval and generate read
+"""A baseline's checkpoint records its compressor (compressor.json); eval, generate and serve read
 the checkpoint with it, refuse a contradicting one, and old checkpoints read as before."""
 
 import json
@@ -120,6 +120,27 @@ def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, t
     code, _, err = run(capsys, "generate", "--checkpoint", ckpt, *prompt, "--compressor", "ltsc",
                        "--compressor-option", "max_meta_tokens=8")
     assert code == 0 and "(ltsc: " in err, err
+
+
+def test_serve_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(capsys, monkeypatch,
+                                                                      tiny_model_dir, tmp_path,
+                                                                      sc_checkpoint):
+    import uvicorn
+
+    from ktm.compressors.record import write_record
+    from ktm.model import KTMModel
+
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    code, _, err = run(capsys, "serve", "--model", sc_checkpoint)
+    assert code == 2 and not served
+    assert "--compressor selective_context" in err and "reads prompts as given" in err
+    # mean pooling rewrites nothing: its checkpoint is served as trained
+    ckpt = tmp_path / "mp"
+    KTMModel.from_base(tiny_model_dir, k=2, use_mlp=False).save(str(ckpt))
+    write_record(ckpt, "mean_pool", {})
+    code, _, err = run(capsys, "serve", "--model", str(ckpt))
+    assert code == 0 and len(served) == 1, err
 
 
 def test_a_checkpoint_without_a_record_reads_as_before(capsys, tiny_model_dir, tmp_path):

@@ -57,4 +57,18 @@ class ServeConfig:
 def load_served_model(cfg: ServeConfig):
     from ktm.load import load_any
 
+    check_servable(cfg.model)
     return load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)
+
+
+def check_servable(model: str) -> None:
+    """Refuse, before loading, a checkpoint trained on prompts a baseline rewrote: the server
+    reads every prompt as given, which for it is silently another model."""
+    from ktm.compressors.record import RECORD, rewriting_method
+
+    method = rewriting_method(model) if Path(model).is_dir() else None
+    if method:
+        raise KTMError(f"checkpoint {model!r} was trained with --compressor {method} "
+                       f"({RECORD} or its fitted state): the server reads prompts as given, not "
+                       f"rewritten by {method}; expected a checkpoint trained without a baseline "
+                       f"(ktm eval and ktm generate apply {method})")
