@@ -35,6 +35,7 @@ class CompressedPrompt:
     # (L,) index in the plain prompt of the last token each position stands for (a plain token:
     # its own; a merged block: its last token's); the plain reading's state to compare with
     sources: torch.Tensor | None = None
+    merged: bool = True  # False: read with merging off (every segment plain)
 
     @property
     def length_reduction(self) -> float:
@@ -139,13 +140,14 @@ def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: i
                      if cp.positions_at(kk) + read <= limit), None)
         least = cp.positions_at(max(cp.mergeable, default=1))  # each merged segment one block
         if fits:
-            hint = f"K={fits} would fit"
+            hint = f"K={fits} would fit" if cp.merged else f"merging at K={fits} would fit"
         elif least >= limit:
             hint = "no K fits: shorten the plain segments"
         else:
             hint = (f"no K fits: the prompt takes at least {least} positions, leaving "
                     f"{limit - least} for the {more} {what}; shorten the plain segments or the "
                     f"{what}")
-        raise KTMError(f"prompt is {cp.tokens_out} positions after merging (K={k}, "
-                       f"{cp.tokens_in} tokens before) + {more} {what}, over the model's limit "
-                       f"of {limit} positions; {hint}")
+        how = (f"after merging (K={k}, {cp.tokens_in} tokens before)" if cp.merged
+               else "with merging off")
+        raise KTMError(f"prompt is {cp.tokens_out} positions {how} + {more} {what}, over the "
+                       f"model's limit of {limit} positions; {hint}")

@@ -128,7 +128,7 @@ class PromptEncoder:
             sources = self._positions(row, merge)
             pos = sources if merge and self.spread_positions else None
             results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos,
-                                            sources))
+                                            sources, merged=merge))
         return results
 
     def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:

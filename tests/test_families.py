@@ -285,11 +285,16 @@ def test_prompt_over_the_position_limit_names_the_k_that_fits(gpt2_128):
     path, tok = gpt2_128
     model = KTMModel.from_base(path, k=4)
     text = long_text(tok, 200)
-    with pytest.raises(KTMError, match=r"200 positions after merging \(K=4, 200 tokens before\) "
+    with pytest.raises(KTMError, match=r"150 positions after merging \(K=4, 600 tokens before\) "
                                        r"\+ 3 target tokens, over the model's limit of 128 "
-                                       r"positions; K=2 would fit"):
+                                       r"positions; K=5 would fit"):
+        model([long_text(tok, 600)], [[5, 6, 7]])
+    # with merging off nothing was merged: it said "after merging (K=4 ...)"
+    with pytest.raises(KTMError, match=r"200 positions with merging off \+ 3 target tokens, over "
+                                       r"the model's limit of 128 positions; merging at K=2 "
+                                       r"would fit"):
         model([text], [[5, 6, 7]], merge=False)
-    with pytest.raises(KTMError, match=r"limit of 128 positions; K=2 would fit"):
+    with pytest.raises(KTMError, match=r"limit of 128 positions; merging at K=2 would fit"):
         model.generate(text, max_new_tokens=4, merge=False)
 
 
@@ -313,7 +318,7 @@ def test_a_prompt_exactly_at_the_position_limit_still_yields_one_token(gpt2_128)
                                 merge=merge)[0]) == 1
         with pytest.raises(KTMError, match=r"over the model's limit of 128 positions"):
             generate_ids(model, text, max_new_tokens=2, merge=merge)
-    with pytest.raises(KTMError, match=r"129 positions after merging.*\+ 1 new tokens, over"):
+    with pytest.raises(KTMError, match=r"129 positions with merging off \+ 1 new tokens, over"):
         generate_ids(model, long_text(tok, 129), max_new_tokens=1, merge=False)
     assert len(generate_ids(model, "fox", max_new_tokens=128, stop_at_eos=False)[0]) == 128
     with pytest.raises(KTMError, match=r"129 new tokens alone reach.*fewer than 129"):
