@@ -69,6 +69,11 @@ def time_prefill(model: KTMModel, prompts, repeats: int = 5) -> dict:
     return {"merged_s": m, "plain_s": p, "speedup": p / m, "batch": len(prompts)}
 
 
+def speed_phrase(speedup: float) -> str:
+    """Merged against plain: '2.10x faster', or '1.32x slower' when merging lost."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
 HEADER = """\
 | model                      | accuracy | bal. acc | tokens in | tokens out | reduction |
 |----------------------------|----------|----------|-----------|------------|-----------|"""
@@ -112,7 +117,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(f"(answers that were not 'true'/'false': {start['unparsed']} of {start['n']} before "
           f"training, {trained['unparsed']} after; balanced pairs, so 0.5 is chance)")
     print(f"\nprefill of {timing['batch']} prompts: merged {timing['merged_s'] * 1e3:.1f} ms, "
-          f"plain {timing['plain_s'] * 1e3:.1f} ms -> {timing['speedup']:.2f}x faster")
+          f"plain {timing['plain_s'] * 1e3:.1f} ms -> {speed_phrase(timing['speedup'])}")
     ex = eval_set[0]
     print(f"\nexample prompt:\n{prompt_text(ex.segments)}")
     print(f"gold: {ex.target}  generated: ", end="", flush=True)

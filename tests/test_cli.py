@@ -97,11 +97,25 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
                        "2", "--batch-size", "2", "--n-eval", "4", "--out-dir", str(out_dir))
     assert code == 0
     assert "| untrained (mean pooling)" in out and "| trained K=4 merger" in out
-    assert "faster" in out and "generated:" in out
+    assert re.search(r"-> \d+\.\d\dx (faster|slower)\n", out) and "generated:" in out
     result = json.loads((out_dir / "demo.json").read_text())
     assert result["trained"]["n"] == 4 and result["prefill"]["plain_s"] > 0
     assert result["last_step"]["step"] == 2
     assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
+
+
+def test_demo_says_slower_when_merging_was_slower(capsys, monkeypatch, tiny_model_dir,
+                                                  tmp_path):
+    import ktm.demo
+
+    # it printed "0.50x faster"
+    monkeypatch.setattr(ktm.demo, "time_prefill", lambda model, prompts: {
+        "merged_s": 0.2, "plain_s": 0.1, "speedup": 0.5, "batch": len(prompts)})
+    code, out, _ = run(capsys, "demo", "--model", tiny_model_dir, "--stage", "small", "--steps",
+                       "1", "--batch-size", "2", "--n-eval", "2", "--out-dir",
+                       str(tmp_path / "demo"))
+    assert code == 0
+    assert "plain 100.0 ms -> 2.00x slower" in out and "faster" not in out
 
 
 def test_demo_reads_its_reader_on_the_model_given(capsys, tiny_model_dir, tmp_path):
