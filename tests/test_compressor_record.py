@@ -100,8 +100,11 @@ def test_generate_refuses_a_contradicting_compressor(capsys, sc_checkpoint):
     assert code == 2 and "--compressor mean_pool" in err and "selective_context" in err
 
 
-def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, tiny_model_dir,
-                                                                       tmp_path):
+def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, monkeypatch,
+                                                                       tiny_model_dir, tmp_path):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)  # never served for long
     ckpt = train_baseline(capsys, tiny_model_dir, tmp_path / "r", "ltsc", "max_meta_tokens=8")
     code, err, row = eval_row(capsys, ckpt, tmp_path)
     assert code == 0, err
@@ -117,6 +120,8 @@ def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, t
     assert code == 2 and "expected --compressor ltsc" in err and "ltsc.json" in err
     code, _, err = run(capsys, "generate", "--checkpoint", ckpt, *prompt)
     assert code == 2 and "expected --compressor ltsc" in err
+    code, _, err = run(capsys, "serve", "--model", ckpt)
+    assert code == 2 and "--compressor ltsc (its ltsc.json)" in err
     code, _, err = run(capsys, "generate", "--checkpoint", ckpt, *prompt, "--compressor", "ltsc",
                        "--compressor-option", "max_meta_tokens=8")
     assert code == 0 and "(ltsc: " in err, err
@@ -134,7 +139,8 @@ def test_serve_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(capsys, mon
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
     code, _, err = run(capsys, "serve", "--model", sc_checkpoint)
     assert code == 2 and not served
-    assert "--compressor selective_context" in err and "reads prompts as given" in err
+    assert "--compressor selective_context (its compressor.json)" in err
+    assert "reads prompts as given" in err
     # mean pooling rewrites nothing: its checkpoint is served as trained
     ckpt = tmp_path / "mp"
     KTMModel.from_base(tiny_model_dir, k=2, use_mlp=False).save(str(ckpt))

@@ -91,9 +91,10 @@ def _check_unrecorded_ltsc(checkpoint: str | None, name: str | None) -> None:
                        "as it was trained")
 
 
-def rewriting_method(checkpoint: str | Path) -> str | None:
-    """The method that rewrites this checkpoint's prompts (None: it reads them as given)."""
+def rewriting_method(checkpoint: str | Path) -> tuple[str, str] | None:
+    """(method, the file that says so) when a method rewrites this checkpoint's prompts; None
+    when it reads them as given."""
     rec = read_record(checkpoint)
     if rec is not None:
-        return rec["name"] if COMPRESSORS[rec["name"]].rewrites_prompts else None
-    return "ltsc" if (Path(checkpoint) / STATE_JSON).is_file() else None
+        return (rec["name"], RECORD) if COMPRESSORS[rec["name"]].rewrites_prompts else None
+    return ("ltsc", STATE_JSON) if (Path(checkpoint) / STATE_JSON).is_file() else None

@@ -64,11 +64,12 @@ def load_served_model(cfg: ServeConfig):
 def check_servable(model: str) -> None:
     """Refuse, before loading, a checkpoint trained on prompts a baseline rewrote: the server
     reads every prompt as given, which for it is silently another model."""
-    from ktm.compressors.record import RECORD, rewriting_method
+    from ktm.compressors.record import rewriting_method
 
-    method = rewriting_method(model) if Path(model).is_dir() else None
-    if method:
-        raise KTMError(f"checkpoint {model!r} was trained with --compressor {method} "
-                       f"({RECORD} or its fitted state): the server reads prompts as given, not "
-                       f"rewritten by {method}; expected a checkpoint trained without a baseline "
-                       f"(ktm eval and ktm generate apply {method})")
+    found = rewriting_method(model) if Path(model).is_dir() else None
+    if found:
+        method, source = found
+        raise KTMError(f"checkpoint {model!r} was trained with --compressor {method} (its "
+                       f"{source}): the server reads prompts as given, not rewritten by "
+                       f"{method}; expected a checkpoint trained without a baseline (ktm eval and "
+                       f"ktm generate apply {method})")
