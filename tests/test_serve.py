@@ -215,6 +215,19 @@ BAD = [
     ("prompt contradicts segments", {"prompt": "other", **segs_body("a", "b")}, 400,
      "segments' texts joined"),
     ("unknown model", {"model": "gpt-4", "prompt": "hi"}, 404, "not served here"),
+    # OpenAI answers 400 here; it was accepted and ignored
+    ("stream_options without stream", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     400, "The 'stream_options' parameter is only allowed when 'stream' is enabled"),
+    ("stream_options with stream false", {"prompt": "hi", "stream": False,
+                                          "stream_options": {}}, 400, "'stream_options'"),
+    # a boolean is no integer: max_tokens=true was read as 1
+    ("max_tokens as a bool", {"prompt": "hi", "max_tokens": True}, 400,
+     "max_tokens: Input should be a valid integer, got true"),
+    ("n as a bool", {"prompt": "hi", "n": True}, 400, "n: Input should be a valid integer"),
+    ("seed as a bool", {"prompt": "hi", "seed": False}, 400, "seed: Input should be a valid"),
+    # everything plain: the message said "after merging"
+    ("too long, sent plain", {"prompt": "Hello world " * 300, "ktm": {"merge": False}}, 400,
+     "tokens, none merged): more than the model's context of 512"),
 ]
 
 
@@ -384,6 +397,8 @@ def test_an_unexpected_failure_is_a_500_in_openais_shape(server, client, monkeyp
      "ktm.segments is for /v1/completions"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": LIMIT + 1},
      f"max_completion_tokens={LIMIT + 1} is over this server's limit of {LIMIT}"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": True},
+     "max_completion_tokens: Input should be a valid integer, got true"),
 ])
 def test_bad_chat_requests(client, body, message):
     with pytest.raises(openai.BadRequestError) as e:

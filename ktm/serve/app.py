@@ -182,6 +182,7 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
             raise RequestError(f"model {body.model!r} is not served here: this server serves "
                                f"{cfg.served_name!r}", param="model", code="model_not_found",
                                status=404)
+        body.check_stream_options()
         max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
                       else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens is not None and max_tokens > cfg.max_tokens_limit:

@@ -209,6 +209,9 @@ class Engine:
         # takes its last token's position, so that can exceed the number of merged embeddings
         what = (f"the prompt spans {cp.next_position} positions after merging ({cp.tokens_out} "
                 f"embeddings from {cp.tokens_in} tokens, K={self.model.k})")
+        if cp.tokens_out == cp.tokens_in:  # sent plain ("ktm": {"merge": false}) or K=1
+            what = (f"the prompt spans {cp.next_position} positions ({cp.tokens_in} tokens, "
+                    "none merged)")
         want = job.max_tokens or min(self.cfg.max_tokens_limit, room or self.cfg.max_tokens_limit)
         err = None
         if room is not None and room < 1:

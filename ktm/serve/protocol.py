@@ -93,12 +93,13 @@ class StreamOptions(Strict):
 
 class Sampling(Strict):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    # integers are strict: pydantic's lax mode reads true as 1 and "7" as 7
+    max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: greedy, as OpenAI takes it
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # int64, as OpenAI's
-    n: int = Field(1, ge=1, le=128)  # choices, as OpenAI's (up to 128)
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1, strict=True)  # int64, as OpenAI's
+    n: int = Field(1, ge=1, le=128, strict=True)  # choices, as OpenAI's (up to 128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -111,6 +112,12 @@ class Sampling(Strict):
             return {k: v for k, v in data.items()
                     if not (k in NEUTRAL and any(_is(v, n) for n in NEUTRAL[k]))}
         return data
+
+    def check_stream_options(self) -> None:
+        """As OpenAI: ``stream_options`` without ``stream: true`` is a 400, not ignored."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("The 'stream_options' parameter is only allowed when 'stream' is "
+                               "enabled.", param="stream_options")
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -149,7 +156,7 @@ def _token_ids(values: list, where: str) -> tuple[int, ...]:
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
 
 
 class RequestError(Exception):
