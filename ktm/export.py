@@ -168,8 +168,11 @@ def read_manifest(directory: str | Path) -> dict:
 
 def run_export(cfg: ExportConfig, out: str) -> dict:
     """``ktm export --format vllm DIR``."""
+    from ktm.compressors.record import refuse_rewritten
     from ktm.load import load_any
 
+    # the exported LM is served on the prompts clients send, never rewritten by a baseline
+    refuse_rewritten(cfg.model, "an exported model", "ktm eval and ktm generate apply its method")
     model = load_any(cfg.model, cfg.k, "cpu", cfg.dtype)
     manifest = export_vllm(model, out)
     print(f"wrote {out}: serve it with\n  vllm serve {Path(out) / LM_DIR} "

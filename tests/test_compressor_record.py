@@ -157,3 +157,13 @@ def test_a_checkpoint_without_a_record_reads_as_before(capsys, tiny_model_dir, t
     code, err, row = eval_row(capsys, str(ckpt), tmp_path)
     assert code == 0, err
     assert row["method"] == "ktm-k2" and row["config"]["compressor"] is None
+
+
+def test_export_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(capsys, sc_checkpoint,
+                                                                       tmp_path):
+    # it exported the LM, which vLLM then served on plain prompts
+    out = tmp_path / "export"
+    code, _, err = run(capsys, "export", str(out), "--model", sc_checkpoint)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--compressor selective_context (its compressor.json)" in err
+    assert "an exported model reads prompts as given" in err and not out.exists()

@@ -6,9 +6,10 @@ A baseline's LoRA learned to read prompts as the method rewrote them (text dropp
 meta-tokens): read as plain prompts it is silently another model. ``ktm train --compressor``
 writes the record beside ``ktm_config.json``, inside every checkpoint's atomic swap; ``ktm eval``
 and ``ktm generate`` apply the recorded method unless told otherwise (a contradicting
-``--compressor`` is an error), ``ktm serve`` refuses a method that rewrites prompts. ``options``
-are the constructor options given (``--compressor-option``), so ``get_compressor(name,
-**options)`` builds the method again. A checkpoint without the record reads as before.
+``--compressor`` is an error), ``ktm serve`` and ``ktm export`` refuse a method that rewrites
+prompts. ``options`` are the constructor options given (``--compressor-option``), so
+``get_compressor(name, **options)`` builds the method again. A checkpoint without the record
+reads as before.
 """
 
 from __future__ import annotations
@@ -98,3 +99,14 @@ def rewriting_method(checkpoint: str | Path) -> tuple[str, str] | None:
     if rec is not None:
         return (rec["name"], RECORD) if COMPRESSORS[rec["name"]].rewrites_prompts else None
     return ("ltsc", STATE_JSON) if (Path(checkpoint) / STATE_JSON).is_file() else None
+
+
+def refuse_rewritten(checkpoint: str, reader: str, hint: str) -> None:
+    """Raise when a method rewrites ``checkpoint``'s prompts but ``reader`` (the server, an
+    export) would read them as given: for that checkpoint it is silently another model."""
+    found = rewriting_method(checkpoint) if Path(checkpoint).is_dir() else None
+    if found:
+        method, source = found
+        raise KTMError(f"checkpoint {checkpoint!r} was trained with --compressor {method} (its "
+                       f"{source}): {reader} reads prompts as given, not rewritten by {method}; "
+                       f"expected a checkpoint trained without a baseline ({hint})")

@@ -64,12 +64,6 @@ def load_served_model(cfg: ServeConfig):
 def check_servable(model: str) -> None:
     """Refuse, before loading, a checkpoint trained on prompts a baseline rewrote: the server
     reads every prompt as given, which for it is silently another model."""
-    from ktm.compressors.record import rewriting_method
+    from ktm.compressors.record import refuse_rewritten
 
-    found = rewriting_method(model) if Path(model).is_dir() else None
-    if found:
-        method, source = found
-        raise KTMError(f"checkpoint {model!r} was trained with --compressor {method} (its "
-                       f"{source}): the server reads prompts as given, not rewritten by "
-                       f"{method}; expected a checkpoint trained without a baseline (ktm eval and "
-                       f"ktm generate apply {method})")
+    refuse_rewritten(model, "the server", "ktm eval and ktm generate apply its method")
