@@ -139,15 +139,25 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     from ktm.fileio import write_json_atomic
     from ktm.readability import BOOTSTRAP, heldout_readability
 
+    name, options = _readability_method(args)
     model = load_or_build(args)
+    comp = None
+    if name:  # mean pooling: only the encoder setting, which R reads like any merger's
+        from ktm.compressors.cli import apply_compressor
+
+        comp = apply_compressor(name, options, model, [], [], state_dir=args.checkpoint,
+                                replace_encoder=not args.checkpoint,
+                                compress_train=False).compressor
     t0 = time.perf_counter()
     sets = heldout_readability(model, args.readability, args.n_windows, seed=args.seed,
                                progress=True)
-    method = args.method or (f"ktm-k{model.k}" if model.merges else "uncompressed")
+    method = args.method or name or (f"ktm-k{model.k}" if model.merges else "uncompressed")
     config = {"model": model.config_dict,
               "readability": {"sets": list(args.readability), "n_windows": args.n_windows,
                               "seed": args.seed, "device": str(model.device),
-                              "ci_bootstrap": BOOTSTRAP}}
+                              "ci_bootstrap": BOOTSTRAP},
+              "compressor": None if comp is None else {"name": comp.name,
+                                                       "options": plain(comp.options())}}
     row = {"task": "readability", "method": method, "k": model.k, "readability": sets,
            "n_windows": args.n_windows, "eval_wall_s": time.perf_counter() - t0,
            "checkpoint": args.checkpoint, "config": config, "command": args.command_line,
@@ -156,3 +166,23 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
         write_json_atomic(args.json, row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
     return 0
+
+
+def _readability_method(args: argparse.Namespace) -> tuple[str | None, dict]:
+    """The baseline R is read with (the checkpoint's record, or --compressor); refused when it
+    rewrites prompts: R reads held-out text as given, merged and plain, so for a model trained on
+    rewritten prompts it would measure another model under the baseline's name."""
+    from ktm.compressors import COMPRESSORS
+    from ktm.compressors.cli import parse_options
+    from ktm.compressors.record import RECORD, resolve
+
+    name, options = resolve(args.checkpoint, args.compressor,
+                            parse_options(args.compressor_option))
+    if name and COMPRESSORS[name].rewrites_prompts:
+        source = (f"checkpoint {args.checkpoint!r} was trained with it ({RECORD})"
+                  if args.compressor is None else f"--compressor {name}")
+        raise KTMError(f"ktm eval --readability reads held-out text as given (merged and plain), "
+                       f"not rewritten by {name}, and {source}: R is not defined for it; "
+                       "expected a checkpoint trained without a baseline or with mean_pool "
+                       "(score this one on a task: ktm eval --task)")
+    return name, options

@@ -273,6 +273,26 @@ def test_eval_readability_then_report(capsys, tiny_model_dir, tmp_path, monkeypa
     assert code == 0 and re.search(r"\| ktm-k4( †)? \| 4 \| code \|", text)
 
 
+def test_eval_readability_of_a_mean_pool_checkpoint_is_labelled_mean_pool(
+        capsys, tiny_model_dir, tmp_path, monkeypatch):
+    # its record was ignored: the row said ktm-k2 and held no compressor
+    from ktm.compressors.record import write_record
+    from ktm.model import KTMModel
+
+    write_heldout_sets(tmp_path / "data")
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "data"))
+    ckpt = tmp_path / "mp"
+    KTMModel.from_base(tiny_model_dir, k=2, use_mlp=False).save(str(ckpt))
+    write_record(ckpt, "mean_pool", {})
+    out = tmp_path / "read.json"
+    code, _, err = run(capsys, "eval", "--checkpoint", str(ckpt), "--readability", "reviews",
+                       "--n-windows", "2", "--json", str(out))
+    assert code == 0, err
+    row = json.loads(out.read_text())
+    assert row["method"] == "mean_pool" and row["k"] == 2
+    assert row["config"]["compressor"] == {"name": "mean_pool", "options": {}}
+
+
 def test_ltsc_state_is_inside_the_atomic_checkpoint(capsys, tiny_model_dir, tmp_path,
                                                     checkpoint_swaps):
     code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",

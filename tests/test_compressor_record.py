@@ -167,3 +167,14 @@ def test_export_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(capsys, sc
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--compressor selective_context (its compressor.json)" in err
     assert "an exported model reads prompts as given" in err and not out.exists()
+
+
+def test_eval_readability_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(
+        capsys, sc_checkpoint, tmp_path):
+    # R was measured on plain held-out text and labelled as if the checkpoint were plain
+    out = tmp_path / "read.json"
+    code, _, err = run(capsys, "eval", "--checkpoint", sc_checkpoint, "--readability", "reviews",
+                       "--n-windows", "2", "--json", str(out))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "not rewritten by selective_context" in err and "compressor.json" in err
+    assert not out.exists()
