@@ -49,6 +49,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
     ckpt = Path(tcfg.out_dir) / "checkpoint"
     distill = _distillation(args, model)  # before a baseline's compression: its errors first
+    if tcfg.resume:  # the method the run was trained with, named (not "other examples")
+        from ktm.compressors.cli import parse_options
+        from ktm.compressors.record import check_resume
+
+        check_resume(ckpt, args.compressor, parse_options(args.compressor_option))
     comp = info = save_extra = None
     if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
         from ktm.compressors.cli import apply_compressor, parse_options

@@ -178,3 +178,32 @@ def test_eval_readability_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "not rewritten by selective_context" in err and "compressor.json" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags,now", [
+    ([], "this run has no --compressor"),
+    (["--compressor", "selective_context", "--compressor-option", "ratio=0.2"],
+     "this run has --compressor selective_context --compressor-option ratio=0.2"),
+    (["--compressor", "mean_pool"], "this run has --compressor mean_pool"),
+])
+def test_resume_names_the_compressor_the_run_was_trained_with(capsys, tiny_model_dir, tmp_path,
+                                                               flags, now):
+    # refused only as "trained with examples=the checkpoint's", naming no method
+    train_baseline(capsys, tiny_model_dir, tmp_path / "r", "selective_context", "ratio=0.4")
+    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-train", "8", "--n-eval", "2", "--max-steps", "2",
+                       "--batch-size", "2", "--out-dir", str(tmp_path / "r"), "--no-progress",
+                       "--resume", *flags)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("trained with --compressor selective_context --compressor-option ratio=0.4 "
+            "(compressor.json)") in err and now in err
+
+
+def test_resume_with_the_recorded_compressor_continues(capsys, tiny_model_dir, tmp_path):
+    train_baseline(capsys, tiny_model_dir, tmp_path / "r", "selective_context", "ratio=0.4")
+    code, _, err = run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage",
+                       "small", "--n-train", "8", "--n-eval", "2", "--max-steps", "2",
+                       "--batch-size", "2", "--out-dir", str(tmp_path / "r"), "--no-progress",
+                       "--resume", "--compressor", "selective_context",
+                       "--compressor-option", "ratio=0.4")
+    assert code == 0, err

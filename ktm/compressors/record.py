@@ -83,6 +83,25 @@ def resolve(checkpoint: str | None, name: str | None,
     return rec["name"], merged
 
 
+def check_resume(checkpoint: str | Path, name: str | None, options: dict[str, Any]) -> None:
+    """A resumed run reads its prompts as it was trained: the method and options it records."""
+    rec = read_record(checkpoint) if Path(checkpoint).is_dir() else None
+    if rec is None:
+        _check_unrecorded_ltsc(str(checkpoint), name)
+        return
+    theirs = get_compressor(rec["name"], **rec["options"]).options()
+    ours = get_compressor(name, **options).options() if name == rec["name"] else None
+    if ours == theirs:
+        return
+    had = " ".join([f"--compressor {rec['name']}"]
+                   + [f"--compressor-option {k}={v}" for k, v in rec["options"].items()])
+    now = ("no --compressor" if name is None else
+           f"--compressor {name}" + "".join(f" --compressor-option {k}={v}"
+                                             for k, v in options.items()))
+    raise KTMError(f"cannot resume from {str(checkpoint)!r}: it was trained with {had} ({RECORD}"
+                   f"), this run has {now}; resume with {had}, or start a new out_dir")
+
+
 def _check_unrecorded_ltsc(checkpoint: str | None, name: str | None) -> None:
     """A checkpoint from before the record that holds LTSC's fitted state was trained on prompts
     with its meta-tokens: read without them it would be scored on plain prompts."""
