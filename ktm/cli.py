@@ -44,25 +44,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     targs = from_args(TaskArgs, args)
     tcfg = from_args(TrainConfig, args)
     task = build_task(targs, args.task_option)
+    ckpt = Path(tcfg.out_dir) / "checkpoint"
+    from ktm.compressors.cli import parse_options
+    from ktm.compressors.record import plan_training
+
+    # the method a resumed run or an --init checkpoint was trained with, checked before loading
+    options, state_dir = plan_training(ckpt, tcfg.resume, args.init, args.compressor,
+                                       parse_options(args.compressor_option))
     model = init_or_build(args)
     train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
     eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
-    ckpt = Path(tcfg.out_dir) / "checkpoint"
     distill = _distillation(args, model)  # before a baseline's compression: its errors first
-    if tcfg.resume:  # the method the run was trained with, named (not "other examples")
-        from ktm.compressors.cli import parse_options
-        from ktm.compressors.record import check_resume
-
-        check_resume(ckpt, args.compressor, parse_options(args.compressor_option))
     comp = info = save_extra = None
     if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
-        from ktm.compressors.cli import apply_compressor, parse_options
+        from ktm.compressors.cli import apply_compressor
         from ktm.compressors.record import checkpoint_saver
 
-        options = parse_options(args.compressor_option)
         model, train_set, eval_set, info, comp = apply_compressor(
-            args.compressor, options, model, train_set, eval_set,
-            state_dir=ckpt if tcfg.resume else None)
+            args.compressor, options, model, train_set, eval_set, state_dir=state_dir)
         # every checkpoint holds the method's fitted state (LTSC vocabulary, meta rows) and
         # its record (compressor.json), so eval / generate / serve read it as it was trained
         save_extra = checkpoint_saver(comp, plain(options))
@@ -112,6 +111,13 @@ def _distillation(args: argparse.Namespace, model):
     return distill_loss(teacher, cfg.teacher_weight), dataclasses.asdict(cfg)
 
 
+def _check_plain_init(args: argparse.Namespace, command: str) -> None:
+    """Refuse ``--init`` of a checkpoint whose prompts a baseline rewrote, for a run without it."""
+    from ktm.compressors.record import check_init
+
+    check_init(getattr(args, "init", None), None, {}, command)
+
+
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from ktm import distributed
     from ktm.pretrain import PretrainConfig, pretrain
@@ -119,6 +125,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
     world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
     pcfg, tcfg = from_args(PretrainConfig, args), from_args(TrainConfig, args)
+    _check_plain_init(args, "pretrain")
     model = init_or_build(args)
     last = pretrain(model, pcfg, tcfg, command=args.command_line)
     if world.is_main:
@@ -208,6 +215,7 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     from ktm.train import TrainConfig
 
     ccfg, tcfg = from_args(CurriculumConfig, args), from_args(TrainConfig, args)
+    _check_plain_init(args, "curriculum")
     rows = run_curriculum(init_or_build(args), ccfg, tcfg, args.prompt_mode)
     for r in rows:
         print(json.dumps(r))

@@ -207,3 +207,42 @@ def test_resume_with_the_recorded_compressor_continues(capsys, tiny_model_dir, t
                        "--resume", "--compressor", "selective_context",
                        "--compressor-option", "ratio=0.4")
     assert code == 0, err
+
+
+def test_init_from_a_baseline_checkpoint_carries_its_options_and_ltsc_state(capsys,
+                                                                            tiny_model_dir,
+                                                                            tmp_path):
+    # the new run fitted LTSC afresh with its default options and wrote them as its record
+    init = train_baseline(capsys, tiny_model_dir, tmp_path / "a", "ltsc", "max_meta_tokens=8")
+    code, out, err = run(capsys, "train", "--init", init, "--task", "tree", "--stage", "small",
+                         "--n-train", "8", "--n-eval", "2", "--max-steps", "1", "--batch-size",
+                         "2", "--out-dir", str(tmp_path / "b"), "--no-progress",
+                         "--compressor", "ltsc")
+    assert code == 0, err
+    assert json.loads(out)["eval"]["compressor"]["state_restored"] is True
+    record = json.loads((tmp_path / "b" / "checkpoint" / "compressor.json").read_text())
+    assert record == {"name": "ltsc", "options": {"max_meta_tokens": 8}}
+    before = json.loads((Path(init) / "ltsc.json").read_text())
+    after = json.loads((tmp_path / "b" / "checkpoint" / "ltsc.json").read_text())
+    assert after["vocab"] == before["vocab"] and after["meta_ids"] == before["meta_ids"]
+
+
+@pytest.mark.parametrize("command,flags,message", [
+    ("train", [], "this run has no --compressor: its LoRA reads prompts as selective_context "
+                  "rewrote them; give --compressor selective_context"),
+    ("train", ["--compressor", "llmlingua"], "this run has --compressor llmlingua"),
+    ("train", ["--compressor", "selective_context", "--compressor-option", "ratio=0.2"],
+     "--compressor-option ratio=0.2 contradicts"),
+    ("pretrain", [], "this run has ktm pretrain, which reads prompts as given"),
+])
+def test_init_from_a_baseline_checkpoint_refuses_another_method(capsys, sc_checkpoint, tmp_path,
+                                                                 command, flags, message):
+    # it trained the baseline's LoRA on plain (or other) prompts and wrote no record
+    task = (["--task", "tree", "--stage", "small", "--n-train", "8", "--n-eval", "2"]
+            if command == "train" else [])
+    code, _, err = run(capsys, command, "--init", sc_checkpoint, *task, "--max-steps", "1",
+                       "--batch-size", "2", "--out-dir", str(tmp_path / "b"), "--no-progress",
+                       *flags)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert message in err and "compressor.json" in err
+    assert not (tmp_path / "b" / "checkpoint").exists()

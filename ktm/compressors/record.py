@@ -83,6 +83,44 @@ def resolve(checkpoint: str | None, name: str | None,
     return rec["name"], merged
 
 
+def plan_training(checkpoint: Path, resume: bool, init: str | None, name: str | None,
+                  options: dict[str, Any]) -> tuple[dict[str, Any], Path | None]:
+    """``ktm train``'s method options and the folder its fitted state is restored from (the run's
+    own checkpoint on --resume, a same-method --init checkpoint), after the checks below."""
+    if resume:
+        check_resume(checkpoint, name, options)
+        return options, checkpoint
+    _, options, state = check_init(init, name, options)
+    return options, state
+
+
+def check_init(init: str | None, name: str | None, options: dict[str, Any],
+               command: str = "train") -> tuple[str | None, dict[str, Any], Path | None]:
+    """``--init CHECKPOINT``: a baseline's checkpoint is continued with its own method.
+
+    Returns the method and options to train with (the record's, under any given option that
+    agrees with it) and the folder to restore the method's fitted state from (LTSC's vocabulary
+    and meta rows); a method that contradicts the record, or none for a checkpoint whose prompts
+    a method rewrote, is refused. A plain checkpoint may start any method.
+    """
+    path = Path(init) if init and Path(init).is_dir() else None
+    rec = read_record(path) if path else None
+    found = (rec["name"], RECORD) if rec else (rewriting_method(path) if path else None)
+    if found is None or (name is None and rec and not COMPRESSORS[rec["name"]].rewrites_prompts):
+        return name, options, None
+    method, source = found
+    if name != method:
+        how = (f"--compressor {name}" if name else "no --compressor" if command == "train"
+               else f"ktm {command}, which reads prompts as given")
+        hint = (f"give --compressor {method} to continue it" if command == "train"
+                else "start from a checkpoint trained without a baseline")
+        raise KTMError(f"--init {init!r} was trained with --compressor {method} (its {source}), "
+                       f"this run has {how}: its LoRA reads prompts as {method} rewrote them; "
+                       f"{hint}")
+    name, options = resolve(path, name, options) if rec else (name, options)
+    return name, options, path
+
+
 def check_resume(checkpoint: str | Path, name: str | None, options: dict[str, Any]) -> None:
     """A resumed run reads its prompts as it was trained: the method and options it records."""
     rec = read_record(checkpoint) if Path(checkpoint).is_dir() else None
