@@ -40,6 +40,10 @@ ENCODER = "encoder.safetensors"
 ADAPTER = "adapter"
 ADAPTER_WEIGHTS = f"{ADAPTER}/adapter_model.safetensors"
 FORMAT_VERSION = 2
+COMPRESSOR_RECORD = "compressor.json"
+# baselines that are only an encoder setting (the loaded model already is them), the rest
+# rewrite prompts; kept equal to ``ktm.compressors`` by a test, as the core never imports it
+SETTING_ONLY = ("mean_pool",)
 READABLE_FORMATS = (1, 2)
 # errors that mean "this file is missing, truncated or not what it claims to be"
 FILE_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError)
@@ -89,6 +93,23 @@ def read_config(directory: str | Path) -> dict:
         raise KTMError(f"checkpoint format_version {cfg.get('format_version')!r} is not supported; "
                        f"expected one of {READABLE_FORMATS}")
     return cfg
+
+
+def read_compressor_record(directory: str | Path) -> dict | None:
+    """``{"name", "options"}`` of the baseline the checkpoint was trained with, as written (the
+    name is checked against the registry by ``ktm.compressors.record``); None without one."""
+    path = Path(directory) / COMPRESSOR_RECORD
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KTMError(f"compressor record {str(path)!r} is unreadable: {e}") from e
+    if (not isinstance(rec, dict) or not isinstance(rec.get("name"), str)
+            or not isinstance(rec.get("options"), dict)):
+        raise KTMError(f"compressor record {str(path)!r} is corrupt: expected "
+                       f"{{'name': a method, 'options': {{...}}}}, got {rec!r}")
+    return rec
 
 
 def model_config(directory: str | Path) -> KTMConfig:

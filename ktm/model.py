@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -60,6 +61,11 @@ class KTMModel(nn.Module):
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
         self._line_breaks: LineBreaks | None = None  # read from the tokenizer on first use
         self._base_identity: dict | None = None  # hashed from the tokenizer on first use
+        # a baseline checkpoint's compressor.json ({"name", "options"}; None: plain), and the
+        # method ktm.compressors.cli.apply_compressor set this model up for
+        self.compressor_record: dict | None = None
+        self.applied_compressor: str | None = None
+        self._compressor_warned = False
 
     def _valid_pad(self, pad: int | None) -> int:
         """The id pads are written with. Pads never reach the LM (masked), but they are looked
@@ -205,6 +211,7 @@ class KTMModel(nn.Module):
         targets = tuple(sorted(checkpoint.adapter_targets(directory) or ())) or None
         config = replace(config, lora=replace(config.lora, target_modules=targets))
         model = cls(peft_model, tok, encoder, config)
+        model.compressor_record = checkpoint.read_compressor_record(directory)
         return model.train(trainable) if trainable else model.eval()
 
     # ---------------------------------------------------------------- properties
@@ -458,13 +465,29 @@ class KTMModel(nn.Module):
         """Text continuation(s); see ``ktm.generate.GenerationConfig`` for the options."""
         from ktm.generate import generate
 
+        self._warn_unapplied_compressor()
         return generate(self, prompts, **kwargs)
 
     def stream(self, prompt: PromptLike, **kwargs):
         """Yield text pieces of one prompt's continuation as they are decoded."""
         from ktm.generate import stream
 
+        self._warn_unapplied_compressor()
         return stream(self, prompt, **kwargs)
+
+    def _warn_unapplied_compressor(self) -> None:
+        """Once: a baseline checkpoint whose method rewrites prompts, read with prompts as given,
+        answers as another model would."""
+        rec = self.compressor_record
+        if (rec is None or rec["name"] in checkpoint.SETTING_ONLY
+                or self.applied_compressor == rec["name"] or self._compressor_warned):
+            return
+        warnings.warn(f"this checkpoint was trained with --compressor {rec['name']} "
+                      f"({checkpoint.COMPRESSOR_RECORD}), but generate reads prompts as given: "
+                      f"rewrite them with {rec['name']} first (ktm.compressors.cli."
+                      "apply_compressor, as ktm generate does), or load a checkpoint trained "
+                      "without a baseline", UserWarning, stacklevel=3)
+        self._compressor_warned = True
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]

@@ -246,3 +246,41 @@ def test_init_from_a_baseline_checkpoint_refuses_another_method(capsys, sc_check
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert message in err and "compressor.json" in err
     assert not (tmp_path / "b" / "checkpoint").exists()
+
+
+def test_the_python_api_exposes_the_record_and_warns_once_when_generate_reads_plain(
+        sc_checkpoint, tiny_model_dir, tmp_path):
+    # KTMModel.load ignored the record: a baseline checkpoint silently answered plain prompts
+    import warnings
+
+    from ktm.compressors.cli import apply_compressor
+    from ktm.model import KTMModel
+    from ktm.prompt import Segment
+    from ktm.tasks.base import Example
+
+    model = KTMModel.load(sc_checkpoint)
+    assert model.compressor_record == {"name": "selective_context", "options": {"ratio": 0.4}}
+    with pytest.warns(UserWarning, match=r"--compressor selective_context \(compressor.json\)"):
+        model.generate("Tree: AB", max_new_tokens=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate("Tree: AB", max_new_tokens=1)  # said once
+        # the method applied (as ktm generate does): nothing to warn about
+        applied = KTMModel.load(sc_checkpoint)
+        ex = apply_compressor("selective_context", {"ratio": 0.4}, applied, [],
+                              [Example((Segment("Tree: AB\n+CD"),), "")],
+                              state_dir=sc_checkpoint, replace_encoder=False,
+                              compress_train=False).eval_examples[0]
+        applied.generate(list(ex.segments), max_new_tokens=1)
+        # a plain checkpoint has no record
+        KTMModel.from_base(tiny_model_dir, k=2).save(str(tmp_path / "plain"))
+        plain = KTMModel.load(str(tmp_path / "plain"))
+        assert plain.compressor_record is None
+        plain.generate("Tree: AB", max_new_tokens=1)
+
+
+def test_the_core_knows_which_methods_only_set_the_encoder():
+    from ktm.checkpoint import SETTING_ONLY
+    from ktm.compressors import COMPRESSORS
+
+    assert set(SETTING_ONLY) == {n for n, c in COMPRESSORS.items() if not c.rewrites_prompts}

@@ -88,6 +88,7 @@ def apply_compressor(name: str, options: dict[str, Any], model,
     """
     compressor = get_compressor(name, **options)
     replaced = configure_model(model, compressor, replace_encoder)
+    model.applied_compressor = name  # its prompts are rewritten: generate need not warn
     t0 = time.perf_counter()
     restored = state_dir is not None and compressor.load_state(state_dir, model)
     if not restored:

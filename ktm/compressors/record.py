@@ -14,18 +14,18 @@ reads as before.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ktm.checkpoint import COMPRESSOR_RECORD, read_compressor_record
 from ktm.compressors import COMPRESSORS, get_compressor
 from ktm.compressors.base import Compressor
 from ktm.compressors.ltsc import STATE_JSON
 from ktm.errors import KTMError
 from ktm.fileio import write_json_atomic
 
-RECORD = "compressor.json"
+RECORD = COMPRESSOR_RECORD
 
 
 def write_record(directory: str | Path, name: str, options: dict[str, Any]) -> None:
@@ -43,18 +43,11 @@ def checkpoint_saver(compressor: Compressor, options: dict[str, Any]) -> Callabl
 
 def read_record(checkpoint: str | Path | None) -> dict[str, Any] | None:
     """``{"name", "options"}`` the checkpoint was trained with; None when it has no record."""
-    path = Path(checkpoint) / RECORD if checkpoint else None
-    if path is None or not path.is_file():
-        return None
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise KTMError(f"compressor record {str(path)!r} is unreadable: {e}") from e
-    if (not isinstance(rec, dict) or rec.get("name") not in COMPRESSORS
-            or not isinstance(rec.get("options"), dict)):
-        raise KTMError(f"compressor record {str(path)!r} is corrupt: expected "
-                       f"{{'name': one of {', '.join(COMPRESSORS)}, 'options': {{...}}}}, "
-                       f"got {rec!r}")
+    rec = read_compressor_record(checkpoint) if checkpoint else None
+    if rec is not None and rec["name"] not in COMPRESSORS:
+        raise KTMError(f"compressor record {str(Path(checkpoint) / RECORD)!r} is corrupt: "
+                       f"expected {{'name': one of {', '.join(COMPRESSORS)}, 'options': "
+                       f"{{...}}}}, got {rec!r}")
     return rec
 
 
