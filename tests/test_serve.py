@@ -415,26 +415,42 @@ def _wait_until(pred, seconds=20.0):
     return False
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
+def _engine_globals(server) -> dict:
+    """The globals the running engine really uses: another test may have re-imported ktm, so
+    `from ktm.serve import engine` could give a fresh module the server never calls into."""
     import inspect
 
-    # the globals the running engine really uses: another test may have re-imported ktm, so
-    # `from ktm.serve import engine` could give a fresh module the server never calls into
-    engine_globals = next(f for f in vars(type(server.engine)).values()
-                          if inspect.isfunction(f)).__globals__
-    advance = engine_globals["advance"]
-    # a slow model: LIMIT steps take 20+ s, so a row that ran on to max_tokens would show, even
-    # when a loaded machine takes seconds to notice the disconnect
-    monkeypatch.setitem(engine_globals, "advance", lambda *a: time.sleep(0.05) or advance(*a))
-    # start from an idle server, so the running row seen below is this request's
-    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
-    before = dict(server.engine.counts)
+    return next(f for f in vars(type(server.engine)).values()
+                if inspect.isfunction(f)).__globals__
+
+
+def _slow_decoding(server, monkeypatch, seconds: float) -> dict:
+    """Each decode step of the running engine takes ``seconds`` more; its globals, to patch more."""
+    g = _engine_globals(server)
+    advance = g["advance"]
+    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(seconds) or advance(*a))
+    return g
+
+
+def _post_long(server, stream: bool) -> http.client.HTTPConnection:
+    """Start a LIMIT-token completion of DOC that ignores EOS, on a raw connection."""
     body = {"model": "tiny", "prompt": DOC, "max_tokens": LIMIT, "stream": stream,
             "ktm": {"ignore_eos": True}}
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     conn.request("POST", "/v1/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
+    return conn
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slot(server, stream, monkeypatch):
+    # a slow model: LIMIT steps take 20+ s, so a row that ran on to max_tokens would show, even
+    # when a loaded machine takes seconds to notice the disconnect
+    _slow_decoding(server, monkeypatch, 0.05)
+    # start from an idle server, so the running row seen below is this request's
+    assert _wait_until(lambda: get(server, "/health")["running"] == 0)
+    before = dict(server.engine.counts)
+    conn = _post_long(server, stream)
     assert _wait_until(lambda: get(server, "/health")["running"] == 1)
     if stream:
         resp = conn.getresponse()
@@ -457,9 +473,7 @@ def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, mo
     # which once let it escape as a traceback ("Exception in ASGI application")
     import logging
 
-    g = _engine_globals(server)
-    advance = g["advance"]
-    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.05) or advance(*a))
+    _slow_decoding(server, monkeypatch, 0.05)
     handle_cls = create_app.__globals__["Handle"]
     deliver, gone = handle_cls._deliver, []
 
@@ -478,11 +492,7 @@ def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, mo
     try:
         assert _wait_until(lambda: get(server, "/health")["running"] == 0)
         before = dict(server.engine.counts)
-        body = {"model": "tiny", "prompt": DOC, "max_tokens": LIMIT, "stream": True,
-                "ktm": {"ignore_eos": True}}
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
+        conn = _post_long(server, True)
         resp = conn.getresponse()
         assert resp.status == 200
         with contextlib.suppress(http.client.IncompleteRead):  # (it broke off, once)
@@ -499,18 +509,14 @@ def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, mo
 
 
 def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
-    import inspect
-
-    engine_globals = next(f for f in vars(type(server.engine)).values()
-                          if inspect.isfunction(f)).__globals__
-    advance, context_of = engine_globals["advance"], engine_globals["context_of"]
+    engine_globals = _slow_decoding(server, monkeypatch, 0.02)
+    context_of = engine_globals["context_of"]
 
     def failing_context_of(segs):
         if any("BOOM" in s.text for s in segs):
             raise RuntimeError("this request cannot start")
         return context_of(segs)
 
-    monkeypatch.setitem(engine_globals, "advance", lambda *a: time.sleep(0.02) or advance(*a))
     monkeypatch.setitem(engine_globals, "context_of", failing_context_of)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
@@ -523,15 +529,6 @@ def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, mo
         c.completions.create(model="tiny", prompt="BOOM", max_tokens=2)
     pieces += [ch.choices[0].text for ch in stream]
     assert "".join(pieces) == alone  # it went on, undisturbed
-
-
-def _engine_globals(server) -> dict:
-    """The globals the running engine really uses: another test may have re-imported ktm, so
-    `from ktm.serve import engine` could give a fresh module the server never calls into."""
-    import inspect
-
-    return next(f for f in vars(type(server.engine)).values()
-                if inspect.isfunction(f)).__globals__
 
 
 def test_a_refused_request_is_not_failed_again_by_its_batch(server, monkeypatch):
@@ -566,8 +563,8 @@ def test_a_refused_request_is_not_failed_again_by_its_batch(server, monkeypatch)
 
 @pytest.mark.parametrize("where", ["sampling", "text"])
 def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeypatch, where):
-    g = _engine_globals(server)
-    advance, select_next, push = g["advance"], g["select_next"], g["Row"].push
+    g = _slow_decoding(server, monkeypatch, 0.02)
+    select_next, push = g["select_next"], g["Row"].push
 
     def failing_select(logits, cfg, gen):  # e.g. NaN logits of one row, which cannot be sampled
         if cfg.temperature == 0.625:
@@ -579,7 +576,6 @@ def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeyp
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return push(row, token)
 
-    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.02) or advance(*a))
     if where == "sampling":
         monkeypatch.setitem(g, "select_next", failing_select)
     else:
@@ -639,13 +635,11 @@ def test_a_failed_forward_step_fails_the_running_requests_and_the_server_goes_on
 def test_a_failed_join_fails_the_running_and_the_joining_requests(server, monkeypatch):
     # joining grows the running batch's cache in place: a failure there leaves no batch to go
     # on with, and the request that was joining must be answered too, not left waiting
-    g = _engine_globals(server)
-    advance = g["advance"]
+    g = _slow_decoding(server, monkeypatch, 0.02)
 
     def failing_join(*_):
         raise RuntimeError("join failed")
 
-    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(0.02) or advance(*a))
     monkeypatch.setitem(g, "join", failing_join)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
