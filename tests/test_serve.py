@@ -508,16 +508,20 @@ def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, mo
     assert "\n" not in gone[0].getMessage()
 
 
-def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
-    engine_globals = _slow_decoding(server, monkeypatch, 0.02)
-    context_of = engine_globals["context_of"]
+def _fail_to_start_on_boom(g: dict, monkeypatch) -> None:
+    """A request whose prompt holds "BOOM" fails as it starts (its context cannot be built)."""
+    context_of = g["context_of"]
 
     def failing_context_of(segs):
         if any("BOOM" in s.text for s in segs):
             raise RuntimeError("this request cannot start")
         return context_of(segs)
 
-    monkeypatch.setitem(engine_globals, "context_of", failing_context_of)
+    monkeypatch.setitem(g, "context_of", failing_context_of)
+
+
+def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
+    _fail_to_start_on_boom(_slow_decoding(server, monkeypatch, 0.02), monkeypatch)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
     kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
@@ -534,15 +538,7 @@ def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, mo
 def test_a_refused_request_is_not_failed_again_by_its_batch(server, monkeypatch):
     # a request refused at admission (too long) has its answer; when a later request of the same
     # admission then fails, the refused one is not answered and counted a second time
-    g = _engine_globals(server)
-    context_of = g["context_of"]
-
-    def failing_context_of(segs):
-        if any("BOOM" in s.text for s in segs):
-            raise RuntimeError("this request cannot start")
-        return context_of(segs)
-
-    monkeypatch.setitem(g, "context_of", failing_context_of)
+    _fail_to_start_on_boom(_engine_globals(server), monkeypatch)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     before = dict(server.engine.counts)
 
