@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ktm.errors import KTMError
+from ktm.field_types import check_field_types
 
 DEFAULT_MODEL = "smollm2-135m"
 # every accepted spelling -> the canonical torch dtype name
@@ -26,8 +27,9 @@ def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
     """The encoder settings' rules, shared by ``KTMConfig`` and ``EncoderConfig``."""
     if not _is_int(k) or k < 1:
         raise KTMError(f"k must be an integer >= 1, got {k!r}")
-    if not mlp_ratio > 0:
-        raise KTMError(f"mlp_ratio must be > 0, got {mlp_ratio!r}")
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not (
+            0 < mlp_ratio < float("inf")):
+        raise KTMError(f"mlp_ratio must be > 0 and finite, got {mlp_ratio!r}")
     if mlp_gate and not use_mlp:
         raise KTMError("mlp_gate=True needs use_mlp=True: there is no MLP output to gate")
     if not _is_int(inner_k) or inner_k < 1 or k % inner_k or (1 < inner_k == k):
@@ -44,6 +46,7 @@ class LoraSettings:
                 "see ktm.lora)"})
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if not _is_int(self.r) or self.r < 1:
             raise KTMError(f"LoRA r must be an integer >= 1, got {self.r!r}")
         if self.alpha <= 0:
@@ -96,12 +99,19 @@ class KTMConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):
-            self.lora = LoraSettings(**self.lora)
+            try:
+                self.lora = LoraSettings(**self.lora)
+            except TypeError as e:
+                raise KTMError(f"KTMConfig.lora {self.lora!r} is malformed: {e}") from e
+        if not isinstance(self.lora, LoraSettings):
+            raise KTMError(f"KTMConfig.lora must be a LoraSettings (or a dict of its fields), got "
+                           f"{self.lora!r}")
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k)
         if not _is_int(self.plain_prefix) or self.plain_prefix < 0:
             raise KTMError(f"plain_prefix must be an integer >= 0, got {self.plain_prefix!r}")
         if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
             raise KTMError(f"plain_suffix must be an integer >= 0, got {self.plain_suffix!r}")
+        check_field_types(self)  # the other fields (a wrong type fails no rule above)
         if self.dtype not in DTYPES:
             raise KTMError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.dtype = DTYPES[self.dtype]

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from ktm.errors import KTMError
+from ktm.field_types import check_field_types
 from ktm.prompt import PromptLike, Segment, split_prompts
 from ktm.text_stream import TextStream
 
@@ -45,6 +46,7 @@ class GenerationConfig:
         if (not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool)
                 or self.max_new_tokens < 1):
             raise KTMError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check_field_types(self)
         if not 0 < self.temperature < math.inf:  # NaN fails it too
             raise KTMError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -52,6 +52,7 @@ from ktm.corpus import (
     tokenize_docs,
 )
 from ktm.errors import KTMError
+from ktm.field_types import check_field_types
 from ktm.model import LossOutput
 from ktm.prompt import Segment
 from ktm.tasks.base import Example
@@ -109,6 +110,7 @@ class PretrainConfig:
     n_eval_windows: int = field(default=32, metadata={"help": "held-out windows per set"})
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         self.sources, self.objectives = tuple(self.sources), tuple(self.objectives)
         self.eval_sets = tuple(s for s in self.eval_sets if s != "none")
         self.source_weights = parse_weights(self.sources, "text source")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ktm.errors import KTMError
+from ktm.field_types import check_field_types
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Segment:
         if not isinstance(self.text, str):
             raise KTMError(f"Segment text must be a str, got {type(self.text).__name__} "
                            f"{self.text!r:.60}")
+        check_field_types(self)
         if self.ids is not None:
             for i in self.ids:
                 try:

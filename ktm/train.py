@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ktm import distributed
 from ktm.ema import WeightAverage
 from ktm.errors import KTMError
+from ktm.field_types import check_field_types
 from ktm.provenance import git_revision, versions
 from ktm.tasks.base import Example
 from ktm.timing import clock
@@ -76,6 +77,9 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.out_dir:
+            raise KTMError("TrainConfig.out_dir is empty: expected the run's folder")
         for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")

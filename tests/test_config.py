@@ -2,6 +2,10 @@ import pytest
 
 from ktm.config import KTMConfig, LoraSettings
 from ktm.errors import KTMError
+from ktm.generate import GenerationConfig
+from ktm.pretrain import PretrainConfig
+from ktm.prompt import Segment
+from ktm.train import TrainConfig
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -57,3 +61,26 @@ def test_train_config_refuses_rates_that_are_not_finite(kw, match):
     with pytest.raises(KTMError, match=match):
         TrainConfig(**kw)
     TrainConfig(clip_norm=0.0, weight_decay=0.0)  # clipping off, no decay: fine
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: KTMConfig(use_mlp="no"), "use_mlp"),  # truthy: silently meant True
+    (lambda: KTMConfig(add_eos=None), "add_eos"),
+    (lambda: KTMConfig(mlp_ratio="2"), "mlp_ratio"),
+    (lambda: KTMConfig(base_model=5), "base_model"),
+    (lambda: KTMConfig(lora=5), "lora"),
+    (lambda: KTMConfig(lora={"rr": 3}), "lora"),
+    (lambda: LoraSettings(alpha="x"), "alpha"),
+    (lambda: LoraSettings(dropout=None), "dropout"),
+    (lambda: TrainConfig(lr="1e-4"), "lr"),
+    (lambda: TrainConfig(max_steps=1.5), "max_steps"),
+    (lambda: TrainConfig(resume="no"), "resume"),
+    (lambda: TrainConfig(out_dir=""), "out_dir"),
+    (lambda: GenerationConfig(do_sample="no"), "do_sample"),
+    (lambda: GenerationConfig(seed="x"), "seed"),
+    (lambda: PretrainConfig(context_tokens="256"), "context_tokens"),
+    (lambda: Segment("x", compress="no"), "compress"),
+])
+def test_wrong_field_types_are_refused_naming_the_field(make, field):
+    with pytest.raises(KTMError, match=field):
+        make()

@@ -1,0 +1,43 @@
+"""Checks a config dataclass's scalar fields against their annotations, on construction.
+
+A wrong type would otherwise pass silently (``use_mlp="no"`` is truthy, so it meant True) or
+fail far from the call (``seed="x"`` inside torch, ``lr="1e-4"`` inside the optimizer). A leaf
+module: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import get_type_hints
+
+from ktm.errors import KTMError
+
+# annotation -> (accepts the value, what was expected)
+_SCALARS = {
+    bool: (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    # an int is a fine float (lr=1); a bool is not; NaN or a range is the class's own rule
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    str: (lambda v: isinstance(v, str), "a str"),
+}
+
+
+def check_field_types(obj: object) -> None:
+    """Raise a KTMError naming the first field whose value does not match a ``bool``, ``int``,
+    ``float`` or ``str`` annotation (optionally ``| None``); other annotations are the class's
+    own business."""
+    hints = get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint, value = hints.get(f.name), getattr(obj, f.name)
+        args = getattr(hint, "__args__", None)
+        optional = bool(args) and type(None) in args and len(args) == 2
+        if optional:
+            hint = next(a for a in args if a is not type(None))
+            if value is None:
+                continue
+        if hint not in _SCALARS:
+            continue
+        ok, expected = _SCALARS[hint]
+        if not ok(value):
+            raise KTMError(f"{type(obj).__name__}.{f.name} must be {expected}"
+                           f"{' or None' if optional else ''}, got {value!r}")
