@@ -183,8 +183,8 @@ def generate_ids(model, prompts, prefixes=None, **kwargs) -> list[list[int]]:
 
 def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str | list[str]:
     """Text for one prompt (returns str) or a list of prompts (returns list[str])."""
-    _, single = split_prompts(prompts)
-    rows = generate_ids(model, prompts, **kwargs)
+    segs, single = split_prompts(prompts)  # read once: an iterator of prompts is spent after
+    rows = generate_ids(model, segs, **kwargs)
     texts = [model.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
     return texts[0] if single else texts
 

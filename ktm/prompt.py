@@ -9,7 +9,7 @@ compressing a long context is the usual mixed layout:
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ktm.errors import KTMError
@@ -73,7 +73,13 @@ def split_prompts(prompts: PromptLike | Sequence[PromptLike]
     single = isinstance(prompts, (str, Segment)) or (
         isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], Segment)
     )
-    items = [prompts] if single else list(prompts)
+    if single:
+        items = [prompts]
+    elif isinstance(prompts, Iterable):
+        items = list(prompts)
+    else:
+        raise KTMError("prompts must be a str, a Segment, a sequence of Segments, or a list of "
+                       f"those, got {type(prompts).__name__} {prompts!r:.60}")
     if not items:
         raise KTMError("no prompts given: expected at least one prompt")
     return [as_segments(p) for p in items], single

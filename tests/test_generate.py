@@ -141,3 +141,16 @@ def test_an_unfinished_stream_leaves_the_model_in_its_mode(ktm_model):
     ktm_model.eval()
     assert first == next(ktm_model.stream(PROMPTS[0], max_new_tokens=8, stop_at_eos=False))
     del pieces
+
+
+@pytest.mark.parametrize("prompts", [None, 5])
+def test_a_non_prompt_is_refused_naming_its_type(ktm_model, prompts):
+    for call in (ktm_model.compress, ktm_model.generate):
+        with pytest.raises(KTMError, match=f"prompts must be .* got {type(prompts).__name__}"):
+            call(prompts)
+
+
+def test_an_iterator_of_prompts_generates_as_its_list(ktm_model):
+    prompts = ["Tree: AB", "Review: shoes"]
+    want = ktm_model.generate(prompts, max_new_tokens=3)
+    assert ktm_model.generate(iter(prompts), max_new_tokens=3) == want
