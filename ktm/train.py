@@ -28,7 +28,7 @@ from ktm.ema import WeightAverage
 from ktm.errors import KTMError
 from ktm.field_types import check_field_types
 from ktm.provenance import git_revision, versions
-from ktm.tasks.base import Example
+from ktm.tasks.base import Example, check_examples
 from ktm.timing import clock
 from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics: public names)
     CHECKPOINT,
@@ -248,9 +248,13 @@ def train(
     ``save_extra(folder)`` writes more files into every checkpoint, inside its atomic swap.
     The caller's random state is left as it was: the run seeds and restores its own.
     """
-    if not examples:
-        raise KTMError("no training examples: expected at least one")
+    if not isinstance(config, TrainConfig):
+        raise KTMError(f"config must be a TrainConfig, got {type(config).__name__}")
+    check_examples(examples)
     check_trainable(model)
+    out = Path(config.out_dir)
+    if out.exists() and not out.is_dir():
+        raise KTMError(f"out_dir {str(out)!r} is a file: expected a folder for the run")
     world = distributed.setup(model.device)
     with torch.random.fork_rng(devices=_cuda_devices(model)):
         torch.manual_seed(config.seed + world.rank)  # rank 0 draws what a 1-process run draws
@@ -261,7 +265,10 @@ def train(
 def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
          world) -> dict:
     out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission
+        raise KTMError(f"cannot create out_dir {str(out)!r}: {e}") from e
     opt = adamw(param_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
     distributed.broadcast_params([p for g in opt.param_groups for p in g["params"]], world)
     data = data_signature(examples)

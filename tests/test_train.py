@@ -5,6 +5,7 @@ import torch
 
 from ktm import KTMError
 from ktm.model import KTMModel
+from ktm.tasks.base import Example
 from ktm.tasks.tree import TreeTask
 from ktm.train import TrainConfig, train
 
@@ -303,3 +304,29 @@ def test_learning_rate_schedule_after_warm_up(tiny_model_dir, tree_task, tmp_pat
         from ktm.train import lr_factor
 
         assert lr_factor(cfg.max_steps, cfg) == pytest.approx(0.1)
+
+
+def _bad_data(tree_task, tmp_path):
+    ex = tree_task.train_examples(2, seed=0)
+    (tmp_path / "a_file").write_text("x")
+    return [
+        ((e for e in ex), "out", "got generator: wrap an iterable in list"),
+        ([{"segments": "a", "target": "b"}], "out", r"examples\[0\] is a dict"),
+        ([ex[0], "text"], "out", r"examples\[1\] is a str"),
+        ([Example(ex[0].segments, 5)], "out", r"examples\[0\] is malformed"),
+        ([Example((3,), "x")], "out", r"examples\[0\] is malformed"),
+        (ex, "a_file", "is a file"),
+        (ex, "a_file/sub", "cannot create out_dir"),
+    ]
+
+
+def test_bad_training_data_or_out_dir_is_refused_before_writing(tiny_model_dir, tree_task,
+                                                                   tmp_path):
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    for examples, out, match in _bad_data(tree_task, tmp_path):
+        cfg = TrainConfig(out_dir=str(tmp_path / out), max_steps=1, batch_size=2, progress=False)
+        with pytest.raises(KTMError, match=match):
+            train(model, examples, cfg)
+        assert not (tmp_path / "out").exists()  # nothing half-written
+    with pytest.raises(KTMError, match="config must be a TrainConfig"):
+        train(model, tree_task.train_examples(2, seed=0), {"out_dir": str(tmp_path / "out")})

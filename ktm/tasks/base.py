@@ -5,10 +5,12 @@ A task file defines one class and adds one line to ``ktm.tasks.TASKS``.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from ktm.prompt import Segment
+from ktm.errors import KTMError
+from ktm.prompt import Segment, as_segments
 
 TaskKind = Literal["classification", "perplexity"]
 PromptMode = Literal["paper", "context"]  # paper: whole prompt compressed; context: question plain
@@ -26,6 +28,31 @@ class Example:
     target: str
     label: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def check_examples(examples: Any) -> None:
+    """Refuse training data that would fail only at the step that reads it (a run folder
+    half-written by then): not an indexable sequence (a generator), empty, or an item that is not
+    an ``Example`` whose segments make a prompt and whose target is text or token ids. A stream
+    (``is_stream``, reader pretraining) is open-ended: only its first item is read."""
+    if not (hasattr(examples, "__len__") and hasattr(examples, "__getitem__")):
+        raise KTMError(f"examples must be a sequence of Example (a list), got "
+                       f"{type(examples).__name__}: wrap an iterable in list(...)")
+    if not len(examples):
+        raise KTMError("no training examples: expected at least one")
+    n = 1 if getattr(examples, "is_stream", False) else len(examples)
+    for i in range(n):
+        e = examples[i]
+        if not isinstance(e, Example):
+            raise KTMError(f"examples[{i}] is a {type(e).__name__} ({e!r:.60}): expected "
+                           "ktm.tasks.base.Example(segments, target)")
+        try:
+            as_segments(e.segments)
+            if not isinstance(e.target, str):
+                [operator.index(t) for t in e.target]
+        except (KTMError, TypeError) as err:
+            raise KTMError(f"examples[{i}] is malformed: {err} (expected segments making a "
+                           "prompt and a str target or token ids)") from None
 
 
 class Task(Protocol):
