@@ -73,7 +73,13 @@ def save_atomic(directory: str | Path, write: Callable[[Path], None]) -> None:
 
 
 def save_model(model, directory: str | Path) -> None:
-    """Write a checkpoint; a crash midway leaves any previous checkpoint intact."""
+    """Write a checkpoint; a crash midway leaves any previous checkpoint intact. Only a
+    checkpoint or an empty folder is replaced: the swap would delete anything else there."""
+    dest = Path(directory)
+    if dest.exists() and not (dest.is_dir() and (not any(dest.iterdir())
+                                                 or (dest / CONFIG).is_file())):
+        raise KTMError(f"{str(dest)!r} exists and is not a ktm checkpoint (saving would replace "
+                       "it and everything in it): expected a new or empty folder, or a checkpoint")
     save_atomic(directory, lambda tmp: write_model_files(model, tmp))
 
 

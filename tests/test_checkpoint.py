@@ -89,6 +89,21 @@ def test_overwriting_a_checkpoint_leaves_no_temp_folders(saved):
     assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt"]
 
 
+def test_save_never_replaces_what_is_not_a_checkpoint(saved, tmp_path):
+    model, path = saved
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "notes.txt").write_text("mine")
+    for target in (tmp_path / "project", path / "ktm_config.json"):
+        before = sorted(p.name for p in target.parent.iterdir())
+        with pytest.raises(KTMError, match="exists and is not a ktm checkpoint"):
+            model.save(str(target))
+        assert sorted(p.name for p in target.parent.iterdir()) == before
+    assert (tmp_path / "project" / "notes.txt").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    model.save(str(tmp_path / "empty"))  # an empty folder is fine
+    KTMModel.load(str(tmp_path / "empty"))
+
+
 def test_a_format_1_checkpoint_still_loads(saved):
     """Checkpoints written before KTMConfig spread it over top-level keys; fields added later
     (slot weights, the MLP gate) were absent and mean off."""
