@@ -96,6 +96,14 @@ class KTMModel(nn.Module):
         A model object is adapted in place (PEFT injects the LoRA layers into it), so it then
         belongs to the returned model; from_base refuses it a second time.
         """
+        if not isinstance(base, (str, nn.Module)):  # a PeftModel is refused below, clearly
+            raise KTMError(f"base must be a model name, a folder or a transformers model, got "
+                           f"{type(base).__name__} {base!r:.60}")
+        if config is not None and not isinstance(config, KTMConfig):
+            raise KTMError(f"config must be a KTMConfig, got {type(config).__name__}")
+        if isinstance(base, str) and tokenizer is not None:
+            raise KTMError(f"tokenizer= goes with a model object; base {base!r} is loaded with "
+                           "its own tokenizer: expected no tokenizer, or base as a loaded model")
         name = base if isinstance(base, str) else (base.name_or_path or type(base).__name__)
         if config is None:
             known = {f.name for f in dataclasses.fields(KTMConfig)} - {"base_model", "k", "lora",
@@ -172,6 +180,13 @@ class KTMModel(nn.Module):
         prompt layout than it was saved with (None: its own)."""
         from ktm.readers import resolve_checkpoint
 
+        if not isinstance(directory, (str, Path)):
+            raise KTMError(f"load needs a checkpoint folder or a reader name, got "
+                           f"{type(directory).__name__} {directory!r:.60}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise KTMError(f"k must be an integer (or None: the checkpoint's own), got {k!r}")
+        if not isinstance(trainable, bool):
+            raise KTMError(f"trainable must be a bool (True or False), got {trainable!r}")
         directory = resolve_checkpoint(directory)
         saved = checkpoint.read_config(directory)
         config = checkpoint.model_config(directory)

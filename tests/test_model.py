@@ -177,6 +177,27 @@ def test_unknown_model_name_is_a_clear_error():
         KTMModel.from_base("no-such-model")
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"base": 5}, "base must be a model name, a folder or a transformers model, got int"),
+    ({"config": {"k": 4}}, "config must be a KTMConfig, got dict"),
+    ({"tokenizer": "tok"}, "tokenizer= goes with a model object"),  # silently ignored before
+])
+def test_from_base_refuses_arguments_of_the_wrong_kind(tiny_model_dir, kwargs, match):
+    with pytest.raises(KTMError, match=match):
+        KTMModel.from_base(**{"base": tiny_model_dir, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"directory": None}, "load needs a checkpoint folder or a reader name, got NoneType"),
+    ({"k": "2"}, "k must be an integer .* got '2'"),  # was: "trained with K=2, but K=2 ..."
+    ({"trainable": "yes"}, "trainable must be a bool"),
+])
+def test_load_refuses_arguments_of_the_wrong_kind(ktm_model, tmp_path, kwargs, match):
+    ktm_model.save(tmp_path / "ck")
+    with pytest.raises(KTMError, match=match):
+        KTMModel.load(**{"directory": tmp_path / "ck", **kwargs})
+
+
 def test_k_below_one_is_a_clear_error(tiny_model_dir):
     with pytest.raises(KTMError, match="k must be an integer >= 1, got 0"):
         KTMModel.from_base(tiny_model_dir, k=0)
