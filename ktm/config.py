@@ -56,7 +56,11 @@ class LoraSettings:
         if self.target_modules is not None:
             if isinstance(self.target_modules, str):
                 self.target_modules = (self.target_modules,)
-            self.target_modules = tuple(self.target_modules)
+            try:
+                self.target_modules = tuple(self.target_modules)
+            except TypeError:
+                raise KTMError("LoRA target_modules must be module names, got "
+                               f"{self.target_modules!r}") from None
             if not self.target_modules or not all(isinstance(t, str) and t
                                                   for t in self.target_modules):
                 raise KTMError("LoRA target_modules must be non-empty module names, got "

@@ -111,7 +111,10 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        self.sources, self.objectives = tuple(self.sources), tuple(self.objectives)
+        for name in ("sources", "objectives", "k_mix", "eval_sets"):
+            value = getattr(self, name)
+            # one name is one item: tuple("code") would be the sources c, o, d, e
+            setattr(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
         self.eval_sets = tuple(s for s in self.eval_sets if s != "none")
         self.source_weights = parse_weights(self.sources, "text source")
         self.objective_weights = parse_weights(self.objectives, "objective", OBJECTIVES)
@@ -345,6 +348,9 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
 def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
              command: str | None = None) -> dict:
     """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row."""
+    if not (isinstance(config, PretrainConfig) and isinstance(train_config, TrainConfig)):
+        raise KTMError(f"pretrain takes (model, PretrainConfig, TrainConfig), got "
+                       f"({type(config).__name__}, {type(train_config).__name__})")
     if not model.merges:
         raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
                        "to learn to read")

@@ -84,3 +84,8 @@ def test_train_config_refuses_rates_that_are_not_finite(kw, match):
 def test_wrong_field_types_are_refused_naming_the_field(make, field):
     with pytest.raises(KTMError, match=field):
         make()
+
+
+def test_lora_target_modules_not_names_is_a_clear_error():
+    with pytest.raises(KTMError, match="LoRA target_modules must be module names, got 5"):
+        LoraSettings(target_modules=5)

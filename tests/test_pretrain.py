@@ -292,6 +292,20 @@ def test_bad_objective_and_weight_are_clear_errors(corpus):
         small_cfg(corpus, ("lm=0",))
 
 
+def test_one_name_for_a_list_field_is_one_item_not_its_letters():
+    # tuple("code") made the sources c, o, d, e ("unknown objective 'l'" for objectives="lm")
+    cfg = PretrainConfig(sources="code", objectives="lm", eval_sets="reviews", k_mix=4)
+    assert (cfg.sources, cfg.objectives, cfg.eval_sets, cfg.k_mix) == (
+        ("code",), ("lm",), ("reviews",), ("4",))
+
+
+def test_pretrain_refuses_its_configs_swapped(tiny_model_dir, tmp_path):
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    with pytest.raises(KTMError, match=r"got \(TrainConfig, PretrainConfig\)"):
+        pretrain(model, TrainConfig(out_dir=str(tmp_path / "r")), PretrainConfig(eval_sets=()))
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("field,spec", [("sources", "x=nan"), ("sources", "x=inf"),
                                         ("objectives", "lm=nan"), ("k_mix", "4=inf"),
                                         ("distill_hidden", float("nan"))])
