@@ -35,6 +35,11 @@ class Segment:
                            f"{self.text!r:.60}")
         check_field_types(self)
         if self.ids is not None:
+            if isinstance(self.ids, (str, bytes)) or not isinstance(self.ids, Iterable):
+                raise KTMError(f"Segment ids must be a sequence of token ids, got "
+                               f"{self.ids!r:.60}")
+            # a tuple as annotated: a list left the frozen Segment unhashable
+            object.__setattr__(self, "ids", tuple(self.ids))
             for i in self.ids:
                 try:
                     if isinstance(i, bool) or operator.index(i) < 0:

@@ -530,3 +530,10 @@ def test_a_lone_surrogate_in_a_prompt_or_target_is_named(ktm_model):
                            max_new_tokens=1)
     with pytest.raises(KTMError, match=r"lone surrogate '\\ud800' at character 1"):
         ktm_model(["ok"], ["x\ud800"])
+
+
+def test_segment_ids_are_a_tuple_of_token_ids():
+    with pytest.raises(KTMError, match="Segment ids must be a sequence of token ids, got 5"):
+        Segment("x", ids=5)
+    seg = Segment("x", ids=[1, 2])  # a list was kept, and the frozen Segment was unhashable
+    assert seg.ids == (1, 2) and hash(seg) == hash(Segment("x", ids=(1, 2)))
