@@ -90,6 +90,8 @@ class TrainConfig:
             v = getattr(self, name)  # NaN passed every comparison and trained to NaN weights
             if v is not None and not math.isfinite(v):
                 raise KTMError(f"{name} must be a finite number, got {v}")
+        if self.clip_norm < 0:  # was read as 0, no clipping
+            raise KTMError(f"clip_norm must be >= 0 (0: no clipping), got {self.clip_norm}")
         if self.weight_decay < 0:
             raise KTMError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.lr <= 0:

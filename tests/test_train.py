@@ -102,7 +102,7 @@ def test_resume_without_checkpoint_is_refused(tiny_model_dir, tree_task, tmp_pat
 
 
 @pytest.mark.parametrize("field,value", [("batch_size", 0), ("max_steps", 0), ("lr", 0.0),
-                                         ("slot_lr", 0.0)])
+                                         ("slot_lr", 0.0), ("clip_norm", -1.0)])
 def test_bad_train_config(field, value):
     with pytest.raises(KTMError, match=field):
         TrainConfig(**{field: value})
