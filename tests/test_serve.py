@@ -508,6 +508,17 @@ def test_a_disconnect_seen_with_the_first_token_is_one_quiet_log_line(server, mo
     assert "\n" not in gone[0].getMessage()
 
 
+def _one_decoding(server):
+    """A client; DOC's greedy 60-token completion alone; then the same completion streamed, with
+    its first piece read (it is decoding): (client, alone, stream, [first piece])."""
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
+              extra_body={"ktm": {"ignore_eos": True}})
+    alone = c.completions.create(**kw).choices[0].text
+    stream = c.completions.create(stream=True, **kw)
+    return c, alone, stream, [next(stream).choices[0].text]
+
+
 def _fail_to_start_on_boom(g: dict, monkeypatch) -> None:
     """A request whose prompt holds "BOOM" fails as it starts (its context cannot be built)."""
     context_of = g["context_of"]
@@ -523,12 +534,7 @@ def _fail_to_start_on_boom(g: dict, monkeypatch) -> None:
 def test_a_request_that_fails_to_start_does_not_fail_the_running_ones(server, monkeypatch):
     _fail_to_start_on_boom(_slow_decoding(server, monkeypatch, 0.02), monkeypatch)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
-              extra_body={"ktm": {"ignore_eos": True}})
-    alone = c.completions.create(**kw).choices[0].text
-    stream = c.completions.create(stream=True, **kw)
-    pieces = [next(stream).choices[0].text]  # it is decoding
+    c, alone, stream, pieces = _one_decoding(server)
     with pytest.raises(openai.InternalServerError, match="this request cannot start"):
         c.completions.create(model="tiny", prompt="BOOM", max_tokens=2)
     pieces += [ch.choices[0].text for ch in stream]
@@ -578,12 +584,7 @@ def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeyp
         monkeypatch.setattr(g["Row"], "push", failing_push)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     before = dict(server.engine.counts)
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    kw = dict(model="tiny", prompt=DOC, max_tokens=60, temperature=0,
-              extra_body={"ktm": {"ignore_eos": True}})
-    alone = c.completions.create(**kw).choices[0].text
-    stream = c.completions.create(stream=True, **kw)
-    pieces = [next(stream).choices[0].text]  # it is decoding
+    c, alone, stream, pieces = _one_decoding(server)
     with pytest.raises(openai.InternalServerError, match="inf, nan") as e:
         c.completions.create(model="tiny", prompt="Hello", max_tokens=20, temperature=0.625,
                              seed=1)
