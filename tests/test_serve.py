@@ -173,8 +173,8 @@ def test_a_repeated_context_reuses_its_merged_kv(server, client):
 BAD = [
     ("malformed JSON", b'{"model": "tiny", "prompt": ', 400, "malformed JSON"),
     ("unknown field", {"prompt": "hi", "tools": []}, 400, "unknown field 'tools'"),
-    ("unimplemented option", {"prompt": "hi", "logprobs": 2}, 400,
-     "logprobs=2 is not supported by this server: it accepts only false or null"),
+    ("unimplemented option", {"prompt": "hi", "best_of": 2}, 400,
+     "best_of=2 is not supported by this server; it accepts only 1 or null"),
     ("a penalty", {"prompt": "hi", "presence_penalty": 0.5}, 400,
      "presence_penalty=0.5 is not supported"),
     ("unknown ktm field", {"prompt": "hi", "ktm": {"merge_all": True}}, 400, "ktm.merge_all"),

@@ -4,6 +4,7 @@
     protocol.py  request shapes, the ``ktm`` extension field, OpenAI's error shape
     prompts.py   requests -> token-id segments (chat template split around the contents)
     engine.py    continuous batching (prefill/advance + join/keep_rows), prefix cache
+    logprobs.py  logprobs of generated tokens, held until their text is released; OpenAI's shapes
     cache.py     the bytes-bounded LRU behind the prefix cache
     app.py       FastAPI routes, SSE streaming, uvicorn
 """

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from ktm.serve.config import ServeConfig
 from ktm.serve.engine import Engine, Event, Job
+from ktm.serve.logprobs import chat_logprobs, completion_logprobs
 from ktm.serve.prompts import chat_segments, completion_segments
 from ktm.serve.protocol import (
     ChatRequest,
@@ -183,6 +184,7 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                                f"{cfg.served_name!r}", param="model", code="model_not_found",
                                status=404)
         body.check_stream_options()
+        logprobs = body.logprobs_asked()
         max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
                       else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
@@ -199,7 +201,7 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                                f"of {cfg.max_queue}", param="n")
         ext = body.ktm or KtmOptions()
         job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-               "stop": stop, "ignore_eos": ext.ignore_eos}
+               "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs}
         # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
         # seed + i: n different answers, each reproducible alone
         handle = Handle(engine, [{**job, "segments": segments,
@@ -237,16 +239,24 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         texts, ends_of = [""] * choices, [Event()] * choices
+        entries: list[list | None] = [None if logprobs is None else []] * choices
         for i, ev in events:
             texts[i] += ev.text
+            if ev.logprobs is not None:
+                entries[i] = entries[i] + ev.logprobs
             if ev.finish:
                 ends_of[i] = ev
         return {**head, "object": "chat.completion" if chat else "text_completion",
                 "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
                                             if chat else {"text": text}),
-                             "logprobs": None, "finish_reason": end.finish}
-                            for i, (text, end) in enumerate(zip(texts, ends_of))],
+                             "logprobs": shape(chat, lps), "finish_reason": end.finish}
+                            for i, (text, end, lps) in enumerate(zip(texts, ends_of, entries))],
                 "usage": merged_usage([e.usage for e in ends_of], body.n)}
+
+    def shape(chat: bool, entries: list | None) -> dict | None:
+        if entries is None:
+            return None
+        return (chat_logprobs if chat else completion_logprobs)(model.tokenizer, entries)
 
     async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
                       usage: bool, per_prompt: int) -> AsyncIterator[str]:
@@ -254,15 +264,16 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
+                  logprobs: list | None = None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else (
                     {"content": text} if text else {})
                 choice = {"index": i, "delta": delta}
             else:
                 choice = {"index": i, "text": text or ""}
-            out = {**head, "object": kind,
-                   "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+            out = {**head, "object": kind, "choices": [
+                {**choice, "logprobs": shape(chat, logprobs), "finish_reason": finish}]}
             return _sse({**out, "usage": None} if usage else out)
 
         done, n, ends = False, len(handle.jobs), {}
@@ -277,10 +288,10 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                     yield _sse(ev.error.body())
                     break
                 if chat and ev.text and ev.finish:
-                    yield chunk(i, ev.text, None)
+                    yield chunk(i, ev.text, None, logprobs=ev.logprobs)
                     yield chunk(i, None, ev.finish)
-                elif ev.text or ev.finish:
-                    yield chunk(i, ev.text, ev.finish)
+                elif ev.text or ev.finish or ev.logprobs:
+                    yield chunk(i, ev.text, ev.finish, logprobs=ev.logprobs)
                 if ev.finish:
                     ends[i] = ev.usage
             else:

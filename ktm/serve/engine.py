@@ -5,6 +5,7 @@ Continuous batching with the functions ``decode_steps`` uses (``ktm.generate.pre
 
     loop: admit waiting requests -> prefill them together -> join them to the running batch
           -> pick one token per row (each row with its own sampling settings and generator)
+          -> the logprobs of the rows that asked (``ktm.serve.logprobs``)
           -> send each request its new text -> drop finished or disconnected rows -> advance
 
 An idle engine waits ``batch_window_ms`` after a request so that requests arriving together are
@@ -35,6 +36,7 @@ from ktm.generate import DecodeState, GenerationConfig, advance, prefill, select
 from ktm.prompt import Segment
 from ktm.serve.cache import LRUCache
 from ktm.serve.config import ServeConfig
+from ktm.serve.logprobs import TokenLogprob, Trail, step_logprobs
 from ktm.serve.prompts import context_of
 from ktm.serve.protocol import RequestError
 from ktm.text_stream import TextStream
@@ -50,6 +52,7 @@ class Event:
     finish: str | None = None  # "stop" (EOS or a stop string) or "length"
     usage: dict | None = None
     error: RequestError | None = None
+    logprobs: list[TokenLogprob] | None = None  # of the tokens whose text starts in ``text``
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Job:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token (0: the chosen one's only); None: off
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
 
@@ -84,11 +88,13 @@ class Row:
         if self.cfg.do_sample and job.seed is not None:
             self.gen = torch.Generator(device=model.device).manual_seed(job.seed)
         self.text = TextStream(model.tokenizer, job.stop)
+        self.trail = None if job.logprobs is None else Trail(model.tokenizer)
         self.eos = model.eos_ids
         self.prompt = {"prompt_tokens": cp.tokens_in, "prompt_tokens_merged": cp.tokens_out,
                        "prompt_tokens_details": {"cached_tokens": cached}}
 
     def push(self, token: int) -> Event:
+        """The row's next token (with a trail, its logprob entry is added first)."""
         self.n += 1
         if self.cfg.stop_at_eos and token in self.eos:
             return self._end(self.text.flush(), "stop")
@@ -98,12 +104,17 @@ class Row:
         if self.n >= self.limit:  # what was held back may end in a stop string
             piece += self.text.flush()
             return self._end(piece, "stop" if self.text.stopped else "length")
-        return Event(piece)
+        return Event(piece, logprobs=self._logprobs(final=False))
 
     def _end(self, text: str, reason: str) -> Event:
         usage = {**self.prompt, "completion_tokens": self.n,
                  "total_tokens": self.prompt["prompt_tokens"] + self.n}
-        return Event(text, reason, usage)
+        return Event(text, reason, usage, logprobs=self._logprobs(final=True))
+
+    def _logprobs(self, final: bool) -> list[TokenLogprob] | None:
+        if self.trail is None:
+            return None
+        return self.trail.take(self.text.sent, final, cut=self.text.stopped)
 
 
 class Engine:
@@ -302,13 +313,18 @@ class Engine:
             if not self._rows:
                 return
         tokens, failed = self._select(self._batch.logits)
+        asked = [i for i, r in enumerate(self._rows) if r.trail is not None and i not in failed]
+        lps = step_logprobs(self._batch.logits, tokens, asked,
+                            [self._rows[i].job.logprobs for i in asked]) if asked else {}
         done, out = [], []
         for i, (row, tok) in enumerate(zip(self._rows, tokens.tolist())):
             try:
+                if i in lps:
+                    row.trail.add(tok, *lps[i])
                 ev = self._row_failed(row, failed[i]) if i in failed else row.push(tok)
             except Exception as e:  # noqa: BLE001 - its text or stop strings: this request only
                 ev = self._row_failed(row, e)
-            if ev.text or ev.finish or ev.error:
+            if ev.text or ev.finish or ev.error or ev.logprobs:
                 out.append((row.job, ev))
             if ev.finish or ev.error:
                 done.append(i)

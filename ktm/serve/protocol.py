@@ -1,9 +1,11 @@
 """The OpenAI request shapes `ktm serve` accepts, its one extension field, OpenAI's error shape.
 
 Unknown fields are refused (``extra="forbid"``), so a client that relies on an option this server
-does not implement (``logprobs``, ``echo``, penalties, tools) gets a 400 naming it instead of a
-silently different answer; such an option sent with its neutral value (``presence_penalty: 0``,
-``logprobs: false``, ...) is accepted, and ``null`` means a field's default, as in OpenAI's API.
+does not implement (``echo``, penalties, tools) gets a 400 naming it instead of a silently
+different answer; such an option sent with its neutral value (``presence_penalty: 0``,
+``echo: false``, ...) is accepted, and ``null`` means a field's default, as in OpenAI's API.
+Logprobs of the generated tokens are implemented (``logprobs`` of a completion, ``logprobs`` and
+``top_logprobs`` of a chat), with OpenAI's limits.
 
 The ktm extension is one optional field named ``ktm``; with the official client it goes in
 ``extra_body``. It says which parts are merged and which stay plain:
@@ -26,13 +28,15 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # options this server does not implement, with the values that leave an answer unchanged: some
 # clients always send them, so these values are accepted; any other value is refused (400)
 NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-           "logprobs": (False,), "echo": (False,), "best_of": (1,),
-           "response_format": ({"type": "text"},)}
+           "echo": (False,), "best_of": (1,), "response_format": ({"type": "text"},)}
+# why an option is not implemented, when it is not just work left to do
+WHY = {"echo": "the prompt is merged before the model reads it (K tokens to one embedding), so "
+               "its tokens have no logprobs of their own to echo"}
 
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -119,6 +123,11 @@ class Sampling(Strict):
             raise RequestError("The 'stream_options' parameter is only allowed when 'stream' is "
                                "enabled.", param="stream_options")
 
+    def logprobs_asked(self) -> int | None:
+        """The alternatives to report per generated token (0: the sampled token's logprob only),
+        or None: no logprobs asked."""
+        raise NotImplementedError
+
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP:
@@ -131,6 +140,16 @@ class CompletionRequest(Sampling):
     # checked by prompt_values, whose errors name the element: pydantic's lax mode would turn
     # true or "7" into a token id, and its union errors name no element
     prompt: str | list[Any] | None = None
+    # OpenAI's legacy completions: the sampled token's logprob and the N most likely, N <= 5
+    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, value):
+        return None if value is False else value  # some clients send false for "none"
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def prompt_values(self) -> list[str | tuple[int, ...]]:
         """The prompts, as OpenAI takes them: a text, token ids (a list of integers), or a list
@@ -157,6 +176,17 @@ def _token_ids(values: list, where: str) -> tuple[int, ...]:
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)  # OpenAI's 0..20
+
+    def logprobs_asked(self) -> int | None:
+        """As OpenAI: ``top_logprobs`` asks for alternatives only with ``logprobs: true`` (0,
+        which asks for none, is accepted alone, as vLLM does)."""
+        n = self.top_logprobs
+        if n and not self.logprobs:
+            raise RequestError(f"top_logprobs={n} needs logprobs=true: 'logprobs' must be set to "
+                               "true if 'top_logprobs' is used", param="top_logprobs")
+        return (n or 0) if self.logprobs else None
 
 
 class RequestError(Exception):
@@ -195,7 +225,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
     if e.get("type") == "extra_forbidden" and where in NEUTRAL:
         ok = " or ".join(json.dumps(n) for n in NEUTRAL[where])
-        return (f"{where}={json.dumps(e.get('input'))} is not supported by this server: it "
+        why = f": {WHY[where]}" if where in WHY else ""
+        return (f"{where}={json.dumps(e.get('input'))} is not supported by this server{why}; it "
                 f"accepts only {ok} or null (or the field left out)", where)
     if e.get("type") == "extra_forbidden":
         return f"unknown field {where!r}: this server does not accept it", where
