@@ -270,3 +270,14 @@ def test_requests_without_logprobs_compute_none(server, client, monkeypatch):
     client.completions.create(model="tiny", prompt=DOC, max_tokens=5, logprobs=0,
                               extra_body=NO_EOS)
     assert calls == [[0]] * 5
+
+
+def test_a_token_reads_with_its_space_also_for_sentencepiece():
+    # decoded alone, SentencePiece's "▁quick" reads "quick": the tokens would join without spaces
+    from conftest import build_tokenizer, sentencepiece_like_tokenizer
+
+    from ktm.serve.logprobs import token_text
+
+    for tok in (sentencepiece_like_tokenizer(), build_tokenizer()):
+        ids = tok("The quick brown fox", add_special_tokens=False)["input_ids"]
+        assert "".join(token_text(tok, i) for i in ids[1:]) == " quick brown fox"

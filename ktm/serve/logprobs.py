@@ -72,8 +72,15 @@ class Trail:
         return out
 
 
-def _token(tokenizer, token: int) -> str:
-    return tokenizer.decode([token])
+def token_text(tokenizer, token: int) -> str:
+    """A token's text as it reads inside a text: decoded after another token, since a token
+    decoded alone loses the space SentencePiece's decoder strips from a text's start ("▁the"
+    would read "the", and a completion's tokens would join without their spaces)."""
+    anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
+    head = tokenizer.decode(anchor, clean_up_tokenization_spaces=False)
+    both = tokenizer.decode(anchor + [token], clean_up_tokenization_spaces=False)
+    return both[len(head):] if anchor and both.startswith(head) else tokenizer.decode([token])
+
 
 
 def _lp(x: float) -> float:
@@ -89,10 +96,10 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
     for e in entries:
         top: dict[str, float] = {}
         for t, x in e.top:
-            top.setdefault(_token(tokenizer, t), _lp(x))
-        top[_token(tokenizer, e.token)] = _lp(e.logprob)
+            top.setdefault(token_text(tokenizer, t), _lp(x))
+        top[token_text(tokenizer, e.token)] = _lp(e.logprob)
         tops.append(dict(sorted(top.items(), key=lambda kv: -kv[1])))
-    return {"tokens": [_token(tokenizer, e.token) for e in entries],
+    return {"tokens": [token_text(tokenizer, e.token) for e in entries],
             "token_logprobs": [_lp(e.logprob) for e in entries],
             "top_logprobs": tops, "text_offset": [e.offset for e in entries]}
 
@@ -119,7 +126,7 @@ def token_bytes(tokenizer, token: int, text: str) -> list[int]:
 
 
 def _chat_entry(tokenizer, token: int, logprob: float) -> dict:
-    text = _token(tokenizer, token)
+    text = token_text(tokenizer, token)
     return {"token": text, "logprob": _lp(logprob), "bytes": token_bytes(tokenizer, token, text)}
 
 
