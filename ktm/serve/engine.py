@@ -94,7 +94,7 @@ class Row:
                        "prompt_tokens_details": {"cached_tokens": cached}}
 
     def push(self, token: int) -> Event:
-        """The row's next token (with a trail, its logprob entry is added first)."""
+        """The row's next token (with a trail, the engine has added its logprob entry)."""
         self.n += 1
         if self.cfg.stop_at_eos and token in self.eos:
             return self._end(self.text.flush(), "stop")
