@@ -44,10 +44,16 @@ def raw_text_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     (mistral-common's refuses the option) is called as it is, and a text in which it still reads
     one is refused, naming it."""
     texts = list(texts)
+    # a fast tokenizer leaves the option set on its Rust tokenizer: put it back for direct users
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    before = getattr(backend, "encode_special_tokens", None)
     try:
         out = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     except (ValueError, NotImplementedError):
         out = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    finally:
+        if before is not None:
+            backend.encode_special_tokens = before
     # an unknown character is read as <unk> whatever the option: not a marker in the text
     special = set(getattr(tokenizer, "all_special_ids", ())) - {tokenizer.unk_token_id}
     for text, ids in zip(texts, out):

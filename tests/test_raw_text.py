@@ -15,6 +15,8 @@ def test_a_special_tokens_string_in_a_corpus_text_is_plain_text():
     (doc,) = tokenize_docs(tok, [CODE], min_tokens=2)
     assert not {tok.eos_token_id, tok.pad_token_id} & set(doc.tolist())
     assert tok.decode(doc.tolist()) == CODE
+    # the tokenizer is left as it was: its Rust tokenizer, used directly, still reads the token
+    assert tok.eos_token_id in tok.backend_tokenizer.encode("a <eos>").ids
     # text without such a string tokenizes as before
     plain = "the quick brown fox jumps over the lazy dog"
     (doc,) = tokenize_docs(tok, [plain], min_tokens=2)
