@@ -54,15 +54,20 @@ def raw_text_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     finally:
         if before is not None:
             backend.encode_special_tokens = before
-    # an unknown character is read as <unk> whatever the option: not a marker in the text
-    special = set(getattr(tokenizer, "all_special_ids", ())) - {tokenizer.unk_token_id}
+    # special added tokens too (SmolLM2's "<filename>" is one, not in all_special_ids); an
+    # unknown character is read as <unk> whatever the option: not a marker in the text
+    special = set(getattr(tokenizer, "all_special_ids", ())) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if getattr(t, "special", False)}
+    special.discard(tokenizer.unk_token_id)
     for text, ids in zip(texts, out):
         if not special.isdisjoint(ids):
             token = tokenizer.convert_ids_to_tokens(next(i for i in ids if i in special))
+            at = max(text.find(token), 0)
             raise KTMError(f"this tokenizer ({type(tokenizer).__name__}) reads the special token "
-                           f"{token!r} in the raw text {text[:60]!r}... and cannot read it as "
-                           "plain text (split_special_tokens): expected text without it, or a "
-                           "tokenizer that supports split_special_tokens")
+                           f"{token!r} in the raw text ...{text[max(at - 30, 0):at + 30]!r}... "
+                           "and cannot read it as plain text (it refuses split_special_tokens): "
+                           "expected text without it, or a tokenizer that takes the option")
     return out
 
 

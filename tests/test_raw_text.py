@@ -2,6 +2,7 @@
 
 import pytest
 from conftest import build_tokenizer
+from tokenizers import AddedToken
 
 from ktm import KTMError
 from ktm.corpus import tokenize_docs
@@ -33,6 +34,9 @@ class NoSplitTokenizer:
 
     def __init__(self):
         self.inner = build_tokenizer()
+        # a special added token outside all_special_ids, as SmolLM2's "<filename>" is
+        self.inner.add_tokens([AddedToken("<filename>", special=True)])
+        self.added_tokens_decoder = self.inner.added_tokens_decoder
         self.all_special_ids, self.unk_token_id = self.inner.all_special_ids, None
         self.convert_ids_to_tokens = self.inner.convert_ids_to_tokens
 
@@ -50,3 +54,6 @@ def test_a_tokenizer_that_cannot_split_special_tokens_refuses_only_texts_holding
     assert raw_text_ids(tok, [plain]) == [tok.inner(plain, add_special_tokens=False)["input_ids"]]
     with pytest.raises(KTMError, match="'<eos>'.*split_special_tokens"):
         raw_text_ids(tok, [CODE])
+    assert "<filename>" not in tok.inner.all_special_tokens
+    with pytest.raises(KTMError, match="'<filename>'"):
+        raw_text_ids(tok, ["a <filename> b"])
