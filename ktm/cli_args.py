@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -138,8 +139,33 @@ def init_or_build(args: argparse.Namespace):
         from ktm.checkpoint import load_adapter_into
         from ktm.readers import resolve_checkpoint
 
-        load_adapter_into(model, resolve_checkpoint(args.init_adapter))
+        path = resolve_checkpoint(args.init_adapter)
+        warn_adapter_source(path, args.init_adapter)
+        load_adapter_into(model, path)
     return model
+
+
+def warn_adapter_source(path: Path, name: str) -> None:
+    """Say what ``--init-adapter`` takes when it is not a K-token merging checkpoint: a
+    baseline's (``compressor.json``) or uncompressed fine-tuning's (K=1). Its LoRA
+    learned to read prompts rewritten, or plain: a legitimate start for an adapter, which is why
+    it is allowed, but also what a mixed-up folder looks like. What cannot work (another base
+    model, a smaller rank) is refused by ``load_adapter_into``."""
+    from ktm.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, model_config, read_compressor_record
+
+    rec = read_compressor_record(path)
+    if rec is not None:
+        how = "merged" if rec["name"] in SETTING_ONLY else "rewritten"
+        what = (f"the checkpoint of a --compressor {rec['name']} baseline ({COMPRESSOR_RECORD}): "
+                f"its LoRA learned to read prompts {how} by {rec['name']}")
+    elif model_config(path).k == 1:
+        what = ("an uncompressed (K=1) checkpoint: its LoRA learned to read plain prompts, "
+                "never merged ones")
+    else:
+        return
+    warnings.warn(f"--init-adapter {name!r} is {what}. This run's LoRA starts from it anyway, "
+                  "with a fresh encoder; expected a reader or a K-token merging checkpoint, "
+                  "unless that is what you meant", UserWarning, stacklevel=2)
 
 
 def load_or_build(args: argparse.Namespace):

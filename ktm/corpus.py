@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
 from ktm.tasks.jsonl import base_name, open_text, read_jsonl
+from ktm.tokens import raw_text_ids
 
 EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
                    "heldout_repos_test.jsonl.gz")
@@ -180,11 +181,12 @@ def heldout_texts(name: str) -> list[str]:
 # ------------------------------------------------------------------ documents
 def tokenize_docs(tokenizer, texts: Sequence[str], min_tokens: int, desc: str = "tokenize"
                   ) -> list[np.ndarray]:
-    """Token ids (no special tokens) of each text with at least ``min_tokens`` tokens."""
+    """Token ids (no special tokens, a special token's string read as text: ``raw_text_ids``) of
+    each text with at least ``min_tokens`` tokens."""
     docs: list[np.ndarray] = []
     step = 512
     for i in tqdm(range(0, len(texts), step), desc=desc, disable=len(texts) < 4 * step):
-        for ids in tokenizer(list(texts[i:i + step]), add_special_tokens=False)["input_ids"]:
+        for ids in raw_text_ids(tokenizer, texts[i:i + step]):
             if len(ids) >= min_tokens:
                 docs.append(np.asarray(ids, dtype=np.int64))
     return docs

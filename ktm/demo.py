@@ -33,8 +33,9 @@ class DemoConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "embedded model name or HF folder"})
     k: int = field(default=4, metadata={"help": "tokens merged per block"})
     reader: str = field(default="auto", metadata={
-        "help": "start from: auto (the shipped reader for model and K, if any), none (mean "
-                "pooling), or a reader name / checkpoint folder"})
+        "help": "start from: auto (the shipped reader for model and K, if any, else a "
+                "recursive one whose inner K it is), none (mean pooling), or a reader name / "
+                "checkpoint folder"})
     # stage small: at this budget (120 x 16 examples) even the uncompressed model stays at
     # chance on xmedium (results/README.md), so a demo there would show nothing
     stage: str = field(default="small", metadata={"help": "tree curriculum stage"})
@@ -136,7 +137,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def _start_model(cfg: DemoConfig) -> tuple[KTMModel, str]:
-    from ktm.readers import READERS, find_reader
+    from ktm.checkpoint import read_config
+    from ktm.readers import READERS, find_reader, reader_path
 
     dtype = parse_dtype(cfg.dtype)
     name = cfg.reader
@@ -147,6 +149,9 @@ def _start_model(cfg: DemoConfig) -> tuple[KTMModel, str]:
                   "own base model or a local copy of it (same sizes and tokenizer); shipped: "
                   f"{', '.join(sorted(READERS))}. Starting from mean pooling; pass --reader NAME "
                   "to start from one anyway", flush=True)
+        elif (own := read_config(reader_path(name))["config"]["k"]) != cfg.k:
+            print(f"no shipped reader of K={cfg.k} fits {cfg.model}: reader {name} (K={own}) "
+                  f"is recursive, and read at its inner K={cfg.k}", flush=True)
     if name == "none":
         print(f"loading {cfg.model} with K={cfg.k}, mean pooling ...", flush=True)
         model = KTMModel.from_base(cfg.model, k=cfg.k, device=cfg.device, dtype=dtype)

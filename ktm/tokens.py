@@ -15,6 +15,7 @@ that adds no space before a text.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from ktm.errors import KTMError
 
@@ -32,6 +33,42 @@ def lead_ids(tokenizer) -> tuple[int, ...]:
         if full[i:i + len(plain)] == plain:
             return tuple(full[:i])
     return ()
+
+
+def raw_text_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids (no special tokens added) of raw text: the documents pretraining and the
+    readability metric cut windows from. There a special token's string ("<|endoftext|>",
+    "<|im_start|>" in a code file) is text like any other, or a window would hold an EOS or a
+    chat marker the document never meant. Prompts are not raw text: like HF's and vLLM's, they
+    may carry a chat template's markers. A tokenizer that cannot split special tokens
+    (mistral-common's refuses the option) is called as it is, and a text in which it still reads
+    one is refused, naming it."""
+    texts = list(texts)
+    # a fast tokenizer leaves the option set on its Rust tokenizer: put it back for direct users
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    before = getattr(backend, "encode_special_tokens", None)
+    try:
+        out = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    except (ValueError, NotImplementedError):
+        out = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    finally:
+        if before is not None:
+            backend.encode_special_tokens = before
+    # special added tokens too (SmolLM2's "<filename>" is one, not in all_special_ids); an
+    # unknown character is read as <unk> whatever the option: not a marker in the text
+    special = set(getattr(tokenizer, "all_special_ids", ())) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if getattr(t, "special", False)}
+    special.discard(tokenizer.unk_token_id)
+    for text, ids in zip(texts, out):
+        if not special.isdisjoint(ids):
+            token = tokenizer.convert_ids_to_tokens(next(i for i in ids if i in special))
+            at = max(text.find(token), 0)
+            raise KTMError(f"this tokenizer ({type(tokenizer).__name__}) reads the special token "
+                           f"{token!r} in the raw text ...{text[max(at - 30, 0):at + 30]!r}... "
+                           "and cannot read it as plain text (it refuses split_special_tokens): "
+                           "expected text without it, or a tokenizer that takes the option")
+    return out
 
 
 def continuation_anchor(tokenizer) -> str | None:

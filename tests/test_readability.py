@@ -97,6 +97,17 @@ def test_context_ratio_edges():
     assert context_ratio(1.0, 1.0, 2.0) is None  # the plain context does not help at all
 
 
+def test_r_is_none_when_the_context_gain_is_noise():
+    # a gain of 1e-6 nats would make R 1e6 for a merged reading 1 nat better than none
+    assert context_ratio(3.0, 2.0, 3.0 - 1e-6) is None
+    assert context_ratio(3.0, 2.0, 3.0 - 0.029) is None  # under 1 % of NLL_none
+    assert context_ratio(3.0, 2.0, 2.9) == pytest.approx(10.0)  # 3.3 %: defined
+    a = [10.0, 10.0, 30.0, 10.0]  # per window: summed NLL merged, plain, none; target tokens
+    tiny = [20.0, 30.0 - 1e-5, 30.0, 10.0]  # a context gain of 1e-6 nats per token
+    # about a quarter of the resamples draw only `tiny`: no R, far more than the 2.5 % tail
+    assert r_interval(torch.tensor([a, tiny])) is None
+
+
 def test_r_interval_is_a_bootstrap_over_windows():
     # per window: summed NLL merged, plain, none; target tokens. Window a keeps all of its
     # context (merged == plain: R 1), window b none of it (merged == none: R 0)

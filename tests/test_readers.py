@@ -159,3 +159,32 @@ def test_demo_auto_finds_the_reader_of_a_local_copy_of_its_base_by_content(
     assert readers.find_reader(copy, 2) == "tiny-k2"  # the API the demo uses
     assert readers.find_reader(copy, 4) is None
     assert readers.find_reader(tiny_bos_model_dir, 2) is None
+
+
+def test_auto_falls_back_to_a_recursive_readers_inner_k(tiny_model_dir, tmp_path, registry,
+                                                        monkeypatch, capsys):
+    """``--reader auto --k 2`` found no reader where only a recursive K=4 one (inner K=2)
+    fits the base, though that one loads at K=2; an exact K is still preferred."""
+    import shutil
+
+    torch.manual_seed(0)
+    KTMModel.from_base(tiny_model_dir, k=4, inner_k=2).save(str(registry / "a-k4r"))
+    monkeypatch.setattr(readers, "READERS", {"a-k4r": "a-k4r", "tiny-k2": "tiny-k2"})
+    copy = str(shutil.copytree(tiny_model_dir, tmp_path / "copy"))
+    assert readers.find_reader(copy, 2) == "a-k4r"
+    assert readers.find_reader(copy, 4) == "a-k4r"
+    assert readers.find_reader(copy, 3) is None
+    assert main(["demo", "--model", copy, "--k", "2", "--stage", "small", "--steps", "1",
+                 "--batch-size", "2", "--n-eval", "2", "--out-dir", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "reader a-k4r (K=4) is recursive, and read at its inner K=2" in out
+    assert "loading reader a-k4r (K=2)" in out
+    KTMModel.from_base(tiny_model_dir, k=2).save(str(registry / "tiny-k2"))
+    assert readers.find_reader(copy, 2) == "tiny-k2"  # an exact K always wins
+    assert readers.find_reader(copy, 1) is None  # a plain reader has no inner level
+
+
+def test_auto_falls_back_to_the_shipped_recursive_reader_by_name(monkeypatch):
+    monkeypatch.setattr(readers, "READERS", {"smollm2-135m-k4": "smollm2-135m-k4"})
+    assert readers.find_reader("smollm2-135m", 2) == "smollm2-135m-k4"
+    assert readers.find_reader("smollm2-135m", 3) is None

@@ -53,6 +53,10 @@ def find_reader(model: str, k: int) -> str | None:
     by content: the reader of K=``k`` whose recorded base-model identity (sizes and tokenizer
     vocabulary, ``ktm.base_identity``) is the folder's, so a local copy of the embedded model
     gets its reader under any path and another model never does.
+
+    A reader of exactly K=``k`` is always preferred; without one, a recursive reader whose
+    inner K is ``k`` (a K=4 reader of two K=2 merges loads at K=2, keeping about what the K=2
+    reader keeps: README, "A K mix") is a better start than mean pooling.
     """
     from ktm.base_identity import differences, folder_identity
     from ktm.checkpoint import read_config
@@ -60,17 +64,31 @@ def find_reader(model: str, k: int) -> str | None:
 
     named = f"{model}-k{k}"
     if named in READERS or model in EMBEDDED:
-        return named if installed(named) else None
-    mine = folder_identity(resolve_model_path(model))
+        if installed(named):
+            return named
+
+        def fits(saved: dict) -> bool:
+            return saved["config"].get("base_model") == model
+    else:
+        mine = folder_identity(resolve_model_path(model))
+
+        def fits(saved: dict) -> bool:
+            recorded = saved.get("base_identity")
+            return isinstance(recorded, dict) and not differences(recorded, mine)
+
+    inner = None
     for name in sorted(READERS):
         if not installed(name):
             continue
         saved = read_config(reader_path(name))
-        recorded = saved.get("base_identity")
-        if saved["config"].get("k") == k and isinstance(recorded, dict) and \
-                not differences(recorded, mine):
+        cfg = saved["config"]
+        if not fits(saved):
+            continue
+        if cfg.get("k") == k:
             return name
-    return None
+        if inner is None and k > 1 and cfg.get("inner_k", 1) == k:
+            inner = name
+    return inner
 
 
 def resolve_checkpoint(name_or_path: str | Path) -> Path:
