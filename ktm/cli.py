@@ -23,6 +23,7 @@ from ktm.cli_args import (
     plain,
     task_settings,
 )
+from ktm.cli_flags import compressor_args, data_args, method_args, threads_arg
 from ktm.cli_serve import export_parser, serve_parser
 from ktm.config_args import add_dataclass_args, from_args
 from ktm.errors import KTMError
@@ -235,33 +236,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compressor_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="task constructor option, e.g. max_chars=400 or (amazon) "
-                        "balance_train=true (repeatable)")
-    _method_args(parser)
-
-
-def _method_args(parser: argparse.ArgumentParser) -> None:
-    from ktm.compressors.cli import METHODS
-
-    parser.add_argument("--compressor", choices=METHODS,
-                        help="a baseline instead of K-token merging (a checkpoint trained with "
-                             "one is read with it by default: its compressor.json)")
-    parser.add_argument("--compressor-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="e.g. ratio=0.5, unit=token, max_meta_tokens=64 (repeatable)")
-
-
-def _data_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", metavar="DIR",
-                        help="folder holding the datasets (sets $KTM_DATA; README, Data)")
-
-
-def threads_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
-
-
 def _init_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
                         help="start from a reader: a checkpoint folder or a shipped reader's name "
@@ -277,7 +251,7 @@ def _demo_parser(demo: argparse.ArgumentParser) -> None:
     from ktm.demo import DemoConfig
 
     add_dataclass_args(demo, DemoConfig)
-    _data_args(demo)
+    data_args(demo)
     threads_arg(demo)
     demo.set_defaults(run=cmd_demo)
 
@@ -291,10 +265,10 @@ def _train_parser(tr: argparse.ArgumentParser) -> None:
     add_dataclass_args(tr, TrainConfig)
     add_dataclass_args(tr, TeacherConfig, suppress=True)
     tr.set_defaults(run=cmd_train)
-    _compressor_args(tr)
+    compressor_args(tr)
     _init_args(tr)
     threads_arg(tr)
-    _data_args(tr)
+    data_args(tr)
 
 
 def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
@@ -306,7 +280,7 @@ def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
     add_dataclass_args(pre, TrainConfig)
     _init_args(pre)
     threads_arg(pre)
-    _data_args(pre)
+    data_args(pre)
     pre.set_defaults(run=cmd_pretrain)
 
 
@@ -320,7 +294,7 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--plain", action="append", default=[],
                      help="text appended as plain tokens (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
-    _method_args(gen)
+    method_args(gen)
     add_dataclass_args(gen, GenerationConfig)
     gen.set_defaults(run=cmd_generate)
 
@@ -332,8 +306,8 @@ def _eval_parser(ev: argparse.ArgumentParser) -> None:
     add_dataclass_args(ev, TaskArgs)
     add_dataclass_args(ev, EvalArgs)
     ev.set_defaults(run=cmd_eval)
-    _compressor_args(ev)
-    _data_args(ev)
+    compressor_args(ev)
+    data_args(ev)
     threads_arg(ev)
 
 
@@ -366,7 +340,7 @@ def _curriculum_parser(cur: argparse.ArgumentParser) -> None:
     cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"])
     _init_args(cur)  # the curriculum starts from a reader like any fine-tune
     threads_arg(cur)
-    _data_args(cur)
+    data_args(cur)
     cur.set_defaults(run=cmd_curriculum)
 
 
