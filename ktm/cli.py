@@ -7,23 +7,18 @@ input.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ktm.cli_args import (
-    TaskArgs,
-    add_model_args,
-    build_task,
-    init_or_build,
-    load_or_build,
-    plain,
-    task_settings,
-)
+from ktm.cli_args import TaskArgs, add_model_args, load_or_build
+from ktm.cli_flags import compressor_args, data_args, method_args, threads_arg
 from ktm.cli_serve import export_parser, serve_parser
+from ktm.cli_train import cmd_curriculum as cmd_curriculum  # still importable from ktm.cli
+from ktm.cli_train import cmd_pretrain as cmd_pretrain
+from ktm.cli_train import cmd_train as cmd_train
+from ktm.cli_train import curriculum_parser, pretrain_parser, train_parser
 from ktm.config_args import add_dataclass_args, from_args
 from ktm.errors import KTMError
 
@@ -33,104 +28,6 @@ def set_threads(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from ktm import distributed
-    from ktm.evaluate import evaluate_task, summary
-    from ktm.train import TrainConfig, cross_entropy_loss, train
-
-    world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
-    targs = from_args(TaskArgs, args)
-    tcfg = from_args(TrainConfig, args)
-    task = build_task(targs, args.task_option)
-    ckpt = Path(tcfg.out_dir) / "checkpoint"
-    from ktm.compressors.cli import parse_options
-    from ktm.compressors.record import plan_training
-
-    # the method a resumed run or an --init checkpoint was trained with, checked before loading
-    options, state_dir = plan_training(ckpt, tcfg.resume, args.init, args.compressor,
-                                       parse_options(args.compressor_option))
-    model = init_or_build(args)
-    train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
-    eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
-    distill = _distillation(args, model)  # before a baseline's compression: its errors first
-    comp = info = save_extra = None
-    if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
-        from ktm.compressors.cli import apply_compressor
-        from ktm.compressors.record import checkpoint_saver
-
-        model, train_set, eval_set, info, comp = apply_compressor(
-            args.compressor, options, model, train_set, eval_set, state_dir=state_dir)
-        # every checkpoint holds the method's fitted state (LTSC vocabulary, meta rows) and
-        # its record (compressor.json), so eval / generate / serve read it as it was trained
-        save_extra = checkpoint_saver(comp, plain(options))
-
-    def evaluate(m) -> dict:
-        r = summary(evaluate_task(m, task, eval_set))
-        if comp:
-            from ktm.compressors.cli import finish_eval_row
-
-            r = finish_eval_row(r, eval_set, info)
-        return r
-
-    extra = {"command": args.command_line, "task": task_settings(task),
-             "compressor": None if comp is None else {"name": comp.name,
-                                                      "options": plain(comp.options())}}
-    loss_fn = cross_entropy_loss
-    if distill:
-        loss_fn, extra["teacher"] = distill
-    last = train(model, train_set, tcfg, evaluate=evaluate, loss_fn=loss_fn, run_extra=extra,
-                 save_extra=save_extra)
-    if world.is_main:
-        print(json.dumps({k: v for k, v in last.items()}, indent=2))
-    return 0
-
-
-def _distillation(args: argparse.Namespace, model):
-    """``--teacher``: the loss with the frozen teacher's plain-prompt distribution mixed in, and
-    the settings run.json records; None without a teacher."""
-    from ktm.config_args import given
-    from ktm.teacher import TeacherConfig, check_teacher, distill_loss
-
-    cfg = from_args(TeacherConfig, args)
-    if not cfg.teacher:
-        if "teacher_weight" in given(TeacherConfig, args):
-            raise KTMError("--teacher-weight without --teacher: give the teacher checkpoint")
-        return None
-    if args.compressor:
-        raise KTMError(f"--teacher with --compressor {args.compressor}: the teacher reads the "
-                       "original prompts, which a baseline rewrites; use one or the other")
-    from ktm.model import KTMModel
-
-    # the student's base-model override and dtype; the teacher's own K does not matter, it
-    # reads every prompt with merging off
-    teacher = KTMModel.load(cfg.teacher, base=getattr(args, "model", None), device=args.device,
-                            dtype=model.dtype)
-    check_teacher(model, teacher)
-    return distill_loss(teacher, cfg.teacher_weight), dataclasses.asdict(cfg)
-
-
-def _check_plain_init(args: argparse.Namespace, command: str) -> None:
-    """Refuse ``--init`` of a checkpoint whose prompts a baseline rewrote, for a run without it."""
-    from ktm.compressors.record import check_init
-
-    check_init(getattr(args, "init", None), None, {}, command)
-
-
-def cmd_pretrain(args: argparse.Namespace) -> int:
-    from ktm import distributed
-    from ktm.pretrain import PretrainConfig, pretrain
-    from ktm.train import TrainConfig
-
-    world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
-    pcfg, tcfg = from_args(PretrainConfig, args), from_args(TrainConfig, args)
-    _check_plain_init(args, "pretrain")
-    model = init_or_build(args)
-    last = pretrain(model, pcfg, tcfg, command=args.command_line)
-    if world.is_main:
-        print(json.dumps(last, indent=2))
-    return 0
 
 
 def cmd_pack_reader(args: argparse.Namespace) -> int:
@@ -210,18 +107,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_curriculum(args: argparse.Namespace) -> int:
-    from ktm.curriculum import CurriculumConfig, run_curriculum
-    from ktm.train import TrainConfig
-
-    ccfg, tcfg = from_args(CurriculumConfig, args), from_args(TrainConfig, args)
-    _check_plain_init(args, "curriculum")
-    rows = run_curriculum(init_or_build(args), ccfg, tcfg, args.prompt_mode)
-    for r in rows:
-        print(json.dumps(r))
-    return 0 if rows[-1]["passed"] else 1
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from ktm.bench import BenchConfig, main_bench
 
@@ -235,79 +120,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compressor_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="task constructor option, e.g. max_chars=400 or (amazon) "
-                        "balance_train=true (repeatable)")
-    _method_args(parser)
-
-
-def _method_args(parser: argparse.ArgumentParser) -> None:
-    from ktm.compressors.cli import METHODS
-
-    parser.add_argument("--compressor", choices=METHODS,
-                        help="a baseline instead of K-token merging (a checkpoint trained with "
-                             "one is read with it by default: its compressor.json)")
-    parser.add_argument("--compressor-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="e.g. ratio=0.5, unit=token, max_meta_tokens=64 (repeatable)")
-
-
-def _data_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", metavar="DIR",
-                        help="folder holding the datasets (sets $KTM_DATA; README, Data)")
-
-
-def threads_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
-
-
-def _init_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--init", metavar="CHECKPOINT_OR_NAME",
-                        help="start from a reader: a checkpoint folder or a shipped reader's name "
-                             "(--k, if given, must be its K or a recursive reader's inner K; its "
-                             "encoder and LoRA settings are used, grown by a larger --lora-r, "
-                             "--lora-alpha or --mlp-ratio)")
-    parser.add_argument("--init-adapter", metavar="CHECKPOINT_OR_NAME",
-                        help="start only LoRA from a checkpoint or reader, with a fresh encoder "
-                             "(any K: the K curriculum, e.g. K=4 from the K=2 reader)")
-
-
 def _demo_parser(demo: argparse.ArgumentParser) -> None:
     from ktm.demo import DemoConfig
 
     add_dataclass_args(demo, DemoConfig)
-    _data_args(demo)
+    data_args(demo)
     threads_arg(demo)
     demo.set_defaults(run=cmd_demo)
-
-
-def _train_parser(tr: argparse.ArgumentParser) -> None:
-    from ktm.teacher import TeacherConfig
-    from ktm.train import TrainConfig
-
-    add_model_args(tr)
-    add_dataclass_args(tr, TaskArgs)
-    add_dataclass_args(tr, TrainConfig)
-    add_dataclass_args(tr, TeacherConfig, suppress=True)
-    tr.set_defaults(run=cmd_train)
-    _compressor_args(tr)
-    _init_args(tr)
-    threads_arg(tr)
-    _data_args(tr)
-
-
-def _pretrain_parser(pre: argparse.ArgumentParser) -> None:
-    from ktm.pretrain import PretrainConfig
-    from ktm.train import TrainConfig
-
-    add_model_args(pre)
-    add_dataclass_args(pre, PretrainConfig)
-    add_dataclass_args(pre, TrainConfig)
-    _init_args(pre)
-    threads_arg(pre)
-    _data_args(pre)
-    pre.set_defaults(run=cmd_pretrain)
 
 
 def _generate_parser(gen: argparse.ArgumentParser) -> None:
@@ -320,7 +139,7 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--plain", action="append", default=[],
                      help="text appended as plain tokens (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
-    _method_args(gen)
+    method_args(gen)
     add_dataclass_args(gen, GenerationConfig)
     gen.set_defaults(run=cmd_generate)
 
@@ -332,8 +151,8 @@ def _eval_parser(ev: argparse.ArgumentParser) -> None:
     add_dataclass_args(ev, TaskArgs)
     add_dataclass_args(ev, EvalArgs)
     ev.set_defaults(run=cmd_eval)
-    _compressor_args(ev)
-    _data_args(ev)
+    compressor_args(ev)
+    data_args(ev)
     threads_arg(ev)
 
 
@@ -356,20 +175,6 @@ def _report_parser(rep: argparse.ArgumentParser) -> None:
     rep.set_defaults(run=cmd_report, light=True)
 
 
-def _curriculum_parser(cur: argparse.ArgumentParser) -> None:
-    from ktm.curriculum import CurriculumConfig
-    from ktm.train import TrainConfig
-
-    add_model_args(cur)
-    add_dataclass_args(cur, CurriculumConfig)
-    add_dataclass_args(cur, TrainConfig)
-    cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"])
-    _init_args(cur)  # the curriculum starts from a reader like any fine-tune
-    threads_arg(cur)
-    _data_args(cur)
-    cur.set_defaults(run=cmd_curriculum)
-
-
 def _bench_parser(bench: argparse.ArgumentParser) -> None:
     from ktm.bench import BenchConfig
 
@@ -381,13 +186,13 @@ def _bench_parser(bench: argparse.ArgumentParser) -> None:
 # when it runs, so `ktm report --help` never imports torch
 COMMANDS = {
     "demo": ("train and evaluate a K=4 merger on the embedded model", _demo_parser),
-    "train": ("fine-tune encoder + LoRA on a task", _train_parser),
-    "pretrain": ("train a reader on unlabeled text (no task labels)", _pretrain_parser),
+    "train": ("fine-tune encoder + LoRA on a task", train_parser),
+    "pretrain": ("train a reader on unlabeled text (no task labels)", pretrain_parser),
     "generate": ("generate from a compressed prompt", _generate_parser),
     "eval": ("evaluate a checkpoint on a task; write one JSON result", _eval_parser),
     "pack-reader": ("store a pretraining run as a shipped reader (fp16)", _pack_parser),
     "report": ("tables and plots from `ktm eval` results or training metrics", _report_parser),
-    "curriculum": ("tree curriculum: advance a stage once it passes", _curriculum_parser),
+    "curriculum": ("tree curriculum: advance a stage once it passes", curriculum_parser),
     "bench": ("prefill / decode / training-throughput benchmark", _bench_parser),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, SSE)", serve_parser),
     "export": ("export for another engine: --format vllm DIR", export_parser),

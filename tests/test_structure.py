@@ -9,7 +9,7 @@ import ktm
 
 KTM = Path(ktm.__file__).parent
 CORE = ("batch", "checkpoint", "config", "encoder", "evaluate", "fileio", "generate", "lora",
-        "model", "models", "prompt", "train", "errors")
+        "model", "model_build", "models", "prompt", "train", "errors")
 
 
 def imports_of(module: str) -> set[str]:
