@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from ktm.errors import KTMError
 from ktm.field_types import check_field_types
 from ktm.prompt import PromptLike, Segment, split_prompts
-from ktm.text_stream import TextStream
+from ktm.text_stream import TextStream, anchor_ids, decode_continuation
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,8 @@ def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str
     """Text for one prompt (returns str) or a list of prompts (returns list[str])."""
     segs, single = split_prompts(prompts)  # read once: an iterator of prompts is spent after
     rows = generate_ids(model, segs, **kwargs)
-    texts = [model.tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+    anchor = anchor_ids(model.tokenizer)
+    texts = [decode_continuation(model.tokenizer, r, anchor) for r in rows]
     return texts[0] if single else texts
 
 

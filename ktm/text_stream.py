@@ -1,5 +1,11 @@
 """Token ids -> text pieces as they are decoded, with OpenAI-style stop strings.
 
+Generated ids continue a text, so they are decoded as a continuation (``decode_continuation``):
+after an anchor token, whose text is then cut off. Decoded alone, SentencePiece's decoder (Llama 2,
+Mistral) strips the space of the first piece ("▁Paris" would read "Paris" after "... is"); in
+context it reads " Paris", as ``decode(prompt + generated)`` and vLLM give. Byte-level BPE
+(SmolLM2, GPT-2) decodes the same either way.
+
 A piece is released only when it is final: text ending inside a multi-byte character is held
 back, and so is a run of byte-fallback tokens still open (``byte_fallback_ids``), and a tail that
 could still grow into a stop string. The output stops before the first stop string, which is not
@@ -9,6 +15,7 @@ included.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 
 def byte_fallback_ids(tokenizer) -> frozenset[int]:
@@ -23,10 +30,38 @@ def byte_fallback_ids(tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)
 
 
+def anchor_ids(tokenizer) -> list[int]:
+    """A token to decode a continuation after: "a", else the first plain ASCII word of the
+    vocabulary; never a byte-fallback or special token (a byte run after it would take it in).
+    Empty for a tokenizer that cannot encode."""
+    if not hasattr(tokenizer, "encode"):
+        return []
+    skip = byte_fallback_ids(tokenizer) | frozenset(getattr(tokenizer, "all_special_ids", ()))
+    for i in chain(tokenizer.encode("a", add_special_tokens=False)[-1:], range(len(tokenizer))):
+        if i not in skip and (text := tokenizer.decode([i])).isascii() and text.isalnum():
+            return [i]
+    return []
+
+
+def decode_continuation(tokenizer, ids: Sequence[int], anchor: Sequence[int] | None = None,
+                        **kwargs) -> str:
+    """The text ``ids`` add to a text they continue: decoded after ``anchor`` (default
+    ``anchor_ids(tokenizer)``), special tokens skipped; ``kwargs`` go to ``decode``."""
+    anchor = anchor_ids(tokenizer) if anchor is None else list(anchor)
+    kwargs.setdefault("skip_special_tokens", True)
+    if anchor:
+        head = tokenizer.decode(anchor, **kwargs)
+        both = tokenizer.decode(anchor + list(ids), **kwargs)
+        if head and both.startswith(head):
+            return both[len(head):]
+    return tokenizer.decode(list(ids), **kwargs)
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.byte_ids = byte_fallback_ids(tokenizer)
+        self.anchor = anchor_ids(tokenizer)
         # decoding skips special tokens: one between two bytes does not end their run
         self.skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self.open_run = False
@@ -44,7 +79,7 @@ class TextStream:
         self.open_run = token in self.byte_ids or (self.open_run and token in self.skipped)
         if self.open_run:  # its text is not final yet
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = decode_continuation(self.tokenizer, self.ids, self.anchor)
         if text.endswith("\ufffd"):  # ends inside a multi-byte character
             return ""
         return self._update(text, final=False)
@@ -54,7 +89,7 @@ class TextStream:
         a byte run never closed), up to a stop string in it: the output is over."""
         if self.stopped:
             return ""
-        return self._update(self.tokenizer.decode(self.ids, skip_special_tokens=True), final=True)
+        return self._update(decode_continuation(self.tokenizer, self.ids, self.anchor), final=True)
 
     def _update(self, text: str, final: bool) -> str:
         self.text = text

@@ -20,6 +20,8 @@ from functools import cache
 
 import torch
 
+from ktm.text_stream import anchor_ids, decode_continuation
+
 FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
 
 
@@ -50,12 +52,14 @@ class Trail:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.anchor = anchor_ids(tokenizer)
         self.ids: list[int] = []
         self.waiting: list[TokenLogprob] = []
 
     def add(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
-        # a token that continues a character starts where that character starts
-        before = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        # a token that continues a character starts where that character starts; the text is
+        # decoded as TextStream decodes it: a continuation
+        before = decode_continuation(self.tokenizer, self.ids, self.anchor).rstrip("\ufffd")
         self.ids.append(token)
         self.waiting.append(TokenLogprob(token, logprob, top, len(before)))
 
@@ -73,14 +77,11 @@ class Trail:
 
 
 def token_text(tokenizer, token: int) -> str:
-    """A token's text as it reads inside a text: decoded after another token, since a token
-    decoded alone loses the space SentencePiece's decoder strips from a text's start ("▁the"
-    would read "the", and a completion's tokens would join without their spaces)."""
-    anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
-    head = tokenizer.decode(anchor, clean_up_tokenization_spaces=False)
-    both = tokenizer.decode(anchor + [token], clean_up_tokenization_spaces=False)
-    return both[len(head):] if anchor and both.startswith(head) else tokenizer.decode([token])
-
+    """A token's text as it reads inside a text (a continuation, special tokens kept): decoded
+    alone, SentencePiece's "▁the" would read "the", and a completion's tokens would join without
+    their spaces."""
+    return decode_continuation(tokenizer, [token], skip_special_tokens=False,
+                               clean_up_tokenization_spaces=False)
 
 
 def _lp(x: float) -> float:
