@@ -281,3 +281,49 @@ def test_a_token_reads_with_its_space_also_for_sentencepiece():
     for tok in (sentencepiece_like_tokenizer(), build_tokenizer()):
         ids = tok("The quick brown fox", add_special_tokens=False)["input_ids"]
         assert "".join(token_text(tok, i) for i in ids[1:]) == " quick brown fox"
+
+
+def _offsets_by_whole_decoding(tok, ids) -> list[int]:
+    """The definition: characters of the continuation's text before each token, an unfinished
+    character left out."""
+    from ktm.text_stream import decode_continuation
+
+    return [len(decode_continuation(tok, ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+
+
+def test_trail_offsets_are_incremental_and_equal_the_whole_decodings(ktm_model):
+    """Each token decoded every token before it again (O(n^2) over a generation); the offsets
+    now come from the tokens after the last settled point, and are the same."""
+    import random
+
+    from conftest import sentencepiece_like_tokenizer
+    from test_text_stream import byte_fallback_tokenizer
+
+    from ktm.serve.logprobs import Trail
+
+    def offsets(tok, ids):
+        trail = Trail(tok)
+        for i in ids:
+            trail.add(i, 0.0, ())
+        return [e.offset for e in trail.waiting]
+
+    model = ktm_model
+    generated = generate_ids(model, [DOC], max_new_tokens=120, stop_at_eos=False,
+                             do_sample=True, seed=5)[0]
+    assert offsets(model.tokenizer, generated) == _offsets_by_whole_decoding(
+        model.tokenizer, generated)
+    rng = random.Random(0)
+    for tok in (byte_fallback_tokenizer(), sentencepiece_like_tokenizer(), model.tokenizer):
+        ids = [rng.randrange(len(tok)) for _ in range(300)]
+        if len(tok) == 258:  # mostly bytes, from short characters to broken ones
+            ids = [i for b in "ok €東\n".encode() * 20 for i in (1 + b, 257)[:rng.randint(1, 2)]]
+            ids += [rng.randrange(len(tok)) for _ in range(200)]
+        assert offsets(tok, ids) == _offsets_by_whole_decoding(tok, ids)
+        tok.clean_up_tokenization_spaces = True  # nothing settles: still the same offsets
+        assert offsets(tok, ids[:60]) == _offsets_by_whole_decoding(tok, ids[:60])
+        tok.clean_up_tokenization_spaces = False
+    tok = sentencepiece_like_tokenizer()
+    decoded, decode = [], tok.decode
+    tok.decode = lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw)
+    offsets(tok, tok.encode("The quick brown fox " * 50, add_special_tokens=False))
+    assert max(decoded) <= 3  # the anchor, a settled token, the new one
