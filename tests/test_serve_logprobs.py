@@ -327,3 +327,30 @@ def test_trail_offsets_are_incremental_and_equal_the_whole_decodings(ktm_model):
     tok.decode = lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw)
     offsets(tok, tok.encode("The quick brown fox " * 50, add_special_tokens=False))
     assert max(decoded) <= 3  # the anchor, a settled token, the new one
+
+
+def test_nan_logits_give_the_floor_not_a_500(server, monkeypatch):
+    """log_softmax of a row whose logits went NaN is NaN: the response failed to encode (500;
+    a stream sent the invalid JSON ``NaN``). NaN reads as OpenAI's -inf stand-in, -9999."""
+    import inspect
+
+    g = next(f for f in vars(type(server.engine)).values() if inspect.isfunction(f)).__globals__
+    step_logprobs = g["step_logprobs"]
+    monkeypatch.setitem(g, "step_logprobs", lambda logits, *a: step_logprobs(
+        torch.full_like(logits, float("nan")), *a))
+    for path, body in [("/v1/completions", {"prompt": DOC, "logprobs": 2}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True,
+                                                 "top_logprobs": 2})]:
+        for stream in (False, True):
+            req = urllib.request.Request(
+                server.url + path, headers={"Content-Type": "application/json"},
+                data=json.dumps({"model": "tiny", "max_tokens": 3, "stream": stream, **NO_EOS,
+                                 **body}).encode())
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raw = r.read().decode()
+            assert "NaN" not in raw and "-9999" in raw
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    lp = c.completions.create(model="tiny", prompt=DOC, max_tokens=3, logprobs=2,
+                              extra_body=NO_EOS).choices[0].logprobs
+    assert lp.token_logprobs == [-9999.0] * 3
+    assert all(set(t.values()) == {-9999.0} for t in lp.top_logprobs)

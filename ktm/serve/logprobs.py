@@ -14,6 +14,7 @@ dropped, so the returned text is a prefix of the tokens' texts joined.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -100,7 +101,8 @@ def token_text(tokenizer, token: int) -> str:
 
 
 def _lp(x: float) -> float:
-    return max(x, FLOOR)
+    """-inf, and NaN (logits gone NaN), -> FLOOR: JSON has neither."""
+    return FLOOR if math.isnan(x) else max(x, FLOOR)
 
 
 def completion_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
