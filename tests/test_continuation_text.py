@@ -28,20 +28,29 @@ def in_context(tok, prompt_ids, ids) -> str:
 
 
 @pytest.fixture(scope="module")
-def fox_model():
-    """A tiny Llama with a SentencePiece-like tokenizer whose every next token is "▁fox"."""
+def fox_dir(tmp_path_factory) -> str:
+    """A saved tiny Llama with a SentencePiece-like tokenizer whose next token is always "▁fox":
+    one embedding dimension, the same large value for every token, dominates the last hidden
+    state, and only "▁fox" reads it."""
     tok = sentencepiece_like_tokenizer()
     torch.manual_seed(0)
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=1, num_attention_heads=4,
                                       tie_word_embeddings=False))
-    fox = tok.convert_tokens_to_ids("\u2581fox")
-    lm.lm_head = torch.nn.Linear(64, len(tok), bias=True)
     with torch.no_grad():
-        lm.lm_head.weight.mul_(0.01)
-        lm.lm_head.bias.zero_()
-        lm.lm_head.bias[fox] = 100.0
-    return KTMModel.from_base(lm, k=2, tokenizer=tok), fox
+        lm.model.embed_tokens.weight[:, 0] = 100.0
+        lm.lm_head.weight.zero_()
+        lm.lm_head.weight[tok.convert_tokens_to_ids("\u2581fox"), 0] = 1.0
+    path = tmp_path_factory.mktemp("fox")
+    lm.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fox_model(fox_dir):
+    model = KTMModel.from_base(fox_dir, k=2)
+    return model, model.tokenizer.convert_tokens_to_ids("\u2581fox")
 
 
 def test_generate_and_stream_keep_the_first_pieces_space(fox_model):
@@ -55,6 +64,16 @@ def test_generate_and_stream_keep_the_first_pieces_space(fox_model):
     assert "".join(model.stream(PROMPT, max_new_tokens=4, stop_at_eos=False)) == want
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_ktm_generate_keeps_the_first_pieces_space(capsys, fox_dir, stream):
+    from ktm.cli import main
+
+    argv = ["generate", "--model", fox_dir, "--k", "2", "--prompt", "The quick brown",
+            "--plain", " fox", "--max-new-tokens", "3"] + ["--stream"] * stream
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip("\n") == " fox fox fox"
+
+
 def test_the_server_keeps_the_first_pieces_space_streamed_or_not(fox_model):
     model, _ = fox_model
     cfg = ServeConfig(model="fox", served_name="fox", max_tokens_limit=16,
@@ -63,11 +82,11 @@ def test_the_server_keeps_the_first_pieces_space_streamed_or_not(fox_model):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
                                timeout=60)
         kw = dict(model="fox", prompt="The quick brown fox", max_tokens=3, logprobs=1,
-                  extra_body={"ktm": {"ignore_eos": True}})
+                  temperature=0, extra_body={"ktm": {"ignore_eos": True}})
         whole = client.completions.create(**kw).choices[0]
         chunks = list(client.completions.create(stream=True, **kw))
         chat = client.chat.completions.create(
-            model="fox", max_tokens=3, messages=[{"role": "user", "content": "Hi"}],
+            model="fox", max_tokens=3, temperature=0, messages=[{"role": "user", "content": "Hi"}],
             extra_body={"ktm": {"ignore_eos": True}}).choices[0]
     assert whole.text == " fox fox fox" == "".join(c.choices[0].text for c in chunks)
     assert whole.logprobs.text_offset == [0, 4, 8]
