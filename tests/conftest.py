@@ -48,6 +48,28 @@ def sentencepiece_like_tokenizer() -> PreTrainedTokenizerFast:
                                    unk_token="<unk>")
 
 
+def legacy_sentencepiece_tokenizers() -> dict:
+    """Tokenizers that put the dummy space before a text even after a special token, so none can
+    anchor a later segment: a ``legacy=True`` Llama tokenizer (Metaspace ``prepend_scheme=
+    "always"``) and a Llama-2 ``tokenizer.json`` (a ``Prepend("▁")`` normalizer)."""
+    import json
+
+    from tokenizers import Tokenizer, normalizers
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
+
+    sp = sentencepiece_like_tokenizer()
+    state = json.loads(sp.backend_tokenizer.to_str())["model"]
+    legacy = LlamaTokenizer(vocab=state["vocab"], merges=[tuple(m) for m in state["merges"]],
+                            legacy=True)
+    backend = Tokenizer.from_str(sp.backend_tokenizer.to_str())
+    backend.pre_tokenizer = None
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    prepend = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                      eos_token="</s>", unk_token="<unk>")
+    return {"legacy": legacy, "prepend": prepend}
+
+
 def save_tiny_llama(path, bos: bool = False, eos: bool = False) -> str:
     tok = build_tokenizer(bos, eos)
     torch.manual_seed(0)

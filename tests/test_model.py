@@ -84,34 +84,12 @@ def test_later_segments_and_targets_continue_the_text_without_a_dummy_space():
     assert model.compress(prompt, merge=False).tokens_in == len(ids)
 
 
-def _legacy_sentencepiece_tokenizers():
-    """Tokenizers that put the dummy space before a text even after a special token, so none can
-    anchor a later segment: a ``legacy=True`` Llama tokenizer (Metaspace ``prepend_scheme=
-    "always"``) and a Llama-2 ``tokenizer.json`` (a ``Prepend("▁")`` normalizer)."""
-    import json
-
-    from conftest import sentencepiece_like_tokenizer
-    from tokenizers import Tokenizer, normalizers
-    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
-
-    sp = sentencepiece_like_tokenizer()
-    state = json.loads(sp.backend_tokenizer.to_str())["model"]
-    legacy = LlamaTokenizer(vocab=state["vocab"], merges=[tuple(m) for m in state["merges"]],
-                            legacy=True)
-    backend = Tokenizer.from_str(sp.backend_tokenizer.to_str())
-    backend.pre_tokenizer = None
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
-                                               normalizers.Replace(" ", "\u2581")])
-    prepend = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
-                                      eos_token="</s>", unk_token="<unk>")
-    return {"legacy": legacy, "prepend": prepend}
-
-
 @pytest.mark.parametrize("kind", ["legacy", "prepend"])
 def test_legacy_sentencepiece_later_segments_get_no_dummy_space(kind):
+    from conftest import legacy_sentencepiece_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = _legacy_sentencepiece_tokenizers()[kind]
+    tok = legacy_sentencepiece_tokenizers()[kind]
     assert tok.convert_ids_to_tokens(tok("</s>, x", add_special_tokens=False)["input_ids"])[1] \
         == "\u2581"  # the dummy space even after a special token: no anchor removes it
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,

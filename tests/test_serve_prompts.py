@@ -139,3 +139,33 @@ def test_completion_segments_follow_the_python_api():
     assert list(segs[0].ids) == model.tokenize("Doc.", first=True)
     with pytest.raises(RequestError, match="prompt is empty"):
         completion_segments(model, CompletionRequest(model="m", prompt=""))
+
+
+# Llama 2's chat layout: each turn opens with the BOS, an answer ends with the EOS; a content
+# right after a special token, a template text right after one, a content after template text
+SP_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ bos_token }}Review:"
+               "{{ m['content'] }}{% elif m['role'] == 'user' %}{{ bos_token }}{{ m['content'] }}"
+               ", Label:{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("kind", ["legacy", "prepend", "first"])
+def test_a_sentencepiece_chat_reads_as_the_tokenizer_reads_the_rendered_template(kind):
+    """A tokenizer that puts its dummy space before the text after every special token (a
+    ``legacy=True`` Llama 2 / a Mistral ``tokenizer.json``) reads "<s>Review:" as "<s>",
+    "▁Review:", as HF's ``apply_chat_template`` and vLLM do (and Meta's Llama 2 chat format:
+    every turn "[INST]" encoded after the BOS with its dummy space). The template's text at the
+    start of the chat and after a special token is read that way, not as a continuation."""
+    from conftest import legacy_sentencepiece_tokenizers, sentencepiece_like_tokenizer
+
+    model = Model()
+    model.tokenizer = (sentencepiece_like_tokenizer() if kind == "first"
+                       else legacy_sentencepiece_tokenizers()[kind])
+    model.tokenizer.chat_template = SP_TEMPLATE
+    msgs = [{"role": "system", "content": " These shoes fit well and look"},
+            {"role": "user", "content": "my name is ktm"},
+            {"role": "assistant", "content": " positive"},
+            {"role": "user", "content": "These shoes fit"}]
+    ids = [i for s in chat_segments(model, chat(messages=msgs)) for i in s.ids]
+    tok = model.tokenizer
+    want = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    assert tok.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(list(want))

@@ -123,11 +123,38 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     # a template writes its own BOS; the role lines that stand in for a missing one open with
     # the tokenizer's, as a completion does (a model with a BOS has never read text without it)
     lead = not getattr(model.tokenizer, "chat_template", None)
-    segs = []
+    read = TemplateReader(model)
+    segs: list[Segment] = []
     for piece in layout:
         for text, merge in ([(piece, False)] if isinstance(piece, str) else contents[piece]):
-            segs.append(Segment(text, merge, _ids(model, text, lead and not segs, "messages")))
+            _check_text(text, "messages")
+            ids = model.tokenize(text, first=not segs) if lead else read(text)
+            segs.append(Segment(text, merge, tuple(ids)))
     return _non_empty(tuple(segs), "messages")
+
+
+class TemplateReader:
+    """The pieces of a rendered chat, one after another, read as the tokenizer reads them in
+    the whole rendered text (HF's ``apply_chat_template``, vLLM): the chat's first text as any
+    text, text after a special or added token (``<s>``, ``[INST]``) as it reads text there (a
+    legacy SentencePiece tokenizer puts its dummy space before it: "<s>", "▁[INST]", as Meta's
+    Llama 2 chat format has it), text after other text as a continuation (``ktm.tokens``)."""
+
+    def __init__(self, model):
+        self.model, self.tokenizer = model, model.tokenizer
+        self.specials = [t for t in getattr(self.tokenizer, "added_tokens_encoder", {}) if t]
+        self.after: str | None = ""  # "": the chat's start; a token: right after it; None: text
+
+    def __call__(self, text: str) -> list[int]:
+        found = [i for i in (text.find(t) for t in self.specials) if i >= 0]
+        cut = 0 if self.after is not None else min(found, default=len(text))
+        ids = self.model.tokenize(text[:cut]) if cut else []
+        if text[cut:]:
+            anchor = self.after or ""  # read the text after the token it follows
+            ids += self.tokenizer(anchor + text[cut:], add_special_tokens=False
+                                  )["input_ids"][1 if anchor else 0:]
+        self.after = next((t for t in self.specials if text.endswith(t)), None)
+        return ids
 
 
 def _strip(parts: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
@@ -144,12 +171,16 @@ def _strip(parts: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
 
 
 def _ids(model, text: str, first: bool, param: str) -> tuple[int, ...]:
+    _check_text(text, param)
+    return tuple(model.tokenize(text, first=first))
+
+
+def _check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # JSON may escape a lone surrogate ("\\ud800")
         raise RequestError(f"{param} is not valid Unicode: {text[e.start:e.end]!r} at character "
                            f"{e.start} is a lone surrogate; expected text", param=param) from e
-    return tuple(model.tokenize(text, first=first))
 
 
 def _in_vocabulary(model, ids: tuple[int, ...], where: str) -> tuple[int, ...]:
