@@ -25,12 +25,14 @@ DOC = ("Tree: AB\n+CD\n++EF\n+GH\n++IJ\n+++KL. The quick brown fox jumps over th
 LIMIT = 448  # max_tokens limit of the test server; the tiny model's context is 512
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
+@contextlib.contextmanager
+def running_server(model_dir: str, max_tokens_limit: int):
+    """The tiny model (K=4, perturbed) served in-process over loopback, as ``server`` serves it;
+    ``srv.model`` and ``srv.engine`` are the served model and its engine."""
     torch.manual_seed(0)
-    model = KTMModel.from_base(tiny_model_dir, k=4)
+    model = KTMModel.from_base(model_dir, k=4)
     perturb(model)
-    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", max_tokens_limit=LIMIT,
+    cfg = ServeConfig(model=model_dir, served_name="tiny", max_tokens_limit=max_tokens_limit,
                       batch_window_ms=100, log_level="warning")
     app = create_app(model, cfg)
     with BackgroundServer(app) as srv:
@@ -38,10 +40,19 @@ def server(tiny_model_dir):
         yield srv
 
 
+def openai_client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with running_server(tiny_model_dir, LIMIT) as srv:
+        yield srv
+
+
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai_client(server)
 
 
 def segs_body(doc: str, question: str) -> dict:

@@ -9,17 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from test_model import perturb
+from test_serve import DOC, openai_client, running_server
 
 from ktm.generate import generate_ids
-from ktm.model import KTMModel
-from ktm.serve.app import BackgroundServer, create_app
-from ktm.serve.config import ServeConfig
 from ktm.serve.prompts import chat_segments
 from ktm.serve.protocol import ChatRequest
 
-DOC = ("Tree: AB\n+CD\n++EF\n+GH\n++IJ\n+++KL. The quick brown fox jumps over the lazy dog. "
-       "def add(a, b):\n    return a + b\n")
 MESSAGES = [{"role": "system", "content": DOC},
             {"role": "user", "content": "Who?", "ktm": {"merge": False}}]
 NO_EOS = {"ktm": {"ignore_eos": True}}  # every choice has max_tokens tokens, as the reference
@@ -27,21 +22,13 @@ NO_EOS = {"ktm": {"ignore_eos": True}}  # every choice has max_tokens tokens, as
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    torch.manual_seed(0)
-    model = KTMModel.from_base(tiny_model_dir, k=4)
-    perturb(model)
-    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", max_tokens_limit=64,
-                      batch_window_ms=100, log_level="warning")
-    app = create_app(model, cfg)
-    with BackgroundServer(app) as srv:
-        srv.model, srv.engine = model, app.state.engine
+    with running_server(tiny_model_dir, 64) as srv:
         yield srv
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai_client(server)
 
 
 def reference(model, prompt, n: int, **sampling) -> tuple[list[int], torch.Tensor]:
