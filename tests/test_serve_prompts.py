@@ -169,3 +169,49 @@ def test_a_sentencepiece_chat_reads_as_the_tokenizer_reads_the_rendered_template
     tok = model.tokenizer
     want = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
     assert tok.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(list(want))
+
+
+# the content follows template text that ends in whitespace: Llama 2's "[INST] " + content +
+# " [/INST]" and " " + answer, Mistral's "[INST] " + content, ChatML's "<|im_start|>user\n"
+JOIN_TEMPLATES = {
+    "llama2": ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+               "m['content'].strip() + ' [/INST]' }}{% else %}{{ ' ' + m['content'].strip() + ' ' "
+               "+ eos_token }}{% endif %}{% endfor %}"),
+    "mistral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+                "{{ m['content'] + eos_token }}{% endif %}{% endfor %}"),
+    "chatml": ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+               "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+
+
+@pytest.mark.parametrize("template", sorted(JOIN_TEMPLATES))
+@pytest.mark.parametrize("kind", ["byte-level", "first", "legacy", "prepend"])
+def test_a_content_after_template_whitespace_reads_as_apply_chat_template_reads_it(kind,
+                                                                                   template):
+    """ "[INST] " + "Hello" reads "▁Hello" ("ĠHello"), as in the whole rendered text and in
+    training, not "▁", "Hel", "lo": the template's trailing space joins the content, merged or
+    plain; ChatML's "\\n" before a content stays in the template (it reads apart anyway)."""
+    from conftest import legacy_sentencepiece_tokenizers, sentencepiece_like_tokenizer
+
+    model = Model()
+    model.tokenizer = {"byte-level": lambda: build_tokenizer(bos=True),
+                       "first": sentencepiece_like_tokenizer,
+                       }.get(kind, lambda: legacy_sentencepiece_tokenizers()[kind])()
+    tok = model.tokenizer
+    tok.chat_template = JOIN_TEMPLATES[template]
+    msgs = [{"role": "user", "content": "Hello world"},
+            {"role": "assistant", "content": "The quick brown fox"},
+            {"role": "user", "content": "\n\nReview: These shoes", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs))
+    ids = [i for s in segs for i in s.ids]
+    plain = [{k: m[k] for k in ("role", "content")} for m in msgs]
+    want = tok.apply_chat_template(plain, tokenize=True, return_dict=False,
+                                   add_generation_prompt=True)
+    assert tok.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(list(want))
+    contents = [(s.text, s.compress) for s in segs if s.text.strip() in
+                ("Hello world", "The quick brown fox", "Review: These shoes")]
+    assert [merge for _, merge in contents] == [True, True, False]
+    if template == "chatml":
+        assert contents[0][0] == "Hello world"

@@ -6,9 +6,12 @@ tokenizer's special tokens), so the server's output for a prompt equals ``model.
 Chat messages go through the tokenizer's chat template. To know where each message's content sits
 in the rendered text, the template is rendered with a marker as each content and split at the
 markers: the template's text becomes plain segments, the contents are put back in their place as
-given (merged or plain). A tokenizer without a template uses ``role: content`` lines and a final
-``assistant:``. Everything is tokenized without added special tokens: the template has its own
-(the role lines open with the BOS the tokenizer puts before a text, as a completion does).
+given (merged or plain). Whitespace the template puts before a content (Llama 2's "[INST] ") goes
+with the content where the tokenizer reads it with the content's first word, so the chat's ids are
+``apply_chat_template``'s (``join_whitespace``). A tokenizer without a template uses
+``role: content`` lines and a final ``assistant:``. Everything is tokenized without added special
+tokens: the template has its own (the role lines open with the BOS the tokenizer puts before a
+text, as a completion does).
 """
 
 from __future__ import annotations
@@ -125,12 +128,50 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     lead = not getattr(model.tokenizer, "chat_template", None)
     read = TemplateReader(model)
     segs: list[Segment] = []
-    for piece in layout:
-        for text, merge in ([(piece, False)] if isinstance(piece, str) else contents[piece]):
-            _check_text(text, "messages")
-            ids = model.tokenize(text, first=not segs) if lead else read(text)
-            segs.append(Segment(text, merge, tuple(ids)))
+    for text, merge in join_whitespace(model, layout, contents):
+        _check_text(text, "messages")
+        ids = model.tokenize(text, first=not segs) if lead else read(text)
+        segs.append(Segment(text, merge, tuple(ids)))
     return _non_empty(tuple(segs), "messages")
+
+
+def join_whitespace(model, layout: list[str | int],
+                    contents: list[list[tuple[str, bool]]]) -> list[tuple[str, bool]]:
+    """The chat's pieces as (text, merge), in order. Where a piece of the template ends in
+    whitespace the next content's first word takes in (Llama 2's "[INST] " + "Hello": the
+    tokenizer reads "▁Hello", as ``apply_chat_template`` and vLLM give, not "▁", "Hello"), that
+    whitespace moves to the start of the content, merged or not; the same at a content's end
+    before template text. Only as much moves as the tokenizer reads with the next word (ChatML's
+    "user\n" + "Hello" stays as it is), so the pieces read as the whole text reads. The
+    boundaries between a message's own ``ktm.segments`` are the client's and stay."""
+    pieces: list[list] = []  # [text, merge, from the template]
+    for piece in layout:
+        if isinstance(piece, int):
+            pieces += [[text, merge, False] for text, merge in contents[piece]]
+        elif pieces and pieces[-1][2]:  # an empty content: the template's texts meet
+            pieces[-1][0] += piece
+        else:
+            pieces.append([piece, False, True])
+    for a, b in zip(pieces, pieces[1:]):
+        if a[2] or b[2]:
+            moved = _joined_tail(model, a[0], b[0])
+            a[0], b[0] = a[0][:len(a[0]) - len(moved)], moved + b[0]
+    return [(text, merge) for text, merge, _ in pieces if text]
+
+
+def _joined_tail(model, text: str, after: str, probe: int = 32) -> str:
+    """The shortest tail of ``text``'s trailing whitespace such that ``text`` without it and
+    ``after`` with it read as ``text + after`` reads (empty where they already do)."""
+    space = text[len(text.rstrip()):]
+    head = after[:probe]
+    if not space or not head:
+        return ""
+    whole = model.tokenize(space + head)
+    for n in range(len(space) + 1):
+        if model.tokenize(space[:len(space) - n]) + model.tokenize(space[len(space) - n:] + head
+                                                                    ) == whole:
+            return space[len(space) - n:]
+    return space
 
 
 class TemplateReader:
