@@ -10,12 +10,20 @@ A piece is released only when it is final: text ending inside a multi-byte chara
 back, and so is a run of byte-fallback tokens still open (``byte_fallback_ids``), and a tail that
 could still grow into a stop string. The output stops before the first stop string, which is not
 included.
+
+Each push decodes only the ids after the last settled point (as ``Trail`` in ``ktm.serve.logprobs``
+does): a point after a token that is neither a byte-fallback nor a special token and whose text
+ends in a whole character, which no later token changes. A long generation then costs linear
+time, not quadratic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
+from weakref import WeakKeyDictionary
+
+_ANCHORS: WeakKeyDictionary = WeakKeyDictionary()  # tokenizer -> its anchor ids
 
 
 def byte_fallback_ids(tokenizer) -> frozenset[int]:
@@ -33,7 +41,21 @@ def byte_fallback_ids(tokenizer) -> frozenset[int]:
 def anchor_ids(tokenizer) -> list[int]:
     """A token to decode a continuation after: "a", else the first plain ASCII word of the
     vocabulary; never a byte-fallback or special token (a byte run after it would take it in).
-    Empty for a tokenizer that cannot encode."""
+    Empty for a tokenizer that cannot encode. Found once per tokenizer (the search may read the
+    whole vocabulary); a tokenizer that cannot be a weak dictionary key is searched each time."""
+    try:
+        return list(_ANCHORS[tokenizer])
+    except (KeyError, TypeError):  # TypeError: unhashable
+        pass
+    ids = _find_anchor(tokenizer)
+    try:
+        _ANCHORS[tokenizer] = tuple(ids)
+    except TypeError:  # unhashable or not weakly referable
+        pass
+    return ids
+
+
+def _find_anchor(tokenizer) -> list[int]:
     if not hasattr(tokenizer, "encode"):
         return []
     skip = byte_fallback_ids(tokenizer) | frozenset(getattr(tokenizer, "all_special_ids", ()))
@@ -64,9 +86,11 @@ class TextStream:
         self.anchor = anchor_ids(tokenizer)
         # decoding skips special tokens: one between two bytes does not end their run
         self.skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.settles = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self.open_run = False
         self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
+        self.settled = ""  # the text of the ids before ``ids``, which no later token changes
+        self.ids: list[int] = []  # the ids after the last settled point
         self.text = ""  # decoded text of all ids, up to the last complete character
         self.sent = 0  # characters of ``text`` released so far
         self.stopped = False
@@ -79,9 +103,13 @@ class TextStream:
         self.open_run = token in self.byte_ids or (self.open_run and token in self.skipped)
         if self.open_run:  # its text is not final yet
             return ""
-        text = decode_continuation(self.tokenizer, self.ids, self.anchor)
-        if text.endswith("\ufffd"):  # ends inside a multi-byte character
+        tail = decode_continuation(self.tokenizer, self.ids, self.anchor)
+        if tail.endswith("\ufffd"):  # ends inside a multi-byte character
             return ""
+        text = self.settled + tail
+        # (``decode`` cleaning up spaces reads across tokens: then nothing settles)
+        if self.settles and token not in self.skipped:
+            self.settled, self.ids = text, []
         return self._update(text, final=False)
 
     def flush(self) -> str:
@@ -89,7 +117,8 @@ class TextStream:
         a byte run never closed), up to a stop string in it: the output is over."""
         if self.stopped:
             return ""
-        return self._update(decode_continuation(self.tokenizer, self.ids, self.anchor), final=True)
+        tail = decode_continuation(self.tokenizer, self.ids, self.anchor)
+        return self._update(self.settled + tail, final=True)
 
     def _update(self, text: str, final: bool) -> str:
         self.text = text

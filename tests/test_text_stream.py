@@ -1,6 +1,6 @@
 import pytest
 
-from ktm.text_stream import TextStream
+from ktm.text_stream import TextStream, anchor_ids, byte_fallback_ids, decode_continuation
 
 
 class Bytes:
@@ -116,3 +116,83 @@ def test_a_stop_string_in_text_held_back_to_the_end_still_stops():
     assert row.push(ok).text == " ok"
     end = row.push(newline)
     assert (end.text, end.finish) == ("", "stop")
+
+
+class WholeText(TextStream):
+    """The reference: every push decodes all the ids so far (the stream before it settled)."""
+
+    def push(self, token):
+        if self.stopped:
+            return ""
+        self.all = [*getattr(self, "all", []), token]
+        self.open_run = token in self.byte_ids or (self.open_run and token in self.skipped)
+        if self.open_run:
+            return ""
+        text = decode_continuation(self.tokenizer, self.all, self.anchor)
+        return "" if text.endswith("\ufffd") else self._update(text, final=False)
+
+    def flush(self):
+        if self.stopped:
+            return ""
+        text = decode_continuation(self.tokenizer, getattr(self, "all", []), self.anchor)
+        return self._update(text, final=True)
+
+
+def stream_tokenizers():
+    from conftest import build_tokenizer, legacy_sentencepiece_tokenizers
+
+    return {"byte-level": build_tokenizer(bos=True), "byte-fallback": byte_fallback_tokenizer(),
+            "sentencepiece": legacy_sentencepiece_tokenizers()["legacy"]}
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback", "sentencepiece"])
+def test_streaming_only_the_unsettled_tail_gives_what_decoding_everything_gives(kind):
+    """Long random id sequences (bytes, special tokens, unknowns, broken characters) with stop
+    strings taken from their own text: the same pieces, the same stop."""
+    import random
+
+    tok = stream_tokenizers()[kind]
+    rng = random.Random(0)
+    vocab = list(range(len(tok)))
+    specials = list(tok.all_special_ids)
+    words = sorted(set(vocab) - byte_fallback_ids(tok) - set(specials))  # close byte runs
+    for trial in range(12):
+        ids = [rng.choice(specials) if r < 0.05 else rng.choice(words if r < 0.4 else vocab)
+               for r in (rng.random() for _ in range(300))]
+        whole = decode_continuation(tok, ids)
+        at = rng.randrange(len(whole))
+        stop = (whole[at:at + rng.randint(1, 4)], "\n\n") if trial % 3 else ()
+        new, ref = TextStream(tok, stop), WholeText(tok, stop)
+        assert [new.push(i) for i in ids] == [ref.push(i) for i in ids]
+        assert (new.flush(), new.stopped) == (ref.flush(), ref.stopped)
+
+
+def test_each_push_decodes_only_the_ids_after_the_last_settled_point():
+    """Decoding every generated id on every token was quadratic over a long generation."""
+    tok = stream_tokenizers()["byte-level"]
+    ids = tok("The quick brown fox jumps over the lazy dog.", add_special_tokens=False
+              )["input_ids"] * 50
+    want = decode_continuation(tok, ids)
+    decoded: list[int] = []
+    plain = tok.decode
+    tok.decode = lambda ids, **kw: (decoded.append(len(ids)), plain(ids, **kw))[1]
+    ts = TextStream(tok)
+    assert "".join(ts.push(i) for i in ids) + ts.flush() == want
+    assert max(decoded) <= 3  # the anchor and a token or two, not 500 ids
+
+
+def test_the_anchor_is_found_once_per_tokenizer():
+    """``anchor_ids`` may read the whole vocabulary (no usable "a"); every TextStream and every
+    logprob entry's ``token_text`` asked again."""
+    from ktm.serve.logprobs import token_text
+
+    tok = stream_tokenizers()["byte-level"]
+    calls = []
+    plain = tok.encode
+    tok.encode = lambda *a, **kw: (calls.append(a), plain(*a, **kw))[1]
+    first = anchor_ids(tok)
+    for _ in range(5):
+        TextStream(tok)
+        token_text(tok, 10)
+    assert anchor_ids(tok) == first and len(calls) == 1
+    assert anchor_ids(Bytes()) == []  # no encode: nothing to find, nothing kept
