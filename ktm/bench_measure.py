@@ -47,17 +47,43 @@ def word_pool(tokenizer, seed: int = 0, size: int = 1024) -> list[str]:
 
 
 def synthetic_text(model, n_tokens: int, seed: int, pool: list[str], first: bool = True) -> str:
-    """Deterministic text that tokenizes to exactly ``n_tokens`` (special tokens included)."""
+    """Deterministic text that tokenizes to exactly ``n_tokens`` (special tokens included):
+    one pool word per token. A tokenizer whose merges span word boundaries reads words together
+    as more or fewer tokens; its text is then longer, cut at ``n_tokens`` token ids."""
     n_special = len(model.tokenize(pool[0], first=first)) - 1
     n_words = n_tokens - n_special
     if n_words < 1:
         raise KTMError(f"length {n_tokens} leaves no room after {n_special} special tokens")
-    idx = torch.randint(len(pool), (n_words,), generator=torch.Generator().manual_seed(seed))
-    text = "".join(pool[i] for i in idx.tolist())
+    text = _words(pool, n_words, seed)
     got = len(model.tokenize(text, first=first))
-    if got != n_tokens:
-        raise KTMError(f"synthetic prompt has {got} tokens, expected exactly {n_tokens}")
-    return text
+    if got == n_tokens:
+        return text
+    return _cut(model, _words(pool, 2 * n_words + 8, seed), n_tokens, first, got)
+
+
+def _words(pool: list[str], n: int, seed: int) -> str:
+    idx = torch.randint(len(pool), (n,), generator=torch.Generator().manual_seed(seed))
+    return "".join(pool[i] for i in idx.tolist())
+
+
+def _cut(model, text: str, n_tokens: int, first: bool, got: int) -> str:
+    """``text`` cut to its first ``n_tokens`` token ids, decoded; cut again while the decoded
+    text reads differently at its end."""
+    from ktm.text_stream import decode_continuation
+
+    for _ in range(4):
+        ids = model.tokenize(text, first=first)
+        if len(ids) == n_tokens:
+            return text
+        if len(ids) < n_tokens:
+            break
+        text = decode_continuation(model.tokenizer, ids[:n_tokens])
+    raise KTMError(
+        f"synthetic prompt has {got} tokens, expected exactly {n_tokens}: this tokenizer's "
+        "merges span word boundaries (its single-token words read as other tokens side by "
+        "side), and no cut of a longer text read exactly that many; expected a tokenizer that "
+        "splits text at spaces before merging (byte-level BPE with its regex, SentencePiece), "
+        "or other --lengths")
 
 
 # ---------------------------------------------------------------- measurement helpers

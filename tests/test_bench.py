@@ -315,3 +315,33 @@ def test_bench_plot_errors_are_one_line(text, match, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("ktm bench-plot: error:")
     assert re.search(match, err[0]), err[0]
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_synthetic_text_is_exact_where_merges_span_word_boundaries():
+    """A tokenizer that merges across words ("t" + "Ġ" before any word's own merges: " cat dog"
+    reads " ca", "t ", "d", "o", "g") read the synthetic prompt as more tokens than words, and
+    ``ktm bench`` stopped ("349 tokens, expected exactly 256"): the text is now cut at the
+    requested number of token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1}
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    merges = [("t", "Ġ")] + [("Ġ" + w[:i], w[i]) for w in ("cat", "dog", "sun", "top")
+                             for i in range(len(w))]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    backend = Tokenizer(models.BPE(vocab, merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4))
+    model = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    pool = word_pool(tok)
+    assert len(tok(" cat dog", add_special_tokens=False)["input_ids"]) == 5
+    for n, first in [(3, True), (40, False), (256, True)]:
+        text = synthetic_text(model, n, seed=n, pool=pool, first=first)
+        assert len(model.tokenize(text, first=first)) == n
+        assert text == synthetic_text(model, n, seed=n, pool=pool, first=first)
