@@ -284,3 +284,28 @@ def test_the_core_knows_which_methods_only_set_the_encoder():
     from ktm.compressors import COMPRESSORS
 
     assert set(SETTING_ONLY) == {n for n, c in COMPRESSORS.items() if not c.rewrites_prompts}
+
+
+def test_init_from_a_mean_pool_baseline_without_its_method_warns(capsys, tiny_model_dir,
+                                                                  tmp_path):
+    """A baseline that only sets the encoder (mean pooling) continued without --compressor was
+    silently no longer a baseline: its checkpoint had no record (--init-adapter warned of it)."""
+    import warnings
+
+    init = train_baseline(capsys, tiny_model_dir, tmp_path / "a", "mean_pool")
+    flags = ["--init", init, "--task", "tree", "--stage", "small", "--n-train", "8", "--n-eval",
+             "2", "--max-steps", "1", "--batch-size", "2", "--no-progress"]
+    with pytest.warns(UserWarning, match=r"--compressor mean_pool baseline \(compressor.json\); "
+                                         r"this run has no --compressor.*give --compressor "
+                                         r"mean_pool to continue the baseline"):
+        code, _, err = run(capsys, "train", *flags, "--out-dir", str(tmp_path / "b"))
+    assert code == 0, err
+    assert not (tmp_path / "b" / "checkpoint" / "compressor.json").exists()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, _, err = run(capsys, "train", *flags, "--out-dir", str(tmp_path / "c"),
+                           "--compressor", "mean_pool")
+    assert code == 0, err
+    assert not [w for w in seen if "--init" in str(w.message)]
+    assert json.loads((tmp_path / "c" / "checkpoint" / "compressor.json").read_text())[
+        "name"] == "mean_pool"

@@ -14,6 +14,7 @@ reads as before.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,24 @@ def check_init(init: str | None, name: str | None, options: dict[str, Any],
     Returns the method and options to train with (the record's, under any given option that
     agrees with it) and the folder to restore the method's fitted state from (LTSC's vocabulary
     and meta rows); a method that contradicts the record, or none for a checkpoint whose prompts
-    a method rewrote, is refused. A plain checkpoint may start any method.
+    a method rewrote, is refused. A plain checkpoint may start any method. A baseline that only
+    set the encoder (mean pooling) continued without its method is the same model, but its
+    checkpoint no longer says so: warned, as ``--init-adapter`` warns of a baseline's LoRA.
     """
     path = Path(init) if init and Path(init).is_dir() else None
     rec = read_record(path) if path else None
     found = (rec["name"], RECORD) if rec else (rewriting_method(path) if path else None)
-    if found is None or (name is None and rec and not COMPRESSORS[rec["name"]].rewrites_prompts):
+    if found is None:
+        return name, options, None
+    if name is None and rec and not COMPRESSORS[rec["name"]].rewrites_prompts:
+        how = ("this run has no --compressor" if command == "train"
+               else f"ktm {command} takes no --compressor")
+        hint = (f"give --compressor {rec['name']} to continue the baseline" if command == "train"
+                else "unless that is what you meant")
+        warnings.warn(f"--init {init!r} is the checkpoint of a --compressor {rec['name']} baseline "
+                      f"({RECORD}); {how}, so this run's checkpoint will not record "
+                      f"{rec['name']} and its rows will not name it (the model is the same, "
+                      f"with the baseline's encoder settings); {hint}", UserWarning, stacklevel=2)
         return name, options, None
     method, source = found
     if name != method:
