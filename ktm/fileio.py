@@ -24,6 +24,16 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+class WriteError(KTMError):
+    """A file could not be written (no space, no permission, a file where a folder should be);
+    the previous file, if any, is intact."""
+
+
+def write_error(path: str | Path, e: BaseException) -> WriteError:
+    cause = e.__cause__ if isinstance(e, WriteError) and e.__cause__ else e
+    return WriteError(f"cannot write {str(path)!r}: {cause}")
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename inside ``path`` durable (a no-op where folders cannot be opened)."""
     try:
@@ -44,16 +54,21 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from e
         raise
     fsync_dir(path.parent)
 
@@ -151,8 +166,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path beside ``path`` for a library that writes by name; on success fsync it
     and rename it over ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
     os.close(fd)
     tmp = Path(name)
     try:
@@ -161,6 +179,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -1,0 +1,76 @@
+"""Fault injection: a write that fails midway (no space, a file where a folder should be, a kill)
+is a one-line error naming the path, leaves the previous file or checkpoint intact and loadable,
+and leaves no temp file behind."""
+
+import errno
+import importlib
+import json
+
+import pytest
+import torch
+
+import ktm.train_state as train_state
+from ktm import KTMError, fileio
+from ktm.cli import main
+from ktm.model import KTMModel
+from ktm.tasks.tree import TreeTask
+from ktm.train import TrainConfig, train
+
+train_module = importlib.import_module("ktm.train")  # ktm.train is also the function
+
+
+def no_space(*_a, **_kw):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def fresh(tiny_model_dir):
+    torch.manual_seed(0)
+    return KTMModel.from_base(tiny_model_dir, k=4)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return TreeTask(stage="small").train_examples(8, seed=0)
+
+
+def names(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_full_disk_during_a_file_write_names_the_file_and_keeps_the_old_one(tmp_path,
+                                                                              monkeypatch):
+    path = tmp_path / "r.json"
+    path.write_text("old")
+    monkeypatch.setattr(fileio.os, "fsync", no_space)
+    with pytest.raises(KTMError, match=r"cannot write '.*r\.json': .*No space left"):
+        fileio.write_json_atomic(path, {"a": 1})
+    assert path.read_text() == "old" and names(tmp_path) == ["r.json"]
+
+
+def test_a_file_where_the_folder_should_be_is_a_clear_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(KTMError, match=r"cannot write '.*afile/r\.json'"):
+        fileio.write_json_atomic(tmp_path / "afile" / "r.json", {"a": 1})
+
+
+def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tiny_model_dir, data, tmp_path,
+                                                              monkeypatch):
+    kw = dict(batch_size=4, lr=1e-3, save_every=1, progress=False, out_dir=str(tmp_path))
+    train(fresh(tiny_model_dir), data, TrainConfig(max_steps=2, **kw))
+    monkeypatch.setattr(train_state, "save_file", no_space)  # the optimizer state, mid-folder
+    with pytest.raises(KTMError, match=r"cannot write '.*checkpoint': .*No space left"):
+        train(fresh(tiny_model_dir), data, TrainConfig(max_steps=3, resume=True, **kw))
+    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json"]  # no temp folder
+    ckpt = tmp_path / "checkpoint"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
+    KTMModel.load(str(ckpt))
+
+
+def test_an_io_error_the_command_does_not_name_is_still_one_line(capsys, tiny_model_dir,
+                                                                  tmp_path, monkeypatch):
+    monkeypatch.setattr(train_module, "train_step", no_space)
+    code = main(["train", "--model", tiny_model_dir, "--task", "tree", "--stage", "small",
+                 "--n-train", "8", "--n-eval", "2", "--max-steps", "1", "--batch-size", "4",
+                 "--out-dir", str(tmp_path / "run"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and err == "ktm: error: [Errno 28] No space left on device\n", err
