@@ -34,6 +34,18 @@ def write_error(path: str | Path, e: BaseException) -> WriteError:
     return WriteError(f"cannot write {str(path)!r}: {cause}")
 
 
+def check_writable(path: str | Path) -> None:
+    """Refuse an output file that cannot be written before a long run, not after it."""
+    path = Path(path)
+    if path.is_dir():
+        raise WriteError(f"cannot write {str(path)!r}: it is a folder; expected a file path")
+    folder = path.parent
+    while not folder.exists():  # a file on the way makes its children "not exist" too
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise WriteError(f"cannot write {str(path)!r}: {str(folder)!r} is not a writable folder")
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename inside ``path`` durable (a no-op where folders cannot be opened)."""
     try:

@@ -9,8 +9,11 @@ import json
 import pytest
 import torch
 
+import ktm.bench as bench
+import ktm.evaluate as evaluate_module
 import ktm.train_state as train_state
 from ktm import KTMError, fileio
+from ktm.bench import BenchConfig, main_bench
 from ktm.cli import main
 from ktm.model import KTMModel
 from ktm.tasks.tree import TreeTask
@@ -51,6 +54,10 @@ def test_a_file_where_the_folder_should_be_is_a_clear_error(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(KTMError, match=r"cannot write '.*afile/r\.json'"):
         fileio.write_json_atomic(tmp_path / "afile" / "r.json", {"a": 1})
+    with pytest.raises(KTMError, match=r"'.*afile' is not a writable folder"):
+        fileio.check_writable(tmp_path / "afile" / "sub" / "r.json")
+    with pytest.raises(KTMError, match="it is a folder"):
+        fileio.check_writable(tmp_path)
 
 
 def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tiny_model_dir, data, tmp_path,
@@ -64,6 +71,24 @@ def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tiny_model_dir, dat
     ckpt = tmp_path / "checkpoint"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
     KTMModel.load(str(ckpt))
+
+
+def test_eval_refuses_an_unwritable_result_path_before_evaluating(capsys, tiny_model_dir,
+                                                                  tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(evaluate_module, "evaluate_task",
+                        lambda *a, **k: pytest.fail("evaluated before checking --json"))
+    code = main(["eval", "--model", tiny_model_dir, "--k", "4", "--task", "tree", "--stage",
+                 "small", "--n-eval", "2", "--json", str(tmp_path / "afile" / "r.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "afile/r.json" in err, err
+
+
+def test_bench_refuses_an_unwritable_result_path_before_measuring(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(bench, "run_bench", lambda *a: pytest.fail("measured before checking"))
+    with pytest.raises(KTMError, match=r"cannot write '.*afile/b\.json'"):
+        main_bench(BenchConfig(out=str(tmp_path / "afile" / "b.json"), progress=False))
 
 
 def test_an_io_error_the_command_does_not_name_is_still_one_line(capsys, tiny_model_dir,
