@@ -39,6 +39,7 @@ from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics:
     load_checkpoint,
     read_metrics,
     record_start,
+    remove_temps,
     save_checkpoint,
     trim_metrics,
 )
@@ -283,6 +284,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
         check_fresh(out)
     distributed.barrier(world)  # every process has checked the folder before rank 0 writes
     main = world.is_main  # the one process that writes
+    if main:
+        remove_temps(out)
     if config.resume and main:
         trim_metrics(out / METRICS, step)
     # a stream (reader pretraining) is random per index already: read it in order, so its

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -27,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ktm import distributed
-from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
+from ktm.checkpoint import TEMP_PREFIX, load_weights_into, save_atomic, write_model_files
 from ktm.errors import KTMError
 from ktm.fileio import existing_dir, read_metrics, write_json_atomic, write_text_atomic
 
@@ -233,3 +234,16 @@ def record_start(out: Path, info: dict, step: int) -> None:
         pass
     entry = {**info, "started_at_step": step, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_json_atomic(out / RUN, {**entry, "history": [*history, entry] if step else [entry]})
+
+
+def remove_temps(out: Path) -> None:
+    """The temp folder and files a killed run left beside its checkpoint, metrics and run.json
+    (a kill between writing one and renaming it in): only the rank-0 process of a started run,
+    which owns the folder, calls it."""
+    for pattern in (f"{TEMP_PREFIX.format(CHECKPOINT)}*", f".{METRICS}.*.tmp", f".{RUN}.*.tmp"):
+        for path in out.glob(pattern):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+

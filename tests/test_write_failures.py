@@ -99,3 +99,15 @@ def test_an_io_error_the_command_does_not_name_is_still_one_line(capsys, tiny_mo
                  "--out-dir", str(tmp_path / "run"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 1 and err == "ktm: error: [Errno 28] No space left on device\n", err
+
+
+def test_a_resume_removes_the_temp_files_a_killed_run_left(tiny_model_dir, data, tmp_path):
+    kw = dict(batch_size=4, lr=1e-3, save_every=1, progress=False, out_dir=str(tmp_path))
+    train(fresh(tiny_model_dir), data, TrainConfig(max_steps=2, **kw))
+    # what a SIGKILL inside save_checkpoint and inside trim_metrics leaves behind
+    (tmp_path / ".checkpoint.tmp-abc123").mkdir()
+    (tmp_path / ".checkpoint.tmp-abc123" / "encoder.safetensors").write_bytes(b"half")
+    (tmp_path / ".metrics.jsonl.x1y2.tmp").write_text('{"step": 1}\n')
+    train(fresh(tiny_model_dir), data, TrainConfig(max_steps=3, resume=True, **kw))
+    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json"]
+
