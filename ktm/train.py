@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -35,6 +36,7 @@ from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics:
     METRICS,
     check_fresh,
     data_signature,
+    interrupted_note,
     last_cpu,
     load_checkpoint,
     read_metrics,
@@ -349,6 +351,11 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                 on_step(step, last)
         if ema is not None:  # the run is complete: hand out the average, as the checkpoint does
             ema.copy_to_params()
+    except KeyboardInterrupt:
+        if main:
+            bar.close()
+            print(interrupted_note(out, step), file=sys.stderr)
+        raise
     finally:
         bar.close()
         if metrics_file:

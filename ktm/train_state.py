@@ -247,3 +247,13 @@ def remove_temps(out: Path) -> None:
             else:
                 path.unlink(missing_ok=True)
 
+
+def interrupted_note(out: Path, step: int) -> str:
+    """What an interrupted run left: the last checkpoint, which a resume continues from."""
+    try:
+        saved = json.loads((existing_dir(out / CHECKPOINT) / TRAINER).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"interrupted at step {step}: no checkpoint saved yet in {str(out)!r}, nothing to "
+                "resume")
+    return (f"interrupted at step {step}: the checkpoint of step {saved} in "
+            f"{str(out / CHECKPOINT)!r} is intact; --resume (resume=True) continues from it")

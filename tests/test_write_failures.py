@@ -5,6 +5,7 @@ and leaves no temp file behind."""
 import errno
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -111,3 +112,19 @@ def test_a_resume_removes_the_temp_files_a_killed_run_left(tiny_model_dir, data,
     train(fresh(tiny_model_dir), data, TrainConfig(max_steps=3, resume=True, **kw))
     assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json"]
 
+
+@pytest.mark.parametrize("save_every, says", [
+    (2, r"interrupted at step 3: the checkpoint of step 2 in '.*checkpoint' is intact; "
+        r"--resume"),
+    (0, r"interrupted at step 3: no checkpoint saved yet in '.*', nothing to resume")])
+def test_ctrl_c_says_which_checkpoint_a_resume_continues_from(tiny_model_dir, data, tmp_path,
+                                                              capsys, save_every, says):
+    def ctrl_c_at_3(step, _):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    cfg = TrainConfig(max_steps=6, batch_size=4, save_every=save_every, progress=False,
+                      out_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        train(fresh(tiny_model_dir), data, cfg, on_step=ctrl_c_at_3)
+    assert re.search(says, capsys.readouterr().err)
