@@ -143,8 +143,8 @@ def replace_dir(tmp: str | Path, dest: str | Path) -> None:
         shutil.rmtree(tmp)  # now the old folder
     else:
         old = old_copy(dest)
-        shutil.rmtree(old, ignore_errors=True)
-        if dest.exists():
+        if dest.exists():  # else ``old`` may be the only copy a crash left: keep it till now
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(dest, old)
         os.replace(tmp, dest)
         shutil.rmtree(old, ignore_errors=True)
