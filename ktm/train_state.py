@@ -217,7 +217,7 @@ def last_cpu(path: Path) -> float:
 
 def check_fresh(out: Path) -> None:
     """A new run never writes into an old one's folder."""
-    if (out / CHECKPOINT).exists():
+    if existing_dir(out / CHECKPOINT).exists():  # or the copy a crash mid-swap left
         raise KTMError(f"{str(out)!r} already holds a run: pass --resume or use another out_dir")
     if (out / METRICS).exists():
         raise KTMError(f"{str(out)!r} has a {METRICS} from an earlier run but no checkpoint to "

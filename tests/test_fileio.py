@@ -107,3 +107,12 @@ def test_the_fallback_swap_never_deletes_the_only_copy_a_crash_left(tmp_path, mo
     assert seen and all(seen), "a deletion left no copy of the folder"
     assert (dest / "a.txt").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_new_run_sees_the_checkpoint_copy_a_crash_mid_swap_left(tmp_path):
+    from ktm.train_state import check_fresh
+
+    (tmp_path / "checkpoint.old").mkdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(KTMError, match="already holds a run: pass --resume"):
+        check_fresh(tmp_path)
