@@ -5,6 +5,7 @@ and leaves no temp file behind."""
 import errno
 import importlib
 import json
+import pathlib
 import re
 
 import pytest
@@ -128,3 +129,15 @@ def test_ctrl_c_says_which_checkpoint_a_resume_continues_from(tiny_model_dir, da
     with pytest.raises(KeyboardInterrupt):
         train(fresh(tiny_model_dir), data, cfg, on_step=ctrl_c_at_3)
     assert re.search(says, capsys.readouterr().err)
+
+
+def test_a_full_disk_under_metrics_jsonl_names_it(tiny_model_dir, data, tmp_path, monkeypatch):
+    real_open = pathlib.Path.open
+
+    def full_disk(self, *a, **kw):  # the append-only log, on a disk that is full
+        return open("/dev/full", "a") if self.name == "metrics.jsonl" else real_open(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "open", full_disk)
+    with pytest.raises(KTMError, match=r"cannot append to '/dev/full': .*No space left"):
+        train(fresh(tiny_model_dir), data, TrainConfig(max_steps=2, batch_size=4, progress=False,
+                                                       out_dir=str(tmp_path)))
