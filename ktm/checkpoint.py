@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +30,13 @@ from ktm.base_identity import check_same_base
 from ktm.config import KTMConfig
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
-from ktm.fileio import WriteError, replace_dir, write_error, write_json_atomic
+from ktm.fileio import (
+    WriteError,
+    replace_dir,
+    temp_dir_beside,
+    write_error,
+    write_json_atomic,
+)
 from ktm.lora import peft_wrapping
 from ktm.provenance import versions
 
@@ -45,7 +50,6 @@ COMPRESSOR_RECORD = "compressor.json"
 # rewrite prompts; kept equal to ``ktm.compressors`` by a test, as the core never imports it
 SETTING_ONLY = ("mean_pool",)
 READABLE_FORMATS = (1, 2)
-TEMP_PREFIX = ".{}.tmp-"  # save_atomic's temp folder beside the destination
 # errors that mean "this file is missing, truncated or not what it claims to be"
 FILE_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError)
 
@@ -68,7 +72,7 @@ def save_atomic(directory: str | Path, write: Callable[[Path], None]) -> None:
     tmp = None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX.format(dest.name), dir=dest.parent))
+        tmp = temp_dir_beside(dest)
         write(tmp)
         replace_dir(tmp, dest)
     except (OSError, SafetensorError, WriteError) as e:

@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -124,6 +125,31 @@ def _exchange(a: Path, b: Path) -> bool:
                           ctypes.c_uint]
     rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
     return rc == 0
+
+
+TEMP_DIR_PREFIX = ".{}.tmp-"  # a folder's temp copy beside it: .NAME.tmp-PID@HOST-XXXXXXXX
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def temp_dir_beside(dest: Path) -> Path:
+    """A new temp folder beside ``dest``, named after this process, after removing those that
+    a killed process of this machine left for the same ``dest`` (a whole checkpoint or LM each).
+    """
+    prefix, host = TEMP_DIR_PREFIX.format(dest.name), socket.gethostname()
+    for old in dest.parent.glob(f"{prefix}*"):
+        pid, _, where = old.name[len(prefix):].rsplit("-", 1)[0].partition("@")
+        if where == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}@{host}-", dir=dest.parent))
 
 
 def old_copy(dest: Path) -> Path:

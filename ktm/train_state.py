@@ -28,9 +28,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ktm import distributed
-from ktm.checkpoint import TEMP_PREFIX, load_weights_into, save_atomic, write_model_files
+from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
 from ktm.errors import KTMError
-from ktm.fileio import existing_dir, read_metrics, write_json_atomic, write_text_atomic
+from ktm.fileio import (
+    TEMP_DIR_PREFIX,
+    existing_dir,
+    read_metrics,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 CHECKPOINT = "checkpoint"
 METRICS = "metrics.jsonl"
@@ -240,7 +246,7 @@ def remove_temps(out: Path) -> None:
     """The temp folder and files a killed run left beside its checkpoint, metrics and run.json
     (a kill between writing one and renaming it in): only the rank-0 process of a started run,
     which owns the folder, calls it."""
-    for pattern in (f"{TEMP_PREFIX.format(CHECKPOINT)}*", f".{METRICS}.*.tmp", f".{RUN}.*.tmp"):
+    for pattern in (f"{TEMP_DIR_PREFIX.format(CHECKPOINT)}*", f".{METRICS}.*.tmp", f".{RUN}.*.tmp"):
         for path in out.glob(pattern):
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
