@@ -5,8 +5,13 @@ and leaves no temp file behind."""
 import errno
 import importlib
 import json
+import os
 import pathlib
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -141,3 +146,55 @@ def test_a_full_disk_under_metrics_jsonl_names_it(tiny_model_dir, data, tmp_path
     with pytest.raises(KTMError, match=r"cannot append to '/dev/full': .*No space left"):
         train(fresh(tiny_model_dir), data, TrainConfig(max_steps=2, batch_size=4, progress=False,
                                                        out_dir=str(tmp_path)))
+
+
+SLOW_SAVE = """
+import pathlib, sys, time
+import ktm.checkpoint as checkpoint
+from ktm.cli import main
+real, saves = checkpoint.replace_dir, []
+
+def slow(tmp, dest):  # the second checkpoint (step 4): stop mid-save until killed
+    saves.append(1)
+    if len(saves) == 2:
+        pathlib.Path(sys.argv[1]).write_text("saving")
+        time.sleep(120)
+    real(tmp, dest)
+
+checkpoint.replace_dir = slow
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_sigkill_mid_checkpoint_then_resume_continues_exactly(tiny_model_dir, tmp_path, capsys):
+    def argv(out):
+        return ["train", "--model", tiny_model_dir, "--task", "tree", "--stage", "small",
+                "--n-train", "8", "--n-eval", "2", "--batch-size", "4", "--save-every", "2",
+                "--max-steps", "6", "--no-progress", "--threads", "1", "--out-dir", str(out)]
+
+    def losses(out):
+        return [(r["step"], r["loss"]) for r in train_state.read_metrics(out / "metrics.jsonl")
+                if "loss" in r]
+
+    assert main(argv(tmp_path / "straight")) == 0
+    (tmp_path / "slow.py").write_text(SLOW_SAVE)
+    marker, out = tmp_path / "marker", tmp_path / "killed"
+    root = os.path.dirname(os.path.dirname(fileio.__file__))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "slow.py"), str(marker), *argv(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the run never reached its second checkpoint"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert any(p.name.startswith(".checkpoint.tmp-") for p in out.iterdir())  # the kill's mess
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
+    assert main([*argv(out), "--resume"]) == 0
+    assert names(out) == ["checkpoint", "metrics.jsonl", "run.json"]
+    got, want = losses(out), losses(tmp_path / "straight")
+    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
