@@ -36,7 +36,7 @@ from ktm.bench_measure import (
 )
 from ktm.encoder import KTokenEncoder
 from ktm.errors import KTMError
-from ktm.fileio import write_json_atomic
+from ktm.fileio import check_writable, write_json_atomic
 from ktm.models import DEFAULT_MODEL, parse_dtype
 from ktm.provenance import git_revision, versions
 from ktm.train import adamw
@@ -358,6 +358,7 @@ def format_table(rows: list[dict]) -> str:
 def main_bench(config: BenchConfig) -> int:
     """Run, write the JSON rows atomically, print a table. A ``KTMError`` propagates: the CLI
     prints it as ``ktm: error: ...`` like every other command."""
+    check_writable(config.out)  # refused now, not after the benchmark
     if config.mode == "serve":
         from ktm.bench_serve import run_serve_bench
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +30,13 @@ from ktm.base_identity import check_same_base
 from ktm.config import KTMConfig
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
-from ktm.fileio import replace_dir, write_json_atomic
+from ktm.fileio import (
+    WriteError,
+    replace_dir,
+    temp_dir_beside,
+    write_error,
+    write_json_atomic,
+)
 from ktm.lora import peft_wrapping
 from ktm.provenance import versions
 
@@ -61,15 +66,20 @@ def write_model_files(model, directory: Path) -> None:
 
 
 def save_atomic(directory: str | Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temp folder beside ``directory``, then swap it in."""
+    """Call ``write(tmp)`` on a temp folder beside ``directory``, then swap it in. A failed
+    write (no space, no permission) is a ``KTMError`` naming ``directory``, which is intact."""
     dest = Path(directory)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = None
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_dir_beside(dest)
         write(tmp)
         replace_dir(tmp, dest)
+    except (OSError, SafetensorError, WriteError) as e:
+        raise write_error(dest, e) from e
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_model(model, directory: str | Path) -> None:

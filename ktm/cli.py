@@ -246,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `ktm report ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # a failed read or write the command did not name itself
+        print(f"ktm: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

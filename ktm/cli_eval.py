@@ -47,8 +47,12 @@ def run_eval(args: argparse.Namespace) -> int:
     import time
 
     from ktm.evaluate import evaluate_task
-    from ktm.fileio import write_json_atomic
+    from ktm.fileio import check_writable, write_json_atomic
     from ktm.provenance import git_revision, versions
+
+    for path in (args.json, getattr(args, "predictions", None)):
+        if path:  # refused now, not after the evaluation
+            check_writable(path)
 
     # what is running, read before the run: a commit or an edit during a long eval is not it
     made_by = {"versions": versions(), "git": git_revision()}

@@ -8,6 +8,7 @@ compressed against the plain prefill, and shows a generation.
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ktm.errors import KTMError
 from ktm.evaluate import evaluate_classification, summary
 from ktm.fileio import write_json_atomic
 from ktm.generate import prefill
@@ -86,8 +88,21 @@ def _row(name: str, r: dict) -> str:
             f"{r['length_reduction']:>9.1%} |")
 
 
+def check_demo_folder(out: Path) -> None:
+    """The demo starts fresh, deleting its folder's checkpoint and metrics: refuse a folder that
+    holds another command's run (whose run.json records the command; the demo's records none)."""
+    try:
+        command = json.loads((out / "run.json").read_text()).get("command")
+    except (OSError, ValueError, AttributeError):
+        command = None
+    if command:
+        raise KTMError(f"--out-dir {str(out)!r} holds a run of {command!r}: the demo would delete "
+                       "its checkpoint and metrics; expected a demo's folder or a new one")
+
+
 def run_demo(cfg: DemoConfig) -> dict:
     made_by = {"versions": versions(), "git": git_revision()}  # the code that starts to run
+    check_demo_folder(Path(cfg.out_dir))
     torch.manual_seed(cfg.seed)
     model, start_name = _start_model(cfg)
     task = TreeTask(stage=cfg.stage, prompt_mode="context")

@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,28 @@ from ktm.errors import KTMError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+
+
+class WriteError(KTMError):
+    """A file could not be written (no space, no permission, a file where a folder should be);
+    the previous file, if any, is intact."""
+
+
+def write_error(path: str | Path, e: BaseException) -> WriteError:
+    cause = e.__cause__ if isinstance(e, WriteError) and e.__cause__ else e
+    return WriteError(f"cannot write {str(path)!r}: {cause}")
+
+
+def check_writable(path: str | Path) -> None:
+    """Refuse an output file that cannot be written before a long run, not after it."""
+    path = Path(path)
+    if path.is_dir():
+        raise WriteError(f"cannot write {str(path)!r}: it is a folder; expected a file path")
+    folder = path.parent
+    while not folder.exists():  # a file on the way makes its children "not exist" too
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise WriteError(f"cannot write {str(path)!r}: {str(folder)!r} is not a writable folder")
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -44,16 +67,21 @@ def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from e
         raise
     fsync_dir(path.parent)
 
@@ -99,6 +127,31 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
+TEMP_DIR_PREFIX = ".{}.tmp-"  # a folder's temp copy beside it: .NAME.tmp-PID@HOST-XXXXXXXX
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def temp_dir_beside(dest: Path) -> Path:
+    """A new temp folder beside ``dest``, named after this process, after removing those that
+    a killed process of this machine left for the same ``dest`` (a whole checkpoint or LM each).
+    """
+    prefix, host = TEMP_DIR_PREFIX.format(dest.name), socket.gethostname()
+    for old in dest.parent.glob(f"{prefix}*"):
+        pid, _, where = old.name[len(prefix):].rsplit("-", 1)[0].partition("@")
+        if where == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}@{host}-", dir=dest.parent))
+
+
 def old_copy(dest: Path) -> Path:
     """Where the fallback swap keeps the previous folder until the new one is in place."""
     return dest.with_name(dest.name + ".old")
@@ -116,8 +169,8 @@ def replace_dir(tmp: str | Path, dest: str | Path) -> None:
         shutil.rmtree(tmp)  # now the old folder
     else:
         old = old_copy(dest)
-        shutil.rmtree(old, ignore_errors=True)
-        if dest.exists():
+        if dest.exists():  # else ``old`` may be the only copy a crash left: keep it till now
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(dest, old)
         os.replace(tmp, dest)
         shutil.rmtree(old, ignore_errors=True)
@@ -151,8 +204,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path beside ``path`` for a library that writes by name; on success fsync it
     and rename it over ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
     os.close(fd)
     tmp = Path(name)
     try:
@@ -161,6 +217,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
     finally:
         tmp.unlink(missing_ok=True)
 

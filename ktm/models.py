@@ -8,11 +8,14 @@ later loads read that folder.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import inspect
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,12 +97,31 @@ def _convert_embedded(name: str, spec: EmbeddedModel, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def _conversion_lock(dest: Path) -> Iterator[None]:
+    """One conversion at a time per cache folder; the holder removes the temp folders (a whole
+    model each) that a killed conversion left, which no other process is still writing."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(dest.parent / f".{dest.name}.lock", "a")  # noqa: SIM115 - held below
+    except OSError as e:
+        raise KTMError(f"cannot write the model cache {str(dest.parent)!r}: {e}; set KTM_CACHE "
+                       "to a writable folder") from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for stale in dest.parent.glob(f".{dest.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        yield
+
+
 def resolve_model_path(name_or_path: str) -> Path:
     """A local HF folder for an embedded model name or a path; converts the embedded model once."""
     if name_or_path in EMBEDDED:
         dest = cache_dir() / name_or_path
         if not (dest / "config.json").is_file():
-            _convert_embedded(name_or_path, EMBEDDED[name_or_path], dest)
+            with _conversion_lock(dest):
+                if not (dest / "config.json").is_file():  # else another process converted it
+                    _convert_embedded(name_or_path, EMBEDDED[name_or_path], dest)
         return dest
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -27,6 +28,7 @@ from ktm import distributed
 from ktm.ema import WeightAverage
 from ktm.errors import KTMError
 from ktm.field_types import check_field_types
+from ktm.fileio import WriteError
 from ktm.provenance import git_revision, versions
 from ktm.tasks.base import Example, check_examples
 from ktm.timing import clock
@@ -35,10 +37,12 @@ from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics:
     METRICS,
     check_fresh,
     data_signature,
+    interrupted_note,
     last_cpu,
     load_checkpoint,
     read_metrics,
     record_start,
+    remove_temps,
     save_checkpoint,
     trim_metrics,
 )
@@ -264,6 +268,16 @@ def train(
                     world)
 
 
+def _log(metrics_file, row: dict) -> None:
+    """Append one row to metrics.jsonl; a crash mid-line is dropped by ``read_metrics``."""
+    try:
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+    except OSError as e:
+        raise WriteError(f"cannot append to {metrics_file.name!r}: {e}; a checkpoint saved "
+                         "before is intact (--resume continues from it)") from e
+
+
 def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
          world) -> dict:
     out = Path(config.out_dir)
@@ -283,6 +297,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
         check_fresh(out)
     distributed.barrier(world)  # every process has checked the folder before rank 0 writes
     main = world.is_main  # the one process that writes
+    if main:
+        remove_temps(out)
     if config.resume and main:
         trim_metrics(out / METRICS, step)
     # a stream (reader pretraining) is random per index already: read it in order, so its
@@ -323,8 +339,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                     "cpu_s": cpu_before + time.process_time() - cpu_start,
                     **{f"loss_{k}": v / max(1, n) for k, (v, n) in st.parts.items()}}
             if main and (step % config.log_every == 0 or step == config.max_steps):
-                metrics_file.write(json.dumps(last) + "\n")
-                metrics_file.flush()
+                _log(metrics_file, last)
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}")
             if main and evaluate and ((config.eval_every and step % config.eval_every == 0)
@@ -337,18 +352,24 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                     result = evaluate(model)
                 model.train()
                 last = {**last, "eval": result}
-                metrics_file.write(json.dumps({"step": step, "cpu_s": last["cpu_s"],
-                                               "eval": result}) + "\n")
-                metrics_file.flush()
+                _log(metrics_file, {"step": step, "cpu_s": last["cpu_s"], "eval": result})
             if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
                 save_checkpoint(model, opt, step, config, out, data, save_extra, world, ema)
             if on_step:
                 on_step(step, last)
         if ema is not None:  # the run is complete: hand out the average, as the checkpoint does
             ema.copy_to_params()
+    except KeyboardInterrupt:
+        if main:
+            bar.close()
+            print(interrupted_note(out, step), file=sys.stderr)
+        raise
     finally:
         bar.close()
         if metrics_file:
-            metrics_file.close()
+            try:
+                metrics_file.close()
+            except OSError:  # the failed write is already being reported
+                pass
         model.eval()
     return last

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -29,7 +30,13 @@ from safetensors.torch import load_file, save_file
 from ktm import distributed
 from ktm.checkpoint import load_weights_into, save_atomic, write_model_files
 from ktm.errors import KTMError
-from ktm.fileio import existing_dir, read_metrics, write_json_atomic, write_text_atomic
+from ktm.fileio import (
+    TEMP_DIR_PREFIX,
+    existing_dir,
+    read_metrics,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 CHECKPOINT = "checkpoint"
 METRICS = "metrics.jsonl"
@@ -216,7 +223,7 @@ def last_cpu(path: Path) -> float:
 
 def check_fresh(out: Path) -> None:
     """A new run never writes into an old one's folder."""
-    if (out / CHECKPOINT).exists():
+    if existing_dir(out / CHECKPOINT).exists():  # or the copy a crash mid-swap left
         raise KTMError(f"{str(out)!r} already holds a run: pass --resume or use another out_dir")
     if (out / METRICS).exists():
         raise KTMError(f"{str(out)!r} has a {METRICS} from an earlier run but no checkpoint to "
@@ -233,3 +240,26 @@ def record_start(out: Path, info: dict, step: int) -> None:
         pass
     entry = {**info, "started_at_step": step, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_json_atomic(out / RUN, {**entry, "history": [*history, entry] if step else [entry]})
+
+
+def remove_temps(out: Path) -> None:
+    """The temp folder and files a killed run left beside its checkpoint, metrics and run.json
+    (a kill between writing one and renaming it in): only the rank-0 process of a started run,
+    which owns the folder, calls it."""
+    for pattern in (f"{TEMP_DIR_PREFIX.format(CHECKPOINT)}*", f".{METRICS}.*.tmp", f".{RUN}.*.tmp"):
+        for path in out.glob(pattern):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def interrupted_note(out: Path, step: int) -> str:
+    """What an interrupted run left: the last checkpoint, which a resume continues from."""
+    try:
+        saved = json.loads((existing_dir(out / CHECKPOINT) / TRAINER).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"interrupted at step {step}: no checkpoint saved yet in {str(out)!r}, nothing to "
+                "resume")
+    return (f"interrupted at step {step}: the checkpoint of step {saved} in "
+            f"{str(out / CHECKPOINT)!r} is intact; --resume (resume=True) continues from it")

@@ -1,4 +1,8 @@
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -268,3 +272,17 @@ def test_a_base_model_of_the_same_sizes_with_another_tokenizer_is_refused(
     (path / "ktm_config.json").write_text(json.dumps(cfg))
     with pytest.warns(UserWarning, match="predates the record of its base model's identity"):
         KTMModel.load(path, base=tiny_bos_model_dir)
+
+
+def test_a_save_removes_the_temp_folders_of_killed_saves_only(ktm_model, tmp_path):
+    """A save killed midway leaves its temp folder (a whole checkpoint or exported LM); the
+    next save to the same place removes it, but never one a live process is writing."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    host = socket.gethostname()
+    left = [f".ckpt.tmp-{dead}@{host}-abcd1234", f".ckpt.tmp-{os.getppid()}@{host}-live0000",
+            f".ckpt.tmp-{dead}@another-host-zz99zz99"]
+    for name in left:
+        (tmp_path / name).mkdir()
+    ktm_model.save(str(tmp_path / "ckpt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", *left[1:]])

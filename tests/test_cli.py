@@ -104,6 +104,22 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
     assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
 
 
+def test_demo_refuses_to_delete_another_commands_run(capsys, tiny_model_dir, tmp_path):
+    """The demo starts fresh by deleting OUT/checkpoint and metrics.jsonl: with --out-dir of a
+    `ktm train` run it deleted that run's checkpoint; a demo's own folder is still reused."""
+    run_dir, demo_dir = tmp_path / "run", tmp_path / "demo"
+    assert run(capsys, "train", "--model", tiny_model_dir, "--task", "tree", "--stage", "small",
+               "--n-train", "4", "--n-eval", "2", "--max-steps", "1", "--batch-size", "2",
+               "--out-dir", str(run_dir), "--no-progress")[0] == 0
+    flags = ["--model", tiny_model_dir, "--stage", "small", "--steps", "1", "--batch-size", "2",
+             "--n-eval", "2"]
+    code, _, err = run(capsys, "demo", *flags, "--out-dir", str(run_dir))
+    assert code == 2 and "holds a run of 'ktm train" in err, err
+    assert (run_dir / "checkpoint" / "ktm_config.json").is_file()
+    for _ in range(2):  # the demo's own folder: started fresh each time
+        assert run(capsys, "demo", *flags, "--out-dir", str(demo_dir))[0] == 0
+
+
 def test_demo_says_slower_when_merging_was_slower(capsys, monkeypatch, tiny_model_dir,
                                                   tmp_path):
     import ktm.demo

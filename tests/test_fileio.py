@@ -85,3 +85,34 @@ def test_a_corrupt_line_inside_the_metrics_is_a_clear_error(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(KTMError, match="line 2 is not JSON"):
         _trim_metrics(path, 2)
+
+
+def test_the_fallback_swap_never_deletes_the_only_copy_a_crash_left(tmp_path, monkeypatch):
+    """A crash between the fallback's two renames leaves only DEST.old; the next save must not
+    delete it before the new folder is in place."""
+    dest, new = tmp_path / "ckpt", tmp_path / "new"
+    fileio.old_copy(dest).mkdir()
+    (fileio.old_copy(dest) / "a.txt").write_text("old")
+    new.mkdir()
+    (new / "a.txt").write_text("new")
+    monkeypatch.setattr(fileio, "_exchange", lambda a, b: False)  # no renameat2
+    real_rmtree, seen = fileio.shutil.rmtree, []
+
+    def watched(path, *a, **kw):
+        real_rmtree(path, *a, **kw)
+        seen.append(fileio.existing_dir(dest).exists())
+
+    monkeypatch.setattr(fileio.shutil, "rmtree", watched)
+    fileio.replace_dir(new, dest)
+    assert seen and all(seen), "a deletion left no copy of the folder"
+    assert (dest / "a.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_new_run_sees_the_checkpoint_copy_a_crash_mid_swap_left(tmp_path):
+    from ktm.train_state import check_fresh
+
+    (tmp_path / "checkpoint.old").mkdir()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(KTMError, match="already holds a run: pass --resume"):
+        check_fresh(tmp_path)

@@ -191,6 +191,25 @@ def test_missing_embedded_package_says_how_to_fix(monkeypatch, tmp_path):
         KTMModel.from_base("fake-model")
 
 
+def test_a_killed_conversion_of_the_embedded_model_leaves_no_copy_behind(monkeypatch,
+                                                                        tmp_path):
+    """Each killed GGUF conversion left a whole model (0.5 GB for SmolLM2) in the cache."""
+    from ktm import models
+
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path))
+    (tmp_path / ".smollm2-135m-k1ll3d").mkdir()  # what a SIGKILL mid-save_pretrained leaves
+    (tmp_path / ".smollm2-135m-k1ll3d" / "model.safetensors").write_bytes(b"half")
+
+    def convert(name, spec, dest):
+        dest.mkdir()
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_embedded", convert)
+    assert models.resolve_model_path("smollm2-135m") == tmp_path / "smollm2-135m"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [
+        "smollm2-135m"]
+
+
 def test_folder_without_config_is_a_clear_error(tmp_path):
     with pytest.raises(KTMError, match="has no config.json"):
         KTMModel.from_base(str(tmp_path))

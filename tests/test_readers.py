@@ -90,6 +90,19 @@ def tiny_pretrain(model_dir, run, *flags) -> int:
                  "--batch-size", "2", "--out-dir", str(run), "--no-progress", *flags])
 
 
+def test_pack_reader_names_a_corrupt_source_not_a_failed_write(tiny_model_dir, tmp_path,
+                                                               registry, capsys):
+    run = tmp_path / "run"
+    assert tiny_pretrain(tiny_model_dir, run, "--max-steps", "1") == 0
+    weights = run / "checkpoint" / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a truncated copy
+    capsys.readouterr()
+    assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {str(run / 'checkpoint')!r} is incomplete or corrupt" in err, err
+    assert not registry.exists() or list(registry.iterdir()) == []
+
+
 def test_pack_reader_refuses_a_run_of_another_model_or_k(tiny_model_dir, tmp_path, monkeypatch,
                                                         capsys):
     """A run packed under a reader name of another K, or of the embedded model while it trained

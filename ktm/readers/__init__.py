@@ -107,7 +107,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
 
     ``info`` (the training command, data, CPU minutes, readability) goes to ``reader.json``.
     """
-    from ktm.checkpoint import ADAPTER, CONFIG, ENCODER, read_config, save_atomic
+    from ktm.checkpoint import ADAPTER, CONFIG, ENCODER, FILE_ERRORS, read_config, save_atomic
     from ktm.fileio import write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
@@ -116,15 +116,21 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
         raise KTMError(f"reader name {name!r} is not registered: expected one of "
                        f"{', '.join(sorted(READERS))} (add it to ktm.readers.READERS)")
     check_name_fits(name, cfg["config"])
+    # read whole before writing: a bad source is named as such, not as a failed write
+    states, lora_config = {}, src / ADAPTER / "adapter_config.json"
+    try:
+        for rel in (ENCODER, f"{ADAPTER}/adapter_model.safetensors"):
+            states[rel] = {k: v.to(STORAGE_DTYPE).contiguous() for k, v in
+                           load_file(str(src / rel)).items()}
+        lora_text = lora_config.read_text()
+    except FILE_ERRORS as e:
+        raise KTMError(f"checkpoint {str(src)!r} is incomplete or corrupt: {e}") from e
 
     def write(tmp: Path) -> None:
         (tmp / ADAPTER).mkdir()
-        for rel in (ENCODER, f"{ADAPTER}/adapter_model.safetensors"):
-            state = {k: v.to(STORAGE_DTYPE).contiguous() for k, v in
-                     load_file(str(src / rel)).items()}
+        for rel, state in states.items():
             save_file(state, str(tmp / rel), metadata={"format": "pt"})
-        write_text_atomic(tmp / ADAPTER / "adapter_config.json",
-                          (src / ADAPTER / "adapter_config.json").read_text())
+        write_text_atomic(tmp / ADAPTER / "adapter_config.json", lora_text)
         write_json_atomic(tmp / CONFIG, cfg)
         write_json_atomic(tmp / "reader.json", {"name": name, **info})
 
