@@ -210,6 +210,34 @@ def test_a_killed_conversion_of_the_embedded_model_leaves_no_copy_behind(monkeyp
         "smollm2-135m"]
 
 
+@pytest.mark.parametrize("no_lock", ["no fcntl", "flock refused"])
+def test_without_a_lock_the_conversion_runs_and_leaves_other_copies_alone(monkeypatch, tmp_path,
+                                                                          no_lock):
+    """Without flock (Windows has no fcntl; some NFS mounts refuse it) the model is still
+    converted, but a temp copy beside it may be another process's conversion in progress:
+    only a lock holder may remove it."""
+    from ktm import models
+
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path))
+    (tmp_path / ".smollm2-135m-busy").mkdir()
+
+    def refuse(*args):
+        raise OSError(37, "No locks available")
+
+    if no_lock == "no fcntl":
+        monkeypatch.setattr(models, "fcntl", None)
+    else:
+        monkeypatch.setattr(models.fcntl, "flock", refuse)
+
+    def convert(name, spec, dest):
+        dest.mkdir()
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_embedded", convert)
+    assert models.resolve_model_path("smollm2-135m") == tmp_path / "smollm2-135m"
+    assert (tmp_path / ".smollm2-135m-busy").is_dir()
+
+
 def test_folder_without_config_is_a_clear_error(tmp_path):
     with pytest.raises(KTMError, match="has no config.json"):
         KTMModel.from_base(str(tmp_path))
