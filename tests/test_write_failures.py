@@ -74,7 +74,8 @@ def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tiny_model_dir, dat
     monkeypatch.setattr(train_state, "save_file", no_space)  # the optimizer state, mid-folder
     with pytest.raises(KTMError, match=r"cannot write '.*checkpoint': .*No space left"):
         train(fresh(tiny_model_dir), data, TrainConfig(max_steps=3, resume=True, **kw))
-    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json"]  # no temp folder
+    # no temp folder
+    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json", "run.lock"]
     ckpt = tmp_path / "checkpoint"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
     KTMModel.load(str(ckpt))
@@ -116,7 +117,7 @@ def test_a_resume_removes_the_temp_files_a_killed_run_left(tiny_model_dir, data,
     (tmp_path / ".checkpoint.tmp-abc123" / "encoder.safetensors").write_bytes(b"half")
     (tmp_path / ".metrics.jsonl.x1y2.tmp").write_text('{"step": 1}\n')
     train(fresh(tiny_model_dir), data, TrainConfig(max_steps=3, resume=True, **kw))
-    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json"]
+    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json", "run.lock"]
 
 
 @pytest.mark.parametrize("save_every, says", [
@@ -194,7 +195,7 @@ def test_sigkill_mid_checkpoint_then_resume_continues_exactly(tiny_model_dir, tm
     assert any(p.name.startswith(".checkpoint.tmp-") for p in out.iterdir())  # the kill's mess
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
     assert main([*argv(out), "--resume"]) == 0
-    assert names(out) == ["checkpoint", "metrics.jsonl", "run.json"]
+    assert names(out) == ["checkpoint", "metrics.jsonl", "run.json", "run.lock"]
     got, want = losses(out), losses(tmp_path / "straight")
     assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
