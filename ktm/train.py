@@ -285,6 +285,23 @@ def _log(metrics_file, row: dict) -> None:
                          "before is intact (--resume continues from it)") from e
 
 
+def _complete(model, out: Path, step: int, config: TrainConfig, ema, world) -> dict:
+    """A resume of a run that has reached ``max_steps`` trains nothing and writes nothing: say
+    so, and return its last logged metrics, as the run itself did."""
+    if ema is not None:  # the checkpoint's weights are the average, as a finished run hands out
+        ema.copy_to_params()
+    model.eval()
+    if world.is_main:
+        print(f"{str(out)!r} is already complete at step {step} (max_steps "
+              f"{config.max_steps}); its checkpoint: {str(out / CHECKPOINT)!r}; nothing to train",
+              file=sys.stderr)
+    last: dict = {}
+    for row in read_metrics(out / METRICS):
+        if row.get("step") == step:  # the step's row, then its evaluation's
+            last.update(row)
+    return last
+
+
 def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
          world) -> dict:
     out = Path(config.out_dir)
@@ -296,6 +313,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     step = 0
     if config.resume:
         step = load_checkpoint(model, opt, out, config, data, world, ema)
+        if step >= config.max_steps:
+            return _complete(model, out, step, config, ema, world)
     else:
         check_fresh(out)
     distributed.barrier(world)  # every process has checked the folder before rank 0 writes
