@@ -11,10 +11,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ktm import distributed
 from ktm.errors import KTMError
 from ktm.evaluate import evaluate_classification
 from ktm.fileio import write_text_atomic
 from ktm.provenance import git_revision, versions
+from ktm.run_lock import main_holds
 from ktm.tasks.tree import PASS_ACCURACY, TreeTask
 from ktm.tasks.tree_gen import STAGES
 from ktm.train import TrainConfig, train
@@ -50,6 +52,14 @@ def run_curriculum(model, cfg: CurriculumConfig, train_cfg: TrainConfig,
     """Returns one row per round: stage, round, balanced accuracy, passed."""
     out = Path(train_cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # a second curriculum on the folder would rewrite curriculum.jsonl and unlink the rounds'
+    # metrics: refused (each round's own folder is locked by ``train`` too)
+    with main_holds(out, distributed.setup(model.device), model.device):
+        return _rounds(model, cfg, train_cfg, prompt_mode, out)
+
+
+def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: str,
+            out: Path) -> list[dict]:
     stages = STAGES[STAGES.index(cfg.start_stage): STAGES.index(cfg.final_stage) + 1]
     rows: list[dict] = []
     # what made the rows, in each row of the file (as every result row of ktm has)

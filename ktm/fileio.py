@@ -9,6 +9,7 @@ and swapped with the old one in one ``renameat2(RENAME_EXCHANGE)`` call (``repla
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import os
 import shutil
@@ -61,17 +62,65 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+TEMP_DIR_PREFIX = ".{}.tmp-"  # a folder's temp copy beside it: .NAME.tmp-PID@HOST-XXXXXXXX
+# a file's temp copy beside it: .NAME.PID@HOST-XXXXXXXX.tmp (``atomic_path``: the file's suffix)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+def _owned_prefix(prefix: str) -> str:
+    return f"{prefix}{os.getpid()}@{socket.gethostname()}-"
+
+
+def _remove_dead(folder: Path, prefix: str) -> None:
+    """Remove the temps named ``PREFIX PID@HOST-...`` that a killed process of this machine
+    left; never a live process's, another machine's (on a shared filesystem) or this one's."""
+    host = socket.gethostname()
+    for old in folder.glob(f"{glob.escape(prefix)}*"):
+        pid, _, where = old.name[len(prefix):].rsplit("-", 1)[0].partition("@")
+        if where != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def _temp_file(path: Path, suffix: str) -> tuple[int, str]:
+    """A new temp file beside ``path``, after removing those killed writes of it left."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead(path.parent, f".{path.name}.")
+        return tempfile.mkstemp(prefix=_owned_prefix(f".{path.name}."), suffix=suffix,
+                                dir=path.parent)
+    except OSError as e:
+        raise write_error(path, e) from e
+
+
+def temp_dir_beside(dest: Path) -> Path:
+    """A new temp folder beside ``dest``, named after this process, after removing those that
+    a killed process of this machine left for the same ``dest`` (a whole checkpoint or LM each).
+    """
+    prefix = TEMP_DIR_PREFIX.format(dest.name)
+    _remove_dead(dest.parent, prefix)
+    return Path(tempfile.mkdtemp(prefix=_owned_prefix(prefix), dir=dest.parent))
+
+
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
     """``with atomic_open(p) as f: f.write(...)``: temp file, fsync, rename over ``p``."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise write_error(path, e) from e
+    fd, tmp = _temp_file(path, ".tmp")
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
@@ -127,31 +176,6 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-TEMP_DIR_PREFIX = ".{}.tmp-"  # a folder's temp copy beside it: .NAME.tmp-PID@HOST-XXXXXXXX
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, another user's
-        return True
-    return True
-
-
-def temp_dir_beside(dest: Path) -> Path:
-    """A new temp folder beside ``dest``, named after this process, after removing those that
-    a killed process of this machine left for the same ``dest`` (a whole checkpoint or LM each).
-    """
-    prefix, host = TEMP_DIR_PREFIX.format(dest.name), socket.gethostname()
-    for old in dest.parent.glob(f"{prefix}*"):
-        pid, _, where = old.name[len(prefix):].rsplit("-", 1)[0].partition("@")
-        if where == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}@{host}-", dir=dest.parent))
-
-
 def old_copy(dest: Path) -> Path:
     """Where the fallback swap keeps the previous folder until the new one is in place."""
     return dest.with_name(dest.name + ".old")
@@ -204,11 +228,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path beside ``path`` for a library that writes by name; on success fsync it
     and rename it over ``path``."""
     path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    except OSError as e:
-        raise write_error(path, e) from e
+    fd, name = _temp_file(path, path.suffix)
     os.close(fd)
     tmp = Path(name)
     try:

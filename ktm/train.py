@@ -30,6 +30,7 @@ from ktm.errors import KTMError
 from ktm.field_types import check_field_types
 from ktm.fileio import WriteError
 from ktm.provenance import git_revision, versions
+from ktm.run_lock import main_holds
 from ktm.tasks.base import Example, check_examples
 from ktm.timing import clock
 from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics: public names)
@@ -262,7 +263,13 @@ def train(
     if out.exists() and not out.is_dir():
         raise KTMError(f"out_dir {str(out)!r} is a file: expected a folder for the run")
     world = distributed.setup(model.device)
-    with torch.random.fork_rng(devices=_cuda_devices(model)):
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission
+        raise KTMError(f"cannot create out_dir {str(out)!r}: {e}") from e
+    # one run writes a folder at a time: a second one on it is refused before it reads it
+    with main_holds(out, world, model.device), torch.random.fork_rng(
+            devices=_cuda_devices(model)):
         torch.manual_seed(config.seed + world.rank)  # rank 0 draws what a 1-process run draws
         return _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
                     world)
@@ -278,13 +285,26 @@ def _log(metrics_file, row: dict) -> None:
                          "before is intact (--resume continues from it)") from e
 
 
+def _complete(model, out: Path, step: int, config: TrainConfig, ema, world) -> dict:
+    """A resume of a run that has reached ``max_steps`` trains nothing and writes nothing: say
+    so, and return its last logged metrics, as the run itself did."""
+    if ema is not None:  # the checkpoint's weights are the average, as a finished run hands out
+        ema.copy_to_params()
+    model.eval()
+    if world.is_main:
+        print(f"{str(out)!r} is already complete at step {step} (max_steps "
+              f"{config.max_steps}); its checkpoint: {str(out / CHECKPOINT)!r}; nothing to train",
+              file=sys.stderr)
+    last: dict = {}
+    for row in read_metrics(out / METRICS):
+        if row.get("step") == step:  # the step's row, then its evaluation's
+            last.update(row)
+    return last
+
+
 def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
          world) -> dict:
     out = Path(config.out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file on the way, no permission
-        raise KTMError(f"cannot create out_dir {str(out)!r}: {e}") from e
     opt = adamw(param_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
     distributed.broadcast_params([p for g in opt.param_groups for p in g["params"]], world)
     data = data_signature(examples)
@@ -293,6 +313,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     step = 0
     if config.resume:
         step = load_checkpoint(model, opt, out, config, data, world, ema)
+        if step >= config.max_steps:
+            return _complete(model, out, step, config, ema, world)
     else:
         check_fresh(out)
     distributed.barrier(world)  # every process has checked the folder before rank 0 writes

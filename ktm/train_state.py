@@ -2,6 +2,7 @@
 
     OUT/run.json           what started the run, one entry per start (``history``)
     OUT/metrics.jsonl      one JSON row per logged step / evaluation (an append-only log)
+    OUT/run.lock           locked while a run writes the folder (``ktm.run_lock``)
     OUT/checkpoint/        a loadable KTMModel checkpoint + optimizer.safetensors (Adam moments,
                            CPU and CUDA RNG states) + trainer_state.json; extra files (LTSC
                            state) are written inside the same atomic folder swap. With a weight

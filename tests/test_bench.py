@@ -317,11 +317,10 @@ def test_bench_plot_errors_are_one_line(text, match, tmp_path, capsys):
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_synthetic_text_is_exact_where_merges_span_word_boundaries():
-    """A tokenizer that merges across words ("t" + "Ġ" before any word's own merges: " cat dog"
-    reads " ca", "t ", "d", "o", "g") read the synthetic prompt as more tokens than words, and
-    ``ktm bench`` stopped ("349 tokens, expected exactly 256"): the text is now cut at the
-    requested number of token ids."""
+def merging_across_words(decoder: str = "byte-level"):
+    """A tiny model whose tokenizer merges across words ("t" + "Ġ" before any word's own merges:
+    " cat dog" reads " ca", "t ", "d", "o", "g"); ``decoder``: "byte-level" (exact), "none" (the
+    raw pieces joined by spaces: a cut re-reads longer), "drops-cat" (a cut re-reads shorter)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -334,14 +333,36 @@ def test_synthetic_text_is_exact_where_merges_span_word_boundaries():
         vocab.setdefault(a + b, len(vocab))
     backend = Tokenizer(models.BPE(vocab, merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
+    if decoder != "none":
+        backend.decoder = decoders.ByteLevel()
+    if decoder == "drops-cat":
+        backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace(" cat", "")])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=1, num_attention_heads=4))
-    model = KTMModel.from_base(lm, k=2, tokenizer=tok)
+    return KTMModel.from_base(lm, k=2, tokenizer=tok)
+
+
+def test_synthetic_text_is_exact_where_merges_span_word_boundaries():
+    """A tokenizer that merges across words read the synthetic prompt as more tokens than
+    words, and ``ktm bench`` stopped ("349 tokens, expected exactly 256"): the text is now cut
+    at the requested number of token ids."""
+    model = merging_across_words()
+    tok = model.tokenizer
     pool = word_pool(tok)
     assert len(tok(" cat dog", add_special_tokens=False)["input_ids"]) == 5
     for n, first in [(3, True), (40, False), (256, True)]:
         text = synthetic_text(model, n, seed=n, pool=pool, first=first)
         assert len(model.tokenize(text, first=first)) == n
         assert text == synthetic_text(model, n, seed=n, pool=pool, first=first)
+
+
+@pytest.mark.parametrize("decoder", ["none", "drops-cat"])
+def test_synthetic_text_names_the_length_no_cut_reads_exactly(decoder):
+    """Where no cut of the longer text re-reads as exactly the requested number of tokens, the
+    prompt is refused with its lengths, not returned at another length or cut forever."""
+    model = merging_across_words(decoder)
+    pool = [" cat", " dog", " sun", " top"]
+    with pytest.raises(KTMError, match=r"synthetic prompt has \d+ tokens, expected exactly 40: "
+                                       r"this tokenizer's merges span word boundaries"):
+        synthetic_text(model, 40, seed=1, pool=pool)

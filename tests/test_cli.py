@@ -564,3 +564,20 @@ def test_a_checkpoint_read_on_another_tokenizer_of_the_same_size_is_refused(
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert f"trained on base model {str(Path(tiny_model_dir).resolve())!r}" in err
     assert f"but base model {str(Path(tiny_bos_model_dir).resolve())!r} is another model" in err
+
+
+def test_resuming_a_complete_run_says_so_and_changes_nothing(capsys, tiny_model_dir, tmp_path):
+    """``ktm train --resume`` on a run at max_steps printed ``{}`` and recorded a new start."""
+    out_dir = tmp_path / "run"
+    argv = ["train", "--model", tiny_model_dir, "--task", "tree", "--stage", "small",
+            "--n-train", "8", "--n-eval", "2", "--max-steps", "2", "--batch-size", "4",
+            "--out-dir", str(out_dir), "--no-progress"]
+    code, first, _ = run(capsys, *argv)
+    assert code == 0
+    files = {p.name: p.read_bytes() for p in out_dir.iterdir() if p.is_file()}
+    code, again, err = run(capsys, *argv, "--resume")
+    assert code == 0
+    assert f"{str(out_dir)!r} is already complete at step 2 (max_steps 2)" in err
+    assert repr(str(out_dir / "checkpoint")) in err
+    assert json.loads(again) == json.loads(first) and "eval" in json.loads(again)
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir() if p.is_file()} == files

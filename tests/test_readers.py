@@ -82,6 +82,22 @@ def test_pack_reader_refuses_unregistered_name_and_unfinished_run(tmp_path, regi
         readers.reader_path("nope")
 
 
+def test_run_info_drops_a_metrics_line_a_crash_cut(tmp_path):
+    """A run killed mid-append leaves half a last line in metrics.jsonl; ``train --resume`` and
+    ``read_metrics`` drop it, but pack-reader's run info failed on it ("not a finished run")."""
+    (tmp_path / "run.json").write_text(json.dumps({"command": "ktm pretrain", "config": {}}))
+    rows = [{"step": 1, "loss": 2.0, "cpu_s": 60.0}, {"step": 2, "loss": 1.5, "cpu_s": 120.0},
+            {"step": 2, "cpu_s": 120.0, "eval": {"readability": 0.5}}]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "metrics.jsonl").write_text(lines + '{"step": 3, "lo')
+    info = readers.run_info(tmp_path)
+    assert (info["steps"], info["cpu_minutes"], info["readability"]) == (2, 2.0,
+                                                                         {"readability": 0.5})
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n' + lines)  # not a crash's cut
+    with pytest.raises(KTMError, match="line 1 is not JSON"):
+        readers.run_info(tmp_path)
+
+
 def tiny_pretrain(model_dir, run, *flags) -> int:
     """``ktm pretrain`` of a K=2 reader on the tiny model's own tokenizer file; its exit code."""
     return main(["pretrain", "--model", model_dir, "--k", "2", "--sources",

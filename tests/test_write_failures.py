@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,7 +75,8 @@ def test_a_failed_checkpoint_write_keeps_the_last_checkpoint(tiny_model_dir, dat
     monkeypatch.setattr(train_state, "save_file", no_space)  # the optimizer state, mid-folder
     with pytest.raises(KTMError, match=r"cannot write '.*checkpoint': .*No space left"):
         train(fresh(tiny_model_dir), data, TrainConfig(max_steps=3, resume=True, **kw))
-    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json"]  # no temp folder
+    # no temp folder
+    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json", "run.lock"]
     ckpt = tmp_path / "checkpoint"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
     KTMModel.load(str(ckpt))
@@ -116,7 +118,7 @@ def test_a_resume_removes_the_temp_files_a_killed_run_left(tiny_model_dir, data,
     (tmp_path / ".checkpoint.tmp-abc123" / "encoder.safetensors").write_bytes(b"half")
     (tmp_path / ".metrics.jsonl.x1y2.tmp").write_text('{"step": 1}\n')
     train(fresh(tiny_model_dir), data, TrainConfig(max_steps=3, resume=True, **kw))
-    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json"]
+    assert names(tmp_path) == ["checkpoint", "metrics.jsonl", "run.json", "run.lock"]
 
 
 @pytest.mark.parametrize("save_every, says", [
@@ -194,7 +196,39 @@ def test_sigkill_mid_checkpoint_then_resume_continues_exactly(tiny_model_dir, tm
     assert any(p.name.startswith(".checkpoint.tmp-") for p in out.iterdir())  # the kill's mess
     assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
     assert main([*argv(out), "--resume"]) == 0
-    assert names(out) == ["checkpoint", "metrics.jsonl", "run.json"]
+    assert names(out) == ["checkpoint", "metrics.jsonl", "run.json", "run.lock"]
     got, want = losses(out), losses(tmp_path / "straight")
     assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+
+
+KILLED_MID_WRITE = """
+import os, signal, sys
+from ktm.fileio import atomic_open
+with atomic_open(sys.argv[1]) as f:
+    f.write('{"half": ')
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_next_write_of_a_file_removes_the_temp_a_killed_write_left(tmp_path):
+    """A single-file result (``ktm eval --json``, ``--predictions``, bench ``--out``) killed
+    mid-write left ``.r.json.XXXX.tmp`` beside it for good; the temp is now named after its
+    process, and the next write of the same file removes it, never a live process's, another
+    machine's or another file's."""
+    path = tmp_path / "r.json"
+    root = os.path.dirname(os.path.dirname(fileio.__file__))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(path)], env=env)
+    assert killed.returncode == -signal.SIGKILL
+    [left] = [p.name for p in tmp_path.iterdir()]  # the kill's mess, and no r.json
+    host = socket.gethostname()
+    # a live process's, another machine's, and the same dead process's of another file
+    kept = [f".r.json.{os.getppid()}@{host}-live0000.tmp", f".r.json.1@another-{host}-zz99.tmp",
+            left.replace(".r.json.", ".r.jsonl.")]
+    for name in kept:
+        (tmp_path / name).write_text("x")
+    fileio.write_json_atomic(path, {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert names(tmp_path) == sorted(["r.json", *kept])

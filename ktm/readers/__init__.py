@@ -155,11 +155,12 @@ def check_name_fits(name: str, config: dict) -> None:
 
 def run_info(run_dir: str | Path) -> dict:
     """What trained a run: its command, configs, data, CPU minutes and last readability."""
+    from ktm.fileio import read_metrics
+
     run = Path(run_dir)
     try:
         meta = json.loads((run / "run.json").read_text())
-        rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()
-                if r.strip()]
+        rows = read_metrics(run / "metrics.jsonl")  # drops a last line a crash cut
     except (OSError, json.JSONDecodeError) as e:
         raise KTMError(f"{str(run)!r} is not a finished ktm run (run.json / metrics.jsonl): {e}"
                        ) from e
