@@ -54,12 +54,13 @@ def run_curriculum(model, cfg: CurriculumConfig, train_cfg: TrainConfig,
     out.mkdir(parents=True, exist_ok=True)
     # a second curriculum on the folder would rewrite curriculum.jsonl and unlink the rounds'
     # metrics: refused (each round's own folder is locked by ``train`` too)
-    with main_holds(out, distributed.setup(model.device), model.device):
-        return _rounds(model, cfg, train_cfg, prompt_mode, out)
+    world = distributed.setup(model.device)
+    with main_holds(out, world, model.device):
+        return _rounds(model, cfg, train_cfg, prompt_mode, out, world)
 
 
 def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: str,
-            out: Path) -> list[dict]:
+            out: Path, world: distributed.World) -> list[dict]:
     stages = STAGES[STAGES.index(cfg.start_stage): STAGES.index(cfg.final_stage) + 1]
     rows: list[dict] = []
     # what made the rows, in each row of the file (as every result row of ktm has)
@@ -88,9 +89,11 @@ def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: s
             row = {"stage": stage, "round": rnd, "balanced_accuracy": res["balanced_accuracy"],
                    "threshold": need, "passed": res["balanced_accuracy"] >= need}
             rows.append(row)
-            # this invocation's rows, whole: a resume re-evaluates the finished rounds
-            write_text_atomic(out / "curriculum.jsonl",
-                              "".join(json.dumps({**r, **made_by}) + "\n" for r in rows))
+            # this invocation's rows, whole: a resume re-evaluates the finished rounds; written
+            # by rank 0 alone, as train's files are (every process computes the same rows)
+            if world.is_main:
+                write_text_atomic(out / "curriculum.jsonl",
+                                  "".join(json.dumps({**r, **made_by}) + "\n" for r in rows))
             if row["passed"]:
                 break
         if not rows[-1]["passed"]:

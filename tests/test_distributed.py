@@ -221,3 +221,24 @@ def test_a_launched_process_refuses_another_processs_gpu(monkeypatch):
     with pytest.raises(KTMError, match=r"'cuda:0' under a launcher: each process uses "
                                        r"cuda:LOCAL_RANK \(this one cuda:1\); expected --device"):
         distributed.setup("cuda:0")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_curriculum_jsonl_is_written_by_rank_0_alone(rank, tmp_path, monkeypatch):
+    import ktm.curriculum as curriculum
+    from ktm import distributed
+    from ktm.curriculum import CurriculumConfig, run_curriculum
+
+    class Model:  # what run_curriculum reads of a model; train and eval are faked below
+        device, config_dict = torch.device("cpu"), {}
+
+    monkeypatch.setattr(distributed, "setup", lambda device: World(rank, 2))
+    monkeypatch.setattr(distributed, "sum_numbers", lambda values, world, device: [0.0])
+    monkeypatch.setattr(curriculum, "train", lambda model, examples, cfg: None)
+    monkeypatch.setattr(curriculum, "evaluate_classification",
+                        lambda model, examples, labels: {"balanced_accuracy": 1.0})
+    rows = run_curriculum(Model(), CurriculumConfig(start_stage="small", final_stage="small",
+                                                    n_eval=2),
+                          TrainConfig(out_dir=str(tmp_path), batch_size=1, progress=False))
+    assert [r["passed"] for r in rows] == [True]  # every process computes the rows
+    assert (tmp_path / "curriculum.jsonl").exists() == (rank == 0)
