@@ -20,6 +20,8 @@ from typing import Any
 from ktm.config import KTMConfig
 from ktm.config_args import add_dataclass_args, from_args, given
 from ktm.errors import KTMError
+from ktm.tasks import TASKS
+from ktm.tasks.tree_gen import STAGES
 
 RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
 # how prompts are laid out, not weights: may differ from a checkpoint's
@@ -28,11 +30,16 @@ LAYOUT = ("plain_suffix", "align_lines")
 
 @dataclass
 class TaskArgs:
-    task: str = field(default="tree", metadata={"help": "tree | amazon | commitpack | custom"})
-    stage: str = field(default="xmedium", metadata={"help": "tree stage (tree task only)"})
-    prompt_mode: str = field(default="context",
-                             metadata={"help": "context: question plain | paper: all compressed"})
-    data_path: str | None = field(default=None, metadata={"help": "your own JSONL of the schema"})
+    task: str = field(default="tree", metadata={"choices": sorted(TASKS), "help": "the task"})
+    stage: str = field(default="xmedium", metadata={"choices": list(STAGES),
+                                                    "help": "tree stage (tree task only)"})
+    prompt_mode: str = field(default="context", metadata={
+        "choices": ["context", "paper"],
+        "help": "context: the question plain | paper: all compressed"})
+    data_path: str | None = field(default=None, metadata={
+        "help": "the task's data file, a JSONL (.gz too) of its schema: instead of the shipped "
+                "one (amazon, commitpack); required by custom (context, optional prompt, "
+                "target)"})
     n_train: int = field(default=2000, metadata={"help": "training examples to draw"})
     n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
 

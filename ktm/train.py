@@ -51,15 +51,22 @@ from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics:
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "runs/ktm"
-    max_steps: int = 100  # optimizer steps
-    batch_size: int = 8  # examples per forward pass
-    grad_accum: int = 1  # forward passes per optimizer step
-    lr: float = 1e-4
+    out_dir: str = field(default="runs/ktm", metadata={
+        "help": "the run's folder: metrics.jsonl, run.json, checkpoint/"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=8, metadata={
+        "help": "examples per forward pass (per process under a launcher)"})
+    grad_accum: int = field(default=1, metadata={
+        "help": "forward passes per optimizer step; global batch = processes x batch size x "
+                "grad accum"})
+    lr: float = field(default=1e-4, metadata={
+        "help": "AdamW learning rate of LoRA (and of the slot weights and gate, unless "
+                "--slot-lr)"})
     # the encoder MLP has a K*D-wide fan-in, so one Adam step at the LoRA rate moves its output
     # by far more than an embedding's norm (0 -> 11.7 in 6 steps at 5e-4, embeddings ~3.2);
     # its weights get this smaller rate. The slot weights and the gate (fan-in 1) use ``lr``.
-    encoder_lr: float = 5e-5
+    encoder_lr: float = field(default=5e-5, metadata={
+        "help": "learning rate of the encoder MLP's weights"})
     # the slot weights and the gate: the encoder's order-aware part. They start at the mean (1/K)
     # and at ``lr`` move by ~lr per step, too slowly to learn the order inside a block (the shipped
     # K=4 reader's two slots per level differ by 0.03-0.06 on average after 1,350 steps). None: lr.
@@ -71,15 +78,23 @@ class TrainConfig:
                 "last iterate is kept in checkpoint/live; 0: off"})
     schedule: str = field(default="constant", metadata={"choices": ["constant", "cosine"],
                           "help": "after warm-up: constant, or cosine decay to 10% of lr"})
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    clip_norm: float = 1.0  # 0 disables clipping
-    seed: int = 0
-    log_every: int = 1
-    eval_every: int = 0  # 0: evaluate only at the end
-    save_every: int = 50  # 0: save only at the end
-    resume: bool = False
-    progress: bool = True
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "steps of linear learning-rate warm-up (0: none)"})
+    clip_norm: float = field(default=1.0, metadata={
+        "help": "clip the gradient norm to this (0: no clipping)"})
+    seed: int = field(default=0, metadata={
+        "help": "random seed: the examples drawn and their order, new weights, dropout"})
+    log_every: int = field(default=1, metadata={
+        "help": "a metrics.jsonl row every N steps (and at the last step)"})
+    eval_every: int = field(default=0, metadata={
+        "help": "evaluate every N steps, logged to metrics.jsonl (0: only at the end)"})
+    save_every: int = field(default=50, metadata={
+        "help": "save checkpoint/ every N steps (0: only at the end)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue the run in out-dir from its checkpoint (off: the folder must hold "
+                "no earlier run)"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self) -> None:
         check_field_types(self)
