@@ -177,8 +177,12 @@ def curriculum_parser(cur: argparse.ArgumentParser) -> None:
 
     add_model_args(cur)
     add_dataclass_args(cur, CurriculumConfig)
-    add_dataclass_args(cur, TrainConfig)
-    cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"])
+    # each round trains --steps-per-round steps and is evaluated at its end: --max-steps and
+    # --eval-every would be ignored
+    add_dataclass_args(cur, TrainConfig, skip=("max_steps", "eval_every"))
+    cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"],
+                     help="context: the question plain | paper: all compressed "
+                          "(default: 'context')")
     _init_args(cur)  # the curriculum starts from a reader like any fine-tune
     threads_arg(cur)
     data_args(cur)

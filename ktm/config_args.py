@@ -38,9 +38,12 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *,
-                       suppress: bool = False) -> None:
-    """One ``--flag`` per field; bools become ``--flag/--no-flag``, tuples/lists take values."""
+                       suppress: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per field; bools become ``--flag/--no-flag``, tuples/lists take values.
+    ``skip``: fields a command sets itself (no flag; ``from_args`` gives them their default)."""
     for dest, f, kind in _fields(cls):
+        if dest in skip:
+            continue
         flag = "--" + dest.replace("_", "-")
         default = _default(f)
         text = f.metadata.get("help", "") + f" (default: {default!r})"

@@ -581,3 +581,15 @@ def test_resuming_a_complete_run_says_so_and_changes_nothing(capsys, tiny_model_
     assert repr(str(out_dir / "checkpoint")) in err
     assert json.loads(again) == json.loads(first) and "eval" in json.loads(again)
     assert {p.name: p.read_bytes() for p in out_dir.iterdir() if p.is_file()} == files
+
+
+@pytest.mark.parametrize("flag", ["--max-steps", "--eval-every"])
+def test_curriculum_refuses_the_train_flags_it_would_ignore(capsys, tiny_model_dir, tmp_path,
+                                                            flag):
+    # each round takes --steps-per-round steps and is evaluated at its end
+    with pytest.raises(SystemExit) as e:
+        run(capsys, "curriculum", "--model", tiny_model_dir, "--start-stage", "small",
+            "--final-stage", "small", "--steps-per-round", "1", "--max-rounds", "1",
+            "--n-eval", "2", "--batch-size", "2", "--out-dir", str(tmp_path), "--no-progress",
+            flag, "5")
+    assert e.value.code == 2 and f"unrecognized arguments: {flag} 5" in capsys.readouterr().err
