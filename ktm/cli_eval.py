@@ -28,12 +28,15 @@ class EvalArgs:
         "help": "method name in tables (None: ktm-kK or uncompressed)"})
     merge: bool = field(default=True, metadata={
         "help": "merge the prompts (--no-merge: the same model, uncompressed)"})
-    seed: int = field(default=1, metadata={"help": "seed for drawing eval examples"})
+    seed: int = field(default=1, metadata={
+        "help": "seed for drawing eval examples (or readability windows)"})
     readability: tuple[str, ...] | None = field(default=None, metadata={
         "choices": HELDOUT_SETS,
         "help": "instead of a task: readability R on these held-out sets (reviews of other "
                 "categories, code of unseen repositories)"})
-    n_windows: int = field(default=64, metadata={"help": "held-out windows per readability set"})
+    n_windows: int = field(default=64, metadata={
+        "aliases": ["--n-eval-windows"],  # ktm pretrain's name
+        "help": "held-out windows per readability set"})
     scoring: str = field(default="generate", metadata={
         "choices": ["generate", "likelihood"],
         "help": "classification: 'generate' greedy-decodes an answer; 'likelihood' picks the "

@@ -1,7 +1,8 @@
 """argparse flags built from typed config dataclasses: the config is the CLI.
 
-A field's flag is ``--name`` (``metadata["flag"]`` renames it); a nested dataclass field adds its
-own fields with a prefix (``KTMConfig.lora`` -> ``--lora-r``, ``--lora-alpha``, ...). With
+A field's flag is ``--name`` (``metadata["flag"]`` renames it, ``metadata["aliases"]`` adds
+other names); a nested dataclass field adds its own fields with a prefix (``KTMConfig.lora`` ->
+``--lora-r``, ``--lora-alpha``, ...). With
 ``suppress=True`` a flag left out is absent from the parsed namespace, so ``from_args`` can fill
 it from a base config (a checkpoint's) and ``given`` can tell what the user actually set.
 """
@@ -51,12 +52,14 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *,
                               "default": argparse.SUPPRESS if suppress else default}
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
+        # another command's name for the same setting (``metadata["aliases"]``)
+        flags = [flag, *f.metadata.get("aliases", ())]
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         elif typing.get_origin(kind) in (list, tuple):
-            parser.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", **kw)
+            parser.add_argument(*flags, type=typing.get_args(kind)[0], nargs="+", **kw)
         else:
-            parser.add_argument(flag, type=kind, **kw)
+            parser.add_argument(*flags, type=kind, **kw)
 
 
 def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from ktm.models import DEFAULT_MODEL, parse_dtype
 from ktm.prompt import prompt_text
 from ktm.provenance import git_revision, versions
 from ktm.tasks.tree import TreeTask
+from ktm.tasks.tree_gen import STAGES
 from ktm.timing import clock
 from ktm.train import TrainConfig, train
 
@@ -40,8 +41,10 @@ class DemoConfig:
                 "checkpoint folder"})
     # stage small: at this budget (120 x 16 examples) even the uncompressed model stays at
     # chance on xmedium (results/README.md), so a demo there would show nothing
-    stage: str = field(default="small", metadata={"help": "tree curriculum stage"})
-    steps: int = field(default=120, metadata={"help": "optimizer steps"})
+    stage: str = field(default="small", metadata={"choices": list(STAGES),
+                                                  "help": "tree curriculum stage"})
+    steps: int = field(default=120, metadata={"aliases": ["--max-steps"],  # ktm train's name
+                                              "help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "examples per step"})
     # the experiment's rate (results/experiment.sh); from the recursive K=4 reader, 1e-3 gave
     # 0.750 balanced and 5e-4 0.854 (results/README.md, "The demo")
@@ -49,7 +52,8 @@ class DemoConfig:
     encoder_lr: float = field(default=5e-5, metadata={"help": "learning rate of the encoder MLP"})
     n_eval: int = field(default=96, metadata={"help": "balanced eval pairs"})
     seed: int = field(default=0, metadata={"help": "random seed"})
-    out_dir: str = field(default="runs/demo", metadata={"help": "where metrics and model go"})
+    out_dir: str = field(default="runs/demo", metadata={
+        "help": "the demo's folder: demo.json, metrics.jsonl, checkpoint/ (replaced each run)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
 

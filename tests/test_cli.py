@@ -593,3 +593,13 @@ def test_curriculum_refuses_the_train_flags_it_would_ignore(capsys, tiny_model_d
             "--n-eval", "2", "--batch-size", "2", "--out-dir", str(tmp_path), "--no-progress",
             flag, "5")
     assert e.value.code == 2 and f"unrecognized arguments: {flag} 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,dest,value", [
+    (["eval", "--readability", "code", "--n-eval-windows", "3"], "n_windows", 3),  # pretrain's
+    (["demo", "--max-steps", "7"], "steps", 7),  # train's name
+])
+def test_a_flag_answers_to_the_name_another_command_gives_it(argv, dest, value):
+    from ktm.cli import _parser
+
+    assert getattr(_parser(argv).parse_args(argv), dest) == value
