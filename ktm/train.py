@@ -205,6 +205,9 @@ class StepStats:
 
 
 def check_trainable(model) -> None:
+    if not model.trainable_parameters():  # AdamW failed on the empty list with an IndexError
+        raise KTMError("the model has no trainable weights (KTMModel.load freezes a checkpoint "
+                       "by default): expected KTMModel.load(..., trainable=True) or from_base")
     if model.dtype == torch.float16:
         raise KTMError("training with a float16 base model is not supported: fp16 gradients "
                        "need loss scaling; use --dtype bfloat16 or float32")

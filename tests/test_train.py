@@ -330,3 +330,13 @@ def test_bad_training_data_or_out_dir_is_refused_before_writing(tiny_model_dir, 
         assert not (tmp_path / "out").exists()  # nothing half-written
     with pytest.raises(KTMError, match="config must be a TrainConfig"):
         train(model, tree_task.train_examples(2, seed=0), {"out_dir": str(tmp_path / "out")})
+
+
+def test_a_frozen_model_is_refused_before_anything_is_written(tiny_model_dir, tmp_path):
+    fresh(tiny_model_dir).save(str(tmp_path / "ckpt"))
+    frozen = KTMModel.load(str(tmp_path / "ckpt"))  # inference: trainable=False
+    with pytest.raises(KTMError, match=r"no trainable weights.*trainable=True"):
+        train(frozen, TreeTask(stage="small").train_examples(4, seed=0),
+              TrainConfig(out_dir=str(tmp_path / "run"), max_steps=1, batch_size=4,
+                          progress=False))
+    assert not (tmp_path / "run").exists()
