@@ -38,6 +38,10 @@ def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
 
 @dataclass
 class LoraSettings:
+    """The PEFT LoRA adapter of ``KTMConfig.lora`` (the ``--lora-*`` flags). Raises ``KTMError``
+    on construction for ``r`` < 1, ``alpha`` <= 0, ``dropout`` outside [0, 1) or empty module
+    names."""
+
     r: int = field(default=4, metadata={"help": "LoRA rank"})
     alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
     dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})

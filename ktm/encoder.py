@@ -24,6 +24,10 @@ from ktm.errors import KTMError
 
 @dataclass(frozen=True)
 class EncoderConfig:
+    """The merging encoder's shape: ``hidden_size`` D of the LM, K, the MLP's width and the
+    optional order-aware parts. ``KTMModel`` builds it from ``KTMConfig``; raises ``KTMError``
+    on construction for an invalid field (e.g. K < 1, ``inner_k`` not dividing K)."""
+
     hidden_size: int
     k: int = 4
     mlp_ratio: float = 2.0  # MLP width = mlp_ratio * k * hidden_size (the paper uses ~1.5-2)
@@ -118,6 +122,9 @@ class KTokenEncoder(nn.Module):
     def forward(
         self, embeds: torch.Tensor, mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, D) embeddings + optional (B, T) mask (None: all real) -> (B, ceil(T/K), D)
+        merged + (B, ceil(T/K)) mask of blocks holding a real token. Raises ``KTMError`` for
+        another shape or D."""
         if embeds.dim() != 3 or embeds.shape[-1] != self.config.hidden_size:
             raise KTMError(
                 f"embeds must have shape (B, T, {self.config.hidden_size}), "

@@ -24,6 +24,13 @@ from ktm.text_stream import TextStream, anchor_ids, decode_continuation
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How ``KTMModel.generate`` / ``stream`` decode (the ``ktm generate`` flags).
+
+    Greedy unless ``do_sample``; ``seed`` makes sampling repeatable per prompt. Raises
+    ``KTMError`` on construction for ``max_new_tokens`` < 1, ``temperature`` <= 0 or not finite,
+    or ``top_p`` outside (0, 1].
+    """
+
     max_new_tokens: int = field(default=32, metadata={"help": "tokens to generate at most"})
     do_sample: bool = field(default=False, metadata={
         "flag": "sample", "help": "sample (temperature, top-p) instead of greedy"})

@@ -77,6 +77,9 @@ class KTMModel(nn.Module):
     load = classmethod(model_build.load)
 
     def save(self, directory: str | Path) -> None:
+        """Write a checkpoint (config, encoder, LoRA; never the base weights) that ``load``
+        reads. Atomic: a crash leaves any earlier checkpoint there intact. Raises ``KTMError``
+        if ``directory`` holds something other than a checkpoint (it would be replaced)."""
         checkpoint.save_model(self, directory)
 
     # ---------------------------------------------------------------- properties
@@ -89,6 +92,7 @@ class KTMModel(nn.Module):
 
     @property
     def k(self) -> int:
+        """Tokens merged per block by the encoder in use."""
         return self.encoder.k
 
     def encoder_at(self, k: int) -> nn.Module:
@@ -162,7 +166,11 @@ class KTMModel(nn.Module):
     def compress(
         self, prompt: PromptLike | Sequence[PromptLike], merge: bool = True
     ) -> CompressedPrompt | list[CompressedPrompt]:
-        """Prefix embeddings of one prompt or a list of prompts (``merge=False``: all plain)."""
+        """Prefix embeddings of one prompt or a list of prompts (``merge=False``: all plain).
+
+        A prompt is a string (merged whole) or a list of ``Segment``s. Returns one
+        ``CompressedPrompt`` (``embeds`` (L, D), ``tokens_in``, ``tokens_out``) per prompt, or
+        the single one for a single prompt."""
         prompts, single = split_prompts(prompt)
         out = self.encode_prompts(prompts, merge)
         return out[0] if single else out
@@ -327,14 +335,20 @@ class KTMModel(nn.Module):
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, **kwargs):
-        """Text continuation(s); see ``ktm.generate.GenerationConfig`` for the options."""
+        """Text continuation of one prompt (returns str) or of a list of prompts (list[str]).
+
+        ``kwargs`` are ``ktm.generate.GenerationConfig``'s fields (``max_new_tokens``,
+        ``do_sample``, ``temperature``, ``top_p``, ``seed``, ``stop_at_eos``, ``use_cache``,
+        ``merge``); greedy by default. Raises ``KTMError`` for a bad option or a prompt too long
+        for the LM's positions."""
         from ktm.generate import generate
 
         self._warn_unapplied_compressor()
         return generate(self, prompts, **kwargs)
 
     def stream(self, prompt: PromptLike, **kwargs):
-        """Yield text pieces of one prompt's continuation as they are decoded."""
+        """Yield text pieces of one prompt's continuation as they are decoded (options as
+        ``generate``); a list of prompts raises ``KTMError`` at the first piece."""
         from ktm.generate import stream
 
         self._warn_unapplied_compressor()
@@ -355,5 +369,7 @@ class KTMModel(nn.Module):
         self._compressor_warned = True
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of the weights that train (``requires_grad``): the encoder's and
+        LoRA's; none for a model loaded for inference (``load(..., trainable=False)``)."""
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 

@@ -124,9 +124,14 @@ def load(
     plain_suffix: int | None = None,
     align_lines: bool | None = None,
 ) -> KTMModel:
-    """Load a checkpoint folder or a shipped reader; refuse one whose K or sizes disagree
-    with what the caller expects. ``plain_suffix`` / ``align_lines`` read it with another
-    prompt layout than it was saved with (None: its own)."""
+    """Load a checkpoint folder or a shipped reader's name (e.g. ``"smollm2-135m-k4"``).
+
+    ``base``: another folder of the checkpoint's base model (same sizes and tokenizer; None: the
+    saved one). ``k``: None for the saved K, or a recursive checkpoint's inner K. ``trainable``:
+    False freezes everything (inference); True lets ``train`` continue the encoder and LoRA.
+    ``plain_suffix`` / ``align_lines`` read it with another prompt layout than it was saved with
+    (None: its own). Raises ``KTMError`` for a folder that is not a checkpoint, a K it cannot
+    merge at, or a base model whose sizes or tokenizer disagree with the saved ones."""
     from ktm.readers import resolve_checkpoint
 
     if not isinstance(directory, (str, Path)):

@@ -86,6 +86,11 @@ def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None
 
 @dataclass
 class PretrainConfig:
+    """What a reader pretrains on (``pretrain``, ``ktm pretrain``): text sources, objectives and
+    window lengths, the K mix, and the held-out sets for readability R. Raises ``KTMError`` on
+    construction for an unknown objective or held-out set, a bad weight or an out-of-range
+    length."""
+
     sources: tuple[str, ...] = field(default=("code", "reviews"), metadata={
         "help": "text sources, each NAME or NAME=WEIGHT: code, reviews, trees[:STAGE,...], "
                 "or a text/JSONL file or folder"})
@@ -347,7 +352,12 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
 
 def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
              command: str | None = None) -> dict:
-    """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row."""
+    """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row.
+
+    An ordinary ``train`` run on the windows ``config`` describes, written to
+    ``train_config.out_dir`` (raises as ``train`` does); ``command`` is recorded in ``run.json``.
+    Raises ``KTMError`` for a model that does not merge (K=1 without an encoder) or cannot
+    merge at a K of ``config.k_mix``."""
     if not (isinstance(config, PretrainConfig) and isinstance(train_config, TrainConfig)):
         raise KTMError(f"pretrain takes (model, PretrainConfig, TrainConfig), got "
                        f"({type(config).__name__}, {type(train_config).__name__})")

@@ -51,6 +51,10 @@ from ktm.train_state import (  # noqa: F401  (CHECKPOINT, METRICS, read_metrics:
 
 @dataclass
 class TrainConfig:
+    """One training run (``train``, and ``ktm train / pretrain / curriculum``): the run's folder,
+    steps, batch, optimizer and schedule, logging and checkpointing. Every field has a help
+    text (``--help``). Raises ``KTMError`` on construction for an out-of-range value."""
+
     out_dir: str = field(default="runs/ktm", metadata={
         "help": "the run's folder: metrics.jsonl, run.json, checkpoint/"})
     max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
@@ -266,7 +270,13 @@ def train(
     run_extra: dict | None = None,
     save_extra: Callable[[Path], None] | None = None,
 ) -> dict:
-    """Fine-tune the encoder and LoRA on ``examples``; returns the last logged metrics.
+    """Fine-tune the encoder and LoRA on ``examples``; returns the last logged metrics (with
+    ``"eval"``: ``evaluate(model)``'s result, run every ``eval_every`` steps and at the end).
+
+    Writes ``config.out_dir``: ``metrics.jsonl``, ``run.json`` and ``checkpoint/`` (which
+    ``config.resume`` continues). Raises ``KTMError`` for a model with no trainable weights, a
+    folder that already holds a run (without ``resume``) and other bad input; ``RunLocked``
+    (a ``KTMError``) when another process is writing the same folder.
 
     ``loss_fn(model, batch) -> LossOutput`` computes a micro-batch's summed per-sample loss
     (``nll``) over ``n_tokens`` target tokens; the default is cross-entropy on the targets.
