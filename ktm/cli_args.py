@@ -37,9 +37,8 @@ class TaskArgs:
         "choices": ["context", "paper"],
         "help": "context: the question plain | paper: all compressed"})
     data_path: str | None = field(default=None, metadata={
-        "help": "the task's data file, a JSONL (.gz too) of its schema: instead of the shipped "
-                "one (amazon, commitpack); required by custom (context, optional prompt, "
-                "target)"})
+        "help": "a JSONL (.gz too) of the task's schema instead of its shipped file; required "
+                "by custom (context, optional prompt, target)"})
     n_train: int = field(default=2000, metadata={"help": "training examples to draw"})
     n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
 
