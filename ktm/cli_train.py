@@ -121,14 +121,16 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 def cmd_curriculum(args: argparse.Namespace) -> int:
+    from ktm import distributed
     from ktm.curriculum import CurriculumConfig, run_curriculum
     from ktm.train import TrainConfig
 
     ccfg, tcfg = from_args(CurriculumConfig, args), from_args(TrainConfig, args)
     _check_plain_init(args, "curriculum")
     rows = run_curriculum(init_or_build(args), ccfg, tcfg, args.prompt_mode)
-    for r in rows:
-        print(json.dumps(r))
+    if distributed.current().is_main:  # every process has the rows; one prints them
+        for r in rows:
+            print(json.dumps(r))
     return 0 if rows[-1]["passed"] else 1
 
 

@@ -603,3 +603,20 @@ def test_a_flag_answers_to_the_name_another_command_gives_it(argv, dest, value):
     from ktm.cli import _parser
 
     assert getattr(_parser(argv).parse_args(argv), dest) == value
+
+
+def test_curriculum_rows_are_printed_by_rank_0_alone(capsys, tiny_model_dir, tmp_path,
+                                                     monkeypatch):
+    import ktm.curriculum as curriculum
+    from ktm import distributed
+
+    monkeypatch.setattr(distributed, "setup", lambda device: distributed.World(1, 2))
+    monkeypatch.setattr(distributed, "current", lambda: distributed.World(1, 2))
+    monkeypatch.setattr(distributed, "sum_numbers", lambda values, world, device: [0.0])
+    monkeypatch.setattr(curriculum, "train", lambda model, examples, cfg: None)
+    monkeypatch.setattr(curriculum, "evaluate_classification",
+                        lambda model, examples, labels: {"balanced_accuracy": 1.0})
+    code, out, _ = run(capsys, "curriculum", "--model", tiny_model_dir, "--start-stage", "small",
+                       "--final-stage", "small", "--steps-per-round", "1", "--n-eval", "2",
+                       "--batch-size", "2", "--out-dir", str(tmp_path))
+    assert code == 0 and out == ""
