@@ -75,7 +75,8 @@ class BenchConfig:
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
     threads: int = field(default=0, metadata={
         "help": "torch CPU threads; 0 leaves torch's setting (it is recorded either way)"})
-    out: str = field(default="results/bench/bench.json", metadata={"help": "JSON result file"})
+    out: str = field(default="results/bench/bench.json", metadata={
+        "aliases": ["--json"], "help": "JSON result file"})  # --json: ktm eval's name
     quick: bool = field(default=False, metadata={
         "help": f"replace options left at their defaults with the quick preset {QUICK}"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})

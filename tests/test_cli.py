@@ -598,6 +598,7 @@ def test_curriculum_refuses_the_train_flags_it_would_ignore(capsys, tiny_model_d
 @pytest.mark.parametrize("argv,dest,value", [
     (["eval", "--readability", "code", "--n-eval-windows", "3"], "n_windows", 3),  # pretrain's
     (["demo", "--max-steps", "7"], "steps", 7),  # train's name
+    (["bench", "--json", "b.json"], "out", "b.json"),  # eval's name
 ])
 def test_a_flag_answers_to_the_name_another_command_gives_it(argv, dest, value):
     from ktm.cli import _parser
