@@ -16,7 +16,7 @@ _EXPORTS = {
     "CompressedPrompt": "ktm.batch", "EncoderConfig": "ktm.encoder",
     "GenerationConfig": "ktm.generate", "KTMConfig": "ktm.config", "KTMError": "ktm.errors",
     "KTMModel": "ktm.model", "KTokenEncoder": "ktm.encoder", "LoraSettings": "ktm.config",
-    "Segment": "ktm.prompt", "TrainConfig": "ktm.train", "train": "ktm.train",
+    "Segment": "ktm.prompt", "TrainConfig": "ktm.train_config", "train": "ktm.train",
     "PretrainConfig": "ktm.pretrain", "pretrain": "ktm.pretrain",
 }
 # functions named like the submodule that defines them

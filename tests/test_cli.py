@@ -39,7 +39,6 @@ def test_train_then_generate_from_checkpoint(capsys, tiny_model_dir, tmp_path):
     # generation options and the prompt are checked before the model is loaded
     (["generate", "--model", "no-such-model", "--prompt", "hi", "--top-p", "0"], "top_p must be"),
     (["generate", "--model", "no-such-model", "--prompt", "", "--plain", ""], "prompt is empty"),
-    (["train", "--model", "{tiny}", "--task", "nope", "--out-dir", "{tmp}/x"], "unknown task"),
     (["train", "--model", "{tiny}", "--batch-size", "0", "--out-dir", "{tmp}/x"], "batch_size"),
 ])
 def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, argv, match):
@@ -49,6 +48,19 @@ def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, arg
     lines = err.strip().splitlines()
     assert lines[-1].startswith("ktm: error:") and match in lines[-1]
     assert "Traceback" not in err
+
+
+def test_an_unknown_task_is_argparses_usage_error_naming_the_choices(capsys, tiny_model_dir,
+                                                                    tmp_path):
+    """``--task`` lists its choices, so argparse refuses another name: exit 2, the usage line
+    and one error line naming the value and the choices, before anything is loaded."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--model", tiny_model_dir, "--task", "nope", "--out-dir",
+              str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert "invalid choice: 'nope'" in err.strip().splitlines()[-1] and "'tree'" in err
+    assert not (tmp_path / "x").exists()
 
 
 def test_eval_then_report_end_to_end(capsys, tiny_model_dir, tmp_path):

@@ -9,7 +9,7 @@ import ktm
 
 KTM = Path(ktm.__file__).parent
 CORE = ("batch", "checkpoint", "config", "encoder", "evaluate", "fileio", "generate", "lora",
-        "model", "model_build", "models", "prompt", "train", "errors")
+        "model", "model_build", "models", "prompt", "train", "train_config", "errors")
 
 
 def imports_of(module: str) -> set[str]:
@@ -51,7 +51,7 @@ def test_public_names_load_lazily_and_train_stays_the_function():
     from ktm.train import train as train_function  # the submodule is imported by now
 
     assert train is train_function
-    assert TrainConfig.__module__ == "ktm.train" and KTMModel.__module__ == "ktm.model"
+    assert TrainConfig.__module__ == "ktm.train_config" and KTMModel.__module__ == "ktm.model"
     import ktm
     import ktm.pretrain as shadowed  # binds the submodule name on the package
 
