@@ -22,6 +22,11 @@ from typing import IO, Any
 
 from ktm.errors import KTMError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock (``flock`` says so; callers go on unguarded)
+    fcntl = None  # type: ignore[assignment]
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -34,6 +39,24 @@ class WriteError(KTMError):
 def write_error(path: str | Path, e: BaseException) -> WriteError:
     cause = e.__cause__ if isinstance(e, WriteError) and e.__cause__ else e
     return WriteError(f"cannot write {str(path)!r}: {cause}")
+
+
+def flock(f: IO[Any] | int, wait: bool = True) -> bool:
+    """Take an exclusive advisory lock on an open file (or descriptor), held until it is closed
+    or its process ends, however it ends. False where locks are unavailable: no ``fcntl``
+    (Windows) or a filesystem that refuses them (some NFS mounts); the caller goes on unguarded.
+    Without ``wait``, a lock another process holds raises ``BlockingIOError``."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        if not wait:
+            raise
+        return False
+    except OSError:
+        return False
+    return True
 
 
 def check_writable(path: str | Path) -> None:

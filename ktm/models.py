@@ -28,12 +28,7 @@ from transformers import (
 
 from ktm.config import DEFAULT_MODEL, DTYPES  # noqa: F401  (DEFAULT_MODEL re-exported)
 from ktm.errors import KTMError
-
-try:  # POSIX; elsewhere (Windows) conversions are not serialised and leave what a kill leaves
-    import fcntl
-except ImportError:  # pragma: no cover - not on Linux or macOS
-    fcntl = None
-from ktm.fileio import fsync_tree
+from ktm.fileio import flock, fsync_tree
 
 
 @dataclass(frozen=True)
@@ -112,12 +107,9 @@ def _conversion_lock(dest: Path) -> Iterator[None]:
         raise KTMError(f"cannot write the model cache {str(dest.parent)!r}: {e}; set KTM_CACHE "
                        "to a writable folder") from e
     with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            locked = True
-        except (AttributeError, OSError):  # no fcntl, or a filesystem without flock (some NFS)
-            locked = False
-        if locked:  # only the lock holder knows no other process is writing these
+        # without locks (Windows, some NFS) conversions are not serialised and leave what a
+        # kill leaves: only the lock holder knows no other process is writing these
+        if flock(lock):
             for stale in dest.parent.glob(f".{dest.name}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
         yield

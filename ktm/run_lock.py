@@ -15,11 +15,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from ktm.errors import KTMError
-
-try:
-    import fcntl
-except ImportError:  # Windows: no flock; runs go unguarded there
-    fcntl = None  # type: ignore[assignment]
+from ktm.fileio import flock
 
 LOCK = "run.lock"
 
@@ -45,21 +41,19 @@ def run_lock(out: str | Path) -> Iterator[None]:
     locks such as some NFS mounts: ``OSError``), the run goes on without it rather than fail.
     """
     path = Path(out) / LOCK
-    fd = None
-    if fcntl is not None:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # an unwritable folder: the run's own writes report it
-            fd = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # an unwritable folder: the run's own writes report it
+        fd = None
     if fd is not None:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = flock(fd, wait=False)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
             raise RunLocked(f"{str(Path(out))!r} is in use by another run{holder}: wait for it "
                             "to end or stop it, then --resume; or use another out_dir") from None
-        except OSError:  # no locks on this filesystem: run unguarded
+        if not held:  # no locks here (Windows, some NFS mounts): run unguarded
             os.close(fd)
             fd = None
     if fd is not None:

@@ -216,7 +216,7 @@ def test_without_a_lock_the_conversion_runs_and_leaves_other_copies_alone(monkey
     """Without flock (Windows has no fcntl; some NFS mounts refuse it) the model is still
     converted, but a temp copy beside it may be another process's conversion in progress:
     only a lock holder may remove it."""
-    from ktm import models
+    from ktm import fileio, models
 
     monkeypatch.setenv("KTM_CACHE", str(tmp_path))
     (tmp_path / ".smollm2-135m-busy").mkdir()
@@ -225,9 +225,9 @@ def test_without_a_lock_the_conversion_runs_and_leaves_other_copies_alone(monkey
         raise OSError(37, "No locks available")
 
     if no_lock == "no fcntl":
-        monkeypatch.setattr(models, "fcntl", None)
+        monkeypatch.setattr(fileio, "fcntl", None)
     else:
-        monkeypatch.setattr(models.fcntl, "flock", refuse)
+        monkeypatch.setattr(fileio.fcntl, "flock", refuse)
 
     def convert(name, spec, dest):
         dest.mkdir()

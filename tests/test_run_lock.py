@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-import ktm.run_lock as run_lock_module
+from ktm import fileio
 from ktm.curriculum import CurriculumConfig, run_curriculum
 from ktm.model import KTMModel
 from ktm.run_lock import RunLocked, run_lock
@@ -47,7 +47,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_until_the_first_dies(tiny_mo
                                                                          tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    root = os.path.dirname(os.path.dirname(run_lock_module.__file__))
+    root = os.path.dirname(os.path.dirname(fileio.__file__))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     other = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], env=env,
                              stdout=subprocess.PIPE, text=True)
@@ -80,9 +80,9 @@ def test_a_run_goes_on_where_locks_are_unavailable(tiny_model_dir, data, tmp_pat
     def no_locks(*_a):
         raise OSError(errno.ENOLCK, "No locks available")  # some NFS mounts
 
-    monkeypatch.setattr(run_lock_module.fcntl, "flock", no_locks)
+    monkeypatch.setattr(fileio.fcntl, "flock", no_locks)
     train(fresh(tiny_model_dir), data, cfg(tmp_path / "nfs"))
-    monkeypatch.setattr(run_lock_module, "fcntl", None)  # Windows
+    monkeypatch.setattr(fileio, "fcntl", None)  # Windows
     train(fresh(tiny_model_dir), data, cfg(tmp_path / "win"))
     assert (tmp_path / "nfs" / "checkpoint").is_dir() and (tmp_path / "win" / "checkpoint").is_dir()
 
