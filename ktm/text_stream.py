@@ -11,10 +11,10 @@ back, and so is a run of byte-fallback tokens still open (``byte_fallback_ids``)
 could still grow into a stop string. The output stops before the first stop string, which is not
 included.
 
-Each push decodes only the ids after the last settled point (as ``Trail`` in ``ktm.serve.logprobs``
-does): a point after a token that is neither a byte-fallback nor a special token and whose text
-ends in a whole character, which no later token changes. A long generation then costs linear
-time, not quadratic.
+Each push decodes only the ids after the last settled point (``ContinuationText``, which the
+logprob offsets of ``ktm.serve.logprobs`` read too): a point after a token that is neither a
+byte-fallback nor a special token and whose text ends in a whole character, which no later token
+changes. A long generation then costs linear time, not quadratic.
 """
 
 from __future__ import annotations
@@ -79,18 +79,41 @@ def decode_continuation(tokenizer, ids: Sequence[int], anchor: Sequence[int] | N
     return tokenizer.decode(list(ids), **kwargs)
 
 
-class TextStream:
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+class ContinuationText:
+    """The text of generated ids, decoded as a continuation (``decode_continuation``) one id at a
+    time, decoding again only the ids after the last settled point: after a token that is
+    neither a byte-fallback nor a special token (a byte run merges across those) and whose text
+    ends in a whole character, which no later token changes. Nothing settles when ``decode``
+    cleans up spaces, which reads across tokens."""
+
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.byte_ids = byte_fallback_ids(tokenizer)
         self.anchor = anchor_ids(tokenizer)
-        # decoding skips special tokens: one between two bytes does not end their run
-        self.skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.byte_ids = byte_fallback_ids(tokenizer)
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self.settles = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self.open_run = False
-        self.stop = tuple(s for s in stop if s)
         self.settled = ""  # the text of the ids before ``ids``, which no later token changes
         self.ids: list[int] = []  # the ids after the last settled point
+
+    def append(self, token: int) -> None:
+        self.ids.append(token)
+
+    def text(self) -> str:
+        """The text of every id so far; it ends in U+FFFD while a character is unfinished."""
+        tail = decode_continuation(self.tokenizer, self.ids, self.anchor)
+        text = self.settled + tail
+        last = self.ids[-1] if self.ids else None
+        if (self.settles and last is not None and last not in self.byte_ids
+                and last not in self.special and not tail.endswith("\ufffd")):
+            self.settled, self.ids = text, []
+        return text
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.decoded = ContinuationText(tokenizer)
+        self.open_run = False
+        self.stop = tuple(s for s in stop if s)
         self.text = ""  # decoded text of all ids, up to the last complete character
         self.sent = 0  # characters of ``text`` released so far
         self.stopped = False
@@ -99,17 +122,15 @@ class TextStream:
         """Add one token id; returns the newly released text (often empty)."""
         if self.stopped:
             return ""
-        self.ids.append(token)
-        self.open_run = token in self.byte_ids or (self.open_run and token in self.skipped)
+        self.decoded.append(token)
+        # decoding skips special tokens: one between two bytes does not end their run
+        self.open_run = token in self.decoded.byte_ids or (
+            self.open_run and token in self.decoded.special)
         if self.open_run:  # its text is not final yet
             return ""
-        tail = decode_continuation(self.tokenizer, self.ids, self.anchor)
-        if tail.endswith("\ufffd"):  # ends inside a multi-byte character
+        text = self.decoded.text()
+        if text.endswith("\ufffd"):  # ends inside a multi-byte character
             return ""
-        text = self.settled + tail
-        # (``decode`` cleaning up spaces reads across tokens: then nothing settles)
-        if self.settles and token not in self.skipped:
-            self.settled, self.ids = text, []
         return self._update(text, final=False)
 
     def flush(self) -> str:
@@ -117,8 +138,7 @@ class TextStream:
         a byte run never closed), up to a stop string in it: the output is over."""
         if self.stopped:
             return ""
-        tail = decode_continuation(self.tokenizer, self.ids, self.anchor)
-        return self._update(self.settled + tail, final=True)
+        return self._update(self.decoded.text(), final=True)
 
     def _update(self, text: str, final: bool) -> str:
         self.text = text

@@ -121,6 +121,12 @@ def test_a_stop_string_in_text_held_back_to_the_end_still_stops():
 class WholeText(TextStream):
     """The reference: every push decodes all the ids so far (the stream before it settled)."""
 
+    def __init__(self, tokenizer, stop=()):
+        super().__init__(tokenizer, stop)
+        self.tokenizer, self.anchor = tokenizer, anchor_ids(tokenizer)
+        self.byte_ids = byte_fallback_ids(tokenizer)
+        self.skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
+
     def push(self, token):
         if self.stopped:
             return ""

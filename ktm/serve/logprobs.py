@@ -21,7 +21,7 @@ from functools import cache
 
 import torch
 
-from ktm.text_stream import anchor_ids, byte_fallback_ids, decode_continuation
+from ktm.text_stream import ContinuationText, decode_continuation
 
 FLOOR = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
 
@@ -49,34 +49,18 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
 
 
 class Trail:
-    """One row's logprob entries until the text of their tokens is released.
-
-    An entry's offset is the length of the text of the tokens before it (as ``TextStream``
-    decodes them: a continuation), without a trailing unfinished character. Only the tokens
-    after the last settled point are decoded again: a point after a token that is neither a
-    byte-fallback nor a special token (a byte run merges across those) and whose text ends in a
-    whole character, which no later token changes (none settles when ``decode`` cleans up
-    spaces, which reads across tokens).
-    """
+    """One row's logprob entries until the text of their tokens is released. An entry's offset
+    is the length of the text of the tokens before it, as ``TextStream`` decodes them
+    (``ContinuationText``), without a trailing unfinished character."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.anchor = anchor_ids(tokenizer)
-        self.open = byte_fallback_ids(tokenizer) | frozenset(
-            getattr(tokenizer, "all_special_ids", ()))
-        self.settles = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self.settled = 0  # characters of the text that no later token changes
-        self.ids: list[int] = []  # the tokens after them
+        self.decoded = ContinuationText(tokenizer)
         self.waiting: list[TokenLogprob] = []
 
     def add(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> None:
-        text = decode_continuation(self.tokenizer, self.ids, self.anchor)
         # a token that continues a character starts where that character starts
-        offset = self.settled + len(text.rstrip("\ufffd"))
-        if (self.settles and self.ids and self.ids[-1] not in self.open
-                and not text.endswith("\ufffd")):
-            self.settled, self.ids = offset, []
-        self.ids.append(token)
+        offset = len(self.decoded.text().rstrip("\ufffd"))
+        self.decoded.append(token)
         self.waiting.append(TokenLogprob(token, logprob, top, offset))
 
     def take(self, released: int, final: bool, cut: bool) -> list[TokenLogprob]:
