@@ -63,9 +63,15 @@ def none_token(tokenizer) -> int:
 MIN_GAIN = 0.01  # R needs NLL_none - NLL_plain >= MIN_GAIN * NLL_none (module docstring)
 
 
+def has_r(gain, nll_none):
+    """Whether R is defined for a context gain NLL_none - NLL_plain (floats, or tensors of
+    bootstrap resamples): positive and at least ``MIN_GAIN`` of NLL_none."""
+    return (gain > 0) & (gain >= MIN_GAIN * nll_none)
+
+
 def context_ratio(nll_none: float, nll_merged: float, nll_plain: float) -> float | None:
     gain = nll_none - nll_plain
-    if gain <= 0 or gain < MIN_GAIN * nll_none:
+    if not has_r(gain, nll_none):
         return None
     return (nll_none - nll_merged) / gain
 
@@ -87,7 +93,7 @@ def r_interval(per_window: torch.Tensor, n_boot: int = BOOTSTRAP["resamples"],
     pooled = per_window.double()[idx].sum(dim=1)  # (n_boot, 4)
     merged, plain, none = (pooled[:, i] / pooled[:, 3] for i in range(3))
     gain = none - plain
-    ok = (gain > 0) & (gain >= MIN_GAIN * none)
+    ok = has_r(gain, none)
     tail = (1 - level) / 2
     if n_boot - int(ok.sum()) > tail * n_boot:
         return None
