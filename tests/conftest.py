@@ -102,12 +102,17 @@ def tiny_bos_model_dir(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-bos"), bos=True)
 
 
-@pytest.fixture
-def ktm_model(tiny_model_dir):
+def fresh_model(model_dir: str, k: int = 4, **kw):
+    """A new KTMModel on ``model_dir``, its fresh weights drawn at seed 0."""
     from ktm.model import KTMModel
 
     torch.manual_seed(0)
-    return KTMModel.from_base(tiny_model_dir, k=4)
+    return KTMModel.from_base(model_dir, k=k, **kw)
+
+
+@pytest.fixture
+def ktm_model(tiny_model_dir):
+    return fresh_model(tiny_model_dir)
 
 
 @pytest.fixture

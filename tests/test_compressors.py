@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from conftest import fresh_model as fresh
 
 from ktm.compressors import COMPRESSORS, get_compressor
 from ktm.compressors.base import compress_examples, count_tokens
@@ -34,11 +35,6 @@ CUE = "\nQuestion: who jumps? Answer:"
 def examples(n: int = 3) -> list[Example]:
     return [Example((Segment(DOC * (i + 1)), Segment(CUE, compress=False)), "fox", "fox")
             for i in range(n)]
-
-
-def fresh(tiny_model_dir, k: int = 4) -> KTMModel:
-    torch.manual_seed(0)
-    return KTMModel.from_base(tiny_model_dir, k=k)
 
 
 # ---------------------------------------------------------------- registry and CLI helper

@@ -3,17 +3,13 @@ saves, that it never changes the training itself, and an exact resume."""
 
 import pytest
 import torch
+from conftest import fresh_model as fresh
 
 from ktm import KTMError
 from ktm.ema import WeightAverage, decay_at
 from ktm.model import KTMModel
 from ktm.tasks.tree import TreeTask
 from ktm.train import TrainConfig, train
-
-
-def fresh(tiny_model_dir):
-    torch.manual_seed(0)
-    return KTMModel.from_base(tiny_model_dir, k=4)
 
 
 @pytest.fixture(scope="module")

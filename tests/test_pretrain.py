@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import fresh_model
 from transformers import AutoModelForCausalLM
 
 from ktm import KTMError
@@ -30,8 +31,7 @@ def small_cfg(corpus, objectives=("lm",), **kw):
 
 
 def fresh(tiny_model_dir, k=4, **kw):
-    torch.manual_seed(0)
-    return KTMModel.from_base(tiny_model_dir, k=k, slot_weights=True, **kw)
+    return fresh_model(tiny_model_dir, k, slot_weights=True, **kw)
 
 
 def randomize_lora(model, seed=1):

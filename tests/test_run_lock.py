@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from conftest import fresh_model as fresh
 
 from ktm import fileio
 from ktm.curriculum import CurriculumConfig, run_curriculum
-from ktm.model import KTMModel
 from ktm.run_lock import RunLocked, run_lock
 from ktm.tasks.tree import TreeTask
 from ktm.train import TrainConfig, train
@@ -26,11 +25,6 @@ with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(120)
 """
-
-
-def fresh(tiny_model_dir):
-    torch.manual_seed(0)
-    return KTMModel.from_base(tiny_model_dir, k=4)
 
 
 def cfg(out, **kw):

@@ -2,17 +2,13 @@ import json
 
 import pytest
 import torch
+from conftest import fresh_model as fresh
 
 from ktm import KTMError
 from ktm.model import KTMModel
 from ktm.tasks.base import Example
 from ktm.tasks.tree import TreeTask
 from ktm.train import TrainConfig, train
-
-
-def fresh(tiny_model_dir, k=4):
-    torch.manual_seed(0)
-    return KTMModel.from_base(tiny_model_dir, k=k)
 
 
 @pytest.fixture(scope="module")

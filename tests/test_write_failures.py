@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-import torch
+from conftest import fresh_model as fresh
 
 import ktm.bench as bench
 import ktm.evaluate as evaluate_module
@@ -32,11 +32,6 @@ train_module = importlib.import_module("ktm.train")  # ktm.train is also the fun
 
 def no_space(*_a, **_kw):
     raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def fresh(tiny_model_dir):
-    torch.manual_seed(0)
-    return KTMModel.from_base(tiny_model_dir, k=4)
 
 
 @pytest.fixture(scope="module")
