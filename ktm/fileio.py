@@ -103,6 +103,14 @@ def _owned_prefix(prefix: str) -> str:
     return f"{prefix}{os.getpid()}@{socket.gethostname()}-"
 
 
+def remove_path(path: Path) -> None:
+    """Remove a leftover temp file or folder, whichever it is; gone already is fine."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _remove_dead(folder: Path, prefix: str) -> None:
     """Remove the temps named ``PREFIX PID@HOST-...`` that a killed process of this machine
     left; never a live process's, another machine's (on a shared filesystem) or this one's."""
@@ -111,10 +119,7 @@ def _remove_dead(folder: Path, prefix: str) -> None:
         pid, _, where = old.name[len(prefix):].rsplit("-", 1)[0].partition("@")
         if where != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
             continue
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
+        remove_path(old)
 
 
 def _temp_file(path: Path, suffix: str) -> tuple[int, str]:

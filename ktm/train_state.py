@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -35,6 +34,7 @@ from ktm.fileio import (
     TEMP_DIR_PREFIX,
     existing_dir,
     read_metrics,
+    remove_path,
     write_json_atomic,
     write_text_atomic,
 )
@@ -249,10 +249,7 @@ def remove_temps(out: Path) -> None:
     which owns the folder, calls it."""
     for pattern in (f"{TEMP_DIR_PREFIX.format(CHECKPOINT)}*", f".{METRICS}.*.tmp", f".{RUN}.*.tmp"):
         for path in out.glob(pattern):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            remove_path(path)
 
 
 def interrupted_note(out: Path, step: int) -> str:
