@@ -42,6 +42,12 @@ from ktm.prefix import PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments
 from ktm.tokens import SegmentTokenizer
 
+# vLLM fills a sampling option the request leaves out from the LM's generation_config.json
+# (its default ``--generation-config auto``: e.g. Qwen2.5's top_k 20, repetition_penalty 1.05);
+# ktm samples with temperature and top_p only, so the others are sent at their neutral values
+# (top_k -1: every vLLM version reads it as "off")
+NEUTRAL_SAMPLING = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
 
 def encode_embeds(embeds: torch.Tensor) -> str:
     """(L, D) tensor -> base64 of its ``torch.save`` bytes (vLLM's ``prompt_embeds``)."""
@@ -122,7 +128,8 @@ class VLLMClient:
         """The JSON body of a vLLM ``/completions`` request for ``prompt``."""
         cp = self.encode(prompt, merge)
         body = {"model": self.model_name, "prompt_embeds": encode_embeds(cp.embeds),
-                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
+                "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                **NEUTRAL_SAMPLING}
         if stop:
             body["stop"] = list(stop)
         if seed is not None:

@@ -252,3 +252,16 @@ def test_export_refuses_a_model_trained_with_spread_positions(tiny_model_dir, tm
                  "--model", str(tmp_path / "ckpt")]) == 2
     assert "spread_positions" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_payload_sends_neutral_values_for_what_vllm_takes_from_generation_config(exported):
+    """vLLM (its default ``--generation-config auto``) fills a sampling option a request leaves
+    out from the LM's generation_config.json (Qwen2.5-Instruct's top_k 20, repetition_penalty
+    1.05), while ktm samples with temperature and top_p only: the client sends every option
+    vLLM reads from there, at the value that decodes as ktm does."""
+    body = VLLMClient(exported).payload(PROMPT, temperature=0.5, top_p=0.9)
+    # the options vLLM's ModelConfig.get_diff_sampling_param reads from generation_config.json
+    assert {k: body.get(k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                     "repetition_penalty")} == {
+        "temperature": 0.5, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
