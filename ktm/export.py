@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ktm.checkpoint import save_atomic
+from ktm.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, save_atomic
 from ktm.errors import KTMError
 from ktm.fileio import write_json_atomic
 from ktm.models import DEFAULT_MODEL
@@ -134,6 +134,12 @@ def export_vllm(model, out: str | Path) -> dict:
 
     Needs memory for a second copy of the LM while LoRA is merged.
     """
+    rec = getattr(model, "compressor_record", None)
+    if rec is not None and rec["name"] not in SETTING_ONLY:
+        raise KTMError(f"this model's checkpoint was trained with --compressor {rec['name']} "
+                       f"({COMPRESSOR_RECORD}): its LoRA reads prompts as {rec['name']} "
+                       "rewrote them, vLLM would read them as given; expected a checkpoint "
+                       "trained without a baseline (ktm eval and ktm generate apply its method)")
     # any extension of the input table (LTSC's meta-token rows) has ids vLLM's LM lacks
     if getattr(model, "input_extension", None) is not None:
         raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "

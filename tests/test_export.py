@@ -265,3 +265,18 @@ def test_payload_sends_neutral_values_for_what_vllm_takes_from_generation_config
                                      "repetition_penalty")} == {
         "temperature": 0.5, "top_p": 0.9, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
+
+def test_export_refuses_a_loaded_checkpoint_of_a_baseline_that_rewrites_prompts(trained,
+                                                                                tmp_path):
+    """``ktm export`` refuses such a checkpoint by its folder; ``export_vllm`` on the model
+    ``KTMModel.load`` built from it must too (it carries the checkpoint's compressor.json)."""
+    from ktm.compressors.record import write_record
+
+    trained.save(tmp_path / "sc")
+    write_record(tmp_path / "sc", "selective_context", {})
+    with pytest.raises(KTMError, match="--compressor selective_context .*reads prompts as "
+                                       "selective_context rewrote them"):
+        export_vllm(KTMModel.load(tmp_path / "sc"), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    write_record(tmp_path / "sc", "mean_pool", {})  # only an encoder setting: the same model
+    assert export_vllm(KTMModel.load(tmp_path / "sc"), tmp_path / "x")["k"] == 4
