@@ -129,10 +129,33 @@ def _check_plain_lookup(model) -> None:
                        "is a plain lookup (serve this one with ktm serve)")
 
 
-def export_vllm(model, out: str | Path) -> dict:
+def _check_apart(out: Path, sources: list[str | Path]) -> None:
+    """Refuse an output folder that is, holds or sits inside a folder the model was read from:
+    the export replaces ``out`` whole (a model folder inside it would go with it), and a
+    checkpoint is replaced whole by its next save (an export inside it would go with that)."""
+    dest = out.expanduser().resolve()
+    for source in sources:
+        src = Path(source).expanduser()
+        if not src.is_dir():
+            continue
+        src = src.resolve()
+        if dest == src or src in dest.parents:
+            where = "is" if dest == src else "is inside"
+        elif dest in src.parents:
+            where = "holds"
+        else:
+            continue
+        raise KTMError(f"output folder {str(out)!r} {where} the model folder {str(source)!r}: "
+                       "the export or the model's next save would replace the other; expected "
+                       "an output folder apart from the model's")
+
+
+def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dict:
     """Write ``model`` for vLLM into ``out`` (atomically); returns the manifest.
 
-    Needs memory for a second copy of the LM while LoRA is merged.
+    ``source``: the checkpoint folder the model was loaded from, if any (``out`` must lie
+    apart from it, as from the base model's folder). Needs memory for a second copy of the LM
+    while LoRA is merged.
     """
     rec = getattr(model, "compressor_record", None)
     if rec is not None and rec["name"] not in SETTING_ONLY:
@@ -150,6 +173,7 @@ def export_vllm(model, out: str | Path) -> dict:
                        "model trained with consecutive positions")
     _check_plain_lookup(model)
     out = Path(out)
+    _check_apart(out, [model.config.base_model] + ([source] if source is not None else []))
     if out.exists() and not (out / MANIFEST).is_file():
         raise KTMError(f"{str(out)!r} exists and is not a ktm export: expected a new folder")
     with torch.no_grad():
@@ -180,7 +204,7 @@ def run_export(cfg: ExportConfig, out: str) -> dict:
     # the exported LM is served on the prompts clients send, never rewritten by a baseline
     refuse_rewritten(cfg.model, "an exported model", "ktm eval and ktm generate apply its method")
     model = load_any(cfg.model, cfg.k, "cpu", cfg.dtype)
-    manifest = export_vllm(model, out)
+    manifest = export_vllm(model, out, source=cfg.model)
     print(f"wrote {out}: serve it with\n  vllm serve {Path(out) / LM_DIR} "
           f"--served-model-name {manifest['served_model_name']} --enable-prompt-embeds "
           f"--dtype {manifest['dtype']}")

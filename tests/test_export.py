@@ -280,3 +280,25 @@ def test_export_refuses_a_loaded_checkpoint_of_a_baseline_that_rewrites_prompts(
     assert not (tmp_path / "x").exists()
     write_record(tmp_path / "sc", "mean_pool", {})  # only an encoder setting: the same model
     assert export_vllm(KTMModel.load(tmp_path / "sc"), tmp_path / "x")["k"] == 4
+
+
+def test_export_refuses_an_output_folder_inside_or_holding_the_model_folder(capsys, trained,
+                                                                             tmp_path):
+    """An export inside the checkpoint would vanish at the checkpoint's next (whole-folder)
+    save; an export over a folder that holds the model's would delete it."""
+    from ktm.cli import main
+
+    ckpt = tmp_path / "ck"
+    trained.save(ckpt)
+    files = sorted(p.name for p in ckpt.rglob("*"))
+    assert main(["export", str(ckpt / "vllm"), "--model", str(ckpt)]) == 2
+    assert f"output folder {str(ckpt / 'vllm')!r} is inside the model folder" in (
+        capsys.readouterr().err)
+    assert sorted(p.name for p in ckpt.rglob("*")) == files
+    export_vllm(trained, tmp_path / "e")
+    lm = tmp_path / "e" / "lm"  # a base model read from inside a previous export
+    with pytest.raises(KTMError, match=f"{str(tmp_path / 'e')!r} holds the model folder"):
+        export_vllm(KTMModel.from_base(str(lm), k=4), tmp_path / "e")
+    assert (lm / "model.safetensors").is_file()
+    with pytest.raises(KTMError, match="is inside the model folder"):
+        export_vllm(KTMModel.from_base(str(lm), k=4), lm / "again")
