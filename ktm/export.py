@@ -4,7 +4,8 @@
                               ``merge_and_unload``) and its tokenizer -> ``vllm serve DIR/lm``
     DIR/encoder.safetensors   the K-token encoder
     DIR/ktm_export.json       K, encoder settings, sizes, where the input embeddings are, the
-                              sha256 of the LM and encoder files, and the model name to serve under
+                              sha256 of the LM, tokenizer and encoder files, and the model name
+                              to serve under
 
 The LM reads merged prefixes as ``prompt_embeds``; ``ktm.vllm_client`` computes them from the
 tokenizer, the LM's input-embedding table and the encoder, and refuses a server that does not
@@ -68,6 +69,14 @@ def lm_files(lm_dir: Path) -> list[Path]:
     return sorted(lm_dir.glob("*.safetensors")) + [lm_dir / "config.json"]
 
 
+def tokenizer_files(lm_dir: Path) -> list[Path]:
+    """The files prompts are tokenized with (tokenizer.json, its config, vocabularies, chat
+    template): everything in the LM folder but the LM's weights and configs."""
+    lm = set(lm_files(lm_dir)) | {lm_dir / "generation_config.json"}
+    return sorted(p for p in lm_dir.iterdir() if p.is_file() and p not in lm
+                  and not p.name.endswith(".safetensors.index.json"))
+
+
 def _find_tensor(lm_dir: Path, key: str) -> str | None:
     """The weights file of ``lm_dir`` that holds tensor ``key``, if any."""
     for path in sorted(lm_dir.glob("*.safetensors")):
@@ -106,7 +115,8 @@ def _write(model, tmp: Path) -> None:
         # projected to its 1024-wide hidden states inside the LM
         "embedding_size": emb.shape[1],
         "dtype": str(model.dtype).removeprefix("torch."), "embeddings": embeddings,
-        "sha256": {"lm": lm_sha, "encoder": enc_sha},
+        "sha256": {"lm": lm_sha, "encoder": enc_sha,
+                   "tokenizer": sha256_files(tokenizer_files(lm_dir))},
         "served_model_name": f"ktm-k{model.k}-{fingerprint[:12]}",
         "versions": versions(), "git": git_revision(),
     })

@@ -36,7 +36,14 @@ from transformers import AutoConfig, AutoTokenizer
 from ktm.batch import CompressedPrompt
 from ktm.encoder import EncoderConfig, KTokenEncoder
 from ktm.errors import KTMError
-from ktm.export import ENCODER, LM_DIR, lm_files, read_manifest, sha256_files
+from ktm.export import (
+    ENCODER,
+    LM_DIR,
+    lm_files,
+    read_manifest,
+    sha256_files,
+    tokenizer_files,
+)
 from ktm.models import parse_dtype
 from ktm.prefix import PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, as_segments
@@ -92,12 +99,14 @@ class VLLMClient:
 
     # ---------------------------------------------------------------- the files
     def _verify_files(self) -> None:
-        """The LM and encoder beside the manifest are the ones it was written with."""
+        """The LM, tokenizer and encoder beside the manifest are the ones it was written with
+        (an export from before the tokenizer's sha256 checks the other two)."""
         want = self.manifest["sha256"]
         got = {"lm": sha256_files(lm_files(self.dir / LM_DIR)),
-               "encoder": sha256_files([self.dir / ENCODER])}
-        for part in ("lm", "encoder"):
-            if got[part] != want[part]:
+               "encoder": sha256_files([self.dir / ENCODER]),
+               "tokenizer": sha256_files(tokenizer_files(self.dir / LM_DIR))}
+        for part in ("lm", "encoder", "tokenizer"):
+            if part in want and got[part] != want[part]:
                 raise KTMError(f"the {part} files in {str(self.dir)!r} are not the ones this "
                                f"export was made with (sha256 {got[part][:12]} != "
                                f"{want[part][:12]}): base model / encoder mismatch; re-export")

@@ -302,3 +302,21 @@ def test_export_refuses_an_output_folder_inside_or_holding_the_model_folder(caps
     assert (lm / "model.safetensors").is_file()
     with pytest.raises(KTMError, match="is inside the model folder"):
         export_vllm(KTMModel.from_base(str(lm), k=4), lm / "again")
+
+
+def test_client_refuses_a_tokenizer_other_than_the_exported_one(exported, tmp_path):
+    """The client tokenizes prompts with the tokenizer in lm/: one edited or copied from
+    another model since the export would merge other ids, silently."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(exported, mixed)
+    tok = mixed / "lm" / "tokenizer.json"
+    spec = json.loads(tok.read_text())
+    spec["added_tokens"] = spec["added_tokens"][:-1]  # one special token fewer
+    tok.write_text(json.dumps(spec))
+    with pytest.raises(KTMError, match="the tokenizer files in .* not the ones this export"):
+        VLLMClient(mixed)
+    # an export written before the tokenizer's sha256 checks the LM and the encoder only
+    manifest = json.loads((mixed / "ktm_export.json").read_text())
+    del manifest["sha256"]["tokenizer"]
+    (mixed / "ktm_export.json").write_text(json.dumps(manifest))
+    VLLMClient(mixed)
