@@ -93,8 +93,11 @@ def from_base(
                            "adapters (load a fresh copy, or merge_and_unload() this one)")
         lm, tok = base, tokenizer
     check_base(lm, tok, config, name)
-    # a model object moves only once it is accepted: a refused one is left as it was given
-    lm = lm.to(device=device, dtype=torch_dtype)
+    # a model object moves only once it is accepted: a refused one is left as it was given.
+    # A loaded one already has the device and dtype: casting it again would also cast the
+    # fp32 buffers from_pretrained keeps (rotary inv_freq), which KTMModel.load keeps fp32
+    if not isinstance(base, str):
+        lm = lm.to(device=device, dtype=torch_dtype)
     config = replace(config, lora=replace(config.lora,
                                           target_modules=resolve_targets(lm, config.lora)))
     # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT

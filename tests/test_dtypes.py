@@ -87,3 +87,18 @@ def test_llmlingua_follows_the_model_device(monkeypatch, tiny_model_dir):
     monkeypatch.setattr(lp, "PromptCompressor", FakeCompressor)
     LLMLingua().fit([], OnGPU())
     assert seen["device_map"] == "cuda:1"
+
+
+def test_bf16_model_saved_and_loaded_computes_the_same_logits(tiny_model_dir, tmp_path):
+    """from_base once cast the loaded LM to bf16 a second time, which also cast the rotary
+    inv_freq that from_pretrained (and so KTMModel.load, and vLLM) keep fp32: a bf16 model
+    read its positions otherwise than the same checkpoint loaded back, or exported."""
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, dtype=torch.bfloat16)
+    model.save(tmp_path / "ck")
+    loaded = KTMModel.load(tmp_path / "ck", dtype=torch.bfloat16)
+    for m in (model, loaded):
+        assert {b.dtype for n, b in m.peft.named_buffers() if "inv_freq" in n} == {torch.float32}
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.prompt_logits(PROMPTS[0]),
+                                   model.prompt_logits(PROMPTS[0]), atol=0, rtol=0)
