@@ -152,13 +152,24 @@ class VLLMClient:
         req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return json.loads(r.read())
+                raw = r.read()
         except urllib.error.HTTPError as e:
             text = e.read().decode("utf-8", "replace")[:1000]  # bytes cut mid-character failed
             raise KTMError(f"vLLM at {url} answered {e.code}: {text}") from e
         except urllib.error.URLError as e:
             raise KTMError(f"no vLLM server at {url} ({e.reason}); start one with: "
                            f"{self.serve_command()}") from e
+        except TimeoutError as e:  # a read timeout is not wrapped in URLError
+            raise KTMError(f"vLLM at {url} did not answer within {self.timeout:g} s "
+                           "(VLLMClient timeout=)") from e
+        try:
+            answer = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            answer = None
+        if not isinstance(answer, dict):  # a proxy's HTML page, a truncated body
+            raise KTMError(f"vLLM at {url} answered {raw[:200]!r}: expected a JSON object "
+                           "(is base_url the server's /v1?)")
+        return answer
 
     def serve_command(self) -> str:
         return (f"vllm serve {self.dir / LM_DIR} --served-model-name {self.model_name} "
@@ -181,4 +192,8 @@ class VLLMClient:
         if not self.server_checked:
             self.check_server()
         out = self._call("/completions", self.payload(prompt, **kwargs))
-        return out["choices"][0]["text"]
+        try:
+            return out["choices"][0]["text"]
+        except (KeyError, IndexError, TypeError) as e:
+            raise KTMError(f"vLLM answered {json.dumps(out)[:300]}: expected a completion "
+                           "(choices[0].text)") from e

@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -78,6 +79,8 @@ class StubVLLM(BaseHTTPRequestHandler):
     lm = None
     tokenizer = None
     bodies: list[dict] = []
+    answer: bytes | None = None  # sent as is to a completion, when set (a proxy's page)
+    delay = 0.0  # seconds before answering a completion
 
     def log_message(self, *args):
         pass
@@ -99,6 +102,12 @@ class StubVLLM(BaseHTTPRequestHandler):
         type(self).bodies.append(body)
         if body["model"] not in self.served:
             return self._send({"error": {"message": "model not found"}}, 404)
+        time.sleep(self.delay)
+        if self.answer is not None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(self.answer)))
+            self.end_headers()
+            return self.wfile.write(self.answer)
         if body["max_tokens"] > 512:  # vLLM's answer is long and need not be ASCII
             return self._send({"error": {"message": "é" * 600}}, 400)  # byte 1000: mid-é
         raw = base64.b64decode(body["prompt_embeds"], validate=True)
@@ -121,6 +130,7 @@ def stub(exported):
     StubVLLM.tokenizer = AutoTokenizer.from_pretrained(exported / "lm")
     StubVLLM.served = [read_manifest(exported)["served_model_name"]]
     StubVLLM.bodies = []
+    StubVLLM.answer, StubVLLM.delay = None, 0.0
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubVLLM)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -141,6 +151,24 @@ def test_client_reports_a_long_non_ascii_error_of_the_server(exported, stub):
     client = VLLMClient(exported, stub)
     with pytest.raises(KTMError, match=r"answered 400: \{\"error\": \{\"message\": \"é"):
         client.complete(PROMPT, max_tokens=1000)
+
+
+def test_client_reports_an_answer_that_is_not_a_completion(exported, stub):
+    """A proxy's HTML page, JSON of another shape, no answer in time: one KTMError naming
+    what came back (a raw JSONDecodeError, KeyError or TimeoutError before)."""
+    client = VLLMClient(exported, stub)
+    for answer, match in [(b"<html>502 Bad Gateway</html>", r"answered b'<html>502 Bad Gateway"
+                                                            r"</html>': expected a JSON object"),
+                          (b"[1, 2]", r"answered b'\[1, 2\]': expected a JSON object"),
+                          (b'{"choices": []}', r"answered \{\"choices\": \[\]\}: expected a "
+                                               r"completion")]:
+        StubVLLM.answer = answer
+        with pytest.raises(KTMError, match=match):
+            client.complete(PROMPT, max_tokens=2)
+    StubVLLM.delay = 1.0
+    client.timeout = 0.2
+    with pytest.raises(KTMError, match=r"did not answer within 0.2 s"):
+        client.complete(PROMPT, max_tokens=2)
 
 
 def test_client_refuses_a_server_serving_another_model(exported, stub):
