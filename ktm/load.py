@@ -21,4 +21,5 @@ def load_any(model: str, k: int | None = None, device: str = "cpu",
     dt = parse_dtype(dtype)
     if (Path(model) / "ktm_config.json").is_file() or model in READERS:
         return KTMModel.load(model, k=k, device=device, dtype=dt)
-    return KTMModel.from_base(model, k=k or DEFAULT_K, use_mlp=False, device=device, dtype=dt)
+    k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
+    return KTMModel.from_base(model, k=k, use_mlp=False, device=device, dtype=dt)

@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,9 +213,13 @@ def test_export_cli_and_its_errors(capsys, tiny_model_dir, trained, tmp_path):
         ([str(tmp_path / "occupied"), "--model", str(ckpt)], "is not a ktm export"),
         ([str(tmp_path / "f"), "--model", str(ckpt), "--k", "2"], "K=4"),
         ([str(tmp_path / "g"), "--model", "no-such-model"], "unknown model"),
+        # a base model's --k 0 once exported K=4 (the default), silently
+        ([str(tmp_path / "h"), "--model", tiny_model_dir, "--k", "0"], "k must be an integer "
+                                                                       ">= 1, got 0"),
     ]:
         assert main(["export", *argv]) == 2
         assert match in capsys.readouterr().err
+        assert argv[0].endswith("occupied") or not Path(argv[0]).exists()
     with pytest.raises(KTMError, match="not a ktm vLLM export"):
         VLLMClient(tmp_path / "occupied")
 
