@@ -36,6 +36,9 @@ LM_DIR = "lm"
 ENCODER = "encoder.safetensors"
 EMBEDDINGS = "input_embeddings.safetensors"  # only when the LM files do not hold the table
 FORMAT_VERSION = 1
+# what the client reads from the manifest (the rest is provenance, or optional with a default)
+REQUIRED = ("k", "encoder", "merges", "plain_prefix", "base_model", "hidden_size", "vocab_size",
+            "dtype", "embeddings", "sha256", "served_model_name")
 
 
 @dataclass
@@ -200,9 +203,19 @@ def read_manifest(directory: str | Path) -> dict:
         m = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KTMError(f"{str(path)!r} is corrupt: {e}") from e
+    if not isinstance(m, dict):
+        raise KTMError(f"{str(path)!r} is corrupt: expected a JSON object, found "
+                       f"{type(m).__name__}")
     if m.get("format") != "ktm-vllm" or m.get("format_version") != FORMAT_VERSION:
         raise KTMError(f"{str(path)!r} is not a ktm-vllm export of format version "
                        f"{FORMAT_VERSION} (found {m.get('format')!r} {m.get('format_version')!r})")
+    missing = [key for key in REQUIRED if key not in m]
+    if missing:
+        raise KTMError(f"{str(path)!r} is corrupt: it lacks {missing}; re-export")
+    for key in ("encoder", "embeddings", "sha256"):
+        if not isinstance(m[key], dict):
+            raise KTMError(f"{str(path)!r} is corrupt: {key!r} is {m[key]!r}, expected a JSON "
+                           "object; re-export")
     return m
 
 

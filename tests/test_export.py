@@ -400,3 +400,20 @@ def test_exported_recursive_reader_at_its_inner_k_and_in_bf16(tiny_model_dir, tm
     got = _served_logits(tmp_path / "bf16", PROMPT, torch.bfloat16)
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)  # LoRA merged into bf16 rows
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_client_refuses_a_corrupt_manifest_naming_it(exported, tmp_path):
+    """A manifest that is not an object, or lacks what the client reads, was a raw
+    AttributeError or KeyError."""
+    broken = tmp_path / "broken"
+    shutil.copytree(exported, broken)
+    manifest = json.loads((broken / "ktm_export.json").read_text())
+    path = broken / "ktm_export.json"
+    for text, match in [("[]", "is corrupt: expected a JSON object, found list"),
+                        (json.dumps({**manifest, "sha256": None}),
+                         "is corrupt: 'sha256' is None, expected a JSON object"),
+                        (json.dumps({k: v for k, v in manifest.items() if k != "encoder"}),
+                         r"is corrupt: it lacks \['encoder'\]; re-export")]:
+        path.write_text(text)
+        with pytest.raises(KTMError, match=match):
+            VLLMClient(broken)
