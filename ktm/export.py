@@ -128,7 +128,8 @@ def _write(model, tmp: Path) -> None:
 def _check_plain_lookup(model) -> None:
     """Refuse an LM whose embedding layer is more than a table lookup (Gemma's multiplies the
     rows by sqrt(hidden)): ktm merges what the layer returns, the client builds prompt_embeds
-    from the table, and vLLM's Gemma scales prompt_embeds itself, so the served prefix would be
+    from the table, and vLLM's handling differs by family (its Gemma and Gemma 2 multiply
+    prompt_embeds by the scale, its Gemma 3 only embedded ids), so the served prefix would be
     at another scale than the one the model was trained on."""
     emb = model.input_embedding
     ids = torch.arange(min(8, emb.weight.shape[0]), device=emb.weight.device)
@@ -137,9 +138,10 @@ def _check_plain_lookup(model) -> None:
         scale = float(looked_up.float().norm() / rows.float().norm())
         raise KTMError(f"the {model.lm_config.model_type!r} LM's embedding layer scales the table "
                        f"rows (x{scale:.2f}), and vLLM's handling of prompt_embeds for it differs "
-                       "(Gemma scales them again): the served prefix would not be the one the "
-                       "model was trained on; the vLLM export covers LMs whose embedding layer "
-                       "is a plain lookup (serve this one with ktm serve)")
+                       "(Gemma and Gemma 2 scale them again, Gemma 3 scales only embedded ids "
+                       "while the client sends unscaled rows): the served prefix would not be "
+                       "the one the model was trained on; the vLLM export covers LMs whose "
+                       "embedding layer is a plain lookup (serve this one with ktm serve)")
 
 
 def _check_apart(out: Path, sources: list[str | Path]) -> None:
