@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from ktm.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, save_atomic
 from ktm.errors import KTMError
 from ktm.fileio import write_json_atomic
-from ktm.models import DEFAULT_MODEL
+from ktm.models import DEFAULT_MODEL, parse_dtype
 from ktm.provenance import git_revision, versions
 
 FORMATS = ("vllm",)
@@ -55,6 +55,9 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise KTMError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.k is not None and self.k < 1:
+            raise KTMError(f"k must be an integer >= 1, got {self.k}")
+        parse_dtype(self.dtype)
 
 
 def sha256_files(paths: list[Path]) -> str:

@@ -417,3 +417,17 @@ def test_client_refuses_a_corrupt_manifest_naming_it(exported, tmp_path):
         path.write_text(text)
         with pytest.raises(KTMError, match=match):
             VLLMClient(broken)
+
+
+def test_export_config_is_validated_on_construction(tiny_model_dir):
+    """As ServeConfig: a bad K or dtype is refused before any model is loaded; load_any, which
+    the API and ktm serve share, refuses a base model's K=0 too (it read it as the default)."""
+    from ktm.export import ExportConfig
+    from ktm.load import load_any
+
+    with pytest.raises(KTMError, match="k must be an integer >= 1, got 0"):
+        ExportConfig(k=0)
+    with pytest.raises(KTMError, match=r"dtype must be one of .*, got 'fp8'"):
+        ExportConfig(dtype="fp8")
+    with pytest.raises(KTMError, match="k must be an integer >= 1, got 0"):
+        load_any(tiny_model_dir, 0)
