@@ -431,3 +431,37 @@ def test_export_config_is_validated_on_construction(tiny_model_dir):
         ExportConfig(dtype="fp8")
     with pytest.raises(KTMError, match="k must be an integer >= 1, got 0"):
         load_any(tiny_model_dir, 0)
+
+
+def test_a_failed_export_leaves_the_previous_one_whole_and_no_temp(trained, tmp_path,
+                                                                   monkeypatch, capsys):
+    """No space left midway (the encoder file, after the LM was written): the previous export
+    is intact, nothing half-written is left beside it, and the CLI says so with exit 2. An
+    output path that is a file, or under one, is refused as well."""
+    import errno
+
+    import ktm.export
+    from ktm.cli import main
+
+    out = tmp_path / "x"
+    export_vllm(trained, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ktm.export, "save_file", no_space)
+    with pytest.raises(KTMError, match=f"cannot write {str(out)!r}: .*No space left"):
+        export_vllm(trained, out)
+    trained.save(tmp_path / "ck")
+    assert main(["export", str(out), "--model", str(tmp_path / "ck")]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "x"]
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("mine")
+    for dest, match in [(tmp_path / "file", "exists and is not a ktm export"),
+                        (tmp_path / "file" / "sub", "cannot write")]:
+        with pytest.raises(KTMError, match=match):
+            export_vllm(trained, dest)
+    assert (tmp_path / "file").read_text() == "mine"
