@@ -8,6 +8,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktm.config import KTMConfig
 from ktm.errors import KTMError
+from ktm.input_lookup import check_ids_equal_embeds
 from ktm.models import check_decoder_with_cache, check_inputs_embeds, check_reads_positions
 
 
@@ -38,6 +39,7 @@ def check_base(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: 
     so a checkpoint read on another base (``base=``, ``--model``) is held to the same rules."""
     check_inputs_embeds(lm)
     check_decoder_with_cache(lm)
+    check_ids_equal_embeds(lm)
     if config.spread_positions:
         check_reads_positions(lm)
     if config.add_eos and target_eos(lm, tokenizer) is None:

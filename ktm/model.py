@@ -28,6 +28,7 @@ from ktm.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_
 from ktm.config import KTMConfig, LoraSettings
 from ktm.encoder import KTokenEncoder
 from ktm.errors import KTMError
+from ktm.input_lookup import input_lookup
 from ktm.lora import adapted_modules
 from ktm.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
 from ktm.prompt import PromptLike, Segment, as_segments, split_prompts
@@ -49,8 +50,9 @@ class KTMModel(nn.Module):
         self._config = config
         lm: PreTrainedModel = peft_model.get_base_model()
         # a view into the PEFT-wrapped LM, kept out of nn.Module registration (no duplicate
-        # params); an extension (LTSC's meta rows) replaces it through set_input_embedding
-        object.__setattr__(self, "_embed", lm.get_input_embeddings())
+        # params); an extension (LTSC's meta rows) replaces it through set_input_embedding;
+        # scaled as the LM's forward scales looked-up ids (Falcon-H1's embedding_multiplier)
+        object.__setattr__(self, "_embed", input_lookup(lm))
         self.eos_ids = eos_ids(lm, tokenizer)
         self.eos_id = target_eos(lm, tokenizer)
         self._segment_ids = SegmentTokenizer(tokenizer)

@@ -85,8 +85,10 @@ FAMILIES = {
               {n: 1 for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                               "down_proj", "in_proj", "x_proj", "out_proj")}),
     # a Mamba hybrid: PEFT refuses LoRA on its mixers' out_proj (and conv1d)
+    # its forward scales looked-up ids by embedding_multiplier, not inputs_embeds
     "falcon_h1": (T.FalconH1Config, {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
-                                     "mamba_d_state": 8, "mamba_chunk_size": 16},
+                                     "mamba_d_state": 8, "mamba_chunk_size": 16,
+                                     "embedding_multiplier": 3.0},
                   LLAMA | {"in_proj": LAYERS}),
 }
 
@@ -422,6 +424,18 @@ def test_a_family_ktm_cannot_decode_is_refused_up_front(make, match):
     with pytest.raises(KTMError, match=match):
         KTMModel.from_base(lm, tokenizer=tok)
     assert not any("lora" in n for n, _ in lm.named_parameters())  # left as it was
+
+
+def test_a_model_that_scales_only_its_own_lookups_is_refused_unless_known(monkeypatch):
+    """Falcon-H1 multiplies embed_tokens(ids) by embedding_multiplier and passes inputs_embeds
+    through: ktm's lookup applies the multiplier (K=1 parity above). Without that entry the
+    tried check sees ids and rows read differently and refuses, rather than run another model."""
+    tok = build_tokenizer()
+    lm = T.AutoModelForCausalLM.from_config(tiny_config("falcon_h1", len(tok)))
+    monkeypatch.setattr("ktm.input_lookup.ID_ONLY_SCALES", {})
+    with pytest.raises(KTMError, match=r"FalconH1ForCausalLM \('falcon_h1'\) reads token ids "
+                                       r"otherwise than their embedding rows"):
+        KTMModel.from_base(lm, tokenizer=tok)
 
 
 def test_a_multimodal_model_is_refused(tmp_path):
