@@ -27,7 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
-from ktm.tasks.jsonl import base_name, open_text, read_jsonl
+from ktm.tasks.jsonl import base_name, check_utf8, open_text, read_jsonl
 from ktm.tokens import raw_text_ids
 
 EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
@@ -113,11 +113,11 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
     try:
         # gzipped or not, whatever its name (the folder listing takes .gz); a BOM is not text
         with open_text(path) as f:
-            return [f.read()]
+            text = f.read()
     except (OSError, EOFError) as e:
         raise KTMError(f"cannot read {path}: {e} (expected a text file, gzip if .gz)") from None
-    except UnicodeDecodeError as e:
-        raise KTMError(f"{path} is not UTF-8 text ({e.reason}): expected a text file") from None
+    check_utf8(path, text)
+    return [text]
 
 
 def path_texts(spec: str, text_field: str = "text") -> list[str]:

@@ -1,0 +1,28 @@
+"""Text of every kind in the user's files: what is read, and what is refused, naming where."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+
+from ktm.corpus import path_texts
+from ktm.errors import KTMError
+from ktm.tasks.jsonl import read_jsonl
+
+
+@pytest.mark.parametrize("gzipped", [False, True])
+def test_a_byte_that_is_not_utf8_in_a_jsonl_names_its_line(tmp_path, gzipped):
+    # it was "cannot read ...: can't decode byte 0xff in position 10", an offset in a buffer
+    data = b'{"text": "ok"}\r\n\n{"text": "caf\xe9"}\n'
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(gzip.compress(data) if gzipped else data)
+    with pytest.raises(KTMError, match=r"rows\.jsonl line 3: byte 0xE9 at column 14 is not UTF-8"):
+        list(read_jsonl(path))
+
+
+def test_a_byte_that_is_not_utf8_in_a_text_file_names_its_line(tmp_path):
+    # a check mark (three UTF-8 bytes), then a byte that is not UTF-8
+    (tmp_path / "notes.txt").write_bytes(b"first line\r\nsecond \xe2\x9c\x93 \xff")
+    with pytest.raises(KTMError, match=r"notes\.txt line 2: byte 0xFF at column 10 is not UTF-8"):
+        path_texts(str(tmp_path))
