@@ -8,6 +8,7 @@ import pytest
 
 from ktm.corpus import path_texts
 from ktm.errors import KTMError
+from ktm.tasks.custom import CustomTask
 from ktm.tasks.jsonl import read_jsonl
 
 
@@ -26,3 +27,11 @@ def test_a_byte_that_is_not_utf8_in_a_text_file_names_its_line(tmp_path):
     (tmp_path / "notes.txt").write_bytes(b"first line\r\nsecond \xe2\x9c\x93 \xff")
     with pytest.raises(KTMError, match=r"notes\.txt line 2: byte 0xFF at column 10 is not UTF-8"):
         path_texts(str(tmp_path))
+
+
+def test_a_custom_file_too_small_to_split_names_the_file(tmp_path):
+    # it was "test_size=0 with 1 items", a test_size the user never gave, and no file
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"context": "日本語のテキスト", "target": "はい"}\n\n', encoding="utf-8")
+    with pytest.raises(KTMError, match=r"one\.jsonl has 1 rows: .*give more rows"):
+        CustomTask(data_path=path).train_examples(1, 0)

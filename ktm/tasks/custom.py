@@ -135,7 +135,7 @@ class CustomTask:
             return list(range(n)), []
         size = self.test_size if self.test_size is not None else test_size_from_fraction(
             n, self.test_fraction)
-        return split_indices(n, size, self.split_seed)
+        return split_indices(n, size, self.split_seed, source=str(self.path), items="rows")
 
     @cached_property
     def train_rows(self) -> list[Row]:
