@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 
 import pytest
 
@@ -35,3 +36,19 @@ def test_a_custom_file_too_small_to_split_names_the_file(tmp_path):
     path.write_text('{"context": "日本語のテキスト", "target": "はい"}\n\n', encoding="utf-8")
     with pytest.raises(KTMError, match=r"one\.jsonl has 1 rows: .*give more rows"):
         CustomTask(data_path=path).train_examples(1, 0)
+
+
+def test_unicode_equivalent_targets_are_one_label(tmp_path):
+    # "café" composed and with a combining accent were two labels splitting one class's rows
+    composed, combining = "caf\u00e9", "cafe\u0301"
+    targets = [composed] * 6 + [combining] * 2 + [" th\u00e9 ", "th\u00e9"] * 2
+    path = tmp_path / "drinks.jsonl"
+    path.write_text("".join(json.dumps({"context": f"menu {i}", "target": t}) + "\n"
+                            for i, t in enumerate(targets)), encoding="utf-8")
+    task = CustomTask(data_path=path, test_size=2)
+    assert task.chosen_metric == "accuracy"
+    assert task.labels == (composed, "th\u00e9")  # the spelling most rows use
+    examples = task.train_examples(10, 0) + task.eval_examples(2, 0)
+    assert {e.label for e in examples} == set(task.labels)
+    assert all(e.target == e.label for e in examples)
+    assert task.parse_label(combining + "\n") == composed
