@@ -139,6 +139,12 @@ def path_texts(spec: str, text_field: str = "text") -> list[str]:
                    "nor an existing file or folder")
 
 
+def is_source(spec: str) -> bool:
+    """Whether ``spec`` names a source as it is: a built-in one or an existing file or folder."""
+    return (spec in BUILTIN or spec.startswith("trees:")
+            or Path(spec).expanduser().exists())
+
+
 def source_texts(spec: str, text_field: str = "text") -> list[str]:
     """The training texts of one source spec (see the module docstring)."""
     if spec == "code":

@@ -9,6 +9,7 @@ import pytest
 
 from ktm.corpus import path_texts
 from ktm.errors import KTMError
+from ktm.pretrain import PretrainConfig
 from ktm.tasks.custom import CustomTask
 from ktm.tasks.jsonl import read_jsonl
 
@@ -52,3 +53,14 @@ def test_unicode_equivalent_targets_are_one_label(tmp_path):
     assert {e.label for e in examples} == set(task.labels)
     assert all(e.target == e.label for e in examples)
     assert task.parse_label(combining + "\n") == composed
+
+
+def test_a_source_folder_whose_name_holds_an_equals_sign_is_a_source(tmp_path, monkeypatch):
+    # "runs/lr=1e-3" was read as the source "runs/lr" at weight 0.001 (not found)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lr=1e-3").mkdir()
+    (tmp_path / "lr=1e-3" / "notes.txt").write_text("some text")
+    (tmp_path / "corpus").mkdir()
+    cfg = PretrainConfig(sources=("lr=1e-3", "corpus=0.5", "code=2"), eval_sets=())
+    assert cfg.source_weights == {"lr=1e-3": 1.0, "corpus": 0.5, "code": 2.0}
+    assert path_texts("lr=1e-3") == ["some text"]
