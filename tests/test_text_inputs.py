@@ -64,3 +64,13 @@ def test_a_source_folder_whose_name_holds_an_equals_sign_is_a_source(tmp_path, m
     cfg = PretrainConfig(sources=("lr=1e-3", "corpus=0.5", "code=2"), eval_sets=())
     assert cfg.source_weights == {"lr=1e-3": 1.0, "corpus": 0.5, "code": 2.0}
     assert path_texts("lr=1e-3") == ["some text"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])
+def test_a_utf16_file_is_named_as_such(tmp_path, encoding):
+    # Windows editors save "Unicode" text as UTF-16: the error said only "byte 0xFF ... not UTF-8"
+    bom = b"\xfe\xff" if encoding.endswith("be") else b""
+    (tmp_path / "notes.txt").write_bytes(bom + "naïve text\n".encode(encoding))
+    with pytest.raises(KTMError, match=r"notes\.txt line 1: byte 0x.. at column 1 is not UTF-8: "
+                                       r"expected UTF-8 text \(this file is UTF-16: save it as"):
+        path_texts(str(tmp_path / "notes.txt"))

@@ -113,8 +113,11 @@ def check_utf8(path: Path, text: str, first_line: int = 1) -> None:
     if (m := _UNDECODED.search(text)) is not None:
         at = m.start()
         line, column = first_line + text.count("\n", 0, at), at - text.rfind("\n", 0, at)
+        # Windows' "Unicode" text: UTF-16, after its byte-order mark (FF FE or FE FF)
+        utf16 = at == 0 and first_line == 1 and text[:2] in ("\udcff\udcfe", "\udcfe\udcff")
         raise row_error(path, line, f"byte 0x{ord(m.group()) - 0xDC00:02X} at column {column} "
-                        "is not UTF-8: expected UTF-8 text")
+                        "is not UTF-8: expected UTF-8 text"
+                        + (" (this file is UTF-16: save it as UTF-8)" if utf16 else ""))
 
 
 def _matches(value: Any, spec: FieldSpec) -> bool:
