@@ -6,12 +6,15 @@ import gzip
 import json
 
 import pytest
+from conftest import build_tokenizer
 
+from ktm.cli import main
 from ktm.corpus import path_texts
 from ktm.errors import KTMError
 from ktm.pretrain import PretrainConfig
 from ktm.tasks.custom import CustomTask
 from ktm.tasks.jsonl import read_jsonl
+from ktm.tokens import raw_text_ids
 
 
 @pytest.mark.parametrize("gzipped", [False, True])
@@ -74,3 +77,19 @@ def test_a_utf16_file_is_named_as_such(tmp_path, encoding):
     with pytest.raises(KTMError, match=r"notes\.txt line 1: byte 0x.. at column 1 is not UTF-8: "
                                        r"expected UTF-8 text \(this file is UTF-16: save it as"):
         path_texts(str(tmp_path / "notes.txt"))
+
+
+def test_a_prompt_argument_that_is_not_utf8_names_the_byte(capsys, tiny_model_dir):
+    # Python reads a non-UTF-8 byte of argv as a lone surrogate: the error spoke of "half of a
+    # UTF-16 pair"; it names the byte now
+    assert main(["generate", "--model", tiny_model_dir, "--prompt", "caf\udce9 au lait"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "lone surrogate '\\udce9' at character 3 (a byte 0xE9 that is not UTF-8" in err
+
+
+def test_a_lone_surrogate_in_raw_text_is_named():
+    # raw text (pretraining documents) went to the Rust tokenizer: a bare TypeError
+    with pytest.raises(KTMError, match=r"lone surrogate '\\ud800' at character 1 \(half of a "
+                                       "UTF-16 pair"):
+        raw_text_ids(build_tokenizer(), ["fine", "a\ud800b"])
