@@ -19,6 +19,7 @@ loss covers (the plain continuation, or the context itself for autoencoding).
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +115,7 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
         # gzipped or not, whatever its name (the folder listing takes .gz); a BOM is not text
         with open_text(path) as f:
             text = f.read()
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged gzip stream
         raise KTMError(f"cannot read {path}: {e} (expected a text file, gzip if .gz)") from None
     check_utf8(path, text)
     return [text]

@@ -93,3 +93,15 @@ def test_a_lone_surrogate_in_raw_text_is_named():
     with pytest.raises(KTMError, match=r"lone surrogate '\\ud800' at character 1 \(half of a "
                                        "UTF-16 pair"):
         raw_text_ids(build_tokenizer(), ["fine", "a\ud800b"])
+
+
+def test_a_damaged_gzip_stream_is_named(tmp_path):
+    # zlib's own error escaped: a traceback from the CLI
+    data = bytearray(gzip.compress(b'{"text": "hello world"}\n' * 500, mtime=0))
+    data[20:40] = b"\xff" * 20
+    for name in ("rows.jsonl.gz", "notes.txt.gz"):
+        (tmp_path / name).write_bytes(bytes(data))
+    with pytest.raises(KTMError, match=r"cannot read .*rows\.jsonl\.gz: Error -3 .*expected UTF-8"):
+        list(read_jsonl(tmp_path / "rows.jsonl.gz"))
+    with pytest.raises(KTMError, match=r"cannot read .*notes\.txt\.gz: Error -3 .*expected a text"):
+        path_texts(str(tmp_path / "notes.txt.gz"))

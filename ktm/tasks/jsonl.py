@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -190,7 +191,7 @@ def read_jsonl(
                     yield line_no, parse_row(path, line_no, line, fields or {})
     except FileNotFoundError:
         raise KTMError(f"data file not found: {path} (expected a JSONL or JSONL.gz file)") from None
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged gzip stream
         raise KTMError(f"cannot read {path}: {e} (expected UTF-8 JSONL, gzipped or not)") from e
 
 
