@@ -105,3 +105,10 @@ def test_a_damaged_gzip_stream_is_named(tmp_path):
         list(read_jsonl(tmp_path / "rows.jsonl.gz"))
     with pytest.raises(KTMError, match=r"cannot read .*notes\.txt\.gz: Error -3 .*expected a text"):
         path_texts(str(tmp_path / "notes.txt.gz"))
+
+
+def test_jsonl_files_concatenated_with_their_byte_order_marks_are_read(tmp_path):
+    # `cat a.jsonl b.jsonl` of files an editor saved with a BOM: line 2 was "bad JSON"
+    path = tmp_path / "all.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n\xef\xbb\xbf{"text": "\xe2\x9c\x93"}\r\n')
+    assert [row["text"] for _, row in read_jsonl(path)] == ["a", "\u2713"]

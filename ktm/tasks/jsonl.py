@@ -187,6 +187,8 @@ def read_jsonl(
         with open_text(path) as f:
             for line_no, line in enumerate(f, start=1):
                 check_utf8(path, line, line_no)
+                # a byte-order mark opening a later line: files that each had one, concatenated
+                line = line.removeprefix("\ufeff")
                 if line.strip():
                     yield line_no, parse_row(path, line_no, line, fields or {})
     except FileNotFoundError:
