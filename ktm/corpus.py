@@ -18,6 +18,7 @@ loss covers (the plain continuation, or the context itself for autoencoding).
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
 from collections.abc import Sequence
@@ -121,6 +122,23 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
     return [text]
 
 
+def folder_files(root: Path) -> list[Path]:
+    """The text files below ``root``, sorted. Hidden files and folders (.git, .venv,
+    .ipynb_checkpoints) are not the corpus; a linked folder is (``ln -s /data/books corpus/``:
+    ``Path.rglob`` skipped it silently), each real folder read once, so a link loop ends."""
+    seen: set[str] = set()
+    files = []
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        if (real := os.path.realpath(folder)) in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        files += [Path(folder, n) for n in names if not n.startswith(".")
+                  and n.lower().endswith(TEXT_SUFFIXES) and Path(folder, n).is_file()]
+    return sorted(files)
+
+
 def path_texts(spec: str, text_field: str = "text") -> list[str]:
     """Texts of a user file or folder (folders: text files below it, recursively, sorted)."""
     path = Path(spec).expanduser()
@@ -128,10 +146,7 @@ def path_texts(spec: str, text_field: str = "text") -> list[str]:
         return _file_texts(path, text_field)
     if path.is_dir():
         _refuse_eval_only(path.resolve())
-        # hidden files and folders (.git, .venv, .ipynb_checkpoints) are not the corpus
-        files = sorted(p for p in path.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                       and p.name.lower().endswith(TEXT_SUFFIXES))
+        files = folder_files(path)
         if not files:
             raise KTMError(f"folder {str(path)!r} has no text files "
                            f"(expected files ending in {', '.join(TEXT_SUFFIXES[:6])}, ...)")

@@ -112,3 +112,17 @@ def test_jsonl_files_concatenated_with_their_byte_order_marks_are_read(tmp_path)
     path = tmp_path / "all.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n\xef\xbb\xbf{"text": "\xe2\x9c\x93"}\r\n')
     assert [row["text"] for _, row in read_jsonl(path)] == ["a", "\u2713"]
+
+
+def test_a_corpus_folder_reads_linked_folders_once_and_skips_hidden_ones(tmp_path):
+    # Path.rglob skipped a linked folder silently: its text was never read
+    corpus, books = tmp_path / "corpus", tmp_path / "books"
+    (corpus / ".git").mkdir(parents=True)
+    (corpus / ".git" / "HEAD.txt").write_text("hidden")
+    (corpus / "a.txt").write_text("A")
+    books.mkdir()
+    (books / "b.md").write_text("B")
+    (books / "img.png").write_bytes(b"\x89PNG")
+    (corpus / "books").symlink_to(books)
+    (books / "again").symlink_to(corpus)  # a loop
+    assert path_texts(str(corpus)) == ["A", "B"]
