@@ -18,7 +18,9 @@ loss covers (the plain continuation, or the context itself for autoencoding).
 
 from __future__ import annotations
 
+import os
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
-from ktm.tasks.jsonl import base_name, open_text, read_jsonl
+from ktm.tasks.jsonl import base_name, check_utf8, open_text, read_jsonl
 from ktm.tokens import raw_text_ids
 
 EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
@@ -113,11 +115,28 @@ def _file_texts(path: Path, text_field: str) -> list[str]:
     try:
         # gzipped or not, whatever its name (the folder listing takes .gz); a BOM is not text
         with open_text(path) as f:
-            return [f.read()]
-    except (OSError, EOFError) as e:
+            text = f.read()
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged gzip stream
         raise KTMError(f"cannot read {path}: {e} (expected a text file, gzip if .gz)") from None
-    except UnicodeDecodeError as e:
-        raise KTMError(f"{path} is not UTF-8 text ({e.reason}): expected a text file") from None
+    check_utf8(path, text)
+    return [text]
+
+
+def folder_files(root: Path) -> list[Path]:
+    """The text files below ``root``, sorted. Hidden files and folders (.git, .venv,
+    .ipynb_checkpoints) are not the corpus; a linked folder is (``ln -s /data/books corpus/``:
+    ``Path.rglob`` skipped it silently), each real folder read once, so a link loop ends."""
+    seen: set[str] = set()
+    files = []
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        if (real := os.path.realpath(folder)) in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        files += [Path(folder, n) for n in names if not n.startswith(".")
+                  and n.lower().endswith(TEXT_SUFFIXES) and Path(folder, n).is_file()]
+    return sorted(files)
 
 
 def path_texts(spec: str, text_field: str = "text") -> list[str]:
@@ -127,16 +146,19 @@ def path_texts(spec: str, text_field: str = "text") -> list[str]:
         return _file_texts(path, text_field)
     if path.is_dir():
         _refuse_eval_only(path.resolve())
-        # hidden files and folders (.git, .venv, .ipynb_checkpoints) are not the corpus
-        files = sorted(p for p in path.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                       and p.name.lower().endswith(TEXT_SUFFIXES))
+        files = folder_files(path)
         if not files:
             raise KTMError(f"folder {str(path)!r} has no text files "
                            f"(expected files ending in {', '.join(TEXT_SUFFIXES[:6])}, ...)")
         return [t for f in files for t in _file_texts(f, text_field)]
     raise KTMError(f"text source {spec!r} is neither {', '.join(BUILTIN)}, trees:STAGE, "
                    "nor an existing file or folder")
+
+
+def is_source(spec: str) -> bool:
+    """Whether ``spec`` names a source as it is: a built-in one or an existing file or folder."""
+    return (spec in BUILTIN or spec.startswith("trees:")
+            or Path(spec).expanduser().exists())
 
 
 def source_texts(spec: str, text_field: str = "text") -> list[str]:

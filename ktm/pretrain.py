@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -48,6 +48,7 @@ from ktm.corpus import (
     autoencode_window,
     check_docs,
     continuation_window,
+    is_source,
     source_texts,
     tokenize_docs,
 )
@@ -62,12 +63,16 @@ from ktm.train import TrainConfig, train
 OBJECTIVES = ("lm", "distill", "ae", "align")
 
 
-def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None
-                  ) -> dict[str, float]:
-    """``["code", "reviews=0.5"]`` -> ``{"code": 1.0, "reviews": 0.5}``."""
+def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None,
+                  known: Callable[[str], bool] | None = None) -> dict[str, float]:
+    """``["code", "reviews=0.5"]`` -> ``{"code": 1.0, "reviews": 0.5}``. A spec that ``known``
+    takes whole while it does not take the part before its last "=" is a name by itself: a
+    folder ``runs/lr=1e-3`` is not the source ``runs/lr`` at weight 0.001."""
     out: dict[str, float] = {}
     for spec in specs:
         name, _, w = spec.rpartition("=") if "=" in spec else (spec, "", "1")
+        if known is not None and "=" in spec and known(spec) and not known(name):
+            name, w = spec, "1"
         try:
             weight = float(w)
         except ValueError:
@@ -121,7 +126,7 @@ class PretrainConfig:
             # one name is one item: tuple("code") would be the sources c, o, d, e
             setattr(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
         self.eval_sets = tuple(s for s in self.eval_sets if s != "none")
-        self.source_weights = parse_weights(self.sources, "text source")
+        self.source_weights = parse_weights(self.sources, "text source", known=is_source)
         self.objective_weights = parse_weights(self.objectives, "objective", OBJECTIVES)
         self.k_mix = tuple(str(k) for k in self.k_mix)
         self.k_weights = {_k_value(k): w for k, w in parse_weights(self.k_mix, "K").items()

@@ -35,6 +35,23 @@ def lead_ids(tokenizer) -> tuple[int, ...]:
     return ()
 
 
+def check_encodable(texts: Sequence[str]) -> None:
+    """Raise naming the first lone surrogate of ``texts`` (what the Rust tokenizer refuses with
+    a bare TypeError): half of a UTF-16 pair, or a byte that was not UTF-8 as Python reads one
+    in a command-line argument (surrogateescape: U+DC80..U+DCFF)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            char = text[e.start]
+            what = (f"a byte 0x{ord(char) - 0xDC00:02X} that is not UTF-8, as Python reads one "
+                    "in a command-line argument" if "\udc80" <= char <= "\udcff"
+                    else "half of a UTF-16 pair, not a character")
+            raise KTMError(f"text {text[max(e.start - 20, 0):e.end + 20]!r} holds a lone "
+                           f"surrogate {char!r} at character {e.start} ({what}): expected "
+                           "valid Unicode text") from None
+
+
 def raw_text_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids (no special tokens added) of raw text: the documents pretraining and the
     readability metric cut windows from. There a special token's string ("<|endoftext|>",
@@ -44,6 +61,7 @@ def raw_text_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     (mistral-common's refuses the option) is called as it is, and a text in which it still reads
     one is refused, naming it."""
     texts = list(texts)
+    check_encodable(texts)
     # a fast tokenizer leaves the option set on its Rust tokenizer: put it back for direct users
     backend = getattr(tokenizer, "backend_tokenizer", None)
     before = getattr(backend, "encode_special_tokens", None)
@@ -155,13 +173,7 @@ class SegmentTokenizer:
         try:
             return self._ids(text, first)
         except TypeError:  # what the Rust tokenizer raises for a lone surrogate
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise KTMError(f"text {text[max(e.start - 20, 0):e.end + 20]!r} holds a lone "
-                               f"surrogate {text[e.start]!r} at character {e.start} (half of a "
-                               "UTF-16 pair, not a character): expected valid Unicode text"
-                               ) from None
+            check_encodable([text])
             raise
 
     def _ids(self, text: str, first: bool) -> list[int]:

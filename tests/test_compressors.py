@@ -149,7 +149,8 @@ def test_mean_pool_is_the_encoder_without_mlp(tiny_model_dir):
 # ---------------------------------------------------------------- selective context
 def test_selective_context_drops_least_informative_tokens():
     comp = SelectiveContext(ratio=0.5, unit="token")
-    keep = comp.keep_mask([10, 11, 12, 13, 14], [math.inf, 5.0, 1.0, 3.0, 0.5])
+    keep = comp.keep_mask([10, 11, 12, 13, 14], [math.inf, 5.0, 1.0, 3.0, 0.5],
+                          units=[[i] for i in range(5)])
     assert keep == [True, True, False, True, False]  # round(2.5) = 2 dropped: 0.5 and 1.0
 
 
@@ -176,6 +177,19 @@ def test_selective_context_words_are_kept_whole(tiny_model_dir):
     kept = out.segments[0].text.replace(".", " ").replace(",", " ").split()
     assert kept and set(kept) <= words
     assert out.meta["tokens_after"] < out.meta["tokens_before"]
+
+
+@pytest.mark.parametrize("unit", ["token", "word"])
+def test_selective_context_never_cuts_a_character(unit, tiny_model_dir):
+    """The tiny tokenizer writes a CJK character or an emoji as byte tokens: dropping some of
+    them left U+FFFD, or the bytes of two characters read as a third."""
+    comp = SelectiveContext(ratio=0.5, unit=unit)
+    comp.fit([], fresh(tiny_model_dir))
+    text = "日本語のテキスト，中文。 a👍🏽b👨\u200d👩\u200d👧 cafe\u0301 שלום עולם " * 3
+    out = comp.rewrite([text], [True])[0].text
+    assert 0 < len(out) < len(text) and set(out) <= set(text)
+    if unit == "word":  # a combining accent stays on its letter
+        assert all(out[i - 1] == "e" for i, c in enumerate(out) if c == "\u0301")
 
 
 def test_selective_context_words_start_at_a_sentencepiece_space():

@@ -163,8 +163,10 @@ def test_tree_text_and_edges_must_agree(tmp_path: Path, tree, edges, expected) -
         _ = TreeTask(data_path=path).trees
 
 
-def test_tree_trailing_newline_and_crlf_are_not_nodes(tmp_path: Path) -> None:
-    rows = [{"indent_tree": "AA\r\n+BB\r\n+CC\n", "edges": [["AA", "BB"], ["AA", "CC"]]}] * 2
+@pytest.mark.parametrize("end", ["\r\n", "\r"])  # Windows, and classic Mac (was an error)
+def test_tree_trailing_newline_and_crlf_are_not_nodes(tmp_path: Path, end: str) -> None:
+    tree = f"AA{end}+BB{end}+CC\n"
+    rows = [{"indent_tree": tree, "edges": [["AA", "BB"], ["AA", "CC"]]}] * 2
     task = TreeTask(data_path=_write(tmp_path / "t.jsonl", rows))
     assert task.trees[0].nodes == ("AA", "BB", "CC")
     for ex in task.train_examples(50, seed=0):

@@ -4,7 +4,10 @@ The self-information of token x_t is ``-log p(x_t | x_<t)`` under the base LM (L
 switched off, so a trained checkpoint scores like the untrained base). A unit's self-information
 is the sum over its tokens. Units are either single **tokens** or **words** (``unit="word"``, the
 default): a word starts at a token that begins with whitespace or punctuation and runs until the
-next such token, so a word is never cut in half.
+next such token, so a word is never cut in half. Neither is a character: the tokens of one
+character split over bytes (a CJK character or an emoji in byte-level BPE, SentencePiece's byte
+fallback) are one unit, and a combining mark stays in its base letter's word, so the rewrite
+holds only characters of the text, never a U+FFFD or a character made of two others' bytes.
 
 Units are dropped lowest self-information first until ``round(ratio * n)`` of the segment's n
 tokens are gone; the last unit may overshoot by less than its own length. The first token has no
@@ -15,6 +18,7 @@ segments, left-padded, one forward pass), after the BOS the tokenizer puts befor
 from __future__ import annotations
 
 import math
+import unicodedata
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +30,7 @@ from ktm.prompt import Segment
 UNITS = ("token", "word")
 # logits held at once while scoring (elements): (B, L, V) for a long batch would not fit
 LOGITS_BUDGET = 64 * 2**20
+CHAR_TOKENS = 4  # most tokens one character spans: a UTF-8 character has at most 4 bytes
 
 
 class SelectiveContext(Compressor):
@@ -87,37 +92,59 @@ class SelectiveContext(Compressor):
             yield group
 
     def units(self, ids: list[int]) -> list[list[int]]:
-        """Positions of ``ids`` grouped into lexical units."""
+        """Positions of ``ids`` grouped into lexical units (whole characters, at least)."""
+        runs = self.char_runs(ids)
         if self.unit == "token":
-            return [[i] for i in range(len(ids))]
+            return runs
         groups: list[list[int]] = []
-        for i, piece in enumerate(self.pieces(ids)):
-            starts = not groups or not piece or piece[0].isspace() or not piece[0].isalnum()
+        for run, piece in zip(runs, self.pieces(ids, runs)):
+            head = piece[:1]
+            starts = not groups or not head or head.isspace() or not (
+                head.isalnum() or unicodedata.category(head).startswith("M"))
             if starts:
-                groups.append([i])
+                groups.append(list(run))
             else:
-                groups[-1].append(i)
+                groups[-1].extend(run)
         return groups
 
-    def pieces(self, ids: list[int]) -> list[str]:
-        """The text each token adds after the one before it. A token decoded alone loses the
+    def char_runs(self, ids: list[int]) -> list[list[int]]:
+        """Positions of ``ids`` in runs of whole characters: a token that ends inside a
+        character (its text ends in U+FFFD) runs on to the token that completes it."""
+        tokenizer = self.model.tokenizer
+        whole = [not t.endswith("\ufffd") for t in tokenizer.batch_decode([[t] for t in ids])]
+        runs, i = [], 0
+        while i < len(ids):
+            j = i + 1
+            while (j < len(ids) and j - i < CHAR_TOKENS and not whole[i]
+                   and tokenizer.decode(ids[i:j]).endswith("\ufffd")):
+                j += 1
+            runs.append(list(range(i, j)))
+            i = j
+        return runs
+
+    def pieces(self, ids: list[int], runs: list[list[int]]) -> list[str]:
+        """The text each run adds after the one before it. A token decoded alone loses the
         space a SentencePiece tokenizer (Llama 2, Mistral) writes as its first character; after
-        its predecessor it keeps it. Where the pair adds nothing to its first token's text (a
-        character split over byte tokens), the token alone."""
+        its predecessor it keeps it. Where the pair adds nothing to its first run's text, the
+        run alone."""
         decode = self.model.tokenizer.batch_decode
-        alone = decode([[t] for t in ids])
-        pairs = decode([[a, b] for a, b in zip(ids, ids[1:])])
+        texts = [[ids[i] for i in r] for r in runs]
+        alone = decode(texts)
+        pairs = decode([a + b for a, b in zip(texts, texts[1:])])
         out = alone[:1]
         for a, b, pair in zip(alone, alone[1:], pairs):
             out.append((pair[len(a):] if pair.startswith(a) else "") or b)
         return out
 
-    def keep_mask(self, ids: list[int], info: list[float]) -> list[bool]:
-        """Which token positions survive dropping ``ratio`` of them, least informative first."""
+    def keep_mask(self, ids: list[int], info: list[float],
+                  units: list[list[int]] | None = None) -> list[bool]:
+        """Which token positions survive dropping ``ratio`` of them, least informative unit
+        first (``units``: default ``self.units(ids)``)."""
         target = round(self.ratio * len(ids))
         keep = [True] * len(ids)
         dropped = 0
-        for unit in sorted(self.units(ids), key=lambda u: sum(info[i] for i in u)):
+        units = self.units(ids) if units is None else units
+        for unit in sorted(units, key=lambda u: sum(info[i] for i in u)):
             if dropped >= target or math.isinf(sum(info[i] for i in unit)):
                 break
             for i in unit:

@@ -21,6 +21,8 @@ commitpack does; with ``eval_path`` every row of ``data_path`` trains and ``eval
 
 Metric: ``accuracy`` treats each stripped target as a label (exact match of the stripped
 generated answer; balanced accuracy over the training labels; ``--scoring likelihood`` works);
+Unicode-equivalent spellings ("café" composed, or "e" + a combining accent) are one label,
+spelled as the training rows spell it most often;
 ``perplexity`` scores the target text as given. ``auto`` picks accuracy when the training rows
 have at most ``AUTO_MAX_LABELS`` distinct targets and every evaluation target is one of them,
 else perplexity; the result row records the choice as ``metric``.
@@ -28,6 +30,8 @@ else perplexity; the result row records the choice as ``metric``.
 
 from __future__ import annotations
 
+import unicodedata
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -80,6 +84,13 @@ def load_rows(path: Path, context: str, prompt: str, target: str) -> list[Row]:
         raise KTMError(f"{path} holds no rows: expected JSON objects with {context!r} and "
                        f"{target!r}")
     return out
+
+
+def label_key(target: str) -> str:
+    """What makes two targets one label: the same stripped text in Unicode's composed form (NFC),
+    so "café" typed composed and with a combining accent is one class, not two that split its
+    rows (a model answering either spelling is right: ``match_label``)."""
+    return unicodedata.normalize("NFC", target.strip())
 
 
 def _optional_str(path: Path, line_no: int, row: dict[str, Any], name: str) -> str:
@@ -135,7 +146,7 @@ class CustomTask:
             return list(range(n)), []
         size = self.test_size if self.test_size is not None else test_size_from_fraction(
             n, self.test_fraction)
-        return split_indices(n, size, self.split_seed)
+        return split_indices(n, size, self.split_seed, source=str(self.path), items="rows")
 
     @cached_property
     def train_rows(self) -> list[Row]:
@@ -150,8 +161,8 @@ class CustomTask:
     @cached_property
     def chosen_metric(self) -> str:
         """``metric``, with ``auto`` decided from the data (module docstring)."""
-        seen = {r.target.strip() for r in self.train_rows}
-        unseen = sorted({r.target.strip() for r in self.eval_rows} - seen)
+        seen = self._spellings
+        unseen = sorted({label_key(r.target) for r in self.eval_rows} - seen.keys())
         if self.metric == "accuracy" and unseen:
             raise KTMError(f"metric='accuracy' but evaluation targets {unseen[:5]} never occur "
                            "in training: expected every evaluation label among the training "
@@ -165,11 +176,22 @@ class CustomTask:
         return "classification" if self.chosen_metric == "accuracy" else "perplexity"
 
     @cached_property
+    def _spellings(self) -> dict[str, str]:
+        """Each distinct training label (``label_key``) -> its spelling: the one the training
+        rows use most often (ties: the first in sorted order)."""
+        counts = Counter(r.target.strip() for r in self.train_rows)
+        out: dict[str, str] = {}
+        for spelling, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+            out.setdefault(label_key(spelling), spelling)
+        return out
+
+    @cached_property
     def labels(self) -> tuple[str, ...]:
-        """The distinct stripped training targets, sorted; empty when scored by perplexity."""
+        """The distinct training labels as spelled (``_spellings``), sorted; empty when scored
+        by perplexity."""
         if self.kind != "classification":
             return ()
-        return tuple(sorted({r.target.strip() for r in self.train_rows}))
+        return tuple(sorted(self._spellings.values()))
 
     def parse_label(self, text: str) -> str | None:
         return match_label(text, self.labels)
@@ -189,7 +211,7 @@ class CustomTask:
         return [self._example(pool[i]) for i in sample_without_replacement(n, len(pool), seed)]
 
     def _example(self, row: Row) -> Example:
-        label = row.target.strip() if self.kind == "classification" else None
+        label = self._spellings[label_key(row.target)] if self.kind == "classification" else None
         return Example(
             segments=custom_prompt(row.context, row.prompt, self.prompt_mode),
             target=row.target if label is None else self.label_target(label),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -95,10 +97,28 @@ def is_gzip(path: Path) -> bool:
 
 def open_text(path: Path) -> TextIO:
     """A text file, gzipped or not whatever its name says, as UTF-8; utf-8-sig: a byte-order
-    mark (Windows editors write one) is not part of its text (or of line 1's JSON)."""
+    mark (Windows editors write one) is not part of its text (or of line 1's JSON). A byte that
+    is not UTF-8 arrives as a lone surrogate (surrogateescape), so ``check_utf8`` can name its
+    line; a decoding error names only an offset in a read buffer."""
     if is_gzip(path):
-        return gzip.open(path, "rt", encoding="utf-8-sig")
-    return path.open("r", encoding="utf-8-sig")
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape")
+    return path.open("r", encoding="utf-8-sig", errors="surrogateescape")
+
+
+_UNDECODED = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of bytes 0x80..0xFF
+
+
+def check_utf8(path: Path, text: str, first_line: int = 1) -> None:
+    """Raise naming the line, column and value of the first byte of ``text`` (read by
+    ``open_text``, starting at line ``first_line``) that was not UTF-8."""
+    if (m := _UNDECODED.search(text)) is not None:
+        at = m.start()
+        line, column = first_line + text.count("\n", 0, at), at - text.rfind("\n", 0, at)
+        # Windows' "Unicode" text: UTF-16, after its byte-order mark (FF FE or FE FF)
+        utf16 = at == 0 and first_line == 1 and text[:2] in ("\udcff\udcfe", "\udcfe\udcff")
+        raise row_error(path, line, f"byte 0x{ord(m.group()) - 0xDC00:02X} at column {column} "
+                        "is not UTF-8: expected UTF-8 text"
+                        + (" (this file is UTF-16: save it as UTF-8)" if utf16 else ""))
 
 
 def _matches(value: Any, spec: FieldSpec) -> bool:
@@ -166,11 +186,14 @@ def read_jsonl(
     try:
         with open_text(path) as f:
             for line_no, line in enumerate(f, start=1):
+                check_utf8(path, line, line_no)
+                # a byte-order mark opening a later line: files that each had one, concatenated
+                line = line.removeprefix("\ufeff")
                 if line.strip():
                     yield line_no, parse_row(path, line_no, line, fields or {})
     except FileNotFoundError:
         raise KTMError(f"data file not found: {path} (expected a JSONL or JSONL.gz file)") from None
-    except (OSError, EOFError, UnicodeDecodeError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged gzip stream
         raise KTMError(f"cannot read {path}: {e} (expected UTF-8 JSONL, gzipped or not)") from e
 
 

@@ -66,8 +66,8 @@ def load_trees(path: Path, limit: int | None = None) -> list[Tree]:
         edges = row["edges"]
         if not all(isinstance(e, list) and [type(x) for x in e] == [str, str] for e in edges):
             raise row_error(path, line_no, "field 'edges' must be a list of [parent, child] names")
-        # a trailing newline or Windows line ends are not part of the tree
-        text = row["indent_tree"].replace("\r\n", "\n").strip("\n")
+        # a trailing newline or Windows (or classic Mac) line ends are not part of the tree
+        text = row["indent_tree"].replace("\r\n", "\n").replace("\r", "\n").strip("\n")
         if not text:
             raise row_error(path, line_no, "field 'indent_tree' must be a non-empty tree text")
         problem = _tree_problem(text, edges)
