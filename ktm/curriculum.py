@@ -72,7 +72,9 @@ def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: s
         need = cfg.threshold if cfg.threshold is not None else PASS_ACCURACY[stage]
         eval_set = task.eval_examples(cfg.n_eval, seed=train_cfg.seed + 1)
         for rnd in range(1, cfg.max_rounds + 1):
-            n = cfg.steps_per_round * train_cfg.batch_size * train_cfg.grad_accum
+            # every process's shard of every step (global batch = processes x batch_size x
+            # grad_accum): the examples a 1-process run with the same global batch reads
+            n = cfg.steps_per_round * train_cfg.batch_size * train_cfg.grad_accum * world.size
             seed = train_cfg.seed + 1000 * rnd  # fresh pairs every round
             folder = out / f"{stage}-r{rnd}"
             # --resume: rounds that saved a checkpoint continue from it (a finished one just

@@ -184,6 +184,36 @@ def test_pretrain_under_accelerate_launch(tiny_model_dir, start, tmp_path):
     assert_same(trainable(KTMModel.load(str(out / "checkpoint"), trainable=True)), trainable(one))
 
 
+@pytest.mark.slow  # launches 2 processes
+def test_curriculum_on_two_processes_equals_one_with_the_global_batch(tiny_model_dir, start,
+                                                                      tmp_path):
+    """``ktm curriculum`` under torchrun: each round draws the examples of the global batch
+    (2 x batch 2 == 1 x batch 4), so the rounds, rows and weights are those of one process."""
+    from ktm.curriculum import CurriculumConfig, run_curriculum
+
+    out = tmp_path / "two"
+    r = run(torchrun("-m", "ktm.cli", "curriculum", "--model", tiny_model_dir, "--k", "4",
+                     "--init", start, "--start-stage", "small", "--final-stage", "small",
+                     "--steps-per-round", "2", "--max-rounds", "1", "--n-eval", "4",
+                     "--threshold", "1.0", "--batch-size", "2", "--lr", "1e-2", "--out-dir",
+                     str(out), "--no-progress"), ok=False)
+    assert r.returncode in (0, 1), r.stderr[-3000:]  # 1: the stage did not pass
+    one = KTMModel.load(start, trainable=True)
+    rows = run_curriculum(one, CurriculumConfig(start_stage="small", final_stage="small",
+                                                steps_per_round=2, max_rounds=1, n_eval=4,
+                                                threshold=1.0),
+                          TrainConfig(out_dir=str(tmp_path / "one"), batch_size=4, lr=1e-2,
+                                      progress=False))
+    assert_same(trainable(KTMModel.load(str(out / "small-r1" / "checkpoint"), trainable=True)),
+                trainable(one))
+    mine = [json.loads(x) for x in (out / "curriculum.jsonl").read_text().splitlines()]
+    assert [m["balanced_accuracy"] for m in mine] == [x["balanced_accuracy"] for x in rows]
+    losses = [json.loads(x)["loss"] for x in
+              (tmp_path / "one" / "small-r1" / "metrics.jsonl").read_text().splitlines()]
+    assert [json.loads(x)["loss"] for x in (out / "small-r1" / "metrics.jsonl")
+            .read_text().splitlines()] == pytest.approx(losses, rel=1e-5)
+
+
 def test_world_shards_and_single_process_helpers():
     assert list(World(0, 2).shard(6)) == [0, 1, 2] and list(World(1, 2).shard(6)) == [3, 4, 5]
     assert list(World().shard(5)) == [0, 1, 2, 3, 4]
