@@ -221,6 +221,16 @@ def test_world_shards_and_single_process_helpers():
         World(1, 2).shard(5)
 
 
+def test_a_resume_on_processes_that_cannot_split_the_global_batch_names_the_sizes():
+    """1 process x batch 3 continued by 2 processes: no --batch-size fits; say why."""
+    from ktm.train_state import check_resume
+
+    saved = {"config": {"seed": 0, "batch_size": 3, "grad_accum": 1}, "world_size": 1}
+    with pytest.raises(KTMError, match=r"processes=1, this run has processes=2;.* must stay 3, "
+                                       r"which 2 processes x grad_accum 1 = 2 does not divide"):
+        check_resume(saved, TrainConfig(batch_size=3), {"n_examples": 16}, "ck", processes=2)
+
+
 def test_no_launcher_means_one_process(monkeypatch):
     from ktm import distributed
 
