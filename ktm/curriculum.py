@@ -87,9 +87,14 @@ def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: s
                                        "max_steps": cfg.steps_per_round, "seed": seed,
                                        "resume": resume})
             train(model, task.train_examples(n, seed=seed), round_cfg)
-            res = evaluate_classification(model, eval_set, task.labels)
-            row = {"stage": stage, "round": rnd, "balanced_accuracy": res["balanced_accuracy"],
-                   "threshold": need, "passed": res["balanced_accuracy"] >= need}
+            # evaluated on rank 0 (as train's evaluation is), its number given to every process:
+            # all must take the same branch below, and accuracies that differ in a last bit
+            # between devices could send the processes into different rounds (a hang)
+            acc = (evaluate_classification(model, eval_set, task.labels)["balanced_accuracy"]
+                   if world.is_main else 0.0)
+            acc = distributed.from_main([acc], world, model.device)[0]
+            row = {"stage": stage, "round": rnd, "balanced_accuracy": acc, "threshold": need,
+                   "passed": acc >= need}
             rows.append(row)
             # this invocation's rows, whole: a resume re-evaluates the finished rounds; written
             # by rank 0 alone, as train's files are (every process computes the same rows)

@@ -214,6 +214,44 @@ def test_curriculum_on_two_processes_equals_one_with_the_global_batch(tiny_model
             .read_text().splitlines()] == pytest.approx(losses, rel=1e-5)
 
 
+SPLIT_EVAL = textwrap.dedent("""
+    import json, os, sys
+    import ktm.curriculum as curriculum
+    from ktm.curriculum import CurriculumConfig, run_curriculum
+    from ktm.model import KTMModel
+    from ktm.train import TrainConfig
+
+    start, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    # accuracies that differ between processes (as a last bit can between GPUs), either side
+    # of the threshold
+    curriculum.evaluate_classification = lambda model, examples, labels: {
+        "balanced_accuracy": 0.9 if rank == 0 else 0.8}
+    rows = run_curriculum(KTMModel.load(start, trainable=True),
+                          CurriculumConfig(start_stage="small", final_stage="small",
+                                           steps_per_round=1, max_rounds=2, n_eval=2,
+                                           threshold=0.85),
+                          TrainConfig(out_dir=out, batch_size=1, progress=False))
+    with open(os.path.join(out, f"rows{rank}.json"), "w") as f:
+        json.dump(rows, f)
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_curriculum_processes_advance_together_on_rank_0s_accuracy(start, tmp_path):
+    """Each process deciding from its own evaluation could pass on one and go on to another
+    round on the other, whose collectives then wait for a process that has left."""
+    script = tmp_path / "worker.py"
+    script.write_text(SPLIT_EVAL)
+    out = tmp_path / "run"
+    r = subprocess.run(torchrun(str(script), start, str(out)), env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads((out / f"rows{rank}.json").read_text()) for rank in (0, 1)]
+    assert rows[0] == rows[1] == [{"stage": "small", "round": 1, "balanced_accuracy": 0.9,
+                                   "threshold": 0.85, "passed": True}]
+
+
 def test_world_shards_and_single_process_helpers():
     assert list(World(0, 2).shard(6)) == [0, 1, 2] and list(World(1, 2).shard(6)) == [3, 4, 5]
     assert list(World().shard(5)) == [0, 1, 2, 3, 4]
@@ -274,6 +312,7 @@ def test_curriculum_jsonl_is_written_by_rank_0_alone(rank, tmp_path, monkeypatch
 
     monkeypatch.setattr(distributed, "setup", lambda device: World(rank, 2))
     monkeypatch.setattr(distributed, "sum_numbers", lambda values, world, device: [0.0])
+    monkeypatch.setattr(distributed, "from_main", lambda values, world, device: [1.0])
     monkeypatch.setattr(curriculum, "train", lambda model, examples, cfg: None)
     monkeypatch.setattr(curriculum, "evaluate_classification",
                         lambda model, examples, labels: {"balanced_accuracy": 1.0})
