@@ -81,7 +81,7 @@ def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: s
             # loads its weights); a round killed before its first save, or never reached,
             # starts afresh (the steps it logged are redone, on the same data)
             resume = train_cfg.resume and (folder / CHECKPOINT).is_dir()
-            if train_cfg.resume and not resume:
+            if train_cfg.resume and not resume and world.is_main:  # rank 0 alone writes
                 (folder / METRICS).unlink(missing_ok=True)
             round_cfg = TrainConfig(**{**asdict(train_cfg), "out_dir": str(folder),
                                        "max_steps": cfg.steps_per_round, "seed": seed,

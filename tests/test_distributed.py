@@ -214,6 +214,31 @@ def test_curriculum_on_two_processes_equals_one_with_the_global_batch(tiny_model
             .read_text().splitlines()] == pytest.approx(losses, rel=1e-5)
 
 
+def test_a_curriculum_resume_leaves_rank_0_to_remove_a_restarted_rounds_metrics(tmp_path,
+                                                                                monkeypatch):
+    """A round killed before its first checkpoint starts afresh on --resume: its metrics.jsonl
+    goes, removed by the process that writes the run's files, not by each of them."""
+    import ktm.curriculum as curriculum
+    from ktm import distributed
+    from ktm.curriculum import CurriculumConfig, run_curriculum
+
+    class Model:
+        device, config_dict = torch.device("cpu"), {}
+
+    seen = []
+    monkeypatch.setattr(distributed, "setup", lambda device: World(1, 2))
+    monkeypatch.setattr(distributed, "sum_numbers", lambda values, world, device: [0.0])
+    monkeypatch.setattr(distributed, "from_main", lambda values, world, device: [1.0])
+    monkeypatch.setattr(curriculum, "train", lambda model, examples, cfg: seen.append(
+        (tmp_path / "small-r1" / "metrics.jsonl").exists()))
+    (tmp_path / "small-r1").mkdir()
+    (tmp_path / "small-r1" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    run_curriculum(Model(), CurriculumConfig(start_stage="small", final_stage="small", n_eval=2),
+                   TrainConfig(out_dir=str(tmp_path), batch_size=1, resume=True,
+                               progress=False))
+    assert seen == [True]  # rank 1 left it to rank 0
+
+
 SPLIT_EVAL = textwrap.dedent("""
     import json, os, sys
     import ktm.curriculum as curriculum
