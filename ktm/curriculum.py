@@ -14,7 +14,7 @@ from pathlib import Path
 from ktm import distributed
 from ktm.errors import KTMError
 from ktm.evaluate import evaluate_classification
-from ktm.fileio import write_text_atomic
+from ktm.fileio import existing_dir, write_text_atomic
 from ktm.provenance import git_revision, versions
 from ktm.run_lock import main_holds
 from ktm.tasks.tree import PASS_ACCURACY, TreeTask
@@ -80,7 +80,7 @@ def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: s
             # --resume: rounds that saved a checkpoint continue from it (a finished one just
             # loads its weights); a round killed before its first save, or never reached,
             # starts afresh (the steps it logged are redone, on the same data)
-            resume = train_cfg.resume and (folder / CHECKPOINT).is_dir()
+            resume = train_cfg.resume and existing_dir(folder / CHECKPOINT).is_dir()
             if train_cfg.resume and not resume and world.is_main:  # rank 0 alone writes
                 (folder / METRICS).unlink(missing_ok=True)
             round_cfg = TrainConfig(**{**asdict(train_cfg), "out_dir": str(folder),

@@ -239,6 +239,31 @@ def test_a_curriculum_resume_leaves_rank_0_to_remove_a_restarted_rounds_metrics(
     assert seen == [True]  # rank 1 left it to rank 0
 
 
+def test_a_curriculum_resume_continues_a_round_from_the_copy_a_crashed_swap_left(tmp_path,
+                                                                                 monkeypatch):
+    """A crash between the fallback swap's renames leaves only checkpoint.old, which train's
+    resume reads: the round resumes from it (it was restarted, and refused as a run's
+    folder)."""
+    import ktm.curriculum as curriculum
+    from ktm.curriculum import CurriculumConfig, run_curriculum
+
+    class Model:
+        device, config_dict = torch.device("cpu"), {}
+
+    resumed = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(curriculum, "train", lambda model, examples, cfg: resumed.append(
+        cfg.resume))
+    monkeypatch.setattr(curriculum, "evaluate_classification",
+                        lambda model, examples, labels: {"balanced_accuracy": 1.0})
+    (tmp_path / "small-r1" / "checkpoint.old").mkdir(parents=True)
+    (tmp_path / "small-r1" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    run_curriculum(Model(), CurriculumConfig(start_stage="small", final_stage="small", n_eval=2),
+                   TrainConfig(out_dir=str(tmp_path), batch_size=1, resume=True,
+                               progress=False))
+    assert resumed == [True] and (tmp_path / "small-r1" / "metrics.jsonl").exists()
+
+
 SPLIT_EVAL = textwrap.dedent("""
     import json, os, sys
     import ktm.curriculum as curriculum
