@@ -126,6 +126,39 @@ WORKER = textwrap.dedent("""
 """)
 
 
+CPU_WORKER = textwrap.dedent("""
+    import os, sys, time
+    from ktm.config import LoraSettings
+    from ktm.model import KTMModel
+    from ktm.tasks.tree import TreeTask
+    from ktm.train import TrainConfig, train
+
+    tiny, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    model = KTMModel.from_base(tiny, k=4, lora=LoraSettings(dropout=0.0))
+    data = TreeTask(stage="small").train_examples(8, seed=0)
+    calls = []
+
+    def cpu_seconds():  # the run starts at 0; then rank 0 has used 1 s, rank 1 2 s
+        calls.append(1)
+        return 0.0 if len(calls) == 1 else rank + 1.0
+
+    time.process_time = cpu_seconds
+    train(model, data, TrainConfig(out_dir=out, max_steps=2, batch_size=2, progress=False))
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_the_logged_cpu_seconds_are_those_of_every_process(tiny_model_dir, tmp_path):
+    """cpu_s, the cost axis of ``ktm curves``, counted rank 0's CPU alone: a 2-process run
+    looked half as costly as it was."""
+    script = tmp_path / "worker.py"
+    script.write_text(CPU_WORKER)
+    run(torchrun(str(script), tiny_model_dir, str(tmp_path / "run")))
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["cpu_s"] for r in rows] == [3.0, 3.0]
+
+
 @pytest.mark.slow  # launches 2 processes
 def test_a_killed_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
     script = tmp_path / "worker.py"
