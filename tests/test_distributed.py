@@ -100,6 +100,29 @@ def test_two_processes_with_batch_b_equal_one_with_2b(tiny_model_dir, start, tmp
     assert json.loads((out / "run.json").read_text())["processes"] == 2
 
 
+@pytest.mark.slow  # launches 2 processes
+@pytest.mark.parametrize("fault", ["rank 0 cannot write run.json", "missing --init"])
+def test_an_error_ends_every_process_with_its_message(tiny_model_dir, start, tmp_path, fault):
+    """An error raised on rank 0 alone (its write failed: the others go on to the first
+    step's collectives) or on every process ends the run, naming the cause, not a hang."""
+    out = tmp_path / "run"
+    init = start
+    if fault == "missing --init":
+        init = str(tmp_path / "nowhere")
+    else:
+        (out / "run.json").mkdir(parents=True)  # rank 0's write of run.json fails
+    r = subprocess.run(torchrun("-m", "ktm.cli", "train", "--model", tiny_model_dir, "--k", "4",
+                                "--init", init, "--task", "tree", "--stage", "small",
+                                "--n-train", "8", "--n-eval", "2", "--max-steps", "2",
+                                "--batch-size", "2", "--out-dir", str(out), "--no-progress"),
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    expected = "cannot write" if fault.startswith("rank 0") else "nowhere"
+    assert any(line.startswith("ktm: error:") and expected in line
+               for line in r.stderr.splitlines()), r.stderr[-3000:]
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
+
+
 WORKER = textwrap.dedent("""
     import os, sys
     import torch
