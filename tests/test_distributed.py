@@ -407,6 +407,29 @@ def test_a_launched_process_refuses_another_processs_gpu(monkeypatch):
         distributed.setup("cuda:0")
 
 
+def test_ktm_curriculum_joins_the_process_group_before_it_builds_the_model(tiny_model_dir,
+                                                                           tmp_path,
+                                                                           monkeypatch):
+    """Joining sets this process's GPU (cuda:LOCAL_RANK); a model built before it went to
+    cuda:0 on every process, and rank 1 then refused its model's device."""
+    import ktm.cli_train as cli_train
+    from ktm import distributed
+    from ktm.cli import main
+
+    calls = []
+    monkeypatch.setattr(distributed, "setup", lambda device: calls.append(f"join {device}")
+                        or World())
+
+    def build(args):
+        calls.append("build")
+        raise KTMError("stop here")
+
+    monkeypatch.setattr(cli_train, "init_or_build", build)
+    assert main(["curriculum", "--model", tiny_model_dir, "--device", "cuda", "--out-dir",
+                 str(tmp_path)]) == 2
+    assert calls == ["join cuda", "build"]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_curriculum_jsonl_is_written_by_rank_0_alone(rank, tmp_path, monkeypatch):
     import ktm.curriculum as curriculum
