@@ -77,16 +77,17 @@ def start(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow  # launches 2 processes
 def test_two_processes_with_batch_b_equal_one_with_2b(tiny_model_dir, start, tmp_path):
-    """``ktm train`` under torchrun, unchanged: 2 x batch 2 == 1 x batch 4 after 3 steps."""
+    """``ktm train`` under torchrun, unchanged: 2 x batch 2 == 1 x batch 4 after 3 steps, and
+    so are the evaluations during training (``--eval-every``)."""
+    from ktm.cli import main
+
     out = tmp_path / "two"
-    run(torchrun("-m", "ktm.cli", "train", "--model", tiny_model_dir, "--k", "4", "--init",
-                 start, "--task", "tree", "--stage", "small", "--n-train", "16", "--n-eval",
-                 "2", "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--out-dir",
-                 str(out), "--no-progress"))
-    one = KTMModel.load(start, trainable=True)
-    data = TreeTask(stage="small").train_examples(16, seed=0)
-    train(one, data, TrainConfig(out_dir=str(tmp_path / "one"), max_steps=3, batch_size=4,
-                                 lr=1e-2, progress=False))
+    flags = ["--model", tiny_model_dir, "--k", "4", "--init", start, "--task", "tree",
+             "--stage", "small", "--n-train", "16", "--n-eval", "4", "--max-steps", "3",
+             "--eval-every", "2", "--lr", "1e-2", "--no-progress"]
+    run(torchrun("-m", "ktm.cli", "train", *flags, "--batch-size", "2", "--out-dir", str(out)))
+    assert main(["train", *flags, "--batch-size", "4", "--out-dir", str(tmp_path / "one")]) == 0
+    one = KTMModel.load(str(tmp_path / "one" / "checkpoint"), trainable=True)
     two = KTMModel.load(str(out / "checkpoint"), trainable=True)
     assert_same(trainable(two), trainable(one))
     before = trainable(KTMModel.load(start, trainable=True))
@@ -94,9 +95,16 @@ def test_two_processes_with_batch_b_equal_one_with_2b(tiny_model_dir, start, tmp
     assert steps_logged(out) == [1, 2, 3]  # rank 0 alone wrote the metrics
     rows = [json.loads(r) for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     mine = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval" in r) for r in mine] == [(r["step"], "eval" in r) for r in rows]
+    assert [r["step"] for r in mine if "eval" in r] == [2, 3]
     for a, b in zip(rows, mine):  # the logged loss covers the whole global window
         if "loss" in a:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        else:  # the same evaluation (its timings aside)
+            same = {k for k in a["eval"] if not k.endswith("_s") and "_per_" not in k}
+            assert same >= {"balanced_accuracy", "tokens_after"}
+            assert {k: b["eval"][k] for k in same} == pytest.approx(
+                {k: a["eval"][k] for k in same}, rel=1e-5)
     assert json.loads((out / "run.json").read_text())["processes"] == 2
 
 
