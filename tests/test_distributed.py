@@ -248,34 +248,61 @@ def test_pretrain_under_accelerate_launch(tiny_model_dir, start, tmp_path):
     assert_same(trainable(KTMModel.load(str(out / "checkpoint"), trainable=True)), trainable(one))
 
 
-@pytest.mark.slow  # launches 2 processes
-def test_curriculum_on_two_processes_equals_one_with_the_global_batch(tiny_model_dir, start,
-                                                                      tmp_path):
+KILLED_CURRICULUM = textwrap.dedent("""
+    import os, sys
+    import ktm.curriculum as curriculum
+    from ktm.cli import main
+
+    real, rank = curriculum.train, int(os.environ["RANK"])
+
+    def train(model, examples, cfg):
+        def on_step(step, _):
+            if cfg.out_dir.endswith("small-r2") and step == 1 and rank == 0:
+                os.kill(os.getpid(), 9)  # killed in round 2 once its checkpoint of step 1 is in
+        return real(model, examples, cfg, on_step=on_step)
+
+    curriculum.train = train
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow  # launches 2 processes, twice
+def test_a_killed_two_process_curriculum_resumes_as_one_process_runs_it(tiny_model_dir, start,
+                                                                        tmp_path):
     """``ktm curriculum`` under torchrun: each round draws the examples of the global batch
-    (2 x batch 2 == 1 x batch 4), so the rounds, rows and weights are those of one process."""
+    (2 x batch 2 == 1 x batch 4), and a run killed in its second round continues exactly with
+    --resume: the rows, losses and weights are those of one process run uninterrupted."""
     from ktm.curriculum import CurriculumConfig, run_curriculum
 
+    script = tmp_path / "worker.py"
+    script.write_text(KILLED_CURRICULUM)
     out = tmp_path / "two"
-    r = run(torchrun("-m", "ktm.cli", "curriculum", "--model", tiny_model_dir, "--k", "4",
-                     "--init", start, "--start-stage", "small", "--final-stage", "small",
-                     "--steps-per-round", "2", "--max-rounds", "1", "--n-eval", "4",
-                     "--threshold", "1.0", "--batch-size", "2", "--lr", "1e-2", "--out-dir",
-                     str(out), "--no-progress"), ok=False)
+    argv = ["curriculum", "--model", tiny_model_dir, "--k", "4", "--init", start,
+            "--start-stage", "small", "--final-stage", "small", "--steps-per-round", "2",
+            "--max-rounds", "2", "--n-eval", "4", "--threshold", "1.0", "--batch-size", "2",
+            "--save-every", "1", "--lr", "2e-3", "--out-dir", str(out), "--no-progress"]
+    killed = run(torchrun(str(script), *argv), ok=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    assert json.loads((out / "small-r2" / "checkpoint" / "trainer_state.json").read_text())[
+        "step"] == 1
+    r = run(torchrun("-m", "ktm.cli", *argv, "--resume"), ok=False)
     assert r.returncode in (0, 1), r.stderr[-3000:]  # 1: the stage did not pass
     one = KTMModel.load(start, trainable=True)
     rows = run_curriculum(one, CurriculumConfig(start_stage="small", final_stage="small",
-                                                steps_per_round=2, max_rounds=1, n_eval=4,
+                                                steps_per_round=2, max_rounds=2, n_eval=4,
                                                 threshold=1.0),
-                          TrainConfig(out_dir=str(tmp_path / "one"), batch_size=4, lr=1e-2,
+                          TrainConfig(out_dir=str(tmp_path / "one"), batch_size=4, lr=2e-3,
                                       progress=False))
-    assert_same(trainable(KTMModel.load(str(out / "small-r1" / "checkpoint"), trainable=True)),
+    assert_same(trainable(KTMModel.load(str(out / "small-r2" / "checkpoint"), trainable=True)),
                 trainable(one))
     mine = [json.loads(x) for x in (out / "curriculum.jsonl").read_text().splitlines()]
-    assert [m["balanced_accuracy"] for m in mine] == [x["balanced_accuracy"] for x in rows]
-    losses = [json.loads(x)["loss"] for x in
-              (tmp_path / "one" / "small-r1" / "metrics.jsonl").read_text().splitlines()]
-    assert [json.loads(x)["loss"] for x in (out / "small-r1" / "metrics.jsonl")
-            .read_text().splitlines()] == pytest.approx(losses, rel=1e-5)
+    assert [(m["round"], m["balanced_accuracy"]) for m in mine] == [
+        (x["round"], x["balanced_accuracy"]) for x in rows] and len(rows) == 2
+    for rnd in ("small-r1", "small-r2"):  # each step logged once, with the loss of one process
+        losses = [json.loads(x)["loss"] for x in
+                  (tmp_path / "one" / rnd / "metrics.jsonl").read_text().splitlines()]
+        assert [json.loads(x)["loss"] for x in (out / rnd / "metrics.jsonl")
+                .read_text().splitlines()] == pytest.approx(losses, rel=1e-5)
 
 
 def test_a_curriculum_resume_leaves_rank_0_to_remove_a_restarted_rounds_metrics(tmp_path,
