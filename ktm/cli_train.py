@@ -125,10 +125,13 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     from ktm.curriculum import CurriculumConfig, run_curriculum
     from ktm.train import TrainConfig
 
+    # under torchrun / accelerate launch: join first, so that --device cuda builds the model on
+    # this process's GPU (cuda:LOCAL_RANK), not every process's on cuda:0
+    world = distributed.setup(args.device)
     ccfg, tcfg = from_args(CurriculumConfig, args), from_args(TrainConfig, args)
     _check_plain_init(args, "curriculum")
     rows = run_curriculum(init_or_build(args), ccfg, tcfg, args.prompt_mode)
-    if distributed.current().is_main:  # every process has the rows; one prints them
+    if world.is_main:  # every process has the rows; one prints them
         for r in rows:
             print(json.dumps(r))
     return 0 if rows[-1]["passed"] else 1

@@ -14,7 +14,7 @@ from pathlib import Path
 from ktm import distributed
 from ktm.errors import KTMError
 from ktm.evaluate import evaluate_classification
-from ktm.fileio import write_text_atomic
+from ktm.fileio import existing_dir, write_text_atomic
 from ktm.provenance import git_revision, versions
 from ktm.run_lock import main_holds
 from ktm.tasks.tree import PASS_ACCURACY, TreeTask
@@ -72,22 +72,29 @@ def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: s
         need = cfg.threshold if cfg.threshold is not None else PASS_ACCURACY[stage]
         eval_set = task.eval_examples(cfg.n_eval, seed=train_cfg.seed + 1)
         for rnd in range(1, cfg.max_rounds + 1):
-            n = cfg.steps_per_round * train_cfg.batch_size * train_cfg.grad_accum
+            # every process's shard of every step (global batch = processes x batch_size x
+            # grad_accum): the examples a 1-process run with the same global batch reads
+            n = cfg.steps_per_round * train_cfg.batch_size * train_cfg.grad_accum * world.size
             seed = train_cfg.seed + 1000 * rnd  # fresh pairs every round
             folder = out / f"{stage}-r{rnd}"
             # --resume: rounds that saved a checkpoint continue from it (a finished one just
             # loads its weights); a round killed before its first save, or never reached,
             # starts afresh (the steps it logged are redone, on the same data)
-            resume = train_cfg.resume and (folder / CHECKPOINT).is_dir()
-            if train_cfg.resume and not resume:
+            resume = train_cfg.resume and existing_dir(folder / CHECKPOINT).is_dir()
+            if train_cfg.resume and not resume and world.is_main:  # rank 0 alone writes
                 (folder / METRICS).unlink(missing_ok=True)
             round_cfg = TrainConfig(**{**asdict(train_cfg), "out_dir": str(folder),
                                        "max_steps": cfg.steps_per_round, "seed": seed,
                                        "resume": resume})
             train(model, task.train_examples(n, seed=seed), round_cfg)
-            res = evaluate_classification(model, eval_set, task.labels)
-            row = {"stage": stage, "round": rnd, "balanced_accuracy": res["balanced_accuracy"],
-                   "threshold": need, "passed": res["balanced_accuracy"] >= need}
+            # evaluated on rank 0 (as train's evaluation is), its number given to every process:
+            # all must take the same branch below, and accuracies that differ in a last bit
+            # between devices could send the processes into different rounds (a hang)
+            acc = (evaluate_classification(model, eval_set, task.labels)["balanced_accuracy"]
+                   if world.is_main else 0.0)
+            acc = distributed.from_main([acc], world, model.device)[0]
+            row = {"stage": stage, "round": rnd, "balanced_accuracy": acc, "threshold": need,
+                   "passed": acc >= need}
             rows.append(row)
             # this invocation's rows, whole: a resume re-evaluates the finished rounds; written
             # by rank 0 alone, as train's files are (every process computes the same rows)

@@ -110,6 +110,16 @@ def sum_numbers(values: list[float], world: World, device: torch.device) -> list
     return t.tolist()
 
 
+def from_main(values: list[float], world: World, device: torch.device) -> list[float]:
+    """Rank 0's ``values`` on every process (what the others pass is ignored): a decision
+    every process must take alike, made from one process's numbers."""
+    if world.size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
 def broadcast_params(params: list[torch.nn.Parameter], world: World) -> None:
     """Rank 0's values for ``params`` everywhere (as DDP does at construction): processes that
     initialised LoRA or the encoder from different random states start equal."""

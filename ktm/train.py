@@ -273,8 +273,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                disable=not (config.progress and main))
     model.train()
     t_start = time.perf_counter()
-    # process CPU seconds (all threads): the cost axis of recipe comparisons, robust to other
-    # jobs on the machine; carried across a resume
+    # process CPU seconds (all threads, summed over processes): the cost axis of recipe
+    # comparisons, robust to other jobs on the machine; carried across a resume
     cpu_start, cpu_before = time.process_time(), last_cpu(out / METRICS) if config.resume else 0.0
     per_step = config.batch_size * config.grad_accum * world.size  # the global window
     try:
@@ -289,12 +289,14 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             if ema is not None:
                 ema.update()
             dt = clock(model.device) - t0
+            cpu = distributed.sum_numbers([time.process_time() - cpu_start], world,
+                                          model.device)[0]
             last = {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
                     "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm, "step_s": dt,
                     "input_tokens_per_s": st.input_tokens / dt,
                     "lm_tokens_per_s": st.lm_tokens / dt,
                     "elapsed_s": time.perf_counter() - t_start,
-                    "cpu_s": cpu_before + time.process_time() - cpu_start,
+                    "cpu_s": cpu_before + cpu,
                     **{f"loss_{k}": v / max(1, n) for k, (v, n) in st.parts.items()}}
             if main and (step % config.log_every == 0 or step == config.max_steps):
                 _log(metrics_file, last)

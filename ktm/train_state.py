@@ -145,6 +145,10 @@ def check_resume(saved: dict, cfg, data: dict, where: Path, processes: int = 1) 
         if total and total % rest == 0:
             hint = (f" (the global batch, processes x batch_size x grad_accum, must stay {total}:"
                     f" here --batch-size {total // rest})")
+        elif total:  # no --batch-size fits: say which sizes do not divide
+            hint = (f" (the global batch, processes x batch_size x grad_accum, must stay {total},"
+                    f" which {processes} processes x grad_accum {cfg.grad_accum} = {rest} does "
+                    f"not divide: use processes x grad_accum dividing {total})")
     old_data = saved.get("data")
     if old_data is not None:  # older checkpoints did not record it
         if old_data.get("n_examples") != data["n_examples"]:

@@ -626,6 +626,7 @@ def test_curriculum_rows_are_printed_by_rank_0_alone(capsys, tiny_model_dir, tmp
     monkeypatch.setattr(distributed, "setup", lambda device: distributed.World(1, 2))
     monkeypatch.setattr(distributed, "current", lambda: distributed.World(1, 2))
     monkeypatch.setattr(distributed, "sum_numbers", lambda values, world, device: [0.0])
+    monkeypatch.setattr(distributed, "from_main", lambda values, world, device: [1.0])
     monkeypatch.setattr(curriculum, "train", lambda model, examples, cfg: None)
     monkeypatch.setattr(curriculum, "evaluate_classification",
                         lambda model, examples, labels: {"balanced_accuracy": 1.0})

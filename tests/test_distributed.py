@@ -62,6 +62,10 @@ def steps_logged(out) -> list[int]:
 
 @pytest.fixture(scope="module")
 def start(tiny_model_dir, tmp_path_factory):
+    return start_checkpoint(tiny_model_dir, tmp_path_factory)
+
+
+def start_checkpoint(tiny_model_dir, tmp_path_factory) -> str:
     """A checkpoint with non-trivial LoRA and encoder weights and no dropout: both runs start
     from it, and nothing random happens in a step, so they can agree to 1e-5."""
     torch.manual_seed(0)
@@ -77,16 +81,17 @@ def start(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.slow  # launches 2 processes
 def test_two_processes_with_batch_b_equal_one_with_2b(tiny_model_dir, start, tmp_path):
-    """``ktm train`` under torchrun, unchanged: 2 x batch 2 == 1 x batch 4 after 3 steps."""
+    """``ktm train`` under torchrun, unchanged: 2 x batch 2 == 1 x batch 4 after 3 steps, and
+    so are the evaluations during training (``--eval-every``)."""
+    from ktm.cli import main
+
     out = tmp_path / "two"
-    run(torchrun("-m", "ktm.cli", "train", "--model", tiny_model_dir, "--k", "4", "--init",
-                 start, "--task", "tree", "--stage", "small", "--n-train", "16", "--n-eval",
-                 "2", "--max-steps", "3", "--batch-size", "2", "--lr", "1e-2", "--out-dir",
-                 str(out), "--no-progress"))
-    one = KTMModel.load(start, trainable=True)
-    data = TreeTask(stage="small").train_examples(16, seed=0)
-    train(one, data, TrainConfig(out_dir=str(tmp_path / "one"), max_steps=3, batch_size=4,
-                                 lr=1e-2, progress=False))
+    flags = ["--model", tiny_model_dir, "--k", "4", "--init", start, "--task", "tree",
+             "--stage", "small", "--n-train", "16", "--n-eval", "4", "--max-steps", "3",
+             "--eval-every", "2", "--lr", "1e-2", "--no-progress"]
+    run(torchrun("-m", "ktm.cli", "train", *flags, "--batch-size", "2", "--out-dir", str(out)))
+    assert main(["train", *flags, "--batch-size", "4", "--out-dir", str(tmp_path / "one")]) == 0
+    one = KTMModel.load(str(tmp_path / "one" / "checkpoint"), trainable=True)
     two = KTMModel.load(str(out / "checkpoint"), trainable=True)
     assert_same(trainable(two), trainable(one))
     before = trainable(KTMModel.load(start, trainable=True))
@@ -94,10 +99,40 @@ def test_two_processes_with_batch_b_equal_one_with_2b(tiny_model_dir, start, tmp
     assert steps_logged(out) == [1, 2, 3]  # rank 0 alone wrote the metrics
     rows = [json.loads(r) for r in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     mine = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "eval" in r) for r in mine] == [(r["step"], "eval" in r) for r in rows]
+    assert [r["step"] for r in mine if "eval" in r] == [2, 3]
     for a, b in zip(rows, mine):  # the logged loss covers the whole global window
         if "loss" in a:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        else:  # the same evaluation (its timings aside)
+            same = {k for k in a["eval"] if not k.endswith("_s") and "_per_" not in k}
+            assert same >= {"balanced_accuracy", "tokens_after"}
+            assert {k: b["eval"][k] for k in same} == pytest.approx(
+                {k: a["eval"][k] for k in same}, rel=1e-5)
     assert json.loads((out / "run.json").read_text())["processes"] == 2
+
+
+@pytest.mark.slow  # launches 2 processes
+@pytest.mark.parametrize("fault", ["rank 0 cannot write run.json", "missing --init"])
+def test_an_error_ends_every_process_with_its_message(tiny_model_dir, start, tmp_path, fault):
+    """An error raised on rank 0 alone (its write failed: the others go on to the first
+    step's collectives) or on every process ends the run, naming the cause, not a hang."""
+    out = tmp_path / "run"
+    init = start
+    if fault == "missing --init":
+        init = str(tmp_path / "nowhere")
+    else:
+        (out / "run.json").mkdir(parents=True)  # rank 0's write of run.json fails
+    r = subprocess.run(torchrun("-m", "ktm.cli", "train", "--model", tiny_model_dir, "--k", "4",
+                                "--init", init, "--task", "tree", "--stage", "small",
+                                "--n-train", "8", "--n-eval", "2", "--max-steps", "2",
+                                "--batch-size", "2", "--out-dir", str(out), "--no-progress"),
+                       env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    expected = "cannot write" if fault.startswith("rank 0") else "nowhere"
+    assert any(line.startswith("ktm: error:") and expected in line
+               for line in r.stderr.splitlines()), r.stderr[-3000:]
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
 
 
 WORKER = textwrap.dedent("""
@@ -124,6 +159,39 @@ WORKER = textwrap.dedent("""
     save_file({n: p.detach().contiguous() for n, p in model.trainable_parameters()},
               os.path.join(out, f"rank{rank}.safetensors"))
 """)
+
+
+CPU_WORKER = textwrap.dedent("""
+    import os, sys, time
+    from ktm.config import LoraSettings
+    from ktm.model import KTMModel
+    from ktm.tasks.tree import TreeTask
+    from ktm.train import TrainConfig, train
+
+    tiny, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    model = KTMModel.from_base(tiny, k=4, lora=LoraSettings(dropout=0.0))
+    data = TreeTask(stage="small").train_examples(8, seed=0)
+    calls = []
+
+    def cpu_seconds():  # the run starts at 0; then rank 0 has used 1 s, rank 1 2 s
+        calls.append(1)
+        return 0.0 if len(calls) == 1 else rank + 1.0
+
+    time.process_time = cpu_seconds
+    train(model, data, TrainConfig(out_dir=out, max_steps=2, batch_size=2, progress=False))
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_the_logged_cpu_seconds_are_those_of_every_process(tiny_model_dir, tmp_path):
+    """cpu_s, the cost axis of ``ktm curves``, counted rank 0's CPU alone: a 2-process run
+    looked half as costly as it was."""
+    script = tmp_path / "worker.py"
+    script.write_text(CPU_WORKER)
+    run(torchrun(str(script), tiny_model_dir, str(tmp_path / "run")))
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["cpu_s"] for r in rows] == [3.0, 3.0]
 
 
 @pytest.mark.slow  # launches 2 processes
@@ -191,6 +259,16 @@ def test_world_shards_and_single_process_helpers():
         World(1, 2).shard(5)
 
 
+def test_a_resume_on_processes_that_cannot_split_the_global_batch_names_the_sizes():
+    """1 process x batch 3 continued by 2 processes: no --batch-size fits; say why."""
+    from ktm.train_state import check_resume
+
+    saved = {"config": {"seed": 0, "batch_size": 3, "grad_accum": 1}, "world_size": 1}
+    with pytest.raises(KTMError, match=r"processes=1, this run has processes=2;.* must stay 3, "
+                                       r"which 2 processes x grad_accum 1 = 2 does not divide"):
+        check_resume(saved, TrainConfig(batch_size=3), {"n_examples": 16}, "ck", processes=2)
+
+
 def test_no_launcher_means_one_process(monkeypatch):
     from ktm import distributed
 
@@ -221,24 +299,3 @@ def test_a_launched_process_refuses_another_processs_gpu(monkeypatch):
     with pytest.raises(KTMError, match=r"'cuda:0' under a launcher: each process uses "
                                        r"cuda:LOCAL_RANK \(this one cuda:1\); expected --device"):
         distributed.setup("cuda:0")
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_curriculum_jsonl_is_written_by_rank_0_alone(rank, tmp_path, monkeypatch):
-    import ktm.curriculum as curriculum
-    from ktm import distributed
-    from ktm.curriculum import CurriculumConfig, run_curriculum
-
-    class Model:  # what run_curriculum reads of a model; train and eval are faked below
-        device, config_dict = torch.device("cpu"), {}
-
-    monkeypatch.setattr(distributed, "setup", lambda device: World(rank, 2))
-    monkeypatch.setattr(distributed, "sum_numbers", lambda values, world, device: [0.0])
-    monkeypatch.setattr(curriculum, "train", lambda model, examples, cfg: None)
-    monkeypatch.setattr(curriculum, "evaluate_classification",
-                        lambda model, examples, labels: {"balanced_accuracy": 1.0})
-    rows = run_curriculum(Model(), CurriculumConfig(start_stage="small", final_stage="small",
-                                                    n_eval=2),
-                          TrainConfig(out_dir=str(tmp_path), batch_size=1, progress=False))
-    assert [r["passed"] for r in rows] == [True]  # every process computes the rows
-    assert (tmp_path / "curriculum.jsonl").exists() == (rank == 0)
