@@ -272,9 +272,10 @@ def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
 
 def _hidden_gap(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]
                 ) -> torch.Tensor:
-    """Per-token squared distance of hidden states, each layer scaled by the teacher's mean
-    squared norm there, averaged over layers: (N,)."""
-    gaps = [((s.float() - t.float()) ** 2).sum(-1) / (t.float() ** 2).sum(-1).mean()
+    """Per-token squared distance of hidden states relative to the teacher's squared norm at
+    that token and layer, averaged over layers: (N,). Each token's gap is its own, so a batch's
+    losses are its examples' one by one (and several processes equal one)."""
+    gaps = [((s.float() - t.float()) ** 2).sum(-1) / (t.float() ** 2).sum(-1).clamp(min=1e-12)
             for s, t in zip(student, teacher)]
     return torch.stack(gaps).mean(0)
 

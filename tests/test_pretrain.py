@@ -66,6 +66,23 @@ def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective,
     assert after.loss.item() < before.loss.item() - 1e-3, (before.loss.item(), after.loss.item())
 
 
+@pytest.mark.parametrize("objective,hidden", [("distill", 1.0), ("align", 0)])
+def test_hidden_state_losses_of_a_batch_are_its_samples_one_by_one(tiny_model_dir, corpus,
+                                                                    objective, hidden):
+    """The hidden-state gaps are relative to each token's own teacher norm: an example's loss
+    must not depend on the others in its batch (nor 2 processes differ from 1)."""
+    model = fresh(tiny_model_dir)
+    randomize_lora(model)
+    cfg = small_cfg(corpus, (objective,))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 3, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(3)]
+    model.eval()
+    with torch.no_grad():
+        whole = pretrain_loss(model, batch, hidden).nll
+        alone = torch.cat([pretrain_loss(model, [e], hidden).nll for e in batch])
+    torch.testing.assert_close(whole, alone, atol=1e-4, rtol=1e-4)
+
+
 def test_distillation_teacher_is_the_base_model_exactly(tiny_model_dir, corpus):
     model = fresh(tiny_model_dir)
     randomize_lora(model)
@@ -122,7 +139,7 @@ def test_context_gap_is_against_the_plain_reading_at_each_blocks_last_token(
     layers = len(t.prompt_hidden)
     s_cat = [torch.cat([s[layer] for s in s_all]) for layer in range(layers)]
     t_cat = [torch.cat([x[layer] for x in t_all]) for layer in range(layers)]
-    per_pos = torch.stack([((a - b) ** 2).sum(-1) / (b ** 2).sum(-1).mean()
+    per_pos = torch.stack([((a - b) ** 2).sum(-1) / (b ** 2).sum(-1)
                            for a, b in zip(s_cat, t_cat)]).mean(0)
     rows = torch.tensor(rows)
     want = torch.stack([per_pos[rows == i].mean() for i in range(len(batch))])
