@@ -272,3 +272,28 @@ def test_a_byte_order_mark_and_crlf_lines_are_read(tmp_path, suffix):
     assert [r.context for r in task.rows] == [r["context"] for r in rows]
     assert [r.line_no for r in task.rows] == [1, 3, 5, 7, 9, 11]
     assert task.labels == ("no", "yes")
+
+
+@pytest.mark.parametrize("long_in", ["eval", "train"])
+def test_a_row_over_the_position_limit_is_refused_before_training(capsys, tiny_model_dir,
+                                                                 tmp_path, long_in):
+    """A row whose prompt does not fit the model's 512 positions at K=2 failed only when the
+    run evaluated it, after training (or at the training step that drew it), naming no line;
+    now before anything is written, naming the file, the line, the length, the limit and the
+    K that fits."""
+    rows, long_row = _labelled(12), {"context": " fox" * 1100, "target": "yes"}
+    train_rows = rows[:3] + [long_row] + rows[3:] if long_in == "train" else rows
+    eval_rows = rows[:1] + [long_row] if long_in == "eval" else rows[:2]
+    data = _write(tmp_path / "own.jsonl", train_rows)
+    held = _write(tmp_path / "held.jsonl", eval_rows)
+    bad, line = (held, 2) if long_in == "eval" else (data, 4)
+    run_dir = tmp_path / "run"
+    code, _, err = _run(capsys, "train", "--model", tiny_model_dir, "--k", "2", "--task",
+                        "custom", "--task-option", f"data_path={data}", "--task-option",
+                        f"eval_path={held}", "--n-train", "40", "--n-eval", "4",
+                        "--max-steps", "1", "--batch-size", "2", "--out-dir", str(run_dir),
+                        "--no-progress")
+    assert code == 2, err
+    assert f"{bad} line {line}: prompt is " in err and "K=3 would fit" in err, err
+    assert "over the model's limit of 512 positions" in err and "Traceback" not in err
+    assert not run_dir.exists()

@@ -61,6 +61,7 @@ class Row:
     prompt: str
     target: str
     line_no: int
+    file: str = ""  # the data file it was read from, for errors naming its line
 
 
 def custom_prompt(context: str, prompt: str, mode: PromptMode) -> tuple[Segment, ...]:
@@ -79,7 +80,7 @@ def load_rows(path: Path, context: str, prompt: str, target: str) -> list[Row]:
             if not row[name].strip():
                 raise row_error(path, line_no, f"field {name!r} must be a non-empty string")
         question = _optional_str(path, line_no, row, prompt)
-        out.append(Row(row[context], question, row[target], line_no))
+        out.append(Row(row[context], question, row[target], line_no, str(path)))
     if not out:
         raise KTMError(f"{path} holds no rows: expected JSON objects with {context!r} and "
                        f"{target!r}")
@@ -216,5 +217,5 @@ class CustomTask:
             segments=custom_prompt(row.context, row.prompt, self.prompt_mode),
             target=row.target if label is None else self.label_target(label),
             label=label,
-            meta={"line": row.line_no},
+            meta={"line": row.line_no, "file": row.file},
         )
