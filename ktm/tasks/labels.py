@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-import string
 import unicodedata
 from collections.abc import Sequence
 
 
+def _is_mark(char: str) -> bool:
+    """Punctuation or a symbol in any script (Unicode categories P* and S*: "…", "«", "。",
+    "*", an emoji; every ASCII ``string.punctuation`` character is one), or an invisible format
+    character (Cf: a zero-width space, a byte-order mark)."""
+    category = unicodedata.category(char)
+    return category[0] in "PS" or category == "Cf"
+
+
+def strip_marks(word: str) -> str:
+    """``word`` without the punctuation, symbols and format characters around it."""
+    start, end = 0, len(word)
+    while start < end and _is_mark(word[start]):
+        start += 1
+    while end > start and _is_mark(word[end - 1]):
+        end -= 1
+    return word[start:end]
+
+
 def parse_label(text: str, labels: Sequence[str]) -> str | None:
-    """The first word of ``text``, lowercased and stripped of punctuation, if it is a label.
+    """The first word of ``text``, lowercased and stripped of punctuation and symbols (any
+    script's: "«true»", "true…", "**true**" are "true"), if it is a label.
 
     Why only the first word: the model is trained to emit the label right after the cue and then
     stop; anything after it is noise, and guessing a label from later words would flatter a model
@@ -17,7 +35,7 @@ def parse_label(text: str, labels: Sequence[str]) -> str | None:
     words = text.split()
     if not words:
         return None
-    word = words[0].strip(string.punctuation).lower()
+    word = strip_marks(words[0]).lower()
     wanted = {label.lower(): label for label in labels}
     return wanted.get(word)
 
