@@ -297,3 +297,20 @@ def test_a_row_over_the_position_limit_is_refused_before_training(capsys, tiny_m
     assert f"{bad} line {line}: prompt is " in err and "K=3 would fit" in err, err
     assert "over the model's limit of 512 positions" in err and "Traceback" not in err
     assert not run_dir.exists()
+
+
+def test_labels_that_differ_only_by_invisible_format_characters_are_one_label(tmp_path):
+    """A zero-width space, a word joiner or a BOM pasted into a target (Unicode category Cf)
+    is invisible and not whitespace to ``strip()``: "yes" and "yes\\u200b" were two labels,
+    splitting the class's rows; now they are one, spelled as most rows spell it, and an answer
+    with or without them matches it. A target of format characters alone is empty."""
+    spellings = ["yes", "yes\u200b", "\ufeffyes", "y\u2060es", "yes"]
+    rows = [{"context": f"c{i}", "target": (spellings[i % 5] if i % 2 else "no")}
+            for i in range(20)]
+    task = CustomTask(data_path=_write(tmp_path / "d.jsonl", rows), test_size=2, split_seed=0)
+    assert task.labels == ("no", "yes") and task.kind == "classification"
+    assert {e.label for e in task.train_examples(20, 0)} == {"no", "yes"}
+    assert task.parse_label("yes\u200b\n") == "yes" == task.parse_label("\u2060yes")
+    bad = _write(tmp_path / "bad.jsonl", [{"context": "a", "target": "\u200b\ufeff "}])
+    with pytest.raises(KTMError, match="line 1: field 'target' must be a non-empty string"):
+        _ = CustomTask(data_path=bad).rows

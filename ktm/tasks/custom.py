@@ -21,7 +21,8 @@ commitpack does; with ``eval_path`` every row of ``data_path`` trains and ``eval
 
 Metric: ``accuracy`` treats each stripped target as a label (exact match of the stripped
 generated answer; balanced accuracy over the training labels; ``--scoring likelihood`` works);
-Unicode-equivalent spellings ("café" composed, or "e" + a combining accent) are one label,
+Unicode-equivalent spellings ("café" composed, or "e" + a combining accent) and spellings that
+differ only by invisible format characters (a zero-width space, a BOM) are one label,
 spelled as the training rows spell it most often;
 ``perplexity`` scores the target text as given. ``auto`` picks accuracy when the training rows
 have at most ``AUTO_MAX_LABELS`` distinct targets and every evaluation target is one of them,
@@ -43,7 +44,7 @@ from ktm.tasks.amazon import EVAL_ONLY as AMAZON_EVAL_ONLY
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.commitpack import EVAL_ONLY as COMMITPACK_EVAL_ONLY
 from ktm.tasks.jsonl import read_jsonl, refuse_eval_only, resolve_data_path, row_error
-from ktm.tasks.labels import match_label
+from ktm.tasks.labels import drop_format, match_label
 from ktm.tasks.split import (
     cycle_shuffled,
     sample_without_replacement,
@@ -77,7 +78,7 @@ def load_rows(path: Path, context: str, prompt: str, target: str) -> list[Row]:
     out = []
     for line_no, row in read_jsonl(path, {context: str, target: str}):
         for name in (context, target):
-            if not row[name].strip():
+            if not drop_format(row[name]).strip():  # invisible characters alone are empty
                 raise row_error(path, line_no, f"field {name!r} must be a non-empty string")
         question = _optional_str(path, line_no, row, prompt)
         out.append(Row(row[context], question, row[target], line_no, str(path)))
@@ -89,9 +90,11 @@ def load_rows(path: Path, context: str, prompt: str, target: str) -> list[Row]:
 
 def label_key(target: str) -> str:
     """What makes two targets one label: the same stripped text in Unicode's composed form (NFC),
-    so "café" typed composed and with a combining accent is one class, not two that split its
-    rows (a model answering either spelling is right: ``match_label``)."""
-    return unicodedata.normalize("NFC", target.strip())
+    without format characters (``drop_format``: a zero-width space, a BOM), so "café" typed
+    composed and with a combining accent, or "yes" and "yes" with an invisible zero-width space
+    pasted in, is one class, not two that split its rows (a model answering either spelling is
+    right: ``match_label``)."""
+    return unicodedata.normalize("NFC", drop_format(target).strip())
 
 
 def _optional_str(path: Path, line_no: int, row: dict[str, Any], name: str) -> str:

@@ -47,12 +47,23 @@ def match_label(text: str, labels: Sequence[str]) -> str | None:
     first-word rule above would never match "very good". The model is trained to stop (EOS) right
     after the label, so anything more or less than the label is a wrong answer.
 
-    Compared as Unicode NFKC when not equal as given: a tokenizer that normalizes its input
-    (NFC, NFKC) gives back "café" composed however the label spelled it, so a label with a
-    combining accent was never matched.
+    Compared as Unicode NFKC, format characters dropped (``drop_format``), when not equal as
+    given: a tokenizer that normalizes its input (NFC, NFKC) gives back "café" composed however
+    the label spelled it, so a label with a combining accent was never matched.
     """
     answer = text.strip()
     if answer in labels:
         return answer
-    folded = unicodedata.normalize("NFKC", answer)
-    return next((lab for lab in labels if unicodedata.normalize("NFKC", lab) == folded), None)
+    folded = _folded(answer)
+    return next((lab for lab in labels if _folded(lab) == folded), None)
+
+
+def drop_format(text: str) -> str:
+    """``text`` without Unicode format characters (category Cf: zero-width space, word joiner,
+    byte-order mark, soft hyphen, bidi marks): invisible, not whitespace to ``strip()``, and
+    easily pasted into a label, where they made "yes" and "yes\u200b" two classes."""
+    return "".join(c for c in text if unicodedata.category(c) != "Cf")
+
+
+def _folded(text: str) -> str:
+    return unicodedata.normalize("NFKC", drop_format(text).strip())
