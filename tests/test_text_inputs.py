@@ -126,3 +126,65 @@ def test_a_corpus_folder_reads_linked_folders_once_and_skips_hidden_ones(tmp_pat
     (corpus / "books").symlink_to(books)
     (books / "again").symlink_to(corpus)  # a loop
     assert path_texts(str(corpus)) == ["A", "B"]
+
+
+def test_a_corpus_folder_skips_archives_and_binary_files_with_one_warning(tmp_path, capsys):
+    """A .tar.gz was read as gzipped text (tar headers and NULs included) and a binary file
+    with a text name as text; now they are skipped, named on one warning line."""
+    import io
+    import tarfile
+    import zipfile
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("A")
+    with tarfile.open(corpus / "backup.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("inner.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"inner"))
+    with tarfile.open(corpus / "plain.gz", "w:gz") as tar:  # a tarball under a text name
+        tar.addfile(info, io.BytesIO(b"inner"))
+    with zipfile.ZipFile(corpus / "code.zip", "w") as z:
+        z.writestr("inner.txt", "inner")
+    (corpus / "blob.py").write_bytes(b"\x7fELF\x02\x01\x00\x00\x00")
+    assert path_texts(str(corpus)) == ["A"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "skipped 4 archive or binary files" in err, err
+    for name in ("backup.tar.gz", "plain.gz", "code.zip", "blob.py"):
+        assert name in err
+    for name, why in (("backup.tar.gz", "an archive"), ("plain.gz", "an archive"),
+                      ("blob.py", "a binary file")):
+        with pytest.raises(KTMError, match=rf"{name} is {why}.*not text: expected a text"):
+            path_texts(str(corpus / name))
+
+
+def test_a_file_linked_into_a_folder_twice_is_read_once(tmp_path):
+    corpus, outside = tmp_path / "corpus", tmp_path / "outside"
+    corpus.mkdir()
+    outside.mkdir()
+    (outside / "book.txt").write_text("the book")
+    (corpus / "a.txt").symlink_to(outside / "book.txt")
+    (corpus / "b.txt").symlink_to(outside / "book.txt")
+    (corpus / "c.txt").write_text("C")
+    assert path_texts(str(corpus)) == ["the book", "C"]
+
+
+def test_a_json_source_is_read_as_records_not_raw_text(tmp_path):
+    """A .json source was read as one raw text, brackets, keys and escapes included."""
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"text": "one", "id": 1}, {"text": "two\r\nlines"}]))
+    assert path_texts(str(path)) == ["one", "two\r\nlines"]
+    path.write_text(json.dumps({"body": "only"}))
+    assert path_texts(str(path), "body") == ["only"]
+    path.write_text('{"text": "a"}\n{"text": "b"}\n')  # JSONL under a .json name
+    assert path_texts(str(path)) == ["a", "b"]
+    path.write_text(json.dumps([{"text": "a"}, {"body": "b"}]))
+    with pytest.raises(KTMError, match=r"data\.json record 2: no field 'text'"):
+        path_texts(str(path))
+    for value, held in ((["a", "b"], "a list of str"), ("text", "str")):
+        path.write_text(json.dumps(value))
+        with pytest.raises(KTMError, match=rf"data\.json holds {held}: expected a list of records"):
+            path_texts(str(path))
+    path.write_text('{"text": ')
+    with pytest.raises(KTMError, match=r"data\.json: bad JSON"):
+        path_texts(str(path))
