@@ -188,3 +188,26 @@ def test_a_json_source_is_read_as_records_not_raw_text(tmp_path):
     path.write_text('{"text": ')
     with pytest.raises(KTMError, match=r"data\.json: bad JSON"):
         path_texts(str(path))
+
+
+def test_line_ends_text_files_are_normalised_json_strings_are_kept(tmp_path):
+    """The rule (README, Data): a text file's line ends are storage (a Windows checkout writes
+    CRLF), read as "\\n"; a string inside JSON or JSONL is data, kept verbatim, "\\r\\n" and
+    "\\r" included, whatever line ends the file itself has."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"one\r\ntwo\rthree\n")
+    (corpus / "b.txt.gz").write_bytes(gzip.compress(b"four\r\nfive"))
+    assert path_texts(str(corpus)) == ["one\ntwo\nthree\n", "four\nfive"]
+    strings = ["x\r\ny", "x\ry"]
+    (tmp_path / "t.jsonl").write_bytes(b"".join(json.dumps({"text": s}).encode() + b"\r\n"
+                                                for s in strings))
+    (tmp_path / "t.json").write_bytes(json.dumps([{"text": s} for s in strings], indent=1)
+                                      .replace("\n", "\r\n").encode())
+    assert path_texts(str(tmp_path / "t.jsonl")) == strings == path_texts(str(tmp_path / "t.json"))
+    rows = [{"context": f"c\r\n{i}", "prompt": "p\r\n", "target": "t\r\nu"} for i in range(4)]
+    (tmp_path / "d.jsonl").write_bytes(b"".join(json.dumps(r).encode() + b"\r\n" for r in rows))
+    task = CustomTask(data_path=str(tmp_path / "d.jsonl"), metric="perplexity", test_size=1)
+    assert [(r.context, r.prompt, r.target) for r in task.rows] == [
+        (r["context"], r["prompt"], r["target"]) for r in rows]
+    assert task.eval_examples(1, 0)[0].target == "t\r\nu"

@@ -5,7 +5,8 @@ Data: ``data_path`` (required), a JSONL (or .jsonl.gz) file, one object per line
     {"context": "<long text to merge>", "prompt": "<optional question>", "target": "<answer>"}
 
 The field names are options (``context_field``, ``prompt_field``, ``target_field``). ``context``
-and ``target`` are required non-empty strings; ``prompt`` may be absent, null or empty.
+and ``target`` are required non-empty strings; ``prompt`` may be absent, null or empty. Strings
+are data, read verbatim: a ``"\r\n"`` inside one stays (README, Data, "Line ends").
 
 Layout, in "context" mode (the default)::
 
