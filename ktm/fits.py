@@ -32,8 +32,8 @@ def check_examples_fit(model, examples: Sequence[Example], what: str, *, merge: 
         return
     seen: set = set()
     for i, e in enumerate(examples):
-        target = e.target if isinstance(e.target, str) else tuple(e.target)
-        key = (e.segments, target)
+        segments = e.segments if isinstance(e.segments, str) else tuple(e.segments)
+        key = (segments, e.target if isinstance(e.target, str) else tuple(e.target))
         if key in seen:  # a training set draws each row many times
             continue
         seen.add(key)

@@ -41,6 +41,9 @@ def test_an_example_over_the_limit_is_named_with_the_k_that_fits(tiny_model_dir)
     ok = Example((Segment("Hello world"),), "yes")
     long = Example((Segment(text),), "yes", meta={"line": 7, "file": "my.jsonl"})
     check_examples_fit(model, [ok] * 3, "training")
+    # segments as a list or a plain string, target ids as a list: each read once all the same
+    check_examples_fit(model, [Example([Segment("Hello")], [5, 6]), Example("Hello", "x")] * 2,
+                       "training")
     with pytest.raises(KTMError, match=r"^my\.jsonl line 7: prompt is \d+ positions after merging "
                                        rf"\(K=2, {n} tokens before\) \+ \d target tokens, over "
                                        r"the model's limit of 512 positions; K=3 would fit"):
