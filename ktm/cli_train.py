@@ -24,7 +24,7 @@ from ktm.errors import KTMError
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ktm import distributed
-    from ktm.evaluate import evaluate_task, summary
+    from ktm.evaluate import check_task_fits, evaluate_task, summary
     from ktm.train import TrainConfig, cross_entropy_loss, train
 
     world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
@@ -61,6 +61,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             r = finish_eval_row(r, eval_set, info)
         return r
 
+    # an evaluation example too long for the model fails now, not after training
+    check_task_fits(model, task, eval_set)
     extra = {"command": args.command_line, "task": task_settings(task),
              "compressor": None if comp is None else {"name": comp.name,
                                                       "options": plain(comp.options())}}

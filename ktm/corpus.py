@@ -5,8 +5,8 @@ Training sources are the *train* sides of the shipped data, never their labels, 
     code             old and new code of the CommitPack train-side commits (every length)
     reviews          Amazon Fashion train-split review texts (no ratings)
     trees[:S,S...]   train-split trees of the tree stages, as the tree task shows them ("Tree: ...")
-    PATH             a text file (one document), a JSONL file (field ``text_field``), or a folder
-                     of such files (recursively, sorted)
+    PATH             a text file (one document), a JSONL or JSON file of records (field
+                     ``text_field``), or a folder of such files (``ktm.corpus_files``)
 
 Held-out sources (evaluation only, for the readability metric) are reviews of other product
 categories and code from repositories absent from the training file. They are refused as training
@@ -18,9 +18,7 @@ loss covers (the plain continuation, or the context itself for autoencoding).
 
 from __future__ import annotations
 
-import os
 import random
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +26,19 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from ktm.corpus_files import (  # noqa: F401  (EVAL_ONLY_NAMES, TEXT_SUFFIXES: public here too)
+    EVAL_ONLY_NAMES,
+    TEXT_SUFFIXES,
+    file_texts,
+    folder_files,
+    refuse_eval_only,
+)
 from ktm.errors import KTMError
-from ktm.tasks.jsonl import base_name, check_utf8, open_text, read_jsonl
 from ktm.tokens import raw_text_ids
 
-EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
-                   "heldout_repos_test.jsonl.gz")
 BUILTIN = ("code", "reviews", "trees")
 HELDOUT = ("reviews", "code")
 DEFAULT_TREE_STAGES = ("small", "xmedium", "medium")
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".gz", ".csv", ".tsv", ".html",
-                 ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go", ".rs", ".sh", ".yaml", ".yml",
-                 ".toml", ".tex")
 
 
 @dataclass(frozen=True)
@@ -89,68 +88,18 @@ def autoencode_window(doc: np.ndarray, spec: WindowSpec, rng: random.Random, sou
 
 
 # ------------------------------------------------------------------ texts
-def _refuse_eval_only(path: Path) -> None:
-    hit = {base_name(p) for p in path.parts}.intersection(base_name(n) for n in EVAL_ONLY_NAMES)
-    if hit:
-        raise KTMError(f"{path} is an evaluation-only set ({sorted(hit)[0]}): it is never used "
-                       "for training, not even its text; expected training text")
-
-
-def _file_texts(path: Path, text_field: str) -> list[str]:
-    _refuse_eval_only(path.resolve())
-    name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        out = []
-        for line_no, row in read_jsonl(path):
-            value = row.get(text_field)
-            if text_field not in row:
-                raise KTMError(f"{path} line {line_no}: no field {text_field!r} (its fields: "
-                               f"{', '.join(map(repr, row)) or 'none'}); expected the text "
-                               "there, or --text-field naming the field that holds it")
-            if not isinstance(value, str):
-                raise KTMError(f"{path} line {line_no}: expected a string field {text_field!r}, "
-                               f"got {type(value).__name__}")
-            out.append(value)
-        return out
-    try:
-        # gzipped or not, whatever its name (the folder listing takes .gz); a BOM is not text
-        with open_text(path) as f:
-            text = f.read()
-    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged gzip stream
-        raise KTMError(f"cannot read {path}: {e} (expected a text file, gzip if .gz)") from None
-    check_utf8(path, text)
-    return [text]
-
-
-def folder_files(root: Path) -> list[Path]:
-    """The text files below ``root``, sorted. Hidden files and folders (.git, .venv,
-    .ipynb_checkpoints) are not the corpus; a linked folder is (``ln -s /data/books corpus/``:
-    ``Path.rglob`` skipped it silently), each real folder read once, so a link loop ends."""
-    seen: set[str] = set()
-    files = []
-    for folder, subfolders, names in os.walk(root, followlinks=True):
-        if (real := os.path.realpath(folder)) in seen:
-            subfolders.clear()
-            continue
-        seen.add(real)
-        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
-        files += [Path(folder, n) for n in names if not n.startswith(".")
-                  and n.lower().endswith(TEXT_SUFFIXES) and Path(folder, n).is_file()]
-    return sorted(files)
-
-
 def path_texts(spec: str, text_field: str = "text") -> list[str]:
     """Texts of a user file or folder (folders: text files below it, recursively, sorted)."""
     path = Path(spec).expanduser()
     if path.is_file():
-        return _file_texts(path, text_field)
+        return file_texts(path, text_field)
     if path.is_dir():
-        _refuse_eval_only(path.resolve())
+        refuse_eval_only(path.resolve())
         files = folder_files(path)
         if not files:
             raise KTMError(f"folder {str(path)!r} has no text files "
                            f"(expected files ending in {', '.join(TEXT_SUFFIXES[:6])}, ...)")
-        return [t for f in files for t in _file_texts(f, text_field)]
+        return [t for f in files for t in file_texts(f, text_field)]
     raise KTMError(f"text source {spec!r} is neither {', '.join(BUILTIN)}, trees:STAGE, "
                    "nor an existing file or folder")
 

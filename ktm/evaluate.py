@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
+from ktm.fits import check_examples_fit
 from ktm.generate import eval_mode
 from ktm.label_scoring import check_scoring, decide, label_logprobs, label_prior, prior_dict
 from ktm.metrics import accuracy, balanced_accuracy, length_reduction, perplexity
@@ -177,15 +178,35 @@ def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
     A task that picks its metric from the data (``custom``) has ``chosen_metric``, which the
     row records as ``metric``."""
     chosen = getattr(task, "chosen_metric", None)
+    check_task_fits(model, task, examples, kwargs.get("merge", True),
+                    kwargs.get("max_new_tokens"))
     if task.kind == "perplexity":
         for name in ("max_new_tokens", "scoring", "calibration"):
             kwargs.pop(name, None)
         row = evaluate_perplexity(model, examples, **kwargs)
     else:
         targets = [task.label_target(lab) for lab in task.labels]
-        # room for the longest answer and its EOS: a user's label may be several tokens long
-        longest = max(len(model.target_ids(t)) for t in targets)
-        kwargs.setdefault("max_new_tokens", max(4, longest))
+        kwargs.setdefault("max_new_tokens", answer_room(model, targets))
         row = evaluate_classification(model, examples, task.labels, targets=targets,
                                       parse=getattr(task, "parse_label", None), **kwargs)
     return row if chosen is None else {"metric": chosen, **row}
+
+
+def answer_room(model, targets: Sequence[str]) -> int:
+    """New tokens a generated answer gets: room for the longest answer text and its EOS (a
+    user's label may be several tokens long), at least 4."""
+    return max(4, max(len(model.target_ids(t)) for t in targets))
+
+
+def check_task_fits(model, task, examples: Sequence[Example], merge: bool = True,
+                    max_new_tokens: int | None = None) -> None:
+    """Refuse, before scoring (or before the training run whose end scores them), an example
+    too long for the model's positions with what ``evaluate_task`` adds to it: its target
+    (perplexity), or each label's answer text and the generated answer (classification)."""
+    if task.kind == "perplexity":
+        check_examples_fit(model, examples, "evaluation", merge=merge)
+        return
+    targets = [task.label_target(lab) for lab in task.labels]
+    longest = max(len(model.target_ids(t)) for t in targets)
+    check_examples_fit(model, examples, "evaluation", merge=merge, answer_tokens=longest,
+                       new_tokens=max_new_tokens or answer_room(model, targets))

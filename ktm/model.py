@@ -185,10 +185,20 @@ class KTMModel(nn.Module):
         This is the one prompt-encoding step (``ktm.prefix``) that training, evaluation,
         generation, the benchmark and the server share; ``cache`` reuses merged segments.
         """
-        enc = PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
-                            self._config.plain_prefix, self._config.spread_positions,
-                            self._config.plain_suffix, self.line_breaks)
-        return enc.encode([as_segments(p) for p in prompts], merge and self.merges, cache)
+        return self._prompt_encoder().encode([as_segments(p) for p in prompts],
+                                             merge and self.merges, cache)
+
+    def measure_prompts(self, prompts: Sequence[PromptLike], merge: bool = True
+                        ) -> list[CompressedPrompt]:
+        """What ``encode_prompts`` gives, from tokenizing alone (``PromptEncoder.measure``):
+        counts and positions, no embeddings; enough to check that prompts fit."""
+        return self._prompt_encoder().measure([as_segments(p) for p in prompts],
+                                              merge and self.merges)
+
+    def _prompt_encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
+                             self._config.plain_prefix, self._config.spread_positions,
+                             self._config.plain_suffix, self.line_breaks)
 
     @property
     def line_breaks(self) -> LineBreaks | None:

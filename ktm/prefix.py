@@ -92,6 +92,34 @@ class PromptEncoder:
         ``merge=False`` feeds every segment as plain tokens (the uncompressed baseline);
         ``cache`` reuses segments merged before and merges repeats once.
         """
+        pieces = self.layout(prompts)
+        to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
+        merged = iter(self.merge_segments(to_merge, cache))
+        device = self.embed.weight.device
+        results = []
+        for row in pieces:
+            parts = [next(merged) if merge and c else
+                     self.embed(torch.tensor(ids, dtype=torch.long, device=device))
+                     for ids, c in row if ids]
+            embeds = torch.cat(parts, dim=0) if parts else None
+            results.append(self._prompt(row, embeds, merge))
+        return results
+
+    def measure(self, prompts: list[tuple[Segment, ...]], merge: bool = True
+                ) -> list[CompressedPrompt]:
+        """What ``encode`` gives, from the token ids alone: every count and position as there,
+        ``embeds`` an (L, 0) tensor on the meta device. Tokenizing only, no embedding or
+        encoder: checking that many prompts fit the model's positions is cheap."""
+        k = self.encoder.k
+        out = []
+        for row in self.layout(prompts):
+            n_out = sum(-(-len(ids) // k) if merge and c else len(ids) for ids, c in row)
+            out.append(self._prompt(row, torch.empty(n_out, 0, device="meta"), merge))
+        return out
+
+    def layout(self, prompts: list[tuple[Segment, ...]]) -> list[list[tuple[list[int], bool]]]:
+        """Each prompt's pieces as (token ids, merged?): its segments tokenized, then cut by
+        ``plain_prefix``, ``plain_suffix`` and ``line_breaks`` (class docstring)."""
         pieces: list[list[tuple[list[int], bool]]] = []
         for segs in prompts:
             row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress)
@@ -109,27 +137,19 @@ class PromptEncoder:
                 row = [(line, c) for ids, c in row for line in (self._lines(ids) if c else [ids])]
             pieces.append(row)
         self._check_ids(prompts)
-        to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
-        merged = iter(self.merge_segments(to_merge, cache))
-        device = self.embed.weight.device
-        results = []
-        for row in pieces:
-            parts, n_in = [], 0
-            for ids, c in row:
-                if not ids:
-                    continue
-                n_in += len(ids)
-                parts.append(next(merged) if merge and c else
-                             self.embed(torch.tensor(ids, dtype=torch.long, device=device)))
-            if n_in == 0:
-                raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
-            embeds = torch.cat(parts, dim=0)
-            mergeable = tuple(len(ids) for ids, c in row if c and ids)
-            sources = self._positions(row, merge)
-            pos = sources if merge and self.spread_positions else None
-            results.append(CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos,
-                                            sources, merged=merge))
-        return results
+        return pieces
+
+    def _prompt(self, row: list[tuple[list[int], bool]], embeds: torch.Tensor | None,
+                merge: bool) -> CompressedPrompt:
+        """One prompt's ``CompressedPrompt`` from its pieces and its (L, D) prefix embeddings."""
+        n_in = sum(len(ids) for ids, _ in row)
+        if n_in == 0 or embeds is None:
+            raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
+        mergeable = tuple(len(ids) for ids, c in row if c and ids)
+        sources = self._positions(row, merge)
+        pos = sources if merge and self.spread_positions else None
+        return CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos, sources,
+                                merged=merge)
 
     def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:
         """Ids given directly must be rows of the embedding table (the LM's, plus any extra rows

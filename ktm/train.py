@@ -28,6 +28,7 @@ from ktm import distributed
 from ktm.ema import WeightAverage
 from ktm.errors import KTMError
 from ktm.fileio import WriteError
+from ktm.fits import check_examples_fit
 from ktm.provenance import git_revision, versions
 from ktm.run_lock import main_holds
 from ktm.tasks.base import Example, check_examples
@@ -194,6 +195,8 @@ def train(
     if not isinstance(config, TrainConfig):
         raise KTMError(f"config must be a TrainConfig, got {type(config).__name__}")
     check_examples(examples)
+    if not getattr(examples, "is_stream", False):  # a window stream checks its own sizes
+        check_examples_fit(model, examples, "training")
     check_trainable(model)
     out = Path(config.out_dir)
     if out.exists() and not out.is_dir():

@@ -272,3 +272,45 @@ def test_a_byte_order_mark_and_crlf_lines_are_read(tmp_path, suffix):
     assert [r.context for r in task.rows] == [r["context"] for r in rows]
     assert [r.line_no for r in task.rows] == [1, 3, 5, 7, 9, 11]
     assert task.labels == ("no", "yes")
+
+
+@pytest.mark.parametrize("long_in", ["eval", "train"])
+def test_a_row_over_the_position_limit_is_refused_before_training(capsys, tiny_model_dir,
+                                                                 tmp_path, long_in):
+    """A row whose prompt does not fit the model's 512 positions at K=2 failed only when the
+    run evaluated it, after training (or at the training step that drew it), naming no line;
+    now before anything is written, naming the file, the line, the length, the limit and the
+    K that fits."""
+    rows, long_row = _labelled(12), {"context": " fox" * 1100, "target": "yes"}
+    train_rows = rows[:3] + [long_row] + rows[3:] if long_in == "train" else rows
+    eval_rows = rows[:1] + [long_row] if long_in == "eval" else rows[:2]
+    data = _write(tmp_path / "own.jsonl", train_rows)
+    held = _write(tmp_path / "held.jsonl", eval_rows)
+    bad, line = (held, 2) if long_in == "eval" else (data, 4)
+    run_dir = tmp_path / "run"
+    code, _, err = _run(capsys, "train", "--model", tiny_model_dir, "--k", "2", "--task",
+                        "custom", "--task-option", f"data_path={data}", "--task-option",
+                        f"eval_path={held}", "--n-train", "40", "--n-eval", "4",
+                        "--max-steps", "1", "--batch-size", "2", "--out-dir", str(run_dir),
+                        "--no-progress")
+    assert code == 2, err
+    assert f"{bad} line {line}: prompt is " in err and "K=3 would fit" in err, err
+    assert "over the model's limit of 512 positions" in err and "Traceback" not in err
+    assert not run_dir.exists()
+
+
+def test_labels_that_differ_only_by_invisible_format_characters_are_one_label(tmp_path):
+    """A zero-width space, a word joiner or a BOM pasted into a target (Unicode category Cf)
+    is invisible and not whitespace to ``strip()``: "yes" and "yes\\u200b" were two labels,
+    splitting the class's rows; now they are one, spelled as most rows spell it, and an answer
+    with or without them matches it. A target of format characters alone is empty."""
+    spellings = ["yes", "yes\u200b", "\ufeffyes", "y\u2060es", "yes"]
+    rows = [{"context": f"c{i}", "target": (spellings[i % 5] if i % 2 else "no")}
+            for i in range(20)]
+    task = CustomTask(data_path=_write(tmp_path / "d.jsonl", rows), test_size=2, split_seed=0)
+    assert task.labels == ("no", "yes") and task.kind == "classification"
+    assert {e.label for e in task.train_examples(20, 0)} == {"no", "yes"}
+    assert task.parse_label("yes\u200b\n") == "yes" == task.parse_label("\u2060yes")
+    bad = _write(tmp_path / "bad.jsonl", [{"context": "a", "target": "\u200b\ufeff "}])
+    with pytest.raises(KTMError, match="line 1: field 'target' must be a non-empty string"):
+        _ = CustomTask(data_path=bad).rows

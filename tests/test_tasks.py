@@ -360,3 +360,23 @@ def test_commitpack_prompt_and_length_filter(tmp_path: Path) -> None:
 )
 def test_parse_label(text: str, labels: tuple[str, ...], expected: str | None) -> None:
     assert parse_label(text, labels) == expected
+
+
+@pytest.mark.parametrize("text", ["true…", "«true»", "true。", "**true**", "「true」", "¡true!",
+                                  "true🙂", "\u200btrue", "“True”,", "\ufefftrue"])
+def test_parse_label_strips_punctuation_and_symbols_of_any_script(text: str) -> None:
+    """Only ASCII punctuation was stripped: "true…", "«true»" or "**true**" parsed as no
+    answer (an ellipsis, guillemets and markdown bold are common in generated text)."""
+    assert parse_label(text + " more words", ("true", "false")) == "true"
+
+
+def test_parse_label_reads_ascii_answers_as_before() -> None:
+    """Every ASCII punctuation character around the first word is stripped, as it was; inside
+    it, or a letter or digit, is not."""
+    import string
+
+    for mark in string.punctuation:
+        assert parse_label(f"{mark}{mark}true{mark}", ("true", "false")) == "true", mark
+        assert parse_label(f"tr{mark}ue", ("true", "false")) is None, mark
+    assert parse_label("true2", ("true", "false")) is None
+    assert parse_label("xtrue", ("true", "false")) is None

@@ -126,3 +126,88 @@ def test_a_corpus_folder_reads_linked_folders_once_and_skips_hidden_ones(tmp_pat
     (corpus / "books").symlink_to(books)
     (books / "again").symlink_to(corpus)  # a loop
     assert path_texts(str(corpus)) == ["A", "B"]
+
+
+def test_a_corpus_folder_skips_archives_and_binary_files_with_one_warning(tmp_path, capsys):
+    """A .tar.gz was read as gzipped text (tar headers and NULs included) and a binary file
+    with a text name as text; now they are skipped, named on one warning line."""
+    import io
+    import tarfile
+    import zipfile
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("A")
+    with tarfile.open(corpus / "backup.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("inner.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"inner"))
+    with tarfile.open(corpus / "plain.gz", "w:gz") as tar:  # a tarball under a text name
+        tar.addfile(info, io.BytesIO(b"inner"))
+    with zipfile.ZipFile(corpus / "code.zip", "w") as z:
+        z.writestr("inner.txt", "inner")
+    (corpus / "blob.py").write_bytes(b"\x7fELF\x02\x01\x00\x00\x00")
+    assert path_texts(str(corpus)) == ["A"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "skipped 4 archive or binary files" in err, err
+    for name in ("backup.tar.gz", "plain.gz", "code.zip", "blob.py"):
+        assert name in err
+    for name, why in (("backup.tar.gz", "an archive"), ("plain.gz", "an archive"),
+                      ("blob.py", "a binary file")):
+        with pytest.raises(KTMError, match=rf"{name} is {why}.*not text: expected a text"):
+            path_texts(str(corpus / name))
+
+
+def test_a_file_linked_into_a_folder_twice_is_read_once(tmp_path):
+    corpus, outside = tmp_path / "corpus", tmp_path / "outside"
+    corpus.mkdir()
+    outside.mkdir()
+    (outside / "book.txt").write_text("the book")
+    (corpus / "a.txt").symlink_to(outside / "book.txt")
+    (corpus / "b.txt").symlink_to(outside / "book.txt")
+    (corpus / "c.txt").write_text("C")
+    assert path_texts(str(corpus)) == ["the book", "C"]
+
+
+def test_a_json_source_is_read_as_records_not_raw_text(tmp_path):
+    """A .json source was read as one raw text, brackets, keys and escapes included."""
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"text": "one", "id": 1}, {"text": "two\r\nlines"}]))
+    assert path_texts(str(path)) == ["one", "two\r\nlines"]
+    path.write_text(json.dumps({"body": "only"}))
+    assert path_texts(str(path), "body") == ["only"]
+    path.write_text('{"text": "a"}\n{"text": "b"}\n')  # JSONL under a .json name
+    assert path_texts(str(path)) == ["a", "b"]
+    path.write_text(json.dumps([{"text": "a"}, {"body": "b"}]))
+    with pytest.raises(KTMError, match=r"data\.json record 2: no field 'text'"):
+        path_texts(str(path))
+    for value, held in ((["a", "b"], "a list of str"), ("text", "str")):
+        path.write_text(json.dumps(value))
+        with pytest.raises(KTMError, match=rf"data\.json holds {held}: expected a list of records"):
+            path_texts(str(path))
+    path.write_text('{"text": ')
+    with pytest.raises(KTMError, match=r"data\.json: bad JSON"):
+        path_texts(str(path))
+
+
+def test_line_ends_text_files_are_normalised_json_strings_are_kept(tmp_path):
+    """The rule (README, Data): a text file's line ends are storage (a Windows checkout writes
+    CRLF), read as "\\n"; a string inside JSON or JSONL is data, kept verbatim, "\\r\\n" and
+    "\\r" included, whatever line ends the file itself has."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"one\r\ntwo\rthree\n")
+    (corpus / "b.txt.gz").write_bytes(gzip.compress(b"four\r\nfive"))
+    assert path_texts(str(corpus)) == ["one\ntwo\nthree\n", "four\nfive"]
+    strings = ["x\r\ny", "x\ry"]
+    (tmp_path / "t.jsonl").write_bytes(b"".join(json.dumps({"text": s}).encode() + b"\r\n"
+                                                for s in strings))
+    (tmp_path / "t.json").write_bytes(json.dumps([{"text": s} for s in strings], indent=1)
+                                      .replace("\n", "\r\n").encode())
+    assert path_texts(str(tmp_path / "t.jsonl")) == strings == path_texts(str(tmp_path / "t.json"))
+    rows = [{"context": f"c\r\n{i}", "prompt": "p\r\n", "target": "t\r\nu"} for i in range(4)]
+    (tmp_path / "d.jsonl").write_bytes(b"".join(json.dumps(r).encode() + b"\r\n" for r in rows))
+    task = CustomTask(data_path=str(tmp_path / "d.jsonl"), metric="perplexity", test_size=1)
+    assert [(r.context, r.prompt, r.target) for r in task.rows] == [
+        (r["context"], r["prompt"], r["target"]) for r in rows]
+    assert task.eval_examples(1, 0)[0].target == "t\r\nu"

@@ -5,7 +5,8 @@ Data: ``data_path`` (required), a JSONL (or .jsonl.gz) file, one object per line
     {"context": "<long text to merge>", "prompt": "<optional question>", "target": "<answer>"}
 
 The field names are options (``context_field``, ``prompt_field``, ``target_field``). ``context``
-and ``target`` are required non-empty strings; ``prompt`` may be absent, null or empty.
+and ``target`` are required non-empty strings; ``prompt`` may be absent, null or empty. Strings
+are data, read verbatim: a ``"\r\n"`` inside one stays (README, Data, "Line ends").
 
 Layout, in "context" mode (the default)::
 
@@ -21,7 +22,8 @@ commitpack does; with ``eval_path`` every row of ``data_path`` trains and ``eval
 
 Metric: ``accuracy`` treats each stripped target as a label (exact match of the stripped
 generated answer; balanced accuracy over the training labels; ``--scoring likelihood`` works);
-Unicode-equivalent spellings ("café" composed, or "e" + a combining accent) are one label,
+Unicode-equivalent spellings ("café" composed, or "e" + a combining accent) and spellings that
+differ only by invisible format characters (a zero-width space, a BOM) are one label,
 spelled as the training rows spell it most often;
 ``perplexity`` scores the target text as given. ``auto`` picks accuracy when the training rows
 have at most ``AUTO_MAX_LABELS`` distinct targets and every evaluation target is one of them,
@@ -43,7 +45,7 @@ from ktm.tasks.amazon import EVAL_ONLY as AMAZON_EVAL_ONLY
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.commitpack import EVAL_ONLY as COMMITPACK_EVAL_ONLY
 from ktm.tasks.jsonl import read_jsonl, refuse_eval_only, resolve_data_path, row_error
-from ktm.tasks.labels import match_label
+from ktm.tasks.labels import drop_format, match_label
 from ktm.tasks.split import (
     cycle_shuffled,
     sample_without_replacement,
@@ -61,6 +63,7 @@ class Row:
     prompt: str
     target: str
     line_no: int
+    file: str = ""  # the data file it was read from, for errors naming its line
 
 
 def custom_prompt(context: str, prompt: str, mode: PromptMode) -> tuple[Segment, ...]:
@@ -76,10 +79,10 @@ def load_rows(path: Path, context: str, prompt: str, target: str) -> list[Row]:
     out = []
     for line_no, row in read_jsonl(path, {context: str, target: str}):
         for name in (context, target):
-            if not row[name].strip():
+            if not drop_format(row[name]).strip():  # invisible characters alone are empty
                 raise row_error(path, line_no, f"field {name!r} must be a non-empty string")
         question = _optional_str(path, line_no, row, prompt)
-        out.append(Row(row[context], question, row[target], line_no))
+        out.append(Row(row[context], question, row[target], line_no, str(path)))
     if not out:
         raise KTMError(f"{path} holds no rows: expected JSON objects with {context!r} and "
                        f"{target!r}")
@@ -88,9 +91,11 @@ def load_rows(path: Path, context: str, prompt: str, target: str) -> list[Row]:
 
 def label_key(target: str) -> str:
     """What makes two targets one label: the same stripped text in Unicode's composed form (NFC),
-    so "café" typed composed and with a combining accent is one class, not two that split its
-    rows (a model answering either spelling is right: ``match_label``)."""
-    return unicodedata.normalize("NFC", target.strip())
+    without format characters (``drop_format``: a zero-width space, a BOM), so "café" typed
+    composed and with a combining accent, or "yes" and "yes" with an invisible zero-width space
+    pasted in, is one class, not two that split its rows (a model answering either spelling is
+    right: ``match_label``)."""
+    return unicodedata.normalize("NFC", drop_format(target).strip())
 
 
 def _optional_str(path: Path, line_no: int, row: dict[str, Any], name: str) -> str:
@@ -216,5 +221,5 @@ class CustomTask:
             segments=custom_prompt(row.context, row.prompt, self.prompt_mode),
             target=row.target if label is None else self.label_target(label),
             label=label,
-            meta={"line": row.line_no},
+            meta={"line": row.line_no, "file": row.file},
         )

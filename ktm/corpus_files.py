@@ -1,0 +1,158 @@
+"""A user's own pretraining text: the files of a source path, each read once, as text or records.
+
+    PATH.txt, .md, .py, ...   one document; line ends normalised to "\\n" (CRLF and CR too)
+    PATH.jsonl, PATH.json     records: the ``text_field`` of each, verbatim (a string in JSON is
+                              data: a "\\r\\n" inside it stays); a .json holds a list of records,
+                              one record, or is JSONL under another name
+    FOLDER                    the files above below it, recursively, sorted, each real file once
+
+Any of them may be gzipped. An archive or a binary file is never text: given as a source it is
+refused; in a folder it is skipped with one warning line naming it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+
+from ktm.errors import KTMError
+from ktm.tasks.jsonl import base_name, check_utf8, is_gzip, open_text, read_jsonl
+
+EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
+                   "heldout_repos_test.jsonl.gz")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".gz", ".csv", ".tsv", ".html",
+                 ".c", ".h", ".cpp", ".js", ".ts", ".java", ".go", ".rs", ".sh", ".yaml", ".yml",
+                 ".toml", ".tex")
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".zip",
+                    ".7z", ".rar", ".bz2", ".xz", ".zst", ".whl", ".jar")
+_ARCHIVE_MAGIC = (b"PK\x03\x04", b"7z\xbc\xaf\x27\x1c", b"Rar!")  # zip (.whl, .jar), 7z, rar
+_SNIFF = 8192  # bytes read to tell a binary file from text
+
+
+def refuse_eval_only(path: Path) -> None:
+    hit = {base_name(p) for p in path.parts}.intersection(base_name(n) for n in EVAL_ONLY_NAMES)
+    if hit:
+        raise KTMError(f"{path} is an evaluation-only set ({sorted(hit)[0]}): it is never used "
+                       "for training, not even its text; expected training text")
+
+
+def not_text(path: Path) -> str | None:
+    """Why ``path`` is no text file (an archive, NUL bytes), or None. Read from its name and
+    its first bytes (gunzipped if gzip): a tar archive under .gz is gzip too, and tar headers
+    and NULs read as text are noise a reader would learn."""
+    name = path.name.lower()
+    if name.endswith(ARCHIVE_SUFFIXES):
+        return "an archive"
+    try:
+        if is_gzip(path):
+            with gzip.open(path, "rb") as f:
+                head = f.read(_SNIFF)
+        else:
+            with path.open("rb") as f:
+                head = f.read(_SNIFF)
+    except (OSError, EOFError, zlib.error):
+        return None  # reading it says what is wrong, naming it
+    if head.startswith(_ARCHIVE_MAGIC) or head[257:262] == b"ustar":  # tar: "ustar" at 257
+        return "an archive"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return None  # UTF-16 text: check_utf8 names it as such
+    if b"\x00" in head:
+        return "a binary file (it holds NUL bytes)"
+    return None
+
+
+def file_texts(path: Path, text_field: str) -> list[str]:
+    """The texts of one file (module docstring); an archive or binary file is an error."""
+    refuse_eval_only(path.resolve())
+    if (why := not_text(path)) is not None:
+        raise KTMError(f"{path} is {why}, not text: expected a text, JSON or JSONL file "
+                       "(gzipped or not); unpack an archive into a folder and pass that")
+    name = base_name(path.name.lower())
+    if name.endswith(".jsonl"):
+        return _records(path, read_jsonl(path), text_field)
+    text = _read(path)
+    if name.endswith(".json"):
+        return _json_texts(path, text, text_field)
+    return [text]
+
+
+def _read(path: Path) -> str:
+    try:
+        # gzipped or not, whatever its name (the folder listing takes .gz); a BOM is not text;
+        # universal newlines: a text file's CRLF and CR line ends are read as "\n"
+        with open_text(path) as f:
+            text = f.read()
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged gzip stream
+        raise KTMError(f"cannot read {path}: {e} (expected a text file, gzip if .gz)") from None
+    check_utf8(path, text)
+    return text
+
+
+def _json_texts(path: Path, text: str, text_field: str) -> list[str]:
+    """A .json file: a list of records or one record; JSONL under a .json name is read as
+    JSONL. Anything else is refused: its raw JSON is not text to learn from."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # one JSON value per line: JSONL
+            return _records(path, read_jsonl(path), text_field)
+        raise KTMError(f"{path}: bad JSON ({e.msg}, line {e.lineno}): expected a list of "
+                       f"records with a {text_field!r} field, or JSONL") from None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        bad = type(value).__name__ if not isinstance(value, list) else "a list of " + next(
+            type(v).__name__ for v in value if not isinstance(v, dict))
+        raise KTMError(f"{path} holds {bad}: expected a list of records (JSON objects) with a "
+                       f"{text_field!r} field, or JSONL; plain text belongs in a .txt file")
+    return _records(path, ((i, row) for i, row in enumerate(value, start=1)), text_field, "record")
+
+
+def _records(path: Path, rows, text_field: str, unit: str = "line") -> list[str]:
+    """``text_field`` of each ``(number, row)``, verbatim."""
+    out = []
+    for n, row in rows:
+        value = row.get(text_field)
+        if text_field not in row:
+            raise KTMError(f"{path} {unit} {n}: no field {text_field!r} (its fields: "
+                           f"{', '.join(map(repr, row)) or 'none'}); expected the text "
+                           "there, or --text-field naming the field that holds it")
+        if not isinstance(value, str):
+            raise KTMError(f"{path} {unit} {n}: expected a string field {text_field!r}, "
+                           f"got {type(value).__name__}")
+        out.append(value)
+    return out
+
+
+def folder_files(root: Path) -> list[Path]:
+    """The text files below ``root``, sorted, each real file once (a file linked in twice is
+    one document, not two). Hidden files and folders (.git, .venv, .ipynb_checkpoints) are not
+    the corpus; a linked folder is (``ln -s /data/books corpus/``: ``Path.rglob`` skipped it
+    silently), each real folder read once, so a link loop ends. Archives and binary files are
+    skipped, with one warning line naming them."""
+    seen: set[str] = set()
+    found = []
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        if (real := os.path.realpath(folder)) in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        found += [Path(folder, n) for n in names if not n.startswith(".")
+                  and n.lower().endswith(TEXT_SUFFIXES + ARCHIVE_SUFFIXES)
+                  and Path(folder, n).is_file()]
+    files, skipped, real_files = [], [], set()
+    for path in sorted(found):
+        if (real := os.path.realpath(path)) in real_files:
+            continue
+        real_files.add(real)
+        (skipped if not_text(path) is not None else files).append(path)
+    if skipped:
+        names = ", ".join(str(p.relative_to(root)) for p in skipped)
+        print(f"ktm: warning: {root}: skipped {len(skipped)} archive or binary file"
+              f"{'s' * (len(skipped) > 1)} (not text): {names}", file=sys.stderr)
+    return files

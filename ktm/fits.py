@@ -1,0 +1,48 @@
+"""Checking, before a run starts, that every example fits the model's positions.
+
+A prompt longer than the LM's positions (after merging at the run's K) fails at the step that
+reads it: mid-training, or at the evaluation after training has finished. Tokenizing every
+example up front (``KTMModel.measure_prompts``: no embedding, no encoder) finds it first, and
+the error names where it came from (a data file's line) and the K that would fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ktm.errors import KTMError
+from ktm.tasks.base import Example
+
+
+def where(example: Example, i: int, what: str) -> str:
+    """``data.jsonl line 7`` for an example that records its file and line, else its index."""
+    file, line = example.meta.get("file"), example.meta.get("line")
+    if file is not None and line is not None:
+        return f"{file} line {line}"
+    return f"{what} example {i}" + (f" (line {line})" if line is not None else "")
+
+
+def check_examples_fit(model, examples: Sequence[Example], what: str, *, merge: bool = True,
+                       answer_tokens: int | None = None, new_tokens: int = 0) -> None:
+    """Raise ``KTMError`` naming the first of ``examples`` that does not fit ``model``'s
+    positions: its prompt followed by its own target (or by ``answer_tokens`` target tokens,
+    a label's answer text), and by ``new_tokens`` generated ones (the last of them never read
+    back). A model without a position limit checks nothing."""
+    if not model.max_positions:
+        return
+    seen: set = set()
+    for i, e in enumerate(examples):
+        segments = e.segments if isinstance(e.segments, str) else tuple(e.segments)
+        key = (segments, e.target if isinstance(e.target, str) else tuple(e.target))
+        if key in seen:  # a training set draws each row many times
+            continue
+        seen.add(key)
+        try:
+            cp = model.measure_prompts([e.segments], merge)[0]
+            n = len(model.target_ids(e.target)) if answer_tokens is None else answer_tokens
+            if n:
+                model.check_fits([cp], [n], "target tokens")
+            if new_tokens:
+                model.check_fits([cp], [new_tokens], "new tokens", unread=1)
+        except KTMError as err:
+            raise KTMError(f"{where(e, i, what)}: {err}") from None
