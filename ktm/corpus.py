@@ -99,7 +99,7 @@ def path_texts(spec: str, text_field: str = "text") -> list[str]:
         if not files:
             raise KTMError(f"folder {str(path)!r} has no text files "
                            f"(expected files ending in {', '.join(TEXT_SUFFIXES[:6])}, ...)")
-        return [t for f in files for t in file_texts(f, text_field)]
+        return [t for f in files for t in file_texts(f, text_field, in_folder=True)]
     raise KTMError(f"text source {spec!r} is neither {', '.join(BUILTIN)}, trees:STAGE, "
                    "nor an existing file or folder")
 

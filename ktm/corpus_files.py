@@ -3,7 +3,9 @@
     PATH.txt, .md, .py, ...   one document; line ends normalised to "\\n" (CRLF and CR too)
     PATH.jsonl, PATH.json     records: the ``text_field`` of each, verbatim (a string in JSON is
                               data: a "\\r\\n" inside it stays); a .json holds a list of records,
-                              one record, or is JSONL under another name
+                              one record, or is JSONL under another name. Inside a folder a .json
+                              that holds no such records (a code corpus's package.json) is one
+                              text document, as the code around it
     FOLDER                    the files above below it, recursively, sorted, each real file once
 
 Any of them may be gzipped. An archive or a binary file is never text: given as a source it is
@@ -65,8 +67,9 @@ def not_text(path: Path) -> str | None:
     return None
 
 
-def file_texts(path: Path, text_field: str) -> list[str]:
-    """The texts of one file (module docstring); an archive or binary file is an error."""
+def file_texts(path: Path, text_field: str, in_folder: bool = False) -> list[str]:
+    """The texts of one file (module docstring); an archive or binary file is an error.
+    ``in_folder``: a .json without records of ``text_field`` is a text, not an error."""
     refuse_eval_only(path.resolve())
     if (why := not_text(path)) is not None:
         raise KTMError(f"{path} is {why}, not text: expected a text, JSON or JSONL file "
@@ -76,7 +79,12 @@ def file_texts(path: Path, text_field: str) -> list[str]:
         return _records(path, read_jsonl(path), text_field)
     text = _read(path)
     if name.endswith(".json"):
-        return _json_texts(path, text, text_field)
+        try:
+            return _json_texts(path, text, text_field)
+        except KTMError:
+            if in_folder:
+                return [text]
+            raise
     return [text]
 
 

@@ -190,6 +190,17 @@ def test_a_json_source_is_read_as_records_not_raw_text(tmp_path):
         path_texts(str(path))
 
 
+def test_a_json_file_in_a_code_folder_without_records_is_read_as_text(tmp_path):
+    """A code corpus holds package.json, tsconfig.json: JSON, but no records of text. Given
+    alone such a file is refused (above); inside a folder it is one document, as before."""
+    corpus = tmp_path / "repo"
+    corpus.mkdir()
+    (corpus / "main.py").write_text("print(1)\n")
+    (corpus / "package.json").write_text('{"name": "x", "version": "1.0"}\n')
+    (corpus / "rows.json").write_text(json.dumps([{"text": "one"}]))
+    assert path_texts(str(corpus)) == ["print(1)\n", '{"name": "x", "version": "1.0"}\n', "one"]
+
+
 def test_line_ends_text_files_are_normalised_json_strings_are_kept(tmp_path):
     """The rule (README, Data): a text file's line ends are storage (a Windows checkout writes
     CRLF), read as "\\n"; a string inside JSON or JSONL is data, kept verbatim, "\\r\\n" and
