@@ -26,6 +26,7 @@ import atexit
 import json
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,27 @@ class World:
 
 
 ONE = World()  # a run without a launcher
+
+TIMEOUT_ENV = "KTM_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_MIN = 120.0  # rank 0 evaluates while the others wait in the next collective
+
+
+def timeout_minutes() -> float:
+    """How long a process waits in a collective: ``KTM_DIST_TIMEOUT`` minutes (default 120).
+
+    The backends' own defaults (NCCL 10 min, gloo 30) are shorter than an evaluation during
+    training on a large held-out set, which rank 0 runs while the others wait."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_MIN
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes > 0 or minutes == float("inf"):
+        raise KTMError(f"environment variable {TIMEOUT_ENV}={value!r}: expected a number of "
+                       "minutes > 0 (how long a process waits for the others)")
+    return minutes
 
 
 def _env_int(name: str, default: int) -> int:
@@ -82,7 +104,8 @@ def setup(device: str | torch.device = "cpu") -> World:
                 raise KTMError(f"LOCAL_RANK={local} but this machine has "
                                f"{torch.cuda.device_count()} CUDA devices")
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=timedelta(minutes=timeout_minutes()))
         # left to interpreter shutdown, gloo's worker threads can abort the process (SIGABRT,
         # "terminate called without an active exception"): leave the group while Python is alive
         atexit.register(_leave)

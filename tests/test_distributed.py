@@ -299,3 +299,36 @@ def test_a_launched_process_refuses_another_processs_gpu(monkeypatch):
     with pytest.raises(KTMError, match=r"'cuda:0' under a launcher: each process uses "
                                        r"cuda:LOCAL_RANK \(this one cuda:1\); expected --device"):
         distributed.setup("cuda:0")
+
+
+def joined_with(monkeypatch) -> dict:
+    """``distributed.setup`` on a fake 2-process launch: the keyword arguments it joins with."""
+    import torch.distributed as dist
+
+    from ktm import distributed
+
+    seen: dict = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw))
+    monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(distributed, "current", lambda: World(0, 2))
+    distributed.setup("cpu")
+    return seen
+
+
+def test_the_processes_wait_long_enough_for_rank_0s_evaluation(monkeypatch):
+    """Rank 0 evaluates while the others wait in the next collective: the backends' default
+    timeouts (NCCL 10 min, gloo 30) aborted them during a long evaluation."""
+    from datetime import timedelta
+
+    monkeypatch.delenv("KTM_DIST_TIMEOUT", raising=False)
+    assert joined_with(monkeypatch)["timeout"] == timedelta(minutes=120)
+    monkeypatch.setenv("KTM_DIST_TIMEOUT", "7.5")
+    assert joined_with(monkeypatch)["timeout"] == timedelta(minutes=7.5)
+    for bad in ["soon", "0", "-3", "inf", "nan"]:
+        monkeypatch.setenv("KTM_DIST_TIMEOUT", bad)
+        with pytest.raises(KTMError, match=rf"KTM_DIST_TIMEOUT='{bad}': expected a number of "
+                                           r"minutes > 0"):
+            joined_with(monkeypatch)
+
