@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except KTMError as e:
         print(f"ktm: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 1: another process of the run failed first
     except KeyboardInterrupt:
         print("ktm: interrupted", file=sys.stderr)
         return 130

@@ -23,8 +23,10 @@ all-reduce per step over the LoRA and encoder gradients (a few MB) is all DDP wo
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -56,6 +58,13 @@ ONE = World()  # a run without a launcher
 
 TIMEOUT_ENV = "KTM_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_MIN = 120.0  # rank 0 evaluates while the others wait in the next collective
+
+
+class PeerLost(KTMError):
+    """A collective failed: another process ended (its own error names why) or stayed away
+    longer than the timeout. One line, exit code 1: the cause is elsewhere."""
+
+    exit_code = 1
 
 
 def timeout_minutes() -> float:
@@ -117,6 +126,24 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
+def _collective(fn):
+    """A failed collective is ``PeerLost``: one line naming the likely cause, not a backend
+    traceback on every process but the one that failed first."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:  # gloo's errors are plain RuntimeErrors, NCCL's DistErrors
+            # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]. This..."
+            why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()
+            why = why[0][:160] if why else type(e).__name__
+            raise PeerLost(f"process {dist.get_rank()} of {dist.get_world_size()} lost the "
+                           f"others ({why}): another process ended first (its own error names "
+                           f"the cause) or waited longer than {TIMEOUT_ENV}="
+                           f"{timeout_minutes():g} minutes") from e
+    return wrapper
+
+
 def current() -> World:
     """The process group joined so far (``World()`` when none)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -124,6 +151,7 @@ def current() -> World:
     return World(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0))
 
 
+@_collective
 def sum_numbers(values: list[float], world: World, device: torch.device) -> list[float]:
     """Sums over processes of a few numbers (token counts, loss sums), in float64."""
     if world.size == 1:
@@ -133,6 +161,7 @@ def sum_numbers(values: list[float], world: World, device: torch.device) -> list
     return t.tolist()
 
 
+@_collective
 def from_main(values: list[float], world: World, device: torch.device) -> list[float]:
     """Rank 0's ``values`` on every process (what the others pass is ignored): a decision
     every process must take alike, made from one process's numbers."""
@@ -143,6 +172,7 @@ def from_main(values: list[float], world: World, device: torch.device) -> list[f
     return t.tolist()
 
 
+@_collective
 def broadcast_params(params: list[torch.nn.Parameter], world: World) -> None:
     """Rank 0's values for ``params`` everywhere (as DDP does at construction): processes that
     initialised LoRA or the encoder from different random states start equal."""
@@ -153,6 +183,7 @@ def broadcast_params(params: list[torch.nn.Parameter], world: World) -> None:
             dist.broadcast(p.data, src=0)
 
 
+@_collective
 def sum_grads(params: list[torch.nn.Parameter], world: World) -> None:
     """Replace each gradient by its sum over processes (one flat all-reduce per dtype).
 
@@ -175,6 +206,7 @@ def sum_grads(params: list[torch.nn.Parameter], world: World) -> None:
             offset += n
 
 
+@_collective
 def gather(t: torch.Tensor, world: World) -> list[torch.Tensor]:
     """Every process's tensor of the same shape (RNG states), in rank order, on the CPU."""
     if world.size == 1:
@@ -186,6 +218,7 @@ def gather(t: torch.Tensor, world: World) -> list[torch.Tensor]:
     return [p.cpu() for p in parts]
 
 
+@_collective
 def sum_by_key(d: dict[str, list[float]], world: World) -> dict[str, list[float]]:
     """Per-key sums over processes of ``{name: [values...]}`` whose keys may differ between
     processes (each process sees the objectives its shard drew). Exchanged as JSON."""
@@ -206,6 +239,7 @@ def sum_by_key(d: dict[str, list[float]], world: World) -> dict[str, list[float]
     return dict(sorted(out.items()))
 
 
+@_collective
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()

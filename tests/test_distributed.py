@@ -132,6 +132,8 @@ def test_an_error_ends_every_process_with_its_message(tiny_model_dir, start, tmp
     expected = "cannot write" if fault.startswith("rank 0") else "nowhere"
     assert any(line.startswith("ktm: error:") and expected in line
                for line in r.stderr.splitlines()), r.stderr[-3000:]
+    # the other process, which lost its peer, says so in one line: no backend traceback
+    assert not [line for line in r.stderr.splitlines() if line.startswith("[rank")], r.stderr
     assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
 
 
@@ -332,3 +334,32 @@ def test_the_processes_wait_long_enough_for_rank_0s_evaluation(monkeypatch):
                                            r"minutes > 0"):
             joined_with(monkeypatch)
 
+
+def test_a_lost_peer_is_one_line_with_exit_code_1(monkeypatch, capsys):
+    """A process whose collective fails because another one ended printed the backend's
+    traceback over the failing process's own ``ktm: error:`` line."""
+    import torch.distributed as dist
+
+    from ktm import cli_train, distributed
+    from ktm.cli import main
+
+    def closed(t):
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                           "Connection closed by peer [127.0.0.1]:5. This is typically caused "
+                           "by a remote worker crashing.\nmore")
+
+    monkeypatch.setattr(dist, "all_reduce", closed)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with pytest.raises(distributed.PeerLost, match=r"^process 1 of 2 lost the others "
+                                                   r"\(Connection closed by peer "
+                                                   r"\[127.0.0.1\]:5\): another process ended"):
+        distributed.sum_numbers([1.0], World(1, 2), torch.device("cpu"))
+
+    def lost(args):
+        distributed.sum_numbers([1.0], World(1, 2), torch.device("cpu"))
+
+    monkeypatch.setattr(cli_train, "cmd_train", lost)
+    assert main(["train", "--task", "tree"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("ktm: error: process 1 of 2 lost the others")
