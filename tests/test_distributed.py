@@ -363,3 +363,49 @@ def test_a_lost_peer_is_one_line_with_exit_code_1(monkeypatch, capsys):
     assert main(["train", "--task", "tree"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("ktm: error: process 1 of 2 lost the others")
+
+
+RESUME_CPU_WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    from ktm.config import LoraSettings
+    from ktm.model import KTMModel
+    from ktm.tasks.tree import TreeTask
+    from ktm.train import TrainConfig, train
+
+    tiny, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    loop = sys.modules["ktm.train"]  # the module (ktm.train is also the function)
+    trim = loop.trim_metrics
+
+    def slow_trim(*args):  # rank 1 reaches its read of metrics.jsonl before rank 0 trims it
+        time.sleep(2)
+        trim(*args)
+
+    loop.trim_metrics = slow_trim
+    model = KTMModel.from_base(tiny, k=4, lora=LoraSettings(dropout=0.0))
+    last = train(model, TreeTask(stage="small").train_examples(16, seed=0),
+                 TrainConfig(out_dir=out, max_steps=3, batch_size=2, resume=True,
+                             progress=False))
+    with open(os.path.join(out, f"cpu{rank}.json"), "w") as f:
+        json.dump(last["cpu_s"], f)
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_a_resumed_run_returns_the_same_cpu_seconds_on_every_process(tiny_model_dir, tmp_path):
+    """On resume every process continued the CPU count from the last row of metrics.jsonl, but
+    only rank 0 trims the rows a killed run logged after its checkpoint: rank 1 could read
+    an untrimmed row and return other metrics than rank 0's."""
+    out = tmp_path / "run"
+    train(KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(dropout=0.0)),
+          TreeTask(stage="small").train_examples(16, seed=0),
+          TrainConfig(out_dir=str(out), max_steps=2, batch_size=4, progress=False))
+    with (out / "metrics.jsonl").open("a") as f:  # logged by a run killed before its next save
+        f.write(json.dumps({"step": 3, "loss": 1.0, "cpu_s": 999.0}) + "\n")
+    script = tmp_path / "worker.py"
+    script.write_text(RESUME_CPU_WORKER)
+    run(torchrun(str(script), tiny_model_dir, str(out)))
+    cpu = [json.loads((out / f"cpu{r}.json").read_text()) for r in (0, 1)]
+    assert cpu[0] == cpu[1] < 999.0
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["cpu_s"] == cpu[0]
