@@ -27,13 +27,17 @@ import functools
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ktm.errors import KTMError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,39 @@ def sum_by_key(d: dict[str, list[float]], world: World) -> dict[str, list[float]
             acc = out.setdefault(k, [0.0] * len(vals))
             out[k] = [a + v for a, v in zip(acc, vals)]
     return dict(sorted(out.items()))
+
+
+def on_main(fn: Callable[[], T], world: World, device: torch.device) -> T | None:
+    """``fn()`` on rank 0 alone (work only it needs: the data it evaluates on); returns its
+    result there, None elsewhere. When it fails, rank 0 raises its error and the others
+    ``PeerLost`` naming it, rather than wait for rank 0 at the next collective."""
+    if world.size == 1:
+        return fn()
+    result, error = None, None
+    if world.is_main:
+        try:
+            result = fn()
+        except Exception as e:  # told to the others first, then raised
+            error = e
+    message = _text_from_main("" if error is None else f"{type(error).__name__}: {error}",
+                              world, device)
+    if error is not None:
+        raise error
+    if message:
+        raise PeerLost(f"process {world.rank} of {world.size}: rank 0 failed ({message})")
+    return result
+
+
+@_collective
+def _text_from_main(text: str, world: World, device: torch.device) -> str:
+    data = text.encode()
+    n = int(from_main([float(len(data))], world, device)[0])
+    if not n:
+        return ""
+    t = torch.tensor(list(data) if world.is_main else [0] * n, dtype=torch.uint8,
+                     device=device)
+    dist.broadcast(t, src=0)
+    return bytes(t.cpu().tolist()).decode()
 
 
 @_collective

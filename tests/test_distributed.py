@@ -409,3 +409,60 @@ def test_a_resumed_run_returns_the_same_cpu_seconds_on_every_process(tiny_model_
     assert cpu[0] == cpu[1] < 999.0
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["cpu_s"] == cpu[0]
+
+
+HELDOUT_WORKER = textwrap.dedent("""
+    import os, sys
+    import ktm.corpus, ktm.readability
+    from ktm.model import KTMModel
+    from ktm.pretrain import PretrainConfig, pretrain
+    from ktm.train import TrainConfig
+
+    start, corpus, out, mode = sys.argv[1:5]
+    rank = int(os.environ["RANK"])
+    read = ktm.readability.heldout_windows
+
+    def counted(*args, **kw):
+        open(os.path.join(out, f"read{rank}"), "a").close()
+        return read(*args, **kw)
+
+    ktm.readability.heldout_windows = counted
+    if mode == "ok":  # held-out text without the data folder: long enough for R's windows
+        ktm.corpus.heldout_texts = lambda name: ["the quick brown fox " * 200] * 2
+    os.makedirs(out, exist_ok=True)
+    cfg = PretrainConfig(sources=(corpus,), objectives=("lm",), context_tokens=24,
+                         target_tokens=8, min_tokens=8, eval_sets=("reviews",),
+                         n_eval_windows=1)
+    try:
+        pretrain(KTMModel.load(start, trainable=True), cfg,
+                 TrainConfig(out_dir=os.path.join(out, "run"), max_steps=1, batch_size=1,
+                             progress=False))
+    except Exception as e:
+        with open(os.path.join(out, f"error{rank}"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+""")
+
+
+@pytest.mark.slow  # launches 2 processes, twice
+def test_pretrain_reads_the_held_out_sets_on_rank_0_alone(start, tmp_path):
+    """Only rank 0 evaluates, but every process read and tokenised the held-out sets; a set
+    that cannot be read still stops every process before training, naming the cause."""
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "doc.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    script = tmp_path / "worker.py"
+    script.write_text(HELDOUT_WORKER)
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    run(torchrun(str(script), start, str(corpus), str(ok), "ok"))
+    assert sorted(p.name for p in ok.iterdir() if p.name != "run") == ["read0"]
+    rows = [json.loads(r) for r in (ok / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "reviews" in rows[-1]["eval"]  # rank 0 evaluated on what it read
+    cmd = torchrun(str(script), start, str(corpus), str(bad), "bad")
+    r = subprocess.run(cmd, env={**ENV, "KTM_DATA": str(tmp_path / "no-data")},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    errors = [(bad / f"error{rank}").read_text() for rank in (0, 1)]
+    assert errors[0].startswith("KTMError: data file not found"), errors
+    assert errors[1].startswith("PeerLost: process 1 of 2: rank 0 failed (KTMError: data "
+                                "file not found"), errors
+    assert not (bad / "read1").exists() and not (bad / "run" / "metrics.jsonl").exists()
