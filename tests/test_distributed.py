@@ -466,3 +466,18 @@ def test_pretrain_reads_the_held_out_sets_on_rank_0_alone(start, tmp_path):
     assert errors[1].startswith("PeerLost: process 1 of 2: rank 0 failed (KTMError: data "
                                 "file not found"), errors
     assert not (bad / "read1").exists() and not (bad / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", [["eval", "--task", "tree"], ["report", "nowhere"],
+                                     ["generate", "--prompt", "hi"]])
+def test_a_one_process_command_under_a_launcher_is_refused(command, monkeypatch, capsys):
+    """``torchrun ... -m ktm.cli eval`` ran the whole evaluation on every process, printed
+    its result once per process and wrote --json / --predictions over each other."""
+    from ktm.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(command) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ktm: error: ktm {command[0]} runs in one process, but a launcher started "
+        "WORLD_SIZE=2 of them: run it without torchrun / accelerate launch (only train, "
+        "pretrain, curriculum run on several)"]
