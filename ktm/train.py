@@ -322,7 +322,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                 on_step(step, last)
         if ema is not None:  # the run is complete: hand out the average, as the checkpoint does
             ema.copy_to_params()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, distributed.PeerLost):  # Ctrl-C, another process ended
         if main:
             bar.close()
             print(interrupted_note(out, step), file=sys.stderr)

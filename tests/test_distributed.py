@@ -203,6 +203,8 @@ def test_a_killed_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     killed = run(torchrun(str(script), tiny_model_dir, str(out), "5", "0"), ok=False)
     assert killed.returncode != 0
+    # rank 0, which lost rank 1, names the checkpoint a resume continues from
+    assert "the checkpoint of step 4 in" in killed.stderr and "--resume" in killed.stderr
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["world_size"] == 2
     # resumed under the other launcher
