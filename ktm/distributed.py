@@ -13,7 +13,11 @@ training loop then
 - sums the gradients over processes after backward (``sum_grads``), so every process takes the
   same clipped AdamW step and the weights stay identical: those of one process reading the whole
   window;
-- writes metrics, run records and checkpoints on rank 0 only.
+- writes metrics, run records and checkpoints on rank 0 only, and reads what only rank 0
+  needs (its evaluation data) there alone (``on_main``).
+
+A process waits in a collective up to ``KTM_DIST_TIMEOUT`` minutes (default 120: rank 0 may be
+evaluating); a collective that fails because another process ended is ``PeerLost``, one line.
 
 Why no DDP wrapper: the losses call model methods other than ``forward`` (``target_logits``, the
 distillation teacher's adapter-disabled pass), which DDP's forward hooks do not follow. One
