@@ -40,7 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                                        parse_options(args.compressor_option))
     model = init_or_build(args)
     train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
-    eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
+    # rank 0 alone evaluates: the others neither read nor (with --compressor) compress the set
+    eval_set = distributed.on_main(lambda: task.eval_examples(targs.n_eval, seed=tcfg.seed + 1),
+                                   world, model.device) or []
     distill = _distillation(args, model)  # before a baseline's compression: its errors first
     comp = info = save_extra = None
     if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training

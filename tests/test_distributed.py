@@ -483,3 +483,36 @@ def test_a_one_process_command_under_a_launcher_is_refused(command, monkeypatch,
         f"ktm: error: ktm {command[0]} runs in one process, but a launcher started "
         "WORLD_SIZE=2 of them: run it without torchrun / accelerate launch (only train, "
         "pretrain, curriculum run on several)"]
+
+
+EVAL_SET_WORKER = textwrap.dedent("""
+    import os, sys
+    from ktm.cli import main
+    from ktm.tasks.tree import TreeTask
+
+    rank, real = int(os.environ["RANK"]), TreeTask.eval_examples
+
+    def eval_examples(self, n, seed=0):
+        open(os.path.join(sys.argv[-1], f"eval{rank}"), "a").close()
+        return real(self, n, seed=seed)
+
+    TreeTask.eval_examples = eval_examples
+    sys.exit(main(sys.argv[1:-1]))
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_train_builds_and_compresses_its_eval_set_on_rank_0_alone(tiny_model_dir, start,
+                                                                   tmp_path):
+    """Only rank 0 evaluates during training, but every process read the eval set and, with a
+    --compressor, compressed it (for llmlingua a scorer LM over every prompt)."""
+    script = tmp_path / "worker.py"
+    script.write_text(EVAL_SET_WORKER)
+    out = tmp_path / "run"
+    run(torchrun(str(script), "train", "--model", tiny_model_dir, "--k", "4", "--init", start,
+                 "--task", "tree", "--stage", "small", "--n-train", "8", "--n-eval", "4",
+                 "--max-steps", "1", "--batch-size", "2", "--compressor", "ltsc",
+                 "--out-dir", str(out), "--no-progress", str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.glob("eval*")) == ["eval0"]
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["eval"]["n"] == 4 and rows[-1]["eval"]["tokens_before"] > 0
