@@ -222,6 +222,19 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+LAUNCHABLE = ("train", "pretrain", "curriculum")  # the commands that train on several processes
+
+
+def _check_launcher(command: str) -> None:
+    """Under torchrun / accelerate launch every process ran the whole of any other command:
+    the work N times, its output printed N times and its files written N times over."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    if command not in LAUNCHABLE and size.strip() not in ("", "0", "1"):
+        raise KTMError(f"ktm {command} runs in one process, but a launcher started "
+                       f"WORLD_SIZE={size} of them: run it without torchrun / accelerate "
+                       f"launch (only {', '.join(LAUNCHABLE)} run on several)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import shlex
 
@@ -231,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "light", False):
         _quiet_libraries()
     try:
+        _check_launcher(args.command)
         set_threads(args)
         if getattr(args, "data_dir", None):
             from ktm.tasks.jsonl import set_data_dir
@@ -239,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except KTMError as e:
         print(f"ktm: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 1: another process of the run failed first
     except KeyboardInterrupt:
         print("ktm: interrupted", file=sys.stderr)
         return 130

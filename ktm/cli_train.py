@@ -40,7 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                                        parse_options(args.compressor_option))
     model = init_or_build(args)
     train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
-    eval_set = task.eval_examples(targs.n_eval, seed=tcfg.seed + 1)
+    # rank 0 alone evaluates: the others neither read nor (with --compressor) compress the set
+    eval_set = distributed.on_main(lambda: task.eval_examples(targs.n_eval, seed=tcfg.seed + 1),
+                                   world, model.device) or []
     distill = _distillation(args, model)  # before a baseline's compression: its errors first
     comp = info = save_extra = None
     if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
@@ -133,10 +135,17 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     ccfg, tcfg = from_args(CurriculumConfig, args), from_args(TrainConfig, args)
     _check_plain_init(args, "curriculum")
     rows = run_curriculum(init_or_build(args), ccfg, tcfg, args.prompt_mode)
+    last = rows[-1]
     if world.is_main:  # every process has the rows; one prints them
         for r in rows:
             print(json.dumps(r))
-    return 0 if rows[-1]["passed"] else 1
+        if not last["passed"]:  # why exit code 1 (under torchrun: amid its ChildFailedError)
+            import sys
+
+            print(f"ktm: curriculum stopped: stage {last['stage']!r} reached balanced accuracy "
+                  f"{last['balanced_accuracy']:.3f} < {last['threshold']} in {last['round']} "
+                  f"round(s) (--max-rounds {ccfg.max_rounds}); exit code 1", file=sys.stderr)
+    return 0 if last["passed"] else 1
 
 
 def _init_args(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,11 @@ training loop then
 - sums the gradients over processes after backward (``sum_grads``), so every process takes the
   same clipped AdamW step and the weights stay identical: those of one process reading the whole
   window;
-- writes metrics, run records and checkpoints on rank 0 only.
+- writes metrics, run records and checkpoints on rank 0 only, and reads what only rank 0
+  needs (its evaluation data) there alone (``on_main``).
+
+A process waits in a collective up to ``KTM_DIST_TIMEOUT`` minutes (default 120: rank 0 may be
+evaluating); a collective that fails because another process ended is ``PeerLost``, one line.
 
 Why no DDP wrapper: the losses call model methods other than ``forward`` (``target_logits``, the
 distillation teacher's adapter-disabled pass), which DDP's forward hooks do not follow. One
@@ -23,14 +27,21 @@ all-reduce per step over the LoRA and encoder gradients (a few MB) is all DDP wo
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ktm.errors import KTMError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,34 @@ class World:
 
 
 ONE = World()  # a run without a launcher
+
+TIMEOUT_ENV = "KTM_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_MIN = 120.0  # rank 0 evaluates while the others wait in the next collective
+
+
+class PeerLost(KTMError):
+    """A collective failed: another process ended (its own error names why) or stayed away
+    longer than the timeout. One line, exit code 1: the cause is elsewhere."""
+
+    exit_code = 1
+
+
+def timeout_minutes() -> float:
+    """How long a process waits in a collective: ``KTM_DIST_TIMEOUT`` minutes (default 120).
+
+    The backends' own defaults (NCCL 10 min, gloo 30) are shorter than an evaluation during
+    training on a large held-out set, which rank 0 runs while the others wait."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_MIN
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes > 0 or minutes == float("inf"):
+        raise KTMError(f"environment variable {TIMEOUT_ENV}={value!r}: expected a number of "
+                       "minutes > 0 (how long a process waits for the others)")
+    return minutes
 
 
 def _env_int(name: str, default: int) -> int:
@@ -82,7 +121,8 @@ def setup(device: str | torch.device = "cpu") -> World:
                 raise KTMError(f"LOCAL_RANK={local} but this machine has "
                                f"{torch.cuda.device_count()} CUDA devices")
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=timedelta(minutes=timeout_minutes()))
         # left to interpreter shutdown, gloo's worker threads can abort the process (SIGABRT,
         # "terminate called without an active exception"): leave the group while Python is alive
         atexit.register(_leave)
@@ -94,6 +134,24 @@ def _leave() -> None:
         dist.destroy_process_group()
 
 
+def _collective(fn):
+    """A failed collective is ``PeerLost``: one line naming the likely cause, not a backend
+    traceback on every process but the one that failed first."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:  # gloo's errors are plain RuntimeErrors, NCCL's DistErrors
+            # "[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]. This..."
+            why = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()
+            why = why[0][:160] if why else type(e).__name__
+            raise PeerLost(f"process {dist.get_rank()} of {dist.get_world_size()} lost the "
+                           f"others ({why}): another process ended first (its own error names "
+                           f"the cause) or waited longer than {TIMEOUT_ENV}="
+                           f"{timeout_minutes():g} minutes") from e
+    return wrapper
+
+
 def current() -> World:
     """The process group joined so far (``World()`` when none)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -101,6 +159,7 @@ def current() -> World:
     return World(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0))
 
 
+@_collective
 def sum_numbers(values: list[float], world: World, device: torch.device) -> list[float]:
     """Sums over processes of a few numbers (token counts, loss sums), in float64."""
     if world.size == 1:
@@ -110,6 +169,7 @@ def sum_numbers(values: list[float], world: World, device: torch.device) -> list
     return t.tolist()
 
 
+@_collective
 def from_main(values: list[float], world: World, device: torch.device) -> list[float]:
     """Rank 0's ``values`` on every process (what the others pass is ignored): a decision
     every process must take alike, made from one process's numbers."""
@@ -120,6 +180,7 @@ def from_main(values: list[float], world: World, device: torch.device) -> list[f
     return t.tolist()
 
 
+@_collective
 def broadcast_params(params: list[torch.nn.Parameter], world: World) -> None:
     """Rank 0's values for ``params`` everywhere (as DDP does at construction): processes that
     initialised LoRA or the encoder from different random states start equal."""
@@ -130,6 +191,7 @@ def broadcast_params(params: list[torch.nn.Parameter], world: World) -> None:
             dist.broadcast(p.data, src=0)
 
 
+@_collective
 def sum_grads(params: list[torch.nn.Parameter], world: World) -> None:
     """Replace each gradient by its sum over processes (one flat all-reduce per dtype).
 
@@ -152,6 +214,7 @@ def sum_grads(params: list[torch.nn.Parameter], world: World) -> None:
             offset += n
 
 
+@_collective
 def gather(t: torch.Tensor, world: World) -> list[torch.Tensor]:
     """Every process's tensor of the same shape (RNG states), in rank order, on the CPU."""
     if world.size == 1:
@@ -163,6 +226,7 @@ def gather(t: torch.Tensor, world: World) -> list[torch.Tensor]:
     return [p.cpu() for p in parts]
 
 
+@_collective
 def sum_by_key(d: dict[str, list[float]], world: World) -> dict[str, list[float]]:
     """Per-key sums over processes of ``{name: [values...]}`` whose keys may differ between
     processes (each process sees the objectives its shard drew). Exchanged as JSON."""
@@ -183,6 +247,40 @@ def sum_by_key(d: dict[str, list[float]], world: World) -> dict[str, list[float]
     return dict(sorted(out.items()))
 
 
+def on_main(fn: Callable[[], T], world: World, device: torch.device) -> T | None:
+    """``fn()`` on rank 0 alone (work only it needs: the data it evaluates on); returns its
+    result there, None elsewhere. When it fails, rank 0 raises its error and the others
+    ``PeerLost`` naming it, rather than wait for rank 0 at the next collective."""
+    if world.size == 1:
+        return fn()
+    result, error = None, None
+    if world.is_main:
+        try:
+            result = fn()
+        except Exception as e:  # told to the others first, then raised
+            error = e
+    message = _text_from_main("" if error is None else f"{type(error).__name__}: {error}",
+                              world, device)
+    if error is not None:
+        raise error
+    if message:
+        raise PeerLost(f"process {world.rank} of {world.size}: rank 0 failed ({message})")
+    return result
+
+
+@_collective
+def _text_from_main(text: str, world: World, device: torch.device) -> str:
+    data = text.encode()
+    n = int(from_main([float(len(data))], world, device)[0])
+    if not n:
+        return ""
+    t = torch.tensor(list(data) if world.is_main else [0] * n, dtype=torch.uint8,
+                     device=device)
+    dist.broadcast(t, src=0)
+    return bytes(t.cpu().tolist()).decode()
+
+
+@_collective
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()

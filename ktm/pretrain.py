@@ -379,8 +379,9 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     check_window_positions(model, config)
     docs = load_docs(model.tokenizer, config)
     # the stream covers every process's shard of every step (ktm.distributed)
+    world = distributed.setup(model.device)
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
-             * distributed.setup(model.device).size)
+             * world.size)
     stream = WindowStream(docs, config, steps, train_config.seed, model.eos_id,
                           model.lead_ids)
     # n_examples in run.json is then the windows this run will see
@@ -388,9 +389,12 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     if config.eval_sets:
         from ktm.readability import heldout_readability, heldout_sets
 
-        # read now, so that a missing data folder fails before training, not after it
+        # read now, so that a missing data folder fails before training, not after it; by
+        # rank 0 alone, the one process that evaluates (its failure stops the others too)
         cache: dict = {}
-        heldout_sets(model.tokenizer, config.eval_sets, config.n_eval_windows, cache=cache)
+        distributed.on_main(lambda: heldout_sets(model.tokenizer, config.eval_sets,
+                                                 config.n_eval_windows, cache=cache),
+                            world, model.device)
 
         def evaluate(m) -> dict:
             r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)

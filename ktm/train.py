@@ -278,7 +278,10 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     t_start = time.perf_counter()
     # process CPU seconds (all threads, summed over processes): the cost axis of recipe
     # comparisons, robust to other jobs on the machine; carried across a resume
-    cpu_start, cpu_before = time.process_time(), last_cpu(out / METRICS) if config.resume else 0.0
+    cpu_start, cpu_before = time.process_time(), last_cpu(out / METRICS) if (
+        config.resume and main) else 0.0
+    # rank 0's count, read after its trim: every process returns the same metrics
+    cpu_before = distributed.from_main([cpu_before], world, model.device)[0]
     per_step = config.batch_size * config.grad_accum * world.size  # the global window
     try:
         while step < config.max_steps:
@@ -322,7 +325,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                 on_step(step, last)
         if ema is not None:  # the run is complete: hand out the average, as the checkpoint does
             ema.copy_to_params()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, distributed.PeerLost):  # Ctrl-C, another process ended
         if main:
             bar.close()
             print(interrupted_note(out, step), file=sys.stderr)

@@ -132,6 +132,8 @@ def test_an_error_ends_every_process_with_its_message(tiny_model_dir, start, tmp
     expected = "cannot write" if fault.startswith("rank 0") else "nowhere"
     assert any(line.startswith("ktm: error:") and expected in line
                for line in r.stderr.splitlines()), r.stderr[-3000:]
+    # the other process, which lost its peer, says so in one line: no backend traceback
+    assert not [line for line in r.stderr.splitlines() if line.startswith("[rank")], r.stderr
     assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
 
 
@@ -201,6 +203,8 @@ def test_a_killed_two_process_run_resumes_exactly(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     killed = run(torchrun(str(script), tiny_model_dir, str(out), "5", "0"), ok=False)
     assert killed.returncode != 0
+    # rank 0, which lost rank 1, names the checkpoint a resume continues from
+    assert "the checkpoint of step 4 in" in killed.stderr and "--resume" in killed.stderr
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["world_size"] == 2
     # resumed under the other launcher
@@ -299,3 +303,216 @@ def test_a_launched_process_refuses_another_processs_gpu(monkeypatch):
     with pytest.raises(KTMError, match=r"'cuda:0' under a launcher: each process uses "
                                        r"cuda:LOCAL_RANK \(this one cuda:1\); expected --device"):
         distributed.setup("cuda:0")
+
+
+def joined_with(monkeypatch) -> dict:
+    """``distributed.setup`` on a fake 2-process launch: the keyword arguments it joins with."""
+    import torch.distributed as dist
+
+    from ktm import distributed
+
+    seen: dict = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw))
+    monkeypatch.setattr(distributed.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(distributed, "current", lambda: World(0, 2))
+    distributed.setup("cpu")
+    return seen
+
+
+def test_the_processes_wait_long_enough_for_rank_0s_evaluation(monkeypatch):
+    """Rank 0 evaluates while the others wait in the next collective: the backends' default
+    timeouts (NCCL 10 min, gloo 30) aborted them during a long evaluation."""
+    from datetime import timedelta
+
+    monkeypatch.delenv("KTM_DIST_TIMEOUT", raising=False)
+    assert joined_with(monkeypatch)["timeout"] == timedelta(minutes=120)
+    monkeypatch.setenv("KTM_DIST_TIMEOUT", "7.5")
+    assert joined_with(monkeypatch)["timeout"] == timedelta(minutes=7.5)
+    for bad in ["soon", "0", "-3", "inf", "nan"]:
+        monkeypatch.setenv("KTM_DIST_TIMEOUT", bad)
+        with pytest.raises(KTMError, match=rf"KTM_DIST_TIMEOUT='{bad}': expected a number of "
+                                           r"minutes > 0"):
+            joined_with(monkeypatch)
+
+
+def test_a_lost_peer_is_one_line_with_exit_code_1(monkeypatch, capsys):
+    """A process whose collective fails because another one ended printed the backend's
+    traceback over the failing process's own ``ktm: error:`` line."""
+    import torch.distributed as dist
+
+    from ktm import cli_train, distributed
+    from ktm.cli import main
+
+    def closed(t):
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                           "Connection closed by peer [127.0.0.1]:5. This is typically caused "
+                           "by a remote worker crashing.\nmore")
+
+    monkeypatch.setattr(dist, "all_reduce", closed)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    with pytest.raises(distributed.PeerLost, match=r"^process 1 of 2 lost the others "
+                                                   r"\(Connection closed by peer "
+                                                   r"\[127.0.0.1\]:5\): another process ended"):
+        distributed.sum_numbers([1.0], World(1, 2), torch.device("cpu"))
+
+    def lost(args):
+        distributed.sum_numbers([1.0], World(1, 2), torch.device("cpu"))
+
+    monkeypatch.setattr(cli_train, "cmd_train", lost)
+    assert main(["train", "--task", "tree"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("ktm: error: process 1 of 2 lost the others")
+
+
+RESUME_CPU_WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    from ktm.config import LoraSettings
+    from ktm.model import KTMModel
+    from ktm.tasks.tree import TreeTask
+    from ktm.train import TrainConfig, train
+
+    tiny, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    loop = sys.modules["ktm.train"]  # the module (ktm.train is also the function)
+    trim = loop.trim_metrics
+
+    def slow_trim(*args):  # rank 1 reaches its read of metrics.jsonl before rank 0 trims it
+        time.sleep(2)
+        trim(*args)
+
+    loop.trim_metrics = slow_trim
+    model = KTMModel.from_base(tiny, k=4, lora=LoraSettings(dropout=0.0))
+    last = train(model, TreeTask(stage="small").train_examples(16, seed=0),
+                 TrainConfig(out_dir=out, max_steps=3, batch_size=2, resume=True,
+                             progress=False))
+    with open(os.path.join(out, f"cpu{rank}.json"), "w") as f:
+        json.dump(last["cpu_s"], f)
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_a_resumed_run_returns_the_same_cpu_seconds_on_every_process(tiny_model_dir, tmp_path):
+    """On resume every process continued the CPU count from the last row of metrics.jsonl, but
+    only rank 0 trims the rows a killed run logged after its checkpoint: rank 1 could read
+    an untrimmed row and return other metrics than rank 0's."""
+    out = tmp_path / "run"
+    train(KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(dropout=0.0)),
+          TreeTask(stage="small").train_examples(16, seed=0),
+          TrainConfig(out_dir=str(out), max_steps=2, batch_size=4, progress=False))
+    with (out / "metrics.jsonl").open("a") as f:  # logged by a run killed before its next save
+        f.write(json.dumps({"step": 3, "loss": 1.0, "cpu_s": 999.0}) + "\n")
+    script = tmp_path / "worker.py"
+    script.write_text(RESUME_CPU_WORKER)
+    run(torchrun(str(script), tiny_model_dir, str(out)))
+    cpu = [json.loads((out / f"cpu{r}.json").read_text()) for r in (0, 1)]
+    assert cpu[0] == cpu[1] < 999.0
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["cpu_s"] == cpu[0]
+
+
+HELDOUT_WORKER = textwrap.dedent("""
+    import os, sys
+    import ktm.corpus, ktm.readability
+    from ktm.model import KTMModel
+    from ktm.pretrain import PretrainConfig, pretrain
+    from ktm.train import TrainConfig
+
+    start, corpus, out, mode = sys.argv[1:5]
+    rank = int(os.environ["RANK"])
+    read = ktm.readability.heldout_windows
+
+    def counted(*args, **kw):
+        open(os.path.join(out, f"read{rank}"), "a").close()
+        return read(*args, **kw)
+
+    ktm.readability.heldout_windows = counted
+    if mode == "ok":  # held-out text without the data folder: long enough for R's windows
+        ktm.corpus.heldout_texts = lambda name: ["the quick brown fox " * 200] * 2
+    os.makedirs(out, exist_ok=True)
+    cfg = PretrainConfig(sources=(corpus,), objectives=("lm",), context_tokens=24,
+                         target_tokens=8, min_tokens=8, eval_sets=("reviews",),
+                         n_eval_windows=1)
+    try:
+        pretrain(KTMModel.load(start, trainable=True), cfg,
+                 TrainConfig(out_dir=os.path.join(out, "run"), max_steps=1, batch_size=1,
+                             progress=False))
+    except Exception as e:
+        with open(os.path.join(out, f"error{rank}"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+""")
+
+
+@pytest.mark.slow  # launches 2 processes, twice
+def test_pretrain_reads_the_held_out_sets_on_rank_0_alone(start, tmp_path):
+    """Only rank 0 evaluates, but every process read and tokenised the held-out sets; a set
+    that cannot be read still stops every process before training, naming the cause."""
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "doc.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    script = tmp_path / "worker.py"
+    script.write_text(HELDOUT_WORKER)
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    run(torchrun(str(script), start, str(corpus), str(ok), "ok"))
+    assert sorted(p.name for p in ok.iterdir() if p.name != "run") == ["read0"]
+    rows = [json.loads(r) for r in (ok / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "reviews" in rows[-1]["eval"]  # rank 0 evaluated on what it read
+    cmd = torchrun(str(script), start, str(corpus), str(bad), "bad")
+    r = subprocess.run(cmd, env={**ENV, "KTM_DATA": str(tmp_path / "no-data")},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    errors = [(bad / f"error{rank}").read_text() for rank in (0, 1)]
+    assert errors[0].startswith("KTMError: data file not found"), errors
+    assert errors[1].startswith("PeerLost: process 1 of 2: rank 0 failed (KTMError: data "
+                                "file not found"), errors
+    assert not (bad / "read1").exists() and not (bad / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", [["eval", "--task", "tree"], ["report", "nowhere"],
+                                     ["generate", "--prompt", "hi"]])
+def test_a_one_process_command_under_a_launcher_is_refused(command, monkeypatch, capsys):
+    """``torchrun ... -m ktm.cli eval`` ran the whole evaluation on every process, printed
+    its result once per process and wrote --json / --predictions over each other."""
+    from ktm.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(command) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ktm: error: ktm {command[0]} runs in one process, but a launcher started "
+        "WORLD_SIZE=2 of them: run it without torchrun / accelerate launch (only train, "
+        "pretrain, curriculum run on several)"]
+
+
+EVAL_SET_WORKER = textwrap.dedent("""
+    import os, sys
+    from ktm.cli import main
+    from ktm.tasks.tree import TreeTask
+
+    rank, real = int(os.environ["RANK"]), TreeTask.eval_examples
+
+    def eval_examples(self, n, seed=0):
+        open(os.path.join(sys.argv[-1], f"eval{rank}"), "a").close()
+        return real(self, n, seed=seed)
+
+    TreeTask.eval_examples = eval_examples
+    sys.exit(main(sys.argv[1:-1]))
+""")
+
+
+@pytest.mark.slow  # launches 2 processes
+def test_train_builds_and_compresses_its_eval_set_on_rank_0_alone(tiny_model_dir, start,
+                                                                   tmp_path):
+    """Only rank 0 evaluates during training, but every process read the eval set and, with a
+    --compressor, compressed it (for llmlingua a scorer LM over every prompt)."""
+    script = tmp_path / "worker.py"
+    script.write_text(EVAL_SET_WORKER)
+    out = tmp_path / "run"
+    run(torchrun(str(script), "train", "--model", tiny_model_dir, "--k", "4", "--init", start,
+                 "--task", "tree", "--stage", "small", "--n-train", "8", "--n-eval", "4",
+                 "--max-steps", "1", "--batch-size", "2", "--compressor", "ltsc",
+                 "--out-dir", str(out), "--no-progress", str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.glob("eval*")) == ["eval0"]
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["eval"]["n"] == 4 and rows[-1]["eval"]["tokens_before"] > 0

@@ -208,3 +208,22 @@ def test_curriculum_jsonl_is_written_by_rank_0_alone(rank, tmp_path, monkeypatch
                           TrainConfig(out_dir=str(tmp_path), batch_size=1, progress=False))
     assert [r["passed"] for r in rows] == [True]  # every process computes the rows
     assert (tmp_path / "curriculum.jsonl").exists() == (rank == 0)
+
+
+def test_a_stage_that_did_not_pass_says_why_the_exit_code_is_1(tiny_model_dir, tmp_path,
+                                                                 monkeypatch, capsys):
+    """Under torchrun exit code 1 shows up as a ChildFailedError with a long traceback of the
+    launcher's own; ktm said nothing of why on stderr."""
+    import ktm.curriculum
+    from ktm.cli import main
+
+    row = {"stage": "small", "round": 2, "balanced_accuracy": 0.5, "threshold": 0.85,
+           "passed": False}
+    monkeypatch.setattr(ktm.curriculum, "run_curriculum", lambda *args: [row])
+    assert main(["curriculum", "--model", tiny_model_dir, "--max-rounds", "2",
+                 "--out-dir", str(tmp_path), "--no-progress"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == row
+    assert err.splitlines() == ["ktm: curriculum stopped: stage 'small' reached balanced "
+                                "accuracy 0.500 < 0.85 in 2 round(s) (--max-rounds 2); exit "
+                                "code 1"]
