@@ -12,7 +12,7 @@ majority class (on amazon that would put a chance-level model on the frontier). 
 from __future__ import annotations
 
 from ktm.errors import KTMError
-from ktm.fileio import save_figure
+from ktm.fileio import figure_format, save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
 from ktm.result_groups import group_rows, is_uncompressed, row_labels
 from ktm.result_rows import load_results, skipped_note
@@ -208,6 +208,8 @@ def plot(by_task: dict[str, list[dict]], path: str) -> None:
 
 
 def report(paths: list[str], plot_path: str | None = None) -> str:
+    if plot_path:
+        figure_format(plot_path)  # an unknown extension is refused before any work
     jsonl = [p for p in paths if str(p).endswith(".jsonl")]
     if jsonl:  # training runs: readability R or the task metric against CPU-minutes
         from ktm.curves import curves_table, load_curve, plot_curves
