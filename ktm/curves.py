@@ -121,12 +121,13 @@ def plot_curves(curves: list[dict], path: str) -> None:
         ax.set_xlabel("CPU-minutes of the run")
         if name.startswith("R "):
             ax.set_ylabel("readability R")
-            ax.set_title(f"held-out {name[2:]}")
+            ax.set_title(f"held-out {name[2:]}", parse_math=False)
         else:
             ax.set_ylabel(name.replace("_", " "))
-            ax.set_title(name.replace("_", " "))
+            ax.set_title(name.replace("_", " "), parse_math=False)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        for text in ax.legend(fontsize=7).get_texts():
+            text.set_parse_math(False)  # a run's folder name is text: "$1 vs $2" is not TeX
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)

@@ -156,6 +156,7 @@ def _place_labels(ax, fig, labels: list[str], xs: list[float], ys: list[float]) 
 def _annotate(ax, label: str, xy, offset, leader: bool):
     """A label ``offset`` points from ``xy``, hanging away from it; a thin leader line when far."""
     return ax.annotate(label, xy, textcoords="offset points", xytext=offset, fontsize=8,
+                       parse_math=False,  # a method name is text: "$1 vs $2" is not TeX
                        ha="left" if offset[0] >= 0 else "right",
                        va="bottom" if offset[1] >= 0 else "top",
                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"}
@@ -189,7 +190,7 @@ def figure(by_task: dict[str, list[dict]]):
         ax.set_xlabel("length reduction")
         ax.set_ylabel("ppl_min / ppl" if "perplexity" in rows[0] else "balanced accuracy")
         ax.margins(0.15)
-        ax.set_title(task)
+        ax.set_title(task, parse_math=False)
         ax.legend(loc="lower left", fontsize=8)
         panels.append((ax, [r.get("label", r["method"]) for r in rows], xs, ys))
     fig.tight_layout()  # first: labels are placed in the final pixels

@@ -34,3 +34,20 @@ def test_a_plot_path_of_an_unknown_format_is_a_clear_error(metrics, tmp_path, ca
     err = capsys.readouterr().err
     assert "p.xyz" in err and "'xyz'" in err and ".png" in err, err
     assert not list(tmp_path.glob("*p.xyz*"))
+
+
+def test_method_and_run_names_with_dollar_signs_are_plotted_as_text(tmp_path, capsys):
+    # matplotlib read "$...$" in a label as TeX: "$1 vs $2" lost its dollars, and a name
+    # that is not valid TeX was a ValueError traceback
+    from ktm.cli import main
+
+    odd = r"k4 $\frac$ run"
+    paths = _write(tmp_path, [_row("uncompressed", 0.8, 0.0), _row(odd, 0.7, 0.6, 4)])
+    assert main(["report", *paths, "--plot", str(tmp_path / "p.png")]) == 0
+    assert odd in capsys.readouterr().out
+    run = tmp_path / odd
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(
+        {"step": 1, "cpu_s": 6.0, "eval": {"r $\\frac$": {"R": 0.5}}}) + "\n")
+    assert main(["report", str(run / "metrics.jsonl"), "--plot", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 1000
