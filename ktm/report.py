@@ -94,16 +94,18 @@ def table(task: str, rows: list[dict]) -> str:
 
 
 def readability_table(rows: list[dict]) -> str:
+    """The readability rows, each with its ``label`` (``report`` tells namesakes apart)."""
     lines = ["### readability (held-out text)", "",
              "| method | K | set | R [95 % CI] | NLL merged | NLL plain | NLL none | tokens in "
              "| tokens out |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r.get("k") or 0, r["method"])):
+    for r in sorted(rows, key=lambda r: (r.get("k") or 0, r["label"])):
+        k = "–" if r.get("k") is None else r["k"]
         for name, v in sorted(r["readability"].items()):
             rr = "–" if v.get("R") is None else f"{v['R']:.3f}"
             if v.get("R_ci95"):  # result files written before the interval existed lack it
                 rr += " [{:.3f}, {:.3f}]".format(*v["R_ci95"])
-            lines.append(f"| {r['method']}{mark(r)} | {r.get('k', '–')} | {name} | {rr} | "
+            lines.append(f"| {r['label']}{mark(r)} | {k} | {name} | {rr} | "
                          f"{v['nll_merged']:.3f} | {v['nll_plain']:.3f} | {v['nll_none']:.3f} | "
                          f"{v['tokens_in']:.1f} | {v['tokens_out']:.1f} |")
     return "\n".join(lines)
@@ -224,6 +226,7 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
         return curves_table(curves)
     rows, others = load_results(paths)
     read = [r for r in rows if r.get("task") == "readability"]
+    read = [{**r, "label": label} for r, label in zip(read, row_labels(read))]
     by_task = score([r for r in rows if r.get("task") != "readability"])
     if plot_path and not by_task:
         raise KTMError(f"--plot {plot_path}: no task results to plot (readability rows have a "

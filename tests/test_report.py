@@ -363,3 +363,21 @@ def test_a_glob_over_a_results_folder_sets_aside_what_other_commands_wrote(tmp_p
             f"1 `ktm demo` file in {tmp_path / 'demo'}") in out
     assert main(["report", paths[1]]) == 2  # nothing to report is still an error
     assert "no `ktm eval` result files given: skipped" in capsys.readouterr().err
+
+
+def test_readability_namesakes_are_told_apart_and_a_missing_k_is_a_dash(tmp_path):
+    # two folders' ktm-k4 rows were two identical-looking lines; a base model's k: null was "None"
+    paths = []
+    for folder, method, k, r in (("a", "ktm-k4", 4, 0.6), ("b", "ktm-k4", 4, 0.5),
+                                 ("b", "base", None, 0.1)):
+        sets = {"code": {"R": r, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5,
+                         "tokens_in": 256.0, "tokens_out": 64.0}}
+        (tmp_path / folder).mkdir(exist_ok=True)
+        path = tmp_path / folder / f"{method}.json"
+        path.write_text(json.dumps({"task": "readability", "method": method, "k": k,
+                                    "readability": sets}))
+        paths.append(str(path))
+    out = report(paths)
+    assert "| a/ktm-k4 ‡ | 4 | code | 0.600 |" in out and "| b/ktm-k4 ‡ | 4 | code | 0.500 |" in out
+    assert "| base ‡ | – | code |" in out
+    assert "no git revision recorded: a/ktm-k4, b/ktm-k4, base" in out
