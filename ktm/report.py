@@ -215,12 +215,12 @@ def report(paths: list[str], plot_path: str | None = None) -> str:
         figure_format(plot_path)  # an unknown extension is refused before any work
     jsonl = [p for p in paths if str(p).endswith(".jsonl")]
     if jsonl:  # training runs: readability R or the task metric against CPU-minutes
-        from ktm.curves import curves_table, load_curve, plot_curves
+        from ktm.curves import curves_table, load_curves, plot_curves
 
         if len(jsonl) != len(paths):
             raise KTMError("give either `ktm eval` result files or training metrics.jsonl "
                            "files, not both")
-        curves = [load_curve(p) for p in jsonl]
+        curves = load_curves(jsonl)
         if plot_path:
             plot_curves(curves, plot_path)
         return curves_table(curves)
