@@ -49,7 +49,8 @@ def test_plot_labels_do_not_overlap():
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.scatter(xs, ys)
     ax.margins(0.15)
-    anns = _place_labels(ax, fig, labels, xs, ys)
+    anns, collisions = _place_labels(ax, fig, labels, xs, ys)
+    assert collisions == 0
     renderer = fig.canvas.get_renderer()
     boxes = [a.get_window_extent(renderer) for a in anns]
     for i in range(len(boxes)):
@@ -212,9 +213,13 @@ def _crowded(task: str, n: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("n, tasks", [(8, 3), (12, 1)])
-def test_crowded_plot_labels_overlap_no_label_marker_or_legend(n, tasks, monkeypatch, tmp_path):
-    # the 14 fixed offsets ran out on a cluster of 8: the fallback stacked labels on each other
+@pytest.mark.parametrize("n, tasks, long", [(8, 3, False), (12, 1, False), (36, 1, False),
+                                            (4, 1, True)])
+def test_crowded_plot_labels_overlap_no_label_marker_or_legend(n, tasks, long, monkeypatch,
+                                                               tmp_path):
+    # the 14 fixed offsets ran out on a cluster of 8: the fallback stacked labels on each other;
+    # 36 methods (results/*/*.json's amazon likelihood table) had no free place in a 5 x 4 inch
+    # panel at all, and a 150-character name none inside one
     import ktm.report as rep
 
     seen = []
@@ -237,7 +242,10 @@ def test_crowded_plot_labels_overlap_no_label_marker_or_legend(n, tasks, monkeyp
         seen.append(path)
 
     monkeypatch.setattr(rep, "save_figure", check)
-    rep.plot({f"t{j}": _crowded(f"t{j}", n) for j in range(tasks)}, str(tmp_path / "p.png"))
+    by_task = {f"t{j}": _crowded(f"t{j}", n) for j in range(tasks)}
+    if long:
+        by_task["t0"][1]["method"] = "m0-" + "x" * 150
+    rep.plot(by_task, str(tmp_path / "p.png"))
     assert seen
 
 
