@@ -363,13 +363,18 @@ def test_a_glob_over_a_results_folder_sets_aside_what_other_commands_wrote(tmp_p
         [{"mode": "infer", "method": "uncompressed", "k": 1, "batch": 1}]))
     (tmp_path / "demo" / "demo.json").write_text(json.dumps(
         {"config": {}, "start": {"accuracy": 0.5}, "trained": {"accuracy": 0.9}}))
+    # a `ktm train` run folder holding its eval result: its run.json was "lacks ['method', ...]"
+    (tmp_path / "amazon" / "run.json").write_text(json.dumps(
+        {"config": {}, "model": {}, "n_examples": 2000, "task": {"name": "amazon"},
+         "history": []}))
     paths = sorted(str(p) for p in tmp_path.glob("*/*.json"))
     assert main(["report", *paths]) == 0
     out = capsys.readouterr().out
     assert "| k4 ‡ | 4 |" in out
-    assert (f"skipped, not `ktm eval` results: 1 `ktm bench` file in {tmp_path / 'bench'}; "
+    assert (f"skipped, not `ktm eval` results: 1 `ktm train/pretrain` file in "
+            f"{tmp_path / 'amazon'}; 1 `ktm bench` file in {tmp_path / 'bench'}; "
             f"1 `ktm demo` file in {tmp_path / 'demo'}") in out
-    assert main(["report", paths[1]]) == 2  # nothing to report is still an error
+    assert main(["report", paths[2]]) == 2  # nothing to report is still an error
     assert "no `ktm eval` result files given: skipped" in capsys.readouterr().err
 
 
