@@ -31,6 +31,12 @@ def mark(row: dict) -> str:
     return f" {DIRTY}" if str(git).endswith("-dirty") else ""
 
 
+def cell(text: str) -> str:
+    """A name from a result file as one Markdown table cell: a ``|`` or a line break in it
+    would split the row."""
+    return " ".join(str(text).splitlines()).replace("|", "\\|")
+
+
 def provenance_notes(rows: list[dict]) -> str:
     """Footnotes for marked rows, and a warning when the rows come from several revisions."""
     notes = []
@@ -90,7 +96,7 @@ def table(task: str, rows: list[dict]) -> str:
                f"{r['accuracy']:.3f} | {r['balanced_accuracy']:.3f}")
         overhead = r.get("compression_ms_per_1k_tokens")
         cost = "–" if overhead is None else f"{overhead:.0f}"
-        lines.append(f"| {r['label']}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
+        lines.append(f"| {cell(r['label'])}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
                      f"{r['pl_f1']:.3f} | {cost} |")
     note = reference_note(rows)
     return "\n".join(lines + ["", note] if note else lines)
@@ -108,7 +114,7 @@ def readability_table(rows: list[dict]) -> str:
             rr = "–" if v.get("R") is None else f"{v['R']:.3f}"
             if v.get("R_ci95"):  # result files written before the interval existed lack it
                 rr += " [{:.3f}, {:.3f}]".format(*v["R_ci95"])
-            lines.append(f"| {r['label']}{mark(r)} | {k} | {name} | {rr} | "
+            lines.append(f"| {cell(r['label'])}{mark(r)} | {k} | {cell(name)} | {rr} | "
                          f"{v['nll_merged']:.3f} | {v['nll_plain']:.3f} | {v['nll_none']:.3f} | "
                          f"{v['tokens_in']:.1f} | {v['tokens_out']:.1f} |")
     return "\n".join(lines)

@@ -394,3 +394,16 @@ def test_readability_namesakes_are_told_apart_and_a_missing_k_is_a_dash(tmp_path
     assert "| a/ktm-k4 ‡ | 4 | code | 0.600 |" in out and "| b/ktm-k4 ‡ | 4 | code | 0.500 |" in out
     assert "| base ‡ | – | code |" in out
     assert "no git revision recorded: a/ktm-k4, b/ktm-k4, base" in out
+
+
+def test_a_name_with_a_bar_or_a_line_break_stays_one_table_cell(tmp_path):
+    # "a|b" split its row into one column too many; a line break cut the row in two
+    r = {"task": "readability", "method": "k4\nreader", "k": 4, "readability": {"co|de": {
+        "R": 0.6, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5, "tokens_in": 256.0,
+        "tokens_out": 64.0}}}
+    paths = [str(tmp_path / "r.json"), str(tmp_path / "t.json")]
+    (tmp_path / "r.json").write_text(json.dumps(r))
+    (tmp_path / "t.json").write_text(json.dumps(row("k4|k2", 0.8, 0.7, 0.6, 4)))
+    lines = report(paths).splitlines()
+    assert "| k4\\|k2 ‡ | 4 | 0.800 | 0.700 | 60.0% |" in "\n".join(lines)
+    assert any(line.startswith("| k4 reader ‡ | 4 | co\\|de | 0.600 |") for line in lines)
