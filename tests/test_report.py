@@ -1,11 +1,11 @@
-"""ktm report: balanced accuracy as P, the readability table, plot labels that never overlap."""
+"""ktm report: balanced accuracy as P, comparable rows, the readability table, odd result files."""
 
 import json
 import re
 
 import pytest
 
-from ktm.report import _place_labels, report, score
+from ktm.report import report, score
 
 
 def row(method, acc, bal, red, k=None):
@@ -33,30 +33,6 @@ def test_readability_rows_get_their_own_table(tmp_path):
     assert ("| ktm-k4 | 4 | code | 0.610 [0.550, 0.660] | 1.500 | 1.100 | 2.500 | 256.0 | 64.0 |"
             in out)
     assert "| ktm-k4 | 4 | reviews | – |" in out
-
-
-def test_plot_labels_do_not_overlap():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # a crowded cluster, as mean pooling and K=4 sit on the same point
-    xs = [0.674, 0.674, 0.670, 0.45, 0.449, 0.46, 0.1, 0.0]
-    ys = [0.50, 0.50, 0.505, 0.63, 0.634, 0.62, 0.63, 0.75]
-    labels = ["k4", "mean_pool", "k3", "selective_context", "k2", "llmlingua", "ltsc",
-              "uncompressed"]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.scatter(xs, ys)
-    ax.margins(0.15)
-    anns, collisions = _place_labels(ax, fig, labels, xs, ys)
-    assert collisions == 0
-    renderer = fig.canvas.get_renderer()
-    boxes = [a.get_window_extent(renderer) for a in anns]
-    for i in range(len(boxes)):
-        for j in range(i + 1, len(boxes)):
-            assert not boxes[i].overlaps(boxes[j]), (labels[i], labels[j])
-    plt.close(fig)
 
 
 def test_report_on_pretraining_metrics_gives_r_per_cpu_minute(tmp_path):
@@ -201,62 +177,6 @@ def test_a_result_given_twice_is_one_row(tmp_path):
     copy.write_text(path.read_text())
     out = report([str(path), str(path), str(copy)])
     assert out.count("| k4 ‡ | 4 |") == 1
-
-
-def _crowded(task: str, n: int) -> list[dict]:
-    """An uncompressed row far away and ``n`` methods in a tight 4-high cluster."""
-    out = [{**row("uncompressed", 0.9, 0.9, 0.0), "task": task, "P": 0.9}]
-    for i in range(n):
-        bal = 0.5 + 0.004 * (i % 4)
-        out.append({**row(f"m{i}-selective", 0.6, bal, 0.6 + 0.004 * (i // 4)), "task": task,
-                    "P": bal})
-    return out
-
-
-@pytest.mark.parametrize("n, tasks, long", [(8, 3, False), (12, 1, False), (36, 1, False),
-                                            (4, 1, True)])
-def test_crowded_plot_labels_overlap_no_label_marker_or_legend(n, tasks, long, monkeypatch,
-                                                               tmp_path):
-    # the 14 fixed offsets ran out on a cluster of 8: the fallback stacked labels on each other;
-    # 36 methods (results/*/*.json's amazon likelihood table) had no free place in a 5 x 4 inch
-    # panel at all, and a 150-character name none inside one
-    import ktm.report as rep
-
-    seen = []
-
-    def check(fig, path):
-        renderer = fig.canvas.get_renderer()
-        for ax in fig.axes:
-            boxes = [rep.label_box(t, renderer) for t in ax.texts]
-            assert len(boxes) == n + 1
-            legend = ax.get_legend().get_window_extent(renderer)
-            offsets = ax.collections[0].get_offsets()
-            marks = [ax.transData.transform(p) for p in offsets]
-            for i, b in enumerate(boxes):
-                assert not b.overlaps(legend), ax.texts[i].get_text()
-                assert ax.bbox.contains(b.x0, b.y0) and ax.bbox.contains(b.x1, b.y1)
-                assert not any(b.contains(mx, my) for mx, my in marks), ax.texts[i].get_text()
-                for j in range(i):
-                    assert not b.overlaps(boxes[j]), (ax.texts[i].get_text(),
-                                                      ax.texts[j].get_text())
-        seen.append(path)
-
-    monkeypatch.setattr(rep, "save_figure", check)
-    by_task = {f"t{j}": _crowded(f"t{j}", n) for j in range(tasks)}
-    if long:
-        by_task["t0"][1]["method"] = "m0-" + "x" * 150
-    rep.plot(by_task, str(tmp_path / "p.png"))
-    assert seen
-
-
-def test_a_single_point_frontier_is_drawn(monkeypatch, tmp_path):
-    # a dashed line through one point draws nothing: one method had no visible frontier
-    import ktm.report as rep
-
-    lines = []
-    monkeypatch.setattr(rep, "save_figure", lambda fig, path: lines.extend(fig.axes[0].lines))
-    rep.plot({"amazon": [{**row("k4", 0.8, 0.7, 0.5, 4), "P": 0.7}]}, str(tmp_path / "p.png"))
-    assert lines and lines[0].get_marker() not in ("None", None, "")
 
 
 @pytest.mark.parametrize("bad, match", [
