@@ -327,3 +327,16 @@ def test_a_name_with_a_bar_or_a_line_break_stays_one_table_cell(tmp_path):
     lines = report(paths).splitlines()
     assert "| k4\\|k2 ‡ | 4 | 0.800 | 0.700 | 60.0% |" in "\n".join(lines)
     assert any(line.startswith("| k4 reader ‡ | 4 | co\\|de | 0.600 |") for line in lines)
+
+
+def test_namesakes_given_by_relative_paths_are_labelled_by_their_real_folders(tmp_path,
+                                                                              monkeypatch):
+    # in results/amazon, "k4.json ../amazon-seed1/k4.json" labelled the first row "k4" alone,
+    # and "../k4.json" gave "../k4"
+    for folder, bal in (("amazon", 0.6), ("amazon-seed1", 0.5)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "k4.json").write_text(json.dumps(row("k4", 0.8, bal, 0.6, 4)))
+    monkeypatch.chdir(tmp_path / "amazon")
+    out = report(["k4.json", "../amazon-seed1/k4.json"])
+    assert "| amazon/k4 ‡ | 4 | 0.800 | 0.600 |" in out
+    assert "| amazon-seed1/k4 ‡ | 4 | 0.800 | 0.500 |" in out
