@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,20 +25,49 @@ from ktm.errors import KTMError  # noqa: E402
 from ktm.fileio import save_figure  # noqa: E402
 
 PLOTTED = ("method", "k", "mlp_ratio", "input_tokens", "batch")  # what every infer/train row has
+VALUES = ("prefill_s", "speedup_prefill", "speedup_train")  # the y axes: a number or null
+
+
+def _number(v: object, positive: bool = False, integer: bool = False) -> bool:
+    if isinstance(v, bool) or not isinstance(v, int if integer else int | float):
+        return False
+    return math.isfinite(v) and (v > 0 or not positive)
+
+
+def _check_row(path: Path, i: int, r: dict) -> None:
+    """An infer/train row's plotted fields, so a bad one is named, not a matplotlib traceback."""
+    checks = {"method": (isinstance(r["method"], str), "a string"),
+              "k": (_number(r["k"], positive=True, integer=True), "a positive integer"),
+              "mlp_ratio": (r["mlp_ratio"] is None or _number(r["mlp_ratio"], positive=True),
+                            "a positive number or null"),
+              "input_tokens": (_number(r["input_tokens"], positive=True, integer=True),
+                               "a positive integer"),
+              "batch": (_number(r["batch"], positive=True, integer=True), "a positive integer")}
+    checks |= {k: (r.get(k) is None or _number(r[k], positive=True), "a positive number or null")
+               for k in VALUES}
+    for key, (ok, expected) in checks.items():
+        if not ok:
+            raise KTMError(f"{str(path)!r} row {i}: {key}={r.get(key)!r}: expected {expected}")
 
 
 def load_rows(path: str | Path) -> list[dict]:
     try:
         rows = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise KTMError(f"cannot read bench results {str(path)!r}: {e}") from e
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "mode" in r for r in rows):
         raise KTMError(f"{str(path)!r} is not a ktm bench result file (a JSON list of rows)")
     for i, r in enumerate(rows):
-        missing = [k for k in PLOTTED if r["mode"] in ("infer", "train") and k not in r]
-        if missing:
-            raise KTMError(f"{str(path)!r} row {i} lacks {missing}: expected the rows `ktm "
-                           "bench` writes")
+        if r["mode"] in ("infer", "train"):
+            missing = [k for k in PLOTTED if k not in r]
+            if missing:
+                raise KTMError(f"{str(path)!r} row {i} lacks {missing}: expected the rows `ktm "
+                               "bench` writes")
+            _check_row(Path(path), i, r)
+    if not any(r["mode"] in ("infer", "train") for r in rows):
+        held = f"mode {', '.join(sorted({str(r['mode']) for r in rows}))}" if rows else "none"
+        raise KTMError(f"{str(path)!r} has no rows to plot (rows: {held}): expected the infer "
+                       "or train rows of `ktm bench` (serve rows have a table only)")
     return rows
 
 

@@ -4,7 +4,8 @@ Pretraining runs (``ktm pretrain --eval-every``) give readability R per held-out
 fine-tuning runs (``ktm train --eval-every``) give their task's metric: balanced accuracy on
 classification tasks, perplexity on generation tasks. The cost axis is process CPU time
 (``cpu_s`` in every metrics row), so runs made while other jobs shared the machine compare
-fairly. A run is named by its folder, or ``folder/stem`` for a copied ``NAME.metrics.jsonl``.
+fairly. A run is named by its folder, or ``folder/stem`` for a copied ``NAME.metrics.jsonl``,
+with the folders above where two runs share that name; a file given twice is one run.
 """
 
 from __future__ import annotations
@@ -45,10 +46,35 @@ def _check_point(path: Path, i: int, row: dict, metrics: dict) -> None:
             raise KTMError(f"metrics file {str(path)!r} row {i}: {name}={v!r}: expected {expected}")
 
 
-def _name(path: Path) -> str:
-    if path.name == "metrics.jsonl":
-        return path.parent.name
-    return f"{path.parent.name}/{path.name.removesuffix('.jsonl').removesuffix('.metrics')}"
+def _name(path: Path, depth: int = 1) -> str:
+    """The run's folder (its last ``depth`` folders), with the stem of a renamed metrics file."""
+    folders = list(path.absolute().parent.parts[1:][-depth:])  # "metrics.jsonl" in the run too
+    if path.name != "metrics.jsonl":
+        folders.append(path.name.removesuffix(".jsonl").removesuffix(".metrics"))
+    return "/".join(folders)
+
+
+def _names_apart(paths: list[Path]) -> list[str]:
+    """Each run's name, with as many more folders as it takes to tell it from another run of
+    the same name (``seed1/amazon``, ``seed2/amazon``)."""
+    depth = [1] * len(paths)
+    while True:
+        names = [_name(p, d) for p, d in zip(paths, depth)]
+        clash = [i for i, n in enumerate(names) if names.count(n) > 1
+                 and depth[i] < len(paths[i].absolute().parent.parts) - 1]
+        if not clash:
+            return names
+        for i in clash:
+            depth[i] += 1
+
+
+def load_curves(paths: list[str | Path]) -> list[dict]:
+    """``load_curve`` of each distinct file, the runs named apart."""
+    distinct = list({Path(p).resolve(): Path(p) for p in paths}.values())
+    curves = [load_curve(p) for p in distinct]
+    for c, name in zip(curves, _names_apart(distinct)):
+        c["run"] = name
+    return curves
 
 
 def load_curve(path: str | Path) -> dict:
@@ -121,12 +147,13 @@ def plot_curves(curves: list[dict], path: str) -> None:
         ax.set_xlabel("CPU-minutes of the run")
         if name.startswith("R "):
             ax.set_ylabel("readability R")
-            ax.set_title(f"held-out {name[2:]}")
+            ax.set_title(f"held-out {name[2:]}", parse_math=False)
         else:
             ax.set_ylabel(name.replace("_", " "))
-            ax.set_title(name.replace("_", " "))
+            ax.set_title(name.replace("_", " "), parse_math=False)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        for text in ax.legend(fontsize=7).get_texts():
+            text.set_parse_math(False)  # a run's folder name is text: "$1 vs $2" is not TeX
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)

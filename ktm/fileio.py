@@ -237,9 +237,22 @@ def existing_dir(dest: str | Path) -> Path:
     return dest
 
 
+def figure_format(path: str | Path) -> str:
+    """The image format a plot path's extension names (none: png), refused before any work
+    when matplotlib cannot write it."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    known = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in known:
+        raise KTMError(f"plot file {str(path)!r}: unknown image format {fmt!r}: expected one of "
+                       f"{', '.join('.' + k for k in sorted(known))}")
+    return fmt
+
+
 def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
     """A matplotlib figure, written like every other file (temp, fsync, rename)."""
-    fmt = Path(path).suffix.lstrip(".") or "png"
+    fmt = figure_format(path)
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format=fmt, dpi=dpi)
 

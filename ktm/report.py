@@ -11,8 +11,11 @@ majority class (on amazon that would put a chance-level model on the frontier). 
 
 from __future__ import annotations
 
+import functools
+import math
+
 from ktm.errors import KTMError
-from ktm.fileio import save_figure
+from ktm.fileio import figure_format, save_figure
 from ktm.metrics import normalised_performance, pareto_frontier, pl_f1
 from ktm.result_groups import group_rows, is_uncompressed, row_labels
 from ktm.result_rows import load_results, skipped_note
@@ -26,6 +29,12 @@ def mark(row: dict) -> str:
     if not git:
         return f" {UNKNOWN}"
     return f" {DIRTY}" if str(git).endswith("-dirty") else ""
+
+
+def cell(text: str) -> str:
+    """A name from a result file as one Markdown table cell: a ``|`` or a line break in it
+    would split the row."""
+    return " ".join(str(text).splitlines()).replace("|", "\\|")
 
 
 def provenance_notes(rows: list[dict]) -> str:
@@ -87,44 +96,49 @@ def table(task: str, rows: list[dict]) -> str:
                f"{r['accuracy']:.3f} | {r['balanced_accuracy']:.3f}")
         overhead = r.get("compression_ms_per_1k_tokens")
         cost = "–" if overhead is None else f"{overhead:.0f}"
-        lines.append(f"| {r['label']}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
+        lines.append(f"| {cell(r['label'])}{mark(r)} | {k} | {mid} | {r['length_reduction']:.1%} | "
                      f"{r['pl_f1']:.3f} | {cost} |")
     note = reference_note(rows)
     return "\n".join(lines + ["", note] if note else lines)
 
 
 def readability_table(rows: list[dict]) -> str:
+    """The readability rows, each with its ``label`` (``report`` tells namesakes apart)."""
     lines = ["### readability (held-out text)", "",
              "| method | K | set | R [95 % CI] | NLL merged | NLL plain | NLL none | tokens in "
              "| tokens out |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r.get("k") or 0, r["method"])):
+    for r in sorted(rows, key=lambda r: (r.get("k") or 0, r["label"])):
+        k = "–" if r.get("k") is None else r["k"]
         for name, v in sorted(r["readability"].items()):
             rr = "–" if v.get("R") is None else f"{v['R']:.3f}"
             if v.get("R_ci95"):  # result files written before the interval existed lack it
                 rr += " [{:.3f}, {:.3f}]".format(*v["R_ci95"])
-            lines.append(f"| {r['method']}{mark(r)} | {r.get('k', '–')} | {name} | {rr} | "
+            lines.append(f"| {cell(r['label'])}{mark(r)} | {k} | {cell(name)} | {rr} | "
                          f"{v['nll_merged']:.3f} | {v['nll_plain']:.3f} | {v['nll_none']:.3f} | "
                          f"{v['tokens_in']:.1f} | {v['tokens_out']:.1f} |")
     return "\n".join(lines)
 
 
-def _offsets() -> list[tuple[int, int]]:
+@functools.cache
+def _offsets(rings: int = 14) -> list[tuple[int, int]]:
     """Label offsets (points) from a point, nearest first: beside it, then ever further up,
     down and sideways, so a cluster of many methods still finds a free place for each label."""
-    cands = [(dx * sx, (5 + 11 * i) * sy) for dx in (5, 20, 40, 60) for i in range(14)
+    cands = [(dx * sx, (5 + 11 * i) * sy) for dx in (5, 20, 40, 60) for i in range(rings)
              for sx in (1, -1) for sy in (1, -1)]
     return sorted(cands, key=lambda o: (o[0] ** 2 + o[1] ** 2, -o[0], -o[1]))
 
 
-_OFFSETS = _offsets()
 _MARKER_PT = 3.5  # a scatter marker's radius in points (default size 36 pt², plus its edge)
+_LABEL_CHARS = 30  # a longer method name is wrapped onto more lines, so it fits in a panel
 
 
-def _place_labels(ax, fig, labels: list[str], xs: list[float], ys: list[float]) -> list:
+def _place_labels(ax, fig, labels: list[str], xs: list[float], ys: list[float],
+                  rings: int = 14) -> tuple[list, int]:
     """Annotate each point at the nearest offset where its label stays inside the axes and
     overlaps no other label, no marker and no legend; where none is free, the offset with the
-    fewest collisions. Call after the layout is final: positions are read in pixels."""
+    fewest collisions. Returns the labels and the number of collisions left (0: none overlaps).
+    Call after the layout is final: positions are read in pixels."""
     from matplotlib.transforms import Bbox
 
     fig.canvas.draw()
@@ -134,10 +148,10 @@ def _place_labels(ax, fig, labels: list[str], xs: list[float], ys: list[float]) 
                for mx, my in (ax.transData.transform((x, y)) for x, y in zip(xs, ys))]
     legend = ax.get_legend()
     obstacles = markers + ([legend.get_window_extent(renderer)] if legend else [])
-    boxes, placed = [], []
+    boxes, placed, collisions = [], [], 0
     for label, x, y in zip(labels, xs, ys):
         best = None  # (collisions, offset, box)
-        for dx, dy in _OFFSETS:
+        for dx, dy in _offsets(rings):
             ann = _annotate(ax, label, (x, y), (dx, dy), leader=False)
             box = label_box(ann, renderer).expanded(1.05, 1.1)
             ann.remove()
@@ -149,13 +163,15 @@ def _place_labels(ax, fig, labels: list[str], xs: list[float], ys: list[float]) 
                 break
         dx, dy = best[1]
         boxes.append(best[2])
+        collisions += best[0]
         placed.append(_annotate(ax, label, (x, y), (dx, dy), leader=abs(dx) > 5 or abs(dy) > 5))
-    return placed
+    return placed, collisions
 
 
 def _annotate(ax, label: str, xy, offset, leader: bool):
     """A label ``offset`` points from ``xy``, hanging away from it; a thin leader line when far."""
     return ax.annotate(label, xy, textcoords="offset points", xytext=offset, fontsize=8,
+                       parse_math=False,  # a method name is text: "$1 vs $2" is not TeX
                        ha="left" if offset[0] >= 0 else "right",
                        va="bottom" if offset[1] >= 0 else "top",
                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"}
@@ -171,13 +187,30 @@ def label_box(ann, renderer):
 
 
 def figure(by_task: dict[str, list[dict]]):
-    """P against length reduction per task, the Pareto frontier, each point labelled."""
+    """P against length reduction per task, the Pareto frontier, each point labelled. Where the
+    labels of a panel cannot all be placed apart, the figure is drawn again larger (the points
+    move apart, the labels keep their size) until they can."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(by_task), figsize=(5 * len(by_task), 4), squeeze=False)
+    for attempt in range(8):
+        fig, collisions = _figure(by_task, scale=1.3 ** attempt)
+        if not collisions:
+            break
+        plt.close(fig)
+    return fig
+
+
+def _figure(by_task: dict[str, list[dict]], scale: float):
+    """The figure at ``scale`` times the usual panel size, and the label collisions left."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(by_task), figsize=(5 * scale * len(by_task), 4 * scale),
+                             squeeze=False)
     panels = []
     for ax, (task, rows) in zip(axes[0], sorted(by_task.items())):
         xs, ys = [r["length_reduction"] for r in rows], [r["P"] for r in rows]
@@ -189,14 +222,18 @@ def figure(by_task: dict[str, list[dict]]):
         ax.set_xlabel("length reduction")
         ax.set_ylabel("ppl_min / ppl" if "perplexity" in rows[0] else "balanced accuracy")
         ax.margins(0.15)
-        ax.set_title(task)
+        ax.set_title(textwrap.fill(task, int(45 * scale)), parse_math=False)
         ax.legend(loc="lower left", fontsize=8)
-        panels.append((ax, [r.get("label", r["method"]) for r in rows], xs, ys))
+        labels = [textwrap.fill(r.get("label", r["method"]), _LABEL_CHARS) for r in rows]
+        panels.append((ax, labels, xs, ys))
     fig.tight_layout()  # first: labels are placed in the final pixels
+    collisions = 0
     for ax, labels, xs, ys in panels:
-        for t in _place_labels(ax, fig, labels, xs, ys):
+        placed, left = _place_labels(ax, fig, labels, xs, ys, rings=math.ceil(14 * scale))
+        collisions += left
+        for t in placed:
             t.set_in_layout(False)
-    return fig
+    return fig, collisions
 
 
 def plot(by_task: dict[str, list[dict]], path: str) -> None:
@@ -208,19 +245,22 @@ def plot(by_task: dict[str, list[dict]], path: str) -> None:
 
 
 def report(paths: list[str], plot_path: str | None = None) -> str:
+    if plot_path:
+        figure_format(plot_path)  # an unknown extension is refused before any work
     jsonl = [p for p in paths if str(p).endswith(".jsonl")]
     if jsonl:  # training runs: readability R or the task metric against CPU-minutes
-        from ktm.curves import curves_table, load_curve, plot_curves
+        from ktm.curves import curves_table, load_curves, plot_curves
 
         if len(jsonl) != len(paths):
             raise KTMError("give either `ktm eval` result files or training metrics.jsonl "
                            "files, not both")
-        curves = [load_curve(p) for p in jsonl]
+        curves = load_curves(jsonl)
         if plot_path:
             plot_curves(curves, plot_path)
         return curves_table(curves)
     rows, others = load_results(paths)
     read = [r for r in rows if r.get("task") == "readability"]
+    read = [{**r, "label": label} for r, label in zip(read, row_labels(read))]
     by_task = score([r for r in rows if r.get("task") != "readability"])
     if plot_path and not by_task:
         raise KTMError(f"--plot {plot_path}: no task results to plot (readability rows have a "

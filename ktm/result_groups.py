@@ -106,7 +106,8 @@ def row_labels(rows: list[dict]) -> list[str]:
         clashes[r["method"]].append(i)
     for method, idx in clashes.items():
         if len(idx) > 1:
-            paths = [Path(rows[i].get("result_file") or "") for i in idx]
+            # absolute: "k4.json" given in its folder and "../b/k4.json" are a/k4 and b/k4
+            paths = [Path(rows[i].get("result_file") or "").absolute() for i in idx]
             for i, name in zip(idx, _tell_apart(method, paths)):
                 out[i] = name
     return out

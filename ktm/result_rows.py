@@ -6,9 +6,9 @@ A classification row must carry ``balanced_accuracy`` (P in the report); a perpl
 positive ``perplexity``; a readability row its per-set NLLs and token counts. The same result
 given twice (overlapping globs, a copied file) is kept once. Each row gets ``result_file``, the
 path it was read from (the report tells namesakes apart by their folders). Files other ktm
-commands write (``ktm bench`` rows, ``ktm demo``'s result) are recognised and set aside, so a
-glob over a results folder (``results/*/*.json``) reads its evaluation rows; anything else is
-an error.
+commands write (``ktm bench`` rows, ``ktm demo``'s result, the ``run.json`` of a ``ktm train`` or
+``ktm pretrain`` run folder) are recognised and set aside, so a glob over a results or runs
+folder (``results/*/*.json``) reads its evaluation rows; anything else is an error.
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ def written_by(data: object) -> str | None:
         return "ktm bench"
     if isinstance(data, dict) and "task" not in data and {"start", "trained"} <= data.keys():
         return "ktm demo"
+    if isinstance(data, dict) and "method" not in data and {
+            "config", "model", "n_examples"} <= data.keys():  # a run folder's run.json
+        return "ktm train/pretrain"
     return None
 
 

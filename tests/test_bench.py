@@ -303,9 +303,16 @@ def test_bench_errors_use_the_ktm_error_form(tmp_path, capsys):
     ("{}", "not a ktm bench result"),
     ('[{"mode": "infer"}]', "row 0 lacks \\['method', 'k', 'mlp_ratio', 'input_tokens', 'batch'"),
     ("[", "cannot read bench results"),
+    ('[{"mode": "infer", "method": "ktm", "k": 4, "mlp_ratio": 2.0, "input_tokens": 512, '
+     '"batch": 1, "prefill_s": NaN}]', "row 0: prefill_s=nan: expected a positive number"),
+    ('[{"mode": "infer", "method": "ktm", "k": 4, "mlp_ratio": 2.0, "input_tokens": "512", '
+     '"batch": 1}]', "row 0: input_tokens='512': expected a positive integer"),
+    ('[{"mode": "serve", "method": "ktm"}]', "no rows to plot \\(rows: mode serve\\)"),
+    ("[]", "no rows to plot \\(rows: none\\)"),
 ])
 def test_bench_plot_errors_are_one_line(text, match, tmp_path, capsys):
-    # `python -m ktm.bench_plot` printed a traceback (a KeyError for a row without its fields)
+    # `python -m ktm.bench_plot` printed a traceback (a KeyError for a row without its fields;
+    # a matplotlib ValueError for a NaN or text value) or, for serve rows, wrote nothing silently
     from ktm.bench_plot import main as plot_main
 
     bad = tmp_path / "bad.json"

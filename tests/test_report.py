@@ -1,11 +1,11 @@
-"""ktm report: balanced accuracy as P, the readability table, plot labels that never overlap."""
+"""ktm report: balanced accuracy as P, comparable rows, the readability table, odd result files."""
 
 import json
 import re
 
 import pytest
 
-from ktm.report import _place_labels, report, score
+from ktm.report import report, score
 
 
 def row(method, acc, bal, red, k=None):
@@ -33,29 +33,6 @@ def test_readability_rows_get_their_own_table(tmp_path):
     assert ("| ktm-k4 | 4 | code | 0.610 [0.550, 0.660] | 1.500 | 1.100 | 2.500 | 256.0 | 64.0 |"
             in out)
     assert "| ktm-k4 | 4 | reviews | – |" in out
-
-
-def test_plot_labels_do_not_overlap():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # a crowded cluster, as mean pooling and K=4 sit on the same point
-    xs = [0.674, 0.674, 0.670, 0.45, 0.449, 0.46, 0.1, 0.0]
-    ys = [0.50, 0.50, 0.505, 0.63, 0.634, 0.62, 0.63, 0.75]
-    labels = ["k4", "mean_pool", "k3", "selective_context", "k2", "llmlingua", "ltsc",
-              "uncompressed"]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.scatter(xs, ys)
-    ax.margins(0.15)
-    anns = _place_labels(ax, fig, labels, xs, ys)
-    renderer = fig.canvas.get_renderer()
-    boxes = [a.get_window_extent(renderer) for a in anns]
-    for i in range(len(boxes)):
-        for j in range(i + 1, len(boxes)):
-            assert not boxes[i].overlaps(boxes[j]), (labels[i], labels[j])
-    plt.close(fig)
 
 
 def test_report_on_pretraining_metrics_gives_r_per_cpu_minute(tmp_path):
@@ -202,55 +179,6 @@ def test_a_result_given_twice_is_one_row(tmp_path):
     assert out.count("| k4 ‡ | 4 |") == 1
 
 
-def _crowded(task: str, n: int) -> list[dict]:
-    """An uncompressed row far away and ``n`` methods in a tight 4-high cluster."""
-    out = [{**row("uncompressed", 0.9, 0.9, 0.0), "task": task, "P": 0.9}]
-    for i in range(n):
-        bal = 0.5 + 0.004 * (i % 4)
-        out.append({**row(f"m{i}-selective", 0.6, bal, 0.6 + 0.004 * (i // 4)), "task": task,
-                    "P": bal})
-    return out
-
-
-@pytest.mark.parametrize("n, tasks", [(8, 3), (12, 1)])
-def test_crowded_plot_labels_overlap_no_label_marker_or_legend(n, tasks, monkeypatch, tmp_path):
-    # the 14 fixed offsets ran out on a cluster of 8: the fallback stacked labels on each other
-    import ktm.report as rep
-
-    seen = []
-
-    def check(fig, path):
-        renderer = fig.canvas.get_renderer()
-        for ax in fig.axes:
-            boxes = [rep.label_box(t, renderer) for t in ax.texts]
-            assert len(boxes) == n + 1
-            legend = ax.get_legend().get_window_extent(renderer)
-            offsets = ax.collections[0].get_offsets()
-            marks = [ax.transData.transform(p) for p in offsets]
-            for i, b in enumerate(boxes):
-                assert not b.overlaps(legend), ax.texts[i].get_text()
-                assert ax.bbox.contains(b.x0, b.y0) and ax.bbox.contains(b.x1, b.y1)
-                assert not any(b.contains(mx, my) for mx, my in marks), ax.texts[i].get_text()
-                for j in range(i):
-                    assert not b.overlaps(boxes[j]), (ax.texts[i].get_text(),
-                                                      ax.texts[j].get_text())
-        seen.append(path)
-
-    monkeypatch.setattr(rep, "save_figure", check)
-    rep.plot({f"t{j}": _crowded(f"t{j}", n) for j in range(tasks)}, str(tmp_path / "p.png"))
-    assert seen
-
-
-def test_a_single_point_frontier_is_drawn(monkeypatch, tmp_path):
-    # a dashed line through one point draws nothing: one method had no visible frontier
-    import ktm.report as rep
-
-    lines = []
-    monkeypatch.setattr(rep, "save_figure", lambda fig, path: lines.extend(fig.axes[0].lines))
-    rep.plot({"amazon": [{**row("k4", 0.8, 0.7, 0.5, 4), "P": 0.7}]}, str(tmp_path / "p.png"))
-    assert lines and lines[0].get_marker() not in ("None", None, "")
-
-
 @pytest.mark.parametrize("bad, match", [
     ({"step": 1, "cpu_s": None, "eval": {"accuracy": 0.5}}, "cpu_s=None"),
     ({"step": 1, "cpu_s": 5, "eval": {"balanced_accuracy": "0.5"}}, "balanced_accuracy='0.5'"),
@@ -355,11 +283,60 @@ def test_a_glob_over_a_results_folder_sets_aside_what_other_commands_wrote(tmp_p
         [{"mode": "infer", "method": "uncompressed", "k": 1, "batch": 1}]))
     (tmp_path / "demo" / "demo.json").write_text(json.dumps(
         {"config": {}, "start": {"accuracy": 0.5}, "trained": {"accuracy": 0.9}}))
+    # a `ktm train` run folder holding its eval result: its run.json was "lacks ['method', ...]"
+    (tmp_path / "amazon" / "run.json").write_text(json.dumps(
+        {"config": {}, "model": {}, "n_examples": 2000, "task": {"name": "amazon"},
+         "history": []}))
     paths = sorted(str(p) for p in tmp_path.glob("*/*.json"))
     assert main(["report", *paths]) == 0
     out = capsys.readouterr().out
     assert "| k4 ‡ | 4 |" in out
-    assert (f"skipped, not `ktm eval` results: 1 `ktm bench` file in {tmp_path / 'bench'}; "
+    assert (f"skipped, not `ktm eval` results: 1 `ktm train/pretrain` file in "
+            f"{tmp_path / 'amazon'}; 1 `ktm bench` file in {tmp_path / 'bench'}; "
             f"1 `ktm demo` file in {tmp_path / 'demo'}") in out
-    assert main(["report", paths[1]]) == 2  # nothing to report is still an error
+    assert main(["report", paths[2]]) == 2  # nothing to report is still an error
     assert "no `ktm eval` result files given: skipped" in capsys.readouterr().err
+
+
+def test_readability_namesakes_are_told_apart_and_a_missing_k_is_a_dash(tmp_path):
+    # two folders' ktm-k4 rows were two identical-looking lines; a base model's k: null was "None"
+    paths = []
+    for folder, method, k, r in (("a", "ktm-k4", 4, 0.6), ("b", "ktm-k4", 4, 0.5),
+                                 ("b", "base", None, 0.1)):
+        sets = {"code": {"R": r, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5,
+                         "tokens_in": 256.0, "tokens_out": 64.0}}
+        (tmp_path / folder).mkdir(exist_ok=True)
+        path = tmp_path / folder / f"{method}.json"
+        path.write_text(json.dumps({"task": "readability", "method": method, "k": k,
+                                    "readability": sets}))
+        paths.append(str(path))
+    out = report(paths)
+    assert "| a/ktm-k4 ‡ | 4 | code | 0.600 |" in out and "| b/ktm-k4 ‡ | 4 | code | 0.500 |" in out
+    assert "| base ‡ | – | code |" in out
+    assert "no git revision recorded: a/ktm-k4, b/ktm-k4, base" in out
+
+
+def test_a_name_with_a_bar_or_a_line_break_stays_one_table_cell(tmp_path):
+    # "a|b" split its row into one column too many; a line break cut the row in two
+    r = {"task": "readability", "method": "k4\nreader", "k": 4, "readability": {"co|de": {
+        "R": 0.6, "nll_merged": 1.5, "nll_plain": 1.1, "nll_none": 2.5, "tokens_in": 256.0,
+        "tokens_out": 64.0}}}
+    paths = [str(tmp_path / "r.json"), str(tmp_path / "t.json")]
+    (tmp_path / "r.json").write_text(json.dumps(r))
+    (tmp_path / "t.json").write_text(json.dumps(row("k4|k2", 0.8, 0.7, 0.6, 4)))
+    lines = report(paths).splitlines()
+    assert "| k4\\|k2 ‡ | 4 | 0.800 | 0.700 | 60.0% |" in "\n".join(lines)
+    assert any(line.startswith("| k4 reader ‡ | 4 | co\\|de | 0.600 |") for line in lines)
+
+
+def test_namesakes_given_by_relative_paths_are_labelled_by_their_real_folders(tmp_path,
+                                                                              monkeypatch):
+    # in results/amazon, "k4.json ../amazon-seed1/k4.json" labelled the first row "k4" alone,
+    # and "../k4.json" gave "../k4"
+    for folder, bal in (("amazon", 0.6), ("amazon-seed1", 0.5)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "k4.json").write_text(json.dumps(row("k4", 0.8, bal, 0.6, 4)))
+    monkeypatch.chdir(tmp_path / "amazon")
+    out = report(["k4.json", "../amazon-seed1/k4.json"])
+    assert "| amazon/k4 ‡ | 4 | 0.800 | 0.600 |" in out
+    assert "| amazon-seed1/k4 ‡ | 4 | 0.800 | 0.500 |" in out
