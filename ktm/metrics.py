@@ -77,10 +77,14 @@ def pl_f1(performance: float, length_reduction: float) -> float:
 
 
 def perplexity(nll_sum: float, n_tokens: int) -> float:
-    """``exp(nll_sum / n_tokens)`` with the NLL summed in nats over the scored target tokens."""
+    """``exp(nll_sum / n_tokens)`` with the NLL summed in nats over the scored target tokens;
+    ``inf`` past what a float holds (a diverged model's NLL above 709 nats per token)."""
     if n_tokens <= 0:
         raise KTMError(f"n_tokens={n_tokens}: expected a positive number of scored tokens")
-    return math.exp(nll_sum / n_tokens)
+    try:
+        return math.exp(nll_sum / n_tokens)
+    except OverflowError:
+        return math.inf
 
 
 def normalised_performance(ppl: float, ppl_min: float) -> float:

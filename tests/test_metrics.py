@@ -93,3 +93,9 @@ def test_pl_f1_refuses_values_outside_0_1(p, lr) -> None:
     # pl_f1(0.2, -0.1) was -0.4 and pl_f1(0.5, -0.5) a silent 0; NaN went through
     with pytest.raises(KTMError, match="expected .*in \\[0, 1\\]"):
         pl_f1(p, lr)
+
+
+def test_perplexity_of_a_diverged_model_is_inf_not_an_overflow() -> None:
+    """math.exp raises OverflowError past 709: an evaluation of a diverged run crashed."""
+    assert perplexity(800.0 * 4, 4) == math.inf
+    assert perplexity(2.0 * 4, 4) == pytest.approx(math.exp(2.0))
