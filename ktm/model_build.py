@@ -94,10 +94,11 @@ def from_base(
         lm, tok = base, tokenizer
     check_base(lm, tok, config, name)
     # a model object moves only once it is accepted: a refused one is left as it was given.
-    # A loaded one already has the device and dtype: casting it again would also cast the
-    # fp32 buffers from_pretrained keeps (rotary inv_freq), which KTMModel.load keeps fp32
+    # One already in the dtype is only moved: lm.to(dtype) would also cast the fp32 buffers
+    # from_pretrained keeps (rotary inv_freq), so that the model read positions otherwise than
+    # its checkpoint loaded back (``load``) or exported
     if not isinstance(base, str):
-        lm = lm.to(device=device, dtype=torch_dtype)
+        lm = lm.to(device) if lm.dtype == torch_dtype else lm.to(device=device, dtype=torch_dtype)
     config = replace(config, lora=replace(config.lora,
                                           target_modules=resolve_targets(lm, config.lora)))
     # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT

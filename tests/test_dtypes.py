@@ -102,3 +102,24 @@ def test_bf16_model_saved_and_loaded_computes_the_same_logits(tiny_model_dir, tm
     with torch.no_grad():
         torch.testing.assert_close(loaded.prompt_logits(PROMPTS[0]),
                                    model.prompt_logits(PROMPTS[0]), atol=0, rtol=0)
+
+
+def test_a_bf16_model_object_reads_positions_as_loaded(tiny_model_dir, tmp_path):
+    """from_base cast a model object with ``lm.to(dtype)`` even when it was loaded in that dtype
+    already, which cast the rotary inv_freq that from_pretrained keeps fp32: the model read
+    positions otherwise than its own checkpoint loaded back (max logit gap 0.08 here)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    model = KTMModel.from_base(lm, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                               k=4, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    assert {b.dtype for n, b in model.peft.named_buffers() if "inv_freq" in n} == {torch.float32}
+    model.save(tmp_path / "ck")
+    loaded = KTMModel.load(tmp_path / "ck", dtype="bfloat16")
+    # far enough along for rounded frequencies to show
+    prompt = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 4
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.prompt_logits(prompt), model.prompt_logits(prompt),
+                                   atol=0, rtol=0)
