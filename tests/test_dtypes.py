@@ -104,14 +104,15 @@ def test_bf16_model_saved_and_loaded_computes_the_same_logits(tiny_model_dir, tm
                                    model.prompt_logits(PROMPTS[0]), atol=0, rtol=0)
 
 
-def test_a_bf16_model_object_reads_positions_as_loaded(tiny_model_dir, tmp_path):
-    """from_base cast a model object with ``lm.to(dtype)`` even when it was loaded in that dtype
-    already, which cast the rotary inv_freq that from_pretrained keeps fp32: the model read
+@pytest.mark.parametrize("given", [torch.bfloat16, torch.float32])
+def test_a_model_object_cast_to_bf16_reads_positions_as_loaded(tiny_model_dir, tmp_path, given):
+    """from_base cast a model object with ``lm.to(dtype)``, which also cast the rotary inv_freq
+    that from_pretrained keeps fp32 (even a bf16 object's, cast again): the model read
     positions otherwise than its own checkpoint loaded back (max logit gap 0.08 here)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=given)
     model = KTMModel.from_base(lm, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
                                k=4, dtype="bfloat16")
     assert model.dtype == torch.bfloat16
