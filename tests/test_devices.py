@@ -32,3 +32,37 @@ def test_host_side_draws_ignore_torchs_default_device(ktm_model, tmp_path):
         last = train(ktm_model, data, cfg)
     assert expected[0] is not None and got == expected
     assert last["step"] == 1 and torch.isfinite(torch.tensor(last["loss"]))
+
+
+def test_decoding_and_serving_create_nothing_off_the_model_device(tiny_model_dir):
+    """A guard: the decode loop (seeded sampling, cached and uncached, spread positions) and
+    the server's engine (stored KV, joined batches, logprobs) create every tensor on the
+    model's device, so their outputs under another default device are the same."""
+    from conftest import fresh_model
+
+    from ktm.prompt import Segment
+    from ktm.serve.config import ServeConfig
+    from ktm.serve.engine import Engine, Job
+
+    model = fresh_model(tiny_model_dir, spread_positions=True, slot_weights=True)
+    prompts = ["The quick brown fox jumps over", [Segment("Hello world, my name is ktm."),
+                                                  Segment(" Answer:", compress=False)]]
+    ids = tuple(model.tokenize("The quick brown fox jumps over the lazy dog.", first=True))
+
+    def run() -> tuple:
+        texts = [model.generate(prompts, max_new_tokens=4, do_sample=True, seed=1, top_p=0.9,
+                                use_cache=cache) for cache in (True, False)]
+        engine, events = Engine(model, ServeConfig(model=tiny_model_dir, batch_window_ms=0)), []
+        jobs = [Job((Segment("", ids=ids), Segment("", ids=ids[:2], compress=False)), 3,
+                    events.append, temperature=t, seed=7, logprobs=1) for t in (0.0, 1.0)]
+        with torch.no_grad():
+            for job in jobs:  # the second one starts from the first one's stored KV
+                engine._admit([job])
+                engine._step()
+            while engine._rows:
+                engine._step()
+        return texts, [(e.text, e.finish, e.error) for e in events]
+
+    expected = run()
+    with torch.device("meta"):
+        assert run() == expected
