@@ -124,3 +124,27 @@ def test_a_model_object_cast_to_bf16_reads_positions_as_loaded(tiny_model_dir, t
     with torch.no_grad():
         torch.testing.assert_close(loaded.prompt_logits(prompt), model.prompt_logits(prompt),
                                    atol=0, rtol=0)
+
+
+def test_losses_ignore_torchs_default_dtype(ktm_model, tiny_model_dir, corpus):
+    """The per-example loss sums were made with torch.zeros in torch's default dtype: under
+    torch.set_default_dtype(torch.float64) every loss failed ("index_add_(): self (Double) and
+    source (Float) must have the same scalar type"). They now follow the fp32 losses."""
+    from ktm.pretrain import PretrainConfig, WindowStream, load_docs, pretrain_loss
+    from ktm.teacher import distill_loss
+
+    cfg = PretrainConfig(sources=(corpus,), objectives=("lm", "distill", "align"),
+                         context_tokens=24, target_tokens=8, min_tokens=8, eval_sets=())
+    stream = WindowStream(load_docs(ktm_model.tokenizer, cfg), cfg, 6, 0, ktm_model.eos_id)
+    windows = [stream[i] for i in range(6)]
+    tasks = TreeTask(stage="small").train_examples(2, seed=0)
+    teacher = KTMModel.from_base(tiny_model_dir, k=1, use_mlp=False)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        losses = [ktm_model(PROMPTS, TARGETS), pretrain_loss(ktm_model, windows, 1.0),
+                  distill_loss(teacher)(ktm_model, tasks)]
+    finally:
+        torch.set_default_dtype(before)
+    assert {out.nll.dtype for out in losses} == {torch.float32}
+    assert all(torch.isfinite(out.loss) for out in losses)
