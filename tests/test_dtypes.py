@@ -148,3 +148,17 @@ def test_losses_ignore_torchs_default_dtype(ktm_model, tiny_model_dir, corpus):
         torch.set_default_dtype(before)
     assert {out.nll.dtype for out in losses} == {torch.float32}
     assert all(torch.isfinite(out.loss) for out in losses)
+
+
+def test_a_model_built_under_another_default_dtype_keeps_fp32_trainable_weights(tiny_model_dir):
+    """The encoder's weights were made in torch's default dtype: built under
+    torch.set_default_dtype(torch.float64) they were float64, and the first merge failed
+    ("mat1 and mat2 must have the same dtype"). They are fp32, as every trainable weight."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = KTMModel.from_base(tiny_model_dir, k=4, slot_weights=True, mlp_gate=True)
+    finally:
+        torch.set_default_dtype(before)
+    assert {p.dtype for _, p in model.trainable_parameters()} == {torch.float32}
+    assert torch.isfinite(model(PROMPTS, TARGETS).loss)
