@@ -27,7 +27,8 @@ def word_pool(tokenizer, seed: int = 0, size: int = 1024) -> list[str]:
     A word start is read from the token's own piece where it is a SentencePiece one (``▁word``:
     decoding it alone drops that space), else from its decoded text (byte-level BPE's ``Ġword``).
     """
-    order = torch.randperm(len(tokenizer), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(len(tokenizer), generator=torch.Generator().manual_seed(seed),
+                           device="cpu").tolist()  # host-side, whatever torch's default device
     special, pool = set(tokenizer.all_special_ids), []
     for i in order:
         piece = tokenizer.convert_ids_to_tokens(i) or ""
@@ -62,7 +63,8 @@ def synthetic_text(model, n_tokens: int, seed: int, pool: list[str], first: bool
 
 
 def _words(pool: list[str], n: int, seed: int) -> str:
-    idx = torch.randint(len(pool), (n,), generator=torch.Generator().manual_seed(seed))
+    idx = torch.randint(len(pool), (n,), generator=torch.Generator().manual_seed(seed),
+                        device="cpu")
     return "".join(pool[i] for i in idx.tolist())
 
 

@@ -85,17 +85,21 @@ class KTokenEncoder(nn.Module):
         super().__init__()
         self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate)
         d, h = hidden_size, self.config.mlp_hidden
+        # fp32 whatever torch's default dtype: trainable weights stay fp32 (an Adam step of
+        # 5e-5 rounds to nothing in bf16), and the LM's dtype is reached by autocast
+        f32 = {"dtype": torch.float32}
         self.slots: nn.Parameter | None = None
         if slot_weights:
-            self.slots = nn.Parameter(torch.full((k, d), 1.0 / k))
+            self.slots = nn.Parameter(torch.full((k, d), 1.0 / k, **f32))
         self.mlp: nn.Sequential | None = None
         self.gate: nn.Parameter | None = None
         if use_mlp:
             self.mlp = nn.Sequential(
-                nn.Linear(k * d, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, d)
+                nn.Linear(k * d, h, **f32), nn.GELU(), nn.Linear(h, h, **f32), nn.GELU(),
+                nn.Linear(h, d, **f32)
             )
             if mlp_gate:
-                self.gate = nn.Parameter(torch.zeros(d))
+                self.gate = nn.Parameter(torch.zeros(d, **f32))
             else:
                 nn.init.zeros_(self.mlp[-1].weight)
                 nn.init.zeros_(self.mlp[-1].bias)

@@ -293,7 +293,7 @@ class KTMModel(nn.Module):
         """
         t = self.target_logits(prompts, targets, merge, prefixes)
         tok_nll = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
-        nll = torch.zeros(len(t.lengths), device=self.device).index_add(0, t.rows, tok_nll)
+        nll = tok_nll.new_zeros(len(t.lengths)).index_add(0, t.rows, tok_nll)
         n_tokens = torch.tensor(t.lengths, device=self.device)
         return LossOutput(tok_nll.mean(), nll, n_tokens, t.tokens_in, t.tokens_out)
 

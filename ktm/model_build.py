@@ -93,11 +93,9 @@ def from_base(
                            "adapters (load a fresh copy, or merge_and_unload() this one)")
         lm, tok = base, tokenizer
     check_base(lm, tok, config, name)
-    # a model object moves only once it is accepted: a refused one is left as it was given.
-    # A loaded one already has the device and dtype: casting it again would also cast the
-    # fp32 buffers from_pretrained keeps (rotary inv_freq), which KTMModel.load keeps fp32
+    # a model object moves only once it is accepted: a refused one is left as it was given
     if not isinstance(base, str):
-        lm = lm.to(device=device, dtype=torch_dtype)
+        lm = cast_as_loaded(lm, device, torch_dtype)
     config = replace(config, lora=replace(config.lora,
                                           target_modules=resolve_targets(lm, config.lora)))
     # trainable weights stay fp32 whatever the LM's dtype: the encoder here, LoRA by PEFT
@@ -106,6 +104,30 @@ def from_base(
         peft_model = get_peft_model(lm, lora_config(lm, config.lora),
                                     autocast_adapter_dtype=True)
     return cls(peft_model, tok, encoder, config).eval()
+
+
+def cast_as_loaded(lm: PreTrainedModel, device: torch.device, dtype: torch.dtype
+                   ) -> PreTrainedModel:
+    """``lm`` on ``device`` in ``dtype`` as ``from_pretrained(dtype=...)`` (so ``load``) gives
+    it. ``lm.to(dtype)`` also casts the buffers computed at construction, some of which
+    from_pretrained keeps fp32 (rotary ``inv_freq``): the model then read positions otherwise
+    than its own checkpoint loaded back or exported. Those buffers get the dtype a weightless
+    copy built on the meta device gives them; a model already in ``dtype`` is only moved."""
+    if lm.dtype == dtype:
+        return lm.to(device)
+    saved = set(lm.state_dict())
+    computed = {n: b for n, b in lm.named_buffers() if n not in saved and b.is_floating_point()}
+    try:
+        with torch.device("meta"):
+            loaded = dict(type(lm)._from_config(lm.config, dtype=dtype).named_buffers())
+    except Exception:  # noqa: BLE001 - a model that cannot be built so is cast whole, as before
+        loaded = {}
+    lm = lm.to(device=device, dtype=dtype)
+    for name, b in computed.items():
+        if name in loaded:
+            owner, _, leaf = name.rpartition(".")
+            setattr(lm.get_submodule(owner), leaf, b.to(device=device, dtype=loaded[name].dtype))
+    return lm
 
 
 def encoder_config(config: KTMConfig, lm: PreTrainedModel) -> EncoderConfig:

@@ -305,8 +305,8 @@ def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch
     dev = model.device
     s_idx, t_idx, rows = (torch.cat(v).to(dev) for v in (s_idx, t_idx, rows))
     gap = _hidden_gap(tuple(h[s_idx] for h in student), tuple(h[t_idx] for h in teacher))
-    total = torch.zeros(len(batch), device=dev).index_add(0, rows, gap)
-    count = torch.zeros(len(batch), device=dev).index_add(0, rows, torch.ones_like(gap))
+    total = gap.new_zeros(len(batch)).index_add(0, rows, gap)
+    count = gap.new_zeros(len(batch)).index_add(0, rows, torch.ones_like(gap))
     return total / count.clamp(min=1)
 
 
@@ -315,7 +315,7 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
     """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill
     (plus ``distill_hidden`` times the hidden-state gap), CE plus ``align_weight`` times the
     context gap for align."""
-    nll = torch.zeros(len(batch), device=model.device)
+    nll = torch.zeros(len(batch), dtype=torch.float32, device=model.device)  # losses are fp32
     n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
     parts: dict[str, tuple[float, int]] = {}
     tokens_in = tokens_out = 0
@@ -343,7 +343,7 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
             tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
             if kind == "align":
                 tok = tok + align_weight * gap[t.rows]
-        per = torch.zeros(len(sub), device=model.device).index_add(0, t.rows, tok)
+        per = tok.new_zeros(len(sub)).index_add(0, t.rows, tok)
         where = torch.tensor(idx, device=model.device)
         nll = nll.index_add(0, where, per)
         n_tok[where] = torch.tensor(t.lengths, device=model.device)

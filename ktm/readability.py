@@ -88,9 +88,10 @@ def r_interval(per_window: torch.Tensor, n_boot: int = BOOTSTRAP["resamples"],
     n = per_window.shape[0]
     if n < 2:
         return None
+    # on the CPU, whatever torch's default device: the same resamples on every machine
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n, (n_boot, n), generator=gen)
-    pooled = per_window.double()[idx].sum(dim=1)  # (n_boot, 4)
+    idx = torch.randint(0, n, (n_boot, n), generator=gen, device="cpu")
+    pooled = per_window.cpu().double()[idx].sum(dim=1)  # (n_boot, 4)
     merged, plain, none = (pooled[:, i] / pooled[:, 3] for i in range(3))
     gain = none - plain
     ok = has_r(gain, none)
@@ -98,7 +99,8 @@ def r_interval(per_window: torch.Tensor, n_boot: int = BOOTSTRAP["resamples"],
     if n_boot - int(ok.sum()) > tail * n_boot:
         return None
     r = (none - merged)[ok] / gain[ok]
-    lo, hi = torch.quantile(r, torch.tensor([tail, 1 - tail], dtype=r.dtype)).tolist()
+    lo, hi = torch.quantile(r, torch.tensor([tail, 1 - tail], dtype=r.dtype,
+                                            device=r.device)).tolist()
     return [lo, hi]
 
 

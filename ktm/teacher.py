@@ -69,7 +69,7 @@ def distill_loss(teacher, weight: float = 0.5) -> Callable:
         ce = nn.functional.cross_entropy(s.logits, s.labels, reduction="none")
         kl = kl_per_token(s.logits, t.logits.to(s.logits.device))
         tok = (1.0 - weight) * ce + weight * kl
-        nll = torch.zeros(len(batch), device=model.device).index_add(0, s.rows, tok)
+        nll = tok.new_zeros(len(batch)).index_add(0, s.rows, tok)
         parts = {name: (float(v.detach().sum()), sum(s.lengths)) for name, v in
                  (("ce", ce), ("kl", kl))}
         return LossOutput(tok.mean(), nll, torch.tensor(s.lengths, device=model.device),

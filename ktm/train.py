@@ -61,7 +61,8 @@ class _Order:
         epoch = i // self.n
         if epoch not in self._perms:
             g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}
+            # host-side (a CPU generator), whatever torch's default device is
+            self._perms = {epoch: torch.randperm(self.n, generator=g, device="cpu").tolist()}
         return self._perms[epoch][i % self.n]
 
 

@@ -102,3 +102,63 @@ def test_bf16_model_saved_and_loaded_computes_the_same_logits(tiny_model_dir, tm
     with torch.no_grad():
         torch.testing.assert_close(loaded.prompt_logits(PROMPTS[0]),
                                    model.prompt_logits(PROMPTS[0]), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("given", [torch.bfloat16, torch.float32])
+def test_a_model_object_cast_to_bf16_reads_positions_as_loaded(tiny_model_dir, tmp_path, given):
+    """from_base cast a model object with ``lm.to(dtype)``, which also cast the rotary inv_freq
+    that from_pretrained keeps fp32 (even a bf16 object's, cast again): the model read
+    positions otherwise than its own checkpoint loaded back (max logit gap 0.08 here)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=given)
+    model = KTMModel.from_base(lm, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                               k=4, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    assert {b.dtype for n, b in model.peft.named_buffers() if "inv_freq" in n} == {torch.float32}
+    model.save(tmp_path / "ck")
+    loaded = KTMModel.load(tmp_path / "ck", dtype="bfloat16")
+    # far enough along for rounded frequencies to show
+    prompt = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 4
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.prompt_logits(prompt), model.prompt_logits(prompt),
+                                   atol=0, rtol=0)
+
+
+def test_losses_ignore_torchs_default_dtype(ktm_model, tiny_model_dir, corpus):
+    """The per-example loss sums were made with torch.zeros in torch's default dtype: under
+    torch.set_default_dtype(torch.float64) every loss failed ("index_add_(): self (Double) and
+    source (Float) must have the same scalar type"). They now follow the fp32 losses."""
+    from ktm.pretrain import PretrainConfig, WindowStream, load_docs, pretrain_loss
+    from ktm.teacher import distill_loss
+
+    cfg = PretrainConfig(sources=(corpus,), objectives=("lm", "distill", "align"),
+                         context_tokens=24, target_tokens=8, min_tokens=8, eval_sets=())
+    stream = WindowStream(load_docs(ktm_model.tokenizer, cfg), cfg, 6, 0, ktm_model.eos_id)
+    windows = [stream[i] for i in range(6)]
+    tasks = TreeTask(stage="small").train_examples(2, seed=0)
+    teacher = KTMModel.from_base(tiny_model_dir, k=1, use_mlp=False)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        losses = [ktm_model(PROMPTS, TARGETS), pretrain_loss(ktm_model, windows, 1.0),
+                  distill_loss(teacher)(ktm_model, tasks)]
+    finally:
+        torch.set_default_dtype(before)
+    assert {out.nll.dtype for out in losses} == {torch.float32}
+    assert all(torch.isfinite(out.loss) for out in losses)
+
+
+def test_a_model_built_under_another_default_dtype_keeps_fp32_trainable_weights(tiny_model_dir):
+    """The encoder's weights were made in torch's default dtype: built under
+    torch.set_default_dtype(torch.float64) they were float64, and the first merge failed
+    ("mat1 and mat2 must have the same dtype"). They are fp32, as every trainable weight."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = KTMModel.from_base(tiny_model_dir, k=4, slot_weights=True, mlp_gate=True)
+    finally:
+        torch.set_default_dtype(before)
+    assert {p.dtype for _, p in model.trainable_parameters()} == {torch.float32}
+    assert torch.isfinite(model(PROMPTS, TARGETS).loss)
