@@ -1,6 +1,8 @@
 """Shipped readers: packing a run as a 16-bit reader, loading it by name, save -> load parity."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,15 @@ from ktm.prompt import Segment
 PROMPT = [Segment("Tree: AB\n+CD\n++EF"), Segment(", Parent: AB, Answer:", compress=False)]
 
 
+def text_corpus(model_dir, folder) -> str:
+    """The tiny model's tokenizer file as a plain-text source (enough tokens for a few windows;
+    a .json source is read as records, so it goes in as .txt)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    path = Path(folder) / "corpus.txt"
+    shutil.copyfile(Path(model_dir) / "tokenizer.json", path)
+    return str(path)
+
+
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
     monkeypatch.setattr(readers, "HERE", tmp_path / "pkg")
@@ -24,13 +35,13 @@ def registry(tmp_path, monkeypatch):
 def test_pack_reader_then_load_by_name(tiny_model_dir, tmp_path, registry, capsys):
     run = tmp_path / "run"
     assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--slot-weights",
-                 "--sources", str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm",
+                 "--sources", text_corpus(tiny_model_dir, tmp_path), "--objectives", "lm",
                  "--context-tokens", "16", "--target-tokens", "4", "--min-tokens", "8",
                  "--eval-sets", "none", "--max-steps", "2", "--batch-size", "2",
                  "--lr", "1e-2", "--out-dir", str(run), "--no-progress"]) == 0
     # resumed with a longer schedule: both starts are in the reader's record
     assert main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--slot-weights",
-                 "--sources", str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm",
+                 "--sources", text_corpus(tiny_model_dir, tmp_path), "--objectives", "lm",
                  "--context-tokens", "16", "--target-tokens", "4", "--min-tokens", "8",
                  "--eval-sets", "none", "--max-steps", "3", "--batch-size", "2",
                  "--lr", "1e-2", "--out-dir", str(run), "--no-progress", "--resume"]) == 0
@@ -56,7 +67,7 @@ def test_pack_reader_then_load_by_name(tiny_model_dir, tmp_path, registry, capsy
 
 def test_pack_reader_records_the_earlier_stages(tiny_model_dir, tmp_path, registry, capsys):
     flags = ["--model", tiny_model_dir, "--k", "2", "--sources",
-             str(tiny_model_dir) + "/tokenizer.json", "--objectives", "lm", "--context-tokens",
+             text_corpus(tiny_model_dir, tmp_path), "--objectives", "lm", "--context-tokens",
              "16", "--target-tokens", "4", "--min-tokens", "8", "--eval-sets", "none",
              "--batch-size", "2", "--lr", "1e-2", "--no-progress"]
     first, second = tmp_path / "first", tmp_path / "second"
@@ -99,9 +110,10 @@ def test_run_info_drops_a_metrics_line_a_crash_cut(tmp_path):
 
 
 def tiny_pretrain(model_dir, run, *flags) -> int:
-    """``ktm pretrain`` of a K=2 reader on the tiny model's own tokenizer file; its exit code."""
+    """``ktm pretrain`` of a K=2 reader on the tiny model's own tokenizer file (as text); its
+    exit code."""
     return main(["pretrain", "--model", model_dir, "--k", "2", "--sources",
-                 str(model_dir) + "/tokenizer.json", "--objectives", "lm", "--context-tokens",
+                 text_corpus(model_dir, Path(run).parent), "--objectives", "lm", "--context-tokens",
                  "16", "--target-tokens", "4", "--min-tokens", "8", "--eval-sets", "none",
                  "--batch-size", "2", "--out-dir", str(run), "--no-progress", *flags])
 
