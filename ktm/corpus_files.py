@@ -69,9 +69,10 @@ def not_text(path: Path) -> str | None:
 
 def file_texts(path: Path, text_field: str, in_folder: bool = False) -> list[str]:
     """The texts of one file (module docstring); an archive or binary file is an error.
-    ``in_folder``: a .json without records of ``text_field`` is a text, not an error."""
+    ``in_folder``: a file ``folder_files`` listed, whose first bytes it has read already
+    (``not_text``), and a .json without records of ``text_field`` is a text, not an error."""
     refuse_eval_only(path.resolve())
-    if (why := not_text(path)) is not None:
+    if not in_folder and (why := not_text(path)) is not None:
         raise KTMError(f"{path} is {why}, not text: expected a text, JSON or JSONL file "
                        "(gzipped or not); unpack an archive into a folder and pass that")
     name = base_name(path.name.lower())
