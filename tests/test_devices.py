@@ -8,10 +8,11 @@ tensor fail (or read garbage) as it would there.
 
 import torch
 
-from ktm.bench_measure import _words, word_pool
-from ktm.readability import r_interval
+from ktm.bench.measure import _words, word_pool
+from ktm.evaluation.readability import r_interval
 from ktm.tasks.tree import TreeTask
-from ktm.train import TrainConfig, train
+from ktm.training.config import TrainConfig
+from ktm.training.train import train
 
 
 def test_host_side_draws_ignore_torchs_default_device(ktm_model, tmp_path):
@@ -38,11 +39,11 @@ def test_decoding_and_serving_create_nothing_off_the_model_device(tiny_model_dir
     """A guard: the decode loop (seeded sampling, cached and uncached, spread positions) and
     the server's engine (stored KV, joined batches, logprobs) create every tensor on the
     model's device, so their outputs under another default device are the same."""
-    from conftest import fresh_model
+    from helpers import fresh_model
 
-    from ktm.prompt import Segment
-    from ktm.serve.config import ServeConfig
-    from ktm.serve.engine import Engine, Job
+    from ktm.core.prompt import Segment
+    from ktm.serving.config import ServeConfig
+    from ktm.serving.engine import Engine, Job
 
     model = fresh_model(tiny_model_dir, spread_positions=True, slot_weights=True)
     prompts = ["The quick brown fox jumps over", [Segment("Hello world, my name is ktm."),

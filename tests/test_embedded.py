@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ktm.generate import generate_ids
+from ktm.core.base_model import resolve_model_path
+from ktm.core.prompt import Segment
+from ktm.decode.generate import generate_ids
 from ktm.model import KTMModel
-from ktm.models import resolve_model_path
-from ktm.prompt import Segment
 
 pytestmark = pytest.mark.slow
 

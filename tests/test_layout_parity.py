@@ -11,15 +11,12 @@ plain ones, empty lines.
 
 import pytest
 import torch
-from conftest import save_tiny_llama
-from test_decode_batch import decode_rejoining
-from test_families import save_tiny
-from test_model import perturb
+from helpers import decode_rejoining, perturb, save_tiny, save_tiny_llama
 from transformers import AutoModelForCausalLM
 
 from ktm import Segment
-from ktm.decode_batch import prefill_from_kv, row_kv
-from ktm.generate import advance, generate_ids, prefill
+from ktm.decode.batched import prefill_from_kv, row_kv
+from ktm.decode.generate import advance, generate_ids, prefill
 from ktm.model import KTMModel
 
 LONG = ("The quick brown fox jumps over the lazy dog.\nHello world, my name is ktm.\n"

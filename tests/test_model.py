@@ -2,26 +2,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PROMPTS, TARGETS, TEXT, perturb
 from transformers import AutoModelForCausalLM
 
 from ktm import KTMError, Segment
 from ktm.model import KTMModel
-
-TEXT = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm."
-PROMPTS = [
-    TEXT,
-    [Segment("Tree: AB\n+CD\n++EF"), Segment(", Parent: AB, Child: CD, Answer: ", compress=False)],
-    "Hello world",
-]
-TARGETS = ["true", "false", "positive review"]
-
-
-def perturb(model: KTMModel, seed: int = 0) -> None:
-    """Give LoRA and the encoder non-trivial weights (both start as no-ops)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.trainable_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def test_k1_untrained_matches_base_model_logits(tiny_model_dir):
@@ -52,7 +37,7 @@ def test_a_prompt_gets_the_tokenizers_bos_once_and_never_its_eos(tmp_path):
     """A tokenizer that puts an EOS after every text (Llama 2's ``add_eos_token``) must not end
     the first segment with it: the EOS would sit mid-prompt, before the plain question and the
     answer. Its BOS still opens the prompt, once."""
-    from conftest import save_tiny_llama
+    from helpers import save_tiny_llama
 
     model = KTMModel.from_base(save_tiny_llama(tmp_path / "bos-eos", bos=True, eos=True), k=2)
     tok = model.tokenizer
@@ -69,7 +54,7 @@ def test_later_segments_and_targets_continue_the_text_without_a_dummy_space():
     """Such a tokenizer would start every later segment and every target with a space the text
     does not have: "Tree: AB , Answer:" for the prompt "Tree: AB" + ", Answer:". They continue
     the text; only the first segment starts one."""
-    from conftest import sentencepiece_like_tokenizer
+    from helpers import sentencepiece_like_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = sentencepiece_like_tokenizer()
@@ -86,7 +71,7 @@ def test_later_segments_and_targets_continue_the_text_without_a_dummy_space():
 
 @pytest.mark.parametrize("kind", ["legacy", "prepend"])
 def test_legacy_sentencepiece_later_segments_get_no_dummy_space(kind):
-    from conftest import legacy_sentencepiece_tokenizers
+    from helpers import legacy_sentencepiece_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = legacy_sentencepiece_tokenizers()[kind]
@@ -182,7 +167,7 @@ def test_k_below_one_is_a_clear_error(tiny_model_dir):
 
 
 def test_missing_embedded_package_says_how_to_fix(monkeypatch, tmp_path):
-    from ktm import models
+    import ktm.core.base_model as models
 
     monkeypatch.setenv("KTM_CACHE", str(tmp_path))
     monkeypatch.setitem(models.EMBEDDED, "fake-model",
@@ -194,7 +179,7 @@ def test_missing_embedded_package_says_how_to_fix(monkeypatch, tmp_path):
 def test_a_killed_conversion_of_the_embedded_model_leaves_no_copy_behind(monkeypatch,
                                                                         tmp_path):
     """Each killed GGUF conversion left a whole model (0.5 GB for SmolLM2) in the cache."""
-    from ktm import models
+    import ktm.core.base_model as models
 
     monkeypatch.setenv("KTM_CACHE", str(tmp_path))
     (tmp_path / ".smollm2-135m-k1ll3d").mkdir()  # what a SIGKILL mid-save_pretrained leaves
@@ -216,7 +201,8 @@ def test_without_a_lock_the_conversion_runs_and_leaves_other_copies_alone(monkey
     """Without flock (Windows has no fcntl; some NFS mounts refuse it) the model is still
     converted, but a temp copy beside it may be another process's conversion in progress:
     only a lock holder may remove it."""
-    from ktm import fileio, models
+    import ktm.core.base_model as models
+    from ktm.util import fileio
 
     monkeypatch.setenv("KTM_CACHE", str(tmp_path))
     (tmp_path / ".smollm2-135m-busy").mkdir()
@@ -246,8 +232,8 @@ def test_folder_without_config_is_a_clear_error(tmp_path):
 def test_spread_positions_put_each_block_at_its_last_token(tiny_model_dir):
     import torch
 
+    from ktm.core.prompt import Segment
     from ktm.model import KTMModel
-    from ktm.prompt import Segment
 
     torch.manual_seed(0)
     model = KTMModel.from_base(tiny_model_dir, k=4, spread_positions=True, plain_prefix=1)
@@ -385,7 +371,7 @@ def test_align_lines_reads_classic_mac_line_ends_and_a_crlf_split_in_two(tiny_mo
 def test_align_lines_on_a_tokenizer_without_line_breaks_is_an_error():
     """A SentencePiece vocabulary without "\\n" or byte fallback reads a line break as <unk>:
     align_lines found no line-break token and silently merged across every line."""
-    from conftest import CORPUS
+    from helpers import CORPUS
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -415,7 +401,7 @@ def test_a_checkpoint_reads_with_aligned_lines(tiny_model_dir, tmp_path):
 
 
 def _tokenizer_without_eos():
-    from conftest import build_tokenizer
+    from helpers import build_tokenizer
 
     tok = build_tokenizer()
     tok.eos_token = None  # e.g. a base model's tokenizer saved without special tokens
@@ -447,7 +433,7 @@ def test_a_folder_without_eos_is_named_in_the_refusal(tmp_path, capsys):
     'smollm2-135m' instead of the folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ktm.cli import main
+    from ktm.cli.main import main
 
     tok = _tokenizer_without_eos()
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
@@ -464,7 +450,7 @@ def test_a_folder_without_eos_is_named_in_the_refusal(tmp_path, capsys):
 def test_a_model_object_already_adapted_is_refused_not_adapted_twice():
     """from_base adapts a model object in place; a second from_base on it re-initialised the
     first KTMModel's LoRA (shared with the second) behind a PEFT warning."""
-    from conftest import build_tokenizer
+    from helpers import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer()
@@ -491,7 +477,7 @@ def _tiny_lm(tok, **cfg):
 def test_a_pad_token_added_past_the_embedding_table_is_never_looked_up():
     """``add_special_tokens({"pad_token": ...})`` gives the pad an id the model's embedding table
     lacks; padding a batch with it crashed with a bare IndexError."""
-    from conftest import build_tokenizer
+    from helpers import build_tokenizer
 
     tok = build_tokenizer()
     lm = _tiny_lm(tok, eos_token_id=1)
@@ -537,7 +523,7 @@ def test_wrong_prompt_and_target_types_are_named(ktm_model, call, match):
 
 
 def test_a_base_named_beside_a_config_is_the_one_loaded(tiny_model_dir, tiny_bos_model_dir):
-    from ktm.config import KTMConfig
+    from ktm.core.config import KTMConfig
 
     model = KTMModel.from_base(tiny_model_dir, config=KTMConfig(k=2))  # config without a base
     assert Path(model.config.base_model).resolve() == Path(tiny_model_dir).resolve()

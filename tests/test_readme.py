@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ktm.cli import COMMANDS, _parser
+from ktm.cli.main import COMMANDS, _parser
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
 # flags of the launchers and servers the README also shows (torchrun, accelerate, pip, vllm)

@@ -1,6 +1,10 @@
-"""The package's shape: serialisation is a leaf, the core never imports a baseline."""
+"""The package's shape: layers that import only downward, no import circle, every name imported
+from its home, a design page that lists every module, and tests that mirror the package."""
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,54 +12,139 @@ import pytest
 import ktm
 
 KTM = Path(ktm.__file__).parent
-CORE = ("batch", "checkpoint", "config", "encoder", "evaluate", "fileio", "generate", "lora",
-        "model", "model_build", "models", "prompt", "train", "train_config", "errors")
+REPO = KTM.parent
+# the layers, bottom up: a module may import its own layer and the layers below it, never a layer
+# above it nor another layer of the same rank (docs/design.md draws the same map)
+RANK = {"errors": 0, "util": 1, "core": 2, "readers": 3, "decode": 3, "model": 4, "tasks": 4,
+        "compressors": 5, "evaluation": 5, "training": 6, "serving": 7, "bench": 8, "cli": 9}
+TOP_MODULES = {"__init__.py", "errors.py", "model.py"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(KTM.rglob("*.py"))}
+
+
+def layer(module: str) -> str:
+    return module.split(".")[1] if module != "ktm" else "ktm"
 
 
 def imports_of(module: str) -> set[str]:
     """Every ktm module a file imports, at the top or inside a function."""
-    tree = ast.parse((KTM / f"{module}.py").read_text())
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                found.add(full if full in MODULES else node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-    return {m for m in found if m == "ktm" or m.startswith("ktm.")}
+    return {m for m in found if m.startswith("ktm.")}
 
 
-def test_serialisation_never_imports_the_model_back():
-    assert not {m for m in imports_of("checkpoint") if m.startswith("ktm.model")
-                and m != "ktm.models"}
+def defined_names(module: str) -> set[str]:
+    """The names a module binds itself (classes, functions, assignments), not those it imports."""
+    names = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
 
 
-@pytest.mark.parametrize("module", CORE)
-def test_the_core_never_imports_a_baseline(module):
-    assert not {m for m in imports_of(module) if m.startswith("ktm.compressors")}
+def test_the_top_level_holds_only_the_layers():
+    top = {p.name for p in KTM.iterdir() if p.suffix == ".py"}
+    folders = {p.name for p in KTM.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert top == TOP_MODULES
+    assert folders | {"errors", "model"} == set(RANK)
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m != "ktm"])
+def test_a_module_imports_only_its_own_layer_and_those_below(module):
+    mine = layer(module)
+    upward = {m for m in imports_of(module)
+              if layer(m) != mine and RANK[layer(m)] >= RANK[mine]}
+    assert upward == set(), f"{module} ({mine}, rank {RANK[mine]}) imports {sorted(upward)}"
+
+
+def test_no_import_circle():
+    graph = {m: {i for i in imports_of(m) if i in MODULES} for m in MODULES}
+    done, stack = set(), []
+
+    def visit(m):
+        if m in stack:
+            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+        if m in done:
+            return
+        stack.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+def test_every_name_is_imported_from_its_home():
+    """No compatibility re-exports: ``from ktm.x import name`` finds ``name`` defined in ``ktm.x``
+    (the top-level ``ktm`` alone serves the public API by lazy lookup)."""
+    files = [*KTM.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *(REPO / "results").rglob("*.py")]
+    wrong = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.startswith("ktm.")):
+                continue
+            assert node.module in MODULES, f"{path}:{node.lineno}: no module {node.module}"
+            home = defined_names(node.module)
+            wrong += [f"{path.relative_to(REPO)}:{node.lineno}: {a.name} from {node.module}"
+                      for a in node.names
+                      if a.name not in home and f"{node.module}.{a.name}" not in MODULES]
+    assert wrong == []
+
+
+def test_the_design_page_lists_every_module_once():
+    page = (REPO / "docs" / "design.md").read_text()
+    listed = re.findall(r"^\| `([\w/]+\.py)` \|", page, flags=re.M)
+    paths = sorted(str(p.relative_to(KTM)) for p in KTM.rglob("*.py"))
+    assert sorted(listed) == paths
+
+
+def test_the_tests_mirror_the_package():
+    tests = REPO / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= set(RANK) and folders, folders
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test files of one name: pytest imports one"
 
 
 def test_report_help_does_not_import_torch():
-    import subprocess
-    import sys
-
-    code = ("import sys\nfrom ktm.cli import main\ntry:\n    main(['report', '--help'])\n"
+    code = ("import sys\nfrom ktm.cli.main import main\ntry:\n    main(['report', '--help'])\n"
             "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "results" in out.stdout  # the help text was printed
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_public_names_load_lazily_and_train_stays_the_function():
-    from ktm import KTMModel, TrainConfig, train
-    from ktm.train import train as train_function  # the submodule is imported by now
+def test_public_names_load_lazily_from_their_homes():
+    code = ("import sys, ktm\nprint('torch' in sys.modules)\n"
+            "from ktm import KTMModel, PretrainConfig, TrainConfig, pretrain, train\n"
+            "from ktm.training.pretrain import pretrain as p\nfrom ktm.training.train import train"
+            " as t\nprint(train is t, pretrain is p, KTMModel.__module__, TrainConfig.__module__,"
+            " PretrainConfig.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True", "ktm.model", "ktm.training.config",
+                                  "ktm.training.pretrain"]
+    assert set(ktm.__all__) - {"__version__"} <= set(dir(ktm))
 
-    assert train is train_function
-    assert TrainConfig.__module__ == "ktm.train_config" and KTMModel.__module__ == "ktm.model"
-    import ktm
-    import ktm.pretrain as shadowed  # binds the submodule name on the package
 
-    assert callable(ktm.pretrain) and ktm.pretrain is shadowed
-    from ktm.pretrain import pretrain as pretrain_function
-
-    assert ktm.pretrain is pretrain_function and ktm.PretrainConfig.__module__ == "ktm.pretrain"
+def test_python_m_ktm_cli_runs_the_cli():
+    out = subprocess.run([sys.executable, "-m", "ktm.cli", "--help"], capture_output=True,
+                         text=True, check=True)
+    assert "usage: ktm" in out.stdout

@@ -3,7 +3,6 @@ is a one-line error naming the path, leaves the previous file or checkpoint inta
 and leaves no temp file behind."""
 
 import errno
-import importlib
 import json
 import os
 import pathlib
@@ -13,21 +12,23 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import fresh_model as fresh
+from helpers import fresh_model as fresh
 
-import ktm.bench as bench
-import ktm.evaluate as evaluate_module
-import ktm.train_state as train_state
-from ktm import KTMError, fileio
-from ktm.bench import BenchConfig, main_bench
-from ktm.cli import main
+import ktm.bench.bench as bench
+import ktm.evaluation.evaluate as evaluate_module
+import ktm.training.state as train_state
+import ktm.training.train as train_module
+from ktm import KTMError
+from ktm.bench.bench import BenchConfig, main_bench
+from ktm.cli.main import main
 from ktm.model import KTMModel
 from ktm.tasks.tree import TreeTask
-from ktm.train import TrainConfig, train
-
-train_module = importlib.import_module("ktm.train")  # ktm.train is also the function
+from ktm.training.config import TrainConfig
+from ktm.training.train import train
+from ktm.util import fileio
 
 
 def no_space(*_a, **_kw):
@@ -147,8 +148,8 @@ def test_a_full_disk_under_metrics_jsonl_names_it(tiny_model_dir, data, tmp_path
 
 SLOW_SAVE = """
 import pathlib, sys, time
-import ktm.checkpoint as checkpoint
-from ktm.cli import main
+import ktm.core.checkpoint as checkpoint
+from ktm.cli.main import main
 real, saves = checkpoint.replace_dir, []
 
 def slow(tmp, dest):  # the second checkpoint (step 4): stop mid-save until killed
@@ -176,7 +177,7 @@ def test_sigkill_mid_checkpoint_then_resume_continues_exactly(tiny_model_dir, tm
     assert main(argv(tmp_path / "straight")) == 0
     (tmp_path / "slow.py").write_text(SLOW_SAVE)
     marker, out = tmp_path / "marker", tmp_path / "killed"
-    root = os.path.dirname(os.path.dirname(fileio.__file__))
+    root = str(Path(fileio.__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(tmp_path / "slow.py"), str(marker), *argv(out)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -199,7 +200,7 @@ def test_sigkill_mid_checkpoint_then_resume_continues_exactly(tiny_model_dir, tm
 
 KILLED_MID_WRITE = """
 import os, signal, sys
-from ktm.fileio import atomic_open
+from ktm.util.fileio import atomic_open
 with atomic_open(sys.argv[1]) as f:
     f.write('{"half": ')
     f.flush()
@@ -213,7 +214,7 @@ def test_the_next_write_of_a_file_removes_the_temp_a_killed_write_left(tmp_path)
     process, and the next write of the same file removes it, never a live process's, another
     machine's or another file's."""
     path = tmp_path / "r.json"
-    root = os.path.dirname(os.path.dirname(fileio.__file__))
+    root = str(Path(fileio.__file__).parents[2])
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(path)], env=env)
     assert killed.returncode == -signal.SIGKILL

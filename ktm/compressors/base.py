@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ktm.core.prompt import Segment, as_segments
 from ktm.errors import KTMError
-from ktm.prompt import Segment, as_segments
 from ktm.tasks.base import Example
 
 # hard (text) methods are read by the plain LM: K=1 without MLP means no merging at all
@@ -44,7 +44,7 @@ class Compressor:
     """Base class: subclasses implement ``rewrite`` (or override ``compress_batch``).
 
     ``model_kwargs`` are the encoder settings the method needs (``k``, ``use_mlp``), applied by
-    ``ktm.compressors.cli.apply_compressor``; ``rewrites_prompts=False`` marks a method that is
+    ``ktm.compressors.apply.apply_compressor``; ``rewrites_prompts=False`` marks a method that is
     only a model setting (mean pooling).
     """
 

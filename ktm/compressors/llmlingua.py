@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 from unittest import mock
 
 from ktm.compressors.base import Compressor, check_ratio
+from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.prompt import Segment
 from ktm.tasks.base import Example
 
 INSTALL = "pip install --no-deps llmlingua==0.2.2 tiktoken==0.14.0 nltk==3.10.4"
@@ -85,7 +85,7 @@ class LLMLingua(Compressor):
                 "llmlingua2_model": self.llmlingua2_model}
 
     def fit(self, examples: Sequence[Example], model) -> None:
-        from ktm.models import resolve_model_path
+        from ktm.core.base_model import resolve_model_path
 
         super().fit(examples, model)
         if self.llmlingua2_model:

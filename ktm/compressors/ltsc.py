@@ -33,10 +33,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ktm.compressors.base import Compressor
+from ktm.core.prompt import Segment, as_segments
 from ktm.errors import KTMError
-from ktm.fileio import save_safetensors_atomic, write_json_atomic
-from ktm.prompt import Segment, as_segments
 from ktm.tasks.base import Example
+from ktm.util.fileio import save_safetensors_atomic, write_json_atomic
 
 SEP = -1  # between training sequences; marks (<= -2) stand for meta-token i as -(2 + i)
 STATE_JSON, STATE_ROWS = "ltsc.json", "ltsc_meta.safetensors"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from ktm.compressors.base import Compressor
-from ktm.prompt import Segment
+from ktm.core.prompt import Segment
 
 
 class MeanPool(Compressor):

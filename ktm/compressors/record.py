@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ktm.checkpoint import COMPRESSOR_RECORD, read_compressor_record
 from ktm.compressors import COMPRESSORS, get_compressor
 from ktm.compressors.base import Compressor
 from ktm.compressors.ltsc import STATE_JSON
+from ktm.core.checkpoint import COMPRESSOR_RECORD, read_compressor_record
 from ktm.errors import KTMError
-from ktm.fileio import write_json_atomic
+from ktm.util.fileio import write_json_atomic
 
 RECORD = COMPRESSOR_RECORD
 
@@ -34,7 +34,7 @@ def write_record(directory: str | Path, name: str, options: dict[str, Any]) -> N
 
 
 def checkpoint_saver(compressor: Compressor, options: dict[str, Any]) -> Callable[[Path], None]:
-    """``save_extra`` for ``ktm.train.train``: the method's fitted state and its record."""
+    """``save_extra`` for ``ktm.training.train.train``: the method's fitted state and its record."""
     def save(directory: Path) -> None:
         compressor.save_state(directory)
         write_record(directory, compressor.name, options)

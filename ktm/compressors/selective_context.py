@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 import torch
 
 from ktm.compressors.base import Compressor, check_ratio
+from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.prompt import Segment
 
 UNITS = ("token", "word")
 # logits held at once while scoring (elements): (B, L, V) for a long batch would not fit

@@ -51,16 +51,16 @@ def find_reader(model: str, k: int) -> str | None:
 
     An embedded model's is found by name (``smollm2-135m`` -> ``smollm2-135m-k4``); a folder's
     by content: the reader of K=``k`` whose recorded base-model identity (sizes and tokenizer
-    vocabulary, ``ktm.base_identity``) is the folder's, so a local copy of the embedded model
+    vocabulary, ``ktm.core.base_identity``) is the folder's, so a local copy of the embedded model
     gets its reader under any path and another model never does.
 
     A reader of exactly K=``k`` is always preferred; without one, a recursive reader whose
     inner K is ``k`` (a K=4 reader of two K=2 merges loads at K=2, keeping about what the K=2
     reader keeps: README, "A K mix") is a better start than mean pooling.
     """
-    from ktm.base_identity import differences, folder_identity
-    from ktm.checkpoint import read_config
-    from ktm.models import EMBEDDED, resolve_model_path
+    from ktm.core.base_identity import differences, folder_identity
+    from ktm.core.base_model import EMBEDDED, resolve_model_path
+    from ktm.core.checkpoint import read_config
 
     named = f"{model}-k{k}"
     if named in READERS or model in EMBEDDED:
@@ -107,8 +107,8 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
 
     ``info`` (the training command, data, CPU minutes, readability) goes to ``reader.json``.
     """
-    from ktm.checkpoint import ADAPTER, CONFIG, ENCODER, FILE_ERRORS, read_config, save_atomic
-    from ktm.fileio import write_json_atomic, write_text_atomic
+    from ktm.core.checkpoint import ADAPTER, CONFIG, ENCODER, FILE_ERRORS, read_config, save_atomic
+    from ktm.util.fileio import write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
     cfg = read_config(src)
@@ -142,7 +142,7 @@ def check_name_fits(name: str, config: dict) -> None:
     """A reader named ``MODEL-kN`` (how ``ktm demo`` finds one) must be a K=N checkpoint, and of
     ``MODEL`` itself when that is an embedded model's name: packing a run of another model or K
     under it would replace the shipped reader with one its users cannot load."""
-    from ktm.models import EMBEDDED
+    from ktm.core.base_model import EMBEDDED
 
     stem, _, level = name.rpartition("-k")
     if level.isdigit() and int(level) != config.get("k"):
@@ -155,7 +155,7 @@ def check_name_fits(name: str, config: dict) -> None:
 
 def run_info(run_dir: str | Path) -> dict:
     """What trained a run: its command, configs, data, CPU minutes and last readability."""
-    from ktm.fileio import read_metrics
+    from ktm.util.fileio import read_metrics
 
     run = Path(run_dir)
     try:

@@ -19,8 +19,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.jsonl import read_jsonl, row_error, task_files
 from ktm.tasks.labels import parse_label as _parse_label

@@ -9,8 +9,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from ktm.core.prompt import Segment, as_segments
 from ktm.errors import KTMError
-from ktm.prompt import Segment, as_segments
 
 TaskKind = Literal["classification", "perplexity"]
 PromptMode = Literal["paper", "context"]  # paper: whole prompt compressed; context: question plain

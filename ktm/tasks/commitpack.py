@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.jsonl import read_jsonl, task_files
 from ktm.tasks.split import (

@@ -39,8 +39,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.prompt import Segment
 from ktm.tasks.amazon import EVAL_ONLY as AMAZON_EVAL_ONLY
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.commitpack import EVAL_ONLY as COMMITPACK_EVAL_ONLY

@@ -15,8 +15,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.prompt import Segment
 from ktm.tasks.base import Example, PromptMode, TaskKind
 from ktm.tasks.jsonl import find_data_file, read_jsonl, resolve_data_path, row_error
 from ktm.tasks.labels import parse_label as _parse_label

@@ -20,11 +20,12 @@ import time
 
 import torch
 
+from ktm.core.prompt import Segment
 from ktm.model import KTMModel
-from ktm.pretrain import PretrainConfig
-from ktm.prompt import Segment
-from ktm.provenance import git_revision, versions, write_json_atomic
 from ktm.tasks import get_task
+from ktm.training.pretrain import PretrainConfig
+from ktm.util.fileio import write_json_atomic
+from ktm.util.provenance import git_revision, versions
 
 
 def is_chain(text: str) -> bool:

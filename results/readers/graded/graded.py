@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from ktm import KTMModel
-from ktm.batch import CompressedPrompt
-from ktm.prefix import PromptEncoder
-from ktm.provenance import git_revision, versions
-from ktm.readability import heldout_readability
+from ktm.core.batch import CompressedPrompt
+from ktm.core.prefix import PromptEncoder
+from ktm.evaluation.readability import heldout_readability
+from ktm.util.provenance import git_revision, versions
 
 GRADED, PLAIN = int(sys.argv[1]), int(sys.argv[2])
 N_WINDOWS, SEED, READER = 64, 1, "smollm2-135m-k4"

@@ -1,0 +1,3 @@
+"""The efficiency benchmark (``ktm bench``): timed runs of the one decode path and of training
+steps, the serve load test, and plots of its JSON rows.
+"""

@@ -1,0 +1,373 @@
+"""Efficiency benchmark: uncompressed vs K-token merging, interleaved in one run.
+
+For every (input length, batch size) the methods run A B C A B C ... (order reversed on odd
+repeats) after warm-up, so slow drifts of a shared machine hit every method alike. Speed-ups are
+medians of per-repeat ratios against the uncompressed run of the *same* repeat. Peak memory
+comes from one extra untimed run per method (see ``memory_pass``).
+
+    infer: ids -> [encoder] -> prefill (KV cache filled) -> first token -> greedy decode
+    train: LoRA training step (forward + backward + clip + AdamW) at a fixed input length
+
+Prompts are synthetic text built from single-token words, so a prompt has exactly the requested
+number of tokens (checked). Inference starts from token ids: tokenization is outside the timings.
+
+    ktm bench --quick                       # about two minutes on 2 CPU cores
+    ktm bench --lengths 2048 --ks 2 4       # the prefill speed-up targets
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ktm.bench.measure import (
+    infer_once,
+    synthetic_text,
+    train_once,
+    trim_allocator,
+    word_pool,
+)
+from ktm.core.base_model import parse_dtype
+from ktm.core.config import DEFAULT_MODEL
+from ktm.core.encoder import KTokenEncoder
+from ktm.errors import KTMError
+from ktm.training.train import adamw
+from ktm.util.fileio import check_writable, write_json_atomic
+from ktm.util.provenance import git_revision, versions
+
+MODES = ("infer", "train", "serve")
+QUICK = {"lengths": (256, 1024, 2048), "ks": (2, 4, 8), "repeats": 3, "output_tokens": 8}
+# --mode serve replaces options left at their defaults with these (then with SERVE_QUICK)
+SERVE = {"lengths": (1024,), "ks": (2, 4), "repeats": 3, "out": "results/bench/serve.json"}
+SERVE_QUICK = {"lengths": (256,), "clients": (1, 4), "requests": 8, "output_tokens": 8}
+
+
+@dataclass
+class BenchConfig:
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "embedded model name, local HF model folder, or ktm checkpoint folder"})
+    mode: str = field(default="infer", metadata={
+        "help": "infer: prefill/decode timings; train: LoRA training-step throughput; "
+                "serve: ktm serve under 1/4/16 concurrent clients (see ktm.bench.serve)",
+        "choices": MODES})
+    lengths: tuple[int, ...] = field(default=(256, 512, 1024, 2048, 4096), metadata={
+        "help": "prompt lengths in tokens (exact)"})
+    batch_sizes: tuple[int, ...] = field(default=(1,), metadata={"help": "batch sizes"})
+    ks: tuple[int, ...] = field(default=(1, 2, 3, 4, 8), metadata={"help": "merge factors K"})
+    mlp_ratios: tuple[float, ...] = field(default=(2.0,), metadata={
+        "help": "encoder MLP width = ratio * K * hidden (2.0 = paper width); several to compare"})
+    uncompressed: bool = field(default=True, metadata={
+        "help": "include the uncompressed baseline (needed for speed-ups)"})
+    output_tokens: int = field(default=32, metadata={
+        "help": "tokens generated per sample for decode and end-to-end timings (infer)"})
+    target_tokens: int = field(default=16, metadata={
+        "help": "target tokens per sample, EOS excluded (train)"})
+    repeats: int = field(default=5, metadata={"help": "timed repeats per method (medians)"})
+    warmup: int = field(default=1, metadata={"help": "untimed passes over all methods first"})
+    seed: int = field(default=0, metadata={"help": "seed of the synthetic prompts and encoders"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda[:i]"})
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    threads: int = field(default=0, metadata={
+        "help": "torch CPU threads; 0 leaves torch's setting (it is recorded either way)"})
+    out: str = field(default="results/bench/bench.json", metadata={
+        "aliases": ["--json"], "help": "JSON result file"})  # --json: ktm eval's name
+    quick: bool = field(default=False, metadata={
+        "help": f"replace options left at their defaults with the quick preset {QUICK}"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    clients: tuple[int, ...] = field(default=(1, 4, 16), metadata={
+        "help": f"serve: concurrent clients (serve mode's defaults: {SERVE}, quick {SERVE_QUICK})"})
+    requests: int = field(default=32, metadata={
+        "help": "serve: requests per (method, clients) point"})
+
+    def __post_init__(self) -> None:
+        if self.mode == "serve":
+            preset = {**SERVE, **(SERVE_QUICK if self.quick else {})}
+        else:
+            preset = QUICK if self.quick else {}
+        # lengths nobody chose (the default or a preset's) are cut to the model's context later
+        self.lengths_unchosen = self.lengths == BenchConfig.lengths
+        for f in fields(self):
+            if f.name in preset and getattr(self, f.name) == f.default:
+                setattr(self, f.name, preset[f.name])
+        self.clients = tuple(self.clients)
+        if not self.clients or any(not isinstance(c, int) or c < 1 for c in self.clients):
+            raise KTMError(f"clients must be integers >= 1, got {list(self.clients)}")
+        if self.requests < 1:
+            raise KTMError(f"requests must be >= 1, got {self.requests}")
+        for name in ("lengths", "batch_sizes", "ks", "mlp_ratios"):
+            setattr(self, name, tuple(getattr(self, name)))
+            if not getattr(self, name):
+                raise KTMError(f"{name} is empty: expected at least one value")
+        if self.mode not in MODES:
+            raise KTMError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("lengths", "batch_sizes", "ks"):
+            bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
+            if bad:
+                raise KTMError(f"{name} must be integers >= 1, got {bad}")
+        if any(r <= 0 for r in self.mlp_ratios):
+            raise KTMError(f"mlp_ratios must be > 0, got {list(self.mlp_ratios)}")
+        for name in ("output_tokens", "target_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "threads"):
+            if getattr(self, name) < 0:
+                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        parse_dtype(self.dtype)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise KTMError(f"device must be cpu or cuda[:i], got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # "uncompressed" or "ktm"
+    k: int = 1
+    mlp_ratio: float | None = None
+
+    @property
+    def key(self) -> str:
+        return "uncompressed" if self.name == "uncompressed" else f"K={self.k},r={self.mlp_ratio}"
+
+
+# ---------------------------------------------------------------- aggregation
+PAIRED = {"prefill_s": "speedup_prefill", "ttft_s": "speedup_ttft", "e2e_s": "speedup_e2e",
+          "step_s": "speedup_train"}
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    if xs and all(x == xs[0] for x in xs):
+        return xs[0]  # counts such as compressed tokens stay ints
+    return statistics.median(xs) if xs else None
+
+
+def aggregate(runs: dict[str, list[dict]], baseline: str | None = "uncompressed") -> dict:
+    """Per method key: medians over repeats, plus speed-ups paired by repeat index.
+
+    ``runs[key][r]`` is repeat r of method ``key``; speed-up = median_r(base[r] / method[r]) on
+    the times in PAIRED, so a slow moment of the machine cancels within its own pair.
+    """
+    base = runs.get(baseline) if baseline else None
+    out = {}
+    for key, reps in runs.items():
+        row: dict = {"per_repeat": {}}
+        for name in reps[0]:
+            if name == "tokens":
+                continue
+            values = [r[name] for r in reps]
+            row["per_repeat"][name] = values
+            row[name] = _median(values)
+        if "encoder_s" in row:
+            row["encoder_share"] = _median([r["encoder_s"] / r["prefill_s"] for r in reps])
+        for t, s in PAIRED.items():
+            if t in reps[0] and base is not None:
+                if len(base) != len(reps):
+                    raise KTMError(f"{key} has {len(reps)} repeats, baseline {len(base)}")
+                ratios = [b[t] / r[t] for b, r in zip(base, reps)]
+                row["per_repeat"][s] = ratios
+                row[s] = statistics.median(ratios)
+            elif t in reps[0]:
+                row[s] = None
+        if base is not None and "kv_cache_bytes" in row:
+            row["kv_ratio"] = row["kv_cache_bytes"] / _median([b["kv_cache_bytes"] for b in base])
+        out[key] = row
+    return out
+
+
+# ---------------------------------------------------------------- the run
+def load_model(config: BenchConfig):
+    """A KTMModel from a ktm checkpoint folder or a base model (name or HF folder)."""
+    from ktm.model import KTMModel
+
+    dtype, train = parse_dtype(config.dtype), config.mode == "train"
+    if (Path(config.model) / "ktm_config.json").is_file():
+        return KTMModel.load(config.model, device=config.device, dtype=dtype, trainable=train)
+    return KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
+                              device=config.device, dtype=dtype)
+
+
+def methods_of(config: BenchConfig) -> list[Method]:
+    ms = [Method("uncompressed")] if config.uncompressed else []
+    return ms + [Method("ktm", k, r) for k in config.ks for r in config.mlp_ratios]
+
+
+def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncoder]:
+    """One encoder per merging method; a loaded checkpoint's own encoder is reused if it fits."""
+    own, encs = model.encoder, {}
+    torch.manual_seed(seed)
+    for m in methods:
+        if m.name == "uncompressed":
+            continue
+        if own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.mlp is not None:
+            encs[m.key] = own
+        else:
+            # fp32 like every trainable weight (the model autocasts it to the LM's dtype)
+            encs[m.key] = KTokenEncoder(own.config.hidden_size, m.k, m.mlp_ratio).to(
+                model.device)
+    return encs
+
+
+def _optimizers(model, methods, encs) -> dict[str, torch.optim.Optimizer]:
+    lora = [p for n, p in model.peft.named_parameters() if p.requires_grad]
+    if not lora:
+        raise KTMError("no trainable LoRA weights: train mode needs a trainable adapter")
+    return {m.key: adamw(lora + (list(encs[m.key].parameters()) if m.key in encs else []),
+                         lr=1e-6) for m in methods}
+
+
+def interleave(run, methods: list[Method], warmup: int, repeats: int, tick=None
+               ) -> dict[str, list[dict]]:
+    """Call ``run(method)`` A B C ... per pass, reversed on odd passes; keep the timed passes."""
+    runs: dict[str, list[dict]] = {m.key: [] for m in methods}
+    for r in range(warmup + repeats):
+        for m in methods if r % 2 == 0 else methods[::-1]:
+            res = run(m)
+            if r >= warmup:
+                runs[m.key].append(res)
+            if tick:
+                tick()
+    return runs
+
+
+def memory_pass(run, methods: list[Method], stats: dict) -> None:
+    """One untimed run per method on a trimmed heap; its peak memory replaces the timed ones.
+
+    Timed runs reuse memory the allocator kept from earlier (bigger) runs, so their RSS says
+    little about the method itself; trimming first would move page faults into the timings.
+    """
+    for m in methods:
+        gc.collect()
+        trim_allocator()
+        res = run(m)
+        for name in ("peak_mem_bytes", "peak_mem_delta_bytes"):
+            stats[m.key][name] = res[name]
+            stats[m.key]["per_repeat"].pop(name, None)
+
+
+def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[str],
+            targets: list[str]):
+    ids = [model.tokenize(p, first=True) for p in prompts]  # tokenization stays untimed
+
+    def run(m: Method) -> dict:
+        if m.key in encs:
+            model.encoder = encs[m.key]
+        merge = m.name != "uncompressed"
+        if config.mode == "infer":
+            return infer_once(model, ids, merge, config.output_tokens)
+        return train_once(model, opts[m.key], prompts, targets, merge)
+
+    return run
+
+
+def run_bench(config: BenchConfig) -> list[dict]:
+    """Run every (length, batch) with all methods interleaved; one result row per method."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model = load_model(config)
+    extra = config.output_tokens if config.mode == "infer" else config.target_tokens + 1
+    limit = getattr(model.peft.get_base_model().config, "max_position_embeddings", None)
+    fit = tuple(n for n in config.lengths if not limit or n + extra <= limit)
+    if getattr(config, "lengths_unchosen", False) and fit and fit != config.lengths:
+        # a local model of a shorter context than the embedded one's: the preset's longest
+        # lengths are left out, said so; lengths given (--lengths) are refused below
+        print(f"bench: lengths {[n for n in config.lengths if n not in fit]} left out: beyond "
+              f"the model's context of {limit} positions", file=sys.stderr)
+        config.lengths = fit
+    if limit and max(config.lengths) + extra > limit:
+        raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "
+                       f"the model's context of {limit} positions")
+    methods = methods_of(config)
+    encs = _encoders(model, methods, config.seed)
+    opts = _optimizers(model, methods, encs) if config.mode == "train" else {}
+    pool = word_pool(model.tokenizer, config.seed)
+    common = {"mode": config.mode, "model": config.model, "device": str(model.device),
+              "dtype": config.dtype, "threads": torch.get_num_threads(),
+              "mem_kind": "cuda_max_allocated" if model.device.type == "cuda" else "rss",
+              "config": asdict(config), "versions": versions(), "git": git_revision()}
+    per_point = (config.warmup + config.repeats + 1) * len(methods)
+    bar = tqdm(total=len(config.lengths) * len(config.batch_sizes) * per_point,
+               desc=f"bench {config.mode}", disable=not config.progress)
+    rows = []
+    try:
+        for length in config.lengths:
+            for batch in config.batch_sizes:
+                seeds = [config.seed * 1_000_003 + length * 1009 + i for i in range(batch)]
+                prompts = [synthetic_text(model, length, s, pool) for s in seeds]
+                targets = [synthetic_text(model, config.target_tokens, s + 1, pool, first=False)
+                           for s in seeds]
+                run = _runner(model, config, encs, opts, prompts, targets)
+                runs = interleave(run, methods, config.warmup, config.repeats, bar.update)
+                stats = aggregate(runs, "uncompressed" if config.uncompressed else None)
+                memory_pass(run, methods, stats)
+                bar.update(len(methods))
+                for m in methods:
+                    enc = encs.get(m.key)
+                    rows.append({
+                        "method": m.name, "k": m.k, "mlp_ratio": m.mlp_ratio,
+                        "encoder_params": sum(p.numel() for p in enc.parameters()) if enc else 0,
+                        "input_tokens": length, "batch": batch, "repeats": config.repeats,
+                        **({"output_tokens": config.output_tokens} if config.mode == "infer"
+                           else {"target_tokens": config.target_tokens + 1}),
+                        "expected_compressed_tokens": math.ceil(length / m.k),
+                        **stats[m.key], **common})
+    finally:
+        bar.close()
+    return rows
+
+
+# ---------------------------------------------------------------- entry points
+COLUMNS = {
+    "infer": [("method", "{}"), ("k", "{}"), ("mlp_ratio", "{}"), ("input_tokens", "{}"),
+              ("compressed_tokens", "{}"), ("batch", "{}"), ("encoder_s", "{:.3f}"),
+              ("prefill_s", "{:.3f}"), ("encoder_share", "{:.0%}"), ("ttft_s", "{:.3f}"),
+              ("decode_tokens_per_s", "{:.1f}"), ("e2e_s", "{:.2f}"),
+              ("kv_ratio", "{:.3f}"), ("speedup_prefill", "{:.2f}x"), ("speedup_e2e", "{:.2f}x")],
+    "train": [("method", "{}"), ("k", "{}"), ("mlp_ratio", "{}"), ("input_tokens", "{}"),
+              ("compressed_tokens", "{}"), ("batch", "{}"), ("step_s", "{:.3f}"),
+              ("input_tokens_per_s", "{:.0f}"), ("speedup_train", "{:.2f}x")],
+    "serve": [("method", "{}"), ("k", "{}"), ("input_tokens", "{}"),
+              ("prompt_tokens_merged", "{}"), ("clients", "{}"), ("requests_per_s", "{:.2f}"),
+              ("latency_p50_s", "{:.2f}"), ("latency_p95_s", "{:.2f}"), ("ttft_p50_s", "{:.2f}"),
+              ("ttft_p95_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}")],
+    "serve-prefix": [("k", "{}"), ("input_tokens", "{}"), ("cached_positions", "{}"),
+                     ("ttft_uncached_s", "{:.3f}"), ("ttft_cached_s", "{:.3f}"),
+                     ("speedup_ttft_cached", "{:.1f}x")],
+}
+
+
+def _table_kind(row: dict) -> str:
+    return "serve-prefix" if row.get("kind") == "prefix" else row["mode"]
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of the main columns (numbers are formatted only here)."""
+    tables = []
+    for kind in dict.fromkeys(_table_kind(r) for r in rows):
+        cols, part = COLUMNS[kind], [r for r in rows if _table_kind(r) == kind]
+        cell = [[("-" if r.get(c) is None else fmt.format(r[c])) for c, fmt in cols]
+                for r in part]
+        lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+        tables.append("\n".join(lines + ["| " + " | ".join(c) + " |" for c in cell]))
+    return "\n\n".join(tables)
+
+
+def main_bench(config: BenchConfig) -> int:
+    """Run, write the JSON rows atomically, print a table. A ``KTMError`` propagates: the CLI
+    prints it as ``ktm: error: ...`` like every other command."""
+    check_writable(config.out)  # refused now, not after the benchmark
+    if config.mode == "serve":
+        from ktm.bench.serve import run_serve_bench
+
+        rows = run_serve_bench(config)
+    else:
+        rows = run_bench(config)
+    write_json_atomic(config.out, rows)
+    print(format_table(rows))
+    print(f"wrote {len(rows)} rows to {config.out}")
+    return 0

@@ -1,0 +1,5 @@
+"""``python -m ktm.cli ...``: the form launchers take (torchrun, accelerate launch)."""
+
+from ktm.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""The ``ktm`` command line. Each subcommand's flags are built from a typed config dataclass.
+
+Every ``KTMError`` becomes one line on stderr and exit code 2; nothing prints a traceback for bad
+input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ktm.cli.args import (
+    TaskArgs,
+    add_dataclass_args,
+    add_model_args,
+    compressor_args,
+    data_args,
+    from_args,
+    load_or_build,
+    method_args,
+    threads_arg,
+)
+from ktm.cli.serve import export_parser, serve_parser
+from ktm.cli.train import cmd_curriculum as cmd_curriculum  # still importable from ktm.cli
+from ktm.cli.train import cmd_pretrain as cmd_pretrain
+from ktm.cli.train import cmd_train as cmd_train
+from ktm.cli.train import curriculum_parser, pretrain_parser, train_parser
+from ktm.errors import KTMError
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def cmd_pack_reader(args: argparse.Namespace) -> int:
+    from ktm.readers import check_finished, lineage_info, pack_reader, run_info
+
+    check_finished(args.run_dir)
+    info = lineage_info(args.after, run_info(args.run_dir))
+    path = pack_reader(Path(args.run_dir) / "checkpoint", args.name, info)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"reader {args.name!r}: {path} ({size / 2**20:.1f} MiB), "
+          f"{info['steps']} steps, {info['cpu_minutes']:.0f} CPU-minutes "
+          f"({info['cpu_minutes_total']:.0f} with {len(info['lineage'])} earlier stages)")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ktm.compressors.apply import parse_options
+    from ktm.compressors.record import resolve
+    from ktm.core.prompt import Segment, as_segments
+    from ktm.decode.generate import GenerationConfig
+
+    # the options and the prompt are checked before the model is loaded (seconds, or minutes)
+    segments = list(as_segments([Segment(args.prompt)]
+                                + [Segment(p, compress=False) for p in args.plain]))
+    opts = from_args(GenerationConfig, args).to_dict()
+    # a baseline's checkpoint reads its prompts as the method it records rewrote them
+    name, options = resolve(args.checkpoint, args.compressor,
+                            parse_options(args.compressor_option))
+    model = load_or_build(args)
+    before = None
+    if name:
+        segments, before = _baseline_prompt(args, name, options, model, segments)
+    if args.stream:
+        for piece in model.stream(segments, **opts):
+            print(piece, end="", flush=True)
+        print()
+    else:
+        print(model.generate(segments, **opts))
+    cp = model.compress(segments, merge=opts["merge"])
+    how = "" if before is None else f" ({name}: {before} tokens rewritten to {cp.tokens_in})"
+    n_in = cp.tokens_in if before is None else before
+    print(f"[prompt tokens {n_in} -> {cp.tokens_out}{how}, K={model.k}]",
+          file=sys.stderr)
+    return 0
+
+
+def _baseline_prompt(args: argparse.Namespace, name: str, options: dict, model, segments):
+    """``segments`` rewritten by method ``name`` (its fitted state restored from the checkpoint),
+    and the original prompt's token count."""
+    from ktm.compressors.apply import apply_compressor
+    from ktm.compressors.ltsc import STATE_JSON
+    from ktm.tasks.base import Example
+
+    if name == "ltsc" and not (args.checkpoint and (Path(args.checkpoint) / STATE_JSON).is_file()):
+        raise KTMError(f"--compressor ltsc learns its meta-tokens in training, but "
+                       f"{args.checkpoint or 'the model'!r} holds none ({STATE_JSON}): expected "
+                       "--checkpoint of a model trained with --compressor ltsc")
+    applied = apply_compressor(name, options, model, [], [Example(tuple(segments), "")],
+                               state_dir=args.checkpoint, replace_encoder=not args.checkpoint,
+                               compress_train=False)
+    ex = applied.eval_examples[0]
+    return list(ex.segments), ex.meta.get("tokens_before")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ktm.cli.eval import run_eval
+
+    return run_eval(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ktm.evaluation.report import report
+
+    print(report(args.results, args.plot))
+    if args.plot:
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ktm.bench.bench import BenchConfig, main_bench
+
+    return main_bench(from_args(BenchConfig, args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ktm.cli.demo import DemoConfig, run_demo
+
+    run_demo(from_args(DemoConfig, args))
+    return 0
+
+
+def _demo_parser(demo: argparse.ArgumentParser) -> None:
+    from ktm.cli.demo import DemoConfig
+
+    add_dataclass_args(demo, DemoConfig)
+    data_args(demo)
+    threads_arg(demo)
+    demo.set_defaults(run=cmd_demo)
+
+
+def _generate_parser(gen: argparse.ArgumentParser) -> None:
+    from ktm.decode.generate import GenerationConfig
+
+    add_model_args(gen)
+    gen.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
+                                          "model flags given must agree with it)")
+    gen.add_argument("--prompt", required=True, help="text to compress")
+    gen.add_argument("--plain", action="append", default=[],
+                     help="text appended as plain tokens (repeatable)")
+    gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
+    method_args(gen)
+    add_dataclass_args(gen, GenerationConfig)
+    gen.set_defaults(run=cmd_generate)
+
+
+def _eval_parser(ev: argparse.ArgumentParser) -> None:
+    from ktm.cli.eval import EvalArgs
+
+    add_model_args(ev)
+    add_dataclass_args(ev, TaskArgs)
+    add_dataclass_args(ev, EvalArgs)
+    ev.set_defaults(run=cmd_eval)
+    compressor_args(ev)
+    data_args(ev)
+    threads_arg(ev)
+
+
+def _pack_parser(pack: argparse.ArgumentParser) -> None:
+    pack.add_argument("run_dir", help="a finished `ktm pretrain` --out-dir")
+    pack.add_argument("--name", required=True, help="registered reader name, e.g. smollm2-135m-k4")
+    pack.add_argument("--after", nargs="+", default=[], metavar="RUN_DIR",
+                      help="the earlier stages this run continues, oldest first (their run "
+                           "folders: run.json + metrics.jsonl), recorded as the reader's lineage")
+    pack.set_defaults(run=cmd_pack_reader)
+
+
+def _report_parser(rep: argparse.ArgumentParser) -> None:
+    rep.add_argument("results", nargs="+",
+                     help="`ktm eval` result JSON files, or the metrics.jsonl of training runs "
+                          "(`ktm pretrain` / `ktm train` with --eval-every): their metric "
+                          "against CPU-minutes")
+    rep.add_argument("--plot", help="write the plot here: performance against length reduction "
+                                    "with the Pareto frontier, or the metric against CPU-minutes")
+    rep.set_defaults(run=cmd_report, light=True)
+
+
+def _bench_parser(bench: argparse.ArgumentParser) -> None:
+    from ktm.bench.bench import BenchConfig
+
+    add_dataclass_args(bench, BenchConfig)
+    bench.set_defaults(run=cmd_bench)
+
+
+# name -> (help, flags); a command's flags (and the modules they come from) are only built
+# when it runs, so `ktm report --help` never imports torch
+COMMANDS = {
+    "demo": ("train and evaluate a K=4 merger on the embedded model", _demo_parser),
+    "train": ("fine-tune encoder + LoRA on a task", train_parser),
+    "pretrain": ("train a reader on unlabeled text (no task labels)", pretrain_parser),
+    "generate": ("generate from a compressed prompt", _generate_parser),
+    "eval": ("evaluate a checkpoint on a task; write one JSON result", _eval_parser),
+    "pack-reader": ("store a pretraining run as a shipped reader (fp16)", _pack_parser),
+    "report": ("tables and plots from `ktm eval` results or training metrics", _report_parser),
+    "curriculum": ("tree curriculum: advance a stage once it passes", curriculum_parser),
+    "bench": ("prefill / decode / training-throughput benchmark", _bench_parser),
+    "serve": ("OpenAI-compatible HTTP server (completions, chat, SSE)", serve_parser),
+    "export": ("export for another engine: --format vllm DIR", export_parser),
+}
+
+
+def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser, with full flags for the command named in ``argv`` (all of them if none)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    p = argparse.ArgumentParser(prog="ktm", description="K-Token Merging for causal LMs")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (text, build) in COMMANDS.items():
+        sp = sub.add_parser(name, help=text, description=text)
+        if command not in COMMANDS or name == command:
+            build(sp)
+    return p
+
+
+def _quiet_libraries() -> None:
+    """Our own tqdm bars are the progress report; silence the libraries' per-load bars."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+LAUNCHABLE = ("train", "pretrain", "curriculum")  # the commands that train on several processes
+
+
+def _check_launcher(command: str) -> None:
+    """Under torchrun / accelerate launch every process ran the whole of any other command:
+    the work N times, its output printed N times and its files written N times over."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    if command not in LAUNCHABLE and size.strip() not in ("", "0", "1"):
+        raise KTMError(f"ktm {command} runs in one process, but a launcher started "
+                       f"WORLD_SIZE={size} of them: run it without torchrun / accelerate "
+                       f"launch (only {', '.join(LAUNCHABLE)} run on several)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import shlex
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser(argv).parse_args(argv)
+    args.command_line = shlex.join(["ktm", *argv])  # recorded with runs that ship
+    if not getattr(args, "light", False):
+        _quiet_libraries()
+    try:
+        _check_launcher(args.command)
+        set_threads(args)
+        if getattr(args, "data_dir", None):
+            from ktm.tasks.jsonl import set_data_dir
+
+            set_data_dir(args.data_dir)
+        return args.run(args)
+    except KTMError as e:
+        print(f"ktm: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)  # 1: another process of the run failed first
+    except KeyboardInterrupt:
+        print("ktm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `ktm report ... | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # a failed read or write the command did not name itself
+        print(f"ktm: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,38 @@
+"""``ktm serve`` and ``ktm export``: the commands that hand a model to other programs (flags from
+``ServeConfig`` and ``ExportConfig``; nothing heavy is imported until a command runs)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ktm.cli.args import add_dataclass_args, from_args
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ktm.serving.app import serve
+    from ktm.serving.config import ServeConfig
+
+    serve(from_args(ServeConfig, args))
+    return 0
+
+
+def serve_parser(sp: argparse.ArgumentParser) -> None:
+    from ktm.serving.config import ServeConfig
+
+    add_dataclass_args(sp, ServeConfig)
+    sp.set_defaults(run=cmd_serve)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ktm.serving.vllm_export import ExportConfig, run_export
+
+    run_export(from_args(ExportConfig, args), args.out)
+    return 0
+
+
+def export_parser(sp: argparse.ArgumentParser) -> None:
+    from ktm.serving.vllm_export import ExportConfig
+
+    sp.add_argument("out", metavar="DIR", help="output folder (new, or a previous export)")
+    add_dataclass_args(sp, ExportConfig)
+    sp.set_defaults(run=cmd_export)

@@ -1,0 +1,305 @@
+"""A ktm checkpoint's files: JSON config + encoder safetensors + PEFT adapter. No pickle.
+
+    DIR/ktm_config.json        KTMConfig, sizes, base model identity (ktm.core.base_identity),
+                               which modules got LoRA, package versions
+    DIR/encoder.safetensors    encoder weights (fp32)
+    DIR/adapter/               PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)
+    DIR/compressor.json        a baseline's method and options, when trained with one (written
+                               by ``ktm.compressors.record``, not here: the core never imports a
+                               baseline), with the method's fitted state (LTSC)
+
+A leaf module (PEFT's ``save_pretrained``/``from_pretrained`` split): it reads and writes files
+for any object with the model's attributes and never imports the model; ``KTMModel.load`` builds
+the model from what it returns. ``ktm_config.json`` format 2 keeps the ``KTMConfig`` under
+``config``; format 1 (before ``KTMConfig``) is still read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ktm.core.base_identity import check_same_base
+from ktm.core.config import KTMConfig
+from ktm.core.encoder import EncoderConfig, KTokenEncoder
+from ktm.core.lora import peft_wrapping
+from ktm.errors import KTMError
+from ktm.util.fileio import (
+    WriteError,
+    replace_dir,
+    temp_dir_beside,
+    write_error,
+    write_json_atomic,
+)
+from ktm.util.provenance import versions
+
+CONFIG = "ktm_config.json"
+ENCODER = "encoder.safetensors"
+ADAPTER = "adapter"
+ADAPTER_WEIGHTS = f"{ADAPTER}/adapter_model.safetensors"
+FORMAT_VERSION = 2
+COMPRESSOR_RECORD = "compressor.json"
+# baselines that are only an encoder setting (the loaded model already is them), the rest
+# rewrite prompts; kept equal to ``ktm.compressors`` by a test, as the core never imports it
+SETTING_ONLY = ("mean_pool",)
+READABLE_FORMATS = (1, 2)
+# errors that mean "this file is missing, truncated or not what it claims to be"
+FILE_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError)
+
+
+# ---------------------------------------------------------------- writing
+def write_model_files(model, directory: Path) -> None:
+    """Write the model's checkpoint files into an existing folder (not atomic by itself)."""
+    state = {k: v.detach().float().contiguous().cpu()
+             for k, v in model.encoder.state_dict().items()}
+    save_file(state, str(directory / ENCODER), metadata={"k": str(model.k)})
+    model.peft.save_pretrained(str(directory / ADAPTER), safe_serialization=True)
+    write_json_atomic(directory / CONFIG, {"format": "ktm", "format_version": FORMAT_VERSION,
+                                           **model.config_dict, "versions": versions()})
+
+
+def save_atomic(directory: str | Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temp folder beside ``directory``, then swap it in. A failed
+    write (no space, no permission) is a ``KTMError`` naming ``directory``, which is intact."""
+    dest = Path(directory)
+    tmp = None
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_dir_beside(dest)
+        write(tmp)
+        replace_dir(tmp, dest)
+    except (OSError, SafetensorError, WriteError) as e:
+        raise write_error(dest, e) from e
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_model(model, directory: str | Path) -> None:
+    """Write a checkpoint; a crash midway leaves any previous checkpoint intact. Only a
+    checkpoint or an empty folder is replaced: the swap would delete anything else there."""
+    dest = Path(directory)
+    if dest.exists() and not (dest.is_dir() and (not any(dest.iterdir())
+                                                 or (dest / CONFIG).is_file())):
+        raise KTMError(f"{str(dest)!r} exists and is not a ktm checkpoint (saving would replace "
+                       "it and everything in it): expected a new or empty folder, or a checkpoint")
+    save_atomic(directory, lambda tmp: write_model_files(model, tmp))
+
+
+# ---------------------------------------------------------------- reading
+def read_config(directory: str | Path) -> dict:
+    """The checkpoint's ``ktm_config.json`` as written (format checked)."""
+    path = Path(directory) / CONFIG
+    if not path.is_file():
+        raise KTMError(f"{str(directory)!r} is not a ktm checkpoint: {CONFIG} is missing")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KTMError(f"checkpoint config {str(path)!r} is corrupt: {e}") from e
+    if not isinstance(cfg, dict) or cfg.get("format") != "ktm":
+        raise KTMError(f"{str(path)!r} is not a ktm checkpoint config")
+    if cfg.get("format_version") not in READABLE_FORMATS:
+        raise KTMError(f"checkpoint format_version {cfg.get('format_version')!r} is not supported; "
+                       f"expected one of {READABLE_FORMATS}")
+    return cfg
+
+
+def read_compressor_record(directory: str | Path) -> dict | None:
+    """``{"name", "options"}`` of the baseline the checkpoint was trained with, as written (the
+    name is checked against the registry by ``ktm.compressors.record``); None without one."""
+    path = Path(directory) / COMPRESSOR_RECORD
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise KTMError(f"compressor record {str(path)!r} is unreadable: {e}") from e
+    if (not isinstance(rec, dict) or not isinstance(rec.get("name"), str)
+            or not isinstance(rec.get("options"), dict)):
+        raise KTMError(f"compressor record {str(path)!r} is corrupt: expected "
+                       f"{{'name': a method, 'options': {{...}}}}, got {rec!r}")
+    return rec
+
+
+def model_config(directory: str | Path) -> KTMConfig:
+    """The ``KTMConfig`` a checkpoint was saved with."""
+    try:
+        return KTMConfig.from_checkpoint(read_config(directory))
+    except KTMError as e:
+        raise KTMError(f"checkpoint {str(directory)!r}: {e}") from e
+
+
+def check_level(config: KTMConfig, k: int | None, directory: str | Path) -> None:
+    """Refuse a K the checkpoint cannot merge at: its own, or a recursive one's inner K."""
+    if k is not None and k not in config.levels:
+        inner = f" (or its inner K={config.inner_k})" if config.inner_k > 1 else ""
+        raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}{inner}, "
+                       f"but K={k} was requested")
+
+
+def adapter_targets(directory: str | Path) -> tuple[str, ...] | None:
+    """The module names the saved adapter covers (the truth for any format), if readable."""
+    try:
+        saved = json.loads((Path(directory) / ADAPTER / "adapter_config.json").read_text())
+        targets = saved["target_modules"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return tuple(sorted(targets)) if isinstance(targets, list) else None
+
+
+def check_sizes(model, directory: str | Path, saved: dict) -> None:
+    mine = model.config_dict
+    for key in ("hidden_size", "vocab_size"):
+        if saved.get(key) != mine[key]:
+            # most often the model was built on another base (--init-adapter without --model
+            # builds the default one): name both
+            theirs = (saved.get("config") or saved).get("base_model")
+            raise KTMError(f"checkpoint {str(directory)!r} has {key}={saved.get(key)} (base "
+                           f"model {theirs!r}), but the model has {key}={mine[key]} (base model "
+                           f"{model.config.base_model!r}): expected the checkpoint's base model "
+                           "(--model)")
+    check_same_base(directory, saved, model.config.base_model, lambda: model.base_identity)
+
+
+def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, object, object]]:
+    """(name, saved, mine) for every field that changes the model (not base path or dtype)."""
+    out = [("K" if name == "k" else name, getattr(saved, name), getattr(mine, name))
+           for name in (*KTMConfig.ENCODER_FIELDS, "plain_prefix", "plain_suffix",
+                        "align_lines", "spread_positions", "add_eos")]
+    out += [(f"lora.{name}", getattr(saved.lora, name), getattr(mine.lora, name))
+            for name in ("r", "alpha", "dropout")]
+    return [d for d in out if d[1] != d[2]]
+
+
+def check_compatible(model, directory: str | Path) -> dict:
+    """Refuse a checkpoint whose K, encoder, LoRA settings or sizes differ from ``model``'s."""
+    saved = read_config(directory)
+    check_sizes(model, directory, saved)
+    diffs = config_differences(model_config(directory), model.config)
+    targets = adapter_targets(directory)
+    mine = tuple(sorted(model.config.lora.target_modules or ()))
+    if targets is not None and targets != mine:
+        diffs.append(("lora.target_modules", list(targets), list(mine)))
+    if diffs:
+        theirs = ", ".join(f"{n}={a!r}" for n, a, _ in diffs)
+        ours = ", ".join(f"{n}={b!r}" for n, _, b in diffs)
+        raise KTMError(f"checkpoint {str(directory)!r} was saved with {theirs}, but this run has "
+                       f"{ours}: expected the same model settings")
+    return saved
+
+
+def encoder_state(directory: str | Path, enc_cfg: EncoderConfig) -> dict[str, torch.Tensor]:
+    """The saved encoder weights, checked against the shapes ``enc_cfg`` gives."""
+    path = Path(directory) / ENCODER
+    try:
+        state = load_file(str(path))
+    except FILE_ERRORS as e:
+        raise KTMError(f"encoder file {str(path)!r} is missing or corrupt: {e}") from e
+    expected = {k: tuple(v.shape) for k, v in KTokenEncoder.from_config(enc_cfg)
+                .state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    if expected != found:
+        raise KTMError(
+            f"encoder weights in {str(path)!r} do not fit K={enc_cfg.k}, "
+            f"hidden_size={enc_cfg.hidden_size}: expected shapes {expected}, found {found}")
+    return state
+
+
+def load_adapter_into(model, directory: str | Path) -> None:
+    """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
+    reader's adapter); the model's sizes must match. A recursive encoder
+    whose inner level has the checkpoint's encoder config also gets that encoder's weights.
+
+    A model whose LoRA rank is larger than the checkpoint's *grows* it: see ``grow_lora``.
+    """
+    directory = Path(directory)
+    saved = read_config(directory)
+    check_sizes(model, directory, saved)
+    inner = getattr(model.encoder, "inner", None)
+    if inner is not None:
+        theirs = EncoderConfig(inner.config.hidden_size,
+                               **model_config(directory).encoder_kwargs())
+        if theirs == inner.config:
+            inner.load_state_dict(encoder_state(directory, theirs))
+    theirs, mine = model_config(directory).lora, model.config.lora
+    if theirs.r > mine.r:
+        raise KTMError(f"checkpoint {str(directory)!r} has LoRA r={theirs.r}, but the model has "
+                       f"r={mine.r}: expected a rank at least the checkpoint's (a larger one "
+                       "grows the adapter; a smaller one cannot hold it)")
+    path = directory / ADAPTER_WEIGHTS
+    try:
+        state = load_file(str(path))
+    except FILE_ERRORS as e:
+        raise KTMError(f"LoRA adapter {str(path)!r} is missing or corrupt: {e}") from e
+    if (theirs.r, theirs.alpha) != (mine.r, mine.alpha):
+        state = grow_lora(state, get_peft_model_state_dict(model.peft),
+                          scale=(theirs.alpha / theirs.r) / (mine.alpha / mine.r))
+    try:
+        result = set_peft_model_state_dict(model.peft, state)
+    except (RuntimeError, ValueError) as e:  # size mismatch: another base model
+        raise KTMError(f"LoRA adapter {str(path)!r} does not fit this model (another base "
+                       f"model?): {str(e).splitlines()[0]}") from e
+    if result.unexpected_keys:
+        # same sizes, other module names: most often another model family (gpt2 vs opt)
+        kind, mine = saved.get("model_type"), model.config_dict["model_type"]
+        why = (f"it was trained on a {kind!r} model, this one is {mine!r}" if kind and kind != mine
+               else "it was trained with other LoRA settings")
+        raise KTMError(f"LoRA adapter {str(path)!r} has unexpected weights "
+                       f"{result.unexpected_keys[:3]}: {why}")
+
+
+def grow_lora(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
+              scale: float) -> dict[str, torch.Tensor]:
+    """A rank-r adapter inside a rank-R >= r one (or another alpha), computing exactly the same
+    function.
+
+    LoRA adds ``(alpha/r) * B @ A``. The saved A fills the first r rows of the new A (the other
+    rows keep their fresh init, so gradients reach the new columns of B); the saved B, times
+    ``scale`` = (alpha/r)_saved / (alpha/R)_new, fills the first r columns of the new B, and the
+    other columns are zero. Training then uses the extra rank from the saved adapter's function.
+    """
+    out = {}
+    for key, value in saved.items():
+        if key not in current or not (".lora_A." in key or ".lora_B." in key):
+            out[key] = value  # unknown keys are reported by the caller
+            continue
+        new = current[key].detach().clone()
+        value = value.to(new.dtype)
+        r = value.shape[0] if ".lora_A." in key else value.shape[-1]
+        if ".lora_A." in key and new.shape[1:] == value.shape[1:]:
+            new[:r] = value
+        elif ".lora_B." in key and new.shape[:-1] == value.shape[:-1]:
+            new.zero_()
+            new[..., :r] = value * scale
+        else:
+            raise KTMError(f"LoRA weight {key!r} has shape {tuple(value.shape)}, which does not "
+                           f"fit this model's {tuple(new.shape)}: expected another rank only")
+        out[key] = new
+    return out
+
+
+def load_weights_into(model, directory: str | Path) -> None:
+    """Load a checkpoint's encoder and LoRA weights into an existing, compatible model."""
+    directory = Path(directory)
+    check_compatible(model, directory)
+    model.encoder.load_state_dict(encoder_state(directory, model.encoder.config))
+    load_adapter_into(model, directory)
+
+
+def load_peft(lm, directory: str | Path, trainable: bool) -> PeftModel:
+    """The base LM with the checkpoint's LoRA adapter (trainable adapter weights stay fp32)."""
+    path = Path(directory) / ADAPTER
+    try:
+        with peft_wrapping():
+            return PeftModel.from_pretrained(lm, str(path), is_trainable=trainable)
+    except FILE_ERRORS as e:
+        raise KTMError(f"LoRA adapter in {str(path)!r} is missing or corrupt, or does not fit the "
+                       f"base model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                       ) from e

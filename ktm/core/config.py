@@ -1,0 +1,183 @@
+"""``KTMConfig``: everything that defines a ktm model, validated on construction.
+
+It is saved as the checkpoint's config and read back, and the CLI's model flags are built from
+it, so a result row records exactly what was used. A leaf module: no torch, no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from ktm.errors import KTMError
+from ktm.util.field_types import check_field_types
+
+DEFAULT_MODEL = "smollm2-135m"
+# every accepted spelling -> the canonical torch dtype name
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
+                         inner_k: Any) -> None:
+    """The encoder settings' rules, shared by ``KTMConfig`` and ``EncoderConfig``."""
+    if not _is_int(k) or k < 1:
+        raise KTMError(f"k must be an integer >= 1, got {k!r}")
+    if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not (
+            0 < mlp_ratio < float("inf")):
+        raise KTMError(f"mlp_ratio must be > 0 and finite, got {mlp_ratio!r}")
+    if mlp_gate and not use_mlp:
+        raise KTMError("mlp_gate=True needs use_mlp=True: there is no MLP output to gate")
+    if not _is_int(inner_k) or inner_k < 1 or k % inner_k or (1 < inner_k == k):
+        raise KTMError(f"inner_k={inner_k} must divide k={k} and be smaller (1: no recursion)")
+
+
+@dataclass
+class LoraSettings:
+    """The PEFT LoRA adapter of ``KTMConfig.lora`` (the ``--lora-*`` flags). Raises ``KTMError``
+    on construction for ``r`` < 1, ``alpha`` <= 0, ``dropout`` outside [0, 1) or empty module
+    names."""
+
+    r: int = field(default=4, metadata={"help": "LoRA rank"})
+    alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
+    target_modules: tuple[str, ...] | None = field(default=None, metadata={
+        "help": "module names to adapt (None: the family's attention and MLP projections, "
+                "see ktm.core.lora)"})
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not _is_int(self.r) or self.r < 1:
+            raise KTMError(f"LoRA r must be an integer >= 1, got {self.r!r}")
+        if self.alpha <= 0:
+            raise KTMError(f"LoRA alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise KTMError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if self.target_modules is not None:
+            if isinstance(self.target_modules, str):
+                self.target_modules = (self.target_modules,)
+            try:
+                self.target_modules = tuple(self.target_modules)
+            except TypeError:
+                raise KTMError("LoRA target_modules must be module names, got "
+                               f"{self.target_modules!r}") from None
+            if not self.target_modules or not all(isinstance(t, str) and t
+                                                  for t in self.target_modules):
+                raise KTMError("LoRA target_modules must be non-empty module names, got "
+                               f"{list(self.target_modules)!r}")
+
+
+@dataclass
+class KTMConfig:
+    """The model: base LM, the merging encoder, LoRA, and how targets end."""
+
+    base_model: str = field(default=DEFAULT_MODEL, metadata={
+        "flag": "model", "help": "embedded name or HF folder"})
+    k: int = field(default=4, metadata={"help": "tokens merged per block"})
+    mlp_ratio: float = field(default=2.0, metadata={"help": "encoder MLP width / (K * hidden)"})
+    use_mlp: bool = field(default=True, metadata={
+        "flag": "mlp", "help": "use the MLP (off: mean pooling)"})
+    slot_weights: bool = field(default=False, metadata={
+        "help": "order-aware pooling: learnable per-slot weights starting at 1/K"})
+    mlp_gate: bool = field(default=False, metadata={
+        "help": "ReZero gate on the MLP output instead of a zero last layer"})
+    inner_k: int = field(default=1, metadata={
+        "help": "recursive merging: merge blocks of inner_k tokens first (1: off)"})
+    plain_prefix: int = field(default=0, metadata={
+        "help": "first prompt tokens kept plain (the LM's attention sink)"})
+    plain_suffix: int = field(default=0, metadata={
+        "help": "last tokens of the last compressed segment kept plain: the recent tokens, "
+                "which the continuation reads most closely (a prompt layout: a checkpoint can be "
+                "read with another)"})
+    align_lines: bool = field(default=False, metadata={
+        "help": "merged blocks never span a line break: each line of a compressed segment is "
+                "merged on its own, its last block holding fewer than K tokens if need be (a "
+                "prompt layout: a checkpoint can be read with or without it)"})
+    spread_positions: bool = field(default=False, metadata={
+        "help": "a merged block takes its last token's position id, so relative distances are "
+                "the plain prompt's (off: consecutive ids, K times more context fits)"})
+    lora: LoraSettings = field(default_factory=LoraSettings, metadata={"prefix": "lora"})
+    add_eos: bool = field(default=True, metadata={"help": "training targets end with EOS"})
+    dtype: str = field(default="float32", metadata={
+        "help": "base LM weights: float32 | bfloat16 | float16 (trainable weights stay fp32)"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):
+            try:
+                self.lora = LoraSettings(**self.lora)
+            except TypeError as e:
+                raise KTMError(f"KTMConfig.lora {self.lora!r} is malformed: {e}") from e
+        if not isinstance(self.lora, LoraSettings):
+            raise KTMError(f"KTMConfig.lora must be a LoraSettings (or a dict of its fields), got "
+                           f"{self.lora!r}")
+        check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k)
+        if not _is_int(self.plain_prefix) or self.plain_prefix < 0:
+            raise KTMError(f"plain_prefix must be an integer >= 0, got {self.plain_prefix!r}")
+        if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
+            raise KTMError(f"plain_suffix must be an integer >= 0, got {self.plain_suffix!r}")
+        check_field_types(self)  # the other fields (a wrong type fails no rule above)
+        if self.dtype not in DTYPES:
+            raise KTMError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.dtype = DTYPES[self.dtype]
+        if not self.base_model:
+            raise KTMError("base_model is empty: expected an embedded model name or a folder")
+
+    # the encoder's part of the config (EncoderConfig adds the base model's hidden size)
+    ENCODER_FIELDS = ("k", "mlp_ratio", "use_mlp", "slot_weights", "mlp_gate", "inner_k")
+
+    def encoder_kwargs(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.ENCODER_FIELDS}
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """The K this model merges at: its own and, if recursive, its inner K (the inner level
+        is a whole K=inner_k encoder)."""
+        return (self.k, self.inner_k) if self.inner_k > 1 else (self.k,)
+
+    def at_level(self, k: int) -> KTMConfig:
+        """This model read at K=``k``, one of ``levels``: itself, or its inner level."""
+        if k not in self.levels:
+            raise KTMError(f"K={k} is not one of this model's merge levels {sorted(self.levels)}")
+        return self if k == self.k else replace(self, k=k, inner_k=1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.lora.target_modules is not None:
+            d["lora"]["target_modules"] = list(self.lora.target_modules)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KTMConfig:
+        """Read a saved config; fields added later keep their defaults."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise KTMError(f"model config has unknown fields {unknown}: expected some of "
+                           f"{sorted(known)}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise KTMError(f"model config {d!r} is malformed: {e}") from e
+
+    @classmethod
+    def from_checkpoint(cls, saved: dict[str, Any]) -> KTMConfig:
+        """The config of a ``ktm_config.json``: format 2 holds it under ``config``; format 1
+        (before KTMConfig) spread it over ``encoder``, ``lora`` and a few top-level keys."""
+        if "config" in saved:
+            return cls.from_dict(saved["config"])
+        enc = {k: v for k, v in (saved.get("encoder") or {}).items() if k != "hidden_size"}
+        unknown = sorted(set(enc) - set(cls.ENCODER_FIELDS))
+        if unknown:
+            raise KTMError(f"encoder config has unknown fields {unknown}: expected some of "
+                           f"{sorted(cls.ENCODER_FIELDS)}")
+        lora = dict(saved.get("lora") or {})
+        try:
+            return cls(base_model=saved["base_model"], **enc, lora=LoraSettings(**lora),
+                       add_eos=saved.get("add_eos", True),
+                       plain_prefix=saved.get("plain_prefix", 0))
+        except (KeyError, TypeError) as e:
+            raise KTMError(f"checkpoint config is incomplete: {e}") from e

@@ -1,0 +1,243 @@
+"""The K-token merging encoder: every block of K token embeddings becomes one embedding.
+
+    C_i = pool(e_1..e_K) + gate * MLP(concat(e_1..e_K))
+
+``pool`` is the masked mean, or (``slot_weights``) a per-slot, per-dimension weighted sum whose
+weights start at 1/K: it begins as the mean but can tell 'QF' from 'FQ' from the first step,
+which the mean never can. The MLP's contribution starts at exactly zero, either through a zero
+last layer (the paper) or through a zero gate (``mlp_gate``, ReZero-style: the gate is a D-vector
+with fan-in 1, so one Adam step moves it by about the learning rate, whereas a zero last layer
+with a K*D-wide fan-in moves the output by far more than an embedding's norm). Either way an
+untrained encoder is exactly mean pooling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from ktm.core.config import check_encoder_fields
+from ktm.errors import KTMError
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The merging encoder's shape: ``hidden_size`` D of the LM, K, the MLP's width and the
+    optional order-aware parts. ``KTMModel`` builds it from ``KTMConfig``; raises ``KTMError``
+    on construction for an invalid field (e.g. K < 1, ``inner_k`` not dividing K)."""
+
+    hidden_size: int
+    k: int = 4
+    mlp_ratio: float = 2.0  # MLP width = mlp_ratio * k * hidden_size (the paper uses ~1.5-2)
+    use_mlp: bool = True  # False gives the mean-pooling ablation (with slot_weights off)
+    slot_weights: bool = False  # order-aware pooling: per-slot weights initialised to 1/K
+    mlp_gate: bool = False  # ReZero gate on the MLP output (zero-initialised D-vector)
+    # recursive merging: blocks of inner_k tokens are merged first, then k // inner_k of those
+    # (K=4 as a K=2 merge of two K=2 merges, whose inner level can start from the K=2 reader)
+    inner_k: int = 1
+
+    def __post_init__(self) -> None:
+        check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k)
+        if self.hidden_size < 1:
+            raise KTMError(f"hidden_size must be >= 1, got {self.hidden_size!r}")
+
+    @property
+    def mlp_hidden(self) -> int:
+        return max(1, round(self.mlp_ratio * self.k * self.hidden_size))
+
+    def levels(self) -> tuple[EncoderConfig, EncoderConfig] | None:
+        """(inner, outer) single-level configs of a recursive encoder; None for one level."""
+        if self.inner_k == 1:
+            return None
+        inner = replace(self, k=self.inner_k, inner_k=1)
+        return inner, replace(self, k=self.k // self.inner_k, inner_k=1)
+
+    @property
+    def is_identity(self) -> bool:
+        """K=1 with nothing learnable: merging changes nothing and is skipped."""
+        return self.k == 1 and not self.use_mlp and not self.slot_weights
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EncoderConfig:
+        """Read a saved config; fields added after a checkpoint was written keep their
+        defaults-off value, so older checkpoints load unchanged."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise KTMError(f"encoder config has unknown fields {unknown}: expected {sorted(known)}")
+        return cls(**d)
+
+
+class KTokenEncoder(nn.Module):
+    """Merges contiguous blocks of K embeddings.
+
+    forward: (B, T, D) embeddings + (B, T) mask -> (B, ceil(T/K), D) merged + (B, ceil(T/K)) mask.
+    Padding must be on the right of each row: block i of a row covers tokens [iK, iK + K).
+    """
+
+    def __init__(self, hidden_size: int, k: int = 4, mlp_ratio: float = 2.0, use_mlp: bool = True,
+                 slot_weights: bool = False, mlp_gate: bool = False):
+        super().__init__()
+        self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate)
+        d, h = hidden_size, self.config.mlp_hidden
+        # fp32 whatever torch's default dtype: trainable weights stay fp32 (an Adam step of
+        # 5e-5 rounds to nothing in bf16), and the LM's dtype is reached by autocast
+        f32 = {"dtype": torch.float32}
+        self.slots: nn.Parameter | None = None
+        if slot_weights:
+            self.slots = nn.Parameter(torch.full((k, d), 1.0 / k, **f32))
+        self.mlp: nn.Sequential | None = None
+        self.gate: nn.Parameter | None = None
+        if use_mlp:
+            self.mlp = nn.Sequential(
+                nn.Linear(k * d, h, **f32), nn.GELU(), nn.Linear(h, h, **f32), nn.GELU(),
+                nn.Linear(h, d, **f32)
+            )
+            if mlp_gate:
+                self.gate = nn.Parameter(torch.zeros(d, **f32))
+            else:
+                nn.init.zeros_(self.mlp[-1].weight)
+                nn.init.zeros_(self.mlp[-1].bias)
+
+    @classmethod
+    def from_config(cls, config: EncoderConfig) -> KTokenEncoder | RecursiveEncoder:
+        if config.levels() is not None:
+            return RecursiveEncoder(config)
+        return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp,
+                   config.slot_weights, config.mlp_gate)
+
+    @property
+    def k(self) -> int:
+        return self.config.k
+
+    def wide_parameters(self) -> list[nn.Parameter]:
+        """Weights with a wide fan-in (the MLP's linear layers): they want a smaller Adam step."""
+        return [] if self.mlp is None else list(self.mlp.parameters())
+
+    def order_parameters(self) -> list[nn.Parameter]:
+        """The slot weights and the gate: fan-in 1, what tells a block's order apart first."""
+        return [p for p in (self.slots, self.gate) if p is not None]
+
+    def forward(
+        self, embeds: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, D) embeddings + optional (B, T) mask (None: all real) -> (B, ceil(T/K), D)
+        merged + (B, ceil(T/K)) mask of blocks holding a real token. Raises ``KTMError`` for
+        another shape or D."""
+        if embeds.dim() != 3 or embeds.shape[-1] != self.config.hidden_size:
+            raise KTMError(
+                f"embeds must have shape (B, T, {self.config.hidden_size}), "
+                f"got {tuple(embeds.shape)}"
+            )
+        b, t, d = embeds.shape
+        k = self.config.k
+        if mask is None:
+            mask = torch.ones(b, t, dtype=torch.bool, device=embeds.device)
+        n = -(-t // k)
+        pad = n * k - t
+        m = mask.to(embeds.dtype)
+        if pad:
+            embeds = nn.functional.pad(embeds, (0, 0, 0, pad))
+            m = nn.functional.pad(m, (0, pad))
+        m = m.view(b, n, k, 1)
+        blocks = embeds.view(b, n, k, d) * m  # pads zeroed so they never leak into the MLP
+        count = m.sum(dim=2)  # (B, N, 1)
+        if self.slots is None:
+            merged = blocks.sum(dim=2) / count.clamp(min=1.0)
+        else:
+            # K/count rescales a partial last block so that 1/K weights still give its mean
+            weights = self.slots.to(blocks.dtype)
+            merged = (blocks * weights).sum(dim=2) * (k / count.clamp(min=1.0))
+        if self.mlp is not None:
+            extra = self.mlp(blocks.reshape(b, n, k * d))
+            merged = merged + (extra if self.gate is None else self.gate.to(extra.dtype) * extra)
+        out_mask = count.squeeze(-1) > 0
+        # a block of padding only carries no information; keep its output at exactly zero
+        merged = merged * out_mask.unsqueeze(-1).to(merged.dtype)
+        return merged, out_mask
+
+
+class RecursiveEncoder(nn.Module):
+    """K = inner_k * outer_k: merge blocks of inner_k tokens, then blocks of outer_k merges.
+
+    forward: (B, T, D) + mask -> (B, ceil(T/K), D) + mask, like ``KTokenEncoder``. Untrained, both
+    levels are means, so the whole is the mean of means (the plain mean for full blocks).
+    """
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        levels = config.levels()
+        if levels is None:
+            raise KTMError("RecursiveEncoder needs inner_k > 1")
+        self.config = config
+        self.inner = KTokenEncoder.from_config(levels[0])
+        self.outer = KTokenEncoder.from_config(levels[1])
+
+    @property
+    def k(self) -> int:
+        return self.config.k
+
+    def wide_parameters(self) -> list[nn.Parameter]:
+        return self.inner.wide_parameters() + self.outer.wide_parameters()
+
+    def order_parameters(self) -> list[nn.Parameter]:
+        return self.inner.order_parameters() + self.outer.order_parameters()
+
+    def forward(self, embeds: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        merged, m = self.inner(embeds, mask)
+        return self.outer(merged, m)
+
+
+# (MLP layer index, parameter) -> for each axis, whether it counts hidden units
+_HIDDEN_AXES = {("0", "weight"): (True, False), ("0", "bias"): (True,),
+                ("2", "weight"): (True, True), ("2", "bias"): (True,),
+                ("4", "weight"): (False, True), ("4", "bias"): (False,)}
+
+
+def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    """A narrower encoder's weights inside a wider one (a larger ``mlp_ratio``), computing
+    exactly the same function; the analogue for the MLP of ``ktm.core.checkpoint.grow_lora``.
+
+    The MLP is ``Linear(KD, h) -> GELU -> Linear(h, h) -> GELU -> Linear(h, D)``. The saved units
+    fill the first h of the new H hidden units of each layer. The new units of the first layer
+    keep their fresh init; the weights from them into the saved units of the second layer are
+    zero, so the saved units compute what they did; the new units of the second layer keep their
+    fresh init, and the last layer's weights from them are zero, so they add nothing to the
+    output until training moves those weights. Slot weights, gates and anything outside an MLP
+    are copied as saved; they must have the same shape.
+    """
+    out = {}
+    for key, new in current.items():
+        if key not in saved:
+            raise KTMError(f"encoder weight {key!r} is missing from the saved encoder: expected "
+                           "the same encoder layout with a narrower MLP")
+        value = saved[key].to(new.dtype)
+        layer, param = key.rsplit(".", 2)[-2:] if ".mlp." in f".{key}" else (None, None)
+        # the axes that count hidden units may grow; every other axis must match exactly
+        grows = _HIDDEN_AXES.get((layer, param), (False,) * new.dim())
+        if value.dim() != new.dim() or any(a > b if g else a != b
+                                           for a, b, g in zip(value.shape, new.shape, grows)):
+            raise KTMError(f"encoder weight {key!r} has shape {tuple(value.shape)}, which does "
+                           f"not fit {tuple(new.shape)}: expected a wider MLP only")
+        if value.shape == new.shape:
+            out[key] = value
+            continue
+        grown = new.detach().clone()
+        if (layer, param) == ("2", "weight"):
+            grown[: value.shape[0], value.shape[1]:] = 0  # new units in, saved units out: none
+        if (layer, param) == ("4", "weight"):
+            grown[:, value.shape[1]:] = 0  # the new units reach the output only through training
+        grown[tuple(slice(0, n) for n in value.shape)] = value
+        out[key] = grown
+    unknown = sorted(set(saved) - set(current))
+    if unknown:
+        raise KTMError(f"saved encoder weights {unknown[:3]} do not exist in this encoder: "
+                       "expected the same encoder layout with a narrower MLP")
+    return out

@@ -1,0 +1,222 @@
+"""Prompt encoding: segments -> LM input embeddings, compressed segments merged by the encoder.
+
+This is the one prompt-encoding step that training, evaluation, generation, the benchmark, the
+server and the vLLM client share. It needs only a tokenizer, the input-embedding table and the
+encoder, not the LM, so a client can compute merged prefixes without loading the model.
+
+    [Segment(doc), Segment(question, compress=False)]
+        -> ids per segment -> (ceil(len(doc)/K) + len(question), D) embeddings
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ktm.core.batch import CompressedPrompt
+from ktm.core.prompt import Segment
+from ktm.errors import KTMError
+
+# merged embeddings of a compressed segment, keyed by its token ids (the server's prefix cache)
+MergeCache = MutableMapping[tuple[int, ...], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LineBreaks:
+    """The tokens that end a line, read from a vocabulary (``line_break_ids``). ``ids``: every
+    token whose text holds a line break, "\\n" or "\\r" (``"\\n"``, ``"\\r\\n"``, ``"\\n    "``,
+    a classic Mac "\\r"). Of these, one that holds no "\\n" and ends in "\\r" (``cr_end``) ends
+    no line when the next token starts with "\\n" (``lf_start``): a "\\r\\n" written as two
+    tokens is one line break, after its "\\n"."""
+
+    ids: frozenset[int]
+    cr_end: frozenset[int] = frozenset()
+    lf_start: frozenset[int] = frozenset()
+
+    def ends_line(self, ids: list[int], i: int) -> bool:
+        """Whether a line ends after ``ids[i]``."""
+        return ids[i] in self.ids and not (
+            ids[i] in self.cr_end and i + 1 < len(ids) and ids[i + 1] in self.lf_start)
+
+
+def line_break_ids(tokenizer) -> LineBreaks:
+    """The tokenizer's line-break tokens (``LineBreaks``), read from its own decoding, so any
+    family's vocabulary works (about 0.5 s for 50k ids). A tokenizer without one (its line
+    breaks normalized to spaces or unknown) is an error: a model asked to align lines would
+    silently merge across them."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    ids = frozenset(i for i, text in enumerate(texts) if "\n" in text or "\r" in text)
+    if not ids:  # its line breaks become spaces or unknown tokens: there are no lines to align
+        raise KTMError(f"align_lines: no token of this tokenizer ({type(tokenizer).__name__}, "
+                       f"{len(texts)} tokens) holds a line break, so it cannot find a prompt's "
+                       "lines; expected a tokenizer that writes '\\n', or align_lines off")
+    cr_end = frozenset(i for i in ids if texts[i].endswith("\r") and "\n" not in texts[i])
+    return LineBreaks(ids, cr_end, frozenset(i for i in ids if texts[i].startswith("\n")))
+
+
+def embedding_rows(embed: nn.Module) -> int:
+    """Ids an embedding looks up: the LM's table plus any rows an extension adds (LTSC's meta
+    tokens)."""
+    extra = getattr(embed, "meta", None)
+    return embed.weight.shape[0] + (0 if extra is None else extra.shape[0])
+
+
+@dataclass
+class PromptEncoder:
+    """What encoding needs: tokenizer (as ``tokenize(text, first)``), input embeddings, encoder.
+
+    ``plain_prefix``: the first tokens of a compressed first segment stay plain (position 0 is
+    the LM's attention sink). ``plain_suffix``: the last tokens of the last compressed segment
+    stay plain (the recent tokens, which a continuation or an answer reads most closely).
+    ``line_breaks``: the tokens that end a line (``line_break_ids``); given, a
+    compressed segment is cut after each of them and every line merged on its own, so no block
+    spans two lines (a tree's node, a line of code, stays in blocks of its own).
+    """
+
+    tokenize: Callable[[str, bool], list[int]]
+    embed: nn.Module
+    encoder: nn.Module
+    pad_id: int
+    plain_prefix: int = 0
+    spread_positions: bool = False  # merged blocks at their last token's position
+    plain_suffix: int = 0
+    line_breaks: LineBreaks | None = None
+
+    def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
+               cache: MergeCache | None = None) -> list[CompressedPrompt]:
+        """Normalised prompts -> their LM input embeddings, the encoder run once for all.
+
+        ``merge=False`` feeds every segment as plain tokens (the uncompressed baseline);
+        ``cache`` reuses segments merged before and merges repeats once.
+        """
+        pieces = self.layout(prompts)
+        to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
+        merged = iter(self.merge_segments(to_merge, cache))
+        device = self.embed.weight.device
+        results = []
+        for row in pieces:
+            parts = [next(merged) if merge and c else
+                     self.embed(torch.tensor(ids, dtype=torch.long, device=device))
+                     for ids, c in row if ids]
+            embeds = torch.cat(parts, dim=0) if parts else None
+            results.append(self._prompt(row, embeds, merge))
+        return results
+
+    def measure(self, prompts: list[tuple[Segment, ...]], merge: bool = True
+                ) -> list[CompressedPrompt]:
+        """What ``encode`` gives, from the token ids alone: every count and position as there,
+        ``embeds`` an (L, 0) tensor on the meta device. Tokenizing only, no embedding or
+        encoder: checking that many prompts fit the model's positions is cheap."""
+        k = self.encoder.k
+        out = []
+        for row in self.layout(prompts):
+            n_out = sum(-(-len(ids) // k) if merge and c else len(ids) for ids, c in row)
+            out.append(self._prompt(row, torch.empty(n_out, 0, device="meta"), merge))
+        return out
+
+    def layout(self, prompts: list[tuple[Segment, ...]]) -> list[list[tuple[list[int], bool]]]:
+        """Each prompt's pieces as (token ids, merged?): its segments tokenized, then cut by
+        ``plain_prefix``, ``plain_suffix`` and ``line_breaks`` (class docstring)."""
+        pieces: list[list[tuple[list[int], bool]]] = []
+        for segs in prompts:
+            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress)
+                   for i, s in enumerate(segs)]
+            if self.plain_prefix and row and row[0][1]:
+                ids, n = row[0][0], self.plain_prefix
+                row[:1] = [(ids[:n], False), (ids[n:], True)]
+            if self.plain_suffix:
+                last = max((i for i, (_, c) in enumerate(row) if c), default=None)
+                if last is not None:
+                    ids = row[last][0]
+                    cut = max(len(ids) - self.plain_suffix, 0)
+                    row[last:last + 1] = [(ids[:cut], True), (ids[cut:], False)]
+            if self.line_breaks is not None:
+                row = [(line, c) for ids, c in row for line in (self._lines(ids) if c else [ids])]
+            pieces.append(row)
+        self._check_ids(prompts)
+        return pieces
+
+    def _prompt(self, row: list[tuple[list[int], bool]], embeds: torch.Tensor | None,
+                merge: bool) -> CompressedPrompt:
+        """One prompt's ``CompressedPrompt`` from its pieces and its (L, D) prefix embeddings."""
+        n_in = sum(len(ids) for ids, _ in row)
+        if n_in == 0 or embeds is None:
+            raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
+        mergeable = tuple(len(ids) for ids, c in row if c and ids)
+        sources = self._positions(row, merge)
+        pos = sources if merge and self.spread_positions else None
+        return CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos, sources,
+                                merged=merge)
+
+    def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:
+        """Ids given directly must be rows of the embedding table (the LM's, plus any extra rows
+        an extension such as LTSC's meta tokens adds)."""
+        rows = embedding_rows(self.embed)
+        for segs in prompts:
+            for s in segs:
+                bad = next((i for i in s.ids or () if i >= rows), None)
+                if bad is not None:
+                    raise KTMError(f"Segment token id {bad} is outside the embedding table: "
+                                   f"expected ids below {rows}")
+
+    def _lines(self, ids: list[int]) -> list[list[int]]:
+        """``ids`` cut after every line-break token: consecutive pieces, none spanning a break."""
+        out, start = [], 0
+        for i in range(len(ids)):
+            if self.line_breaks.ends_line(ids, i):
+                out.append(ids[start:i + 1])
+                start = i + 1
+        if start < len(ids) or not out:
+            out.append(ids[start:])
+        return out
+
+    def _positions(self, row: list[tuple[list[int], bool]], merge: bool = True) -> torch.Tensor:
+        """Each plain token at its own position, each merged block at its last token's."""
+        start, out = 0, []
+        for ids, c in row:
+            n = len(ids)
+            if c and merge:
+                k = self.encoder.k
+                out += [start + min(j + k, n) - 1 for j in range(0, n, k)]
+            else:
+                out += range(start, start + n)
+            start += n
+        return torch.tensor(out, dtype=torch.long, device=self.embed.weight.device)
+
+    def merge_segments(self, segments: list[list[int]], cache: MergeCache | None = None
+                       ) -> list[torch.Tensor]:
+        """Run the encoder once over the compressed segments: right-padded (S, T, D) ->
+        (ceil(T_s/K), D) each; with ``cache`` only over those not merged before."""
+        if not segments:
+            return []
+        keys = [tuple(s) for s in segments]
+        todo = keys if cache is None else list(dict.fromkeys(k for k in keys if k not in cache))
+        found: dict[tuple[int, ...], torch.Tensor] = {}
+        if todo:
+            computed = self._merge(todo)
+            if cache is None:
+                return computed
+            for key, m in zip(todo, computed):
+                found[key] = cache[key] = m.detach()
+        return [found[k] if k in found else cache[k] for k in keys]
+
+    def _merge(self, segments: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        device = self.embed.weight.device
+        longest = max(len(s) for s in segments)
+        ids = torch.tensor([list(s) + [self.pad_id] * (longest - len(s)) for s in segments],
+                           device=device)
+        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
+                            device=device, dtype=torch.bool)
+        embeds = self.embed(ids)
+        if embeds.dtype == torch.float32:
+            merged, _ = self.encoder(embeds, mask)
+        else:
+            # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
+            with torch.autocast(device.type, dtype=embeds.dtype):
+                merged, _ = self.encoder(embeds, mask)
+        merged = merged.to(embeds.dtype)
+        k = self.encoder.k
+        return [merged[i, : -(-len(s) // k)] for i, s in enumerate(segments)]

@@ -1,0 +1,214 @@
+"""Generation: prefill the compressed prefix once, then decode token by token with the KV cache.
+
+``prefill`` and ``advance`` are the only places the LM is called while decoding, and
+``decode_steps`` is the single loop every entry point uses (generate, stream, the demo's and the
+benchmark's timings); it yields one token per row and step, so streaming, batching and future
+variants (e.g. merging generated tokens) hook in at one place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ktm.core.prompt import PromptLike, Segment, split_prompts
+from ktm.decode.text_stream import TextStream, anchor_ids, decode_continuation
+from ktm.errors import KTMError
+from ktm.util.field_types import check_field_types
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How ``KTMModel.generate`` / ``stream`` decode (the ``ktm generate`` flags).
+
+    Greedy unless ``do_sample``; ``seed`` makes sampling repeatable per prompt. Raises
+    ``KTMError`` on construction for ``max_new_tokens`` < 1, ``temperature`` <= 0 or not finite,
+    or ``top_p`` outside (0, 1].
+    """
+
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens to generate at most"})
+    do_sample: bool = field(default=False, metadata={
+        "flag": "sample", "help": "sample (temperature, top-p) instead of greedy"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
+    # each prompt of a batch draws from a generator of its own seeded with it, so a batch gives
+    # each prompt the samples it gets alone (one prompt twice: the same sample twice)
+    seed: int | None = field(default=None, metadata={"help": "sampling seed (per prompt)"})
+    stop_at_eos: bool = field(default=True, metadata={
+        "help": "stop at the tokenizer's or the model's end-of-sequence ids"})
+    use_cache: bool = field(default=True, metadata={
+        "help": "KV cache (off re-runs the whole sequence each step: the test reference)"})
+    merge: bool = field(default=True, metadata={
+        "help": "merge the compressed segments (off: the uncompressed baseline)"})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool)
+                or self.max_new_tokens < 1):
+            raise KTMError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check_field_types(self)
+        if not 0 < self.temperature < math.inf:  # NaN fails it too
+            raise KTMError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise KTMError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):
+    """(B, V) logits -> (B,) next tokens, greedy or temperature/top-p sampling."""
+    if not cfg.do_sample:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always survives)
+        drop = sorted_p.cumsum(-1) - sorted_p >= cfg.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def select_rows(logits: torch.Tensor, cfg: GenerationConfig,
+                gens: list[torch.Generator] | None) -> torch.Tensor:
+    """(B, V) -> (B,): ``gens`` (seeded sampling) holds one generator per row, and each row
+    draws from its own, so its tokens do not depend on its batch-mates (as in the server)."""
+    if gens is None:
+        return select_next(logits, cfg, None)
+    return torch.cat([select_next(logits[i:i + 1], cfg, g) for i, g in enumerate(gens)])
+
+
+@contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """Eval mode (no dropout) for the calls inside, then the caller's mode back.
+
+    Held only around model calls, never across a ``yield``: a stream left unfinished must not
+    leave the model in eval mode.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@dataclass
+class DecodeState:
+    """A batch being decoded: what the LM has read so far and its next-token logits (B, V)."""
+
+    embeds: torch.Tensor  # (B, L, D); with a cache only the last step is needed
+    mask: torch.Tensor  # (B, L) over everything read, prefix padding included
+    pos: torch.Tensor  # (B, L) position ids (B, 1 with a cache: the last step's)
+    cache: DynamicCache | None
+    logits: torch.Tensor  # (B, V) next-token logits
+
+
+@torch.no_grad()
+def prefill(model, prefixes, use_cache: bool = True) -> DecodeState:
+    """Read the prefixes (``CompressedPrompt``s) once; the cache then holds their keys/values."""
+    p = model.pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes])
+    cache = DynamicCache(config=model.lm_config) if use_cache else None
+    with eval_mode(model):
+        logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1)[:, -1]
+    return DecodeState(p.embeds, p.mask, p.position_ids, cache, logits)
+
+
+@torch.no_grad()
+def advance(model, state: DecodeState, tokens: torch.Tensor) -> None:
+    """Feed one (B,) token per row; updates ``state`` in place (cached: one position each)."""
+    step = model.embed_ids(tokens)[:, None]
+    state.mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], dim=1)
+    last = state.pos[:, -1:] + 1
+    with eval_mode(model):
+        if state.cache is not None:
+            state.pos = last
+            state.logits = model.lm(step, state.mask, last, state.cache, keep=1)[:, -1]
+        else:  # the reference path: re-read everything
+            state.embeds = torch.cat([state.embeds, step], dim=1)
+            state.pos = torch.cat([state.pos, last], dim=1)
+            state.logits = model.lm(state.embeds, state.mask, state.pos, keep=1)[:, -1]
+
+
+def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: GenerationConfig,
+                 prefixes=None, state: DecodeState | None = None) -> Iterator[torch.Tensor]:
+    """Yield (B,) token ids per step; rows that have finished repeat the pad id.
+
+    ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them;
+    ``state``: a batch ``prefill`` has already read (the benchmark times the prefill apart).
+    """
+    if state is None:
+        if prefixes is None:
+            with torch.no_grad(), eval_mode(model):
+                prefixes = model.encode_prompts(prompts, cfg.merge)
+        elif len(prefixes) != len(prompts):
+            raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
+                           "expected one each")
+        # the last new token is returned, never read back: it takes no position
+        model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
+        state = prefill(model, prefixes, cfg.use_cache)
+    gens = None
+    if cfg.do_sample and cfg.seed is not None:
+        gens = [torch.Generator(device=model.device).manual_seed(cfg.seed)
+                for _ in range(state.logits.shape[0])]
+    eos = torch.tensor(sorted(model.eos_ids), dtype=torch.long, device=model.device)
+    finished = torch.zeros(state.logits.shape[0], dtype=torch.bool, device=model.device)
+    for i in range(cfg.max_new_tokens):
+        nxt = select_rows(state.logits, cfg, gens).masked_fill(finished, model.pad_id)
+        yield nxt
+        if cfg.stop_at_eos and len(eos):
+            finished |= torch.isin(nxt, eos)
+            if bool(finished.all()):
+                return
+        if i + 1 < cfg.max_new_tokens:
+            advance(model, state, nxt)
+
+
+def _trim(ids: list[int], eos: frozenset[int], stop: bool) -> list[int]:
+    if stop:
+        for i, t in enumerate(ids):
+            if t in eos:
+                return ids[:i]
+    return ids
+
+
+def generate_ids(model, prompts, prefixes=None, **kwargs) -> list[list[int]]:
+    """Generated token ids per prompt, EOS and anything after it removed."""
+    cfg = GenerationConfig(**kwargs)
+    segs, _ = split_prompts(prompts)
+    steps = list(decode_steps(model, segs, cfg, prefixes))
+    if not steps:
+        return [[] for _ in segs]
+    ids = torch.stack(steps, dim=1).tolist()
+    return [_trim(row, model.eos_ids, cfg.stop_at_eos) for row in ids]
+
+
+def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str | list[str]:
+    """Text for one prompt (returns str) or a list of prompts (returns list[str])."""
+    segs, single = split_prompts(prompts)  # read once: an iterator of prompts is spent after
+    rows = generate_ids(model, segs, **kwargs)
+    anchor = anchor_ids(model.tokenizer)
+    texts = [decode_continuation(model.tokenizer, r, anchor) for r in rows]
+    return texts[0] if single else texts
+
+
+def stream(model, prompt: PromptLike, **kwargs) -> Iterator[str]:
+    """Yield text pieces of one prompt's continuation as tokens are decoded."""
+    cfg = GenerationConfig(**kwargs)
+    segs, single = split_prompts(prompt)
+    if not single:
+        raise KTMError("stream takes one prompt; use generate for a list")
+    text = TextStream(model.tokenizer)
+    for nxt in decode_steps(model, segs, cfg):
+        tok = int(nxt[0])
+        if cfg.stop_at_eos and tok in model.eos_ids:
+            break
+        if piece := text.push(tok):
+            yield piece
+    if tail := text.flush():  # a last character left unfinished
+        yield tail

@@ -1,0 +1,162 @@
+"""Readability R: the share of what a context tells the LM that survives merging.
+
+For held-out windows (context, continuation), with NLL per continuation token pooled over all
+windows, all three read by the same model (LoRA on):
+
+    merged   the context merged by the encoder, then the continuation
+    plain    the context as plain tokens (merge off)
+    none     no context: a single plain BOS token (EOS where the tokenizer has no BOS)
+
+Where the tokenizer puts a BOS before every text (``KTMModel.lead_ids``), the merged and
+plain contexts start with it too, as a task prompt's first segment does, and "none" is it.
+
+    R = (NLL_none - NLL_merged) / (NLL_none - NLL_plain)
+
+R = 1: merging loses nothing; R = 0: the merged context is worth no context at all; R < 0: it
+misleads the LM. R is None when the plain context barely helps: its gain NLL_none - NLL_plain
+under ``MIN_GAIN`` (1 %) of NLL_none. A share of a gain that small is a ratio of noise (with a
+gain of 1e-6 nats, a merged reading 0.1 nat better than none gives R = 1e5); the published gains
+are 17 % of NLL_none and more.
+
+``R_ci95`` is a percentile bootstrap over windows (1,000 resamples, fixed seed): the range R
+would likely take on another draw of as many held-out windows. With 32 or 64 windows it is
+several hundredths wide, which is what a difference between two readers must beat. A resample
+whose gain is under ``MIN_GAIN`` has no R, and is as good as unbounded: when more than the
+interval's own tail (2.5 % of resamples) have none, the interval is None; otherwise it is taken
+over the resamples that have one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ktm.core.prompt import Segment
+from ktm.errors import KTMError
+from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
+
+# held-out windows: reviews are short, so a window needs 64 tokens (48 context + 16 target)
+READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)
+
+
+def check_read_positions(model) -> None:
+    """Refuse a model whose positions cannot hold a held-out window read plain (the BOS if any,
+    ``READ_SPEC``'s context and continuation): R reads every context both merged and plain."""
+    need = len(model.lead_ids) + READ_SPEC.context_tokens + READ_SPEC.target_tokens
+    if model.max_positions and need > model.max_positions:
+        raise KTMError(f"the readability R reads held-out contexts plain: {need} positions "
+                       f"(a {READ_SPEC.context_tokens}-token context and a "
+                       f"{READ_SPEC.target_tokens}-token continuation), over this model's limit "
+                       f"of {model.max_positions}: expected no R for this model (ktm pretrain "
+                       "--eval-sets none; ktm eval without --readability)")
+
+
+def none_token(tokenizer) -> int:
+    tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if tok is None:
+        raise KTMError("the tokenizer has neither a BOS nor an EOS token to stand for 'no context'")
+    return tok
+
+
+MIN_GAIN = 0.01  # R needs NLL_none - NLL_plain >= MIN_GAIN * NLL_none (module docstring)
+
+
+def has_r(gain, nll_none):
+    """Whether R is defined for a context gain NLL_none - NLL_plain (floats, or tensors of
+    bootstrap resamples): positive and at least ``MIN_GAIN`` of NLL_none."""
+    return (gain > 0) & (gain >= MIN_GAIN * nll_none)
+
+
+def context_ratio(nll_none: float, nll_merged: float, nll_plain: float) -> float | None:
+    gain = nll_none - nll_plain
+    if not has_r(gain, nll_none):
+        return None
+    return (nll_none - nll_merged) / gain
+
+
+BOOTSTRAP = {"resamples": 1000, "seed": 0, "level": 0.95}  # R_ci95's settings, recorded in rows
+
+
+def r_interval(per_window: torch.Tensor, n_boot: int = BOOTSTRAP["resamples"],
+               seed: int = BOOTSTRAP["seed"],
+               level: float = BOOTSTRAP["level"]) -> list[float] | None:
+    """Percentile bootstrap interval of pooled R; ``per_window`` is (n, 4): summed NLL merged,
+    plain, none, and target tokens of each window. None for a single window, or when more than
+    the interval's tail of resamples have no R (gain under ``MIN_GAIN``: module docstring)."""
+    n = per_window.shape[0]
+    if n < 2:
+        return None
+    # on the CPU, whatever torch's default device: the same resamples on every machine
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (n_boot, n), generator=gen, device="cpu")
+    pooled = per_window.cpu().double()[idx].sum(dim=1)  # (n_boot, 4)
+    merged, plain, none = (pooled[:, i] / pooled[:, 3] for i in range(3))
+    gain = none - plain
+    ok = has_r(gain, none)
+    tail = (1 - level) / 2
+    if n_boot - int(ok.sum()) > tail * n_boot:
+        return None
+    r = (none - merged)[ok] / gain[ok]
+    lo, hi = torch.quantile(r, torch.tensor([tail, 1 - tail], dtype=r.dtype,
+                                            device=r.device)).tolist()
+    return [lo, hi]
+
+
+@torch.no_grad()
+def readability(model, windows: Sequence[Window], batch_size: int = 8,
+                progress: bool = False) -> dict:
+    """The three pooled NLLs, R, and exact prompt tokens before/after merging."""
+    if not windows:
+        raise KTMError("readability needs at least one window")
+    was_training = model.training
+    model.eval()
+    rows = []  # per window: summed NLL merged, plain, none; target tokens
+    tokens_in = tokens_out = 0
+    lead = model.lead_ids  # a BOS the tokenizer would put first, as prompts get it
+    none = (Segment("", compress=False, ids=lead or (none_token(model.tokenizer),)),)
+    try:
+        for i in tqdm(range(0, len(windows), batch_size), desc="readability",
+                      disable=not progress):
+            batch = windows[i:i + batch_size]
+            ctx = [(Segment("", ids=lead + w.context),) for w in batch]
+            tgt = [w.target for w in batch]
+            merged = model(ctx, tgt, merge=True)
+            plain = model(ctx, tgt, merge=False).nll
+            empty = model([none] * len(batch), tgt, merge=False).nll
+            cols = (merged.nll, plain, empty, merged.n_tokens)  # doubles: a bf16 count rounds
+            # to the CPU first: MPS has no float64
+            rows.append(torch.stack([c.cpu().double() for c in cols], dim=1))
+            tokens_in += merged.tokens_in
+            tokens_out += merged.tokens_out
+    finally:
+        model.train(was_training)
+    per_window = torch.cat(rows)
+    total = per_window.sum(dim=0).tolist()
+    n_tok = int(total[3])
+    nll = {k: total[i] / n_tok for i, k in enumerate(("merged", "plain", "none"))}
+    return {"R": context_ratio(nll["none"], nll["merged"], nll["plain"]),
+            "R_ci95": r_interval(per_window),
+            "nll_merged": nll["merged"], "nll_plain": nll["plain"], "nll_none": nll["none"],
+            "windows": len(windows), "target_tokens": n_tok,
+            "tokens_in": tokens_in / len(windows), "tokens_out": tokens_out / len(windows)}
+
+
+def heldout_sets(tokenizer, sets: Sequence[str], n: int, seed: int = 0,
+                 cache: dict | None = None) -> dict[str, list[Window]]:
+    """The ``n`` held-out windows of each set, read once per (set, n, seed) into ``cache``."""
+    cache = {} if cache is None else cache
+    for name in sets:
+        if (name, n, seed) not in cache:
+            cache[(name, n, seed)] = heldout_windows(tokenizer, name, n, READ_SPEC, seed)
+    return {name: cache[(name, n, seed)] for name in sets}
+
+
+def heldout_readability(model, sets: Sequence[str] = ("reviews", "code"), n: int = 64,
+                        seed: int = 0, progress: bool = False,
+                        _cache: dict | None = None) -> dict:
+    """R per held-out set (``reviews``: other product categories, ``code``: unseen repos)."""
+    check_read_positions(model)
+    windows = heldout_sets(model.tokenizer, sets, n, seed, _cache)
+    return {name: readability(model, windows[name], progress=progress) for name in sets}

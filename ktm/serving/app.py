@@ -1,0 +1,377 @@
+"""The HTTP layer of ``ktm serve``: OpenAI-compatible routes on FastAPI, served by uvicorn.
+
+    POST /v1/completions        prompt (or ktm segments) -> text, SSE with "stream": true
+    POST /v1/chat/completions   messages through the chat template -> assistant message
+    GET  /v1/models             the served model, its K and base model (/v1/models/{id}: its card)
+    GET  /health                engine state: running / waiting requests, cache statistics
+
+Why FastAPI + uvicorn: it is the most used and best kept ASGI stack in Python (vLLM's and
+SGLang's OpenAI servers run on it); its pydantic models give the request schema, type checks and
+the refusal of unknown fields in one place; Starlette's ``StreamingResponse`` writes SSE and
+notices a client that went away; uvicorn is the reference ASGI server. A model step is torch
+work, so it runs on the engine's own thread and the event loop only relays text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ktm.serving.config import ServeConfig
+from ktm.serving.engine import Engine, Event, Job
+from ktm.serving.logprobs import chat_logprobs, completion_logprobs
+from ktm.serving.prompts import chat_segments, completion_segments
+from ktm.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    KtmOptions,
+    RequestError,
+    error_body,
+    validation_message,
+)
+
+log = logging.getLogger("ktm.serving")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Handle:
+    """One request's link to the engine: its jobs (one per choice, ``n``) deliver
+    ``(choice, event)`` on one asyncio queue."""
+
+    def __init__(self, engine: Engine, jobs: list[dict]):
+        self.engine, self.loop = engine, asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event] | None] = asyncio.Queue()
+        self.jobs = [Job(deliver=partial(self._deliver, i), **args)
+                     for i, args in enumerate(jobs)]
+        self._watcher: asyncio.Task | None = None
+
+    def _deliver(self, choice: int, ev: Event) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (choice, ev))
+        except RuntimeError:  # the event loop is gone (shutdown)
+            for job in self.jobs:
+                job.cancelled.set()
+
+    def cancel(self) -> None:
+        """Its rows are dropped before the next step (those still running)."""
+        for job in self.jobs:
+            self.engine.cancel(job)
+
+    def watch(self, request: Request) -> None:
+        """Until ``unwatch``, a disconnect of the client (the ASGI receive channel says
+        ``http.disconnect``) makes ``next`` raise ``ClientGone``."""
+        async def wait_for_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.queue.put_nowait(None)
+
+        self._watcher = asyncio.ensure_future(wait_for_disconnect())
+
+    def unwatch(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def next(self) -> tuple[int, Event]:
+        item = await self.queue.get()
+        if item is None:
+            raise ClientGone
+        return item
+
+
+def merged_usage(usages: list[dict], n: int) -> dict:
+    """The usage of the choices of a request, ``n`` per prompt: each prompt counted once (by its
+    first choice), every completion."""
+    def total(key: str, of: list[dict]) -> int:
+        return sum(u[key] for u in of)
+
+    firsts = usages[::n]
+    prompt, completion = total("prompt_tokens", firsts), total("completion_tokens", usages)
+    return {"prompt_tokens": prompt, "prompt_tokens_merged": total("prompt_tokens_merged", firsts),
+            "prompt_tokens_details": {"cached_tokens": sum(
+                u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
+            "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def create_app(model, cfg: ServeConfig) -> FastAPI:
+    engine = Engine(model, cfg)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="ktm serve", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def _refused(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crashed(_: Request, exc: Exception) -> JSONResponse:  # a bug: OpenAI's shape too
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       "server_error"), status_code=500)
+
+    def model_card() -> dict:
+        return {"id": cfg.served_name, "object": "model", "created": started, "owned_by": "ktm",
+                "root": cfg.model, "k": model.k, "merges": model.merges,
+                "base_model": model.config.base_model, "max_model_len": engine.context}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.alive
+        body = {"status": "ok" if ok else "engine stopped", "model": cfg.served_name,
+                "k": model.k, "base_model": model.config.base_model, **engine.stats()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict:
+        if model_id != cfg.served_name:
+            raise RequestError(f"model {model_id!r} is not served here: this server serves "
+                               f"{cfg.served_name!r}", param="model", code="model_not_found",
+                               status=404)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _generate(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await _generate(body, request, chat=True)
+
+    async def _generate(body, request: Request, chat: bool):
+        if body.model != cfg.served_name:
+            raise RequestError(f"model {body.model!r} is not served here: this server serves "
+                               f"{cfg.served_name!r}", param="model", code="model_not_found",
+                               status=404)
+        body.check_stream_options()
+        logprobs = body.logprobs_asked()
+        max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
+                      else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+        if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
+            name = ("max_completion_tokens" if chat and body.max_completion_tokens
+                    else "max_tokens")
+            raise RequestError(f"{name}={max_tokens} is over this server's limit of "
+                               f"{cfg.max_tokens_limit}", param=name)
+        stop = tuple(body.stop_list())
+        prompts = ([await run_in_threadpool(chat_segments, model, body)] if chat
+                   else await run_in_threadpool(completion_segments, model, body))
+        if len(prompts) * body.n > cfg.max_queue:
+            raise RequestError(f"{len(prompts)} prompt(s) with n={body.n} make "
+                               f"{len(prompts) * body.n} choices, over this server's max_queue "
+                               f"of {cfg.max_queue}", param="n")
+        ext = body.ktm or KtmOptions()
+        job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+               "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs}
+        # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
+        # seed + i: n different answers, each reproducible alone
+        handle = Handle(engine, [{**job, "segments": segments,
+                                  "seed": None if body.seed is None else body.seed + i}
+                                 for segments in prompts for i in range(body.n)])
+        choices = len(handle.jobs)
+        engine.submit(*handle.jobs)
+        handle.watch(request)
+        events: list[tuple[int, Event]] = []
+        try:
+            # a prompt too long is refused here, before the 200: every choice has started
+            started, ends = set(), 0
+            while len(started) < choices or (not body.stream and ends < choices):
+                i, ev = await handle.next()
+                if ev.error:
+                    raise ev.error
+                started.add(i)
+                ends += ev.finish is not None
+                events.append((i, ev))
+        except ClientGone:
+            handle.cancel()
+            log.info("the client of a %s request went away; its rows are freed",
+                     "chat" if chat else "completion")
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+        except BaseException:
+            handle.cancel()  # one choice refused or failed: the others end too
+            raise
+        finally:
+            handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        texts, ends_of = [""] * choices, [Event()] * choices
+        entries: list[list | None] = [None if logprobs is None else []] * choices
+        for i, ev in events:
+            texts[i] += ev.text
+            if ev.logprobs is not None:
+                entries[i] = entries[i] + ev.logprobs
+            if ev.finish:
+                ends_of[i] = ev
+        return {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
+                                            if chat else {"text": text}),
+                             "logprobs": shape(chat, lps), "finish_reason": end.finish}
+                            for i, (text, end, lps) in enumerate(zip(texts, ends_of, entries))],
+                "usage": merged_usage([e.usage for e in ends_of], body.n)}
+
+    def shape(chat: bool, entries: list | None) -> dict | None:
+        if entries is None:
+            return None
+        return (chat_logprobs if chat else completion_logprobs)(model.tokenizer, entries)
+
+    async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
+                      usage: bool, per_prompt: int) -> AsyncIterator[str]:
+        """SSE chunks: the events read before the 200, then the rest as they come; a chunk
+        carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
+                  logprobs: list | None = None) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else (
+                    {"content": text} if text else {})
+                choice = {"index": i, "delta": delta}
+            else:
+                choice = {"index": i, "text": text or ""}
+            out = {**head, "object": kind, "choices": [
+                {**choice, "logprobs": shape(chat, logprobs), "finish_reason": finish}]}
+            return _sse({**out, "usage": None} if usage else out)
+
+        done, n, ends = False, len(handle.jobs), {}
+        early = iter(events)
+        try:
+            if chat:
+                for i in range(n):
+                    yield chunk(i, None, None, role=True)
+            while len(ends) < n:
+                i, ev = next(early, None) or await handle.next()
+                if ev.error:
+                    yield _sse(ev.error.body())
+                    break
+                if chat and ev.text and ev.finish:
+                    yield chunk(i, ev.text, None, logprobs=ev.logprobs)
+                    yield chunk(i, None, ev.finish)
+                elif ev.text or ev.finish or ev.logprobs:
+                    yield chunk(i, ev.text, ev.finish, logprobs=ev.logprobs)
+                if ev.finish:
+                    ends[i] = ev.usage
+            else:
+                if usage:
+                    yield _sse({**head, "object": kind, "choices": [],
+                                "usage": merged_usage([ends[i] for i in range(n)],
+                                                      per_prompt)})
+            yield _sse("[DONE]")
+            done = True
+        except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
+            pass
+        finally:
+            handle.cancel()  # a client gone mid-stream frees its rows at the next step
+            if not done:
+                log.info("%s: the client went away mid-stream; its rows are freed", head["id"])
+
+    return app
+
+
+class BackgroundServer:
+    """uvicorn serving ``app`` on a loopback socket in a thread (tests and the benchmark).
+
+    The socket is bound before the thread starts, so ``url`` is valid at once (port 0: any free
+    port); ``with`` waits until the server accepts requests and stops it afterwards.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name="ktm-serve")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"ktm serve did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def serve(cfg: ServeConfig) -> None:
+    """``ktm serve``: load the model and serve it until interrupted."""
+    import torch
+    import uvicorn
+
+    from ktm.serving.config import load_served_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model = load_served_model(cfg)
+    print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
+          f"http://{cfg.host}:{cfg.port}/v1", flush=True)
+    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                log_config=log_config(cfg.log_level))
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging, with ktm's own lines (a failed request, a client gone) printed like
+    uvicorn's at the same level; without it they would reach stderr only from warning up."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    out = copy.deepcopy(LOGGING_CONFIG)
+    out["loggers"]["ktm"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return out

@@ -1,0 +1,70 @@
+"""``ktm serve`` options: the dataclass is the CLI (``ktm serve --help``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ktm.core.base_model import parse_dtype
+from ktm.core.config import DEFAULT_MODEL
+from ktm.errors import KTMError
+
+
+@dataclass
+class ServeConfig:
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "embedded model name, HF folder (served with an untrained mean-pooling merger), "
+                "ktm checkpoint folder or shipped reader name"})
+    k: int | None = field(default=None, metadata={
+        "help": "tokens merged per block: a base model's K (default 4); a checkpoint's K if given "
+                "must match"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_name: str | None = field(default=None, metadata={
+        "help": "model id clients send (default: the --model value's last path part)"})
+    max_batch: int = field(default=16, metadata={"help": "requests decoding together at most"})
+    batch_window_ms: float = field(default=10.0, metadata={
+        "help": "an idle server waits this long after a request for others to prefill with it"})
+    max_tokens_limit: int = field(default=1024, metadata={
+        "help": "largest max_tokens a request may ask for (also the chat default)"})
+    max_queue: int = field(default=256, metadata={
+        "help": "requests waiting beyond this get 503 (server busy)"})
+    prefix_cache_mb: float = field(default=512.0, metadata={
+        "help": "memory for reused merged segments and context KV (0: off)"})
+    device: str = field(default="cpu", metadata={"help": "torch device"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
+    log_level: str = field(default="info", metadata={
+        "help": "uvicorn log level", "choices": ["critical", "error", "warning", "info", "debug"]})
+
+    def __post_init__(self) -> None:
+        if self.k is not None and self.k < 1:
+            raise KTMError(f"k must be an integer >= 1, got {self.k}")
+        if not 0 <= self.port <= 65535:
+            raise KTMError(f"port must be in 0..65535, got {self.port}")
+        for name in ("max_batch", "max_tokens_limit", "max_queue"):
+            if getattr(self, name) < 1:
+                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_window_ms", "prefix_cache_mb", "threads"):
+            if getattr(self, name) < 0:
+                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        parse_dtype(self.dtype)
+        if self.served_name is None:
+            self.served_name = Path(self.model.rstrip("/")).name or self.model
+        if not self.served_name:
+            raise KTMError("served_name is empty: expected the model id clients will send")
+
+
+def load_served_model(cfg: ServeConfig):
+    from ktm.model import load_any
+
+    check_servable(cfg.model)
+    return load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)
+
+
+def check_servable(model: str) -> None:
+    """Refuse, before loading, a checkpoint trained on prompts a baseline rewrote: the server
+    reads every prompt as given, which for it is silently another model."""
+    from ktm.compressors.record import refuse_rewritten
+
+    refuse_rewritten(model, "the server", "ktm eval and ktm generate apply its method")

@@ -1,0 +1,371 @@
+"""The serving engine: one thread that decodes all running requests together.
+
+Continuous batching with the functions ``decode_steps`` uses (``ktm.decode.generate.prefill``,
+``advance``, ``select_next``) plus ``ktm.decode.batched``'s ``join`` and ``keep_rows``:
+
+    loop: admit waiting requests -> prefill them together -> join them to the running batch
+          -> pick one token per row (each row with its own sampling settings and generator)
+          -> the logprobs of the rows that asked (``ktm.serving.logprobs``)
+          -> send each request its new text -> drop finished or disconnected rows -> advance
+
+An idle engine waits ``batch_window_ms`` after a request so that requests arriving together are
+prefilled together; while it is decoding, arrivals join at the next step. Rows never affect each
+other (left padding, position ids of real positions only), so batching does not change outputs.
+
+Prefix cache: the merged embeddings of every compressed segment are kept (LRU, bytes-bounded),
+and so is the KV of a prompt's leading context (up to its last merged segment). A request whose
+context was seen before prefills only what follows it.
+
+Torch work runs on this thread; the asyncio server only queues requests and relays text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ktm.core.batch import CompressedPrompt
+from ktm.core.prompt import Segment
+from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
+from ktm.decode.generate import DecodeState, GenerationConfig, advance, prefill, select_next
+from ktm.decode.text_stream import TextStream
+from ktm.serving.cache import LRUCache
+from ktm.serving.config import ServeConfig
+from ktm.serving.logprobs import TokenLogprob, Trail, step_logprobs
+from ktm.serving.prompts import context_of
+from ktm.serving.protocol import RequestError
+
+log = logging.getLogger("ktm.serving")
+
+
+@dataclass
+class Event:
+    """What a request receives: new text, and at the end a finish reason and usage."""
+
+    text: str = ""
+    finish: str | None = None  # "stop" (EOS or a stop string) or "length"
+    usage: dict | None = None
+    error: RequestError | None = None
+    logprobs: list[TokenLogprob] | None = None  # of the tokens whose text starts in ``text``
+
+
+@dataclass
+class Job:
+    segments: tuple[Segment, ...]  # token-id segments, merged or plain
+    max_tokens: int | None  # None: as many as fit, at most the server's max_tokens_limit
+    deliver: Callable[[Event], None]  # thread-safe; called from the engine thread
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 0: greedy
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token (0: the chosen one's only); None: off
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens_in(self) -> int:
+        return sum(len(s.ids) for s in self.segments)
+
+
+class Row:
+    """A running request: its sampling settings, token count and released text."""
+
+    def __init__(self, job: Job, model, cp: CompressedPrompt, cached: int, limit: int):
+        self.job, self.limit, self.n = job, limit, 0
+        # temperature 0 or top_p 0 (a nucleus of the most likely token only): greedy
+        self.cfg = GenerationConfig(max_new_tokens=limit,
+                                    do_sample=job.temperature > 0 and job.top_p > 0,
+                                    temperature=job.temperature or 1.0, top_p=job.top_p or 1.0,
+                                    seed=job.seed, stop_at_eos=not job.ignore_eos)
+        self.gen = None
+        if self.cfg.do_sample and job.seed is not None:
+            self.gen = torch.Generator(device=model.device).manual_seed(job.seed)
+        self.text = TextStream(model.tokenizer, job.stop)
+        self.trail = None if job.logprobs is None else Trail(model.tokenizer)
+        self.eos = model.eos_ids
+        self.prompt = {"prompt_tokens": cp.tokens_in, "prompt_tokens_merged": cp.tokens_out,
+                       "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def push(self, token: int) -> Event:
+        """The row's next token (with a trail, the engine has added its logprob entry)."""
+        self.n += 1
+        if self.cfg.stop_at_eos and token in self.eos:
+            return self._end(self.text.flush(), "stop")
+        piece = self.text.push(token)
+        if self.text.stopped:
+            return self._end(piece, "stop")
+        if self.n >= self.limit:  # what was held back may end in a stop string
+            piece += self.text.flush()
+            return self._end(piece, "stop" if self.text.stopped else "length")
+        return Event(piece, logprobs=self._logprobs(final=False))
+
+    def _end(self, text: str, reason: str) -> Event:
+        usage = {**self.prompt, "completion_tokens": self.n,
+                 "total_tokens": self.prompt["prompt_tokens"] + self.n}
+        return Event(text, reason, usage, logprobs=self._logprobs(final=True))
+
+    def _logprobs(self, final: bool) -> list[TokenLogprob] | None:
+        if self.trail is None:
+            return None
+        return self.trail.take(self.text.sent, final, cut=self.text.stopped)
+
+
+class Engine:
+    def __init__(self, model, cfg: ServeConfig):
+        self.model, self.cfg = model, cfg
+        self.context: int | None = model.max_positions
+        budget = int(cfg.prefix_cache_mb * 2**20)
+        self.rebatch = can_rebatch(model)  # else: windowed batches, no stored KV
+        self.merged = LRUCache(budget // 8)
+        self.kv = LRUCache(budget - budget // 8 if self.rebatch else 0)
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._rows: list[Row] = []
+        self._batch: DecodeState | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ktm-engine", daemon=True)
+        self.counts = {"finished": 0, "cancelled": 0, "rejected": 0, "failed": 0, "steps": 0,
+                       "peak_running": 0}
+        self.last_error: str | None = None
+
+    # ---------------------------------------------------------------- called from the server
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (the choices of one request): all of them, or none if they do not fit."""
+        with self._cond:
+            if len(self._waiting) + len(jobs) > self.cfg.max_queue:
+                raise RequestError(f"server busy: {len(self._waiting)} requests are waiting "
+                                   f"(max_queue={self.cfg.max_queue}); retry later",
+                                   code="server_busy", status=503, kind="server_error")
+            self._waiting.extend(jobs)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: its row is dropped before the next step."""
+        if not job.cancelled.is_set():
+            job.cancelled.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def stats(self) -> dict:
+        return {"running": len(self._rows), "waiting": len(self._waiting),
+                "max_batch": self.cfg.max_batch, "continuous_batching": self.rebatch,
+                **self.counts, "prefix_cache": {"merged": self.merged.stats(),
+                                                "kv": self.kv.stats()},
+                "last_error": self.last_error}
+
+    # ---------------------------------------------------------------- the engine thread
+    def _run(self) -> None:
+        with torch.no_grad():
+            while (jobs := self._take()) is not None:
+                try:
+                    if jobs:
+                        self._admit(jobs)
+                    if self._rows:
+                        self._step()
+                except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving
+                    # the shared forward pass (or the batch's book-keeping) failed: no request is
+                    # to blame and the batch's state is unknown, so every row ends; _admit and
+                    # _step answer what they can attribute to one request themselves
+                    log.exception("engine step failed: the %d running requests fail",
+                                  len(self._rows))
+                    self._fail([r.job for r in self._rows], e)
+
+    def _take(self) -> list[Job] | None:
+        """Block until there is work; the waiting requests that fit in the batch now."""
+        with self._cond:
+            while not self._stopping and not self._waiting and not self._rows:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            if not self._rows and self._waiting:  # idle: let requests arriving together gather
+                deadline = self._waiting[0].arrived + self.cfg.batch_window_ms / 1000
+                while (not self._stopping and len(self._waiting) < self.cfg.max_batch
+                       and (left := deadline - time.monotonic()) > 0):
+                    self._cond.wait(left)
+            free = self.cfg.max_batch - len(self._rows) if self.rebatch or not self._rows else 0
+            jobs: list[Job] = []
+            while self._waiting and len(jobs) < free:
+                job = self._waiting.popleft()
+                if job.cancelled.is_set():
+                    self.counts["cancelled"] += 1
+                else:
+                    jobs.append(job)
+            return jobs
+
+    def _limit(self, job: Job, cp: CompressedPrompt) -> int | None:
+        """Tokens this request may generate, or None after answering it with an error."""
+        # tokens it may generate: the last one is returned, never read back, so it takes no position
+        room = None if self.context is None else self.context - cp.next_position + 1
+        # the limit is on the positions the prompt spans: with spread positions a merged block
+        # takes its last token's position, so that can exceed the number of merged embeddings
+        what = (f"the prompt spans {cp.next_position} positions after merging ({cp.tokens_out} "
+                f"embeddings from {cp.tokens_in} tokens, K={self.model.k})")
+        if cp.tokens_out == cp.tokens_in:  # sent plain ("ktm": {"merge": false}) or K=1
+            what = (f"the prompt spans {cp.next_position} positions ({cp.tokens_in} tokens, "
+                    "none merged)")
+        want = job.max_tokens or min(self.cfg.max_tokens_limit, room or self.cfg.max_tokens_limit)
+        err = None
+        if room is not None and room < 1:
+            err = f"{what}: more than the model's context of {self.context} positions"
+        elif room is not None and want > room:
+            err = (f"{what}; with max_tokens={want} it needs {cp.next_position + want - 1} "
+                   f"positions (the last new token is not read back), more than the model's "
+                   f"context of {self.context}")
+        if err:
+            self.counts["rejected"] += 1
+            job.deliver(Event(error=RequestError(err, param="max_tokens" if room and room > 0
+                                                 else "prompt", code="context_length_exceeded")))
+            job.cancelled.set()  # answered: a failure of its batch-mates must not answer it again
+            return None
+        return want
+
+    def _admit(self, jobs: list[Job]) -> None:
+        """Prefill ``jobs`` and join them to the running batch. A failure before the join fails
+        these requests only: the running ones never saw them."""
+        try:
+            parts, rows = self._prefill(jobs)
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep the others
+            log.exception("admitting requests failed")
+            self._fail([j for j in jobs if not j.cancelled.is_set()], e, running=False)
+            return
+        self._rows += rows  # first: a failed join (it grows the batch's cache) fails them too
+        for part in parts:
+            self._batch = part if self._batch is None else join(self._batch, part)
+        self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
+
+    def _prefill(self, jobs: list[Job]) -> tuple[list[DecodeState], list[Row]]:
+        cps = self.model.encode_prompts([j.segments for j in jobs], cache=self.merged)
+        parts: list[DecodeState] = []
+        rows: list[Row] = []
+        misses = []
+        for job, cp in zip(jobs, cps):
+            limit = self._limit(job, cp)
+            if limit is None:
+                continue
+            context = context_of(job.segments)
+            key = tuple((s.ids, s.compress) for s in context) if context else None
+            stored = self.kv.get(key) if key is not None else None
+            n = 0 if stored is None else min(stored[0][0].shape[-2], cp.tokens_out - 1)
+            if n < 1:
+                misses.append((job, cp, limit, context, key))
+                continue
+            past = [(k[:, :, :n], v[:, :, :n]) for k, v in stored]
+            rest = None if cp.positions is None else cp.positions[n:]
+            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:], rest))
+            rows.append(Row(job, self.model, cp, n, limit))
+        if misses:
+            batch = prefill(self.model, [m[1] for m in misses])
+            for i, (job, cp, limit, context, key) in enumerate(misses):
+                if key is not None and self.kv.max_bytes and key not in self.kv:
+                    n = self.model.encode_prompts([context], cache=self.merged)[0].tokens_out
+                    self.kv[key] = row_kv(batch, i, n)
+                rows.append(Row(job, self.model, cp, 0, limit))
+            parts.append(batch)
+        return parts, rows
+
+    def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """(B, V) -> (B,) next tokens: greedy rows at once, sampled rows each with its own
+        generator, so a row's draws do not depend on its batch-mates. A row whose choice fails
+        (NaN logits cannot be sampled) is returned with its error; the others are unaffected."""
+        out = torch.zeros(len(self._rows), dtype=torch.long, device=logits.device)
+        failed: dict[int, Exception] = {}
+        greedy = [i for i, r in enumerate(self._rows) if not r.cfg.do_sample]
+        groups = deque([greedy] if greedy else [])
+        groups += [[i] for i, r in enumerate(self._rows) if r.cfg.do_sample]
+        while groups:
+            rows = groups.popleft()
+            row = self._rows[rows[0]]
+            try:
+                idx = torch.tensor(rows, device=logits.device)
+                out[idx] = select_next(logits[idx], row.cfg, row.gen)
+            except Exception as e:  # noqa: BLE001 - one request's failure
+                if len(rows) > 1:  # the greedy rows: find which one it was
+                    groups.extend([i] for i in rows)
+                else:
+                    failed[rows[0]] = e
+        return out, failed
+
+    def _step(self) -> None:
+        gone = [i for i, r in enumerate(self._rows) if r.job.cancelled.is_set()]
+        if gone:
+            self.counts["cancelled"] += len(gone)
+            self._keep([i for i in range(len(self._rows)) if i not in gone])
+            if not self._rows:
+                return
+        tokens, failed = self._select(self._batch.logits)
+        asked = [i for i, r in enumerate(self._rows) if r.trail is not None and i not in failed]
+        lps = step_logprobs(self._batch.logits, tokens, asked,
+                            [self._rows[i].job.logprobs for i in asked]) if asked else {}
+        done, out = [], []
+        for i, (row, tok) in enumerate(zip(self._rows, tokens.tolist())):
+            try:
+                if i in lps:
+                    row.trail.add(tok, *lps[i])
+                ev = self._row_failed(row, failed[i]) if i in failed else row.push(tok)
+            except Exception as e:  # noqa: BLE001 - its text or stop strings: this request only
+                ev = self._row_failed(row, e)
+            if ev.text or ev.finish or ev.error or ev.logprobs:
+                out.append((row.job, ev))
+            if ev.finish or ev.error:
+                done.append(i)
+        # book-keeping first, then deliver: a client that has its last event never sees its row
+        # still running or uncounted in /health
+        self.counts["steps"] += 1
+        self.counts["finished"] += sum(1 for _, ev in out if ev.finish)
+        if done:
+            keep = [i for i in range(len(self._rows)) if i not in done]
+            self._keep(keep)
+            tokens = tokens[keep]
+        for job, ev in out:
+            job.deliver(ev)
+        if self._rows:
+            advance(self.model, self._batch, tokens)
+
+    def _row_failed(self, row: Row, e: Exception) -> Event:
+        """One request failed while decoding: a 500 for it, its row dropped, the others go on."""
+        log.error("a request failed while decoding (the others go on): %s: %s",
+                  type(e).__name__, e, exc_info=e)
+        self.last_error = f"{type(e).__name__}: {e}"
+        self.counts["failed"] += 1
+        return Event(error=_internal(e))
+
+    def _keep(self, rows: list[int]) -> None:
+        if not rows:
+            self._batch, self._rows = None, []
+            return
+        keep_rows(self._batch, rows)
+        self._rows = [self._rows[i] for i in rows]
+
+    def _fail(self, jobs: list[Job], e: Exception, running: bool = True) -> None:
+        """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
+        if running:
+            self._batch, self._rows = None, []
+        self.last_error = f"{type(e).__name__}: {e}"
+        self.counts["failed"] += len(jobs)
+        for job in jobs:
+            job.deliver(Event(error=_internal(e)))
+
+
+def _internal(e: Exception) -> RequestError:
+    return RequestError(f"internal error while generating: {type(e).__name__}: {e}",
+                        status=500, kind="server_error")

@@ -1,0 +1,248 @@
+"""Requests -> prompts as token-id segments (merged or plain), the way the Python API builds them.
+
+A completion prompt is tokenized like ``KTMModel.encode_prompts`` does (the first segment gets the
+tokenizer's special tokens), so the server's output for a prompt equals ``model.generate``'s.
+
+Chat messages go through the tokenizer's chat template. To know where each message's content sits
+in the rendered text, the template is rendered with a marker as each content and split at the
+markers: the template's text becomes plain segments, the contents are put back in their place as
+given (merged or plain). Whitespace the template puts before a content (Llama 2's "[INST] ") goes
+with the content where the tokenizer reads it with the content's first word, so the chat's ids are
+``apply_chat_template``'s (``join_whitespace``). A tokenizer without a template uses
+``role: content`` lines and a final ``assistant:``. Everything is tokenized without added special
+tokens: the template has its own (the role lines open with the BOS the tokenizer puts before a
+text, as a completion does).
+"""
+
+from __future__ import annotations
+
+import re
+
+from jinja2 import TemplateError
+
+from ktm.core.prefix import embedding_rows
+from ktm.core.prompt import Segment
+from ktm.serving.protocol import ChatRequest, CompletionRequest, KtmOptions, RequestError
+
+MARK = "[[ktm-content-{}]]"
+MARK_RE = re.compile(r"\[\[ktm-content-(\d+)\]\]")
+
+
+def _check_joined(given: str | None, parts, where: str) -> None:
+    joined = "".join(p.text for p in parts)
+    if given not in (None, "", joined):
+        raise RequestError(f"{where} must be omitted, empty or exactly the ktm segments' texts "
+                           "joined, since the segments already give it", param=where)
+
+
+def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ...]]:
+    """The request's prompts (one, or each of a list) as segments."""
+    ext = req.ktm or KtmOptions()
+    prompts = req.prompt_values()
+    if ext.segments is not None:
+        if len(prompts) > 1 or isinstance(prompts[0], tuple):
+            raise RequestError("ktm.segments gives the one prompt: prompt must be omitted, empty "
+                               "or exactly the segments' texts joined, not token ids or a list "
+                               f"of {len(prompts)} prompts", param="prompt")
+        _check_joined(prompts[0], ext.segments, "prompt")
+        return [_text_segments(model, [(s.text, s.merge and ext.merge) for s in ext.segments],
+                               "prompt")]
+    where = (lambda i: "prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
+    return [_non_empty((Segment("", ext.merge, _in_vocabulary(model, p, where(i))),), where(i))
+            if isinstance(p, tuple) else _text_segments(model, [(p, ext.merge)], where(i))
+            for i, p in enumerate(prompts)]
+
+
+def _text_segments(model, parts: list[tuple[str, bool]], where: str) -> tuple[Segment, ...]:
+    parts = [(t, m) for t, m in parts if t]
+    return _non_empty(tuple(Segment(t, m, _ids(model, t, i == 0, where))
+                            for i, (t, m) in enumerate(parts)), where)
+
+
+def _apply(tokenizer, turns: list[tuple[str, int]], pad: str = "") -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            [{"role": role, "content": pad + MARK.format(i) + pad} for role, i in turns],
+            tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # the template's raise_exception: roles it does not take, ...
+        raise RequestError(f"this model's chat template refuses these messages (roles "
+                           f"{[role for role, _ in turns]}): {e}", param="messages") from e
+
+
+def render_chat(tokenizer, turns: list[tuple[str, int]]) -> tuple[list[str | int], set[int]]:
+    """The chat as template text (str) and message indices (int) where contents go, and the
+    messages whose content the template trims (Llama 3's ``| trim``): they are put back trimmed."""
+    if not getattr(tokenizer, "chat_template", None):
+        out: list[str | int] = []
+        for role, i in turns:
+            out += [f"{role}: ", i, "\n"]
+        return out + ["assistant:"], set()
+    rendered = _apply(tokenizer, turns)
+    padded = _apply(tokenizer, turns, pad=" \n")
+    trimmed = {i for _, i in turns if f" \n{MARK.format(i)} \n" not in padded}
+    pieces = MARK_RE.split(rendered)
+    out = [int(p) if j % 2 else p for j, p in enumerate(pieces)]
+    found = [p for p in out if isinstance(p, int)]
+    if found != [i for _, i in turns]:
+        raise RequestError("this model's chat template does not place each message's content "
+                           f"once and in order (found messages {found}); send a completion with "
+                           "ktm.segments instead", param="messages")
+    return [p for p in out if p != ""], trimmed
+
+
+def template_role(tokenizer, role: str) -> str:
+    """OpenAI's ``developer`` role (system instructions for newer models) reaches a template
+    that never names it, or the role lines without one, as ``system``: the model was trained
+    on that, and would read ``<|im_start|>developer`` as an unknown speaker."""
+    if role != "developer":
+        return role
+    template = getattr(tokenizer, "chat_template", None)
+    known = isinstance(template, str) and "developer" in template
+    return role if known else "system"
+
+
+def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
+    ext_all = req.ktm or KtmOptions()
+    if ext_all.segments is not None:
+        raise RequestError("ktm.segments is for /v1/completions; in a chat, give a message "
+                           "\"ktm\": {\"segments\": [...]}", param="ktm.segments")
+    merge_all = ext_all.merge
+    contents: list[list[tuple[str, bool]]] = []
+    for i, m in enumerate(req.messages):
+        ext = m.ktm
+        if ext is not None and ext.segments is not None:
+            _check_joined(m.text(), ext.segments, f"messages.{i}.content")
+            parts = [(s.text, s.merge) for s in ext.segments]
+        else:
+            parts = [(m.text(), True if ext is None or ext.merge is None else ext.merge)]
+        contents.append([(t, merge and merge_all) for t, merge in parts if t])
+    if not any(contents):
+        raise RequestError("messages are empty: expected at least one message with content",
+                           param="messages")
+    layout, trimmed = render_chat(model.tokenizer, [(template_role(model.tokenizer, m.role), i)
+                                                    for i, m in enumerate(req.messages)])
+    for i in trimmed:
+        contents[i] = _strip(contents[i])
+    # a template writes its own BOS; the role lines that stand in for a missing one open with
+    # the tokenizer's, as a completion does (a model with a BOS has never read text without it)
+    lead = not getattr(model.tokenizer, "chat_template", None)
+    read = TemplateReader(model)
+    segs: list[Segment] = []
+    for text, merge in join_whitespace(model, layout, contents):
+        _check_text(text, "messages")
+        ids = model.tokenize(text, first=not segs) if lead else read(text)
+        segs.append(Segment(text, merge, tuple(ids)))
+    return _non_empty(tuple(segs), "messages")
+
+
+def join_whitespace(model, layout: list[str | int],
+                    contents: list[list[tuple[str, bool]]]) -> list[tuple[str, bool]]:
+    """The chat's pieces as (text, merge), in order. Where a piece of the template ends in
+    whitespace the next content's first word takes in (Llama 2's "[INST] " + "Hello": the
+    tokenizer reads "▁Hello", as ``apply_chat_template`` and vLLM give, not "▁", "Hello"), that
+    whitespace moves to the start of the content, merged or not; the same at a content's end
+    before template text. Only as much moves as the tokenizer reads with the next word (ChatML's
+    "user\n" + "Hello" stays as it is), so the pieces read as the whole text reads. The
+    boundaries between a message's own ``ktm.segments`` are the client's and stay."""
+    pieces: list[list] = []  # [text, merge, from the template]
+    for piece in layout:
+        if isinstance(piece, int):
+            pieces += [[text, merge, False] for text, merge in contents[piece]]
+        elif pieces and pieces[-1][2]:  # an empty content: the template's texts meet
+            pieces[-1][0] += piece
+        else:
+            pieces.append([piece, False, True])
+    for a, b in zip(pieces, pieces[1:]):
+        if a[2] or b[2]:
+            moved = _joined_tail(model, a[0], b[0])
+            a[0], b[0] = a[0][:len(a[0]) - len(moved)], moved + b[0]
+    return [(text, merge) for text, merge, _ in pieces if text]
+
+
+def _joined_tail(model, text: str, after: str, probe: int = 32) -> str:
+    """The shortest tail of ``text``'s trailing whitespace such that ``text`` without it and
+    ``after`` with it read as ``text + after`` reads (empty where they already do)."""
+    space = text[len(text.rstrip()):]
+    head = after[:probe]
+    if not space or not head:
+        return ""
+    whole = model.tokenize(space + head)
+    for n in range(len(space) + 1):
+        if model.tokenize(space[:len(space) - n]) + model.tokenize(space[len(space) - n:] + head
+                                                                    ) == whole:
+            return space[len(space) - n:]
+    return space
+
+
+class TemplateReader:
+    """The pieces of a rendered chat, one after another, read as the tokenizer reads them in
+    the whole rendered text (HF's ``apply_chat_template``, vLLM): the chat's first text as any
+    text, text after a special or added token (``<s>``, ``[INST]``) as it reads text there (a
+    legacy SentencePiece tokenizer puts its dummy space before it: "<s>", "▁[INST]", as Meta's
+    Llama 2 chat format has it), text after other text as a continuation (``ktm.core.tokens``)."""
+
+    def __init__(self, model):
+        self.model, self.tokenizer = model, model.tokenizer
+        self.specials = [t for t in getattr(self.tokenizer, "added_tokens_encoder", {}) if t]
+        self.after: str | None = ""  # "": the chat's start; a token: right after it; None: text
+
+    def __call__(self, text: str) -> list[int]:
+        found = [i for i in (text.find(t) for t in self.specials) if i >= 0]
+        cut = 0 if self.after is not None else min(found, default=len(text))
+        ids = self.model.tokenize(text[:cut]) if cut else []
+        if text[cut:]:
+            anchor = self.after or ""  # read the text after the token it follows
+            ids += self.tokenizer(anchor + text[cut:], add_special_tokens=False
+                                  )["input_ids"][1 if anchor else 0:]
+        self.after = next((t for t in self.specials if text.endswith(t)), None)
+        return ids
+
+
+def _strip(parts: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """A content's parts with the whitespace around the whole content removed."""
+    parts = list(parts)
+    while parts and not parts[0][0].strip():
+        parts.pop(0)
+    while parts and not parts[-1][0].strip():
+        parts.pop()
+    if parts:
+        parts[0] = (parts[0][0].lstrip(), parts[0][1])
+        parts[-1] = (parts[-1][0].rstrip(), parts[-1][1])
+    return parts
+
+
+def _ids(model, text: str, first: bool, param: str) -> tuple[int, ...]:
+    _check_text(text, param)
+    return tuple(model.tokenize(text, first=first))
+
+
+def _check_text(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON may escape a lone surrogate ("\\ud800")
+        raise RequestError(f"{param} is not valid Unicode: {text[e.start:e.end]!r} at character "
+                           f"{e.start} is a lone surrogate; expected text", param=param) from e
+
+
+def _in_vocabulary(model, ids: tuple[int, ...], where: str) -> tuple[int, ...]:
+    """Token ids as given (no special tokens added), each a row of the model's embedding."""
+    rows = embedding_rows(model.input_embedding)
+    bad = next((i for i in ids if not 0 <= i < rows), None)
+    if bad is not None:
+        raise RequestError(f"{where} token id {bad} is outside this model's vocabulary: "
+                           f"expected ids in [0, {rows})", param="prompt")
+    return ids
+
+
+def _non_empty(segs: tuple[Segment, ...], param: str) -> tuple[Segment, ...]:
+    segs = tuple(s for s in segs if s.ids)
+    if not segs:
+        raise RequestError(f"{param} is empty: expected text to complete", param=param)
+    return segs
+
+
+def context_of(segs: tuple[Segment, ...]) -> tuple[Segment, ...]:
+    """The leading segments up to the last merged one: the part whose KV the server may reuse
+    (a long document merged, then a plain question that changes from request to request)."""
+    last = max((i for i, s in enumerate(segs) if s.compress), default=-1)
+    return segs[:last + 1]

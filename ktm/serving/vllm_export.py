@@ -1,0 +1,240 @@
+"""``ktm export --format vllm DIR``: a ktm model as files vLLM and a small client can use.
+
+    DIR/lm/                   HF folder: the base LM with LoRA merged in (PEFT
+                              ``merge_and_unload``) and its tokenizer -> ``vllm serve DIR/lm``
+    DIR/encoder.safetensors   the K-token encoder
+    DIR/ktm_export.json       K, encoder settings, sizes, where the input embeddings are, the
+                              sha256 of the LM, tokenizer and encoder files, and the model name
+                              to serve under
+
+The LM reads merged prefixes as ``prompt_embeds``; ``ktm.serving.vllm_client`` computes them from
+the tokenizer, the LM's input-embedding table and the encoder, and refuses a server that does not
+serve this export (its served name carries the fingerprint of these exact files).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ktm.core.base_model import parse_dtype
+from ktm.core.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, save_atomic
+from ktm.core.config import DEFAULT_MODEL
+from ktm.errors import KTMError
+from ktm.util.fileio import write_json_atomic
+from ktm.util.provenance import git_revision, versions
+
+FORMATS = ("vllm",)
+MANIFEST = "ktm_export.json"
+LM_DIR = "lm"
+ENCODER = "encoder.safetensors"
+EMBEDDINGS = "input_embeddings.safetensors"  # only when the LM files do not hold the table
+FORMAT_VERSION = 1
+# what the client reads from the manifest (the rest is provenance, or optional with a default)
+REQUIRED = ("k", "encoder", "merges", "plain_prefix", "base_model", "hidden_size", "vocab_size",
+            "dtype", "embeddings", "sha256", "served_model_name")
+
+
+@dataclass
+class ExportConfig:
+    format: str = field(default="vllm", metadata={"help": "export format", "choices": FORMATS})
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "ktm checkpoint folder or shipped reader name (or a base model: an untrained "
+                "mean-pooling merger)"})
+    k: int | None = field(default=None, metadata={
+        "help": "a base model's K (default 4); a checkpoint's K if given must match"})
+    dtype: str = field(default="float32", metadata={
+        "help": "weights and prompt_embeds dtype: float32 | bfloat16 | float16"})
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise KTMError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.k is not None and self.k < 1:
+            raise KTMError(f"k must be an integer >= 1, got {self.k}")
+        parse_dtype(self.dtype)
+
+
+def sha256_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def lm_files(lm_dir: Path) -> list[Path]:
+    """The files that define the LM's computation: weights and config."""
+    return sorted(lm_dir.glob("*.safetensors")) + [lm_dir / "config.json"]
+
+
+def tokenizer_files(lm_dir: Path) -> list[Path]:
+    """The files prompts are tokenized with (tokenizer.json, its config, vocabularies, chat
+    template): everything in the LM folder but the LM's weights and configs."""
+    lm = set(lm_files(lm_dir)) | {lm_dir / "generation_config.json"}
+    return sorted(p for p in lm_dir.iterdir() if p.is_file() and p not in lm
+                  and not p.name.endswith(".safetensors.index.json"))
+
+
+def _find_tensor(lm_dir: Path, key: str) -> str | None:
+    """The weights file of ``lm_dir`` that holds tensor ``key``, if any."""
+    for path in sorted(lm_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if key in f.keys():
+                return path.name
+    return None
+
+
+def _write(model, tmp: Path) -> None:
+    lm_dir = tmp / LM_DIR
+    # merge into a copy: the caller's model keeps its adapter
+    merged = copy.deepcopy(model.peft).merge_and_unload()
+    emb = merged.get_input_embeddings().weight
+    key = next(n for n, p in merged.named_parameters() if p is emb)
+    merged.save_pretrained(str(lm_dir), safe_serialization=True)
+    model.tokenizer.save_pretrained(str(lm_dir))
+    found = _find_tensor(lm_dir, key)
+    if found is None:  # e.g. tied weights saved under the head's name only
+        save_file({key: emb.detach().contiguous().cpu()}, str(tmp / EMBEDDINGS))
+    embeddings = {"file": f"{LM_DIR}/{found}" if found else EMBEDDINGS, "key": key}
+    enc = {k: v.detach().contiguous().cpu() for k, v in model.encoder.state_dict().items()}
+    save_file(enc, str(tmp / ENCODER), metadata={"k": str(model.k)})
+    lm_sha, enc_sha = sha256_files(lm_files(lm_dir)), sha256_files([tmp / ENCODER])
+    fingerprint = hashlib.sha256((lm_sha + enc_sha).encode()).hexdigest()
+    cfg = model.config_dict
+    write_json_atomic(tmp / MANIFEST, {
+        "format": "ktm-vllm", "format_version": FORMAT_VERSION, "k": model.k,
+        "encoder": model.encoder.config.to_dict(), "merges": model.merges,
+        "plain_prefix": model.config.plain_prefix, "plain_suffix": model.config.plain_suffix,
+        "align_lines": model.config.align_lines,
+        "model": cfg["config"],
+        "base_model": model.config.base_model,
+        "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+        # what the encoder and prompt_embeds are as wide as: OPT-350m's 512-wide embeddings are
+        # projected to its 1024-wide hidden states inside the LM
+        "embedding_size": emb.shape[1],
+        "dtype": str(model.dtype).removeprefix("torch."), "embeddings": embeddings,
+        "sha256": {"lm": lm_sha, "encoder": enc_sha,
+                   "tokenizer": sha256_files(tokenizer_files(lm_dir))},
+        "served_model_name": f"ktm-k{model.k}-{fingerprint[:12]}",
+        "versions": versions(), "git": git_revision(),
+    })
+
+
+def _check_plain_lookup(model) -> None:
+    """Refuse an LM whose embedding layer is more than a table lookup (Gemma's multiplies the
+    rows by sqrt(hidden)): ktm merges what the layer returns, the client builds prompt_embeds
+    from the table, and vLLM's handling differs by family (its Gemma and Gemma 2 multiply
+    prompt_embeds by the scale, its Gemma 3 only embedded ids), so the served prefix would be
+    at another scale than the one the model was trained on."""
+    emb = model.input_embedding
+    ids = torch.arange(min(8, emb.weight.shape[0]), device=emb.weight.device)
+    looked_up, rows = emb(ids), emb.weight[ids]
+    if not torch.equal(looked_up, rows):
+        scale = float(looked_up.float().norm() / rows.float().norm())
+        raise KTMError(f"the {model.lm_config.model_type!r} LM's embedding layer scales the table "
+                       f"rows (x{scale:.2f}), and vLLM's handling of prompt_embeds for it differs "
+                       "(Gemma and Gemma 2 scale them again, Gemma 3 scales only embedded ids "
+                       "while the client sends unscaled rows): the served prefix would not be "
+                       "the one the model was trained on; the vLLM export covers LMs whose "
+                       "embedding layer is a plain lookup (serve this one with ktm serve)")
+
+
+def _check_apart(out: Path, sources: list[str | Path]) -> None:
+    """Refuse an output folder that is, holds or sits inside a folder the model was read from:
+    the export replaces ``out`` whole (a model folder inside it would go with it), and a
+    checkpoint is replaced whole by its next save (an export inside it would go with that)."""
+    dest = out.expanduser().resolve()
+    for source in sources:
+        src = Path(source).expanduser()
+        if not src.is_dir():
+            continue
+        src = src.resolve()
+        if dest == src or src in dest.parents:
+            where = "is" if dest == src else "is inside"
+        elif dest in src.parents:
+            where = "holds"
+        else:
+            continue
+        raise KTMError(f"output folder {str(out)!r} {where} the model folder {str(source)!r}: "
+                       "the export or the model's next save would replace the other; expected "
+                       "an output folder apart from the model's")
+
+
+def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dict:
+    """Write ``model`` for vLLM into ``out`` (atomically); returns the manifest.
+
+    ``source``: the checkpoint folder the model was loaded from, if any (``out`` must lie
+    apart from it, as from the base model's folder). Needs memory for a second copy of the LM
+    while LoRA is merged.
+    """
+    rec = getattr(model, "compressor_record", None)
+    if rec is not None and rec["name"] not in SETTING_ONLY:
+        raise KTMError(f"this model's checkpoint was trained with --compressor {rec['name']} "
+                       f"({COMPRESSOR_RECORD}): its LoRA reads prompts as {rec['name']} "
+                       "rewrote them, vLLM would read them as given; expected a checkpoint "
+                       "trained without a baseline (ktm eval and ktm generate apply its method)")
+    # any extension of the input table (LTSC's meta-token rows) has ids vLLM's LM lacks
+    if getattr(model, "input_extension", None) is not None:
+        raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "
+                       "the vLLM export covers K-token merging models only")
+    if model.config.spread_positions:
+        raise KTMError("this model uses spread_positions, but vLLM places prompt_embeds at "
+                       "consecutive positions: it would read the prefix differently; export a "
+                       "model trained with consecutive positions")
+    _check_plain_lookup(model)
+    out = Path(out)
+    _check_apart(out, [model.config.base_model] + ([source] if source is not None else []))
+    if out.exists() and not (out / MANIFEST).is_file():
+        raise KTMError(f"{str(out)!r} exists and is not a ktm export: expected a new folder")
+    with torch.no_grad():
+        save_atomic(out, lambda tmp: _write(model, tmp))
+    return read_manifest(out)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise KTMError(f"{str(directory)!r} is not a ktm vLLM export: {MANIFEST} is missing "
+                       "(make one with: ktm export --format vllm DIR --model CHECKPOINT)")
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KTMError(f"{str(path)!r} is corrupt: {e}") from e
+    if not isinstance(m, dict):
+        raise KTMError(f"{str(path)!r} is corrupt: expected a JSON object, found "
+                       f"{type(m).__name__}")
+    if m.get("format") != "ktm-vllm" or m.get("format_version") != FORMAT_VERSION:
+        raise KTMError(f"{str(path)!r} is not a ktm-vllm export of format version "
+                       f"{FORMAT_VERSION} (found {m.get('format')!r} {m.get('format_version')!r})")
+    missing = [key for key in REQUIRED if key not in m]
+    if missing:
+        raise KTMError(f"{str(path)!r} is corrupt: it lacks {missing}; re-export")
+    for key in ("encoder", "embeddings", "sha256"):
+        if not isinstance(m[key], dict):
+            raise KTMError(f"{str(path)!r} is corrupt: {key!r} is {m[key]!r}, expected a JSON "
+                           "object; re-export")
+    return m
+
+
+def run_export(cfg: ExportConfig, out: str) -> dict:
+    """``ktm export --format vllm DIR``."""
+    from ktm.compressors.record import refuse_rewritten
+    from ktm.model import load_any
+
+    # the exported LM is served on the prompts clients send, never rewritten by a baseline
+    refuse_rewritten(cfg.model, "an exported model", "ktm eval and ktm generate apply its method")
+    model = load_any(cfg.model, cfg.k, "cpu", cfg.dtype)
+    manifest = export_vllm(model, out, source=cfg.model)
+    print(f"wrote {out}: serve it with\n  vllm serve {Path(out) / LM_DIR} "
+          f"--served-model-name {manifest['served_model_name']} --enable-prompt-embeds "
+          f"--dtype {manifest['dtype']}")
+    return manifest

@@ -1,0 +1,103 @@
+"""``TrainConfig``: one training run's settings (folder, steps, batch, optimizer, schedule,
+logging, checkpoints), validated on construction, and the learning-rate schedule it defines.
+The loop that reads it is ``ktm.training.train``, which re-exports both names."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ktm.errors import KTMError
+from ktm.util.field_types import check_field_types
+
+
+@dataclass
+class TrainConfig:
+    """One training run (``train``, and ``ktm train / pretrain / curriculum``): the run's folder,
+    steps, batch, optimizer and schedule, logging and checkpointing. Every field has a help
+    text (``--help``). Raises ``KTMError`` on construction for an out-of-range value."""
+
+    out_dir: str = field(default="runs/ktm", metadata={
+        "help": "the run's folder: metrics.jsonl, run.json, checkpoint/"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=8, metadata={
+        "help": "examples per forward pass (per process under a launcher)"})
+    grad_accum: int = field(default=1, metadata={
+        "help": "forward passes per optimizer step; global batch = processes x batch size x "
+                "grad accum"})
+    lr: float = field(default=1e-4, metadata={
+        "help": "AdamW learning rate of LoRA (and of the slot weights and gate, unless "
+                "--slot-lr)"})
+    # the encoder MLP has a K*D-wide fan-in, so one Adam step at the LoRA rate moves its output
+    # by far more than an embedding's norm (0 -> 11.7 in 6 steps at 5e-4, embeddings ~3.2);
+    # its weights get this smaller rate. The slot weights and the gate (fan-in 1) use ``lr``.
+    encoder_lr: float = field(default=5e-5, metadata={
+        "help": "learning rate of the encoder MLP's weights"})
+    # the slot weights and the gate: the encoder's order-aware part. They start at the mean (1/K)
+    # and at ``lr`` move by ~lr per step, too slowly to learn the order inside a block (the shipped
+    # K=4 reader's two slots per level differ by 0.03-0.06 on average after 1,350 steps). None: lr.
+    slot_lr: float | None = field(default=None, metadata={
+        "help": "learning rate of the encoder's slot weights and gate (default: --lr)"})
+    ema_decay: float = field(default=0.0, metadata={
+        "help": "keep an exponential moving average of the trainable weights with this decay "
+                "(e.g. 0.95): evaluations, the checkpoint and the returned model use it, the "
+                "last iterate is kept in checkpoint/live; 0: off"})
+    schedule: str = field(default="constant", metadata={"choices": ["constant", "cosine"],
+                          "help": "after warm-up: constant, or cosine decay to 10% of lr"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "steps of linear learning-rate warm-up (0: none)"})
+    clip_norm: float = field(default=1.0, metadata={
+        "help": "clip the gradient norm to this (0: no clipping)"})
+    seed: int = field(default=0, metadata={
+        "help": "random seed: the examples drawn and their order, new weights, dropout"})
+    log_every: int = field(default=1, metadata={
+        "help": "a metrics.jsonl row every N steps (and at the last step)"})
+    eval_every: int = field(default=0, metadata={
+        "help": "evaluate every N steps, logged to metrics.jsonl (0: only at the end)"})
+    save_every: int = field(default=50, metadata={
+        "help": "save checkpoint/ every N steps (0: only at the end)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue the run in out-dir from its checkpoint (off: the folder must hold "
+                "no earlier run)"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if not self.out_dir:
+            raise KTMError("TrainConfig.out_dir is empty: expected the run's folder")
+        for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "encoder_lr", "slot_lr", "weight_decay", "clip_norm"):
+            v = getattr(self, name)  # NaN passed every comparison and trained to NaN weights
+            if v is not None and not math.isfinite(v):
+                raise KTMError(f"{name} must be a finite number, got {v}")
+        if self.clip_norm < 0:  # was read as 0, no clipping
+            raise KTMError(f"clip_norm must be >= 0 (0: no clipping), got {self.clip_norm}")
+        if self.weight_decay < 0:
+            raise KTMError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr <= 0:
+            raise KTMError(f"lr must be > 0, got {self.lr}")
+        if self.schedule not in ("constant", "cosine"):
+            raise KTMError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        if self.encoder_lr <= 0:
+            raise KTMError(f"encoder_lr must be > 0, got {self.encoder_lr}")
+        if self.slot_lr is not None and self.slot_lr <= 0:
+            raise KTMError(f"slot_lr must be > 0 (or unset: lr), got {self.slot_lr}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise KTMError(f"ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}")
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then constant or a cosine decay to 10% at ``max_steps``."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        span = max(1, cfg.max_steps - cfg.warmup_steps)
+        done = min(1.0, (step - cfg.warmup_steps) / span)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done))
+    return 1.0

@@ -1,0 +1,414 @@
+"""Reader pretraining: teach the encoder and LoRA to read merged text, with no labels.
+
+Every example is a window of unlabeled text (``ktm.tasks.corpus``) whose context is merged, trained
+with one of these objectives (alone or mixed by weight):
+
+    lm       cross-entropy on the plain continuation after the merged context
+    distill  self-distillation on that continuation: the teacher is the same base LM with its
+             adapter disabled reading the *plain* context (PEFT's adapter-disabled forward, so no
+             second model in memory); KL(teacher || student) per continuation token, plus
+             (``distill_hidden`` > 0) the squared distance between the student's and the
+             teacher's hidden states there, every layer, relative to the teacher's norm: if the
+             merged context carries what the plain one does, those states can match, and that
+             is far more signal per token than the output distribution alone
+    ae       autoencoding (ICAE): after the merged context and a plain cue, regenerate the
+             context itself. This is the objective that forces every token to survive.
+    align    ``lm`` plus context alignment: at every position of the merged context, each
+             layer's hidden state is pulled (squared distance relative to the teacher's norm,
+             weight ``align_weight``) towards the base LM's (adapter disabled) reading the
+             plain context, at the last token the position stands for: the state the plain
+             reading has there, over exactly the same tokens. The continuation then attends to
+             states like the plain reading's at every K-th token. Position 0, the attention
+             sink, is left out: its states are outliers that would swamp the scale.
+
+A K mix (``k_mix``) gives each window a K drawn by weight from the model's merge levels: its
+own K and, for a recursive encoder (``inner_k``), its inner K. One LoRA then learns to read
+both, and the checkpoint loads at either (``KTMModel.load(..., k=inner_k)``).
+
+The run is an ordinary ``ktm.training.train`` run (progress bar, metrics.jsonl, atomic checkpoints,
+exact resume); the window stream is a pure function of (seed, index), so a resumed run sees the same
+windows. Every ``eval_every`` steps it logs the readability R on held-out text.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from ktm.core.batch import LossOutput
+from ktm.core.prompt import Segment
+from ktm.errors import KTMError
+from ktm.tasks.base import Example
+from ktm.tasks.corpus import (
+    HELDOUT,
+    WindowSpec,
+    autoencode_window,
+    check_docs,
+    continuation_window,
+    is_source,
+    source_texts,
+    tokenize_docs,
+)
+from ktm.training import distributed
+from ktm.training.config import TrainConfig
+from ktm.training.teacher import kl_per_token
+from ktm.training.train import train
+from ktm.util.field_types import check_field_types
+
+OBJECTIVES = ("lm", "distill", "ae", "align")
+
+
+def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None,
+                  known: Callable[[str], bool] | None = None) -> dict[str, float]:
+    """``["code", "reviews=0.5"]`` -> ``{"code": 1.0, "reviews": 0.5}``. A spec that ``known``
+    takes whole while it does not take the part before its last "=" is a name by itself: a
+    folder ``runs/lr=1e-3`` is not the source ``runs/lr`` at weight 0.001."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        name, _, w = spec.rpartition("=") if "=" in spec else (spec, "", "1")
+        if known is not None and "=" in spec and known(spec) and not known(name):
+            name, w = spec, "1"
+        try:
+            weight = float(w)
+        except ValueError:
+            raise KTMError(f"{what} {spec!r}: weight {w!r} is not a number") from None
+        if not math.isfinite(weight) or weight < 0:
+            raise KTMError(f"{what} {spec!r}: weight must be a finite number >= 0, got {w!r}")
+        if not name:
+            raise KTMError(f"{what} {spec!r} has no name: expected NAME or NAME=WEIGHT")
+        if allowed is not None and name not in allowed:
+            raise KTMError(f"unknown {what} {name!r}: expected one of {', '.join(allowed)}")
+        out[name] = out.get(name, 0.0) + weight
+    if not out or sum(out.values()) <= 0:
+        raise KTMError(f"no {what} with a positive weight: expected at least one")
+    return out
+
+
+@dataclass
+class PretrainConfig:
+    """What a reader pretrains on (``pretrain``, ``ktm pretrain``): text sources, objectives and
+    window lengths, the K mix, and the held-out sets for readability R. Raises ``KTMError`` on
+    construction for an unknown objective or held-out set, a bad weight or an out-of-range
+    length."""
+
+    sources: tuple[str, ...] = field(default=("code", "reviews"), metadata={
+        "help": "text sources, each NAME or NAME=WEIGHT: code, reviews, trees[:STAGE,...], "
+                "or a text/JSONL file or folder"})
+    objectives: tuple[str, ...] = field(default=("lm",), metadata={
+        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae, align"})
+    context_tokens: int = field(default=256, metadata={"help": "longest merged context"})
+    target_tokens: int = field(default=64, metadata={"help": "longest continuation target"})
+    ae_tokens: int = field(default=128, metadata={"help": "longest context to autoencode"})
+    min_tokens: int = field(default=32, metadata={"help": "shortest usable text, in tokens"})
+    distill_hidden: float = field(default=0.0, metadata={
+        "help": "weight of hidden-state matching added to the distill objective"})
+    align_weight: float = field(default=1.0, metadata={
+        "help": "weight of the context alignment added to the align objective's cross-entropy"})
+    ae_cue: str = field(default="\nRepeat the text above:\n",
+                        metadata={"help": "plain text between the merged context and its copy"})
+    k_mix: tuple[str, ...] = field(default=(), metadata={
+        "help": "a K mix, each K or K=WEIGHT, from the model's K and its inner K (--inner-k): "
+                "one LoRA learns to read each (none: the model's K only)"})
+    text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
+    eval_sets: tuple[str, ...] = field(default=("reviews", "code"), metadata={
+        "help": "held-out sets for the periodic readability R (none: skip)"})
+    n_eval_windows: int = field(default=32, metadata={"help": "held-out windows per set"})
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("sources", "objectives", "k_mix", "eval_sets"):
+            value = getattr(self, name)
+            # one name is one item: tuple("code") would be the sources c, o, d, e
+            setattr(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
+        self.eval_sets = tuple(s for s in self.eval_sets if s != "none")
+        self.source_weights = parse_weights(self.sources, "text source", known=is_source)
+        self.objective_weights = parse_weights(self.objectives, "objective", OBJECTIVES)
+        self.k_mix = tuple(str(k) for k in self.k_mix)
+        self.k_weights = {_k_value(k): w for k, w in parse_weights(self.k_mix, "K").items()
+                          if w > 0} if self.k_mix else {}
+        self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
+                                 self.min_tokens)
+        for name in ("distill_hidden", "align_weight"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise KTMError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        unknown = [s for s in self.eval_sets if s not in HELDOUT]
+        if unknown:  # else the first evaluation, after training, would fail
+            raise KTMError(f"unknown held-out set {unknown[0]!r} in eval_sets: expected "
+                           f"{', '.join(HELDOUT)} or none")
+        if self.n_eval_windows < 1:
+            raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items()}
+
+
+def _k_value(name: str) -> int:
+    try:
+        k = int(name)
+    except ValueError:
+        raise KTMError(f"K {name!r} in the K mix is not an integer: expected e.g. 2 or 4=0.5"
+                       ) from None
+    if k < 1:
+        raise KTMError(f"K {k} in the K mix must be >= 1")
+    return k
+
+
+class WindowStream(Sequence):
+    """``length`` pretraining examples; example i depends only on (seed, i), never on length."""
+
+    is_stream = True  # ktm.training.train reads it in index order
+
+    def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
+                 eos: int | None, lead: Sequence[int] = ()):
+        self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
+        self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (KTMModel.lead_ids)
+        self.sources = [s for s in cfg.source_weights if cfg.source_weights[s] > 0]
+        self.src_w = [cfg.source_weights[s] for s in self.sources]
+        self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
+        self.obj_w = [cfg.objective_weights[o] for o in self.objs]
+        self.ks, self.k_w = list(cfg.k_weights), list(cfg.k_weights.values())
+        w = cfg.window
+        # what example i is drawn from, beyond (seed, i): a resume must keep it (ktm.training.state)
+        self.signature = {
+            "sources": dict(cfg.source_weights), "objectives": dict(cfg.objective_weights),
+            "k_mix": {str(k): v for k, v in cfg.k_weights.items()},
+            "windows": [w.context_tokens, w.target_tokens, w.ae_tokens, w.min_tokens],
+            "text_field": cfg.text_field, "ae_cue": cfg.ae_cue,
+            "docs": {name: len(d) for name, d in docs.items()}}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if not 0 <= i < self.length:
+            raise IndexError(i)
+        rng = random.Random(self.seed * 1_000_003 + i)
+        source = rng.choices(self.sources, self.src_w)[0]
+        objective = rng.choices(self.objs, self.obj_w)[0]
+        doc = rng.choice(self.docs[source])
+        spec = self.cfg.window
+        if objective == "ae":
+            w = autoencode_window(doc, spec, rng, source)
+            target = w.target + ((self.eos,) if self.eos is not None else ())
+            segments = (Segment("", ids=self.lead + w.context),
+                        Segment(self.cfg.ae_cue, compress=False))
+        else:
+            w = continuation_window(doc, spec, rng, source)
+            target = w.target
+            segments = (Segment("", ids=self.lead + w.context),)
+        meta = {"objective": objective, "source": source}
+        if self.ks:  # drawn last, so that a run without a K mix keeps its windows
+            meta["k"] = rng.choices(self.ks, self.k_w)[0]
+        return Example(segments, target, meta=meta)
+
+
+def check_window_positions(model, cfg: PretrainConfig) -> None:
+    """Refuse windows of ``cfg``'s sizes that the model's positions cannot hold, before any
+    step: only the longest documents give full windows, and the first step to draw one would
+    fail mid-run. distill and align also read the context plain (the teacher)."""
+    spec, objs = cfg.window, [o for o, w in cfg.objective_weights.items() if w > 0]
+    plain = model.config.plain_prefix + model.config.plain_suffix
+    longest = len(model.lead_ids) + max(spec.ae_tokens if o == "ae" else spec.context_tokens
+                                        for o in objs)
+    if plain >= longest:  # the run would train a reader on plain text only
+        raise KTMError(f"plain_prefix + plain_suffix = {plain} keep every token of the longest "
+                       f"window context ({longest} tokens) plain: nothing would be merged; "
+                       "expected fewer plain tokens or longer windows (--context-tokens)")
+    if not model.max_positions:
+        return
+    filler = model.tokenizer("a", add_special_tokens=False)["input_ids"][:1] or [0]
+    k = min(cfg.k_weights or (model.k,))  # the smallest K gives the longest prefix
+    for obj in objs:
+        n_ctx = spec.ae_tokens if obj == "ae" else spec.context_tokens
+        segments = [Segment("", ids=tuple(model.lead_ids) + tuple(filler) * n_ctx)]
+        if obj == "ae":
+            segments.append(Segment(cfg.ae_cue, compress=False))
+        n_target = (spec.ae_tokens + (model.eos_id is not None) if obj == "ae"
+                    else spec.target_tokens)
+        try:
+            with model.merging_at(k):
+                for merge in (True, False) if obj in ("distill", "align") else (True,):
+                    model.check_fits(model.encode_prompts([segments], merge), [n_target],
+                                     "target tokens")
+        except KTMError as e:
+            flags = ("--ae-tokens" if obj == "ae" else "--context-tokens / --target-tokens")
+            raise KTMError(f"a full {obj} window does not fit this model's positions ({e}): "
+                           f"expected smaller windows ({flags})") from None
+
+
+def load_docs(tokenizer, cfg: PretrainConfig) -> dict[str, list]:
+    docs = {}
+    for spec in cfg.source_weights:
+        texts = source_texts(spec, cfg.text_field)
+        docs[spec] = tokenize_docs(tokenizer, texts, cfg.min_tokens, desc=f"tokenize {spec}")
+        check_docs(docs[spec], len(texts), spec, cfg.min_tokens)
+    return docs
+
+
+@contextmanager
+def as_base(model):
+    """The teacher's reading: the base LM itself (adapter disabled, eval mode, no gradient),
+    the student's training mode restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), model.peft.disable_adapter():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
+    """The base LM (adapter disabled, eval mode) reading each example's context plain."""
+    with as_base(model):
+        return model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                                   merge=False, hidden=hidden)
+
+
+def _hidden_gap(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]
+                ) -> torch.Tensor:
+    """Per-token squared distance of hidden states relative to the teacher's squared norm at
+    that token and layer, averaged over layers: (N,). Each token's gap is its own, so a batch's
+    losses are its examples' one by one (and several processes equal one)."""
+    gaps = [((s.float() - t.float()) ** 2).sum(-1) / (t.float() ** 2).sum(-1).clamp(min=1e-12)
+            for s, t in zip(student, teacher)]
+    return torch.stack(gaps).mean(0)
+
+
+def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch.Tensor, ...]
+                 ) -> torch.Tensor:
+    """Per example: the mean hidden-state gap (``_hidden_gap``) over its merged context's
+    positions, each against the teacher's (the base LM reading the plain context) at the last
+    token it stands for; position 0 (the attention sink) left out: (B,)."""
+    with as_base(model):
+        plain = model.encode_prompts([e.segments for e in batch], merge=False)
+        first = [e.target[:1] for e in batch]  # the teacher's states at the prompt only
+        teacher = model.target_logits([e.segments for e in batch], first, prefixes=plain,
+                                      prompt_hidden=True).prompt_hidden
+    t_idx, s_idx, rows = [], [], []
+    t_off = s_off = 0
+    for i, (cp, tp) in enumerate(zip(prefixes, plain)):
+        if cp.tokens_in != tp.tokens_out:
+            raise KTMError(f"merged prompt {i} stands for {cp.tokens_in} tokens, its plain "
+                           f"reading has {tp.tokens_out}: expected the same tokens")
+        keep = (cp.sources > 0).nonzero().squeeze(1)  # every position but the sink
+        s_idx.append(s_off + keep)
+        t_idx.append(t_off + cp.sources[keep])
+        rows.append(torch.full_like(keep, i))
+        s_off += cp.tokens_out
+        t_off += tp.tokens_out
+    dev = model.device
+    s_idx, t_idx, rows = (torch.cat(v).to(dev) for v in (s_idx, t_idx, rows))
+    gap = _hidden_gap(tuple(h[s_idx] for h in student), tuple(h[t_idx] for h in teacher))
+    total = gap.new_zeros(len(batch)).index_add(0, rows, gap)
+    count = gap.new_zeros(len(batch)).index_add(0, rows, torch.ones_like(gap))
+    return total / count.clamp(min=1)
+
+
+def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
+                  align_weight: float = 1.0) -> LossOutput:
+    """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill
+    (plus ``distill_hidden`` times the hidden-state gap), CE plus ``align_weight`` times the
+    context gap for align."""
+    nll = torch.zeros(len(batch), dtype=torch.float32, device=model.device)  # losses are fp32
+    n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
+    parts: dict[str, tuple[float, int]] = {}
+    tokens_in = tokens_out = 0
+    groups: dict[tuple[str, int], list[int]] = {}  # one student forward per (loss, K)
+    for i, e in enumerate(batch):
+        obj = e.meta["objective"]
+        kind = obj if obj in ("distill", "align") else "ce"
+        groups.setdefault((kind, e.meta.get("k", model.k)), []).append(i)
+    for (kind, k), idx in sorted(groups.items()):
+        sub = [batch[i] for i in idx]
+        deep = kind == "distill" and distill_hidden > 0
+        with model.merging_at(k):
+            prefixes = model.encode_prompts([e.segments for e in sub])
+            t = model.target_logits([e.segments for e in sub], [e.target for e in sub],
+                                    prefixes=prefixes, hidden=deep,
+                                    prompt_hidden=kind == "align")
+            if kind == "align":
+                gap = _context_gap(model, sub, prefixes, t.prompt_hidden)
+        if kind == "distill":
+            teacher = teacher_logits(model, sub, hidden=deep)
+            tok = kl_per_token(t.logits, teacher.logits)
+            if deep:
+                tok = tok + distill_hidden * _hidden_gap(t.hidden, teacher.hidden)
+        else:
+            tok = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
+            if kind == "align":
+                tok = tok + align_weight * gap[t.rows]
+        per = tok.new_zeros(len(sub)).index_add(0, t.rows, tok)
+        where = torch.tensor(idx, device=model.device)
+        nll = nll.index_add(0, where, per)
+        n_tok[where] = torch.tensor(t.lengths, device=model.device)
+        tokens_in += t.tokens_in
+        tokens_out += t.tokens_out
+        for j, e in enumerate(sub):
+            name = e.meta["objective"]
+            v, n = parts.get(name, (0.0, 0))
+            parts[name] = (v + float(per[j].detach()), n + t.lengths[j])
+    return LossOutput(nll.sum() / n_tok.sum(), nll, n_tok, tokens_in, tokens_out, parts)
+
+
+def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
+             command: str | None = None) -> dict:
+    """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row.
+
+    An ordinary ``train`` run on the windows ``config`` describes, written to
+    ``train_config.out_dir`` (raises as ``train`` does); ``command`` is recorded in ``run.json``.
+    Raises ``KTMError`` for a model that does not merge (K=1 without an encoder) or cannot
+    merge at a K of ``config.k_mix``."""
+    if not (isinstance(config, PretrainConfig) and isinstance(train_config, TrainConfig)):
+        raise KTMError(f"pretrain takes (model, PretrainConfig, TrainConfig), got "
+                       f"({type(config).__name__}, {type(train_config).__name__})")
+    if not model.merges:
+        raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
+                       "to learn to read")
+    for k in config.k_weights:
+        model.encoder_at(k)  # a clear error before any text is read
+    if config.eval_sets:  # so is a model too short for R, which runs before the last save
+        from ktm.evaluation.readability import check_read_positions
+
+        check_read_positions(model)
+    check_window_positions(model, config)
+    docs = load_docs(model.tokenizer, config)
+    # the stream covers every process's shard of every step (ktm.training.distributed)
+    world = distributed.setup(model.device)
+    steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
+             * world.size)
+    stream = WindowStream(docs, config, steps, train_config.seed, model.eos_id,
+                          model.lead_ids)
+    # n_examples in run.json is then the windows this run will see
+    evaluate = None
+    if config.eval_sets:
+        from ktm.evaluation.readability import heldout_readability, heldout_sets
+
+        # read now, so that a missing data folder fails before training, not after it; by
+        # rank 0 alone, the one process that evaluates (its failure stops the others too)
+        cache: dict = {}
+        distributed.on_main(lambda: heldout_sets(model.tokenizer, config.eval_sets,
+                                                 config.n_eval_windows, cache=cache),
+                            world, model.device)
+
+        def evaluate(m) -> dict:
+            r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)
+            for k in sorted(set(config.k_weights) - {m.k}):  # the mix's other levels: "code@k2"
+                with m.merging_at(k):
+                    at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
+                                             _cache=cache)
+                r.update({f"{name}@k{k}": v for name, v in at.items()})
+            return r
+
+    def loss_fn(m, batch):
+        return pretrain_loss(m, batch, config.distill_hidden, config.align_weight)
+
+    return train(model, stream, train_config, evaluate=evaluate, loss_fn=loss_fn,
+                 run_extra={"pretrain": config.to_dict(), "command": command,
+                            "docs": {k: len(v) for k, v in docs.items()}})

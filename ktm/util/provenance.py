@@ -1,0 +1,42 @@
+"""What produced a result: package versions and the git revision."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = ("ktm", "torch", "transformers", "tokenizers", "peft", "safetensors", "gguf", "numpy",
+            "matplotlib")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _git(where: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=5,
+                          check=True).stdout.strip()
+
+
+def git_revision(package_dir: Path | None = None) -> str | None:
+    """The repository's HEAD, with '-dirty' for uncommitted changes to tracked files or new
+    files in the package itself (a module not yet added ran too); None outside a repository,
+    or when the package is not tracked by the repository it sits in (a copy installed into a
+    venv inside some clone: that clone's HEAD says nothing about this code)."""
+    here = Path(__file__).resolve().parent if package_dir is None else Path(package_dir)
+    try:
+        rev = _git(here, "rev-parse", "HEAD")
+        _git(here, "ls-files", "--error-unmatch", "--", "__init__.py")
+        dirty = _git(here, "status", "--porcelain", "--untracked-files=no")
+        dirty += _git(here, "status", "--porcelain", "--untracked-files=all", "--", ".")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("-dirty" if dirty else "")

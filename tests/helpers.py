@@ -1,0 +1,291 @@
+"""Builders the tests share: tiny tokenizers and models made in-process, prompts, perturbations.
+
+Imported as ``from helpers import ...`` (``tests/`` is on the path through its conftest).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import transformers as T
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from ktm import Segment
+from ktm.decode.batched import join, keep_rows
+from ktm.decode.generate import advance, prefill
+from ktm.model import KTMModel
+
+CORPUS = [
+    "Tree: AB\n+CD\n++EF, Task: Parent/Child Relationship, Parent: AB, Child: CD, Answer: true",
+    "Review: These shoes fit well and look great, Label: positive negative false",
+    "def add(a, b):\n    return a + b\n# Update the old python code content",
+    "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm.",
+]
+
+
+def build_tokenizer(bos: bool = False, eos: bool = False) -> PreTrainedTokenizerFast:
+    """``bos``: the tokenizer puts <bos> before every text, as Llama 3's or Gemma's does;
+    ``eos``: it puts <eos> after every text, as Llama 2's with ``add_eos_token`` does."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<eos>"] + ["<bos>"] * bos,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    if bos or eos:
+        single = "<bos> " * bos + "$A" + " <eos>" * eos
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=f"{single} {single.replace('$A', '$B')}",
+            special_tokens=[(t, tok.token_to_id(t)) for t in ("<bos>", "<eos>") if t in single])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   model_max_length=512, **({"bos_token": "<bos>"} if bos else {}))
+
+
+def sentencepiece_like_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer that puts a space before every text it is given (SentencePiece's dummy prefix,
+    a ``Metaspace`` pre-tokenizer in the fast tokenizers of Llama 2 and Mistral)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def legacy_sentencepiece_tokenizers() -> dict:
+    """Tokenizers that put the dummy space before a text even after a special token, so none can
+    anchor a later segment: a ``legacy=True`` Llama tokenizer (Metaspace ``prepend_scheme=
+    "always"``) and a Llama-2 ``tokenizer.json`` (a ``Prepend("▁")`` normalizer)."""
+
+    from tokenizers import Tokenizer, normalizers
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
+
+    sp = sentencepiece_like_tokenizer()
+    state = json.loads(sp.backend_tokenizer.to_str())["model"]
+    legacy = LlamaTokenizer(vocab=state["vocab"], merges=[tuple(m) for m in state["merges"]],
+                            legacy=True)
+    backend = Tokenizer.from_str(sp.backend_tokenizer.to_str())
+    backend.pre_tokenizer = None
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    prepend = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                      eos_token="</s>", unk_token="<unk>")
+    return {"legacy": legacy, "prepend": prepend}
+
+
+def save_tiny_llama(path, bos: bool = False, eos: bool = False) -> str:
+    tok = build_tokenizer(bos, eos)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    # random init is tiny; scale up so logits differ enough for generation tests to be meaningful
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def fresh_model(model_dir: str, k: int = 4, **kw):
+    """A new KTMModel on ``model_dir``, its fresh weights drawn at seed 0."""
+    from ktm.model import KTMModel
+
+    torch.manual_seed(0)
+    return KTMModel.from_base(model_dir, k=k, **kw)
+
+
+TEXT = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm."
+
+
+PROMPTS = [
+    TEXT,
+    [Segment("Tree: AB\n+CD\n++EF"), Segment(", Parent: AB, Child: CD, Answer: ", compress=False)],
+    "Hello world",
+]
+
+
+TARGETS = ["true", "false", "positive review"]
+
+
+def perturb(model: KTMModel, seed: int = 0) -> None:
+    """Give LoRA and the encoder non-trivial weights (both start as no-ops)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+LAYERS = 2
+
+
+LLAMA = {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                             "down_proj")}
+
+
+ATTENTION = {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
+NEOX = {n: LAYERS for n in ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")}
+
+
+MOE = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+# family -> (config class, extra config fields, modules LoRA must cover: name -> count)
+FAMILIES = {
+    "llama": (T.LlamaConfig, {}, LLAMA),
+    "qwen2": (T.Qwen2Config, {}, LLAMA),
+    "qwen3": (T.Qwen3Config, {}, LLAMA),
+    "gemma": (T.GemmaConfig, {}, LLAMA),
+    "gemma2": (T.Gemma2Config, {"final_logit_softcapping": 2.0}, LLAMA),
+    "mistral": (T.MistralConfig, {}, LLAMA),
+    # the experts are fused 3-D parameters, not linear modules: LoRA on the attention only
+    "mixtral": (T.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTENTION),
+    "phi3": (T.Phi3Config, {}, {"qkv_proj": LAYERS, "o_proj": LAYERS, "gate_up_proj": LAYERS,
+                                "down_proj": LAYERS}),
+    "olmo2": (T.Olmo2Config, {}, LLAMA),
+    "cohere": (T.CohereConfig, {"logit_scale": 0.25}, LLAMA),
+    "granite": (T.GraniteConfig, {"logits_scaling": 4.0, "embedding_multiplier": 2.0}, LLAMA),
+    "gpt2": (T.GPT2Config, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS, "c_fc": LAYERS}),
+    "opt": (T.OPTConfig, {}, {"q_proj": LAYERS, "k_proj": LAYERS, "v_proj": LAYERS,
+                              "out_proj": LAYERS, "fc1": LAYERS, "fc2": LAYERS}),
+    "gemma3_text": (T.Gemma3TextConfig, {"sliding_window": 8, "final_logit_softcapping": 2.0},
+                    LLAMA),
+    "smollm3": (T.SmolLM3Config, {"no_rope_layer_interval": 2}, LLAMA),
+    "olmo": (T.OlmoConfig, {}, LLAMA),
+    "stablelm": (T.StableLmConfig, {"num_key_value_heads": 2}, LLAMA),
+    "exaone4": (T.Exaone4Config, {"sliding_window": 8, "sliding_window_pattern": 2}, LLAMA),
+    "cohere2": (T.Cohere2Config, {"sliding_window": 8}, LLAMA),
+    # not in ktm.core.lora.TARGETS: every linear layer but the head
+    "gpt_neox": (T.GPTNeoXConfig, {}, NEOX),
+    "falcon": (T.FalconConfig, {}, NEOX),  # rotary
+    "bloom": (T.BloomConfig, {}, NEOX),  # ALiBi: no position ids (spread positions refused)
+    "gptj": (T.GPTJConfig, {"rotary_dim": 8}, {n: LAYERS for n in (
+        "q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out")}),
+    "codegen": (T.CodeGenConfig, {"rotary_dim": 8}, {n: LAYERS for n in (
+        "qkv_proj", "out_proj", "fc_in", "fc_out")}),
+    "gpt_bigcode": (T.GPTBigCodeConfig, {}, {"c_attn": LAYERS, "c_proj": 2 * LAYERS,
+                                             "c_fc": LAYERS}),
+    "phi": (T.PhiConfig, {}, {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "dense", "fc1",
+                                                  "fc2")}),
+    "starcoder2": (T.Starcoder2Config, {}, {n: LAYERS for n in (
+        "q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj")}),
+    "glm": (T.GlmConfig, {}, {n: LAYERS for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_up_proj", "down_proj")}),
+    # the routed experts are fused 3-D parameters: LoRA on the shared expert's linear layers
+    "qwen2_moe": (T.Qwen2MoeConfig, MOE | {"shared_expert_intermediate_size": 64},
+                  LLAMA | {"shared_expert_gate": LAYERS}),
+    "qwen3_moe": (T.Qwen3MoeConfig, MOE, ATTENTION),
+    # PEFT would move gate/up/down_proj onto the fused experts: LoRA on the (MLA) attention only
+    "deepseek_v3": (T.DeepseekV3Config, {
+        "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16, "num_key_value_heads": 4, "head_dim": 8}, {n: LAYERS for n in (
+            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}),
+    # the router is an nn.Linear returning a tuple: not adapted, LoRA on the attention only
+    "phimoe": (T.PhimoeConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}, ATTENTION),
+    "llama4_text": (T.Llama4TextConfig, {"num_local_experts": 4}, LLAMA),  # + shared expert
+    # a Mamba hybrid without positional encoding (spread positions refused); its mixers read
+    # dt_proj.weight directly, so LoRA there would never train
+    "jamba": (T.JambaConfig, {"num_experts": 2, "num_experts_per_tok": 1, "attn_layer_period": 2,
+                              "attn_layer_offset": 1, "expert_layer_period": 2,
+                              "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8,
+                              "use_mamba_kernels": False},
+              {n: 1 for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                              "down_proj", "in_proj", "x_proj", "out_proj")}),
+    # a Mamba hybrid: PEFT refuses LoRA on its mixers' out_proj (and conv1d)
+    # its forward scales looked-up ids by embedding_multiplier, not inputs_embeds
+    "falcon_h1": (T.FalconH1Config, {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
+                                     "mamba_d_state": 8, "mamba_chunk_size": 16,
+                                     "embedding_multiplier": 3.0},
+                  LLAMA | {"in_proj": LAYERS}),
+}
+
+
+def tiny_config(family: str, vocab: int, positions: int = 256):
+    cls, extra, _ = FAMILIES[family]
+    common = dict(vocab_size=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=None, **extra)
+    if family in ("gpt2", "gpt_bigcode", "gptj", "codegen"):
+        return cls(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=positions, **common)
+    if family in ("falcon", "bloom"):
+        return cls(hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, **common)
+    if family == "opt":
+        return cls(hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                   word_embed_proj_dim=64, max_position_embeddings=positions, **common)
+    if family in ("gpt_neox", "phi", "stablelm", "starcoder2"):
+        return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                   num_attention_heads=4, max_position_embeddings=positions, **common)
+    return cls(**{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "max_position_embeddings": positions, **common})
+
+
+def save_tiny(family: str, path, positions: int = 256):
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    base = T.AutoModelForCausalLM.from_config(tiny_config(family, len(tok), positions))
+    with torch.no_grad():  # random init is tiny; larger weights make logits differ clearly
+        for p in base.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    base.save_pretrained(path)
+    tok.save_pretrained(path)
+    return T.AutoModelForCausalLM.from_pretrained(path).eval(), tok
+
+
+def decode_rejoining(model, cps, first: list[int], n_new: int) -> list[list[int]]:
+    """Greedy ids per prompt when rows ``first`` start, the rest join at step 3 and each row is
+    dropped once it has ``n_new`` tokens: the server's continuous batching, driven by hand."""
+    later = [i for i in range(len(cps)) if i not in first]
+    out: dict[int, list[int]] = {i: [] for i in range(len(cps))}
+    state, rows = prefill(model, [cps[i] for i in first]), list(first)
+    for step in range(n_new + 4):
+        if step == 3:  # rows arrive mid-decode, some longer than anything running
+            state = join(state, prefill(model, [cps[i] for i in later]))
+            rows += later
+        tok = state.logits.argmax(-1)
+        for r, t in zip(rows, tok.tolist()):
+            out[r].append(t)
+        keep = [i for i, r in enumerate(rows) if len(out[r]) < n_new]
+        if len(keep) < len(rows):
+            keep_rows(state, keep)
+            rows, tok = [rows[i] for i in keep], tok[keep]
+        if not rows:
+            break
+        advance(model, state, tok)
+    return [out[i] for i in range(len(cps))]
+
+
+def byte_fallback_tokenizer():
+    """SentencePiece with byte fallback (Llama 2, Mistral): a character missing from the
+    vocabulary is written as its UTF-8 bytes, one ``<0xNN>`` token each."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581ok": 257}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+PROMPT = [Segment("Tree: AB\n+CD\n++EF\n+GH"), Segment(", Parent: AB, Answer:", compress=False)]

@@ -1,0 +1,80 @@
+"""The shipped readers (ktm/readers/): load by name, round-trip exactly, fit the size limit, read.
+
+Slow: they run on the real embedded model.
+"""
+
+import pytest
+import torch
+
+from ktm.core.prompt import Segment
+from ktm.evaluation.readability import readability
+from ktm.model import KTMModel
+from ktm.readers import READERS, reader_info, reader_path
+from ktm.tasks.corpus import Window
+
+pytestmark = pytest.mark.slow
+
+# a fixed text, so the test needs no data folder; the continuation repeats names from the context
+CODE = '''
+def load_settings(path):
+    """Read the settings file and return a dict of options."""
+    with open(path) as handle:
+        settings = json.load(handle)
+    settings.setdefault("timeout", 30)
+    settings.setdefault("retries", 3)
+    return settings
+
+
+def save_settings(path, settings):
+    """Write the settings dict back to its file."""
+    with open(path, "w") as handle:
+        json.dump(settings, handle, indent=2)
+'''
+
+
+@pytest.mark.parametrize("name,k", [("smollm2-135m-k2", 2), ("smollm2-135m-k4", 4)])
+def test_shipped_reader_loads_by_name_and_round_trips(name, k, tmp_path):
+    assert name in READERS
+    size = sum(f.stat().st_size for f in reader_path(name).rglob("*") if f.is_file())
+    assert size <= 25e6, f"{name} is {size / 1e6:.1f} MB, over the 25 MB limit"
+    info = reader_info(name)
+    assert info["command"].startswith("ktm pretrain") and info["cpu_minutes"] > 0
+    model = KTMModel.load(name)
+    assert model.k == k and model.merges
+    prompt = [Segment(CODE), Segment("\n# Question: what does load_settings return?\n",
+                                     compress=False)]
+    want = model.prompt_logits(prompt)
+    model.save(str(tmp_path / "again"))
+    got = KTMModel.load(str(tmp_path / "again")).prompt_logits(prompt)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-k2", "smollm2-135m-k4"])
+def test_shipped_reader_reads_merged_text_better_than_mean_pooling(name):
+    reader = KTMModel.load(name)
+    mean = KTMModel.from_base("smollm2-135m", k=reader.k)
+    ids = reader.tokenizer(CODE, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 80 + 24
+    windows = [Window(tuple(ids[:n]), tuple(ids[n:n + 24]), "code") for n in (48, 64, 80)]
+    got, base = readability(reader, windows), readability(mean, windows)
+    assert got["nll_merged"] < base["nll_merged"] - 0.2, (got, base)
+
+
+def test_a_local_copy_of_the_embedded_model_gets_its_readers():
+    """The embedded model's converted folder under any path is the readers' base: ``--reader
+    auto`` finds them by content (sizes + tokenizer vocabulary), and reads them on it."""
+    import warnings
+
+    from ktm.cli.demo import DemoConfig, _start_model
+    from ktm.core.base_model import resolve_model_path
+
+    folder = str(resolve_model_path("smollm2-135m"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # its identity is recorded: checked, no warning
+        model, start = _start_model(DemoConfig(model=folder, k=4))  # ktm demo --model FOLDER
+    assert start == "reader smollm2-135m-k4" and model.k == 4
+    from ktm.readers import find_reader  # the API the demo uses
+
+    assert find_reader(folder, 4) == "smollm2-135m-k4"
+    assert find_reader(folder, 2) == "smollm2-135m-k2"
+    assert find_reader(folder, 3) is None

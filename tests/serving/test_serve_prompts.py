@@ -1,0 +1,217 @@
+"""Requests -> segments: chat templates split around the contents, the ktm extension field."""
+
+import pytest
+from helpers import build_tokenizer
+
+from ktm.core.tokens import SegmentTokenizer
+from ktm.serving.prompts import chat_segments, completion_segments, context_of
+from ktm.serving.protocol import ChatRequest, CompletionRequest, RequestError
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+class Model:
+    def __init__(self, template=None, bos=False):
+        self.tokenizer = build_tokenizer(bos)
+        self.tokenizer.chat_template = template
+
+    def tokenize(self, text, first=False):  # as KTMModel.tokenize
+        return SegmentTokenizer(self.tokenizer)(text, first)
+
+
+def chat(**kw):
+    return ChatRequest(model="m", **kw)
+
+
+def test_chat_template_text_is_plain_and_contents_keep_their_merge_flags():
+    model = Model(TEMPLATE)
+    msgs = [{"role": "system", "content": "The quick brown fox."},
+            {"role": "user", "content": "Who? ", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs))
+    assert [(s.text, s.compress) for s in segs] == [
+        ("<|system|>", False), ("The quick brown fox.", True), ("<eos><|user|>", False),
+        ("Who? ", False), ("<eos><|assistant|>", False)]
+    rendered = model.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                   add_generation_prompt=True)
+    assert "".join(s.text for s in segs) == rendered
+    assert all(list(s.ids) == model.tokenizer(s.text, add_special_tokens=False)["input_ids"]
+               for s in segs)
+    assert [s.text for s in context_of(segs)] == ["<|system|>", "The quick brown fox."]
+
+
+def test_a_template_that_trims_the_contents_gets_them_trimmed():
+    # Llama 3's template writes `message['content'] | trim`: the contents go back trimmed, so the
+    # model reads what apply_chat_template gives, not a document's trailing blank lines
+    model = Model(TEMPLATE.replace("m['content']", "m['content'] | trim"))
+    msgs = [{"role": "system", "content": "\n The quick brown fox.\n\n"},
+            {"role": "user", "content": " Who? ", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs))
+    assert [(s.text, s.compress) for s in segs] == [
+        ("<|system|>", False), ("The quick brown fox.", True), ("<eos><|user|>", False),
+        ("Who?", False), ("<eos><|assistant|>", False)]
+    rendered = model.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                   add_generation_prompt=True)
+    assert "".join(s.text for s in segs) == rendered
+    parts = [{"text": " \n"}, {"text": " A document. "}, {"text": "Question? \n", "merge": False}]
+    segs = chat_segments(model, chat(messages=[{"role": "user", "ktm": {"segments": parts}}]))
+    assert [(s.text, s.compress) for s in segs][1:3] == [("A document. ", True),
+                                                         ("Question?", False)]
+
+
+def test_message_segments_and_top_level_merge_off():
+    model = Model(TEMPLATE)
+    parts = [{"text": "A long document. ", "merge": True}, {"text": "Question?", "merge": False}]
+    msg = {"role": "user", "content": None, "ktm": {"segments": parts}}
+    segs = chat_segments(model, chat(messages=[msg]))
+    assert [(s.text, s.compress) for s in segs][1:3] == [("A long document. ", True),
+                                                         ("Question?", False)]
+    plain = chat_segments(model, chat(messages=[msg], ktm={"merge": False}))
+    assert not any(s.compress for s in plain) and context_of(plain) == ()
+    with pytest.raises(RequestError, match="messages.0.content"):
+        chat_segments(model, chat(messages=[{**msg, "content": "something else"}]))
+
+
+@pytest.mark.parametrize("template,role", [(TEMPLATE, "system"), (None, "system"),
+                                           (TEMPLATE.replace("<|", "{# developer #}<|", 1),
+                                            "developer")])
+def test_the_developer_role_reads_as_system_where_the_template_does_not_know_it(template, role):
+    model = Model(template)
+    msgs = [{"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "Hi"}]
+    text = "".join(s.text for s in chat_segments(model, chat(messages=msgs)))
+    expected = [{**msgs[0], "role": role}, msgs[1]]
+    if template is None:
+        assert text == f"{role}: Answer briefly.\nuser: Hi\nassistant:"
+    else:
+        assert text == model.tokenizer.apply_chat_template(expected, tokenize=False,
+                                                           add_generation_prompt=True)
+
+
+def test_without_a_template_roles_prefix_the_lines():
+    segs = chat_segments(Model(), chat(messages=[{"role": "user", "content": "Hi there"}]))
+    assert "".join(s.text for s in segs) == "user: Hi there\nassistant:"
+
+
+def test_without_a_template_the_chat_opens_with_the_tokenizers_bos():
+    """A template writes its own BOS; the role lines standing in for a missing one (a base
+    Llama 3) get it once, first, as a completion's first segment does."""
+    model = Model(bos=True)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = [i for s in chat_segments(model, chat(messages=msgs)) for i in s.ids]
+    bos = model.tokenizer.bos_token_id
+    assert ids[0] == bos and bos not in ids[1:]
+
+
+def test_a_template_that_drops_a_message_is_refused():
+    model = Model("{{ messages[-1]['content'] }}")
+    with pytest.raises(RequestError, match="does not place each message"):
+        chat_segments(model, chat(messages=[{"role": "system", "content": "a"},
+                                            {"role": "user", "content": "b"}]))
+
+
+def test_a_template_that_raises_on_the_roles_is_a_bad_request_not_a_crash():
+    # Gemma's template refuses a system message, Llama 2's and Mistral's a user turn after a user
+    # turn: the client gets a 400 with the template's own words, not a 500
+    model = Model("{% if messages[0]['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE)
+    with pytest.raises(RequestError, match=r"refuses these messages \(roles \['system', "
+                                           r"'user'\]\): System role not supported") as e:
+        chat_segments(model, chat(messages=[{"role": "system", "content": "a"},
+                                            {"role": "user", "content": "b"}]))
+    assert e.value.param == "messages" and e.value.status == 400
+
+
+def test_lone_surrogates_are_a_bad_request():
+    with pytest.raises(RequestError, match=r"prompt is not valid Unicode: '\\ud800' at "
+                                           r"character 6"):
+        completion_segments(Model(), CompletionRequest(model="m", prompt="Hello \ud800 world"))
+    with pytest.raises(RequestError, match="messages is not valid Unicode"):
+        chat_segments(Model(TEMPLATE), chat(messages=[{"role": "user", "content": "\udfff"}]))
+
+
+def test_completion_segments_follow_the_python_api():
+    model = Model()
+    req = CompletionRequest(model="m", prompt="Doc. Q?", ktm={"segments": [
+        {"text": "Doc."}, {"text": "", "merge": False}, {"text": " Q?", "merge": False}]})
+    (segs,) = completion_segments(model, req)
+    assert [(s.text, s.compress) for s in segs] == [("Doc.", True), (" Q?", False)]
+    assert list(segs[0].ids) == model.tokenize("Doc.", first=True)
+    with pytest.raises(RequestError, match="prompt is empty"):
+        completion_segments(model, CompletionRequest(model="m", prompt=""))
+
+
+# Llama 2's chat layout: each turn opens with the BOS, an answer ends with the EOS; a content
+# right after a special token, a template text right after one, a content after template text
+SP_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ bos_token }}Review:"
+               "{{ m['content'] }}{% elif m['role'] == 'user' %}{{ bos_token }}{{ m['content'] }}"
+               ", Label:{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("kind", ["legacy", "prepend", "first"])
+def test_a_sentencepiece_chat_reads_as_the_tokenizer_reads_the_rendered_template(kind):
+    """A tokenizer that puts its dummy space before the text after every special token (a
+    ``legacy=True`` Llama 2 / a Mistral ``tokenizer.json``) reads "<s>Review:" as "<s>",
+    "▁Review:", as HF's ``apply_chat_template`` and vLLM do (and Meta's Llama 2 chat format:
+    every turn "[INST]" encoded after the BOS with its dummy space). The template's text at the
+    start of the chat and after a special token is read that way, not as a continuation."""
+    from helpers import legacy_sentencepiece_tokenizers, sentencepiece_like_tokenizer
+
+    model = Model()
+    model.tokenizer = (sentencepiece_like_tokenizer() if kind == "first"
+                       else legacy_sentencepiece_tokenizers()[kind])
+    model.tokenizer.chat_template = SP_TEMPLATE
+    msgs = [{"role": "system", "content": " These shoes fit well and look"},
+            {"role": "user", "content": "my name is ktm"},
+            {"role": "assistant", "content": " positive"},
+            {"role": "user", "content": "These shoes fit"}]
+    ids = [i for s in chat_segments(model, chat(messages=msgs)) for i in s.ids]
+    tok = model.tokenizer
+    want = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    assert tok.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(list(want))
+
+
+# the content follows template text that ends in whitespace: Llama 2's "[INST] " + content +
+# " [/INST]" and " " + answer, Mistral's "[INST] " + content, ChatML's "<|im_start|>user\n"
+JOIN_TEMPLATES = {
+    "llama2": ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+               "m['content'].strip() + ' [/INST]' }}{% else %}{{ ' ' + m['content'].strip() + ' ' "
+               "+ eos_token }}{% endif %}{% endfor %}"),
+    "mistral": ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+                "{{ m['content'] + eos_token }}{% endif %}{% endfor %}"),
+    "chatml": ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+               "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|im_start|>assistant\n' }}{% endif %}"),
+}
+
+
+@pytest.mark.parametrize("template", sorted(JOIN_TEMPLATES))
+@pytest.mark.parametrize("kind", ["byte-level", "first", "legacy", "prepend"])
+def test_a_content_after_template_whitespace_reads_as_apply_chat_template_reads_it(kind,
+                                                                                   template):
+    """ "[INST] " + "Hello" reads "▁Hello" ("ĠHello"), as in the whole rendered text and in
+    training, not "▁", "Hel", "lo": the template's trailing space joins the content, merged or
+    plain; ChatML's "\\n" before a content stays in the template (it reads apart anyway)."""
+    from helpers import legacy_sentencepiece_tokenizers, sentencepiece_like_tokenizer
+
+    model = Model()
+    model.tokenizer = {"byte-level": lambda: build_tokenizer(bos=True),
+                       "first": sentencepiece_like_tokenizer,
+                       }.get(kind, lambda: legacy_sentencepiece_tokenizers()[kind])()
+    tok = model.tokenizer
+    tok.chat_template = JOIN_TEMPLATES[template]
+    msgs = [{"role": "user", "content": "Hello world"},
+            {"role": "assistant", "content": "The quick brown fox"},
+            {"role": "user", "content": "\n\nReview: These shoes", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs))
+    ids = [i for s in segs for i in s.ids]
+    plain = [{k: m[k] for k in ("role", "content")} for m in msgs]
+    want = tok.apply_chat_template(plain, tokenize=True, return_dict=False,
+                                   add_generation_prompt=True)
+    assert tok.convert_ids_to_tokens(ids) == tok.convert_ids_to_tokens(list(want))
+    contents = [(s.text, s.compress) for s in segs if s.text.strip() in
+                ("Hello world", "The quick brown fox", "Review: These shoes")]
+    assert [merge for _, merge in contents] == [True, True, False]
+    if template == "chatml":
+        assert contents[0][0] == "Hello world"

@@ -1,0 +1,52 @@
+"""Examples too long for the model's positions are refused before a run, naming where they are."""
+
+from __future__ import annotations
+
+import pytest
+
+from ktm.core.prompt import Segment
+from ktm.errors import KTMError
+from ktm.model import KTMModel
+from ktm.tasks.base import Example
+from ktm.tasks.fits import check_examples_fit
+
+
+@pytest.mark.parametrize("layout", [
+    {}, {"plain_prefix": 3}, {"plain_suffix": 5}, {"align_lines": True},
+    {"spread_positions": True}, {"plain_prefix": 2, "plain_suffix": 3, "align_lines": True}])
+def test_measuring_a_prompt_gives_what_encoding_it_gives(tiny_model_dir, layout):
+    """``measure_prompts`` (tokenizing only) agrees with ``encode_prompts`` in every count and
+    position, for every layout, merged or not: the fit check reads the same numbers."""
+    model = KTMModel.from_base(tiny_model_dir, k=3, **layout)
+    prompts = ["def add(a, b):\n    return a + b\n# Update\n", "Hello world",
+               [Segment("The quick brown fox\njumps."), Segment("\nAnswer:", compress=False)],
+               [Segment("x", compress=False), Segment("The lazy\ndog.\n")]]
+    for merge in (True, False):
+        for enc, meas in zip(model.encode_prompts(prompts, merge),
+                             model.measure_prompts(prompts, merge), strict=True):
+            assert (meas.tokens_in, meas.tokens_out, meas.mergeable, meas.merged,
+                    meas.next_position) == (enc.tokens_in, enc.tokens_out, enc.mergeable,
+                                            enc.merged, enc.next_position)
+            assert meas.embeds.shape[0] == enc.embeds.shape[0]
+            assert (meas.positions is None) == (enc.positions is None)
+            assert meas.sources.tolist() == enc.sources.tolist()
+
+
+def test_an_example_over_the_limit_is_named_with_the_k_that_fits(tiny_model_dir):
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    tok = model.tokenizer
+    text = " fox" * 1100
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert 1024 < n < 1500  # K=2 is over 512 positions, K=3 under
+    ok = Example((Segment("Hello world"),), "yes")
+    long = Example((Segment(text),), "yes", meta={"line": 7, "file": "my.jsonl"})
+    check_examples_fit(model, [ok] * 3, "training")
+    # segments as a list or a plain string, target ids as a list: each read once all the same
+    check_examples_fit(model, [Example([Segment("Hello")], [5, 6]), Example("Hello", "x")] * 2,
+                       "training")
+    with pytest.raises(KTMError, match=r"^my\.jsonl line 7: prompt is \d+ positions after merging "
+                                       rf"\(K=2, {n} tokens before\) \+ \d target tokens, over "
+                                       r"the model's limit of 512 positions; K=3 would fit"):
+        check_examples_fit(model, [ok, long], "training")
+    with pytest.raises(KTMError, match=r"^evaluation example 1: .* K=3 would fit"):
+        check_examples_fit(model, [ok, Example((Segment(text),), "yes")], "evaluation")

@@ -1,0 +1,602 @@
+"""Reader pretraining: objectives, the distillation teacher, the window stream, error paths."""
+
+import json
+
+import pytest
+import torch
+from helpers import fresh_model
+from transformers import AutoModelForCausalLM
+
+from ktm import KTMError
+from ktm.cli.main import main
+from ktm.core.prompt import Segment
+from ktm.model import KTMModel
+from ktm.tasks.corpus import WindowSpec, continuation_window, path_texts, source_texts
+from ktm.training.config import TrainConfig
+from ktm.training.pretrain import (
+    PretrainConfig,
+    WindowStream,
+    _context_gap,
+    load_docs,
+    pretrain,
+    pretrain_loss,
+    teacher_logits,
+)
+from ktm.training.train import adamw
+
+
+def small_cfg(corpus, objectives=("lm",), **kw):
+    return PretrainConfig(sources=(corpus,), objectives=objectives, context_tokens=24,
+                          target_tokens=8, ae_tokens=16, min_tokens=8, eval_sets=(), **kw)
+
+
+def fresh(tiny_model_dir, k=4, **kw):
+    return fresh_model(tiny_model_dir, k, slot_weights=True, **kw)
+
+
+def randomize_lora(model, seed=1):
+    """Non-zero LoRA B, so that the adapter really changes the LM's outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("objective,hidden", [("lm", 0), ("distill", 0), ("distill", 1.0),
+                                              ("ae", 0), ("align", 0)])
+def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective, hidden):
+    model = fresh(tiny_model_dir)
+    cfg = small_cfg(corpus, (objective,))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 8, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(8)]
+    assert {e.meta["objective"] for e in batch} == {objective}
+    model.train()
+    before = pretrain_loss(model, batch, hidden)
+    assert set(before.parts) == {objective}
+    if hidden:  # the hidden-state gap adds to the KL
+        assert before.loss.item() > pretrain_loss(model, batch).loss.item() + 1e-3
+    if objective == "align":  # the context gap adds to the cross-entropy
+        assert before.loss.item() > pretrain_loss(model, batch, align_weight=0).loss.item() + 1e-3
+    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    before.loss.backward()
+    opt.step()
+    with torch.no_grad():
+        after = pretrain_loss(model, batch, hidden)
+    assert after.loss.item() < before.loss.item() - 1e-3, (before.loss.item(), after.loss.item())
+
+
+@pytest.mark.parametrize("objective,hidden", [("distill", 1.0), ("align", 0)])
+def test_hidden_state_losses_of_a_batch_are_its_samples_one_by_one(tiny_model_dir, corpus,
+                                                                    objective, hidden):
+    """The hidden-state gaps are relative to each token's own teacher norm: an example's loss
+    must not depend on the others in its batch (nor 2 processes differ from 1)."""
+    model = fresh(tiny_model_dir)
+    randomize_lora(model)
+    cfg = small_cfg(corpus, (objective,))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 3, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(3)]
+    model.eval()
+    with torch.no_grad():
+        whole = pretrain_loss(model, batch, hidden).nll
+        alone = torch.cat([pretrain_loss(model, [e], hidden).nll for e in batch])
+    torch.testing.assert_close(whole, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_distillation_teacher_is_the_base_model_exactly(tiny_model_dir, corpus):
+    model = fresh(tiny_model_dir)
+    randomize_lora(model)
+    cfg = small_cfg(corpus, ("distill",))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 3, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(3)]
+    model.train()  # the teacher must not depend on the student's mode
+    got = teacher_logits(model, batch)
+    assert model.training
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    want = []
+    with torch.no_grad():
+        for e in batch:
+            ctx, tgt = list(e.segments[0].ids), list(e.target)
+            logits = base(torch.tensor([ctx + tgt])).logits[0]
+            want.append(logits[len(ctx) - 1:len(ctx) - 1 + len(tgt)])
+    torch.testing.assert_close(got.logits, torch.cat(want), atol=1e-4, rtol=1e-4)
+    # the adapter really is on outside the teacher: otherwise this test could not fail
+    with torch.no_grad():
+        student_plain = model.target_logits([e.segments for e in batch],
+                                            [e.target for e in batch], merge=False)
+    assert (student_plain.logits - got.logits).abs().max() > 1e-2
+
+
+def test_context_gap_is_against_the_plain_reading_at_each_blocks_last_token(
+        tiny_model_dir, corpus):
+    """Hand-computed: the base LM's hidden states on the plain context at the last token of
+    each merged block (position 0, the sink, left out) against the student's there."""
+    model = fresh(tiny_model_dir, plain_prefix=1)
+    randomize_lora(model)
+    cfg = small_cfg(corpus, ("align",))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 2, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(2)]
+    model.train()
+    prefixes = model.encode_prompts([e.segments for e in batch])
+    n = len(batch[0].segments[0].ids)
+    want_src = [0] + [min(j + 4, n - 1) for j in range(0, n - 1, 4)]  # 1 plain, then blocks of 4
+    assert prefixes[0].sources.tolist() == want_src
+    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                            prefixes=prefixes, prompt_hidden=True)
+    got = _context_gap(model, batch, prefixes, t.prompt_hidden)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    s_all, t_all, rows, off = [], [], [], 0
+    for i, (e, cp) in enumerate(zip(batch, prefixes)):
+        with torch.no_grad():
+            plain = base(torch.tensor([list(e.segments[0].ids)]),
+                         output_hidden_states=True).hidden_states[1:]
+        keep = [j for j, w in enumerate(cp.sources.tolist()) if w > 0]
+        src = cp.sources[keep]
+        s_all.append([h[off + torch.tensor(keep)] for h in t.prompt_hidden])
+        t_all.append([h[0, src] for h in plain])
+        rows += [i] * len(keep)
+        off += cp.tokens_out
+    layers = len(t.prompt_hidden)
+    s_cat = [torch.cat([s[layer] for s in s_all]) for layer in range(layers)]
+    t_cat = [torch.cat([x[layer] for x in t_all]) for layer in range(layers)]
+    per_pos = torch.stack([((a - b) ** 2).sum(-1) / (b ** 2).sum(-1)
+                           for a, b in zip(s_cat, t_cat)]).mean(0)
+    rows = torch.tensor(rows)
+    want = torch.stack([per_pos[rows == i].mean() for i in range(len(batch))])
+    torch.testing.assert_close(got, want.detach(), atol=1e-4, rtol=1e-4)
+    assert (got > 1e-3).all()
+
+
+def test_context_gap_is_zero_when_the_merged_reading_is_the_plain_one(tiny_model_dir, corpus):
+    """K=1 with the LoRA at zero reads exactly the plain prompt: nothing to align. A gather
+    one position off, or a student state against the wrong row, would make it non-zero."""
+    model = fresh(tiny_model_dir, k=1)
+    cfg = small_cfg(corpus, ("align",))
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 3, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(3)]
+    prefixes = model.encode_prompts([e.segments for e in batch])
+    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                            prefixes=prefixes, prompt_hidden=True)
+    gap = _context_gap(model, batch, prefixes, t.prompt_hidden)
+    assert gap.abs().max().item() < 1e-8
+    randomize_lora(model)  # a student that reads differently is not aligned: the test can fail
+    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+                            prefixes=prefixes, prompt_hidden=True)
+    assert (_context_gap(model, batch, prefixes, t.prompt_hidden) > 1e-3).all()
+
+
+def test_window_stream_is_a_pure_function_of_seed_and_index(tiny_model_dir, corpus):
+    model = fresh(tiny_model_dir)
+    cfg = small_cfg(corpus, ("lm", "ae=2", "distill"))
+    docs = load_docs(model.tokenizer, cfg)
+    a = WindowStream(docs, cfg, 50, 3, 1)
+    b = WindowStream(docs, cfg, 50, 3, 1)
+    assert [a[i] for i in (7, 0, 49)] == [b[i] for i in (7, 0, 49)]
+    assert a[5] != WindowStream(docs, cfg, 50, 4, 1)[5]
+    objectives = {a[i].meta["objective"] for i in range(50)}
+    assert objectives == {"lm", "ae", "distill"}
+    for i in range(50):
+        e = a[i]
+        if e.meta["objective"] == "ae":  # regenerate the merged context, then EOS
+            assert tuple(e.target) == e.segments[0].ids + (1,)
+            assert e.segments[1].compress is False
+    with pytest.raises(IndexError):
+        a[50]
+
+
+def test_continuation_window_shapes():
+    import random
+
+    import numpy as np
+
+    spec = WindowSpec(context_tokens=10, target_tokens=4, min_tokens=4)
+    doc = np.arange(100)
+    w = continuation_window(doc, spec, random.Random(0), "x")
+    assert len(w.context) == 10 and len(w.target) == 4
+    assert w.target[0] == w.context[-1] + 1  # the target continues the context
+    short = continuation_window(np.arange(8), spec, random.Random(0), "x")
+    assert (len(short.context), len(short.target)) == (6, 2)  # a quarter is the target
+
+
+def test_pretrain_run_writes_metrics_and_resumes_exactly(tiny_model_dir, corpus, tmp_path):
+    cfg = small_cfg(corpus, ("lm", "ae"))
+
+    def run(out, steps, resume=False, model=None):
+        model = model or fresh(tiny_model_dir)
+        tc = TrainConfig(out_dir=str(out), max_steps=steps, batch_size=2, lr=1e-3,
+                         save_every=2, progress=False, resume=resume)
+        pretrain(model, cfg, tc)
+        return model
+
+    straight = run(tmp_path / "a", 4)
+    run(tmp_path / "b", 2)
+    resumed = run(tmp_path / "b", 4, resume=True)
+    for (n, p), (_, q) in zip(straight.trainable_parameters(), resumed.trainable_parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=n)
+    info = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert info["pretrain"]["objectives"] == ["lm", "ae"]
+    rows = [json.loads(r) for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["cpu_s"] > 0 for r in rows)
+
+
+def test_pretraining_windows_start_with_the_tokenizers_bos(tiny_bos_model_dir, corpus, tmp_path,
+                                                          monkeypatch):
+    """As a task prompt's first segment does; the autoencoding target is the text, no BOS."""
+    import ktm.training.pretrain as module
+
+    seen = {}
+    monkeypatch.setattr(module, "train", lambda m, stream, *a, **kw: seen.update(s=stream))
+    model = fresh(tiny_bos_model_dir)
+    bos = model.tokenizer.bos_token_id
+    pretrain(model, small_cfg(corpus, ("lm", "ae")),
+             TrainConfig(out_dir=str(tmp_path), max_steps=4, batch_size=2, progress=False))
+    examples = [seen["s"][i] for i in range(8)]
+    assert {e.meta["objective"] for e in examples} == {"lm", "ae"}
+    for e in examples:
+        ids = e.segments[0].ids
+        assert ids[0] == bos and bos not in ids[1:]
+        if e.meta["objective"] == "ae":
+            assert tuple(e.target) == ids[1:] + (model.tokenizer.eos_token_id,)
+
+
+def test_user_jsonl_source_and_field(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"body": "hello"}) + "\n" + json.dumps({"body": "world"}) + "\n")
+    assert path_texts(str(path), "body") == ["hello", "world"]
+    # the message named only the missing field, not the fields there nor --text-field
+    with pytest.raises(KTMError, match=r"line 1: no field 'text' \(its fields: 'body'\); "
+                                       r"expected .* or --text-field"):
+        path_texts(str(path))
+    path.write_text(json.dumps({"text": 3}) + "\n")
+    with pytest.raises(KTMError, match="line 1: expected a string field 'text', got int"):
+        path_texts(str(path))
+    path.write_text('{"text": "ok"}\n{"text": "a \\ud83d b"}\n')  # half a UTF-16 pair
+    with pytest.raises(KTMError, match=r"line 2: field 'text' holds a lone surrogate '\\ud83d'"):
+        path_texts(str(path))
+    path.write_text('{"text": "a \\ud83d\\ude00 b"}\n')  # a whole pair is a character
+    assert path_texts(str(path)) == ["a \U0001f600 b"]
+
+
+def test_a_corpus_folder_skips_hidden_folders_and_reads_gzipped_text(tmp_path):
+    import gzip
+
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / ".venv" / "lib").mkdir(parents=True)
+    (tmp_path / "c" / "sub" / "a.txt").write_text("plain text")
+    (tmp_path / "c" / ".venv" / "lib" / "site.py").write_text("not the corpus")
+    with gzip.open(tmp_path / "c" / "sub" / "b.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("gzipped text")  # was 'not UTF-8 text'
+    assert path_texts(str(tmp_path / "c")) == ["plain text", "gzipped text"]
+
+
+def test_empty_corpus_is_a_clear_error(tiny_model_dir, tmp_path):
+    model = fresh(tiny_model_dir)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(KTMError, match="has no text files"):
+        load_docs(model.tokenizer, PretrainConfig(sources=(str(empty),), eval_sets=()))
+    jsonl = tmp_path / "none.jsonl"
+    jsonl.write_text("")
+    with pytest.raises(KTMError, match="is empty"):
+        load_docs(model.tokenizer, PretrainConfig(sources=(str(jsonl),), eval_sets=()))
+
+
+def test_text_shorter_than_one_window_is_a_clear_error(tiny_model_dir, tmp_path):
+    model = fresh(tiny_model_dir)
+    short = tmp_path / "short.txt"
+    short.write_text("hello world")
+    with pytest.raises(KTMError, match="none of its 1 texts has 32 tokens"):
+        load_docs(model.tokenizer, PretrainConfig(sources=(str(short),), eval_sets=()))
+
+
+def test_evaluation_only_sets_are_refused_as_training_text(tmp_path):
+    folder = tmp_path / "amazon_reviews_other"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some review text")
+    with pytest.raises(KTMError, match="evaluation-only"):
+        source_texts(str(folder))
+    with pytest.raises(KTMError, match="evaluation-only"):
+        source_texts(str(folder / "a.txt"))
+
+
+def test_bad_objective_and_weight_are_clear_errors(corpus):
+    with pytest.raises(KTMError, match="unknown objective 'mse'"):
+        small_cfg(corpus, ("mse",))
+    with pytest.raises(KTMError, match="weight 'x' is not a number"):
+        small_cfg(corpus, ("lm=x",))
+    with pytest.raises(KTMError, match="positive weight"):
+        small_cfg(corpus, ("lm=0",))
+
+
+def test_one_name_for_a_list_field_is_one_item_not_its_letters():
+    # tuple("code") made the sources c, o, d, e ("unknown objective 'l'" for objectives="lm")
+    cfg = PretrainConfig(sources="code", objectives="lm", eval_sets="reviews", k_mix=4)
+    assert (cfg.sources, cfg.objectives, cfg.eval_sets, cfg.k_mix) == (
+        ("code",), ("lm",), ("reviews",), ("4",))
+
+
+def test_pretrain_refuses_its_configs_swapped(tiny_model_dir, tmp_path):
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    with pytest.raises(KTMError, match=r"got \(TrainConfig, PretrainConfig\)"):
+        pretrain(model, TrainConfig(out_dir=str(tmp_path / "r")), PretrainConfig(eval_sets=()))
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("field,spec", [("sources", "x=nan"), ("sources", "x=inf"),
+                                        ("objectives", "lm=nan"), ("k_mix", "4=inf"),
+                                        ("distill_hidden", float("nan"))])
+def test_a_weight_that_is_not_finite_is_a_clear_error(field, spec):
+    # NaN was taken as a weight (random.choices then fails mid-run, or draws one name always)
+    value = spec if isinstance(spec, float) else (spec,)
+    with pytest.raises(KTMError, match="finite number >= 0"):
+        PretrainConfig(**{field: value}, eval_sets=())
+
+
+def test_a_source_without_a_name_is_a_clear_error():
+    # '=0.5' named the source '', the current folder, and read every text file under it
+    with pytest.raises(KTMError, match="has no name"):
+        PretrainConfig(sources=("=0.5",), eval_sets=())
+
+
+def test_pretraining_needs_merging(tiny_model_dir, corpus, tmp_path):
+    model = KTMModel.from_base(tiny_model_dir, k=1, use_mlp=False)
+    with pytest.raises(KTMError, match="needs merging"):
+        pretrain(model, small_cfg(corpus), TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1))
+
+
+def test_a_model_too_short_for_the_readability_windows_is_refused_before_training(
+        tmp_path, corpus):
+    """R reads 256-token held-out contexts plain before a 64-token continuation: a model with
+    fewer positions is refused up front, not after training to the end (where R runs before
+    the last checkpoint is written) with a hint about K."""
+    from helpers import save_tiny
+
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2", positions=256)
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    cfg = PretrainConfig(sources=(corpus,), context_tokens=24, target_tokens=8, min_tokens=8,
+                         eval_sets=("code",))
+    with pytest.raises(KTMError, match=r"readability R .* 320 positions .* over this model's "
+                                       r"limit of 256: expected no R for this model \(ktm "
+                                       r"pretrain --eval-sets none; ktm eval without "
+                                       r"--readability\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1,
+                                         progress=False))
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_eval_readability_on_a_model_too_short_says_what_to_drop(tmp_path, capsys):
+    """`ktm eval --readability` on a local model of 256 positions: the refusal named only
+    `ktm pretrain --eval-sets none`, a flag of another command."""
+    from helpers import save_tiny
+
+    from ktm.cli.main import main
+
+    save_tiny("gpt2", tmp_path / "gpt2", positions=256)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tmp_path / "gpt2"), "--readability", "code",
+                 "--n-eval", "2", "--json", str(tmp_path / "r.json")]) == 2
+    assert "ktm eval without --readability" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_cli_pretrain_then_train_from_it(tiny_model_dir, corpus, tmp_path, capsys):
+    out = tmp_path / "reader"
+    code = main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--slot-weights",
+                 "--sources", corpus, "--objectives", "lm", "ae", "--context-tokens", "24",
+                 "--target-tokens", "8", "--ae-tokens", "16", "--min-tokens", "8",
+                 "--eval-sets", "none", "--max-steps", "2", "--batch-size", "2",
+                 "--out-dir", str(out), "--no-progress"])
+    assert code == 0
+    reader = KTMModel.load(str(out / "checkpoint"))
+    assert reader.k == 2 and reader.encoder.slots is not None
+    code = main(["train", "--model", tiny_model_dir, "--k", "4", "--init",
+                 str(out / "checkpoint"), "--task", "tree", "--stage", "small", "--max-steps",
+                 "1", "--out-dir", str(tmp_path / "t"), "--no-progress"])
+    assert code == 2
+    assert "trained with K=2, but K=4 was requested" in capsys.readouterr().err
+    code = main(["train", "--model", tiny_model_dir, "--k", "2", "--init",
+                 str(out / "checkpoint"), "--task", "tree", "--stage", "small", "--max-steps",
+                 "1", "--batch-size", "2", "--n-train", "4", "--n-eval", "2",
+                 "--out-dir", str(tmp_path / "t"), "--no-progress"])
+    assert code == 0
+    trained = KTMModel.load(str(tmp_path / "t" / "checkpoint"))
+    assert trained.encoder.slots is not None  # the reader's encoder settings carried over
+
+
+def test_unknown_reader_name_is_a_clear_error(capsys):
+    with pytest.raises(KTMError, match="no shipped reader of that name.*smollm2-135m-k4"):
+        KTMModel.load("smollm2-135m-k9")
+    assert main(["train", "--init", "smollm2-135m-k9", "--max-steps", "1"]) == 2
+    assert "no shipped reader of that name" in capsys.readouterr().err
+
+
+def test_init_adapter_starts_lora_from_another_k(tiny_model_dir, tmp_path):
+    from ktm.core.checkpoint import load_adapter_into
+
+    k2 = fresh(tiny_model_dir, k=2)
+    randomize_lora(k2)
+    k2.save(str(tmp_path / "k2"))
+    k4 = fresh(tiny_model_dir, k=4)
+    load_adapter_into(k4, tmp_path / "k2")
+    lora = {n: p for n, p in k2.named_parameters() if "lora_" in n}
+    for n, p in k4.named_parameters():
+        if "lora_" in n:
+            torch.testing.assert_close(p, lora[n])
+    assert k4.k == 4 and torch.all(k4.encoder.slots == 0.25)  # the encoder starts fresh
+    other = KTMModel.from_base(tiny_model_dir, k=4, lora=__import__("ktm").LoraSettings(r=2))
+    with pytest.raises(KTMError, match="r=4, but the model has r=2: expected a rank at least"):
+        load_adapter_into(other, tmp_path / "k2")
+
+
+def _logits(model, texts=("the quick brown fox jumps", "over the lazy dog")):
+    prompts = [(Segment(t), Segment(" and", compress=False)) for t in texts]
+    with torch.no_grad():
+        return model.target_logits(prompts, [" then it ran"] * len(prompts)).logits
+
+
+def test_grown_lora_computes_the_same_function_then_trains_its_new_rank(tiny_model_dir,
+                                                                       tmp_path):
+    from ktm import LoraSettings
+    from ktm.core.checkpoint import load_adapter_into
+
+    small = fresh(tiny_model_dir, k=2)
+    randomize_lora(small)
+    small.save(str(tmp_path / "r4"))
+    want = _logits(small.eval())
+    big = fresh(tiny_model_dir, k=2, lora=LoraSettings(r=8, alpha=8))  # other alpha/r too
+    assert (_logits(big.eval()) - want).abs().max() > 1e-2  # so the check below can fail
+    big.encoder.load_state_dict(small.encoder.state_dict())
+    load_adapter_into(big, tmp_path / "r4")
+    torch.testing.assert_close(_logits(big.eval()), want, atol=1e-5, rtol=1e-5)
+    b = next(p for n, p in big.peft.named_parameters() if "lora_B" in n)
+    a = next(p for n, p in big.peft.named_parameters() if "lora_A" in n)
+    assert torch.all(b[:, 4:] == 0) and a[4:].abs().sum() > 0
+    big.train()
+    out = big.target_logits([(Segment("the quick brown fox"),)], [" jumps"])
+    torch.nn.functional.cross_entropy(out.logits, out.labels).backward()
+    assert b.grad[:, 4:].abs().sum() > 0  # the new rank is trainable from the first step
+
+
+def test_init_with_a_larger_lora_rank_grows_the_checkpoint(tiny_model_dir, tmp_path, corpus):
+    small = fresh(tiny_model_dir, k=2)
+    randomize_lora(small)
+    small.save(str(tmp_path / "r4"))
+    common = ["--init", str(tmp_path / "r4"), "--model", tiny_model_dir, "--max-steps", "1",
+              "--no-progress", "--sources", corpus, "--batch-size", "1", "--eval-sets", "none",
+              "--context-tokens", "24", "--target-tokens", "8", "--min-tokens", "8"]
+    assert main(["pretrain", *common, "--lora-r", "8", "--lora-alpha", "32",
+                 "--out-dir", str(tmp_path / "grown")]) == 0
+    grown = KTMModel.load(str(tmp_path / "grown" / "checkpoint"))
+    assert (grown.config.lora.r, grown.config.lora.alpha) == (8, 32)
+    assert main(["pretrain", *common, "--lora-r", "2", "--out-dir", str(tmp_path / "x")]) == 2
+
+
+def test_init_with_a_larger_mlp_ratio_widens_the_encoder_exactly(tiny_model_dir, tmp_path,
+                                                                  corpus):
+    from ktm.cli.args import init_or_build
+    from ktm.cli.main import _parser
+
+    small = fresh(tiny_model_dir, k=2, mlp_ratio=0.5)
+    randomize_lora(small)
+    for p in small.encoder.parameters():
+        p.data.normal_(0, 0.05)
+    small.save(str(tmp_path / "narrow"))
+    want = _logits(small.eval())
+    common = ["--init", str(tmp_path / "narrow"), "--model", tiny_model_dir, "--seed", "3"]
+    argv = ["pretrain", *common, "--mlp-ratio", "1.5",
+            "--lora-r", "8", "--sources", corpus]
+    args = _parser(argv).parse_args(argv)
+    wide = init_or_build(args)
+    assert wide.encoder.config.mlp_hidden == 3 * small.encoder.config.mlp_hidden
+    torch.testing.assert_close(_logits(wide.eval()), want, atol=1e-5, rtol=1e-5)
+    again = init_or_build(args)  # the new units' init comes from --seed: the same model twice
+    torch.testing.assert_close(again.encoder.mlp[0].weight, wide.encoder.mlp[0].weight)
+    run = [*common, "--max-steps", "1", "--no-progress", "--sources", corpus, "--batch-size", "1",
+           "--eval-sets", "none", "--context-tokens", "24", "--target-tokens", "8",
+           "--min-tokens", "8"]
+    assert main(["pretrain", *run, "--mlp-ratio", "1.0", "--out-dir", str(tmp_path / "w")]) == 0
+    assert KTMModel.load(str(tmp_path / "w" / "checkpoint")).config.mlp_ratio == 1.0
+    assert main(["pretrain", *run, "--mlp-ratio", "0.25", "--out-dir", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("name", ["distill_hidden", "align_weight"])
+def test_negative_hidden_state_weights_are_clear_errors(name):
+    with pytest.raises(KTMError, match=f"{name} must be a finite number >= 0, got -0.5"):
+        PretrainConfig(eval_sets=(), **{name: -0.5})
+    PretrainConfig(eval_sets=(), **{name: 0.0})  # zero turns the term off
+
+
+def test_a_text_files_byte_order_mark_is_not_text(tmp_path):
+    (tmp_path / "bom.txt").write_bytes("\ufeffhello world".encode("utf-8"))
+    assert path_texts(str(tmp_path / "bom.txt")) == ["hello world"]
+
+
+def test_an_unknown_held_out_set_is_refused_before_training():
+    # it was found only at the first evaluation, after the training steps
+    with pytest.raises(KTMError, match="unknown held-out set 'review' in eval_sets"):
+        PretrainConfig(sources=("x",), eval_sets=("review",))
+
+
+def test_missing_held_out_data_fails_before_training(tiny_model_dir, corpus, tmp_path,
+                                                     monkeypatch):
+    # without the data folder the default eval sets failed at the end, the steps lost
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "no-data"))
+    cfg = PretrainConfig(sources=(corpus,), context_tokens=24, target_tokens=8, min_tokens=8,
+                         eval_sets=("reviews",), n_eval_windows=2)
+    out = tmp_path / "run"
+    with pytest.raises(KTMError, match="data file not found"):
+        pretrain(fresh(tiny_model_dir), cfg, TrainConfig(out_dir=str(out), max_steps=1,
+                                                         batch_size=2, progress=False))
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_resume_with_another_mix_is_refused_even_when_the_first_window_is_the_same(
+        tiny_model_dir, corpus, tmp_path):
+    from ktm.training.state import data_signature
+
+    def run(objectives, steps, resume=False, **kw):
+        cfg = small_cfg(corpus, objectives, **kw)
+        tc = TrainConfig(out_dir=str(tmp_path / "r"), max_steps=steps, batch_size=2,
+                         save_every=1, progress=False, resume=resume)
+        pretrain(fresh(tiny_model_dir), cfg, tc)
+
+    run(("lm", "ae"), 1)
+    model = fresh(tiny_model_dir)
+    first = [data_signature(WindowStream(load_docs(model.tokenizer, small_cfg(corpus, o)),
+                                         small_cfg(corpus, o), 8, 0, model.eos_id))["fingerprint"]
+             for o in (("lm", "ae"), ("lm", "ae=0.5"))]
+    assert first[0] == first[1]  # the first window alone does not tell the two mixes apart
+    with pytest.raises(KTMError, match=r"cannot resume .*objectives=\{'lm': 1.0, 'ae': 1.0\}"):
+        run(("lm", "ae=0.5"), 2, resume=True)
+    run(("lm", "ae"), 2, resume=True, n_eval_windows=4)  # the eval settings may change
+
+
+def test_windows_longer_than_the_models_positions_are_refused_before_training(tmp_path):
+    """Only long documents give full windows: one long text among short ones failed at the
+    first step that drew it, mid-run. The full window is checked up front, naming the flags."""
+    from helpers import save_tiny
+
+    base, tok = save_tiny("gpt2", tmp_path / "gpt2", positions=48)
+    model = KTMModel.from_base(base, k=4, tokenizer=tok)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(40):
+        (texts / f"short{i:02d}.txt").write_text(f"The quick brown fox {i} jumps.")
+    (texts / "long.txt").write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    cfg = PretrainConfig(sources=(str(texts),), context_tokens=160, target_tokens=16,
+                         min_tokens=4, eval_sets=())
+    out = tmp_path / "x"
+    with pytest.raises(KTMError, match=r"a full lm window does not fit .* "
+                                       r"\(--context-tokens / --target-tokens\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=6, batch_size=2,
+                                         progress=False))
+    assert not (out / "metrics.jsonl").exists()
+    cfg = PretrainConfig(sources=(str(texts),), objectives=("ae",), ae_tokens=64, min_tokens=4,
+                         eval_sets=())
+    with pytest.raises(KTMError, match=r"a full ae window .* \(--ae-tokens\)"):
+        pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=1, progress=False))
+
+
+def test_plain_tokens_covering_every_window_are_refused(tiny_model_dir, corpus, tmp_path):
+    # --plain-prefix 100 with 24-token contexts trained a 'reader' on plain text only
+    model = fresh(tiny_model_dir, plain_prefix=20, plain_suffix=4)
+    with pytest.raises(KTMError, match=r"plain_prefix \+ plain_suffix = 24 keep every token"):
+        pretrain(model, small_cfg(corpus), TrainConfig(out_dir=str(tmp_path / "x"), max_steps=1,
+                                                       progress=False))
+    assert not (tmp_path / "x").exists()
+
+
+def test_uncompressed_heldout_copy_is_refused_as_training_text(tmp_path) -> None:
+    for name in ("heldout_repos_test.jsonl", "amazon_other_categories_2018.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"text": "held out"}) + "\n")
+        with pytest.raises(KTMError, match="evaluation-only"):
+            path_texts(str(tmp_path / name))
+
+
+def test_gzipped_text_under_a_plain_name_is_read_as_text(tmp_path) -> None:
+    import gzip
+
+    path = tmp_path / "notes.txt"
+    path.write_bytes(gzip.compress(b"plain words"))
+    assert path_texts(str(path)) == ["plain words"]
