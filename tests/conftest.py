@@ -1,6 +1,9 @@
-"""Shared fixtures: a tiny Llama-family model and tokenizer built in-process (offline, seconds)."""
+"""Shared fixtures: a tiny Llama-family model and tokenizer built in-process (offline, seconds),
+and the one place that decides what a test needing the data folder does without it."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from helpers import fresh_model, save_tiny_llama
@@ -51,3 +54,20 @@ def corpus(tmp_path) -> str:
     for i in range(3):
         (folder / f"doc{i}.txt").write_text(CORPUS_TEXT[i * 7:])
     return str(folder)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.data("textualized_tree", ...)``: the test reads these folders of the data
+    root. A user's fresh clone has no data folder, so there the test is skipped, naming what it
+    wanted; CI (``CI=true``) has the data, so there a missing folder fails the test instead of
+    letting it pass unseen."""
+    from ktm.tasks.jsonl import data_root
+
+    for mark in item.iter_markers("data"):
+        missing = [name for name in mark.args if not (data_root() / name).is_dir()]
+        if missing:
+            why = (f"needs the data folder(s) {', '.join(missing)} under {data_root()} "
+                   "(set KTM_DATA to the folder holding them)")
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(f"{why}; CI must have the data", pytrace=False)
+            pytest.skip(why)

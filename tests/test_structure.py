@@ -124,6 +124,7 @@ def test_the_tests_mirror_the_package():
     assert len(names) == len(set(names)), "two test files of one name: pytest imports one"
 
 
+@pytest.mark.slow  # starts a Python process
 def test_report_help_does_not_import_torch():
     code = ("import sys\nfrom ktm.cli.main import main\ntry:\n    main(['report', '--help'])\n"
             "except SystemExit:\n    pass\nprint('torch' in sys.modules)")
@@ -132,6 +133,7 @@ def test_report_help_does_not_import_torch():
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
+@pytest.mark.slow  # starts a Python process
 def test_public_names_load_lazily_from_their_homes():
     code = ("import sys, ktm\nprint('torch' in sys.modules)\n"
             "from ktm import KTMModel, PretrainConfig, TrainConfig, pretrain, train\n"
@@ -144,6 +146,7 @@ def test_public_names_load_lazily_from_their_homes():
     assert set(ktm.__all__) - {"__version__"} <= set(dir(ktm))
 
 
+@pytest.mark.slow  # starts a Python process
 def test_python_m_ktm_cli_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "ktm.cli", "--help"], capture_output=True,
                          text=True, check=True)

@@ -164,6 +164,7 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow  # starts a Python process
 def test_sigkill_mid_checkpoint_then_resume_continues_exactly(tiny_model_dir, tmp_path, capsys):
     def argv(out):
         return ["train", "--model", tiny_model_dir, "--task", "tree", "--stage", "small",
@@ -208,6 +209,7 @@ with atomic_open(sys.argv[1]) as f:
 """
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_next_write_of_a_file_removes_the_temp_a_killed_write_left(tmp_path):
     """A single-file result (``ktm eval --json``, ``--predictions``, bench ``--out``) killed
     mid-write left ``.r.json.XXXX.tmp`` beside it for good; the temp is now named after its

@@ -4,6 +4,12 @@ It starts from the shipped reader for the model and K (``smollm2-135m-k4``: an e
 pretrained to read merged text, see ``ktm.readers``), or from plain mean pooling with
 ``--reader none``. It evaluates the start, fine-tunes on the task, evaluates again, times the
 compressed against the plain prefill, and shows a generation.
+
+Tree prompts are short, so it then reads one long prompt, where merging pays: about 1,500
+tokens of text no shipped data holds (Python standard-library source), read by the start model
+(the reader, untouched by the fine-tune) merged and plain, each answering with 64 tokens through
+the one decode path. It prints tokens in and out, the time to first token, the end-to-end time
+and the readability R of that text (``ktm.evaluation.readability``).
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ from pathlib import Path
 
 import torch
 
+from ktm.bench.measure import infer_once
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.core.prompt import prompt_text
 from ktm.decode.generate import prefill
 from ktm.errors import KTMError
 from ktm.evaluation.evaluate import evaluate_classification, summary
+from ktm.evaluation.readability import readability
 from ktm.model import KTMModel
+from ktm.tasks.corpus import Window
 from ktm.tasks.tree import TreeTask
 from ktm.tasks.tree_gen import STAGES
 from ktm.training.config import TrainConfig
@@ -56,8 +65,16 @@ class DemoConfig:
     seed: int = field(default=0, metadata={"help": "random seed"})
     out_dir: str = field(default="runs/demo", metadata={
         "help": "the demo's folder: demo.json, metrics.jsonl, checkpoint/ (replaced each run)"})
+    long_tokens: int = field(default=1536, metadata={
+        "help": "tokens of the long prompt (0: skip it); fewer where the model's positions end"})
+    answer_tokens: int = field(default=64, metadata={"help": "tokens of the long prompt's answer"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+
+    def __post_init__(self) -> None:
+        if self.long_tokens < 0 or self.answer_tokens < 1:
+            raise KTMError(f"long_tokens must be >= 0 and answer_tokens >= 1, got "
+                           f"{self.long_tokens} and {self.answer_tokens}")
 
 
 @torch.no_grad()
@@ -111,12 +128,13 @@ def run_demo(cfg: DemoConfig) -> dict:
     made_by = {"versions": versions(), "git": git_revision()}  # the code that starts to run
     check_demo_folder(Path(cfg.out_dir))
     torch.manual_seed(cfg.seed)
-    model, start_name = _start_model(cfg)
+    reader = start_name(cfg)
+    model, start_label = load_start(cfg, reader)
     task = TreeTask(stage=cfg.stage, prompt_mode="context")
     train_set = task.train_examples(cfg.steps * cfg.batch_size, seed=cfg.seed)
     eval_set = task.eval_examples(cfg.n_eval, seed=cfg.seed + 1)
 
-    print(f"evaluating the start ({start_name}) ...", flush=True)
+    print(f"evaluating the start ({start_label}) ...", flush=True)
     start = evaluate_classification(model, eval_set, task.labels, progress=True)
     out = Path(cfg.out_dir)
     tcfg = TrainConfig(out_dir=str(out), max_steps=cfg.steps, batch_size=cfg.batch_size,
@@ -129,13 +147,14 @@ def run_demo(cfg: DemoConfig) -> dict:
     train_s = time.perf_counter() - t0
     trained = evaluate_classification(model, eval_set, task.labels, progress=True)
     timing = time_prefill(model, [e.segments for e in eval_set[:16]])
+    base_model = model.config.base_model
 
     print(f"\nK-Token Merging demo: tree stage '{cfg.stage}', K={cfg.k}, "
           f"{cfg.steps} steps x {cfg.batch_size} examples in {train_s:.0f} s "
           f"({last['input_tokens_per_s']:.0f} input tokens/s in the last step)")
     print(f"eval: {cfg.n_eval} balanced parent/child pairs; tree compressed, question plain\n")
     print(HEADER)
-    print(_row(start_name, start))
+    print(_row(start_label, start))
     print(_row(f"trained K={cfg.k} merger", trained))
     print(f"(answers that were not 'true'/'false': {start['unparsed']} of {start['n']} before "
           f"training, {trained['unparsed']} after; balanced pairs, so 0.5 is chance)")
@@ -147,33 +166,44 @@ def run_demo(cfg: DemoConfig) -> dict:
     for piece in model.stream(ex.segments, max_new_tokens=4):
         print(piece, end="", flush=True)
     print()
+    long = None
+    if cfg.long_tokens:
+        del model  # the start model is loaded afresh: the fine-tune changed this one
+        long = long_prompt(cfg, reader)
     # the base actually trained: a --reader checkpoint without --model brings its own
-    result = {"config": asdict(cfg), "base_model": model.config.base_model,
-              "start_model": start_name, "start": summary(start),
+    result = {"config": asdict(cfg), "base_model": base_model,
+              "start_model": start_label, "start": summary(start),
               "trained": summary(trained),
               "prefill": timing, "train_s": train_s, "last_step": last,
-              **made_by}
+              "long_prompt": long, **made_by}
     write_json_atomic(out / "demo.json", result)
     print(f"\nresults: {out / 'demo.json'}, model: {out / 'checkpoint'}")
     return result
 
 
-def _start_model(cfg: DemoConfig) -> tuple[KTMModel, str]:
+def start_name(cfg: DemoConfig) -> str:
+    """The reader the demo starts from (``--reader auto`` resolved), or "none"; says why where
+    ``auto`` found none or a recursive one."""
     from ktm.core.checkpoint import read_config
     from ktm.readers import READERS, find_reader, reader_path
 
+    if cfg.reader != "auto":
+        return cfg.reader
+    name = find_reader(cfg.model, cfg.k) or "none"
+    if name == "none":
+        print(f"no shipped reader fits {cfg.model} at K={cfg.k}: a reader is used for its "
+              "own base model or a local copy of it (same sizes and tokenizer); shipped: "
+              f"{', '.join(sorted(READERS))}. Starting from mean pooling; pass --reader NAME "
+              "to start from one anyway", flush=True)
+    elif (own := read_config(reader_path(name))["config"]["k"]) != cfg.k:
+        print(f"no shipped reader of K={cfg.k} fits {cfg.model}: reader {name} (K={own}) "
+              f"is recursive, and read at its inner K={cfg.k}", flush=True)
+    return name
+
+
+def load_start(cfg: DemoConfig, name: str) -> tuple[KTMModel, str]:
+    """The start model ``name`` (``start_name``) and its label."""
     dtype = parse_dtype(cfg.dtype)
-    name = cfg.reader
-    if name == "auto":
-        name = find_reader(cfg.model, cfg.k) or "none"
-        if name == "none":
-            print(f"no shipped reader fits {cfg.model} at K={cfg.k}: a reader is used for its "
-                  "own base model or a local copy of it (same sizes and tokenizer); shipped: "
-                  f"{', '.join(sorted(READERS))}. Starting from mean pooling; pass --reader NAME "
-                  "to start from one anyway", flush=True)
-        elif (own := read_config(reader_path(name))["config"]["k"]) != cfg.k:
-            print(f"no shipped reader of K={cfg.k} fits {cfg.model}: reader {name} (K={own}) "
-                  f"is recursive, and read at its inner K={cfg.k}", flush=True)
     if name == "none":
         print(f"loading {cfg.model} with K={cfg.k}, mean pooling ...", flush=True)
         model = KTMModel.from_base(cfg.model, k=cfg.k, device=cfg.device, dtype=dtype)
@@ -185,3 +215,80 @@ def _start_model(cfg: DemoConfig) -> tuple[KTMModel, str]:
     model = KTMModel.load(name, base=base, k=cfg.k, device=cfg.device, dtype=dtype,
                           trainable=True)
     return model, f"reader {name}"[:26]
+
+
+# Python standard-library modules whose source is the long prompt's text: text that no shipped
+# data file holds (their class definitions appear nowhere in the CommitPack file)
+LONG_SOURCES = ("textwrap", "difflib", "fractions", "shlex")
+LONG_WINDOWS = 4  # windows R is pooled over; the first one is also timed
+
+
+def long_windows(model: KTMModel, context: int, target: int) -> list[Window]:
+    """Up to ``LONG_WINDOWS`` (context, continuation) windows cut from the start of each
+    standard-library source that has ``context + target`` tokens."""
+    import importlib
+
+    windows = []
+    for name in LONG_SOURCES:
+        path = getattr(importlib.import_module(name), "__file__", None)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (TypeError, OSError, UnicodeDecodeError):
+            continue  # a Python without the module's source (only .pyc)
+        ids = model.tokenize(text)
+        for start in range(0, len(ids) - context - target + 1, context + target):
+            windows.append(Window(tuple(ids[start:start + context]),
+                                  tuple(ids[start + context:start + context + target]),
+                                  f"{name}.py"))
+            if len(windows) == LONG_WINDOWS:
+                return windows
+    return windows
+
+
+def long_prompt(cfg: DemoConfig, reader: str) -> dict | None:
+    """The start model on one long prompt, merged against plain: tokens, time to first token,
+    end-to-end time of a ``cfg.answer_tokens`` answer (interleaved, after a warm-up), and R."""
+    torch.manual_seed(cfg.seed)
+    model, name = load_start(cfg, reader)
+    model.eval()
+    room = (model.max_positions or cfg.long_tokens + cfg.answer_tokens + 1) - len(model.lead_ids)
+    context = min(cfg.long_tokens, room - cfg.answer_tokens - 1) // cfg.k * cfg.k
+    windows = long_windows(model, context, cfg.answer_tokens) if context >= cfg.k else []
+    if not windows:
+        print(f"\n(no long prompt: this Python has no readable source of {LONG_SOURCES} "
+              f"long enough for {context} + {cfg.answer_tokens} tokens)")
+        return None
+    row = [list(model.lead_ids) + list(windows[0].context)]
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for repeat in range(3):  # warm-up, then two timed runs each, interleaved
+        for merge in (True, False) if repeat % 2 == 0 else (False, True):
+            r = infer_once(model, row, merge, cfg.answer_tokens)
+            if repeat:
+                runs[merge].append(r)
+    times = {merge: {key: statistics.median(r[key] for r in rs)
+                     for key in ("ttft_s", "e2e_s", "decode_tokens_per_s")}
+             for merge, rs in runs.items()}
+    r = readability(model, windows)
+    src = ", ".join(sorted({w.source for w in windows}))
+    tokens_in = len(row[0])
+    out = {"merged": {"tokens_in": tokens_in, "tokens_out": runs[True][0]["compressed_tokens"],
+                      **times[True]},
+           "plain": {"tokens_in": tokens_in, "tokens_out": runs[False][0]["compressed_tokens"],
+                     **times[False]},
+           "answer_tokens": cfg.answer_tokens, "model": name, "sources": src,
+           "ttft_speedup": times[False]["ttft_s"] / times[True]["ttft_s"],
+           "e2e_speedup": times[False]["e2e_s"] / times[True]["e2e_s"],
+           "R": r["R"], "R_windows": r["windows"]}
+    print(f"\nlong prompt: {tokens_in} tokens of {src} (Python standard library, text no "
+          f"shipped data holds), a {cfg.answer_tokens}-token answer, read by {name}")
+    print("| prompt          | tokens in | tokens read | first token | whole answer |")
+    print("|-----------------|-----------|-------------|-------------|--------------|")
+    for label, key in ((f"merged (K={cfg.k})", "merged"), ("plain", "plain")):
+        o = out[key]
+        print(f"| {label:<15} | {o['tokens_in']:>9} | {o['tokens_out']:>11} | "
+              f"{o['ttft_s']:>9.2f} s | {o['e2e_s']:>10.2f} s |")
+    r_text = "none (the plain context barely helps)" if r["R"] is None else f"{r['R']:.2f}"
+    print(f"merged: first token {speed_phrase(out['ttft_speedup'])}, whole answer "
+          f"{speed_phrase(out['e2e_speedup'])}; readability R on {r['windows']} such windows: "
+          f"{r_text} (the share of what the text tells the LM that survives merging)")
+    return out

@@ -114,6 +114,27 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
     assert result["trained"]["n"] == 4 and result["prefill"]["plain_s"] > 0
     assert result["last_step"]["step"] == 2
     assert (out_dir / "checkpoint" / "ktm_config.json").is_file()
+    # the long prompt: as long as the tiny model's 512 positions allow with a 64-token answer,
+    # a multiple of K, read merged into a quarter of the positions
+    long = result["long_prompt"]
+    assert long["plain"]["tokens_in"] == long["merged"]["tokens_in"] == 444
+    assert long["plain"]["tokens_out"] == 444 and long["merged"]["tokens_out"] == 111
+    assert long["R_windows"] == 4 and long["answer_tokens"] == 64
+    assert all(long[m][t] > 0 for m in ("merged", "plain") for t in ("ttft_s", "e2e_s"))
+    assert re.search(r"\| merged \(K=4\) +\| +444 \| +111 \|", out)
+
+
+def test_demo_long_prompt_can_be_left_out(capsys, tiny_model_dir, tmp_path):
+    code, out, _ = run(capsys, "demo", "--model", tiny_model_dir, "--steps", "1", "--batch-size",
+                       "1", "--n-eval", "2", "--long-tokens", "0", "--out-dir", str(tmp_path))
+    assert code == 0 and "long prompt" not in out
+    assert json.loads((tmp_path / "demo.json").read_text())["long_prompt"] is None
+
+
+def test_demo_refuses_a_negative_long_prompt(capsys, tiny_model_dir, tmp_path):
+    code, _, err = run(capsys, "demo", "--model", tiny_model_dir, "--long-tokens", "-1",
+                       "--out-dir", str(tmp_path))
+    assert code == 2 and "long_tokens must be >= 0" in err
 
 
 def test_demo_refuses_to_delete_another_commands_run(capsys, tiny_model_dir, tmp_path):
@@ -140,8 +161,8 @@ def test_demo_says_slower_when_merging_was_slower(capsys, monkeypatch, tiny_mode
     monkeypatch.setattr(ktm.cli.demo, "time_prefill", lambda model, prompts: {
         "merged_s": 0.2, "plain_s": 0.1, "speedup": 0.5, "batch": len(prompts)})
     code, out, _ = run(capsys, "demo", "--model", tiny_model_dir, "--stage", "small", "--steps",
-                       "1", "--batch-size", "2", "--n-eval", "2", "--out-dir",
-                       str(tmp_path / "demo"))
+                       "1", "--batch-size", "2", "--n-eval", "2", "--long-tokens", "0",
+                       "--out-dir", str(tmp_path / "demo"))
     assert code == 0
     assert "plain 100.0 ms -> 2.00x slower" in out and "faster" not in out
 

@@ -274,6 +274,7 @@ def test_a_base_model_of_the_same_sizes_with_another_tokenizer_is_refused(
         KTMModel.load(path, base=tiny_bos_model_dir)
 
 
+@pytest.mark.slow  # starts a Python process
 def test_a_save_removes_the_temp_folders_of_killed_saves_only(ktm_model, tmp_path):
     """A save killed midway leaves its temp folder (a whole checkpoint or exported LM); the
     next save to the same place removes it, but never one a live process is writing."""

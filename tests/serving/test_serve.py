@@ -674,6 +674,7 @@ def test_models_and_health(server):
     assert health["continuous_batching"] and "kv" in health["prefix_cache"]
 
 
+@pytest.mark.slow  # starts a Python process
 def test_ktm_serve_command_serves_and_stops_cleanly(tiny_model_dir):
     import os
     import signal

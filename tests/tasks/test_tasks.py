@@ -250,7 +250,7 @@ def test_missing_default_file_names_folder_and_ktm_data(tmp_path: Path, monkeypa
     assert f"data folder {tmp_path}" in msg
 
 
-@pytest.mark.skipif(not (data_root() / "amazon_reviews_other").is_dir(), reason="no shared data")
+@pytest.mark.data("amazon_reviews_other", "commitpackft_python")
 def test_shipped_eval_only_files_are_refused() -> None:
     with pytest.raises(KTMError, match="evaluation-only"):
         AmazonTask(data_path=data_root() / OTHER_CATEGORIES_FILE)

@@ -12,13 +12,8 @@ from ktm.tasks.jsonl import data_root
 from ktm.tasks.tree import TreeTask, load_trees, next_stage, parse_label, stage_file, tree_prompt
 from ktm.tasks.tree_gen import STAGE_CONFIGS, STAGES, expand_pairs, generate_trees, stage_config
 
-TREE_DIR = data_root() / "textualized_tree"
-needs_data = pytest.mark.skipif(
-    not TREE_DIR.is_dir(), reason=f"shared data not found at {TREE_DIR} (set KTM_DATA)"
-)
 
-
-@needs_data
+@pytest.mark.data("textualized_tree")
 @pytest.mark.parametrize("stage", STAGES)
 def test_generator_reproduces_shipped_file(stage: str) -> None:
     shipped = load_trees(data_root() / stage_file(stage), limit=50)
@@ -27,9 +22,10 @@ def test_generator_reproduces_shipped_file(stage: str) -> None:
     assert [t.edges for t in generated] == [t.edges for t in shipped]
 
 
-@needs_data
+@pytest.mark.data("textualized_tree")
 def test_pair_expansion_matches_reference_example() -> None:
-    example = json.loads((TREE_DIR / "example_large_seed46_tree_000000.json").read_text())
+    path = data_root() / "textualized_tree" / "example_large_seed46_tree_000000.json"
+    example = json.loads(path.read_text())
     tree = next(generate_trees(stage_config("large"), 1))
     assert {row["indent_tree"] for row in example} == {tree.text}
     assert expand_pairs(tree) == [(r["parent"], r["child"], r["label"]) for r in example]
@@ -104,7 +100,7 @@ def test_split_is_disjoint_deterministic_and_seeded() -> None:
     assert {ex.meta["tree_index"] for ex in a.natural_eval_examples(300, 0)} <= test
 
 
-@needs_data
+@pytest.mark.data("textualized_tree")
 def test_file_and_generator_give_the_same_trees() -> None:
     from_file = TreeTask(stage="xsmall", source="file", num_trees=100)
     generated = TreeTask(stage="xsmall", source="generate", num_trees=100)

@@ -39,6 +39,7 @@ def data():
     return TreeTask(stage="small").train_examples(4, seed=0)
 
 
+@pytest.mark.slow  # starts a Python process
 def test_a_second_run_on_a_folder_in_use_is_refused_until_the_first_dies(tiny_model_dir, data,
                                                                          tmp_path):
     out = tmp_path / "run"
