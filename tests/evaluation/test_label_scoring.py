@@ -85,6 +85,10 @@ def test_a_task_scores_its_own_answer_texts(tiny_model_dir):
                         calibration=task.train_examples(4, seed=0))
     assert row["scoring"]["targets"] == ["true", "false"] and row["n"] == 4
     assert [e.target for e in ex] == [task.label_target(e.label) for e in ex]
+
+
+@pytest.mark.data("amazon_reviews_fashion")
+def test_amazon_answers_have_a_leading_space():
     assert get_task("amazon").label_target("positive") == " positive"
 
 

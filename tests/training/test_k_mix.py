@@ -160,6 +160,8 @@ def test_pretraining_evaluates_every_level_of_the_mix(recursive, corpus, tmp_pat
         return {name: {"R": float(model.k)} for name in sets}
 
     monkeypatch.setattr(ktm.evaluation.readability, "heldout_readability", fake)
+    # the held-out text is read before the run; fake has no use for it (no data folder needed)
+    monkeypatch.setattr(ktm.evaluation.readability, "heldout_sets", lambda *a, **kw: {})
     c = PretrainConfig(sources=(corpus,), context_tokens=24, target_tokens=8, min_tokens=8,
                        eval_sets=("code",), k_mix=("2", "4"))
     pretrain(recursive, c, TrainConfig(out_dir=str(tmp_path / "m"), max_steps=1, batch_size=2,
