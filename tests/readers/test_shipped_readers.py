@@ -65,13 +65,14 @@ def test_a_local_copy_of_the_embedded_model_gets_its_readers():
     auto`` finds them by content (sizes + tokenizer vocabulary), and reads them on it."""
     import warnings
 
-    from ktm.cli.demo import DemoConfig, _start_model
+    from ktm.cli.demo import DemoConfig, load_start, start_name
     from ktm.core.base_model import resolve_model_path
 
     folder = str(resolve_model_path("smollm2-135m"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # its identity is recorded: checked, no warning
-        model, start = _start_model(DemoConfig(model=folder, k=4))  # ktm demo --model FOLDER
+        cfg = DemoConfig(model=folder, k=4)  # ktm demo --model FOLDER
+        model, start = load_start(cfg, start_name(cfg))
     assert start == "reader smollm2-135m-k4" and model.k == 4
     from ktm.readers import find_reader  # the API the demo uses
 
