@@ -1,4 +1,5 @@
 import pytest
+import torch
 from helpers import PROMPTS, perturb
 
 from ktm import KTMError, Segment
@@ -154,3 +155,21 @@ def test_an_iterator_of_prompts_generates_as_its_list(ktm_model):
     prompts = ["Tree: AB", "Review: shoes"]
     want = ktm_model.generate(prompts, max_new_tokens=3)
     assert ktm_model.generate(iter(prompts), max_new_tokens=3) == want
+
+
+def test_decoding_sets_no_module_mode_once_in_eval(ktm_model, monkeypatch):
+    """Switching modes walks every module: in eval mode the decode loop switches nothing, and a
+    model in train mode is switched once per generate call, not at every step."""
+    calls = []
+    real = torch.nn.Module.train
+    monkeypatch.setattr(torch.nn.Module, "train",
+                        lambda self, mode=True: calls.append(mode) or real(self, mode))
+    n_modules = len(list(ktm_model.modules()))  # train() calls itself on every submodule
+    ktm_model.eval()
+    calls.clear()
+    generate_ids(ktm_model, PROMPTS[:1], max_new_tokens=8, stop_at_eos=False)
+    assert calls == []
+    ktm_model.train()
+    calls.clear()
+    generate_ids(ktm_model, PROMPTS[:1], max_new_tokens=8, stop_at_eos=False)
+    assert ktm_model.training and calls == [False] * n_modules + [True] * n_modules
