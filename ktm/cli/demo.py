@@ -50,15 +50,14 @@ class DemoConfig:
         "help": "start from: auto (the shipped reader for model and K, if any, else a "
                 "recursive one whose inner K it is), none (mean pooling), or a reader name / "
                 "checkpoint folder"})
-    # stage small: at this budget (120 x 16 examples) even the uncompressed model stays at
-    # chance on xmedium (results/README.md), so a demo there would show nothing
+    # stage small: at this budget even the uncompressed model stays at chance on xmedium, so a
+    # demo there would show nothing (why this default: docs/guide.md#defaults)
     stage: str = field(default="small", metadata={"choices": list(STAGES),
                                                   "help": "tree curriculum stage"})
     steps: int = field(default=120, metadata={"aliases": ["--max-steps"],  # ktm train's name
                                               "help": "optimizer steps"})
     batch_size: int = field(default=16, metadata={"help": "examples per step"})
-    # the experiment's rate (results/experiment.sh); from the recursive K=4 reader, 1e-3 gave
-    # 0.750 balanced and 5e-4 0.854 (results/README.md, "The demo")
+    # the experiment's rate; why this default: docs/guide.md#defaults
     lr: float = field(default=5e-4, metadata={"help": "AdamW learning rate (LoRA)"})
     encoder_lr: float = field(default=5e-5, metadata={"help": "learning rate of the encoder MLP"})
     n_eval: int = field(default=96, metadata={"help": "balanced eval pairs"})

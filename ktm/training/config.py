@@ -29,13 +29,13 @@ class TrainConfig:
         "help": "AdamW learning rate of LoRA (and of the slot weights and gate, unless "
                 "--slot-lr)"})
     # the encoder MLP has a K*D-wide fan-in, so one Adam step at the LoRA rate moves its output
-    # by far more than an embedding's norm (0 -> 11.7 in 6 steps at 5e-4, embeddings ~3.2);
-    # its weights get this smaller rate. The slot weights and the gate (fan-in 1) use ``lr``.
+    # by far more than an embedding's norm; its weights get this smaller rate. The slot weights
+    # and the gate (fan-in 1) use ``lr``. Why this default: docs/guide.md#defaults
     encoder_lr: float = field(default=5e-5, metadata={
         "help": "learning rate of the encoder MLP's weights"})
     # the slot weights and the gate: the encoder's order-aware part. They start at the mean (1/K)
-    # and at ``lr`` move by ~lr per step, too slowly to learn the order inside a block (the shipped
-    # K=4 reader's two slots per level differ by 0.03-0.06 on average after 1,350 steps). None: lr.
+    # and at ``lr`` move by ~lr per step, too slowly to learn the order inside a block
+    # (docs/guide.md#defaults). None: lr.
     slot_lr: float | None = field(default=None, metadata={
         "help": "learning rate of the encoder's slot weights and gate (default: --lr)"})
     ema_decay: float = field(default=0.0, metadata={
