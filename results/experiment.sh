@@ -11,16 +11,16 @@
 #   baselines mean_pool (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5,
 #   i.e. K=2's length), ltsc.
 # LR=RATE (environment) fine-tunes at another LoRA rate (the encoder's is a tenth of it) and
-# writes to results/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead. SLOT_LR=RATE gives
-# the encoder's slot weights their own rate (ktm train --slot-lr), into results/TASK-slotRATE/.
+# writes to results/tasks/budgets/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead. SLOT_LR=RATE gives
+# the encoder's slot weights their own rate (ktm train --slot-lr), into results/tasks/probes/TASK-slotRATE/.
 # SCHEDULE=cosine decays the learning rate to 10 % over the run after the warm-up (ktm train
-# --schedule cosine) instead of holding it constant, into results/TASK-cosine/.
+# --schedule cosine) instead of holding it constant, into results/tasks/probes/TASK-cosine/.
 # SUFFIX=N keeps the last N prompt tokens of the merged text plain in the K-token-merging runs
-# (ktm train --plain-suffix N; the other methods are unchanged), into results/TASK-suffixN/.
+# (ktm train --plain-suffix N; the other methods are unchanged), into results/tasks/probes/TASK-suffixN/.
 # ALIGN=lines merges each line of the compressed text on its own in the K-token-merging runs, no
-# block spanning a line break (ktm train --align-lines), into results/TASK-lines/.
-# SEED=N fine-tunes with another seed (ktm train --seed N; default 0), into results/TASK-seedN/.
-# EMA=D keeps an average of the weights (ktm train --ema-decay D), into results/TASK-emaD/: each
+# block spanning a line break (ktm train --align-lines), into results/tasks/probes/TASK-lines/.
+# SEED=N fine-tunes with another seed (ktm train --seed N; default 0), into results/tasks/probes/TASK-seedN/.
+# EMA=D keeps an average of the weights (ktm train --ema-decay D), into results/tasks/probes/TASK-emaD/: each
 # run's METHOD.json reads the average, METHOD-live.json the last iterate of the same run (a paired
 # comparison: the average does not change the training).
 # Every method gets the same LoRA (r=16, alpha=64, as the readers), learning rates and steps.
@@ -35,8 +35,9 @@
 #         tree-xmedium-cur (1x), tree-xmedium-cur-long (3x): the tree curriculum, stage small
 #         then xmedium: each method starts from its own stage-small run of the same variant
 #         (runs/exp/tree-METHOD, so run `experiment.sh tree METHOD` first) instead of its reader
-# Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/TASK/METHOD.json, and the
-# run's metrics.jsonl -> results/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
+# Each run: ktm train -> runs/exp/TASK-METHOD, then ktm eval -> results/tasks/GROUP/TASK/METHOD.json
+# (GROUP: shared-budget, budgets or probes, by the variant's name), and the run's metrics.jsonl
+# -> results/tasks/GROUP/TASK/METHOD.metrics.jsonl (loss and the fine-tuning curve).
 # The files reach results/ only when the script exits (each finished run's, also after a
 # failure): rewriting a tracked result before the next run starts would make that run record
 # its revision as '-dirty'.
@@ -48,6 +49,13 @@ name=$task_name${LR:+-lr$LR}${SLOT_LR:+-slot$SLOT_LR}${SUFFIX:+-suffix$SUFFIX}${
 schedule=${SCHEDULE:-constant}
 case $schedule in constant) ;; cosine) name+=-cosine ;;
   *) echo "SCHEDULE=$schedule: expected constant or cosine" >&2; exit 2 ;; esac
+# where a variant's files go: the shared-budget experiment, the longer budgets, or a lever probe
+case $name in
+  tree|tree-xmedium|amazon|commitpack) group=shared-budget ;;
+  *-long|*-xlong|*-xxlong|*-cur|*-lr*|*-n1000) group=budgets ;;
+  *) group=probes ;;
+esac
+dest=results/tasks/$group/$name
 lr=${LR:-5e-4}
 case $lr in ''|*[!0-9.eE+-]*) echo "LR=$lr: expected a number such as 2e-4" >&2; exit 2 ;; esac
 case ${SUFFIX:-1} in ''|*[!0-9]*) echo "SUFFIX=$SUFFIX: expected a number of tokens such as 4" >&2; exit 2 ;; esac
@@ -84,17 +92,17 @@ esac
 steps=$((steps * n)); n_train=$((n_train * n))
 train=(--max-steps "$steps" --batch-size "$batch" --n-train "$n_train" --n-eval "$n_eval")
 reader_encoder=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions)
-mkdir -p "results/$name"
+mkdir -p "$dest"
 done_runs=()
 publish() {
   local m
   for m in "${done_runs[@]}"; do
-    cp "runs/exp/$name-$m/eval.json" "results/$name/$m.json"
-    cp "runs/exp/$name-$m/metrics.jsonl" "results/$name/$m.metrics.jsonl"
-    echo "wrote results/$name/$m.json and $m.metrics.jsonl"
+    cp "runs/exp/$name-$m/eval.json" "$dest/$m.json"
+    cp "runs/exp/$name-$m/metrics.jsonl" "$dest/$m.metrics.jsonl"
+    echo "wrote $dest/$m.json and $m.metrics.jsonl"
     if [ -f "runs/exp/$name-$m/eval-live.json" ]; then
-      cp "runs/exp/$name-$m/eval-live.json" "results/$name/$m-live.json"
-      echo "wrote results/$name/$m-live.json"
+      cp "runs/exp/$name-$m/eval-live.json" "$dest/$m-live.json"
+      echo "wrote $dest/$m-live.json"
     fi
   done
 }

@@ -2,10 +2,10 @@
 # Amazon K=4: does the fine-tuning learning rate, not the reader, hold K=4 back? The experiment's
 # recipe (80 steps x 8 reviews, lr 5e-4 / encoder 5e-5, results/experiment.sh) fine-tuned again
 # at other LoRA rates (the encoder's stays a tenth of it) and two seeds, each evaluated on 1,000
-# test reviews like results/amazon-n1000/ (whose k4.json and k4-seed1.json are the 5e-4 points).
-# Usage: bash results/amazon-lr/run.sh METHOD LR [LR...]   METHOD: k4 (the shipped K=4 reader, or
+# test reviews like results/tasks/budgets/amazon-n1000/ (whose k4.json and k4-seed1.json are the 5e-4 points).
+# Usage: bash results/tasks/budgets/amazon-lr/run.sh METHOD LR [LR...]   METHOD: k4 (the shipped K=4 reader, or
 #        $K4_READER) or uncompressed. Seeds: $SEEDS, default "0 1".
-# Writes results/amazon-lr/METHOD-lrLR-seedS.json (copied in when the script exits, so a later
+# Writes results/tasks/budgets/amazon-lr/METHOD-lrLR-seedS.json (copied in when the script exits, so a later
 # run never records '-dirty' because an earlier one rewrote a tracked file).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +20,7 @@ data=(--task amazon --prompt-mode context --task-option max_chars=400)
 done_runs=()
 publish() {
   local r
-  for r in "${done_runs[@]}"; do cp "runs/amazon-lr/$r/eval.json" "results/amazon-lr/$r.json"; done
+  for r in "${done_runs[@]}"; do cp "runs/amazon-lr/$r/eval.json" "results/tasks/budgets/amazon-lr/$r.json"; done
 }
 trap publish EXIT
 for lr in "$@"; do

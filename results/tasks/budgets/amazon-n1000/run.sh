@@ -7,7 +7,7 @@
 #   k4-k4r.json        K=4 from the reader shipped before, k4r (the same, with K4_READER pointing
 #                      at ktm/readers/smollm2-135m-k4 of revision e0b14c2)
 #   k4-seed1.json, k4-k4r-seed1.json   the same two fine-tuned again with --seed 1 (this script)
-# Usage: bash results/amazon-n1000/run.sh K4R_READER_DIR   (after experiment.sh amazon uncompressed k4
+# Usage: bash results/tasks/budgets/amazon-n1000/run.sh K4R_READER_DIR   (after experiment.sh amazon uncompressed k4
 #        and K4_READER=K4R_READER_DIR experiment.sh amazon k4, moving that run to runs/exp/amazon-k4-k4r)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +16,7 @@ k4r=$1
 data=(--task amazon --prompt-mode context --task-option max_chars=400)
 evaluate() {  # NAME CHECKPOINT
   ktm eval --checkpoint "$2" "${data[@]}" --n-eval 1000 --n-train 640 --threads 1 --method "$1" \
-    --json "results/amazon-n1000/$1.json"
+    --json "results/tasks/budgets/amazon-n1000/$1.json"
 }
 evaluate uncompressed runs/exp/amazon-uncompressed/checkpoint
 evaluate k4 runs/exp/amazon-k4/checkpoint

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Amazon by label likelihood: re-score fine-tuned amazon runs on 1,000 test reviews (the same
-# ones as results/amazon-n1000/ and results/amazon-lr/), choosing the label whose answer
+# ones as results/tasks/budgets/amazon-n1000/ and results/tasks/budgets/amazon-lr/), choosing the label whose answer
 # (" positive" / " negative" + EOS) is more likely, corrected for the label prior the model gives
 # 300 training-side reviews (their labels unused). The uncorrected decision is in each row too
 # (scoring.uncorrected_balanced_accuracy).
-# Usage: bash results/amazon-score/run.sh RUN_DIR [RUN_DIR...]
-#   RUN_DIR: a run folder of results/amazon-lr/run.sh (runs/amazon-lr/NAME) or of
+# Usage: bash results/tasks/probes/amazon-score/run.sh RUN_DIR [RUN_DIR...]
+#   RUN_DIR: a run folder of results/tasks/budgets/amazon-lr/run.sh (runs/amazon-lr/NAME) or of
 #   results/experiment.sh amazon (runs/exp/amazon-METHOD; a baseline compressor's run is scored
 #   with its compressor, as experiment.sh evaluates it).
 # A run kept with a weight average (experiment.sh with EMA=D) is scored twice: the average as NAME,
 # its last iterate (RUN_DIR/checkpoint/live) as NAME-live.
-# Writes results/amazon-score/NAME.json, NAME = the run folder's name (copied in when the script
+# Writes results/tasks/probes/amazon-score/NAME.json, NAME = the run folder's name (copied in when the script
 # exits, so a later run never records '-dirty' because an earlier one rewrote a tracked file).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +21,7 @@ mkdir -p "$stage"
 done_runs=()
 publish() {
   local r
-  for r in "${done_runs[@]}"; do cp "$stage/$r.json" "results/amazon-score/$r.json"; done
+  for r in "${done_runs[@]}"; do cp "$stage/$r.json" "results/tasks/probes/amazon-score/$r.json"; done
 }
 trap publish EXIT
 for run in "$@"; do

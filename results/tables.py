@@ -1,0 +1,204 @@
+"""The measured numbers of README.md and results/README.md, generated from the result files.
+
+Each table lives between two marker lines in those pages:
+
+    <!-- generated: NAME (python results/tables.py) -->
+    ...
+    <!-- /generated -->
+
+    python results/tables.py           # rewrite every block from the committed result files
+    python results/tables.py --check   # exit 1 naming each block that differs from its files
+
+A number in a page is then always the one in a file: the check runs in the test suite
+(tests/test_results_tables.py), so an edited number or a changed result file fails there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ktm.errors import KTMError
+from ktm.evaluation.report import report, score
+from ktm.evaluation.result_rows import load_results
+from ktm.util.fileio import write_text_atomic
+
+RESULTS = Path(__file__).resolve().parent
+REPO = RESULTS.parent
+PAGES = (REPO / "README.md", RESULTS / "README.md")
+START = re.compile(r"^<!-- generated: ([\w-]+) \(python results/tables\.py\) -->$", re.M)
+END = "<!-- /generated -->"
+
+TASKS = RESULTS / "tasks" / "shared-budget"
+# the headline's rows and the task columns, in the order they are shown
+METHODS = ("uncompressed", "k2", "k4", "mean_pool", "selective_context", "llmlingua", "ltsc")
+NAMES = {"uncompressed": "uncompressed", "k2": "**ktm K=2**", "k4": "**ktm K=4**",
+         "mean_pool": "mean pooling (K=4)", "selective_context": "SelectiveContext (0.5)",
+         "llmlingua": "LLMLingua (0.5)", "ltsc": "LTSC"}
+TASK_COLUMNS = (("tree small", "balanced acc."), ("amazon", "balanced acc."),
+                ("commitpack", "perplexity"))
+BENCH = RESULTS / "bench" / "prefill_2048.json"
+# the shipped readers and the pretraining run each was packed from (results/readers/)
+SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e"}
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def task_files() -> list[Path]:
+    """The shared-budget experiment's eval rows (the task-distillation ``-teach`` rows are a
+    lever, not a method)."""
+    return sorted(p for p in TASKS.glob("*/*.json") if "-teach" not in p.name)
+
+
+def headline() -> str:
+    """Quality per task and the prefill speed-up at 2,048 tokens, K=2 and K=4 against
+    uncompressed and the baselines."""
+    rows, _ = load_results([str(p) for p in task_files()])
+    by_task = score(rows)
+    cells: dict[str, dict[str, str]] = {m: {} for m in METHODS}
+    for task, _ in TASK_COLUMNS:
+        found = {r["method"]: r for r in by_task.get(task, [])}
+        for m in METHODS:
+            r = found.get(m)
+            if r is None:
+                cells[m][task] = "–"
+                continue
+            quality = (f"{r['perplexity']:.2f}" if "perplexity" in r
+                       else f"{r['balanced_accuracy']:.3f}")
+            cells[m][task] = f"{quality} ({r['length_reduction']:.0%} shorter)"
+    bench = [r for r in json.loads(BENCH.read_text()) if r.get("mode") == "infer"]
+    speed = {"uncompressed": "1.00× (reference)"}
+    for r in bench:
+        if r["method"] != "uncompressed" and f"k{r['k']}" in METHODS:
+            speed[f"k{r['k']}"] = f"{r['speedup_prefill']:.2f}× faster"
+    lines = ["| method | " + " | ".join(f"{t}: {metric}" for t, metric in TASK_COLUMNS)
+             + " | prefill at 2,048 tokens |", "|---" * (len(TASK_COLUMNS) + 2) + "|"]
+    for m in METHODS:
+        lines.append(f"| {NAMES[m]} | " + " | ".join(cells[m][t] for t, _ in TASK_COLUMNS)
+                     + f" | {speed.get(m, '–')} |")
+    n = {t: next((r["n"] for r in by_task.get(t, [])), "–") for t, _ in TASK_COLUMNS}
+    ratios = sorted({r["mlp_ratio"] for r in bench if r.get("mlp_ratio")})
+    return "\n".join(lines) + (
+        "\n\nEmbedded SmolLM2-135M, fp32, 2 CPU cores; every method fine-tuned with the same LoRA "
+        "and budget, ktm from the shipped readers. Balanced accuracy: higher is better (0.5 is "
+        f"chance); perplexity: lower is better. Eval examples: tree small {n['tree small']}, "
+        f"amazon {n['amazon']}, commitpack {n['commitpack']}. Shorter: the share of prompt "
+        "tokens the LM no longer reads. Prefill (`ktm bench`): encoder included (MLP ratio "
+        f"{', '.join(f'{x:g}' for x in ratios)}), batch 1, median of paired repeats. "
+        f"Files: `{rel(TASKS)}/*/*.json`, `{rel(BENCH)}`.")
+
+
+def tasks() -> str:
+    """``ktm report``'s tables over the shared-budget experiment, as the command prints them."""
+    return report([str(p) for p in task_files()])
+
+
+def readers() -> str:
+    """Readability R of the shipped readers on the held-out sets."""
+    lines = ["| reader | K | R code | R reviews | held-out windows | file |",
+             "|---|---|---|---|---|---|"]
+    for name, run in SHIPPED_READERS.items():
+        path = RESULTS / "readers" / f"{run}_readability.json"
+        row = json.loads(path.read_text())
+        r = row["readability"]
+        lines.append(f"| {name} | {row['k']} | {r['code']['R']:.2f} | {r['reviews']['R']:.2f} | "
+                     f"{r['code']['windows']} + {r['reviews']['windows']} | `{rel(path)}` |")
+    return "\n".join(lines)
+
+
+def bench() -> str:
+    """Prefill speed-ups and the KV cache at 2,048 tokens (``ktm bench``)."""
+    lines = ["| method | K | prefill (s) | speed-up | time to first token | KV cache |",
+             "|---|---|---|---|---|---|"]
+    for r in json.loads(BENCH.read_text()):
+        if r.get("mode") != "infer":
+            continue
+        lines.append(f"| {r['method']} | {r['k']} | {r['prefill_s']:.2f} | "
+                     f"{r['speedup_prefill']:.2f}× | {r['speedup_ttft']:.2f}× | "
+                     f"{r['kv_cache_bytes'] / 2**20:.0f} MiB |")
+    return "\n".join(lines) + f"\n\nFile: `{rel(BENCH)}`."
+
+
+def committed_at(path: Path) -> int:
+    """When git first committed ``path`` (seconds; a file not yet committed counts as newest)."""
+    out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%ct", "--", str(path)],
+                         cwd=REPO, capture_output=True, text=True).stdout.split()
+    return int(out[-1]) if out else 2**62
+
+
+def demo() -> str:
+    """The demo's accuracy before and after its fine-tune, over every seed committed."""
+    files = sorted((RESULTS / "demo").glob("demo-seed*.json"))
+    files += [max((RESULTS / "demo").glob("demo-fresh-venv-*.json"), key=committed_at)]
+    lines = ["| run | start (balanced acc.) | after fine-tuning | fine-tuning (s) | file |",
+             "|---|---|---|---|---|"]
+    for path in files:
+        d = json.loads(path.read_text())
+        d = d.get("demo", d)
+        lines.append(f"| seed {d['config']['seed']} | {d['start']['balanced_accuracy']:.3f} | "
+                     f"{d['trained']['balanced_accuracy']:.3f} | {d['train_s']:.0f} | "
+                     f"`{rel(path)}` |")
+    return "\n".join(lines)
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
+                                        "readers": readers, "bench": bench, "demo": demo}
+
+
+def render(text: str, page: Path) -> str:
+    """``text`` with every generated block made anew; a block without its end, or of an
+    unknown name, is an error naming the page and line."""
+    out, pos = [], 0
+    for m in START.finditer(text):
+        if m.start() < pos:
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        name = m.group(1)
+        if name not in BLOCKS:
+            raise KTMError(f"{page}:{line}: unknown generated block {name!r}: expected one of "
+                           f"{', '.join(BLOCKS)}")
+        end = text.find(END, m.end())
+        nxt = START.search(text, m.end())
+        if end < 0 or (nxt and nxt.start() < end):
+            raise KTMError(f"{page}:{line}: block {name!r} has no {END} line before the next "
+                           "block or the end of the page")
+        out += [text[pos:m.end()], "\n", BLOCKS[name]().rstrip(), "\n"]
+        pos = end
+    return "".join(out) + text[pos:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="change nothing; exit 1 naming each page whose blocks are out of date")
+    args = ap.parse_args(argv)
+    stale = []
+    try:
+        for page in PAGES:
+            text = page.read_text(encoding="utf-8")
+            new = render(text, page)
+            if new == text:
+                continue
+            if args.check:
+                stale.append(rel(page))
+            else:
+                write_text_atomic(page, new)
+                print(f"rewrote {rel(page)}")
+    except (KTMError, OSError, KeyError, ValueError) as e:
+        print(f"tables: error: {e}", file=sys.stderr)
+        return 2
+    if stale:
+        print("out of date (run python results/tables.py): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
