@@ -134,17 +134,31 @@ def committed_at(path: Path) -> int:
 
 
 def demo() -> str:
-    """The demo's accuracy before and after its fine-tune, over every seed committed."""
+    """The demo's accuracy before and after its fine-tune over every seed committed, and its
+    long prompt where the run read one."""
     files = sorted((RESULTS / "demo").glob("demo-seed*.json"))
     files += [max((RESULTS / "demo").glob("demo-fresh-venv-*.json"), key=committed_at)]
     lines = ["| run | start (balanced acc.) | after fine-tuning | fine-tuning (s) | file |",
              "|---|---|---|---|---|"]
+    long = []
     for path in files:
         d = json.loads(path.read_text())
-        d = d.get("demo", d)
         lines.append(f"| seed {d['config']['seed']} | {d['start']['balanced_accuracy']:.3f} | "
                      f"{d['trained']['balanced_accuracy']:.3f} | {d['train_s']:.0f} | "
                      f"`{rel(path)}` |")
+        if d.get("long_prompt"):
+            long.append((path, d["long_prompt"]))
+    for path, lp in long:
+        lines += ["", f"Its long prompt ({lp['merged']['tokens_in']} tokens of {lp['sources']}, "
+                      f"a {lp['answer_tokens']}-token answer, read by {lp['model']}; R = "
+                      + ("–" if lp["R"] is None else f"{lp['R']:.2f}")
+                      + f" over {lp['R_windows']} such windows; `{rel(path)}`):", "",
+                  "| prompt | tokens read | time to first token | whole answer | decode |",
+                  "|---|---|---|---|---|"]
+        for key in ("merged", "plain"):
+            o = lp[key]
+            lines.append(f"| {key} | {o['tokens_out']} | {o['ttft_s']:.2f} s | "
+                         f"{o['e2e_s']:.2f} s | {o['decode_tokens_per_s']:.1f} tokens/s |")
     return "\n".join(lines)
 
 
