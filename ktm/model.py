@@ -164,14 +164,16 @@ def load(
     trainable: bool = False,
     plain_suffix: int | None = None,
     align_lines: bool | None = None,
+    spread_positions: bool | None = None,
 ) -> KTMModel:
     """Load a checkpoint folder or a shipped reader's name (e.g. ``"smollm2-135m-k4"``).
 
     ``base``: another folder of the checkpoint's base model (same sizes and tokenizer; None: the
     saved one). ``k``: None for the saved K, or a recursive checkpoint's inner K. ``trainable``:
     False freezes everything (inference); True lets ``train`` continue the encoder and LoRA.
-    ``plain_suffix`` / ``align_lines`` read it with another prompt layout than it was saved with
-    (None: its own). Raises ``KTMError`` for a folder that is not a checkpoint, a K it cannot
+    ``plain_suffix`` / ``align_lines`` / ``spread_positions`` read it with another prompt layout
+    than it was saved with (None: its own; e.g. a spread-position reader continued with
+    consecutive positions, which llama.cpp and vLLM accept). Raises ``KTMError`` for a folder that is not a checkpoint, a K it cannot
     merge at, or a base model whose sizes or tokenizer disagree with the saved ones."""
     from ktm.readers import resolve_checkpoint
 
@@ -188,7 +190,9 @@ def load(
     checkpoint.check_level(config, k, directory)  # a recursive one also reads at inner K
     config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype),
                      plain_suffix=config.plain_suffix if plain_suffix is None else plain_suffix,
-                     align_lines=config.align_lines if align_lines is None else align_lines)
+                     align_lines=config.align_lines if align_lines is None else align_lines,
+                     spread_positions=(config.spread_positions if spread_positions is None
+                                       else spread_positions))
     device = check_device(device)
     try:
         lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))

@@ -137,7 +137,7 @@ def threads_arg(parser: argparse.ArgumentParser) -> None:
 
 RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
 # how prompts are laid out, not weights: may differ from a checkpoint's
-LAYOUT = ("plain_suffix", "align_lines")
+LAYOUT = ("plain_suffix", "align_lines", "spread_positions")
 
 
 @dataclass
@@ -207,7 +207,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     return KTMModel.load(path, base=flags.get("model"), k=flags.get("k"), device=args.device,
                          dtype=flags.get("dtype", "float32"), trainable=trainable,
                          plain_suffix=flags.get("plain_suffix"),
-                         align_lines=flags.get("align_lines"))
+                         align_lines=flags.get("align_lines"),
+                         spread_positions=flags.get("spread_positions"))
 
 
 def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):

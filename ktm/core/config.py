@@ -99,7 +99,9 @@ class KTMConfig:
                 "prompt layout: a checkpoint can be read with or without it)"})
     spread_positions: bool = field(default=False, metadata={
         "help": "a merged block takes its last token's position id, so relative distances are "
-                "the plain prompt's (off: consecutive ids, K times more context fits)"})
+                "the plain prompt's (off: consecutive ids, K times more context fits, and the only "
+                "layout llama.cpp and vLLM accept; a prompt layout: a checkpoint can be read with "
+                "the other)"})
     lora: LoraSettings = field(default_factory=LoraSettings, metadata={"prefix": "lora"})
     add_eos: bool = field(default=True, metadata={"help": "training targets end with EOS"})
     dtype: str = field(default="float32", metadata={
