@@ -40,6 +40,8 @@ from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_id
 from ktm.core.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.core.tokens import SegmentTokenizer
 from ktm.errors import KTMError
+from ktm.llamacpp.backend import attach, check_backend, detach
+from ktm.llamacpp.runtime import RuntimeConfig
 
 # -- building: KTMModel.from_base and KTMModel.load ----------------------------------------------
 
@@ -165,6 +167,9 @@ def load(
     plain_suffix: int | None = None,
     align_lines: bool | None = None,
     spread_positions: bool | None = None,
+    backend: str = "torch",
+    gguf: str | Path | None = None,
+    llamacpp: RuntimeConfig | None = None,
 ) -> KTMModel:
     """Load a checkpoint folder or a shipped reader's name (e.g. ``"smollm2-135m-k4"``).
 
@@ -173,7 +178,10 @@ def load(
     False freezes everything (inference); True lets ``train`` continue the encoder and LoRA.
     ``plain_suffix`` / ``align_lines`` / ``spread_positions`` read it with another prompt layout
     than it was saved with (None: its own; e.g. a spread-position reader continued with
-    consecutive positions, which llama.cpp and vLLM accept). Raises ``KTMError`` for a folder that is not a checkpoint, a K it cannot
+    consecutive positions, which llama.cpp and vLLM accept). ``backend="llamacpp"``: prefill and
+    decode through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from the GGUF export
+    ``gguf`` (None: the checkpoint folder if it is one, else an export written once into the
+    cache); ``llamacpp``: its context settings. Raises ``KTMError`` for a folder that is not a checkpoint, a K it cannot
     merge at, or a base model whose sizes or tokenizer disagree with the saved ones."""
     from ktm.readers import resolve_checkpoint
 
@@ -226,7 +234,10 @@ def load(
     config = replace(config, lora=replace(config.lora, target_modules=targets))
     model = cls(peft_model, tok, encoder, config)
     model.compressor_record = checkpoint.read_compressor_record(directory)
-    return model.train(trainable) if trainable else model.eval()
+    model = model.train(trainable) if trainable else model.eval()
+    if backend != "torch":
+        model.use_backend(backend, source=directory, gguf=gguf, config=llamacpp)
+    return model
 
 
 class KTMModel(nn.Module):
@@ -257,6 +268,8 @@ class KTMModel(nn.Module):
         self.compressor_record: dict | None = None
         self.applied_compressor: str | None = None
         self._compressor_warned = False
+        # the llama.cpp runtime the decode loop prefills and decodes through (None: torch)
+        self.runtime: LlamaCppRuntime | None = None
 
     def _valid_pad(self, pad: int | None) -> int:
         """The id pads are written with. Pads never reach the LM (masked), but they are looked
@@ -537,6 +550,20 @@ class KTMModel(nn.Module):
                             tuple(h[in_prompt] for h in states[1:]) if prompt_hidden else None)
 
     # ---------------------------------------------------------------- generation
+    @property
+    def backend(self) -> str:
+        return "torch" if self.runtime is None else "llamacpp"
+
+    def use_backend(self, backend: str, source: str | Path | None = None,
+                    gguf: str | Path | None = None, config: RuntimeConfig | None = None) -> None:
+        """Decode through ``backend``: ``"torch"`` or ``"llamacpp"`` (see ``load``; ``source``:
+        the checkpoint folder this model was loaded from). Training and scoring stay on torch."""
+        check_backend(backend)
+        if backend == "torch":
+            detach(self)
+        else:
+            attach(self, source=source, gguf=gguf, config=config)
+
     def generate(self, prompts, **kwargs):
         """Text continuation of one prompt (returns str) or of a list of prompts (list[str]).
 
@@ -583,12 +610,18 @@ DEFAULT_K = 4
 
 
 def load_any(model: str, k: int | None = None, device: str = "cpu",
-             dtype: str | torch.dtype = "float32"):
+             dtype: str | torch.dtype = "float32", backend: str = "torch",
+             llamacpp: RuntimeConfig | None = None):
     """``k``: a base model's K (default 4); for a checkpoint, if given, it must match."""
     from ktm.readers import READERS
 
+    check_backend(backend)
     dt = parse_dtype(dtype)
     if (Path(model) / "ktm_config.json").is_file() or model in READERS:
-        return KTMModel.load(model, k=k, device=device, dtype=dt)
+        return KTMModel.load(model, k=k, device=device, dtype=dt, backend=backend,
+                             llamacpp=llamacpp)
     k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
-    return KTMModel.from_base(model, k=k, use_mlp=False, device=device, dtype=dt)
+    out = KTMModel.from_base(model, k=k, use_mlp=False, device=device, dtype=dt)
+    if backend != "torch":
+        out.use_backend(backend, config=llamacpp)
+    return out

@@ -54,7 +54,8 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "ktm"
 
 
-def _gguf_path(spec: EmbeddedModel) -> Path:
+def embedded_gguf_path(spec: EmbeddedModel) -> Path:
+    """The GGUF file an embedded model's package installs (found without importing it)."""
     # find_spec locates the package without executing its __init__
     found = importlib.util.find_spec(spec.package)
     if found is None or not found.submodule_search_locations:
@@ -69,7 +70,7 @@ def _gguf_path(spec: EmbeddedModel) -> Path:
 
 
 def _convert_embedded(name: str, spec: EmbeddedModel, dest: Path) -> None:
-    gguf = _gguf_path(spec)
+    gguf = embedded_gguf_path(spec)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32

@@ -146,7 +146,9 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
 
     ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them;
     ``state``: a batch ``prefill`` has already read (the benchmark times the prefill apart).
+    A model with a ``runtime`` (the llama.cpp backend) prefills and advances through it.
     """
+    runtime = getattr(model, "runtime", None)
     if state is None:
         if prefixes is None:
             with torch.no_grad(), eval_mode(model):
@@ -156,7 +158,21 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
                            "expected one each")
         # the last new token is returned, never read back: it takes no position
         model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
-        state = prefill(model, prefixes, cfg.use_cache)
+        if runtime is None:
+            state = prefill(model, prefixes, cfg.use_cache)
+        elif not cfg.use_cache:
+            raise KTMError("use_cache=False re-runs the whole sequence on the torch path (the "
+                           "test reference); the llama.cpp backend always keeps its KV cache")
+        else:
+            state = runtime.prefill(prefixes)
+    try:
+        yield from _steps(model, state, cfg, runtime)
+    finally:
+        if runtime is not None:  # done, failed or abandoned: its sequences are free again
+            runtime.release(state)
+
+
+def _steps(model, state, cfg: GenerationConfig, runtime) -> Iterator[torch.Tensor]:
     gens = None
     if cfg.do_sample and cfg.seed is not None:
         gens = [torch.Generator(device=model.device).manual_seed(cfg.seed)
@@ -171,7 +187,10 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
             if bool(finished.all()):
                 return
         if i + 1 < cfg.max_new_tokens:
-            advance(model, state, nxt)
+            if runtime is None:
+                advance(model, state, nxt)
+            else:
+                runtime.advance(state, nxt)
 
 
 def _trim(ids: list[int], eos: frozenset[int], stop: bool) -> list[int]:

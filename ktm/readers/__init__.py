@@ -10,6 +10,7 @@ them all); ``pack_reader`` writes a trained checkpoint into this folder.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +22,10 @@ HERE = Path(__file__).resolve().parent
 READERS: dict[str, str] = {
     "smollm2-135m-k2": "smollm2-135m-k2",
     "smollm2-135m-k4": "smollm2-135m-k4",
+    # consecutive positions: the readers llama.cpp and vLLM run (results/readers/train_readers.sh
+    # k2s, k4s)
+    "smollm2-135m-k2-seq": "smollm2-135m-k2-seq",
+    "smollm2-135m-k4-seq": "smollm2-135m-k4-seq",
 }
 STORAGE_DTYPE = torch.float16  # weights are small (|w| << 65504); fp16 keeps 3 more bits than bf16
 
@@ -144,7 +149,8 @@ def check_name_fits(name: str, config: dict) -> None:
     under it would replace the shipped reader with one its users cannot load."""
     from ktm.core.base_model import EMBEDDED
 
-    stem, _, level = name.rpartition("-k")
+    match = re.fullmatch(r"(.+)-k(\d+)(-[a-z0-9]+)?", name)
+    stem, level = (match.group(1), match.group(2)) if match else (name, "")
     if level.isdigit() and int(level) != config.get("k"):
         raise KTMError(f"reader name {name!r} says K={level}, but the run has "
                        f"K={config.get('k')}: expected a reader name ending in -k{config.get('k')}")

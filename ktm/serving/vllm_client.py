@@ -45,9 +45,9 @@ from ktm.serving.vllm_export import (
     LM_DIR,
     lm_files,
     read_manifest,
-    sha256_files,
     tokenizer_files,
 )
+from ktm.util.fileio import sha256_files
 
 # vLLM fills a sampling option the request leaves out from the LM's generation_config.json
 # (its default ``--generation-config auto``: e.g. Qwen2.5's top_k 20, repetition_penalty 1.05);

@@ -28,7 +28,7 @@ from ktm.core.base_model import parse_dtype
 from ktm.core.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, save_atomic
 from ktm.core.config import DEFAULT_MODEL
 from ktm.errors import KTMError
-from ktm.util.fileio import write_json_atomic
+from ktm.util.fileio import check_apart, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions
 
 FORMATS = ("vllm",)
@@ -59,16 +59,6 @@ class ExportConfig:
         if self.k is not None and self.k < 1:
             raise KTMError(f"k must be an integer >= 1, got {self.k}")
         parse_dtype(self.dtype)
-
-
-def sha256_files(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(p.name.encode())
-        with p.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def lm_files(lm_dir: Path) -> list[Path]:
@@ -148,27 +138,6 @@ def _check_plain_lookup(model) -> None:
                        "embedding layer is a plain lookup (serve this one with ktm serve)")
 
 
-def _check_apart(out: Path, sources: list[str | Path]) -> None:
-    """Refuse an output folder that is, holds or sits inside a folder the model was read from:
-    the export replaces ``out`` whole (a model folder inside it would go with it), and a
-    checkpoint is replaced whole by its next save (an export inside it would go with that)."""
-    dest = out.expanduser().resolve()
-    for source in sources:
-        src = Path(source).expanduser()
-        if not src.is_dir():
-            continue
-        src = src.resolve()
-        if dest == src or src in dest.parents:
-            where = "is" if dest == src else "is inside"
-        elif dest in src.parents:
-            where = "holds"
-        else:
-            continue
-        raise KTMError(f"output folder {str(out)!r} {where} the model folder {str(source)!r}: "
-                       "the export or the model's next save would replace the other; expected "
-                       "an output folder apart from the model's")
-
-
 def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dict:
     """Write ``model`` for vLLM into ``out`` (atomically); returns the manifest.
 
@@ -192,7 +161,7 @@ def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dic
                        "model trained with consecutive positions")
     _check_plain_lookup(model)
     out = Path(out)
-    _check_apart(out, [model.config.base_model] + ([source] if source is not None else []))
+    check_apart(out, [model.config.base_model] + ([source] if source is not None else []))
     if out.exists() and not (out / MANIFEST).is_file():
         raise KTMError(f"{str(out)!r} exists and is not a ktm export: expected a new folder")
     with torch.no_grad():

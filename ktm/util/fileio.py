@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -301,3 +302,36 @@ def read_metrics(path: Path) -> list[dict]:
             raise KTMError(f"{str(path)!r} line {i + 1} is not JSON ({e}): the metrics file is "
                            "corrupt") from e
     return rows
+
+
+def sha256_files(paths: list[Path], names: bool = True) -> str:
+    """One sha256 over files (sorted by path), each preceded by its name when ``names``."""
+    h = hashlib.sha256()
+    for p in sorted(Path(p) for p in paths):
+        if names:
+            h.update(p.name.encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def check_apart(out: Path, sources: list[str | Path]) -> None:
+    """Refuse an output folder that is, holds or sits inside a folder a model was read from:
+    an export replaces ``out`` whole (a model folder inside it would go with it), and a
+    checkpoint is replaced whole by its next save (an export inside it would go with that)."""
+    dest = Path(out).expanduser().resolve()
+    for source in sources:
+        src = Path(source).expanduser()
+        if not src.is_dir():
+            continue
+        src = src.resolve()
+        if dest == src or src in dest.parents:
+            where = "is" if dest == src else "is inside"
+        elif dest in src.parents:
+            where = "holds"
+        else:
+            continue
+        raise KTMError(f"output folder {str(out)!r} {where} the model folder {str(source)!r}: "
+                       "the export or the model's next save would replace the other; expected "
+                       "an output folder apart from the model's")

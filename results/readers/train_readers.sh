@@ -36,6 +36,10 @@
 #   k4f  a third continuation, of k4e (K4E_READER=DIR; default runs/readers/k4e/checkpoint): only
 #        the objective R measures (lm) on only the two domains it is measured on (code, reviews),
 #        300 steps at 1.5e-4 / 1.5e-5, seed 3; the probe k2c-lm did this at K=2.
+#   k2s, k4s  the shipped K=2 / K=4 reader continued with consecutive positions (--init READER
+#        --no-spread-positions: each merged block at the next position, the only layout llama.cpp
+#        and vLLM accept), 150 steps of the recipe's objectives at 3e-4 / 3e-5, seed 4; packed as
+#        smollm2-135m-k2-seq / smollm2-135m-k4-seq (K2_READER / K4_READER=DIR for another start).
 # k2 comes first: the others start from the K=2 reader, by default the shipped one
 # (K2_READER=DIR to use another). One thread per run; run two stages at once on two cores.
 set -euo pipefail
@@ -55,13 +59,16 @@ cont=(--lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --seed 1)
 gentle=(--lr 3e-4 --encoder-lr 3e-5 --warmup-steps 10)
 # the lm-only continuation (k4f): later flags win over the recipe's sources and objectives
 lmonly=(--sources code reviews --objectives lm --lr 1.5e-4 --encoder-lr 1.5e-5 --warmup-steps 10)
-declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300)
-declare -A packed=([k2]=smollm2-135m-k2 [k4e]=smollm2-135m-k4)
+# the consecutive-position continuations (k2s, k4s): later flags win over the recipe's
+seq=(--no-spread-positions "${gentle[@]}" --seed 4 --eval-every 50)
+declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300 [k2s]=150 [k4s]=150)
+declare -A packed=([k2]=smollm2-135m-k2 [k4e]=smollm2-135m-k4 [k2s]=smollm2-135m-k2-seq
+                   [k4s]=smollm2-135m-k4-seq)
 # the earlier stages a packed stage continues (their committed curves), its reader.json lineage
 declare -A chain=([k4e]="k2 k4r k4c" [k4f]="k2 k4r k4c k4e")
 [ $# -gt 0 ] || set -- k2 k4r k4c k4e
 for name in "$@"; do
-  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c or k4f" >&2; exit 2; }
+  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c, k4f, k2s or k4s" >&2; exit 2; }
   k=${name:1:1}
   out=runs/readers/$name
   start=(--init-adapter "${K2_READER:-smollm2-135m-k2}"); extra=()
@@ -74,6 +81,8 @@ for name in "$@"; do
     k4e) start=(--init "${K4C_READER:-runs/readers/k4c/checkpoint}"); extra=("${gentle[@]}" --seed 2) ;;
     k2c) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${gentle[@]}" --seed 1) ;;
     k4f) start=(--init "${K4E_READER:-runs/readers/k4e/checkpoint}"); extra=("${lmonly[@]}" --seed 3) ;;
+    k2s) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${seq[@]}") ;;
+    k4s) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${seq[@]}") ;;
   esac
   [ -d "$out/checkpoint" ] && start=(--resume)
   ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}" "${extra[@]}"

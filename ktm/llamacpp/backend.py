@@ -1,0 +1,65 @@
+"""``backend="llamacpp"``: a loaded ktm model that prefills and decodes through llama.cpp.
+
+The model keeps everything else (tokenizer, input-embedding table, encoder, the prompt layout),
+so ``generate``, ``stream``, ``ktm serve`` and sampling work as on the torch path; only the LM's
+two calls in the decode loop go to llama.cpp (``ktm.llamacpp.runtime``). The GGUF files come from
+an export (``ktm export --format gguf``): the checkpoint folder itself when it is one, a folder
+given as ``gguf``, or else one written once into ``$KTM_CACHE/gguf/`` and reused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ktm.errors import KTMError
+from ktm.llamacpp.export import MANIFEST, export_files, export_gguf, export_key
+from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
+from ktm.util.fileio import flock
+
+BACKENDS = ("torch", "llamacpp")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise KTMError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Path:
+    """Where ``model``'s GGUF export is: ``gguf``, else ``source`` if it is an export, else the
+    cache folder of this model's fingerprint (written now if absent)."""
+    if gguf is not None:
+        return Path(gguf)
+    if source is not None and (Path(source) / MANIFEST).is_file():
+        return Path(source)
+    from ktm.core.base_model import cache_dir
+
+    dest = cache_dir() / "gguf" / export_key(model)
+    if not (dest / MANIFEST).is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+            flock(lock)  # two processes exporting the same model: the second waits and reuses
+            if not (dest / MANIFEST).is_file():
+                export_gguf(model, dest)
+    return dest
+
+
+def attach(model, source: str | Path | None = None, gguf: str | Path | None = None,
+           config: RuntimeConfig | None = None) -> None:
+    """Make ``model`` decode through llama.cpp (``model.runtime``); ``source``: the checkpoint
+    folder it was loaded from, if any."""
+    import_llama_cpp()  # the one-line install hint before any export work
+    if model.config.spread_positions:
+        from ktm.llamacpp.export import check_exportable
+
+        check_exportable(model)  # the error that names the reader to use instead
+    base, adapter = export_files(export_dir(model, source, gguf), model)
+    detach(model)
+    model.runtime = LlamaCppRuntime(base, adapter, config or RuntimeConfig())
+
+
+def detach(model) -> None:
+    """Back to the torch path (the llama.cpp context is freed)."""
+    rt = getattr(model, "runtime", None)
+    if rt is not None:
+        rt.close()
+    model.runtime = None

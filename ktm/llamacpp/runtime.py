@@ -1,0 +1,373 @@
+"""The llama.cpp runtime: a merged prefix prefilled and its answer decoded by llama.cpp.
+
+ktm's one decode loop (``ktm.decode.generate.decode_steps``) asks a model's runtime for two
+things: ``prefill(prefixes)`` (the ``CompressedPrompt``s a batch starts from) and
+``advance(state, tokens)`` (one token per row). This runtime answers both through
+llama-cpp-python's low-level API, so sampling, stop strings and streaming stay ktm's own:
+
+- a prefix goes in as input embeddings (``llama_batch.embd``): merged vectors and plain tokens'
+  table rows alike, since a llama.cpp batch holds either embeddings or token ids, never both;
+  decoded tokens go in as ids;
+- each prompt of a batch is a sequence of its own (ids 0..B-1) in one unified KV cache, each at
+  consecutive positions: llama.cpp accepts no others, so a spread-position model is refused;
+- the cache is kept between calls: a prefix whose first rows equal what a sequence already holds
+  (the same merged document, the earlier turns of a chat) is prefilled from the first row that
+  differs.
+
+The llama.cpp library is imported on first use, so ktm works without the ``[llamacpp]`` extra
+until this runtime is asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ktm.errors import KTMError
+
+INSTALL = "pip install 'ktm[llamacpp]'  (builds llama.cpp from source: about 12 minutes on 2 cores)"
+
+
+def import_llama_cpp():
+    """The llama_cpp module, or a one-line error saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise KTMError(f"the llama.cpp backend needs llama-cpp-python, which is not installed "
+                       f"({e}); install it with: {INSTALL}") from None
+    return llama_cpp
+
+
+KV_TYPES = {"f32": 0, "f16": 1}  # ggml type ids
+DEFAULT_CONTEXT = 16384
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the llama.cpp context is made. ``context``: KV-cache cells shared by all sequences
+    (one per prompt or generated token held; None: the model's trained context, at most
+    ``DEFAULT_CONTEXT``); ``sequences``: prompts one batch may hold;
+    ``kv_type``: the cache's number type (f32 for exact parity with the torch path);
+    ``threads``: None for torch's thread count; ``gpu_layers``: layers offloaded where
+    llama.cpp was built for a GPU (0 on a CPU build)."""
+
+    context: int | None = None
+    sequences: int = 16
+    batch: int = 512
+    threads: int | None = None
+    gpu_layers: int = 0
+    kv_type: str = "f16"  # the KV cache's type: f16 (llama.cpp's default, half the memory) | f32
+
+    def __post_init__(self) -> None:
+        if self.kv_type not in KV_TYPES:
+            raise KTMError(f"llama.cpp kv_type must be one of {sorted(KV_TYPES)}, got "
+                           f"{self.kv_type!r}")
+        for name in ("context", "sequences", "batch"):
+            v = getattr(self, name)
+            if v is None and name == "context":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise KTMError(f"llama.cpp {name} must be an integer >= 1, got {v!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise KTMError(f"llama.cpp threads must be an integer >= 1 or None, got "
+                           f"{self.threads!r}")
+
+
+@dataclass
+class Held:
+    """What one sequence of the cache holds: its prefix rows (embeddings, positions) and the
+    number of decoded tokens after them."""
+
+    embeds: torch.Tensor | None = None  # (L, D) float32, on the CPU
+    positions: torch.Tensor | None = None  # (L,)
+    decoded: int = 0
+
+
+@dataclass
+class LlamaState:
+    """A batch being decoded by llama.cpp: its rows' sequences, next positions and logits."""
+
+    seqs: list[int]
+    next_pos: list[int]
+    logits: torch.Tensor  # (B, V)
+    reused: list[int] = field(default_factory=list)  # prefix rows found in the cache, per row
+
+
+def _silence(llama_cpp):
+    """Route llama.cpp's log lines to nothing (it writes every load's details to stderr); the
+    callback object is kept alive as long as the module is."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+_LOG_CALLBACK = None
+
+
+class LlamaCppRuntime:
+    """A llama.cpp model (base GGUF + LoRA adapter GGUF) and one context over it."""
+
+    def __init__(self, base_gguf: str | Path, adapter_gguf: str | Path | None,
+                 config: RuntimeConfig = RuntimeConfig()):
+        self.lib = lib = import_llama_cpp()
+        _silence(lib)
+        lib.llama_backend_init()
+        self.config = config
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = config.gpu_layers
+        self.model = lib.llama_model_load_from_file(str(base_gguf).encode(), mparams)
+        if not self.model:
+            raise KTMError(f"llama.cpp could not load the GGUF model {str(base_gguf)!r}: "
+                           "expected a GGUF file of a causal LM llama.cpp runs")
+        self.adapter = None
+        if adapter_gguf is not None:
+            self.adapter = lib.llama_adapter_lora_init(self.model, str(adapter_gguf).encode())
+            if not self.adapter:
+                self.close()
+                raise KTMError(f"llama.cpp could not load the LoRA adapter {str(adapter_gguf)!r} "
+                               f"onto {str(base_gguf)!r}: expected an adapter exported for "
+                               "this base model (ktm export --format gguf)")
+        threads = config.threads or torch.get_num_threads()
+        cparams = lib.llama_context_default_params()
+        self.context = config.context or min(lib.llama_model_n_ctx_train(self.model),
+                                             DEFAULT_CONTEXT)
+        cparams.n_ctx = self.context
+        cparams.n_batch = config.batch
+        cparams.n_ubatch = config.batch
+        cparams.n_seq_max = config.sequences
+        cparams.kv_unified = True  # sequences share the cells: one long prompt may use them all
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        cparams.type_k = cparams.type_v = KV_TYPES[config.kv_type]
+        if config.kv_type == "f32":
+            # llama.cpp's CPU flash attention rounds queries to F16; off keeps F32 throughout
+            cparams.flash_attn_type = 0
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            self.close()
+            raise KTMError(f"llama.cpp could not make a context of {self.context} cells for "
+                           f"{str(base_gguf)!r} (out of memory?): expected a smaller context")
+        if self.adapter is not None:
+            adapters = (lib.llama_adapter_lora_p_ctypes * 1)(self.adapter)
+            scales = (ctypes.c_float * 1)(1.0)
+            if lib.llama_set_adapters_lora(self.ctx, adapters, 1, scales) != 0:
+                self.close()
+                raise KTMError(f"llama.cpp refused the LoRA adapter {str(adapter_gguf)!r}")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.width = lib.llama_model_n_embd_inp(self.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.held = [Held() for _ in range(config.sequences)]
+        self.busy: set[int] = set()  # sequences a running batch decodes
+
+    # ---- the two calls of ktm's decode loop --------------------------------------------------
+
+    def prefill(self, prefixes) -> LlamaState:
+        """Read the prefixes (``CompressedPrompt``s), each into a free sequence of its own (the
+        one whose cached rows it shares most), from the first row that sequence lacks."""
+        free = [s for s in range(self.config.sequences) if s not in self.busy]
+        if len(prefixes) > len(free):
+            raise KTMError(f"{len(prefixes)} prompts, but this llama.cpp context has "
+                           f"{len(free)} of its {self.config.sequences} sequences free: expected "
+                           f"at most {self.config.sequences} prompts decoding at once "
+                           "(--llamacpp-sequences)")
+        seqs, logits, next_pos, reused = [], [], [], []
+        try:
+            for cp in prefixes:
+                embeds, positions = self._rows(cp)
+                seq = max(free, key=lambda s: self._shared(s, embeds, positions))
+                free.remove(seq)
+                self.busy.add(seq)
+                seqs.append(seq)
+                start = self._cut(seq, embeds, positions)
+                self.held[seq] = Held()  # unknown until the rows are in
+                logits.append(self._feed_embeds(seq, embeds, start))
+                self.held[seq] = Held(embeds.clone(), positions.clone())
+                next_pos.append(embeds.shape[0])
+                reused.append(start)
+        except BaseException:
+            self.busy.difference_update(seqs)
+            raise
+        return LlamaState(seqs, next_pos, torch.stack(logits), reused)
+
+    def advance(self, state: LlamaState, tokens: torch.Tensor) -> None:
+        """Feed one token per row, all rows in one llama.cpp batch; updates ``state``."""
+        lib = self.lib
+        ids = tokens.tolist()
+        batch = lib.llama_batch_init(len(ids), 0, 1)
+        try:
+            batch.n_tokens = len(ids)
+            for j, (seq, tok) in enumerate(zip(state.seqs, ids)):
+                batch.token[j] = int(tok)
+                batch.pos[j] = state.next_pos[j]
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = seq
+                batch.logits[j] = 1
+            self._decode(batch, "a decoded token")
+        finally:
+            lib.llama_batch_free(batch)
+        state.logits = torch.stack([self._logits(j) for j in range(len(ids))]).to(
+            state.logits.device)
+        for j, seq in enumerate(state.seqs):
+            state.next_pos[j] += 1
+            self.held[seq].decoded += 1
+
+    # ---- continuous batching (the server) ----------------------------------------------------
+
+    def join(self, a: LlamaState, b: LlamaState) -> LlamaState:
+        """``a``'s rows then ``b``'s (each keeps its own sequence)."""
+        return LlamaState(a.seqs + b.seqs, a.next_pos + b.next_pos,
+                          torch.cat([a.logits, b.logits]), a.reused + b.reused)
+
+    def keep(self, state: LlamaState, rows: list[int]) -> None:
+        """Drop every row not in ``rows``: its sequence is free again (its KV stays cached)."""
+        self.busy.difference_update(s for j, s in enumerate(state.seqs) if j not in rows)
+        state.seqs = [state.seqs[j] for j in rows]
+        state.next_pos = [state.next_pos[j] for j in rows]
+        state.reused = [state.reused[j] for j in rows] if state.reused else []
+        state.logits = state.logits[rows]
+
+    def release(self, state: LlamaState | None) -> None:
+        """A finished batch: its sequences are free again (their KV stays cached)."""
+        if state is not None:
+            self.busy.difference_update(state.seqs)
+
+    # ---- the cache ---------------------------------------------------------------------------
+
+    def _rows(self, cp) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefix's rows (float32, CPU) and positions, checked for what llama.cpp reads."""
+        embeds = cp.embeds.detach().to(device="cpu", dtype=torch.float32)
+        if embeds.shape[1] != self.width:
+            raise KTMError(f"prefix rows are {embeds.shape[1]} wide, but the llama.cpp model "
+                           f"reads {self.width}-wide input embeddings: expected the GGUF of "
+                           "this model's base")
+        consecutive = torch.arange(embeds.shape[0])
+        positions = consecutive if cp.positions is None else cp.positions.detach().cpu()
+        if not torch.equal(positions, consecutive):
+            raise KTMError("llama.cpp reads a sequence only at consecutive positions, but this "
+                           "prompt's are spread (a spread-position model): expected a model "
+                           "with consecutive positions (e.g. the reader smollm2-135m-k4-seq)")
+        return embeds, positions
+
+    def _shared(self, seq: int, embeds: torch.Tensor, positions: torch.Tensor) -> int:
+        """Leading rows of a prefix that sequence ``seq`` already holds, at most all but the
+        last (whose logits the decode starts from)."""
+        held = self.held[seq]
+        if held.embeds is None:
+            return 0
+        m = min(held.embeds.shape[0], embeds.shape[0] - 1)
+        same = (held.embeds[:m] == embeds[:m]).all(-1) & (held.positions[:m] == positions[:m])
+        return m if bool(same.all()) else int((~same).int().argmax())
+
+    def _cut(self, seq: int, embeds: torch.Tensor, positions: torch.Tensor) -> int:
+        """Keep the rows of ``seq`` this prefix shares, drop the rest; returns how many stay."""
+        n = self._shared(seq, embeds, positions)
+        if not self.lib.llama_memory_seq_rm(self.memory, seq, n, -1):
+            self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)  # a whole sequence always goes
+            n = 0
+        return n
+
+    def clear(self) -> None:
+        """Forget every cached sequence."""
+        self.lib.llama_memory_clear(self.memory, True)
+        self.held = [Held() for _ in range(self.config.sequences)]
+        self.busy.clear()
+
+    # ---- llama.cpp calls ---------------------------------------------------------------------
+
+    def _feed_embeds(self, seq: int, embeds: torch.Tensor, start: int) -> torch.Tensor:
+        """Rows ``start:`` of one sequence's prefix, in batches; the last row's logits."""
+        lib, size = self.lib, self.config.batch
+        total = embeds.shape[0]
+        for lo in range(start, total, size):
+            hi = min(lo + size, total)
+            chunk = embeds[lo:hi].contiguous()
+            batch = lib.llama_batch_init(hi - lo, self.width, 1)
+            try:
+                batch.n_tokens = hi - lo
+                ctypes.memmove(batch.embd, chunk.data_ptr(), chunk.numel() * 4)
+                for j in range(hi - lo):
+                    batch.pos[j] = lo + j
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = seq
+                    batch.logits[j] = int(lo + j == total - 1)
+                self._decode(batch, "the prompt")
+            finally:
+                lib.llama_batch_free(batch)
+        return self._logits(-1)
+
+    def _decode(self, batch, what: str) -> None:
+        rc = self.lib.llama_decode(self.ctx, batch)
+        if rc == 1:
+            raise KTMError(f"llama.cpp has no room in its KV cache for {what}: the context "
+                           f"holds {self.context} cells for all sequences; expected a "
+                           "larger context (--llamacpp-context) or shorter prompts")
+        if rc != 0:
+            raise KTMError(f"llama.cpp could not decode {what} (llama_decode returned {rc})")
+
+    def _logits(self, i: int) -> torch.Tensor:
+        ptr = self.lib.llama_get_logits_ith(self.ctx, i)
+        if not ptr:
+            raise KTMError(f"llama.cpp returned no logits for output {i}")
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+
+    def row_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """(L, V) logits at every row of one prompt given as (L, D) input embeddings, read
+        afresh at positions 0..L-1 (the parity checks' reference; sequence 0 is cleared)."""
+        embeds = rows.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        return self._fresh(embeds.shape[0], lambda batch: ctypes.memmove(
+            batch.embd, embeds.data_ptr(), embeds.numel() * 4), self.width)
+
+    def token_logits(self, ids: list[int]) -> torch.Tensor:
+        """(L, V) logits at every position of a prompt given as token ids, read afresh."""
+        def fill(batch):
+            for j, t in enumerate(ids):
+                batch.token[j] = int(t)
+        return self._fresh(len(ids), fill, 0)
+
+    def _fresh(self, n: int, fill, width: int) -> torch.Tensor:
+        lib = self.lib
+        if not 0 < n <= self.config.batch:
+            raise KTMError(f"a fresh read takes 1 to {self.config.batch} rows, got {n}")
+        seq = next((s for s in range(self.config.sequences) if s not in self.busy), None)
+        if seq is None:
+            raise KTMError("every llama.cpp sequence is decoding: a fresh read needs a free one")
+        lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        self.held[seq] = Held()
+        batch = lib.llama_batch_init(n, width, 1)
+        try:
+            batch.n_tokens = n
+            fill(batch)
+            for j in range(n):
+                batch.pos[j] = j
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = seq
+                batch.logits[j] = 1
+            self._decode(batch, "the prompt")
+            return torch.stack([self._logits(j) for j in range(n)])
+        finally:
+            lib.llama_batch_free(batch)
+            lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def close(self) -> None:
+        lib = self.lib
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "adapter", None):
+            lib.llama_adapter_lora_free(self.adapter)
+            self.adapter = None
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass

@@ -1,0 +1,160 @@
+"""The llama.cpp backend against the torch path on the tiny Llama: logits, greedy generations, a
+batch against its prompts one by one, the KV cache kept across requests, and the export's errors.
+
+The base is written as an F32 GGUF and the runtime keeps an F32 KV cache without flash attention
+(``kv_type="f32"``), so both paths compute the same function in the same precision."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import PROMPTS, fresh_model, perturb
+
+from ktm.core.prompt import Segment
+from ktm.errors import KTMError
+from ktm.llamacpp.export import MANIFEST, GGUFOptions, export_gguf, read_manifest
+from ktm.llamacpp.runtime import RuntimeConfig
+from ktm.model import KTMModel
+
+pytestmark = pytest.mark.llamacpp
+EXACT = RuntimeConfig(kv_type="f32", threads=1, sequences=4)
+DOC = ("def add(a, b):\n    return a + b\n# Update the old python code content. The quick brown "
+       "fox jumps over the lazy dog. Hello world, my name is ktm.")
+
+
+@pytest.fixture
+def checkpoint(tiny_model_dir, tmp_path):
+    model = fresh_model(tiny_model_dir, k=2)
+    perturb(model)
+    model.save(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def pair(checkpoint, tmp_path):
+    """The same checkpoint on torch and on llama.cpp (exported into ``tmp/export``)."""
+    torch_model = KTMModel.load(checkpoint)
+    export_gguf(torch_model, tmp_path / "export", source=checkpoint)
+    llama = KTMModel.load(checkpoint, backend="llamacpp", gguf=tmp_path / "export",
+                          llamacpp=EXACT)
+    return torch_model, llama
+
+
+def test_logits_of_a_merged_prompt_equal_the_torch_paths(pair):
+    torch_model, llama = pair
+    cp = torch_model.encode_prompts([(Segment(DOC), Segment(" Answer:", compress=False))])[0]
+    assert cp.tokens_out < cp.tokens_in  # merged
+    with torch.no_grad():
+        mask = torch.ones(1, cp.tokens_out, dtype=torch.long)
+        pos = torch.arange(cp.tokens_out)[None]
+        want = torch_model.lm(cp.embeds[None], mask, pos)[0]
+    got = llama.runtime.row_logits(cp.embeds)
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 1e-3, rel
+
+
+def test_greedy_generations_are_identical_and_a_batch_equals_its_prompts_one_by_one(pair):
+    torch_model, llama = pair
+    prompts = PROMPTS + [[Segment(DOC), Segment(" Answer:", compress=False)]]
+    want = torch_model.generate(prompts, max_new_tokens=32, stop_at_eos=False)
+    assert llama.generate(prompts, max_new_tokens=32, stop_at_eos=False) == want
+    assert [llama.generate(p, max_new_tokens=32, stop_at_eos=False) for p in prompts] == want
+    assert "".join(llama.stream(prompts[0], max_new_tokens=32, stop_at_eos=False)) == want[0]
+
+
+def test_a_request_sharing_a_merged_prefix_reuses_its_cache_and_gets_the_same_tokens(pair):
+    torch_model, llama = pair
+    first = [Segment(DOC), Segment(" Question one:", compress=False)]
+    second = [Segment(DOC), Segment(" Another question:", compress=False)]
+    llama.generate(first, max_new_tokens=8, stop_at_eos=False)
+    got = llama.generate(second, max_new_tokens=16, stop_at_eos=False)
+    cp = llama.encode_prompts([tuple(second)])[0]
+    state = llama.runtime.prefill([cp])  # what the cache held when the second request came
+    llama.runtime.release(state)
+    assert got == torch_model.generate(second, max_new_tokens=16, stop_at_eos=False)
+    llama.runtime.clear()
+    assert llama.generate(second, max_new_tokens=16, stop_at_eos=False) == got
+    assert state.reused[0] > 0
+
+
+def test_an_export_holds_a_checkpoint_and_loads_by_itself(pair, tmp_path):
+    torch_model, _ = pair
+    m = read_manifest(tmp_path / "export")
+    assert m["k"] == 2 and m["spread_positions"] is False
+    assert m["embedding_check"]["relative_difference"] <= m["embedding_check"]["tolerance"]
+    again = KTMModel.load(tmp_path / "export", backend="llamacpp", llamacpp=EXACT)
+    assert again.backend == "llamacpp"
+    assert again.generate(PROMPTS[0], max_new_tokens=8) == torch_model.generate(
+        PROMPTS[0], max_new_tokens=8)
+
+
+def test_a_missing_or_changed_base_gguf_and_a_mismatched_manifest_are_errors(pair, tmp_path,
+                                                                         checkpoint):
+    export = tmp_path / "export"
+    moved = tmp_path / "moved.gguf"
+    shutil.move(export / "base.gguf", moved)
+    with pytest.raises(KTMError, match="base gguf .* is missing"):
+        KTMModel.load(checkpoint, backend="llamacpp", gguf=export, llamacpp=EXACT)
+    (export / "base.gguf").write_bytes(moved.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(KTMError, match="sha256"):
+        KTMModel.load(checkpoint, backend="llamacpp", gguf=export, llamacpp=EXACT)
+    shutil.move(moved, export / "base.gguf")
+    manifest = json.loads((export / MANIFEST).read_text())
+    manifest["k"] = 4
+    (export / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(KTMError, match="another prompt layout.*k: export 4, model 2"):
+        KTMModel.load(checkpoint, backend="llamacpp", gguf=export, llamacpp=EXACT)
+
+
+def test_an_export_inside_the_model_folder_is_refused_and_writes_nothing(checkpoint):
+    model = KTMModel.load(checkpoint)
+    before = sorted(p.name for p in checkpoint.iterdir())
+    with pytest.raises(KTMError, match="is inside the model folder"):
+        export_gguf(model, checkpoint / "gguf", source=checkpoint)
+    assert sorted(p.name for p in checkpoint.iterdir()) == before
+
+
+def test_a_missing_base_gguf_given_by_path_is_an_error(checkpoint, tmp_path):
+    model = KTMModel.load(checkpoint)
+    with pytest.raises(KTMError, match="base GGUF .*nowhere.gguf.* is missing"):
+        export_gguf(model, tmp_path / "out", opts=GGUFOptions(base_gguf=str(tmp_path / "nowhere.gguf")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_whose_input_embeddings_llama_cpp_reads_otherwise_is_refused(checkpoint, tmp_path,
+                                                                           monkeypatch):
+    """The check compares logits: ktm's rows scaled (as an embedding multiplier or Gemma's
+    sqrt(D) scale would) read differently from llama.cpp's own lookup of the same ids."""
+    model = KTMModel.load(checkpoint)
+    plain = model.embed_ids
+    monkeypatch.setattr(model, "embed_ids", lambda ids: plain(ids) * 8.0)
+    with pytest.raises(KTMError, match="reads the 'llama' model's input embeddings differently"):
+        export_gguf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_spread_position_model_is_refused_naming_the_reader_to_use(tiny_model_dir, tmp_path):
+    model = fresh_model(tiny_model_dir, k=2, spread_positions=True)
+    with pytest.raises(KTMError, match="smollm2-135m-k4-seq"):
+        export_gguf(model, tmp_path / "out")
+    with pytest.raises(KTMError, match="consecutive positions"):
+        model.use_backend("llamacpp")
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_the_extra_the_error_says_how_to_install_it(tiny_model_dir, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_llama(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ImportError("No module named 'llama_cpp'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama)
+    model = fresh_model(tiny_model_dir, k=2)
+    with pytest.raises(KTMError, match=r"pip install 'ktm\[llamacpp\]'") as e:
+        model.use_backend("llamacpp")
+    assert "\n" not in str(e.value)
