@@ -181,8 +181,9 @@ def load(
     consecutive positions, which llama.cpp and vLLM accept). ``backend="llamacpp"``: prefill and
     decode through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from the GGUF export
     ``gguf`` (None: the checkpoint folder if it is one, else an export written once into the
-    cache); ``llamacpp``: its context settings. Raises ``KTMError`` for a folder that is not a checkpoint, a K it cannot
-    merge at, or a base model whose sizes or tokenizer disagree with the saved ones."""
+    cache); ``llamacpp``: its context settings. Raises ``KTMError`` for a folder that is not a
+    checkpoint, a K it cannot merge at, or a base model whose sizes or tokenizer disagree with
+    the saved ones."""
     from ktm.readers import resolve_checkpoint
 
     if not isinstance(directory, (str, Path)):
@@ -269,7 +270,7 @@ class KTMModel(nn.Module):
         self.applied_compressor: str | None = None
         self._compressor_warned = False
         # the llama.cpp runtime the decode loop prefills and decodes through (None: torch)
-        self.runtime: LlamaCppRuntime | None = None
+        self.runtime = None  # a ktm.llamacpp.runtime.LlamaCppRuntime
 
     def _valid_pad(self, pad: int | None) -> int:
         """The id pads are written with. Pads never reach the LM (masked), but they are looked

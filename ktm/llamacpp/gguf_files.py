@@ -210,7 +210,8 @@ def write_base(path: Path, lm, tokenizer, file_type: str = "f32") -> None:
     state = lm.state_dict()
     emb = lm.get_input_embeddings().weight
     n_vocab, hidden = emb.shape
-    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(Path(str(getattr(c, "_name_or_path", "")) or "base").name or "base")

@@ -118,7 +118,8 @@ def test_an_export_inside_the_model_folder_is_refused_and_writes_nothing(checkpo
 def test_a_missing_base_gguf_given_by_path_is_an_error(checkpoint, tmp_path):
     model = KTMModel.load(checkpoint)
     with pytest.raises(KTMError, match="base GGUF .*nowhere.gguf.* is missing"):
-        export_gguf(model, tmp_path / "out", opts=GGUFOptions(base_gguf=str(tmp_path / "nowhere.gguf")))
+        export_gguf(model, tmp_path / "out",
+                    opts=GGUFOptions(base_gguf=str(tmp_path / "nowhere.gguf")))
     assert not (tmp_path / "out").exists()
 
 
