@@ -294,10 +294,47 @@ def warn_adapter_source(path: Path, name: str) -> None:
 
 
 def load_or_build(args: argparse.Namespace):
-    """An inference model: ``--checkpoint``, else a fresh one from the model flags."""
-    if getattr(args, "checkpoint", None):
-        return _saved(args, args.checkpoint, trainable=False)
-    return _fresh(args)
+    """An inference model: ``--checkpoint``, else a fresh one from the model flags; on the
+    ``--backend`` the command was given (``backend_args``)."""
+    checkpoint = getattr(args, "checkpoint", None)
+    model = _saved(args, checkpoint, trainable=False) if checkpoint else _fresh(args)
+    if getattr(args, "backend", "torch") != "torch":
+        from ktm.readers import resolve_checkpoint
+
+        model.use_backend(args.backend, source=resolve_checkpoint(checkpoint) if checkpoint
+                          else None, gguf=args.gguf, config=runtime_config(args))
+    return model
+
+
+def backend_args(parser: argparse.ArgumentParser) -> None:
+    """``--backend torch|llamacpp`` and the llama.cpp context's settings."""
+    from ktm.llamacpp.backend import BACKENDS
+    from ktm.llamacpp.runtime import KV_TYPES, RuntimeConfig
+
+    d = RuntimeConfig()
+    parser.add_argument("--backend", choices=BACKENDS, default="torch",
+                        help="what prefills and decodes: torch, or llama.cpp (the [llamacpp] "
+                             "extra; the model is exported to GGUF once, into the cache, unless "
+                             "--gguf names an export) (default: 'torch')")
+    parser.add_argument("--gguf", metavar="DIR", default=None,
+                        help="a GGUF export of this model (ktm export --format gguf) for "
+                             "--backend llamacpp")
+    parser.add_argument("--llamacpp-context", type=int, default=d.context, metavar="N",
+                        help="llama.cpp KV-cache cells, shared by all prompts decoding at once "
+                             "(default: the model's trained context, at most 16384)")
+    parser.add_argument("--llamacpp-sequences", type=int, default=d.sequences, metavar="N",
+                        help=f"prompts llama.cpp decodes at once at most (default: {d.sequences})")
+    parser.add_argument("--llamacpp-kv-type", choices=sorted(KV_TYPES), default=d.kv_type,
+                        help="llama.cpp KV-cache type: f16 (its default) or f32 (the torch "
+                             f"path's precision exactly, no flash attention) (default: "
+                             f"{d.kv_type!r})")
+
+
+def runtime_config(args: argparse.Namespace):
+    from ktm.llamacpp.runtime import RuntimeConfig
+
+    return RuntimeConfig(context=args.llamacpp_context, sequences=args.llamacpp_sequences,
+                         kv_type=args.llamacpp_kv_type)
 
 
 def build_task(t: TaskArgs, options: Sequence[str] = ()):

@@ -16,6 +16,7 @@ from ktm.cli.args import (
     TaskArgs,
     add_dataclass_args,
     add_model_args,
+    backend_args,
     compressor_args,
     data_args,
     from_args,
@@ -147,6 +148,7 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--plain", action="append", default=[],
                      help="text appended as plain tokens (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
+    backend_args(gen)
     method_args(gen)
     add_dataclass_args(gen, GenerationConfig)
     gen.set_defaults(run=cmd_generate)
@@ -203,7 +205,7 @@ COMMANDS = {
     "curriculum": ("tree curriculum: advance a stage once it passes", curriculum_parser),
     "bench": ("prefill / decode / training-throughput benchmark", _bench_parser),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, SSE)", serve_parser),
-    "export": ("export for another engine: --format vllm DIR", export_parser),
+    "export": ("export for another engine: --format vllm|gguf DIR", export_parser),
 }
 
 

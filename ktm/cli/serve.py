@@ -24,14 +24,14 @@ def serve_parser(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ktm.serving.vllm_export import ExportConfig, run_export
+    from ktm.serving.export import ExportConfig, run_export
 
     run_export(from_args(ExportConfig, args), args.out)
     return 0
 
 
 def export_parser(sp: argparse.ArgumentParser) -> None:
-    from ktm.serving.vllm_export import ExportConfig
+    from ktm.serving.export import ExportConfig
 
     sp.add_argument("out", metavar="DIR", help="output folder (new, or a previous export)")
     add_dataclass_args(sp, ExportConfig)

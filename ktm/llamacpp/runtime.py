@@ -12,7 +12,7 @@ llama-cpp-python's low-level API, so sampling, stop strings and streaming stay k
   consecutive positions: llama.cpp accepts no others, so a spread-position model is refused;
 - the cache is kept between calls: a prefix whose first rows equal what a sequence already holds
   (the same merged document, the earlier turns of a chat) is prefilled from the first row that
-  differs.
+  differs; when the cells run out, the idle sequence prefilled longest ago is dropped first.
 
 The llama.cpp library is imported on first use, so ktm works without the ``[llamacpp]`` extra
 until this runtime is asked for.
@@ -164,6 +164,8 @@ class LlamaCppRuntime:
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.held = [Held() for _ in range(config.sequences)]
         self.busy: set[int] = set()  # sequences a running batch decodes
+        self.used = [0] * config.sequences  # when each sequence was last prefilled (eviction)
+        self._clock = 0
 
     # ---- the two calls of ktm's decode loop --------------------------------------------------
 
@@ -183,6 +185,8 @@ class LlamaCppRuntime:
                 seq = max(free, key=lambda s: self._shared(s, embeds, positions))
                 free.remove(seq)
                 self.busy.add(seq)
+                self._clock += 1
+                self.used[seq] = self._clock
                 seqs.append(seq)
                 start = self._cut(seq, embeds, positions)
                 self.held[seq] = Held()  # unknown until the rows are in
@@ -272,6 +276,17 @@ class LlamaCppRuntime:
             n = 0
         return n
 
+    def _evict(self) -> bool:
+        """Free the cached rows of the idle sequence used longest ago; False if none holds any."""
+        idle = [s for s in range(self.config.sequences)
+                if s not in self.busy and self.held[s].embeds is not None]
+        if not idle:
+            return False
+        seq = min(idle, key=lambda s: self.used[s])
+        self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        self.held[seq] = Held()
+        return True
+
     def clear(self) -> None:
         """Forget every cached sequence."""
         self.lib.llama_memory_clear(self.memory, True)
@@ -303,6 +318,8 @@ class LlamaCppRuntime:
 
     def _decode(self, batch, what: str) -> None:
         rc = self.lib.llama_decode(self.ctx, batch)
+        while rc == 1 and self._evict():  # the cache is full: drop an idle sequence's rows
+            rc = self.lib.llama_decode(self.ctx, batch)
         if rc == 1:
             raise KTMError(f"llama.cpp has no room in its KV cache for {what}: the context "
                            f"holds {self.context} cells for all sequences; expected a "

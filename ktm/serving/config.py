@@ -31,6 +31,17 @@ class ServeConfig:
         "help": "requests waiting beyond this get 503 (server busy)"})
     prefix_cache_mb: float = field(default=512.0, metadata={
         "help": "memory for reused merged segments and context KV (0: off)"})
+    backend: str = field(default="torch", metadata={
+        "help": "what prefills and decodes: torch, or llamacpp (the [llamacpp] extra; the model "
+                "is exported to GGUF once, into the cache, unless --gguf names an export)",
+        "choices": ["torch", "llamacpp"]})
+    gguf: str | None = field(default=None, metadata={
+        "help": "a GGUF export of the model (ktm export --format gguf) for --backend llamacpp"})
+    llamacpp_context: int | None = field(default=None, metadata={
+        "help": "llama.cpp KV-cache cells shared by all running requests (default: the model's "
+                "trained context, at most 16384)"})
+    llamacpp_kv_type: str = field(default="f16", metadata={
+        "help": "llama.cpp KV-cache type", "choices": ["f16", "f32"]})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -59,7 +70,19 @@ def load_served_model(cfg: ServeConfig):
     from ktm.model import load_any
 
     check_servable(cfg.model)
-    return load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)
+    runtime = None
+    if cfg.backend != "torch":
+        from ktm.llamacpp.runtime import RuntimeConfig
+
+        # one llama.cpp sequence per request decoding at once
+        runtime = RuntimeConfig(context=cfg.llamacpp_context, sequences=cfg.max_batch,
+                                kv_type=cfg.llamacpp_kv_type)
+    model = load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)
+    if runtime is not None:
+        # a checkpoint folder that is a GGUF export serves its own files
+        source = Path(cfg.model) if Path(cfg.model).is_dir() else None
+        model.use_backend(cfg.backend, source=source, gguf=cfg.gguf, config=runtime)
+    return model
 
 
 def check_servable(model: str) -> None:

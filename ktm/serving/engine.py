@@ -122,9 +122,11 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.context: int | None = model.max_positions
         budget = int(cfg.prefix_cache_mb * 2**20)
-        self.rebatch = can_rebatch(model)  # else: windowed batches, no stored KV
+        # the llama.cpp backend keeps the KV of every sequence itself (ktm.llamacpp.runtime)
+        self.runtime = getattr(model, "runtime", None)
+        self.rebatch = self.runtime is not None or can_rebatch(model)  # else: windowed batches
         self.merged = LRUCache(budget // 8)
-        self.kv = LRUCache(budget - budget // 8 if self.rebatch else 0)
+        self.kv = LRUCache(budget - budget // 8 if self.rebatch and self.runtime is None else 0)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._rows: list[Row] = []
@@ -250,7 +252,12 @@ class Engine:
             return
         self._rows += rows  # first: a failed join (it grows the batch's cache) fails them too
         for part in parts:
-            self._batch = part if self._batch is None else join(self._batch, part)
+            if self._batch is None:
+                self._batch = part
+            elif self.runtime is not None:
+                self._batch = self.runtime.join(self._batch, part)
+            else:
+                self._batch = join(self._batch, part)
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
     def _prefill(self, jobs: list[Job]) -> tuple[list[DecodeState], list[Row]]:
@@ -258,6 +265,14 @@ class Engine:
         parts: list[DecodeState] = []
         rows: list[Row] = []
         misses = []
+        if self.runtime is not None:  # it finds cached rows itself, whatever the prompt shares
+            keep = [(job, cp, self._limit(job, cp)) for job, cp in zip(jobs, cps)]
+            keep = [(job, cp, limit) for job, cp, limit in keep if limit is not None]
+            if not keep:
+                return [], []
+            state = self.runtime.prefill([cp for _, cp, _ in keep])
+            return [state], [Row(job, self.model, cp, n, limit)
+                             for (job, cp, limit), n in zip(keep, state.reused)]
         for job, cp in zip(jobs, cps):
             limit = self._limit(job, cp)
             if limit is None:
@@ -339,7 +354,10 @@ class Engine:
         for job, ev in out:
             job.deliver(ev)
         if self._rows:
-            advance(self.model, self._batch, tokens)
+            if self.runtime is not None:
+                self.runtime.advance(self._batch, tokens)
+            else:
+                advance(self.model, self._batch, tokens)
 
     def _row_failed(self, row: Row, e: Exception) -> Event:
         """One request failed while decoding: a 500 for it, its row dropped, the others go on."""
@@ -350,6 +368,13 @@ class Engine:
         return Event(error=_internal(e))
 
     def _keep(self, rows: list[int]) -> None:
+        if self.runtime is not None:
+            self.runtime.keep(self._batch, rows)  # the dropped rows' sequences are free again
+            if not rows:
+                self._batch, self._rows = None, []
+                return
+            self._rows = [self._rows[i] for i in rows]
+            return
         if not rows:
             self._batch, self._rows = None, []
             return
@@ -359,6 +384,8 @@ class Engine:
     def _fail(self, jobs: list[Job], e: Exception, running: bool = True) -> None:
         """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
         if running:
+            if self.runtime is not None:
+                self.runtime.release(self._batch)
             self._batch, self._rows = None, []
         self.last_error = f"{type(e).__name__}: {e}"
         self.counts["failed"] += len(jobs)

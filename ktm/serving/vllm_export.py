@@ -17,21 +17,17 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ktm.core.base_model import parse_dtype
 from ktm.core.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, save_atomic
-from ktm.core.config import DEFAULT_MODEL
 from ktm.errors import KTMError
 from ktm.util.fileio import check_apart, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions
 
-FORMATS = ("vllm",)
 MANIFEST = "ktm_export.json"
 LM_DIR = "lm"
 ENCODER = "encoder.safetensors"
@@ -40,25 +36,6 @@ FORMAT_VERSION = 1
 # what the client reads from the manifest (the rest is provenance, or optional with a default)
 REQUIRED = ("k", "encoder", "merges", "plain_prefix", "base_model", "hidden_size", "vocab_size",
             "dtype", "embeddings", "sha256", "served_model_name")
-
-
-@dataclass
-class ExportConfig:
-    format: str = field(default="vllm", metadata={"help": "export format", "choices": FORMATS})
-    model: str = field(default=DEFAULT_MODEL, metadata={
-        "help": "ktm checkpoint folder or shipped reader name (or a base model: an untrained "
-                "mean-pooling merger)"})
-    k: int | None = field(default=None, metadata={
-        "help": "a base model's K (default 4); a checkpoint's K if given must match"})
-    dtype: str = field(default="float32", metadata={
-        "help": "weights and prompt_embeds dtype: float32 | bfloat16 | float16"})
-
-    def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise KTMError(f"format must be one of {FORMATS}, got {self.format!r}")
-        if self.k is not None and self.k < 1:
-            raise KTMError(f"k must be an integer >= 1, got {self.k}")
-        parse_dtype(self.dtype)
 
 
 def lm_files(lm_dir: Path) -> list[Path]:
@@ -192,18 +169,3 @@ def read_manifest(directory: str | Path) -> dict:
             raise KTMError(f"{str(path)!r} is corrupt: {key!r} is {m[key]!r}, expected a JSON "
                            "object; re-export")
     return m
-
-
-def run_export(cfg: ExportConfig, out: str) -> dict:
-    """``ktm export --format vllm DIR``."""
-    from ktm.compressors.record import refuse_rewritten
-    from ktm.model import load_any
-
-    # the exported LM is served on the prompts clients send, never rewritten by a baseline
-    refuse_rewritten(cfg.model, "an exported model", "ktm eval and ktm generate apply its method")
-    model = load_any(cfg.model, cfg.k, "cpu", cfg.dtype)
-    manifest = export_vllm(model, out, source=cfg.model)
-    print(f"wrote {out}: serve it with\n  vllm serve {Path(out) / LM_DIR} "
-          f"--served-model-name {manifest['served_model_name']} --enable-prompt-embeds "
-          f"--dtype {manifest['dtype']}")
-    return manifest

@@ -373,7 +373,7 @@ def test_export_config_is_validated_on_construction(tiny_model_dir):
     """As ServeConfig: a bad K or dtype is refused before any model is loaded; load_any, which
     the API and ktm serve share, refuses a base model's K=0 too (it read it as the default)."""
     from ktm.model import load_any
-    from ktm.serving.vllm_export import ExportConfig
+    from ktm.serving.export import ExportConfig
 
     with pytest.raises(KTMError, match="k must be an integer >= 1, got 0"):
         ExportConfig(k=0)

@@ -1,0 +1,57 @@
+"""``ktm serve`` on the llama.cpp backend: sixteen concurrent requests equal the same requests one
+by one and the torch server's answers (greedy and seeded sampling, stops, chat)."""
+
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import perturb
+from test_serve import _ask, _requests
+
+from ktm.llamacpp.runtime import RuntimeConfig
+from ktm.model import KTMModel
+from ktm.serving.app import BackgroundServer, create_app
+from ktm.serving.config import ServeConfig
+
+pytestmark = pytest.mark.llamacpp
+
+
+@contextlib.contextmanager
+def serving(model_dir: str, backend: str):
+    torch.manual_seed(0)
+    model = KTMModel.from_base(model_dir, k=4)
+    perturb(model)
+    if backend == "llamacpp":
+        model.use_backend("llamacpp", config=RuntimeConfig(kv_type="f32", sequences=16,
+                                                           threads=1))
+    cfg = ServeConfig(model=model_dir, served_name="tiny", max_tokens_limit=448,
+                      batch_window_ms=100, log_level="warning", backend=backend)
+    app = create_app(model, cfg)
+    with BackgroundServer(app) as srv:
+        srv.model, srv.engine = model, app.state.engine
+        yield srv
+
+
+def test_sixteen_concurrent_requests_equal_one_by_one_and_the_torch_server(tiny_model_dir,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path))
+    reqs = _requests()
+    with serving(tiny_model_dir, "torch") as srv:
+        want = [_ask(srv.url, kw) for kw in reqs]
+    with serving(tiny_model_dir, "llamacpp") as srv:
+        one_by_one = [_ask(srv.url, kw) for kw in reqs]
+        start = threading.Barrier(16)
+
+        def together(kw):
+            start.wait()
+            return _ask(srv.url, kw)
+
+        with ThreadPoolExecutor(16) as pool:
+            concurrent = list(pool.map(together, reqs))
+        assert srv.engine.counts["peak_running"] >= 8  # they really were decoded together
+        assert not srv.model.runtime.busy  # every finished request freed its sequence
+    assert concurrent == one_by_one
+    assert one_by_one == want
