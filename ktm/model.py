@@ -528,6 +528,15 @@ class KTMModel(nn.Module):
                            "expected one each")
         tgt = [self.target_ids(t) for t in targets]
         self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
+        if self.runtime is not None and not self.training and not (hidden or prompt_hidden):
+            # scoring on the llama.cpp backend (R, likelihoods, perplexity); training stays here
+            logits = self.runtime.target_logits(prefixes, tgt)
+            return TargetLogits(
+                torch.cat(logits).to(self.device),
+                torch.tensor([i for t in tgt for i in t], device=self.device),
+                torch.tensor([r for r, t in enumerate(tgt) for _ in t], device=self.device),
+                [len(t) for t in tgt], sum(cp.tokens_in for cp in prefixes),
+                sum(cp.tokens_out for cp in prefixes))
         seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
         p = self.pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
         longest = p.embeds.shape[1]
@@ -558,7 +567,9 @@ class KTMModel(nn.Module):
     def use_backend(self, backend: str, source: str | Path | None = None,
                     gguf: str | Path | None = None, config: RuntimeConfig | None = None) -> None:
         """Decode through ``backend``: ``"torch"`` or ``"llamacpp"`` (see ``load``; ``source``:
-        the checkpoint folder this model was loaded from). Training and scoring stay on torch."""
+        the checkpoint folder this model was loaded from). Generation and, in eval mode, scoring
+        (``forward``, ``target_logits``: R, likelihoods, perplexity) run on llama.cpp; training
+        and hidden states stay on torch."""
         check_backend(backend)
         if backend == "torch":
             detach(self)

@@ -116,6 +116,7 @@ def run_eval(args: argparse.Namespace) -> int:
     config = {"model": model.config_dict, "task": task_settings(task),
               "eval": {"n_eval": targs.n_eval, "seed": args.seed, "merge": merge,
                        "device": str(model.device), "scoring": args.scoring,
+                       "backend": backend_record(model),
                        "n_calibrate": args.n_calibrate},
               "compressor": None if comp is None else {
                   "name": comp.name, "options": plain(comp.options()),
@@ -127,6 +128,12 @@ def run_eval(args: argparse.Namespace) -> int:
         write_json_atomic(args.json, row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("config", "versions")}, indent=2))
     return 0
+
+
+def backend_record(model) -> dict:
+    """The backend a row was measured on (llama.cpp: its files and context settings)."""
+    rt = getattr(model, "runtime", None)
+    return {"name": "torch"} if rt is None else {"name": "llamacpp", **rt.record()}
 
 
 def _write_predictions(path: str, examples, preds, answers) -> None:
@@ -161,7 +168,7 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     config = {"model": model.config_dict,
               "readability": {"sets": list(args.readability), "n_windows": args.n_windows,
                               "seed": args.seed, "device": str(model.device),
-                              "ci_bootstrap": BOOTSTRAP},
+                              "ci_bootstrap": BOOTSTRAP, "backend": backend_record(model)},
               "compressor": None if comp is None else {"name": comp.name,
                                                        "options": plain(comp.options())}}
     row = {"task": "readability", "method": method, "k": model.k, "readability": sets,

@@ -149,6 +149,7 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
                      help="text appended as plain tokens (repeatable)")
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
     backend_args(gen)
+    threads_arg(gen)
     method_args(gen)
     add_dataclass_args(gen, GenerationConfig)
     gen.set_defaults(run=cmd_generate)
@@ -162,6 +163,7 @@ def _eval_parser(ev: argparse.ArgumentParser) -> None:
     add_dataclass_args(ev, EvalArgs)
     ev.set_defaults(run=cmd_eval)
     compressor_args(ev)
+    backend_args(ev)
     data_args(ev)
     threads_arg(ev)
 

@@ -115,6 +115,8 @@ class LlamaCppRuntime:
     def __init__(self, base_gguf: str | Path, adapter_gguf: str | Path | None,
                  config: RuntimeConfig = RuntimeConfig()):
         self.lib = lib = import_llama_cpp()
+        self.files = {"base_gguf": str(base_gguf),
+                      "adapter_gguf": None if adapter_gguf is None else str(adapter_gguf)}
         _silence(lib)
         lib.llama_backend_init()
         self.config = config
@@ -220,6 +222,43 @@ class LlamaCppRuntime:
         for j, seq in enumerate(state.seqs):
             state.next_pos[j] += 1
             self.held[seq].decoded += 1
+
+    def target_logits(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]:
+        """Per prompt, the (T, V) logits predicting each of its target tokens: the prefix read
+        (reusing cached rows), then the target fed as ids (scoring: R, likelihoods, perplexity)."""
+        out = []
+        for cp, target in zip(prefixes, targets):
+            state = self.prefill([cp])
+            try:
+                rows = [state.logits[0]]
+                if len(target) > 1:
+                    rows += list(self._feed_tokens(state.seqs[0], target[:-1],
+                                                   state.next_pos[0]))
+                    self.held[state.seqs[0]].decoded += len(target) - 1
+            finally:
+                self.release(state)
+            out.append(torch.stack(rows))
+        return out
+
+    def _feed_tokens(self, seq: int, ids: list[int], start: int) -> torch.Tensor:
+        """Token ids at positions ``start..`` of one sequence, in batches; (len, V) logits."""
+        lib, size, out = self.lib, self.config.batch, []
+        for lo in range(0, len(ids), size):
+            chunk = ids[lo:lo + size]
+            batch = lib.llama_batch_init(len(chunk), 0, 1)
+            try:
+                batch.n_tokens = len(chunk)
+                for j, t in enumerate(chunk):
+                    batch.token[j] = int(t)
+                    batch.pos[j] = start + lo + j
+                    batch.n_seq_id[j] = 1
+                    batch.seq_id[j][0] = seq
+                    batch.logits[j] = 1
+                self._decode(batch, "the target")
+                out += [self._logits(j) for j in range(len(chunk))]
+            finally:
+                lib.llama_batch_free(batch)
+        return torch.stack(out)
 
     # ---- continuous batching (the server) ----------------------------------------------------
 
@@ -370,6 +409,13 @@ class LlamaCppRuntime:
         finally:
             lib.llama_batch_free(batch)
             lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def record(self) -> dict:
+        """What a result row records of this runtime: its files and context settings."""
+        from dataclasses import asdict
+
+        return {**self.files, **asdict(self.config), "context": self.context,
+                "llama_cpp_python": getattr(self.lib, "__version__", None)}
 
     def close(self) -> None:
         lib = self.lib

@@ -159,3 +159,21 @@ def test_without_the_extra_the_error_says_how_to_install_it(tiny_model_dir, monk
     with pytest.raises(KTMError, match=r"pip install 'ktm\[llamacpp\]'") as e:
         model.use_backend("llamacpp")
     assert "\n" not in str(e.value)
+
+
+def test_scoring_reads_target_logits_through_llama_cpp_as_torch_does(pair):
+    """``forward`` (R, likelihood scoring, perplexity) in eval mode runs on llama.cpp."""
+    torch_model, llama = pair
+    prompts = [[Segment(DOC), Segment(" Answer:", compress=False)], PROMPTS[0]]
+    targets = ["true", [5, 9, 17, 3]]
+    want = torch_model(prompts, targets)
+    got = llama(prompts, targets)
+    assert torch.equal(got.n_tokens, want.n_tokens) and got.tokens_out == want.tokens_out
+    assert torch.allclose(got.nll, want.nll, rtol=1e-4, atol=1e-4)
+    calls = []
+    real = llama.runtime.target_logits
+    llama.runtime.target_logits = lambda *a: calls.append(1) or real(*a)
+    llama(prompts, targets)
+    llama.train()
+    llama(prompts, targets)  # training: torch
+    assert calls == [1]
