@@ -38,6 +38,7 @@ from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.core.encoder import KTokenEncoder
 from ktm.errors import KTMError
+from ktm.llamacpp.backend import BACKENDS
 from ktm.training.train import adamw
 from ktm.util.fileio import check_writable, write_json_atomic
 from ktm.util.provenance import git_revision, versions
@@ -63,6 +64,10 @@ class BenchConfig:
     ks: tuple[int, ...] = field(default=(1, 2, 3, 4, 8), metadata={"help": "merge factors K"})
     mlp_ratios: tuple[float, ...] = field(default=(2.0,), metadata={
         "help": "encoder MLP width = ratio * K * hidden (2.0 = paper width); several to compare"})
+    backends: tuple[str, ...] = field(default=("torch",), metadata={
+        "help": "runtimes that prefill and decode (infer): torch and/or llamacpp (the "
+                "[llamacpp] extra), each method on each, interleaved; speed-ups are against "
+                "the same runtime's uncompressed run"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     output_tokens: int = field(default=32, metadata={
@@ -107,6 +112,13 @@ class BenchConfig:
                 raise KTMError(f"{name} is empty: expected at least one value")
         if self.mode not in MODES:
             raise KTMError(f"mode must be one of {MODES}, got {self.mode!r}")
+        self.backends = tuple(dict.fromkeys(self.backends))
+        bad = [b for b in self.backends if b not in BACKENDS]
+        if bad or not self.backends:
+            raise KTMError(f"backends must be some of {BACKENDS}, got {list(self.backends)}")
+        if self.backends != ("torch",) and self.mode != "infer":
+            raise KTMError(f"--backends is an option of --mode infer (got --mode {self.mode}; "
+                           "ktm serve --backend llamacpp serves on llama.cpp)")
         for name in ("lengths", "batch_sizes", "ks"):
             bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
             if bad:
@@ -129,10 +141,17 @@ class Method:
     name: str  # "uncompressed" or "ktm"
     k: int = 1
     mlp_ratio: float | None = None
+    backend: str = "torch"
 
     @property
     def key(self) -> str:
-        return "uncompressed" if self.name == "uncompressed" else f"K={self.k},r={self.mlp_ratio}"
+        key = "uncompressed" if self.name == "uncompressed" else f"K={self.k},r={self.mlp_ratio}"
+        return key if self.backend == "torch" else f"{key}@{self.backend}"
+
+    @property
+    def baseline(self) -> str:
+        """The key of the run its speed-ups are against: the same runtime, uncompressed."""
+        return Method("uncompressed", backend=self.backend).key
 
 
 # ---------------------------------------------------------------- aggregation
@@ -193,8 +212,25 @@ def load_model(config: BenchConfig):
 
 
 def methods_of(config: BenchConfig) -> list[Method]:
-    ms = [Method("uncompressed")] if config.uncompressed else []
-    return ms + [Method("ktm", k, r) for k in config.ks for r in config.mlp_ratios]
+    out = []
+    for b in config.backends:
+        out += [Method("uncompressed", backend=b)] if config.uncompressed else []
+        out += [Method("ktm", k, r, b) for k in config.ks for r in config.mlp_ratios]
+    return out
+
+
+def bench_runtime(model, config: BenchConfig):
+    """The llama.cpp runtime of ``model`` (exported once into the cache), with cells for the
+    longest prompt and its answer in every row of the largest batch; None without llamacpp."""
+    if "llamacpp" not in config.backends:
+        return None
+    from ktm.llamacpp.runtime import RuntimeConfig
+
+    cells = (max(config.lengths) + config.output_tokens + 8) * max(config.batch_sizes)
+    model.use_backend("llamacpp", config=RuntimeConfig(
+        context=cells, sequences=max(config.batch_sizes)))
+    runtime, model.runtime = model.runtime, None  # each method picks its runtime
+    return runtime
 
 
 def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncoder]:
@@ -204,7 +240,10 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
     for m in methods:
         if m.name == "uncompressed":
             continue
-        if own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.mlp is not None:
+        same = Method(m.name, m.k, m.mlp_ratio).key  # the torch twin's: one encoder for both
+        if same in encs:
+            encs[m.key] = encs[same]
+        elif own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.mlp is not None:
             encs[m.key] = own
         else:
             # fp32 like every trainable weight (the model autocasts it to the LM's dtype)
@@ -251,12 +290,13 @@ def memory_pass(run, methods: list[Method], stats: dict) -> None:
 
 
 def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[str],
-            targets: list[str]):
+            targets: list[str], runtime=None):
     ids = [model.tokenize(p, first=True) for p in prompts]  # tokenization stays untimed
 
     def run(m: Method) -> dict:
         if m.key in encs:
             model.encoder = encs[m.key]
+        model.runtime = runtime if m.backend == "llamacpp" else None
         merge = m.name != "uncompressed"
         if config.mode == "infer":
             return infer_once(model, ids, merge, config.output_tokens)
@@ -283,6 +323,7 @@ def run_bench(config: BenchConfig) -> list[dict]:
         raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "
                        f"the model's context of {limit} positions")
     methods = methods_of(config)
+    runtime = bench_runtime(model, config)
     encs = _encoders(model, methods, config.seed)
     opts = _optimizers(model, methods, encs) if config.mode == "train" else {}
     pool = word_pool(model.tokenizer, config.seed)
@@ -301,15 +342,22 @@ def run_bench(config: BenchConfig) -> list[dict]:
                 prompts = [synthetic_text(model, length, s, pool) for s in seeds]
                 targets = [synthetic_text(model, config.target_tokens, s + 1, pool, first=False)
                            for s in seeds]
-                run = _runner(model, config, encs, opts, prompts, targets)
+                run = _runner(model, config, encs, opts, prompts, targets, runtime)
                 runs = interleave(run, methods, config.warmup, config.repeats, bar.update)
-                stats = aggregate(runs, "uncompressed" if config.uncompressed else None)
+                stats = {}
+                for b in config.backends:  # speed-ups against the same runtime, uncompressed
+                    base = Method("uncompressed", backend=b).key
+                    stats.update(aggregate({m.key: runs[m.key] for m in methods
+                                            if m.backend == b},
+                                           base if config.uncompressed else None))
                 memory_pass(run, methods, stats)
                 bar.update(len(methods))
                 for m in methods:
                     enc = encs.get(m.key)
                     rows.append({
                         "method": m.name, "k": m.k, "mlp_ratio": m.mlp_ratio,
+                        "backend": m.backend,
+                        **({"llamacpp": runtime.record()} if m.backend == "llamacpp" else {}),
                         "encoder_params": sum(p.numel() for p in enc.parameters()) if enc else 0,
                         "input_tokens": length, "batch": batch, "repeats": config.repeats,
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
@@ -318,13 +366,16 @@ def run_bench(config: BenchConfig) -> list[dict]:
                         **stats[m.key], **common})
     finally:
         bar.close()
+        model.runtime = None
+        if runtime is not None:
+            runtime.close()
     return rows
 
 
 # ---------------------------------------------------------------- entry points
 COLUMNS = {
-    "infer": [("method", "{}"), ("k", "{}"), ("mlp_ratio", "{}"), ("input_tokens", "{}"),
-              ("compressed_tokens", "{}"), ("batch", "{}"), ("encoder_s", "{:.3f}"),
+    "infer": [("method", "{}"), ("backend", "{}"), ("k", "{}"), ("mlp_ratio", "{}"),
+              ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"), ("encoder_s", "{:.3f}"),
               ("prefill_s", "{:.3f}"), ("encoder_share", "{:.0%}"), ("ttft_s", "{:.3f}"),
               ("decode_tokens_per_s", "{:.1f}"), ("e2e_s", "{:.2f}"),
               ("kv_ratio", "{:.3f}"), ("speedup_prefill", "{:.2f}x"), ("speedup_e2e", "{:.2f}x")],

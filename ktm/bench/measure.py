@@ -160,16 +160,20 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int) ->
     no early stop): encoder, prefill, first token, then the KV-cached decode."""
     dev = model.device
     cfg = GenerationConfig(max_new_tokens=output_tokens, stop_at_eos=False)
+    runtime = getattr(model, "runtime", None)  # the llama.cpp backend
+    if runtime is not None:
+        runtime.clear()  # a timed run prefills everything: no rows cached from the last one
     with PeakMemory(dev) as mem:
         t0 = clock(dev)
         prefixes = encode_prefix(model, rows, merge)
         t1 = clock(dev)
-        state = prefill(model, prefixes)
+        state = prefill(model, prefixes) if runtime is None else runtime.prefill(prefixes)
         t2 = clock(dev)
         steps = decode_steps(model, None, cfg, state=state)
         tokens = [next(steps)]
         t3 = clock(dev)
-        kv = cache_bytes(state.cache)
+        kv = cache_bytes(state.cache) if runtime is None else runtime.kv_bytes(
+            sum(cp.tokens_out for cp in prefixes))
         tokens += list(steps)
         t4 = clock(dev)
     b, decoded = len(rows), output_tokens - 1

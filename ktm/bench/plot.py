@@ -71,20 +71,23 @@ def load_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def _label(row: dict, ratios: set) -> str:
+def _label(row: dict, ratios: set, backends: set = frozenset()) -> str:
+    on = f" on {row.get('backend', 'torch')}" if len(backends) > 1 else ""
     if row["method"] == "uncompressed":
-        return "uncompressed"
-    return f"K={row['k']}" + (f" (mlp ratio {row['mlp_ratio']:g})" if len(ratios) > 1 else "")
+        return "uncompressed" + on
+    return (f"K={row['k']}" + (f" (mlp ratio {row['mlp_ratio']:g})" if len(ratios) > 1 else "")
+            + on)
 
 
 def _series(rows: list[dict], x: str, y: str) -> dict[str, tuple[list, list]]:
     """Label -> (xs, ys) sorted by x; batch sizes other than the smallest are left out."""
     batch = min(r["batch"] for r in rows)
     ratios = {r["mlp_ratio"] for r in rows if r["method"] != "uncompressed"}
+    backends = {r.get("backend", "torch") for r in rows}
     out: dict[str, list] = {}
     for r in rows:
         if r["batch"] == batch and r.get(y) is not None:
-            out.setdefault(_label(r, ratios), []).append((r[x], r[y]))
+            out.setdefault(_label(r, ratios, backends), []).append((r[x], r[y]))
     return {k: tuple(map(list, zip(*sorted(v)))) for k, v in out.items()}
 
 
@@ -95,15 +98,46 @@ def _speedup_plot(rows: list[dict], y: str, title: str, path: Path) -> Path:
     ax.plot(ks, ks, "k--", label="ideal (K x)")
     groups: dict[tuple, list] = {}
     for r in merged:
-        groups.setdefault((r["input_tokens"], r["batch"], r["mlp_ratio"]), []).append(r)
+        groups.setdefault((r["input_tokens"], r["batch"], r["mlp_ratio"],
+                           r.get("backend", "torch")), []).append(r)
     ratios = {r["mlp_ratio"] for r in merged}
-    for (length, batch, ratio), rs in sorted(groups.items()):
+    backends = {g[3] for g in groups}
+    for (length, batch, ratio, backend), rs in sorted(groups.items()):
         pts = sorted((r["k"], r[y]) for r in rs if r.get(y) is not None)
         if pts:
             tail = f", mlp ratio {ratio:g}" if len(ratios) > 1 else ""
+            tail += f", {backend}" if len(backends) > 1 else ""
             ax.plot(*zip(*pts), "o-", label=f"{length} tokens, batch {batch}{tail}")
     ax.set(xlabel="K", ylabel="speed-up vs uncompressed", title=title, xticks=ks)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _e2e_plot(rows: list[dict], path: Path) -> Path:
+    """End-to-end time (prompt in, whole answer out) per input length: every method on every
+    runtime side by side, the smallest batch."""
+    batch = min(r["batch"] for r in rows)
+    rows = [r for r in rows if r["batch"] == batch]
+    lengths = sorted({r["input_tokens"] for r in rows})
+    ratios = {r["mlp_ratio"] for r in rows if r["method"] != "uncompressed"}
+    backends = {r.get("backend", "torch") for r in rows}
+    labels = list(dict.fromkeys(_label(r, ratios, backends) for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        ys = [next((r["e2e_s"] for r in rows if r["input_tokens"] == n
+                    and _label(r, ratios, backends) == label), 0.0) for n in lengths]
+        ax.bar([i + j * width for i in range(len(lengths))], ys, width, label=label)
+    outs = sorted({r.get("output_tokens") for r in rows} - {None})
+    ax.set(xticks=[i + 0.4 - width / 2 for i in range(len(lengths))],
+           xticklabels=[str(n) for n in lengths], xlabel="input tokens",
+           ylabel="end-to-end time (s)",
+           title=f"Prompt in, {'/'.join(map(str, outs))}-token answer out, batch {batch}")
+    ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path)
@@ -137,6 +171,8 @@ def plot_results(path: str | Path, out_dir: str | Path | None = None) -> list[Pa
         plt.close(fig)
         written.append(_speedup_plot(infer, "speedup_prefill", "Prefill speed-up (encoder incl.)",
                                      out / f"{path.stem}_speedup.png"))
+        if len({r.get("backend", "torch") for r in infer}) > 1:
+            written.append(_e2e_plot(infer, out / f"{path.stem}_e2e.png"))
     train = [r for r in rows if r["mode"] == "train"]
     if train:
         written.append(_speedup_plot(train, "speedup_train", "Training tokens/s speed-up",

@@ -410,6 +410,13 @@ class LlamaCppRuntime:
             lib.llama_batch_free(batch)
             lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
+    def kv_bytes(self, cells: int) -> int:
+        """Bytes the KV cache holds for ``cells`` positions (keys and values of every layer)."""
+        lib = self.lib
+        per = (lib.llama_model_n_layer(self.model) * 2 * lib.llama_model_n_head_kv(self.model)
+               * (lib.llama_model_n_embd(self.model) // lib.llama_model_n_head(self.model)))
+        return cells * per * (4 if self.config.kv_type == "f32" else 2)
+
     def record(self) -> dict:
         """What a result row records of this runtime: its files and context settings."""
         from dataclasses import asdict

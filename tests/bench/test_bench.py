@@ -373,3 +373,33 @@ def test_synthetic_text_names_the_length_no_cut_reads_exactly(decoder):
     with pytest.raises(KTMError, match=r"synthetic prompt has \d+ tokens, expected exactly 40: "
                                        r"this tokenizer's merges span word boundaries"):
         synthetic_text(model, 40, seed=1, pool=pool)
+
+
+@pytest.mark.llamacpp
+def test_both_backends_run_interleaved_each_against_its_own_uncompressed_run(tiny_model_dir,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path / "cache"))
+    cfg = BenchConfig(model=tiny_model_dir, lengths=(64,), ks=(2,), repeats=2, warmup=1,
+                      output_tokens=4, backends=("torch", "llamacpp"), progress=False,
+                      out=str(tmp_path / "b.json"))
+    rows = run_bench(cfg)
+    assert [(r["method"], r["backend"]) for r in rows] == [
+        ("uncompressed", "torch"), ("ktm", "torch"),
+        ("uncompressed", "llamacpp"), ("ktm", "llamacpp")]
+    for r in rows:
+        base = next(b for b in rows if b["method"] == "uncompressed"
+                    and b["backend"] == r["backend"])
+        pairs = [b / m for b, m in zip(base["per_repeat"]["e2e_s"], r["per_repeat"]["e2e_s"])]
+        assert r["per_repeat"]["speedup_e2e"] == pytest.approx(pairs)
+        assert r["compressed_tokens"] == 64 // r["k"]
+        assert r["kv_ratio"] == pytest.approx(1 / r["k"])
+    llama = rows[3]["llamacpp"]
+    assert llama["sequences"] == 1 and llama["base_gguf"].endswith("base.gguf")
+
+
+def test_backends_other_than_torch_are_an_infer_option():
+    with pytest.raises(KTMError, match="backends must be some of"):
+        BenchConfig(backends=("onnx",))
+    with pytest.raises(KTMError, match="--backends is an option of --mode infer"):
+        BenchConfig(mode="train", backends=("torch", "llamacpp"))
