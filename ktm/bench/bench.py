@@ -375,7 +375,8 @@ def run_bench(config: BenchConfig) -> list[dict]:
 # ---------------------------------------------------------------- entry points
 COLUMNS = {
     "infer": [("method", "{}"), ("backend", "{}"), ("k", "{}"), ("mlp_ratio", "{}"),
-              ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"), ("encoder_s", "{:.3f}"),
+              ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"),
+              ("encoder_s", "{:.3f}"),
               ("prefill_s", "{:.3f}"), ("encoder_share", "{:.0%}"), ("ttft_s", "{:.3f}"),
               ("decode_tokens_per_s", "{:.1f}"), ("e2e_s", "{:.2f}"),
               ("kv_ratio", "{:.3f}"), ("speedup_prefill", "{:.2f}x"), ("speedup_e2e", "{:.2f}x")],
