@@ -65,9 +65,9 @@ class BenchConfig:
     mlp_ratios: tuple[float, ...] = field(default=(2.0,), metadata={
         "help": "encoder MLP width = ratio * K * hidden (2.0 = paper width); several to compare"})
     backends: tuple[str, ...] = field(default=("torch",), metadata={
-        "help": "runtimes that prefill and decode (infer): torch and/or llamacpp (the "
-                "[llamacpp] extra), each method on each, interleaved; speed-ups are against "
-                "the same runtime's uncompressed run"})
+        "help": "runtimes that prefill and decode: torch and/or llamacpp (the [llamacpp] "
+                "extra); infer: each method on each, interleaved, speed-ups against the same "
+                "runtime's uncompressed run; serve: a server per runtime (ktm serve --backend)"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     output_tokens: int = field(default=32, metadata={
@@ -116,9 +116,9 @@ class BenchConfig:
         bad = [b for b in self.backends if b not in BACKENDS]
         if bad or not self.backends:
             raise KTMError(f"backends must be some of {BACKENDS}, got {list(self.backends)}")
-        if self.backends != ("torch",) and self.mode != "infer":
-            raise KTMError(f"--backends is an option of --mode infer (got --mode {self.mode}; "
-                           "ktm serve --backend llamacpp serves on llama.cpp)")
+        if self.backends != ("torch",) and self.mode == "train":
+            raise KTMError("--backends is an option of --mode infer and serve (training runs "
+                           "on torch)")
         for name in ("lengths", "batch_sizes", "ks"):
             bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
             if bad:
@@ -383,11 +383,13 @@ COLUMNS = {
     "train": [("method", "{}"), ("k", "{}"), ("mlp_ratio", "{}"), ("input_tokens", "{}"),
               ("compressed_tokens", "{}"), ("batch", "{}"), ("step_s", "{:.3f}"),
               ("input_tokens_per_s", "{:.0f}"), ("speedup_train", "{:.2f}x")],
-    "serve": [("method", "{}"), ("k", "{}"), ("input_tokens", "{}"),
+    "serve": [("method", "{}"), ("backend", "{}"), ("k", "{}"),
+              ("input_tokens", "{}"),
               ("prompt_tokens_merged", "{}"), ("clients", "{}"), ("requests_per_s", "{:.2f}"),
               ("latency_p50_s", "{:.2f}"), ("latency_p95_s", "{:.2f}"), ("ttft_p50_s", "{:.2f}"),
               ("ttft_p95_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}")],
-    "serve-prefix": [("k", "{}"), ("input_tokens", "{}"), ("cached_positions", "{}"),
+    "serve-prefix": [("backend", "{}"), ("k", "{}"), ("input_tokens", "{}"),
+                     ("cached_positions", "{}"),
                      ("ttft_uncached_s", "{:.3f}"), ("ttft_cached_s", "{:.3f}"),
                      ("speedup_ttft_cached", "{:.1f}x")],
 }

@@ -68,7 +68,7 @@ def percentile(xs: list[float], q: float) -> float:
 class Server:
     """``ktm serve`` in a child process on a free loopback port."""
 
-    def __init__(self, config, k: int | None):
+    def __init__(self, config, k: int | None, backend: str = "torch"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -76,7 +76,7 @@ class Server:
                "--port", str(self.port), "--served-name", "bench", "--log-level", "warning",
                "--device", config.device, "--dtype", config.dtype,
                "--max-batch", str(max(config.clients)),
-               "--max-tokens-limit", str(config.output_tokens)]
+               "--max-tokens-limit", str(config.output_tokens), "--backend", backend]
         if k is not None:
             cmd += ["--k", str(k)]
         if config.threads:
@@ -202,12 +202,13 @@ def run_serve_bench(config) -> list[dict]:
               "output_tokens": config.output_tokens, "config": asdict(config),
               "versions": versions(), "git": git_revision()}
     methods = [(k, True) for k in ks] + ([(ks[0], False)] if config.uncompressed else [])
-    total = len(config.lengths) * len(config.clients) * len(methods) + len(ks)
+    backends = getattr(config, "backends", ("torch",))
+    total = (len(config.lengths) * len(config.clients) * len(methods) + len(ks)) * len(backends)
     bar = tqdm(total=total, desc="bench serve", disable=not config.progress)
     rows: list[dict] = []
     try:
-        for k in ks:
-            with Server(config, None if tok.checkpoint_k else k) as server:
+        for backend, k in ((b, k) for b in backends for k in ks):
+            with Server(config, None if tok.checkpoint_k else k, backend) as server:
                 for merge in [m for kk, m in methods if kk == k]:
                     for length in config.lengths:
                         def prompts(n: int, tag: int, length=length) -> list[str]:
@@ -218,12 +219,12 @@ def run_serve_bench(config) -> list[dict]:
                         for c in config.clients:
                             batch = prompts(config.requests, 1009 * c + (0 if merge else 1))
                             res, wall = _load(server, batch, merge, c, config.output_tokens)
-                            rows.append({"kind": "load",
+                            rows.append({"kind": "load", "backend": backend,
                                          "method": "ktm" if merge else "uncompressed",
                                          "k": k if merge else None, "input_tokens": length,
                                          **_load_row(res, wall, c), **common})
                             bar.update(1)
-                rows.append({"kind": "prefix", "method": "ktm", "k": k,
+                rows.append({"kind": "prefix", "method": "ktm", "k": k, "backend": backend,
                              **_prefix_row(server, tok, pool, config), **common})
                 bar.update(1)
     finally:

@@ -401,5 +401,5 @@ def test_both_backends_run_interleaved_each_against_its_own_uncompressed_run(tin
 def test_backends_other_than_torch_are_an_infer_option():
     with pytest.raises(KTMError, match="backends must be some of"):
         BenchConfig(backends=("onnx",))
-    with pytest.raises(KTMError, match="--backends is an option of --mode infer"):
+    with pytest.raises(KTMError, match="--backends is an option of --mode infer and serve"):
         BenchConfig(mode="train", backends=("torch", "llamacpp"))

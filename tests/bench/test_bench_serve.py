@@ -6,6 +6,8 @@ hold by construction (TTFT <= latency, p50 <= p95, the cached context length).""
 import json
 import math
 
+import pytest
+
 from ktm.bench.bench import BenchConfig, main_bench
 
 
@@ -43,3 +45,24 @@ def test_serve_bench_writes_load_and_prefix_rows(tiny_model_dir, tmp_path, capsy
     assert prefix["ttft_uncached_s"] > 0 and prefix["ttft_cached_s"] > 0
     table = capsys.readouterr().out
     assert "requests_per_s" in table and "ttft_cached_s" in table
+
+
+@pytest.mark.llamacpp
+def test_serve_bench_on_the_llama_cpp_backend(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "serve.json"
+    cfg = BenchConfig(mode="serve", model=tiny_model_dir, lengths=(40,), ks=(2,), clients=(2,),
+                      requests=2, output_tokens=3, repeats=1, warmup=0, threads=1,
+                      backends=("torch", "llamacpp"), progress=False, out=str(out))
+    assert main_bench(cfg) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["backend"], r["method"]) for r in rows] == [
+        ("load", "torch", "ktm"), ("load", "torch", "uncompressed"), ("prefix", "torch", "ktm"),
+        ("load", "llamacpp", "ktm"), ("load", "llamacpp", "uncompressed"),
+        ("prefix", "llamacpp", "ktm")]
+    for r in rows[:2]:  # the same prompts: the same prompt sizes on both runtimes
+        twin = next(t for t in rows[3:5] if t["method"] == r["method"])
+        assert (twin["prompt_tokens"], twin["prompt_tokens_merged"]) == (
+            r["prompt_tokens"], r["prompt_tokens_merged"])
+    # llama.cpp keeps the repeated context's rows in its sequence and prefills the rest
+    assert rows[5]["cached_positions"] >= 20
