@@ -135,7 +135,9 @@ def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dic
     if model.config.spread_positions:
         raise KTMError("this model uses spread_positions, but vLLM places prompt_embeds at "
                        "consecutive positions: it would read the prefix differently; export a "
-                       "model trained with consecutive positions")
+                       "model trained with consecutive positions, e.g. the shipped reader "
+                       "smollm2-135m-k2-seq or smollm2-135m-k4-seq for the embedded model (or "
+                       "this one continued with ktm pretrain --init ... --no-spread-positions)")
     _check_plain_lookup(model)
     out = Path(out)
     check_apart(out, [model.config.base_model] + ([source] if source is not None else []))
