@@ -275,7 +275,8 @@ def test_export_refuses_a_model_trained_with_spread_positions(tiny_model_dir, tm
     from ktm.cli.main import main
 
     model = KTMModel.from_base(tiny_model_dir, k=4, spread_positions=True)
-    with pytest.raises(KTMError, match="spread_positions.*consecutive positions.*smollm2-135m-k4-seq"):
+    with pytest.raises(KTMError,
+                       match="spread_positions.*consecutive positions.*smollm2-135m-k4-seq"):
         export_vllm(model, tmp_path / "x")
     model.save(tmp_path / "ckpt")
     assert main(["export", "--format", "vllm", str(tmp_path / "y"),
