@@ -44,7 +44,11 @@ TASK_COLUMNS = (("tree small", "balanced acc."), ("amazon", "balanced acc."),
                 ("commitpack", "perplexity"))
 BENCH = RESULTS / "bench" / "prefill_2048.json"
 # the shipped readers and the pretraining run each was packed from (results/readers/)
-SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e"}
+SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e",
+                   "smollm2-135m-k2-seq": "k2s", "smollm2-135m-k4-seq": "k4s"}
+# the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
+LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
+                  16: RESULTS / "bench" / "llamacpp_out16.json"}
 
 
 def rel(path: Path) -> str:
@@ -101,16 +105,54 @@ def tasks() -> str:
 
 
 def readers() -> str:
-    """Readability R of the shipped readers on the held-out sets."""
-    lines = ["| reader | K | R code | R reviews | held-out windows | file |",
-             "|---|---|---|---|---|---|"]
+    """Readability R of the shipped readers on the held-out sets (torch; and on llama.cpp with
+    the shipped Q4_1 base, for the consecutive-position readers that run there)."""
+    lines = ["| reader | K | positions | R code | R reviews | on llama.cpp (Q4_1): code / "
+             "reviews | held-out windows | files |", "|---|---|---|---|---|---|---|---|"]
     for name, run in SHIPPED_READERS.items():
         path = RESULTS / "readers" / f"{run}_readability.json"
+        if not path.is_file():
+            continue
         row = json.loads(path.read_text())
         r = row["readability"]
-        lines.append(f"| {name} | {row['k']} | {r['code']['R']:.2f} | {r['reviews']['R']:.2f} | "
-                     f"{r['code']['windows']} + {r['reviews']['windows']} | `{rel(path)}` |")
+        spread = row["config"]["model"]["config"]["spread_positions"]
+        llama = path.with_name(f"{run}_readability_llamacpp.json")
+        files = f"`{rel(path)}`"
+        on_llama = "– (spread positions)" if spread else "–"
+        if llama.is_file():
+            lr = json.loads(llama.read_text())["readability"]
+            on_llama = f"{lr['code']['R']:.2f} / {lr['reviews']['R']:.2f}"
+            files += f", `{rel(llama)}`"
+        lines.append(f"| {name} | {row['k']} | {'spread' if spread else 'consecutive'} | "
+                     f"{r['code']['R']:.2f} | {r['reviews']['R']:.2f} | {on_llama} | "
+                     f"{r['code']['windows']} + {r['reviews']['windows']} | {files} |")
     return "\n".join(lines)
+
+
+def llamacpp() -> str:
+    """End to end on both runtimes: every method on torch and on llama.cpp, per prompt length
+    and answer length, with the speed-ups against plain llama.cpp (``ktm bench --backends``)."""
+    lines = ["| tokens in + out | method | runtime | tokens read | time to first token | decode "
+             "| end to end | vs plain llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    files = []
+    for out, path in LLAMACPP_BENCH.items():
+        if not path.is_file():
+            continue
+        files.append(path)
+        rows = [r for r in json.loads(path.read_text()) if r.get("mode") == "infer"]
+        for n in sorted({r["input_tokens"] for r in rows}):
+            at = [r for r in rows if r["input_tokens"] == n]
+            plain = next(r for r in at if r["method"] == "uncompressed"
+                         and r["backend"] == "llamacpp")
+            for r in at:
+                name = "plain" if r["method"] == "uncompressed" else f"K={r['k']}"
+                lines.append(
+                    f"| {n:,} + {out} | {name} | {r['backend']} | {r['compressed_tokens']:,} | "
+                    f"{r['ttft_s']:.2f} s | {r['decode_tokens_per_s']:.0f} tok/s | "
+                    f"{r['e2e_s']:.2f} s | {plain['e2e_s'] / r['e2e_s']:.2f}× |")
+    if not files:
+        return "(no result files yet: see the command below)"
+    return "\n".join(lines) + "\n\nFiles: " + ", ".join(f"`{rel(p)}`" for p in files) + "."
 
 
 def bench() -> str:
@@ -163,7 +205,8 @@ def demo() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
-                                        "readers": readers, "bench": bench, "demo": demo}
+                                        "readers": readers, "bench": bench, "demo": demo,
+                                        "llamacpp": llamacpp}
 
 
 def render(text: str, page: Path) -> str:

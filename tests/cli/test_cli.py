@@ -371,7 +371,8 @@ def test_eval_rows_record_what_was_really_used(capsys, tiny_model_dir, tmp_path)
     assert "k" not in cfg and "mlp" not in cfg  # no unused CLI defaults (they said 4, True)
     assert cfg["task"]["positive_fraction"] == 0.25 and cfg["task"]["stage"] == "small"
     assert cfg["eval"] == {"n_eval": 4, "seed": 1, "merge": True, "device": "cpu",
-                           "scoring": "generate", "n_calibrate": 0}
+                           "scoring": "generate", "n_calibrate": 0,
+                           "backend": {"name": "torch"}}
     assert cfg["compressor"] is None
 
 
