@@ -36,7 +36,7 @@ def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Pat
     dest = cache_dir() / "gguf" / export_key(model)
     if not (dest / MANIFEST).is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        with open(dest.parent / f".{dest.name}.lock", "a") as lock:
             flock(lock)  # two processes exporting the same model: the second waits and reuses
             if not (dest / MANIFEST).is_file():
                 export_gguf(model, dest)
