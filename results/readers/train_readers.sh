@@ -38,8 +38,11 @@
 #        300 steps at 1.5e-4 / 1.5e-5, seed 3; the probe k2c-lm did this at K=2.
 #   k2s, k4s  the shipped K=2 / K=4 reader continued with consecutive positions (--init READER
 #        --no-spread-positions: each merged block at the next position, the only layout llama.cpp
-#        and vLLM accept), 150 steps of the recipe's objectives at 3e-4 / 3e-5, seed 4; packed as
-#        smollm2-135m-k2-seq / smollm2-135m-k4-seq (K2_READER / K4_READER=DIR for another start).
+#        and vLLM accept), 150 steps of the recipe's objectives at 3e-4 / 3e-5, seed 4; k2s is
+#        packed as smollm2-135m-k2-seq (K2_READER / K4_READER=DIR for another start).
+#   k4s2 a second consecutive-position continuation, of k4s (K4S_READER=DIR; default
+#        runs/readers/k4s/checkpoint): the same 150 steps again, seed 5; packed as
+#        smollm2-135m-k4-seq.
 # k2 comes first: the others start from the K=2 reader, by default the shipped one
 # (K2_READER=DIR to use another). One thread per run; run two stages at once on two cores.
 set -euo pipefail
@@ -61,14 +64,15 @@ gentle=(--lr 3e-4 --encoder-lr 3e-5 --warmup-steps 10)
 lmonly=(--sources code reviews --objectives lm --lr 1.5e-4 --encoder-lr 1.5e-5 --warmup-steps 10)
 # the consecutive-position continuations (k2s, k4s): later flags win over the recipe's
 seq=(--no-spread-positions "${gentle[@]}" --seed 4 --eval-every 50)
-declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300 [k2s]=150 [k4s]=150)
+declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300 [k2s]=150 [k4s]=150 [k4s2]=150)
 declare -A packed=([k2]=smollm2-135m-k2 [k4e]=smollm2-135m-k4 [k2s]=smollm2-135m-k2-seq
-                   [k4s]=smollm2-135m-k4-seq)
+                   [k4s2]=smollm2-135m-k4-seq)
 # the earlier stages a packed stage continues (their committed curves), its reader.json lineage
-declare -A chain=([k4e]="k2 k4r k4c" [k4f]="k2 k4r k4c k4e")
+declare -A chain=([k4e]="k2 k4r k4c" [k4f]="k2 k4r k4c k4e" [k2s]="k2"
+                  [k4s2]="k2 k4r k4c k4e k4s")
 [ $# -gt 0 ] || set -- k2 k4r k4c k4e
 for name in "$@"; do
-  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c, k4f, k2s or k4s" >&2; exit 2; }
+  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c, k4f, k2s, k4s or k4s2" >&2; exit 2; }
   k=${name:1:1}
   out=runs/readers/$name
   start=(--init-adapter "${K2_READER:-smollm2-135m-k2}"); extra=()
@@ -83,6 +87,7 @@ for name in "$@"; do
     k4f) start=(--init "${K4E_READER:-runs/readers/k4e/checkpoint}"); extra=("${lmonly[@]}" --seed 3) ;;
     k2s) start=(--init "${K2_READER:-smollm2-135m-k2}"); extra=("${seq[@]}") ;;
     k4s) start=(--init "${K4_READER:-smollm2-135m-k4}"); extra=("${seq[@]}") ;;
+    k4s2) start=(--init "${K4S_READER:-runs/readers/k4s/checkpoint}"); extra=("${seq[@]}" --seed 5) ;;
   esac
   [ -d "$out/checkpoint" ] && start=(--resume)
   ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}" "${extra[@]}"
