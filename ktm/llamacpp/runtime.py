@@ -72,6 +72,9 @@ class RuntimeConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise KTMError(f"llama.cpp {name} must be an integer >= 1, got {v!r}")
+        if self.sequences > self.batch:  # a decode step feeds one token per sequence at once
+            raise KTMError(f"llama.cpp sequences ({self.sequences}) must not exceed its batch "
+                           f"({self.batch})")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise KTMError(f"llama.cpp threads must be an integer >= 1 or None, got "
                            f"{self.threads!r}")

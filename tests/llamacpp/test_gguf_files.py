@@ -59,3 +59,17 @@ def test_an_adapter_llama_cpp_cannot_express_is_refused(tiny_model_dir, tmp_path
     with pytest.raises(KTMError, match="rsLoRA"):
         write_adapter(tmp_path / "a.gguf", model.peft, model.lm_config, "llama")
     assert not (tmp_path / "a.gguf").exists()
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"context": 0}, "context must be an integer >= 1"),
+    ({"sequences": 0}, "sequences must be an integer >= 1"),
+    ({"sequences": 64, "batch": 32}, r"sequences \(64\) must not exceed its batch \(32\)"),
+    ({"kv_type": "q8"}, "kv_type must be one of"),
+    ({"threads": 0}, "threads must be an integer >= 1 or None"),
+])
+def test_runtime_settings_are_checked_on_construction(kw, match):
+    from ktm.llamacpp.runtime import RuntimeConfig
+
+    with pytest.raises(KTMError, match=match):
+        RuntimeConfig(**kw)
