@@ -45,7 +45,7 @@ TASK_COLUMNS = (("tree small", "balanced acc."), ("amazon", "balanced acc."),
 BENCH = RESULTS / "bench" / "prefill_2048.json"
 # the shipped readers and the pretraining run each was packed from (results/readers/)
 SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e",
-                   "smollm2-135m-k2-seq": "k2s", "smollm2-135m-k4-seq": "k4s"}
+                   "smollm2-135m-k2-seq": "k2s", "smollm2-135m-k4-seq": "k4s2"}
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
                   16: RESULTS / "bench" / "llamacpp_out16.json"}
