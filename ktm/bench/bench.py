@@ -188,8 +188,11 @@ def load_model(config: BenchConfig):
     dtype, train = parse_dtype(config.dtype), config.mode == "train"
     if (Path(config.model) / "ktm_config.json").is_file():
         return KTMModel.load(config.model, device=config.device, dtype=dtype, trainable=train)
-    return KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
-                              device=config.device, dtype=dtype)
+    model = KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
+                               device=config.device, dtype=dtype)
+    # infer times a model as it is served: frozen, as a loaded checkpoint (its decoding then
+    # reads the LoRA folded into the weights, ``KTMModel.fold_lora``)
+    return model if train else model.requires_grad_(False)
 
 
 def methods_of(config: BenchConfig) -> list[Method]:

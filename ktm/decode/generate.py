@@ -112,6 +112,9 @@ class DecodeState:
     pos: torch.Tensor  # (B, L) position ids (B, 1 with a cache: the last step's)
     cache: DynamicCache | None
     logits: torch.Tensor  # (B, V) next-token logits
+    # the LM prefill read with (``KTMModel.decode_lm``: the LoRA-folded view, or None for the
+    # PEFT model): every later step of the batch reads with the same weights as its cache
+    via: torch.nn.Module | None = None
 
 
 @torch.no_grad()
@@ -119,9 +122,10 @@ def prefill(model, prefixes, use_cache: bool = True) -> DecodeState:
     """Read the prefixes (``CompressedPrompt``s) once; the cache then holds their keys/values."""
     p = model.pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes])
     cache = DynamicCache(config=model.lm_config) if use_cache else None
+    via = model.decode_lm()
     with eval_mode(model):
-        logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1)[:, -1]
-    return DecodeState(p.embeds, p.mask, p.position_ids, cache, logits)
+        logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1, via=via)[:, -1]
+    return DecodeState(p.embeds, p.mask, p.position_ids, cache, logits, via)
 
 
 @torch.no_grad()
@@ -133,11 +137,13 @@ def advance(model, state: DecodeState, tokens: torch.Tensor) -> None:
     with eval_mode(model):
         if state.cache is not None:
             state.pos = last
-            state.logits = model.lm(step, state.mask, last, state.cache, keep=1)[:, -1]
+            state.logits = model.lm(step, state.mask, last, state.cache, keep=1,
+                                    via=state.via)[:, -1]
         else:  # the reference path: re-read everything
             state.embeds = torch.cat([state.embeds, step], dim=1)
             state.pos = torch.cat([state.pos, last], dim=1)
-            state.logits = model.lm(state.embeds, state.mask, state.pos, keep=1)[:, -1]
+            state.logits = model.lm(state.embeds, state.mask, state.pos, keep=1,
+                                    via=state.via)[:, -1]
 
 
 def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: GenerationConfig,
