@@ -2,6 +2,7 @@
 
 ``infer_once`` runs ``ktm.decode.generate``'s own prefill and decode loop with a clock between the
 stages; ``train_once`` is one step of ``ktm.training.train``. Both record peak memory.
+``interleave`` orders the runs of several methods.
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def _cut(model, text: str, n_tokens: int, first: bool, got: int) -> str:
 
 
 # ---------------------------------------------------------------- measurement helpers
+def interleave(run, methods: list, warmup: int, repeats: int, tick=None
+               ) -> dict[str, list[dict]]:
+    """Call ``run(method)`` A B C ... per pass, reversed on odd passes, so slow drifts of a shared
+    machine hit every method alike; keep the timed passes, by each method's ``key``."""
+    runs: dict[str, list[dict]] = {m.key: [] for m in methods}
+    for r in range(warmup + repeats):
+        for m in methods if r % 2 == 0 else methods[::-1]:
+            res = run(m)
+            if r >= warmup:
+                runs[m.key].append(res)
+            if tick:
+                tick()
+    return runs
+
+
 def encode_prefix(model, rows: list[list[int]], merge: bool) -> list:
     """Token ids per sample -> their ``CompressedPrompt``s, through ``encode_prompts``."""
     prompts = [(Segment("", ids=tuple(r)),) for r in rows]

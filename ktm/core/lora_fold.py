@@ -102,7 +102,8 @@ def fold_view(lm: nn.Module, tuners: dict[str, BaseTunerLayer] | None = None
 
 
 def _state(t: torch.Tensor) -> tuple:
-    return id(t), t.data_ptr(), t._version
+    # a tensor made under inference_mode keeps no version (and cannot be changed outside it)
+    return id(t), t.data_ptr(), None if t.is_inference() else t._version
 
 
 class FoldedLM:
