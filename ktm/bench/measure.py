@@ -112,7 +112,8 @@ def encode_prefix(model, rows: list[list[int]], merge: bool) -> list:
 
 
 def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes held by the key and value tensors of every layer."""
+    """Bytes of every layer's cached keys and values (a ``RoomyLayer``'s free room, the same for
+    every method, not counted)."""
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)
                if t is not None)
 
@@ -180,7 +181,7 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int) ->
         t0 = clock(dev)
         prefixes = encode_prefix(model, rows, merge)
         t1 = clock(dev)
-        state = prefill(model, prefixes)
+        state = prefill(model, prefixes, room=output_tokens - 1)  # as decode_steps' own
         t2 = clock(dev)
         steps = decode_steps(model, None, cfg, state=state)
         tokens = [next(steps)]
