@@ -119,9 +119,13 @@ def cache_bytes(cache: DynamicCache) -> int:
 
 
 class PeakMemory:
-    """Peak memory inside a ``with`` block: CUDA max allocated, or process RSS sampled on CPU."""
+    """Peak memory inside a ``with`` block: CUDA max allocated, or process RSS sampled on CPU.
 
-    def __init__(self, device: torch.device, interval_s: float = 0.002):
+    ``interval_s`` None: no sampling thread (its wake-ups every 2 ms cost a CPU decode a few
+    percent, fine when every method pays them, not when one is timed against code without it);
+    the CPU peak is then the larger RSS of the block's start and end."""
+
+    def __init__(self, device: torch.device, interval_s: float | None = 0.002):
         self.cuda = device.type == "cuda"
         self.device = device  # the model's GPU, which need not be the current one
         self.kind = "cuda_max_allocated" if self.cuda else "rss"
@@ -149,8 +153,9 @@ class PeakMemory:
             self.start = torch.cuda.memory_allocated(self.device)
         else:
             self.start = self.peak = self.rss()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+            if self.interval_s is not None:
+                self._thread = threading.Thread(target=self._sample, daemon=True)
+                self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,8 +163,9 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            self._stop.set()
-            self._thread.join()
+            if self.interval_s is not None:
+                self._stop.set()
+                self._thread.join()
             self.peak = max(self.peak, self.rss())
 
 
@@ -172,12 +178,14 @@ def trim_allocator() -> None:
 
 
 @torch.inference_mode()
-def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int) -> dict:
+def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
+               sample_memory: bool = True) -> dict:
     """Time one batch through ``ktm.decode.generate``'s own prefill and decode loop (greedy,
-    no early stop): encoder, prefill, first token, then the KV-cached decode."""
+    no early stop): encoder, prefill, first token, then the KV-cached decode.
+    ``sample_memory`` False: no RSS sampling thread beside the timed code (``PeakMemory``)."""
     dev = model.device
     cfg = GenerationConfig(max_new_tokens=output_tokens, stop_at_eos=False)
-    with PeakMemory(dev) as mem:
+    with PeakMemory(dev, 0.002 if sample_memory else None) as mem:
         t0 = clock(dev)
         prefixes = encode_prefix(model, rows, merge)
         t1 = clock(dev)

@@ -18,6 +18,7 @@ as ``generate`` hands it out), so prefill is in ``ttft_s`` only. ``vs_hf_decode`
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 from collections.abc import Callable
@@ -60,12 +61,15 @@ def hf_once(lm, rows: list[list[int]], output_tokens: int, pad_id: int) -> dict:
     """One batch through ``lm.generate`` (greedy, exactly ``output_tokens`` new tokens)."""
     dev = lm.device
     ids = torch.tensor(rows, dtype=torch.long, device=dev)
+    # no EOS: no stop and no ban on it (min_new_tokens would ban it, changing the tokens), as
+    # ktm's decode with stop_at_eos=False; greedy, no sampling options left from the model's
+    gen = copy.deepcopy(lm.generation_config)
+    gen.update(eos_token_id=None, max_new_tokens=output_tokens, do_sample=False, top_p=None,
+               top_k=None, temperature=None, pad_token_id=pad_id)
     stamps = _Stamps(dev)
     t0 = clock(dev)
-    out = lm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                      max_new_tokens=output_tokens, min_new_tokens=output_tokens,
-                      pad_token_id=pad_id, streamer=stamps, top_p=None, top_k=None,
-                      temperature=None)
+    out = lm.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,
+                      streamer=stamps)
     t_end = clock(dev)
     t_first, decoded, b = stamps.times[1], output_tokens - 1, len(rows)
     return {"ttft_s": t_first - t0, "decode_s": t_end - t_first, "e2e_s": t_end - t0,
@@ -106,8 +110,9 @@ def run_hf_bench(config, load_model: Callable) -> list[dict]:
                 def run(c: Contender, ids=ids) -> dict:
                     if c.key == "hf":
                         return hf_once(hf, ids, config.output_tokens, model.pad_id)
+                    # no memory sampling thread: generate runs without one
                     return infer_once(model if c.key == "ktm" else peft, ids, False,
-                                      config.output_tokens)
+                                      config.output_tokens, sample_memory=False)
 
                 runs = interleave(run, list(CONTENDERS), config.warmup, config.repeats,
                                   bar.update)
