@@ -18,7 +18,6 @@ as ``generate`` hands it out), so prefill is in ``ttft_s`` only. ``vs_hf_decode`
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ktm.bench.measure import infer_once, interleave, synthetic_text, word_pool
 from ktm.core.base_model import load_base, parse_dtype
+from ktm.errors import KTMError
 from ktm.util.provenance import git_revision, versions
 from ktm.util.timing import clock
 
@@ -61,16 +61,15 @@ def hf_once(lm, rows: list[list[int]], output_tokens: int, pad_id: int) -> dict:
     """One batch through ``lm.generate`` (greedy, exactly ``output_tokens`` new tokens)."""
     dev = lm.device
     ids = torch.tensor(rows, dtype=torch.long, device=dev)
-    # no EOS: no stop and no ban on it (min_new_tokens would ban it, changing the tokens), as
-    # ktm's decode with stop_at_eos=False; greedy, no sampling options left from the model's
-    gen = copy.deepcopy(lm.generation_config)
-    gen.update(eos_token_id=None, max_new_tokens=output_tokens, do_sample=False, top_p=None,
-               top_k=None, temperature=None, pad_token_id=pad_id)
     stamps = _Stamps(dev)
     t0 = clock(dev)
-    out = lm.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen,
-                      streamer=stamps)
+    out = lm.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=output_tokens, pad_token_id=pad_id, streamer=stamps)
     t_end = clock(dev)
+    if out.shape[1] - ids.shape[1] != output_tokens:
+        raise KTMError(f"generate returned {out.shape[1] - ids.shape[1]} new tokens, expected "
+                       f"{output_tokens}: it stopped early (an end-of-sequence id left in "
+                       "lm.generation_config?)")
     t_first, decoded, b = stamps.times[1], output_tokens - 1, len(rows)
     return {"ttft_s": t_first - t0, "decode_s": t_end - t_first, "e2e_s": t_end - t0,
             "decode_tokens_per_s": b * decoded / (t_end - t_first) if decoded else None,
@@ -93,6 +92,10 @@ def run_hf_bench(config, load_model: Callable) -> list[dict]:
     peft = load_model(config)
     peft.fold_lora = False
     hf, _ = load_base(model.config.base_model, model.device, parse_dtype(config.dtype))
+    # no EOS, so no stop and no ban on it (min_new_tokens bans it, changing the tokens): as
+    # ktm's decode with stop_at_eos=False. Set on the model itself: generate fills options
+    # left None from it
+    hf.generation_config.eos_token_id = None
     pool = word_pool(model.tokenizer, config.seed)
     common = {"mode": "hf", "model": config.model, "device": str(model.device),
               "dtype": config.dtype, "threads": torch.get_num_threads(),

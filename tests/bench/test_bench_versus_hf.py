@@ -6,8 +6,11 @@ Timings are never asserted: only the rows, the tokens and how the ratios are for
 import json
 
 import pytest
+import torch
 
-from ktm.bench.bench import BenchConfig, main_bench
+from ktm.bench.bench import BenchConfig, load_model, main_bench
+from ktm.bench.versus_hf import run_hf_bench
+from ktm.core.base_model import load_base
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +50,18 @@ def test_ratios_against_generate_are_paired_by_repeat(hf_rows):
             # tokens after the first over the time after it, for generate too
             for rate, secs in zip(rep["decode_tokens_per_s"], rep["decode_s"]):
                 assert rate * secs == pytest.approx(batch * 4)
+
+
+def test_both_decode_past_the_end_of_sequence(tiny_model_dir, tmp_path):
+    """An EOS at every step: generate neither stops nor bans it (min_new_tokens would, and its
+    tokens would then differ from ktm's), as ktm's decode with stop_at_eos=False."""
+    lm, tok = load_base(tiny_model_dir)
+    head = lm.get_output_embeddings().weight
+    with torch.no_grad():
+        head[tok.eos_token_id] += 50 * head.abs().max()
+    lm.save_pretrained(tmp_path / "eos")
+    tok.save_pretrained(tmp_path / "eos")
+    rows = run_hf_bench(BenchConfig(model=str(tmp_path / "eos"), mode="hf", lengths=(12,),
+                                    repeats=1, warmup=0, output_tokens=4, progress=False),
+                        load_model)
+    assert all(r["same_tokens_as_hf"] for r in rows)
