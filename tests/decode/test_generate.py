@@ -195,3 +195,12 @@ def test_a_cache_with_room_decodes_as_the_growing_cache(ktm_model, monkeypatch, 
             assert layer.keys.data_ptr() == start
     assert layer.keys.shape == plain.cache.layers[0].keys.shape
     torch.testing.assert_close(layer.keys, plain.cache.layers[0].keys, rtol=0, atol=0)
+    # rows selected the DynamicLayer way (a new tensor): the next step still writes after them
+    for state in (roomy, plain):
+        for x in state.cache.layers:
+            x.batch_select_indices(torch.tensor([2, 0]))
+        state.mask, state.pos = state.mask[[2, 0]], state.pos[[2, 0]]
+    nxt = plain.logits[[2, 0]].argmax(-1)
+    gen.advance(ktm_model, roomy, nxt)
+    gen.advance(ktm_model, plain, nxt)
+    torch.testing.assert_close(roomy.logits, plain.logits, rtol=0, atol=0)
