@@ -2,7 +2,7 @@
 
 PEFT's LoRA layer runs the base projection and then two small matmuls (``x A^T B^T``) and its own
 Python on every call. Decoding SmolLM2-135M on a CPU, that is 420 extra matmul calls a token for
-its 210 adapted projections, about a fifth of a decode step. Folding the LoRA into the weight
+its 210 adapted projections, about a sixth of a decode step. Folding the LoRA into the weight
 removes them.
 
 PEFT's ``merge_adapter`` folds in place and ``unmerge_adapter`` subtracts the update back, which
