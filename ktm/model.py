@@ -36,6 +36,7 @@ from ktm.core.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.core.encoder import EncoderConfig, KTokenEncoder
 from ktm.core.input_lookup import input_lookup
 from ktm.core.lora import adapted_modules, lora_config, peft_wrapping, resolve_targets
+from ktm.core.lora_fold import FoldedLM
 from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
 from ktm.core.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.core.tokens import SegmentTokenizer
@@ -271,6 +272,11 @@ class KTMModel(nn.Module):
         self._compressor_warned = False
         # the llama.cpp runtime the decode loop prefills and decodes through (None: torch)
         self.runtime = None  # a ktm.llamacpp.runtime.LlamaCppRuntime
+        # decoding reads the LM with its LoRA folded into a separate copy of the adapted weights
+        # (``ktm.core.lora_fold``, which says what that costs): True always, False never, None
+        # when no LoRA weight trains (a model loaded with trainable=False)
+        self.fold_lora: bool | None = None
+        object.__setattr__(self, "_folded", FoldedLM())  # not a module: never saved or trained
 
     def _valid_pad(self, pad: int | None) -> int:
         """The id pads are written with. Pads never reach the LM (masked), but they are looked
@@ -440,17 +446,38 @@ class KTMModel(nn.Module):
         check_positions(prefixes, extra, self.max_positions, self.k, what, unread)
 
     def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
-           cache=None, keep: int | torch.Tensor = 0, hidden: bool = False):
+           cache=None, keep: int | torch.Tensor = 0, hidden: bool = False,
+           via: nn.Module | None = None):
         """The causal LM's own forward on (B, L, D) embeddings; extends ``cache`` if given.
 
         ``keep``: an int keeps logits at the last positions (0: all) -> (B, keep, V); a (B, L)
         bool mask keeps exactly those positions, flattened row by row -> (N, V).
         ``hidden``: also return every layer's hidden states (B, L, D), as (logits, states).
+        ``via``: the LM to run (``decode_lm``'s folded view); None: the PEFT-wrapped LM.
         """
-        out = self.peft(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep,
-                        output_hidden_states=hidden)
+        out = (via or self.peft)(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep,
+            output_hidden_states=hidden)
         return (out.logits, out.hidden_states) if hidden else out.logits
+
+    def decode_lm(self) -> nn.Module | None:
+        """What decoding passes ``lm`` as ``via``: the LM with its LoRA folded into separate
+        weights (``ktm.core.lora_fold``) when ``fold_lora`` says so, else None (the PEFT model).
+        Made on first use and again after the weights change; freed when folding is off."""
+        fold = self.fold_lora
+        lm = self.peft.get_base_model()
+        if fold is None:
+            fold = not self._folded.lora_trains(lm)
+        if not fold:
+            self._folded.clear()
+            return None
+        return self._folded.get(lm)
+
+    def train(self, mode: bool = True) -> KTMModel:
+        if mode:  # a model that trains changes its LoRA: a fold would be stale memory
+            self._folded.clear()
+        return super().train(mode)
 
     def prompt_logits(self, prompt: PromptLike, merge: bool = True) -> torch.Tensor:
         """(L, V) logits at every prefix position of one prompt."""
@@ -633,7 +660,10 @@ def load_any(model: str, k: int | None = None, device: str = "cpu",
         return KTMModel.load(model, k=k, device=device, dtype=dt, backend=backend,
                              llamacpp=llamacpp)
     k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
-    out = KTMModel.from_base(model, k=k, use_mlp=False, device=device, dtype=dt)
+    # frozen like a loaded checkpoint: served or exported, never trained (decoding then folds
+    # the LoRA, ``KTMModel.fold_lora``)
+    out = KTMModel.from_base(model, k=k, use_mlp=False, device=device,
+                             dtype=dt).requires_grad_(False)
     if backend != "torch":
         out.use_backend(backend, config=llamacpp)
     return out

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ktm.bench.measure import (
     infer_once,
+    interleave,
     synthetic_text,
     train_once,
     trim_allocator,
@@ -43,11 +44,13 @@ from ktm.training.train import adamw
 from ktm.util.fileio import check_writable, write_json_atomic
 from ktm.util.provenance import git_revision, versions
 
-MODES = ("infer", "train", "serve")
+MODES = ("infer", "train", "serve", "hf")
 QUICK = {"lengths": (256, 1024, 2048), "ks": (2, 4, 8), "repeats": 3, "output_tokens": 8}
 # --mode serve replaces options left at their defaults with these (then with SERVE_QUICK)
 SERVE = {"lengths": (1024,), "ks": (2, 4), "repeats": 3, "out": "results/bench/serve.json"}
 SERVE_QUICK = {"lengths": (256,), "clients": (1, 4), "requests": 8, "output_tokens": 8}
+# --mode hf likewise (ktm.bench.versus_hf)
+HF = {"lengths": (512,), "output_tokens": 64, "out": "results/bench/decode_vs_hf.json"}
 
 
 @dataclass
@@ -56,7 +59,8 @@ class BenchConfig:
         "help": "embedded model name, local HF model folder, or ktm checkpoint folder"})
     mode: str = field(default="infer", metadata={
         "help": "infer: prefill/decode timings; train: LoRA training-step throughput; "
-                "serve: ktm serve under 1/4/16 concurrent clients (see ktm.bench.serve)",
+                "serve: ktm serve under 1/4/16 concurrent clients (see ktm.bench.serve); "
+                f"hf: ktm's decode against transformers' generate (ktm.bench.versus_hf, {HF})",
         "choices": MODES})
     lengths: tuple[int, ...] = field(default=(256, 512, 1024, 2048, 4096), metadata={
         "help": "prompt lengths in tokens (exact)"})
@@ -94,6 +98,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.mode == "serve":
             preset = {**SERVE, **(SERVE_QUICK if self.quick else {})}
+        elif self.mode == "hf":
+            preset = HF
         else:
             preset = QUICK if self.quick else {}
         # lengths nobody chose (the default or a preset's) are cut to the model's context later
@@ -207,8 +213,11 @@ def load_model(config: BenchConfig):
     dtype, train = parse_dtype(config.dtype), config.mode == "train"
     if (Path(config.model) / "ktm_config.json").is_file():
         return KTMModel.load(config.model, device=config.device, dtype=dtype, trainable=train)
-    return KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
-                              device=config.device, dtype=dtype)
+    model = KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
+                               device=config.device, dtype=dtype)
+    # infer times a model as it is served: frozen, as a loaded checkpoint (its decoding then
+    # reads the LoRA folded into the weights, ``KTMModel.fold_lora``)
+    return model if train else model.requires_grad_(False)
 
 
 def methods_of(config: BenchConfig) -> list[Method]:
@@ -258,20 +267,6 @@ def _optimizers(model, methods, encs) -> dict[str, torch.optim.Optimizer]:
         raise KTMError("no trainable LoRA weights: train mode needs a trainable adapter")
     return {m.key: adamw(lora + (list(encs[m.key].parameters()) if m.key in encs else []),
                          lr=1e-6) for m in methods}
-
-
-def interleave(run, methods: list[Method], warmup: int, repeats: int, tick=None
-               ) -> dict[str, list[dict]]:
-    """Call ``run(method)`` A B C ... per pass, reversed on odd passes; keep the timed passes."""
-    runs: dict[str, list[dict]] = {m.key: [] for m in methods}
-    for r in range(warmup + repeats):
-        for m in methods if r % 2 == 0 else methods[::-1]:
-            res = run(m)
-            if r >= warmup:
-                runs[m.key].append(res)
-            if tick:
-                tick()
-    return runs
 
 
 def memory_pass(run, methods: list[Method], stats: dict) -> None:
@@ -388,6 +383,9 @@ COLUMNS = {
               ("prompt_tokens_merged", "{}"), ("clients", "{}"), ("requests_per_s", "{:.2f}"),
               ("latency_p50_s", "{:.2f}"), ("latency_p95_s", "{:.2f}"), ("ttft_p50_s", "{:.2f}"),
               ("ttft_p95_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}")],
+    "hf": [("method", "{}"), ("input_tokens", "{}"), ("output_tokens", "{}"), ("batch", "{}"),
+           ("ttft_s", "{:.3f}"), ("decode_tokens_per_s", "{:.2f}"), ("e2e_s", "{:.2f}"),
+           ("vs_hf_decode", "{:.3f}x"), ("vs_hf_e2e", "{:.3f}x"), ("same_tokens_as_hf", "{}")],
     "serve-prefix": [("backend", "{}"), ("k", "{}"), ("input_tokens", "{}"),
                      ("cached_positions", "{}"),
                      ("ttft_uncached_s", "{:.3f}"), ("ttft_cached_s", "{:.3f}"),
@@ -419,6 +417,10 @@ def main_bench(config: BenchConfig) -> int:
         from ktm.bench.serve import run_serve_bench
 
         rows = run_serve_bench(config)
+    elif config.mode == "hf":
+        from ktm.bench.versus_hf import run_hf_bench
+
+        rows = run_hf_bench(config, load_model)
     else:
         rows = run_bench(config)
     write_json_atomic(config.out, rows)

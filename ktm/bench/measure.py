@@ -2,6 +2,7 @@
 
 ``infer_once`` runs ``ktm.decode.generate``'s own prefill and decode loop with a clock between the
 stages; ``train_once`` is one step of ``ktm.training.train``. Both record peak memory.
+``interleave`` orders the runs of several methods.
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def _cut(model, text: str, n_tokens: int, first: bool, got: int) -> str:
 
 
 # ---------------------------------------------------------------- measurement helpers
+def interleave(run, methods: list, warmup: int, repeats: int, tick=None
+               ) -> dict[str, list[dict]]:
+    """Call ``run(method)`` A B C ... per pass, reversed on odd passes, so slow drifts of a shared
+    machine hit every method alike; keep the timed passes, by each method's ``key``."""
+    runs: dict[str, list[dict]] = {m.key: [] for m in methods}
+    for r in range(warmup + repeats):
+        for m in methods if r % 2 == 0 else methods[::-1]:
+            res = run(m)
+            if r >= warmup:
+                runs[m.key].append(res)
+            if tick:
+                tick()
+    return runs
+
+
 def encode_prefix(model, rows: list[list[int]], merge: bool) -> list:
     """Token ids per sample -> their ``CompressedPrompt``s, through ``encode_prompts``."""
     prompts = [(Segment("", ids=tuple(r)),) for r in rows]
@@ -96,15 +112,20 @@ def encode_prefix(model, rows: list[list[int]], merge: bool) -> list:
 
 
 def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes held by the key and value tensors of every layer."""
+    """Bytes of every layer's cached keys and values (a ``RoomyLayer``'s free room, the same for
+    every method, not counted)."""
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)
                if t is not None)
 
 
 class PeakMemory:
-    """Peak memory inside a ``with`` block: CUDA max allocated, or process RSS sampled on CPU."""
+    """Peak memory inside a ``with`` block: CUDA max allocated, or process RSS sampled on CPU.
 
-    def __init__(self, device: torch.device, interval_s: float = 0.002):
+    ``interval_s`` None: no sampling thread (its wake-ups every 2 ms cost a CPU decode a few
+    percent, fine when every method pays them, not when one is timed against code without it);
+    the CPU peak is then the larger RSS of the block's start and end."""
+
+    def __init__(self, device: torch.device, interval_s: float | None = 0.002):
         self.cuda = device.type == "cuda"
         self.device = device  # the model's GPU, which need not be the current one
         self.kind = "cuda_max_allocated" if self.cuda else "rss"
@@ -132,8 +153,9 @@ class PeakMemory:
             self.start = torch.cuda.memory_allocated(self.device)
         else:
             self.start = self.peak = self.rss()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+            if self.interval_s is not None:
+                self._thread = threading.Thread(target=self._sample, daemon=True)
+                self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -141,8 +163,9 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            self._stop.set()
-            self._thread.join()
+            if self.interval_s is not None:
+                self._stop.set()
+                self._thread.join()
             self.peak = max(self.peak, self.rss())
 
 
@@ -155,19 +178,24 @@ def trim_allocator() -> None:
 
 
 @torch.inference_mode()
-def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int) -> dict:
+def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
+               sample_memory: bool = True) -> dict:
     """Time one batch through ``ktm.decode.generate``'s own prefill and decode loop (greedy,
-    no early stop): encoder, prefill, first token, then the KV-cached decode."""
+    no early stop): encoder, prefill, first token, then the KV-cached decode.
+    ``sample_memory`` False: no RSS sampling thread beside the timed code (``PeakMemory``)."""
     dev = model.device
     cfg = GenerationConfig(max_new_tokens=output_tokens, stop_at_eos=False)
     runtime = getattr(model, "runtime", None)  # the llama.cpp backend
     if runtime is not None:
         runtime.clear()  # a timed run prefills everything: no rows cached from the last one
-    with PeakMemory(dev) as mem:
+    with PeakMemory(dev, 0.002 if sample_memory else None) as mem:
         t0 = clock(dev)
         prefixes = encode_prefix(model, rows, merge)
         t1 = clock(dev)
-        state = prefill(model, prefixes) if runtime is None else runtime.prefill(prefixes)
+        if runtime is None:
+            state = prefill(model, prefixes, room=output_tokens - 1)  # as decode_steps' own
+        else:
+            state = runtime.prefill(prefixes)
         t2 = clock(dev)
         steps = decode_steps(model, None, cfg, state=state)
         tokens = [next(steps)]

@@ -60,9 +60,10 @@ def prefill_from_kv(model, past: KV, embeds: torch.Tensor,
         cache.update(k, v, i)
     mask = torch.ones(1, p + s, dtype=torch.long, device=model.device)
     pos = (torch.arange(p, p + s, device=model.device) if positions is None else positions)[None]
+    via = model.decode_lm()
     with eval_mode(model):
-        logits = model.lm(embeds[None], mask, pos, cache, keep=1)[:, -1]
-    return DecodeState(embeds[None], mask, pos, cache, logits)
+        logits = model.lm(embeds[None], mask, pos, cache, keep=1, via=via)[:, -1]
+    return DecodeState(embeds[None], mask, pos, cache, logits, via)
 
 
 def keep_rows(state: DecodeState, rows: list[int]) -> None:
@@ -90,7 +91,7 @@ def join(a: DecodeState, b: DecodeState) -> DecodeState:
     return DecodeState(torch.cat([a.embeds[:, -1:], b.embeds[:, -1:]]),
                        torch.cat([_pad_left(a.mask, pa, 1), _pad_left(b.mask, pb, 1)]),
                        torch.cat([a.pos[:, -1:], b.pos[:, -1:]]), a.cache,
-                       torch.cat([a.logits, b.logits]))
+                       torch.cat([a.logits, b.logits]), a.via)
 
 
 def row_kv(state: DecodeState, row: int, n: int) -> KV:

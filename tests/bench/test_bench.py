@@ -16,7 +16,6 @@ from ktm.bench.bench import (
     BenchConfig,
     Method,
     aggregate,
-    interleave,
     main_bench,
     run_bench,
 )
@@ -24,6 +23,7 @@ from ktm.bench.measure import (
     PeakMemory,
     encode_prefix,
     infer_once,
+    interleave,
     synthetic_text,
     word_pool,
 )

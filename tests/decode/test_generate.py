@@ -173,3 +173,34 @@ def test_decoding_sets_no_module_mode_once_in_eval(ktm_model, monkeypatch):
     calls.clear()
     generate_ids(ktm_model, PROMPTS[:1], max_new_tokens=8, stop_at_eos=False)
     assert ktm_model.training and calls == [False] * n_modules + [True] * n_modules
+
+
+@pytest.mark.parametrize("max_room", [256, 2])  # 2: the room runs out and grows on the way
+def test_a_cache_with_room_decodes_as_the_growing_cache(ktm_model, monkeypatch, max_room):
+    import ktm.decode.generate as gen
+
+    perturb(ktm_model)
+    monkeypatch.setattr(gen, "MAX_ROOM", max_room)
+    cps = ktm_model.encode_prompts(PROMPTS)
+    roomy, plain = gen.prefill(ktm_model, cps, room=9), gen.prefill(ktm_model, cps)
+    layer = roomy.cache.layers[0]
+    assert type(layer) is gen.RoomyLayer and type(plain.cache.layers[0]) is not gen.RoomyLayer
+    start = layer.keys.data_ptr()
+    for step in range(9):
+        torch.testing.assert_close(roomy.logits, plain.logits, rtol=0, atol=0)
+        nxt = roomy.logits.argmax(-1)
+        gen.advance(ktm_model, roomy, nxt)
+        gen.advance(ktm_model, plain, nxt)
+        if step < max_room:  # written in place, never copied while the room lasts
+            assert layer.keys.data_ptr() == start
+    assert layer.keys.shape == plain.cache.layers[0].keys.shape
+    torch.testing.assert_close(layer.keys, plain.cache.layers[0].keys, rtol=0, atol=0)
+    # rows selected the DynamicLayer way (a new tensor): the next step still writes after them
+    for state in (roomy, plain):
+        for x in state.cache.layers:
+            x.batch_select_indices(torch.tensor([2, 0]))
+        state.mask, state.pos = state.mask[[2, 0]], state.pos[[2, 0]]
+    nxt = plain.logits[[2, 0]].argmax(-1)
+    gen.advance(ktm_model, roomy, nxt)
+    gen.advance(ktm_model, plain, nxt)
+    torch.testing.assert_close(roomy.logits, plain.logits, rtol=0, atol=0)

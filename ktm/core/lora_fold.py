@@ -1,0 +1,166 @@
+"""The LM with its LoRA folded into separate weights, ``W + s B A``: what decoding reads through.
+
+PEFT's LoRA layer runs the base projection and then two small matmuls (``x A^T B^T``) and its own
+Python on every call. Decoding SmolLM2-135M on a CPU, that is 420 extra matmul calls a token for
+its 210 adapted projections, about a sixth of a decode step. Folding the LoRA into the weight
+removes them.
+
+PEFT's ``merge_adapter`` folds in place and ``unmerge_adapter`` subtracts the update back, which
+leaves every base weight a rounding off after each round trip; ``disable_adapter`` (the
+uncompressed baselines, distillation's teacher) unmerges a merged layer in place too. So the
+base weights are never touched here. ``FoldedLM`` builds a *view* of the LM instead: the adapted
+projections are copies of their base layers holding folded weights, and every other module (the
+embeddings, norms, the head) is the LM's own, shared.
+
+What it costs: one more copy of every adapted weight while the view lives. For the Llama-like
+families that is nearly all of the weights outside the embeddings: +0.43 GB for SmolLM2-135M in
+fp32, about +13 GB for a 7B model in bf16. That is why ``KTMModel`` folds by default only for a
+model whose LoRA does not train (``load(..., trainable=False)``): a training run's evaluation
+would need that memory on top of the optimizer's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+
+def _foldable(layer: nn.Module) -> bool:
+    """A plain PEFT LoRA linear layer (no DoRA or other variant, no LoRA bias), adapters on,
+    not already merged into its own weights."""
+    if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged:
+        return False
+    return all(a not in getattr(layer, "lora_variant", {}) and not layer.lora_bias.get(a, False)
+               for a in layer.active_adapters)
+
+
+@torch.no_grad()
+def folded_weight(layer: LoraLinear) -> torch.Tensor:
+    """The base weight plus each active adapter's ``s B A`` (PEFT's own ``get_delta_weight``,
+    which knows GPT-2's transposed ``Conv1D``), summed in fp32 and rounded once to the weight's
+    dtype: the weight PEFT's ``merge`` would write in place."""
+    w = layer.get_base_layer().weight
+    out = w.detach().float()
+    for a in layer.active_adapters:
+        if a in layer.lora_A:
+            out = out + layer.get_delta_weight(a).float()
+    return out.to(w.dtype)
+
+
+def _folded_layer(layer: LoraLinear) -> nn.Module:
+    """A copy of the layer's base module (``nn.Linear``, ``Conv1D``, ...) with the folded weight;
+    its bias and anything else are the base module's own."""
+    base = layer.get_base_layer()
+    clone = copy.copy(base)
+    clone._parameters = dict(base._parameters)  # copy.copy shared the dict itself
+    clone._parameters["weight"] = nn.Parameter(folded_weight(layer), requires_grad=False)
+    clone.training = False
+    return clone
+
+
+def _tuners(lm: nn.Module) -> dict[str, BaseTunerLayer]:
+    return {n: m for n, m in lm.named_modules() if isinstance(m, BaseTunerLayer)}
+
+
+def _ancestor_names(names) -> set[str]:
+    """Every module on the way to the named ones, the root ("") included."""
+    return {""} | {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
+
+
+def fold_view(lm: nn.Module, tuners: dict[str, BaseTunerLayer] | None = None
+              ) -> nn.Module | None:
+    """``lm`` with each LoRA layer (``tuners``: found if not given) replaced by its folded base
+    layer; None if one cannot be folded (a LoRA variant, adapters disabled, PEFT's in-place
+    merge). Only the modules on the way to a LoRA layer are copied (shallowly, each with a child
+    table of its own); the rest are ``lm``'s, shared. The copies are in eval mode: the view is
+    for decoding."""
+    tuners = _tuners(lm) if tuners is None else tuners
+    if not tuners or not all(_foldable(m) for m in tuners.values()):
+        return None
+    swaps = {n: _folded_layer(m) for n, m in tuners.items()}
+    ancestors = _ancestor_names(swaps)
+
+    def rebuild(module: nn.Module, prefix: str) -> nn.Module:
+        children = {}
+        for name, child in module._modules.items():
+            path = prefix + name
+            if path in swaps:
+                child = swaps[path]
+            elif path in ancestors:
+                child = rebuild(child, path + ".")
+            children[name] = child
+        clone = copy.copy(module)
+        clone._modules = children
+        clone.training = False
+        return clone
+
+    return rebuild(lm, "")
+
+
+def _state(t: torch.Tensor) -> tuple:
+    # a tensor made under inference_mode keeps no version (and cannot be changed outside it)
+    return id(t), t.data_ptr(), None if t.is_inference() else t._version
+
+
+class FoldedLM:
+    """A ``fold_view`` of an LM, made on first use and made again once what it was made from
+    changes. Not a module: its weights are in no ``state_dict``, never saved, never trained.
+
+    Checked on each ``get``, cheaply (no walk over the LM): each LoRA layer's switches, the
+    identity, storage and in-place version of its base weight and LoRA factors (training steps,
+    ``load_state_dict``, an EMA swap and ``.to()`` change them; a write through ``.data`` does
+    not: autograd's version counter skips it), and the children of each module the view copied.
+    Other modules are the LM's own, so a change inside one is the view's too."""
+
+    def __init__(self) -> None:
+        self._view: nn.Module | None = None
+        self._key: tuple | None = None
+        self._lm: nn.Module | None = None
+        self._tuners: list[tuple] = []  # (LoRA layer, its base module, [(adapter, A, B)])
+        self._parents: list[nn.Module] = []
+
+    def _scan(self, lm: nn.Module) -> dict[str, BaseTunerLayer]:
+        """Find the LoRA layers and the modules on the way to them; hold the modules a check
+        reads (looking them up through the layer each time costs more than the check)."""
+        tuners = _tuners(lm)
+        names = _ancestor_names(tuners)
+        self._lm = lm
+        self._tuners = [(t, t.get_base_layer(), [(a, t.lora_A[a], t.lora_B[a]) for a in t.lora_A])
+                        for t in tuners.values()]
+        self._parents = [m for n, m in lm.named_modules() if n in names]
+        return tuners
+
+    def _current(self) -> tuple:
+        layers = []
+        for t, base, factors in self._tuners:
+            row = [t.disable_adapters, t.merged, tuple(t.active_adapters),
+                   _state(base._parameters["weight"])]
+            row += [(t.scaling.get(a), _state(la._parameters["weight"]),
+                     _state(lb._parameters["weight"])) for a, la, lb in factors]
+            layers.append(tuple(row))
+        children = tuple(tuple(map(id, m._modules.values())) for m in self._parents)
+        return tuple(layers), children
+
+    def lora_trains(self, lm: nn.Module) -> bool:
+        """Whether a LoRA weight of ``lm`` requires a gradient."""
+        if lm is not self._lm:
+            self.clear()
+            self._scan(lm)
+        return any(m._parameters["weight"].requires_grad for _, _, factors in self._tuners
+                   for _, la, lb in factors for m in (la, lb))
+
+    def get(self, lm: nn.Module) -> nn.Module | None:
+        """The folded view of ``lm`` as its weights are now; None when it cannot be folded."""
+        if lm is not self._lm or self._key is None or self._current() != self._key:
+            self.clear()  # the old copy goes before the new one is made: never two at once
+            tuners = self._scan(lm)
+            self._view, self._key = fold_view(lm, tuners), self._current()
+        return self._view
+
+    def clear(self) -> None:
+        """Free the folded weights."""
+        self._view, self._key = None, None
