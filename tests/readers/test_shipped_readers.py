@@ -77,5 +77,7 @@ def test_a_local_copy_of_the_embedded_model_gets_its_readers():
     from ktm.readers import find_reader  # the API the demo uses
 
     assert find_reader(folder, 4) == "smollm2-135m-k4"
-    assert find_reader(folder, 2) == "smollm2-135m-k2"
+    # the consecutive-position K=2 reader reads as well as the spread one (readers.PREFERRED)
+    assert find_reader(folder, 2) == "smollm2-135m-k2-seq"
+    assert find_reader("smollm2-135m", 2) == "smollm2-135m-k2-seq"
     assert find_reader(folder, 3) is None
