@@ -252,7 +252,7 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
         same = Method(m.name, m.k, m.mlp_ratio).key  # the torch twin's: one encoder for both
         if same in encs:
             encs[m.key] = encs[same]
-        elif own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.mlp is not None:
+        elif own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.config.use_mlp:
             encs[m.key] = own
         else:
             # fp32 like every trainable weight (the model autocasts it to the LM's dtype)

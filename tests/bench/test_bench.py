@@ -254,6 +254,17 @@ def test_checkpoint_folder_reuses_its_trained_encoder(tiny_model_dir, tmp_path):
     assert [r["k"] for r in rows] == [1, 2] and rows[1]["compressed_tokens"] == 8
 
 
+def test_a_recursive_checkpoint_reuses_its_own_encoder(tiny_model_dir, tmp_path):
+    """A K=4 reader of two K=2 merges (the shipped K=4 readers) is benchmarked with itself."""
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, inner_k=2, mlp_ratio=0.5)
+    model.save(str(tmp_path / "ckpt"))
+    rows = run_bench(small(str(tmp_path / "ckpt"), tmp_path, lengths=(16,), ks=(4,),
+                           mlp_ratios=(0.5,), batch_sizes=(1,), repeats=1, warmup=0))
+    own = sum(p.numel() for p in model.encoder.parameters())
+    assert rows[1]["k"] == 4 and rows[1]["encoder_params"] == own
+
+
 def test_too_long_prompt_is_refused(tiny_model_dir, tmp_path):
     with pytest.raises(KTMError, match="context"):
         run_bench(small(tiny_model_dir, tmp_path, lengths=(600,)))
