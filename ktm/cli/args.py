@@ -188,7 +188,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     want = from_args(KTMConfig, args, base=saved)
     clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
              and _value(want, d) != _value(saved, d)]
-    if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio"}:
+    if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio",
+                                              "context_blocks"}:
         if want.k != own.k:
             raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
                            f"the inner K={want.k}")
@@ -196,6 +197,10 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
             raise KTMError(f"--mlp-ratio {want.mlp_ratio!r} is below checkpoint {checkpoint!r}'s "
                            f"{own.mlp_ratio!r}: expected a wider encoder (a narrower one cannot "
                            "hold it)")
+        if own.context_blocks and want.context_blocks != own.context_blocks:
+            raise KTMError(f"--context-blocks {want.context_blocks!r} differs from checkpoint "
+                           f"{checkpoint!r}'s {own.context_blocks!r}: only a block encoder "
+                           "(context_blocks=0) gains earlier blocks")
         return _grown(path, own, replace(want, dtype=flags.get("dtype", "float32")),
                       args.device, getattr(args, "seed", 0) or 0)
     if clash:
@@ -212,9 +217,10 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
 
 
 def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):
-    """``--init CKPT --lora-r R`` / ``--mlp-ratio M``: the checkpoint's model with its adapter
-    grown to rank R and / or its encoder MLP widened to ratio M (the same function at the start,
-    more capacity to train; ``ktm.core.checkpoint.grow_lora`` and
+    """``--init CKPT --lora-r R`` / ``--mlp-ratio M`` / ``--context-blocks W``: the checkpoint's
+    model with its adapter grown to rank R, its encoder MLP widened to ratio M and / or reading
+    the W blocks before each block (the same function at the start, more capacity to train;
+    ``ktm.core.checkpoint.grow_lora`` and
     ``ktm.core.encoder.grow_encoder``)."""
     import torch
 

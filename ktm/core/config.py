@@ -23,7 +23,7 @@ def _is_int(v: Any) -> bool:
 
 
 def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
-                         inner_k: Any) -> None:
+                         inner_k: Any, context_blocks: Any = 0) -> None:
     """The encoder settings' rules, shared by ``KTMConfig`` and ``EncoderConfig``."""
     if not _is_int(k) or k < 1:
         raise KTMError(f"k must be an integer >= 1, got {k!r}")
@@ -34,6 +34,11 @@ def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
         raise KTMError("mlp_gate=True needs use_mlp=True: there is no MLP output to gate")
     if not _is_int(inner_k) or inner_k < 1 or k % inner_k or (1 < inner_k == k):
         raise KTMError(f"inner_k={inner_k} must divide k={k} and be smaller (1: no recursion)")
+    if not _is_int(context_blocks) or context_blocks < 0:
+        raise KTMError(f"context_blocks must be an integer >= 0, got {context_blocks!r}")
+    if context_blocks and not use_mlp:
+        raise KTMError(f"context_blocks={context_blocks} needs use_mlp=True: the earlier blocks "
+                       "are read by the MLP")
 
 
 @dataclass
@@ -87,6 +92,9 @@ class KTMConfig:
         "help": "ReZero gate on the MLP output instead of a zero last layer"})
     inner_k: int = field(default=1, metadata={
         "help": "recursive merging: merge blocks of inner_k tokens first (1: off)"})
+    context_blocks: int = field(default=0, metadata={
+        "help": "contextual merging: the encoder MLP also reads the W blocks before each block "
+                "of its segment, through weights starting at zero (0: the paper's block encoder)"})
     plain_prefix: int = field(default=0, metadata={
         "help": "first prompt tokens kept plain (the LM's attention sink)"})
     plain_suffix: int = field(default=0, metadata={
@@ -116,7 +124,8 @@ class KTMConfig:
         if not isinstance(self.lora, LoraSettings):
             raise KTMError(f"KTMConfig.lora must be a LoraSettings (or a dict of its fields), got "
                            f"{self.lora!r}")
-        check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k)
+        check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
+                             self.context_blocks)
         if not _is_int(self.plain_prefix) or self.plain_prefix < 0:
             raise KTMError(f"plain_prefix must be an integer >= 0, got {self.plain_prefix!r}")
         if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
@@ -129,7 +138,8 @@ class KTMConfig:
             raise KTMError("base_model is empty: expected an embedded model name or a folder")
 
     # the encoder's part of the config (EncoderConfig adds the base model's hidden size)
-    ENCODER_FIELDS = ("k", "mlp_ratio", "use_mlp", "slot_weights", "mlp_gate", "inner_k")
+    ENCODER_FIELDS = ("k", "mlp_ratio", "use_mlp", "slot_weights", "mlp_gate", "inner_k",
+                      "context_blocks")
 
     def encoder_kwargs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.ENCODER_FIELDS}

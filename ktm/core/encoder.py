@@ -9,6 +9,13 @@ last layer (the paper) or through a zero gate (``mlp_gate``, ReZero-style: the g
 with fan-in 1, so one Adam step moves it by about the learning rate, whereas a zero last layer
 with a K*D-wide fan-in moves the output by far more than an embedding's norm). Either way an
 untrained encoder is exactly mean pooling.
+
+``context_blocks`` W > 0 makes the merge contextual (a causal convolution over blocks): the MLP's
+first layer also reads the raw embeddings of the W blocks before this one in its segment,
+through weights that start at zero, so an encoder with them untrained is exactly the block
+encoder (and a block reader gains them without changing what it computes). A block's vector
+depends only on its own tokens and the W blocks before it: appending tokens to a segment never
+changes an earlier complete block's vector, so merged prefixes stay cacheable by their ids.
 """
 
 from __future__ import annotations
@@ -37,9 +44,12 @@ class EncoderConfig:
     # recursive merging: blocks of inner_k tokens are merged first, then k // inner_k of those
     # (K=4 as a K=2 merge of two K=2 merges, whose inner level can start from the K=2 reader)
     inner_k: int = 1
+    # contextual merging: the MLP also reads the W blocks before each block (0: the paper's)
+    context_blocks: int = 0
 
     def __post_init__(self) -> None:
-        check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k)
+        check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
+                             self.context_blocks)
         if self.hidden_size < 1:
             raise KTMError(f"hidden_size must be >= 1, got {self.hidden_size!r}")
 
@@ -81,9 +91,10 @@ class KTokenEncoder(nn.Module):
     """
 
     def __init__(self, hidden_size: int, k: int = 4, mlp_ratio: float = 2.0, use_mlp: bool = True,
-                 slot_weights: bool = False, mlp_gate: bool = False):
+                 slot_weights: bool = False, mlp_gate: bool = False, context_blocks: int = 0):
         super().__init__()
-        self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate)
+        self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate,
+                                    context_blocks=context_blocks)
         d, h = hidden_size, self.config.mlp_hidden
         # fp32 whatever torch's default dtype: trainable weights stay fp32 (an Adam step of
         # 5e-5 rounds to nothing in bf16), and the LM's dtype is reached by autocast
@@ -103,13 +114,19 @@ class KTokenEncoder(nn.Module):
             else:
                 nn.init.zeros_(self.mlp[-1].weight)
                 nn.init.zeros_(self.mlp[-1].bias)
+        self.context: nn.Linear | None = None
+        if context_blocks:
+            # the earlier blocks' raw embeddings into the MLP's first layer, from zero: the
+            # untrained encoder is the block encoder exactly
+            self.context = nn.Linear(context_blocks * k * d, h, bias=False, **f32)
+            nn.init.zeros_(self.context.weight)
 
     @classmethod
     def from_config(cls, config: EncoderConfig) -> KTokenEncoder | RecursiveEncoder:
         if config.levels() is not None:
             return RecursiveEncoder(config)
         return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp,
-                   config.slot_weights, config.mlp_gate)
+                   config.slot_weights, config.mlp_gate, config.context_blocks)
 
     @property
     def k(self) -> int:
@@ -118,6 +135,11 @@ class KTokenEncoder(nn.Module):
     def wide_parameters(self) -> list[nn.Parameter]:
         """Weights with a wide fan-in (the MLP's linear layers): they want a smaller Adam step."""
         return [] if self.mlp is None else list(self.mlp.parameters())
+
+    def context_parameters(self) -> list[nn.Parameter]:
+        """The weights that read the earlier blocks (``context_blocks``): new to a block reader
+        continued with them, so training may give them a learning rate of their own."""
+        return [] if self.context is None else [self.context.weight]
 
     def order_parameters(self) -> list[nn.Parameter]:
         """The slot weights and the gate: fan-in 1, what tells a block's order apart first."""
@@ -154,12 +176,24 @@ class KTokenEncoder(nn.Module):
             weights = self.slots.to(blocks.dtype)
             merged = (blocks * weights).sum(dim=2) * (k / count.clamp(min=1.0))
         if self.mlp is not None:
-            extra = self.mlp(blocks.reshape(b, n, k * d))
+            flat = blocks.reshape(b, n, k * d)
+            if self.context is None:
+                extra = self.mlp(flat)
+            else:
+                extra = self.mlp[1:](self.mlp[0](flat) + self.context(self._earlier(flat)))
             merged = merged + (extra if self.gate is None else self.gate.to(extra.dtype) * extra)
         out_mask = count.squeeze(-1) > 0
         # a block of padding only carries no information; keep its output at exactly zero
         merged = merged * out_mask.unsqueeze(-1).to(merged.dtype)
         return merged, out_mask
+
+    def _earlier(self, flat: torch.Tensor) -> torch.Tensor:
+        """(B, N, KD) blocks -> (B, N, W*KD): for each block the W blocks before it, nearest
+        first, zeros before the segment's start (a causal convolution's window)."""
+        w = self.config.context_blocks
+        padded = nn.functional.pad(flat, (0, 0, w, 0))  # W zero blocks before the first
+        n = flat.shape[1]
+        return torch.cat([padded[:, w - j: w - j + n] for j in range(1, w + 1)], dim=-1)
 
 
 class RecursiveEncoder(nn.Module):
@@ -184,6 +218,9 @@ class RecursiveEncoder(nn.Module):
 
     def wide_parameters(self) -> list[nn.Parameter]:
         return self.inner.wide_parameters() + self.outer.wide_parameters()
+
+    def context_parameters(self) -> list[nn.Parameter]:
+        return self.inner.context_parameters() + self.outer.context_parameters()
 
     def order_parameters(self) -> list[nn.Parameter]:
         return self.inner.order_parameters() + self.outer.order_parameters()
@@ -210,11 +247,15 @@ def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor
     keep their fresh init; the weights from them into the saved units of the second layer are
     zero, so the saved units compute what they did; the new units of the second layer keep their
     fresh init, and the last layer's weights from them are zero, so they add nothing to the
-    output until training moves those weights. Slot weights, gates and anything outside an MLP
+    output until training moves those weights. The weights reading earlier blocks
+    (``context_blocks``), absent from a block encoder, keep their zero init. Slot weights, gates and anything outside an MLP
     are copied as saved; they must have the same shape.
     """
     out = {}
     for key, new in current.items():
+        if key not in saved and key.rsplit(".", 2)[-2:] == ["context", "weight"]:
+            out[key] = new  # a block encoder gaining context (context_blocks): zeros, unchanged
+            continue
         if key not in saved:
             raise KTMError(f"encoder weight {key!r} is missing from the saved encoder: expected "
                            "the same encoder layout with a narrower MLP")

@@ -38,6 +38,12 @@ class TrainConfig:
     # (docs/guide.md#defaults). None: lr.
     slot_lr: float | None = field(default=None, metadata={
         "help": "learning rate of the encoder's slot weights and gate (default: --lr)"})
+    # the weights that read earlier blocks (context_blocks) start at zero in a reader continued
+    # with them; a rate of their own lets them move while the trained MLP moves gently. None:
+    # encoder_lr (they have the MLP's wide fan-in)
+    context_lr: float | None = field(default=None, metadata={
+        "help": "learning rate of the encoder's weights reading earlier blocks "
+                "(--context-blocks; default: --encoder-lr)"})
     ema_decay: float = field(default=0.0, metadata={
         "help": "keep an exponential moving average of the trainable weights with this decay "
                 "(e.g. 0.95): evaluations, the checkpoint and the returned model use it, the "
@@ -72,7 +78,7 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "encoder_lr", "slot_lr", "weight_decay", "clip_norm"):
+        for name in ("lr", "encoder_lr", "slot_lr", "context_lr", "weight_decay", "clip_norm"):
             v = getattr(self, name)  # NaN passed every comparison and trained to NaN weights
             if v is not None and not math.isfinite(v):
                 raise KTMError(f"{name} must be a finite number, got {v}")
@@ -88,6 +94,8 @@ class TrainConfig:
             raise KTMError(f"encoder_lr must be > 0, got {self.encoder_lr}")
         if self.slot_lr is not None and self.slot_lr <= 0:
             raise KTMError(f"slot_lr must be > 0 (or unset: lr), got {self.slot_lr}")
+        if self.context_lr is not None and self.context_lr <= 0:
+            raise KTMError(f"context_lr must be > 0 (or unset: encoder_lr), got {self.context_lr}")
         if not 0.0 <= self.ema_decay < 1.0:
             raise KTMError(f"ema_decay must be in [0, 1) (0: no average), got {self.ema_decay}")
 

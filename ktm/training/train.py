@@ -75,18 +75,23 @@ def adamw(params, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
 
 def param_groups(model, cfg: TrainConfig) -> list[dict]:
     """LoRA, slot weights and gate at ``lr``; the encoder MLP's wide layers at ``encoder_lr``;
-    with ``slot_lr`` set, the slot weights and gate at that rate instead."""
+    with ``slot_lr`` set, the slot weights and gate at that rate instead; the weights reading
+    earlier blocks at ``context_lr`` (default ``encoder_lr``)."""
     wide = {id(p) for p in model.encoder.wide_parameters()}
     order = ({id(p) for p in model.encoder.order_parameters()} if cfg.slot_lr is not None
              else set())
-    special = wide | order
+    context = {id(p) for p in getattr(model.encoder, "context_parameters", list)()}
+    special = wide | order | context
     named = model.trainable_parameters()
     groups = [{"params": [p for _, p in named if id(p) not in special], "base_lr": cfg.lr,
                "name": "main"},
               {"params": [p for _, p in named if id(p) in wide], "base_lr": cfg.encoder_lr,
                "name": "encoder_mlp"},
               {"params": [p for _, p in named if id(p) in order], "base_lr": cfg.slot_lr,
-               "name": "encoder_order"}]
+               "name": "encoder_order"},
+              {"params": [p for _, p in named if id(p) in context],
+               "base_lr": cfg.encoder_lr if cfg.context_lr is None else cfg.context_lr,
+               "name": "encoder_context"}]
     return [g for g in groups if g["params"]]
 
 

@@ -600,3 +600,33 @@ def test_gzipped_text_under_a_plain_name_is_read_as_text(tmp_path) -> None:
     path = tmp_path / "notes.txt"
     path.write_bytes(gzip.compress(b"plain words"))
     assert path_texts(str(path)) == ["plain words"]
+
+
+def test_init_with_context_blocks_gives_a_block_reader_context_exactly(tiny_model_dir, tmp_path,
+                                                                       corpus):
+    """``--init READER --context-blocks W``: the same function at the start (the new weights
+    are zero), then a run trains them; a contextual checkpoint keeps its own W."""
+    from ktm.cli.args import init_or_build
+    from ktm.cli.main import _parser
+
+    block = fresh(tiny_model_dir, k=4, inner_k=2, mlp_ratio=0.5)
+    randomize_lora(block)
+    for p in block.encoder.parameters():
+        p.data.normal_(0, 0.05)
+    block.save(str(tmp_path / "block"))
+    want = _logits(block.eval())
+    argv = ["pretrain", "--init", str(tmp_path / "block"), "--model", tiny_model_dir,
+            "--context-blocks", "2", "--sources", corpus]
+    ctx = init_or_build(_parser(argv).parse_args(argv))
+    assert ctx.encoder.config.context_blocks == 2 and len(ctx.encoder.context_parameters()) == 2
+    torch.testing.assert_close(_logits(ctx.eval()), want, atol=1e-6, rtol=1e-6)
+    run = ["--max-steps", "2", "--no-progress", "--sources", corpus, "--batch-size", "2",
+           "--eval-sets", "none", "--context-tokens", "24", "--target-tokens", "8",
+           "--min-tokens", "8", "--context-lr", "1e-2"]
+    assert main(["pretrain", "--init", str(tmp_path / "block"), "--context-blocks", "2", *run,
+                 "--out-dir", str(tmp_path / "c")]) == 0
+    trained = KTMModel.load(str(tmp_path / "c" / "checkpoint"))
+    assert trained.encoder.config.context_blocks == 2
+    assert all(p.any() for p in trained.encoder.context_parameters())
+    assert main(["pretrain", "--init", str(tmp_path / "c" / "checkpoint"), "--context-blocks",
+                 "1", *run, "--out-dir", str(tmp_path / "x")]) == 2

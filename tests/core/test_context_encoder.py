@@ -1,0 +1,150 @@
+"""Contextual merging (``context_blocks``): the MLP also reads the W blocks before each block.
+
+What the block encoder guarantees holds: with its context weights at zero it *is* the block
+encoder; a merged vector depends only on its block and the W blocks before it (appending tokens
+never changes an earlier complete block's vector, so merged prefixes stay cacheable by their
+ids); a batch equals its rows one by one; save -> load gives the same logits; training moves it.
+"""
+
+import pytest
+import torch
+from helpers import PROMPTS, fresh_model, perturb
+
+from ktm import KTMError
+from ktm.core.encoder import EncoderConfig, KTokenEncoder, grow_encoder
+from ktm.model import KTMModel
+
+LAYOUTS = [dict(k=4), dict(k=2, slot_weights=True), dict(k=4, inner_k=2, slot_weights=True)]
+
+
+def _pair(layout, w=2, dtype=torch.float32):
+    """A trained-looking block encoder and the same encoder with W context blocks (at zero)."""
+    torch.manual_seed(0)
+    block = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, **layout))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    ctx = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, context_blocks=w, **layout))
+    ctx.load_state_dict(grow_encoder(block.state_dict(), ctx.state_dict()))
+    return block.to(dtype), ctx.to(dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_with_zero_context_weights_it_is_the_block_encoder_exactly(layout):
+    block, ctx = _pair(layout)
+    assert ctx.context_parameters() and all(not p.any() for p in ctx.context_parameters())
+    x = torch.randn(3, 19, 8)
+    mask = torch.ones(3, 19, dtype=torch.bool)
+    mask[1, 11:] = False
+    got, got_mask = ctx(x, mask)
+    want, want_mask = block(x, mask)
+    assert torch.equal(got, want) and torch.equal(got_mask, want_mask)
+
+
+def _trained(layout, w=2):
+    _, ctx = _pair(layout, w, torch.float64)
+    with torch.no_grad():
+        for p in ctx.context_parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    return ctx
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_appending_tokens_never_changes_an_earlier_complete_blocks_vector(layout):
+    ctx = _trained(layout)
+    k = layout["k"]
+    x = torch.randn(1, 6 * k + 3, 8, dtype=torch.float64)
+    full, _ = ctx(x)
+    for t in range(k, x.shape[1], k):  # every prefix of whole blocks
+        part, _ = ctx(x[:, :t])
+        torch.testing.assert_close(part, full[:, : t // k], rtol=1e-12, atol=1e-12)
+    # and the context is really read: changing the first block changes the later ones
+    y = x.clone()
+    y[:, 0] += 1.0
+    assert not torch.allclose(ctx(y)[0][:, 2:], full[:, 2:])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_batch_equals_its_rows_one_by_one(layout):
+    ctx = _trained(layout)
+    lengths = [17, 9, 4]
+    x = torch.randn(3, 17, 8, dtype=torch.float64)
+    mask = torch.tensor([[i < n for i in range(17)] for n in lengths])
+    batch, _ = ctx(x, mask)
+    for row, n in enumerate(lengths):
+        alone, _ = ctx(x[row:row + 1, :n])
+        blocks = alone.shape[1]
+        torch.testing.assert_close(batch[row:row + 1, :blocks], alone, rtol=1e-12, atol=1e-12)
+        assert not batch[row, blocks:].any()  # blocks of padding only stay zero
+
+
+def test_save_then_load_gives_identical_logits(tiny_model_dir, tmp_path):
+    model = fresh_model(tiny_model_dir, k=2, context_blocks=1)
+    perturb(model)
+    assert model.encoder.context.weight.any()
+    model.save(tmp_path / "ckpt")
+    again = KTMModel.load(tmp_path / "ckpt")
+    assert again.encoder.config.context_blocks == 1
+    cps = model.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        for a, b in zip(cps, again.encode_prompts(PROMPTS)):
+            assert torch.equal(a.embeds, b.embeds)
+
+
+def test_one_training_step_moves_the_context_weights_and_lowers_the_loss(tiny_model_dir):
+    from ktm.training.train import adamw
+
+    model = fresh_model(tiny_model_dir, k=2, context_blocks=1)
+    perturb(model)  # the block MLP trained: its last layer no longer zero
+    with torch.no_grad():
+        model.encoder.context.weight.zero_()  # as a block reader continued with context
+    model.train()
+    prompts, targets = PROMPTS, ["true", "false", "positive review"]
+    loss = model(prompts, targets).loss
+    loss.backward()
+    assert model.encoder.context.weight.grad.abs().sum() > 0
+    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    opt.step()
+    with torch.no_grad():
+        after = model(prompts, targets).loss
+    assert after.item() < loss.item() - 1e-3, (loss.item(), after.item())
+
+
+def test_context_lr_sets_the_context_weights_own_group(tiny_model_dir, tmp_path):
+    from ktm.training.config import TrainConfig
+    from ktm.training.train import param_groups
+
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2, context_blocks=1)
+    cfg = TrainConfig(out_dir=str(tmp_path), encoder_lr=1e-5, context_lr=3e-4)
+    groups = {g["name"]: g for g in param_groups(model, cfg)}
+    ids = {id(p) for p in groups["encoder_context"]["params"]}
+    assert ids == {id(p) for p in model.encoder.context_parameters()} and len(ids) == 2
+    assert groups["encoder_context"]["base_lr"] == 3e-4
+    assert not ids & {id(p) for p in groups["encoder_mlp"]["params"]}
+    default = {g["name"]: g for g in param_groups(model, TrainConfig(out_dir=str(tmp_path),
+                                                                       encoder_lr=1e-5))}
+    assert default["encoder_context"]["base_lr"] == 1e-5
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(context_blocks=-1), "context_blocks must be an integer >= 0, got -1"),
+    (dict(context_blocks=1.5), "context_blocks must be an integer >= 0, got 1.5"),
+    (dict(context_blocks=1, use_mlp=False), "needs use_mlp=True"),
+])
+def test_bad_context_settings_are_clear_errors(kw, match):
+    with pytest.raises(KTMError, match=match):
+        EncoderConfig(8, **kw)
+
+
+def test_a_checkpoint_read_with_other_context_blocks_is_refused(tiny_model_dir, tmp_path, capsys):
+    """Outside training a checkpoint is read as it was trained (``ktm pretrain --init`` may add
+    context blocks to a block reader: tests/training/test_pretrain.py)."""
+    from ktm.cli.main import main
+
+    model = fresh_model(tiny_model_dir, k=2, slot_weights=True)
+    perturb(model)
+    model.save(tmp_path / "ckpt")
+    code = main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--context-blocks", "1",
+                 "--task", "tree", "--n-eval", "2"])
+    assert code != 0
+    assert "--context-blocks 1 contradicts checkpoint" in capsys.readouterr().err
