@@ -71,7 +71,8 @@ class BenchConfig:
     backends: tuple[str, ...] = field(default=("torch",), metadata={
         "help": "runtimes that prefill and decode: torch and/or llamacpp (the [llamacpp] "
                 "extra); infer: each method on each, interleaved, speed-ups against the same "
-                "runtime's uncompressed run; serve: a server per runtime (ktm serve --backend)"})
+                "runtime's uncompressed run (on llamacpp: plain llama.cpp, the base GGUF with "
+                "no LoRA); serve: a server per runtime (ktm serve --backend)"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     output_tokens: int = field(default=32, metadata={
@@ -228,18 +229,27 @@ def methods_of(config: BenchConfig) -> list[Method]:
     return out
 
 
-def bench_runtime(model, config: BenchConfig):
-    """The llama.cpp runtime of ``model`` (exported once into the cache), with cells for the
-    longest prompt and its answer in every row of the largest batch; None without llamacpp."""
+def bench_runtimes(model, config: BenchConfig) -> dict:
+    """The llama.cpp runtimes by method name, with cells for the longest prompt and its answer
+    in every row of the largest batch: ``ktm``, the model's own (exported once into the cache),
+    and ``uncompressed``, plain llama.cpp (the base GGUF alone, no LoRA); {} without llamacpp."""
     if "llamacpp" not in config.backends:
-        return None
-    from ktm.llamacpp.runtime import RuntimeConfig
+        return {}
+    from ktm.llamacpp.backend import export_dir
+    from ktm.llamacpp.export import export_files
+    from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig
 
     cells = (max(config.lengths) + config.output_tokens + 8) * max(config.batch_sizes)
-    model.use_backend("llamacpp", config=RuntimeConfig(
-        context=cells, sequences=max(config.batch_sizes)))
-    runtime, model.runtime = model.runtime, None  # each method picks its runtime
-    return runtime
+    rc = RuntimeConfig(context=cells, sequences=max(config.batch_sizes))
+    model.use_backend("llamacpp", config=rc)
+    runtimes, model.runtime = {"ktm": model.runtime}, None  # each method picks its runtime
+    try:
+        base, _ = export_files(export_dir(model, None, None), model, plain=True)
+        runtimes["uncompressed"] = LlamaCppRuntime(base, None, rc)
+    except BaseException:
+        runtimes["ktm"].close()
+        raise
+    return runtimes
 
 
 def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncoder]:
@@ -285,13 +295,13 @@ def memory_pass(run, methods: list[Method], stats: dict) -> None:
 
 
 def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[str],
-            targets: list[str], runtime=None):
+            targets: list[str], runtimes: dict):
     ids = [model.tokenize(p, first=True) for p in prompts]  # tokenization stays untimed
 
     def run(m: Method) -> dict:
         if m.key in encs:
             model.encoder = encs[m.key]
-        model.runtime = runtime if m.backend == "llamacpp" else None
+        model.runtime = runtimes[m.name] if m.backend == "llamacpp" else None
         merge = m.name != "uncompressed"
         if config.mode == "infer":
             return infer_once(model, ids, merge, config.output_tokens)
@@ -318,7 +328,7 @@ def run_bench(config: BenchConfig) -> list[dict]:
         raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "
                        f"the model's context of {limit} positions")
     methods = methods_of(config)
-    runtime = bench_runtime(model, config)
+    runtimes = bench_runtimes(model, config)
     encs = _encoders(model, methods, config.seed)
     opts = _optimizers(model, methods, encs) if config.mode == "train" else {}
     pool = word_pool(model.tokenizer, config.seed)
@@ -337,7 +347,7 @@ def run_bench(config: BenchConfig) -> list[dict]:
                 prompts = [synthetic_text(model, length, s, pool) for s in seeds]
                 targets = [synthetic_text(model, config.target_tokens, s + 1, pool, first=False)
                            for s in seeds]
-                run = _runner(model, config, encs, opts, prompts, targets, runtime)
+                run = _runner(model, config, encs, opts, prompts, targets, runtimes)
                 runs = interleave(run, methods, config.warmup, config.repeats, bar.update)
                 stats = {}
                 for b in config.backends:  # speed-ups against the same runtime, uncompressed
@@ -352,7 +362,8 @@ def run_bench(config: BenchConfig) -> list[dict]:
                     rows.append({
                         "method": m.name, "k": m.k, "mlp_ratio": m.mlp_ratio,
                         "backend": m.backend,
-                        **({"llamacpp": runtime.record()} if m.backend == "llamacpp" else {}),
+                        **({"llamacpp": runtimes[m.name].record()}
+                           if m.backend == "llamacpp" else {}),
                         "encoder_params": sum(p.numel() for p in enc.parameters()) if enc else 0,
                         "input_tokens": length, "batch": batch, "repeats": config.repeats,
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
@@ -362,8 +373,8 @@ def run_bench(config: BenchConfig) -> list[dict]:
     finally:
         bar.close()
         model.runtime = None
-        if runtime is not None:
-            runtime.close()
+        for rt in runtimes.values():
+            rt.close()
     return rows
 
 

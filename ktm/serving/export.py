@@ -33,6 +33,10 @@ class ExportConfig:
                 "weights, F32 or F16: the torch path's exact function)"})
     base_type: str = field(default="f32", metadata={
         "help": "gguf: the type of a written base GGUF", "choices": BASE_TYPES})
+    fold_lora: bool = field(default=True, metadata={
+        "help": "gguf: also write model.gguf, the base with the LoRA folded into its weights "
+                "in their own types, which the llama.cpp backend runs as fast as the plain "
+                "base (off: base + adapter only)"})
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -43,6 +47,8 @@ class ExportConfig:
             raise KTMError(f"base_type must be one of {BASE_TYPES}, got {self.base_type!r}")
         if self.format != "gguf" and (self.base_gguf or self.write_base):
             raise KTMError("--base-gguf and --write-base are options of --format gguf")
+        if self.format != "gguf" and not self.fold_lora:
+            raise KTMError("--no-fold-lora is an option of --format gguf")
         parse_dtype(self.dtype)
 
 
@@ -60,7 +66,7 @@ def run_export(cfg: ExportConfig, out: str) -> dict:
         import_llama_cpp()  # before the model loads: the install hint comes first
         model = load_any(cfg.model, cfg.k, "cpu", "float32")
         manifest = export_gguf(model, out, source=cfg.model, opts=GGUFOptions(
-            cfg.base_gguf, cfg.write_base, cfg.base_type))
+            cfg.base_gguf, cfg.write_base, cfg.base_type, cfg.fold_lora))
         print(f"wrote {out}: run it with\n  ktm generate --checkpoint {out} --backend llamacpp "
               "--prompt ...\n  ktm serve --model {out} --backend llamacpp".replace("{out}", out))
         return manifest

@@ -405,8 +405,10 @@ def test_both_backends_run_interleaved_each_against_its_own_uncompressed_run(tin
         assert r["per_repeat"]["speedup_e2e"] == pytest.approx(pairs)
         assert r["compressed_tokens"] == 64 // r["k"]
         assert r["kv_ratio"] == pytest.approx(1 / r["k"])
-    llama = rows[3]["llamacpp"]
-    assert llama["sequences"] == 1 and llama["base_gguf"].endswith("base.gguf")
+    llama = rows[3]["llamacpp"]  # the LoRA folded into the base
+    assert llama["sequences"] == 1 and llama["model_gguf"].endswith("model.gguf")
+    plain = rows[2]["llamacpp"]  # plain llama.cpp: the base alone
+    assert plain["model_gguf"].endswith("base.gguf") and plain["adapter_gguf"] is None
 
 
 def test_backends_other_than_torch_are_an_infer_option():

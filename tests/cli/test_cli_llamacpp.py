@@ -49,7 +49,7 @@ def test_eval_on_llama_cpp_records_its_backend(capsys, checkpoint, tmp_path, mon
                        str(tmp_path / "r.json"))
     assert code == 0, err
     backend = json.loads((tmp_path / "r.json").read_text())["config"]["eval"]["backend"]
-    assert backend["name"] == "llamacpp" and backend["adapter_gguf"].endswith("adapter.gguf")
+    assert backend["name"] == "llamacpp" and backend["model_gguf"].endswith("model.gguf")
 
 
 def test_a_refused_export_exits_non_zero_with_one_line_and_writes_nothing(capsys,

@@ -2,7 +2,9 @@
 batch against its prompts one by one, the KV cache kept across requests, and the export's errors.
 
 The base is written as an F32 GGUF and the runtime keeps an F32 KV cache without flash attention
-(``kv_type="f32"``), so both paths compute the same function in the same precision."""
+(``kv_type="f32"``), so both paths compute the same function in the same precision. Each check
+runs on both forms of an export: the LoRA folded into the weights (``model.gguf``, the default)
+and base + adapter (``fold_lora=False``)."""
 
 import json
 import shutil
@@ -31,11 +33,12 @@ def checkpoint(tiny_model_dir, tmp_path):
     return tmp_path / "ckpt"
 
 
-@pytest.fixture
-def pair(checkpoint, tmp_path):
+@pytest.fixture(params=[True, False], ids=["folded", "adapter"])
+def pair(checkpoint, tmp_path, request):
     """The same checkpoint on torch and on llama.cpp (exported into ``tmp/export``)."""
     torch_model = KTMModel.load(checkpoint)
-    export_gguf(torch_model, tmp_path / "export", source=checkpoint)
+    export_gguf(torch_model, tmp_path / "export", source=checkpoint,
+                opts=GGUFOptions(fold_lora=request.param))
     llama = KTMModel.load(checkpoint, backend="llamacpp", gguf=tmp_path / "export",
                           llamacpp=EXACT)
     return torch_model, llama
@@ -91,15 +94,18 @@ def test_an_export_holds_a_checkpoint_and_loads_by_itself(pair, tmp_path):
 
 def test_a_missing_or_changed_base_gguf_and_a_mismatched_manifest_are_errors(pair, tmp_path,
                                                                          checkpoint):
+    """The GGUF llama.cpp runs: the folded model where the export has one, else the base."""
     export = tmp_path / "export"
+    m = read_manifest(export)
+    name, what = ("model.gguf", "model gguf") if m["model_gguf"] else ("base.gguf", "base gguf")
     moved = tmp_path / "moved.gguf"
-    shutil.move(export / "base.gguf", moved)
-    with pytest.raises(KTMError, match="base gguf .* is missing"):
+    shutil.move(export / name, moved)
+    with pytest.raises(KTMError, match=f"{what} .* is missing"):
         KTMModel.load(checkpoint, backend="llamacpp", gguf=export, llamacpp=EXACT)
-    (export / "base.gguf").write_bytes(moved.read_bytes()[:-8] + b"\0" * 8)
+    (export / name).write_bytes(moved.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(KTMError, match="sha256"):
         KTMModel.load(checkpoint, backend="llamacpp", gguf=export, llamacpp=EXACT)
-    shutil.move(moved, export / "base.gguf")
+    shutil.move(moved, export / name)
     manifest = json.loads((export / MANIFEST).read_text())
     manifest["k"] = 4
     (export / MANIFEST).write_text(json.dumps(manifest))

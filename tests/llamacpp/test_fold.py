@@ -1,0 +1,66 @@
+"""Folding the LoRA into the base GGUF: every adapted weight becomes W + (alpha / r) B A in its
+own number type, everything else (metadata, other tensors) is copied unchanged, and what cannot
+be folded is refused. Runs without llama.cpp (only the ``gguf`` package)."""
+
+import numpy as np
+import pytest
+from helpers import fresh_model, perturb
+
+from ktm.errors import KTMError
+from ktm.llamacpp.fold import fold_adapter
+from ktm.llamacpp.gguf_files import gguf_arch, gguf_module, lora_tensors, write_base
+
+
+@pytest.fixture
+def files(tiny_model_dir, tmp_path):
+    model = fresh_model(tiny_model_dir, k=2)
+    perturb(model)
+    with model.peft.disable_adapter():
+        write_base(tmp_path / "base.gguf", model.peft.get_base_model(), model.tokenizer, "f32")
+    adapter, alpha = lora_tensors(model.peft, model.lm_config, gguf_arch(model.lm_config))
+    return tmp_path / "base.gguf", adapter, alpha
+
+
+def _tensors(path) -> dict[str, np.ndarray]:
+    r = gguf_module().GGUFReader(str(path))
+    return {t.name: np.array(t.data).reshape([int(n) for n in reversed(t.shape)])
+            for t in r.tensors}
+
+
+def test_each_adapted_weight_becomes_w_plus_the_scaled_lora_product(files, tmp_path):
+    base, adapter, alpha = files
+    folded = fold_adapter(base, tmp_path / "model.gguf", adapter, alpha)
+    before, after = _tensors(base), _tensors(tmp_path / "model.gguf")
+    assert set(after) == set(before)
+    assert len(folded) == len(adapter) // 2 and set(folded.values()) == {"F32"}
+    for name, w in before.items():
+        if name in folded:
+            a, b = adapter[f"{name}.lora_a"], adapter[f"{name}.lora_b"]
+            want = w + (alpha / a.shape[0]) * (b @ a)
+            assert not np.array_equal(after[name], w)  # perturb() made the LoRA non-zero
+            np.testing.assert_allclose(after[name], want, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(after[name], w)
+
+
+def test_the_metadata_is_copied_unchanged(files, tmp_path):
+    base, adapter, alpha = files
+    fold_adapter(base, tmp_path / "model.gguf", adapter, alpha)
+    gguf = gguf_module()
+    a, b = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(tmp_path / "model.gguf"))
+    assert list(a.fields) == list(b.fields)
+    for key, field in a.fields.items():
+        assert b.fields[key].contents() == field.contents(), key
+
+
+def test_an_adapter_for_another_base_is_refused_and_writes_nothing(files, tmp_path):
+    base, adapter, alpha = files
+    other = {k.replace("blk.0.", "blk.99."): v for k, v in adapter.items()}
+    with pytest.raises(KTMError, match=r"lacks the adapted weights \['blk\.99\."):
+        fold_adapter(base, tmp_path / "model.gguf", other, alpha)
+    assert not (tmp_path / "model.gguf").exists()
+    name = next(k for k in adapter if k.endswith(".lora_a"))
+    wrong = dict(adapter, **{name: adapter[name][:, :-1]})
+    with pytest.raises(KTMError, match="do not fit the base weight"):
+        fold_adapter(base, tmp_path / "model.gguf", wrong, alpha)
+    assert not (tmp_path / "model.gguf").exists()
