@@ -39,7 +39,7 @@ from ktm.util.provenance import git_revision, versions
 
 MANIFEST = "ktm_export.json"
 FORMAT = "ktm-gguf"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model.gguf, the LoRA folded in
 ADAPTER_GGUF = "adapter.gguf"
 BASE_GGUF = "base.gguf"
 MODEL_GGUF = "model.gguf"
@@ -259,7 +259,8 @@ def export_files(directory: str | Path, model, plain: bool = False
 def export_key(model) -> str:
     """A fingerprint of what an export of ``model`` holds (its LoRA, encoder, layout and base):
     the cache folder ``KTMModel.load(..., backend="llamacpp")`` exports into once."""
-    h = hashlib.sha256(json.dumps(model.config_dict, sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps([FORMAT_VERSION, model.config_dict], sort_keys=True,
+                                  default=str).encode())
     for _, p in sorted(list(model.encoder.state_dict().items())
                        + [(n, p) for n, p in model.peft.named_parameters() if "lora_" in n]):
         h.update(p.detach().float().cpu().numpy().tobytes())
