@@ -58,12 +58,14 @@ class GGUFOptions:
     written from the HF folder); ``write_base``: write one even for the embedded model (an F32
     or F16 copy of its dequantised weights, the parity check's reference); ``base_type``: f32 |
     f16 for a written base; ``fold_lora``: also write the base with the LoRA folded in
-    (``model.gguf``), which the backend then runs without an adapter."""
+    (``model.gguf``), which the backend then runs without an adapter; ``fold_type``: the type
+    of a folded weight (``ktm.llamacpp.fold.fold_type``)."""
 
     base_gguf: str | None = None
     write_base: bool = False
     base_type: str = "f32"
     fold_lora: bool = True
+    fold_type: str = "auto"
 
 
 def embedded_gguf(base_model: str) -> Path | None:
@@ -123,7 +125,7 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
     if opts.fold_lora:
         tensors, meta = read_adapter(tmp / ADAPTER_GGUF)
         kinds = fold_adapter(base, tmp / MODEL_GGUF, tensors,
-                             float(meta[gguf_module().Keys.Adapter.LORA_ALPHA]))
+                             float(meta[gguf_module().Keys.Adapter.LORA_ALPHA]), opts.fold_type)
         folded = {"file": MODEL_GGUF, "sha256": sha256_files([tmp / MODEL_GGUF], names=False),
                   "weights": len(kinds), "types": sorted(set(kinds.values()))}
     if folded is None:
@@ -259,8 +261,9 @@ def export_files(directory: str | Path, model, plain: bool = False
 def export_key(model) -> str:
     """A fingerprint of what an export of ``model`` holds (its LoRA, encoder, layout and base):
     the cache folder ``KTMModel.load(..., backend="llamacpp")`` exports into once."""
-    h = hashlib.sha256(json.dumps([FORMAT_VERSION, model.config_dict], sort_keys=True,
-                                  default=str).encode())
+    fold = GGUFOptions()  # the backend's cached export is a default one
+    h = hashlib.sha256(json.dumps([FORMAT_VERSION, fold.fold_lora, fold.fold_type,
+                                   model.config_dict], sort_keys=True, default=str).encode())
     for _, p in sorted(list(model.encoder.state_dict().items())
                        + [(n, p) for n, p in model.peft.named_parameters() if "lora_" in n]):
         h.update(p.detach().float().cpu().numpy().tobytes())

@@ -1,13 +1,14 @@
-"""A base GGUF with a LoRA adapter folded into its weights: ``W + (alpha / r) B A``, stored in
-``W``'s own number type (a Q4_1 base stays Q4_1), so llama.cpp runs it with no adapter.
+"""A base GGUF with a LoRA adapter folded into its weights, ``W + (alpha / r) B A``, so llama.cpp
+runs it with no adapter. A folded weight keeps its number type where that is 8 bits or more and
+is stored as Q8_0 otherwise (``fold_type``).
 
 Why: llama.cpp applies an attached adapter as two extra matrix products per adapted weight at
-every step. On a small model decoding one token at a time those extra graph nodes cost about a
-quarter of the step (``results/bench/llamacpp_fold.json``); a folded model runs as fast as the
-plain base. A quantized weight is dequantized, added to and quantized again with the ``gguf``
-package's own quantizers, which round to the nearest level per block as llama.cpp's do, so the
-folded weight differs from the exact sum by at most the type's rounding step (readability with
-the folded Q4_1 base: ``results/readers/k4s2_readability_llamacpp_folded.json``).
+every step. A small model decoding one token at a time spends much of a step on graph nodes
+rather than arithmetic, so those extra nodes slow it noticeably; a folded model has the plain
+base's graph. A quantized weight is dequantized, added to and quantized again with the ``gguf``
+package's own quantizers (block by block, as llama.cpp's reference quantizers do), so the
+folded weight differs from the exact sum by at most the stored type's rounding step. Why not
+back to Q4_1: results/README.md (the readers table, R on llama.cpp).
 """
 
 from __future__ import annotations
@@ -19,15 +20,34 @@ import numpy as np
 from ktm.errors import KTMError
 from ktm.llamacpp.gguf_files import finish_writer, gguf_module
 
-# number types a weight is folded into and written back in (the gguf package quantizes these)
+# number types a weight is read from and folded into (the gguf package quantizes these)
 FOLDABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# types a folded weight keeps; one of fewer bits is folded into Q8_0: a LoRA's change to a weight
+# is mostly well under one Q4_1 step, so quantizing the sum to 4 bits again rounds it away and
+# adds a new rounding error as large as the first
+KEEPS = ("F32", "F16", "BF16", "Q8_0")
 
 
-def fold_adapter(base: Path, out: Path, adapter: dict[str, np.ndarray], alpha: float) -> dict:
+def fold_type(kind: str, want: str = "auto") -> str:
+    """The type a weight of type ``kind`` is folded into: ``want``, or for "auto" its own type
+    where that is in ``KEEPS`` and Q8_0 otherwise."""
+    if want == "auto":
+        return kind if kind in KEEPS else "Q8_0"
+    if want == "same":
+        return kind
+    if want not in FOLDABLE:
+        raise KTMError(f"fold type must be auto, same or one of {', '.join(FOLDABLE)}, got "
+                       f"{want!r}")
+    return want
+
+
+def fold_adapter(base: Path, out: Path, adapter: dict[str, np.ndarray], alpha: float,
+                 into: str = "auto") -> dict:
     """Write ``base`` with ``adapter`` (``NAME.lora_a`` / ``NAME.lora_b`` by gguf name, as
-    ``gguf_files.lora_tensors`` gives them) folded in, to ``out``. Returns what was folded:
-    the weights and the number types they kept. Raises ``KTMError`` for an adapter weight the
-    base lacks or holds in a type the ``gguf`` package cannot quantize."""
+    ``gguf_files.lora_tensors`` gives them) folded in, to ``out``, each folded weight stored in
+    ``fold_type(its type, into)``. Returns the folded weights and the types they were stored
+    in. Raises ``KTMError`` for an adapter weight the base lacks or holds in a type the ``gguf``
+    package cannot quantize."""
     gguf = gguf_module()
     reader = gguf.GGUFReader(str(base))
     arch = reader.get_field("general.architecture")
@@ -46,14 +66,14 @@ def fold_adapter(base: Path, out: Path, adapter: dict[str, np.ndarray], alpha: f
         kinds = [gguf.GGUFValueType(t) for t in field.types]
         writer.add_key_value(key, field.contents(), kinds[0],
                              sub_type=kinds[-1] if kinds[0] == gguf.GGUFValueType.ARRAY else None)
+    fold_type("F32", into)  # a bad choice is an error before anything is read or written
     folded = {}
     for t in reader.tensors:
         if t.name not in pairs:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
-        kind = t.tensor_type.name
-        if kind not in FOLDABLE:
-            raise KTMError(f"base weight {t.name!r} is of type {kind}, which this export cannot "
+        if t.tensor_type.name not in FOLDABLE:
+            raise KTMError(f"base weight {t.name!r} is of type {t.tensor_type.name}, which this export cannot "
                            f"quantize again after folding (it can: {', '.join(FOLDABLE)}); "
                            "export without folding (--no-fold-lora)")
         w = gguf.quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float32)
@@ -63,9 +83,10 @@ def fold_adapter(base: Path, out: Path, adapter: dict[str, np.ndarray], alpha: f
                            f"{b.shape}, which do not fit the base weight {w.shape}: expected "
                            "the base this adapter was exported for")
         delta = (alpha / a.shape[0]) * (b.astype(np.float32) @ a.astype(np.float32))
-        data = gguf.quants.quantize(w + delta, t.tensor_type)
-        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-        folded[t.name] = kind
+        kind = gguf.GGMLQuantizationType[fold_type(t.tensor_type.name, into)]
+        data = gguf.quants.quantize(w + delta, kind)
+        writer.add_tensor(t.name, data, raw_dtype=kind)
+        folded[t.name] = kind.name
     finish_writer(writer)
     return folded
 

@@ -66,7 +66,7 @@ def run_export(cfg: ExportConfig, out: str) -> dict:
         import_llama_cpp()  # before the model loads: the install hint comes first
         model = load_any(cfg.model, cfg.k, "cpu", "float32")
         manifest = export_gguf(model, out, source=cfg.model, opts=GGUFOptions(
-            cfg.base_gguf, cfg.write_base, cfg.base_type, cfg.fold_lora))
+            cfg.base_gguf, cfg.write_base, cfg.base_type, cfg.fold_lora, cfg.fold_type))
         print(f"wrote {out}: run it with\n  ktm generate --checkpoint {out} --backend llamacpp "
               "--prompt ...\n  ktm serve --model {out} --backend llamacpp".replace("{out}", out))
         return manifest

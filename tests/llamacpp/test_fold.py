@@ -64,3 +64,24 @@ def test_an_adapter_for_another_base_is_refused_and_writes_nothing(files, tmp_pa
     with pytest.raises(KTMError, match="do not fit the base weight"):
         fold_adapter(base, tmp_path / "model.gguf", wrong, alpha)
     assert not (tmp_path / "model.gguf").exists()
+
+
+def test_fold_types_keep_eight_bits_or_more_and_fold_fewer_into_q8_0():
+    from ktm.llamacpp.fold import fold_type
+
+    assert [fold_type(k) for k in ("F32", "F16", "BF16", "Q8_0")] == ["F32", "F16", "BF16", "Q8_0"]
+    assert [fold_type(k) for k in ("Q4_0", "Q4_1", "Q5_0", "Q5_1")] == ["Q8_0"] * 4
+    assert fold_type("Q4_1", "same") == "Q4_1" and fold_type("Q4_1", "F16") == "F16"
+    with pytest.raises(KTMError, match="fold type must be auto, same or one of .*got 'Q3_K'"):
+        fold_type("F32", "Q3_K")
+
+
+def test_a_weight_folded_into_another_type_is_stored_in_it(files, tmp_path):
+    base, adapter, alpha = files
+    folded = fold_adapter(base, tmp_path / "model.gguf", adapter, alpha, "F16")
+    assert set(folded.values()) == {"F16"}
+    gguf = gguf_module()
+    types = {t.name: t.tensor_type.name
+             for t in gguf.GGUFReader(str(tmp_path / "model.gguf")).tensors}
+    assert {types[n] for n in folded} == {"F16"}
+    assert {types[n] for n in types if n not in folded} == {"F32"}
