@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ktm.errors import KTMError
-from ktm.llamacpp.export import MANIFEST, export_files, export_gguf, export_key
+from ktm.llamacpp.export import MANIFEST, export_files, export_gguf, export_key, read_manifest
 from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
 from ktm.util.fileio import flock
 
@@ -52,9 +52,13 @@ def attach(model, source: str | Path | None = None, gguf: str | Path | None = No
         from ktm.llamacpp.export import check_exportable
 
         check_exportable(model)  # the error that names the reader to use instead
-    base, adapter = export_files(export_dir(model, source, gguf), model)
+    where = export_dir(model, source, gguf)
+    base, adapter = export_files(where, model)
+    folded = read_manifest(where).get("model_gguf")
     detach(model)
     model.runtime = LlamaCppRuntime(base, adapter, config or RuntimeConfig())
+    # what a result row records of the runtime: whether the LoRA is folded in, and into what
+    model.runtime.files["folded_types"] = None if folded is None else folded["types"]
 
 
 def detach(model) -> None:

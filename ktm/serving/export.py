@@ -35,8 +35,11 @@ class ExportConfig:
         "help": "gguf: the type of a written base GGUF", "choices": BASE_TYPES})
     fold_lora: bool = field(default=True, metadata={
         "help": "gguf: also write model.gguf, the base with the LoRA folded into its weights "
-                "in their own types, which the llama.cpp backend runs as fast as the plain "
-                "base (off: base + adapter only)"})
+                "(see --fold-type), which the llama.cpp backend runs as fast as the plain base "
+                "(off: base + adapter only)"})
+    fold_type: str = field(default="auto", metadata={
+        "help": "gguf: the type of a folded weight: auto (its own where 8 bits or more, else "
+                "Q8_0), same, or a type (F32, F16, Q8_0, ...)"})
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -47,8 +50,11 @@ class ExportConfig:
             raise KTMError(f"base_type must be one of {BASE_TYPES}, got {self.base_type!r}")
         if self.format != "gguf" and (self.base_gguf or self.write_base):
             raise KTMError("--base-gguf and --write-base are options of --format gguf")
-        if self.format != "gguf" and not self.fold_lora:
-            raise KTMError("--no-fold-lora is an option of --format gguf")
+        if self.format != "gguf" and (not self.fold_lora or self.fold_type != "auto"):
+            raise KTMError("--no-fold-lora and --fold-type are options of --format gguf")
+        from ktm.llamacpp.fold import fold_type
+
+        fold_type("F32", self.fold_type)  # a clear error for an unknown type, before any work
         parse_dtype(self.dtype)
 
 

@@ -50,6 +50,7 @@ def test_eval_on_llama_cpp_records_its_backend(capsys, checkpoint, tmp_path, mon
     assert code == 0, err
     backend = json.loads((tmp_path / "r.json").read_text())["config"]["eval"]["backend"]
     assert backend["name"] == "llamacpp" and backend["model_gguf"].endswith("model.gguf")
+    assert backend["adapter_gguf"] is None and backend["folded_types"] == ["F32"]
 
 
 def test_a_refused_export_exits_non_zero_with_one_line_and_writes_nothing(capsys,
@@ -66,3 +67,6 @@ def test_a_refused_export_exits_non_zero_with_one_line_and_writes_nothing(capsys
     code, _, err = run(capsys, "export", "--format", "vllm", str(out), "--model",
                        str(tmp_path / "spread"), "--write-base")
     assert code != 0 and "options of --format gguf" in err and not out.exists()
+    code, _, err = run(capsys, "export", "--format", "gguf", str(out), "--model",
+                       str(tmp_path / "spread"), "--fold-type", "Q3_K")
+    assert code != 0 and "fold type must be auto, same or one of" in err and not out.exists()
