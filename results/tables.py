@@ -46,6 +46,13 @@ BENCH = RESULTS / "bench" / "prefill_2048.json"
 # the shipped readers and the pretraining run each was packed from (results/readers/)
 SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e",
                    "smollm2-135m-k2-seq": "k2s", "smollm2-135m-k4-seq": "k4s2"}
+# R of the consecutive-position K=4 reader on llama.cpp, by how its LoRA runs there
+LLAMACPP_R = {"torch (fp32, the Q4_1 weights dequantised)": "k4s2_readability.json",
+              "llama.cpp, LoRA folded into Q8_0 (the default)": "k4s2_readability_llamacpp.json",
+              "llama.cpp, LoRA folded back into Q4_1 (--fold-type same)":
+                  "k4s2_readability_llamacpp_foldq4.json",
+              "llama.cpp, Q4_1 base + LoRA adapter (--no-fold-lora)":
+                  "k4s2_readability_llamacpp_adapter.json"}
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
                   16: RESULTS / "bench" / "llamacpp_out16.json"}
@@ -106,9 +113,11 @@ def tasks() -> str:
 
 def readers() -> str:
     """Readability R of the shipped readers on the held-out sets (torch; and on llama.cpp with
-    the shipped Q4_1 base, for the consecutive-position readers that run there)."""
-    lines = ["| reader | K | positions | R code | R reviews | on llama.cpp (Q4_1): code / "
-             "reviews | held-out windows | files |", "|---|---|---|---|---|---|---|---|"]
+    the shipped Q4_1 base and the LoRA folded in, for the consecutive-position readers that run
+    there)."""
+    lines = ["| reader | K | positions | R code | R reviews | on llama.cpp (Q4_1 base, LoRA "
+             "folded into Q8_0): code / reviews | held-out windows | files |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, run in SHIPPED_READERS.items():
         path = RESULTS / "readers" / f"{run}_readability.json"
         if not path.is_file():
@@ -126,6 +135,19 @@ def readers() -> str:
         lines.append(f"| {name} | {row['k']} | {'spread' if spread else 'consecutive'} | "
                      f"{r['code']['R']:.2f} | {r['reviews']['R']:.2f} | {on_llama} | "
                      f"{r['code']['windows']} + {r['reviews']['windows']} | {files} |")
+    return "\n".join(lines)
+
+
+def llamacpp_r() -> str:
+    """The K=4 consecutive-position reader's R on torch and on llama.cpp, per way of running its
+    LoRA there (``ktm eval --readability``, ``--backend llamacpp``)."""
+    lines = ["| runtime | R code | R reviews | revision | file |", "|---|---|---|---|---|"]
+    for label, name in LLAMACPP_R.items():
+        path = RESULTS / "readers" / name
+        row = json.loads(path.read_text())
+        r = row["readability"]
+        lines.append(f"| {label} | {r['code']['R']:.3f} | {r['reviews']['R']:.3f} | "
+                     f"`{row['git'][:7]}` | `{rel(path)}` |")
     return "\n".join(lines)
 
 
@@ -206,7 +228,7 @@ def demo() -> str:
 
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "readers": readers, "bench": bench, "demo": demo,
-                                        "llamacpp": llamacpp}
+                                        "llamacpp": llamacpp, "llamacpp_r": llamacpp_r}
 
 
 def render(text: str, page: Path) -> str:
