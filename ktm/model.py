@@ -277,6 +277,13 @@ class KTMModel(nn.Module):
         # when no LoRA weight trains (a model loaded with trainable=False)
         self.fold_lora: bool | None = None
         object.__setattr__(self, "_folded", FoldedLM())  # not a module: never saved or trained
+        layers = getattr(getattr(encoder, "config", None), "context_layers", 0)
+        if layers:  # the encoder reads the base LM's first layers, by reference
+            from ktm.core.context_states import LayerStates
+
+            sink = next((i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id)
+                         if i is not None), self.pad_id)
+            encoder.bind_lm(LayerStates(peft_model, layers, int(sink)))
 
     def _valid_pad(self, pad: int | None) -> int:
         """The id pads are written with. Pads never reach the LM (masked), but they are looked

@@ -189,7 +189,7 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
              and _value(want, d) != _value(saved, d)]
     if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio",
-                                              "context_blocks"}:
+                                              "context_blocks", "context_layers"}:
         if want.k != own.k:
             raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
                            f"the inner K={want.k}")
@@ -197,10 +197,12 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
             raise KTMError(f"--mlp-ratio {want.mlp_ratio!r} is below checkpoint {checkpoint!r}'s "
                            f"{own.mlp_ratio!r}: expected a wider encoder (a narrower one cannot "
                            "hold it)")
-        if own.context_blocks and want.context_blocks != own.context_blocks:
-            raise KTMError(f"--context-blocks {want.context_blocks!r} differs from checkpoint "
-                           f"{checkpoint!r}'s {own.context_blocks!r}: only a block encoder "
-                           "(context_blocks=0) gains earlier blocks")
+        for name in ("context_blocks", "context_layers"):
+            theirs, ours = getattr(own, name), getattr(want, name)
+            if theirs and ours != theirs:
+                raise KTMError(f"--{name.replace('_', '-')} {ours!r} differs from checkpoint "
+                               f"{checkpoint!r}'s {theirs!r}: only a block encoder ({name}=0) "
+                               "gains context")
         return _grown(path, own, replace(want, dtype=flags.get("dtype", "float32")),
                       args.device, getattr(args, "seed", 0) or 0)
     if clash:

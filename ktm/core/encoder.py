@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ktm.core.config import check_encoder_fields
+from ktm.core.context_states import StatesContext
 from ktm.errors import KTMError
 
 
@@ -46,10 +47,12 @@ class EncoderConfig:
     inner_k: int = 1
     # contextual merging: the MLP also reads the W blocks before each block (0: the paper's)
     context_blocks: int = 0
+    # contextual merging from the LM's own first L layers (ktm.core.context_states; 0: off)
+    context_layers: int = 0
 
     def __post_init__(self) -> None:
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
-                             self.context_blocks)
+                             self.context_blocks, self.context_layers)
         if self.hidden_size < 1:
             raise KTMError(f"hidden_size must be >= 1, got {self.hidden_size!r}")
 
@@ -61,8 +64,9 @@ class EncoderConfig:
         """(inner, outer) single-level configs of a recursive encoder; None for one level."""
         if self.inner_k == 1:
             return None
-        inner = replace(self, k=self.inner_k, inner_k=1)
-        return inner, replace(self, k=self.k // self.inner_k, inner_k=1)
+        # the layer-state context is the whole encoder's, added once to its K-token merges
+        inner = replace(self, k=self.inner_k, inner_k=1, context_layers=0)
+        return inner, replace(self, k=self.k // self.inner_k, inner_k=1, context_layers=0)
 
     @property
     def is_identity(self) -> bool:
@@ -91,10 +95,11 @@ class KTokenEncoder(nn.Module):
     """
 
     def __init__(self, hidden_size: int, k: int = 4, mlp_ratio: float = 2.0, use_mlp: bool = True,
-                 slot_weights: bool = False, mlp_gate: bool = False, context_blocks: int = 0):
+                 slot_weights: bool = False, mlp_gate: bool = False, context_blocks: int = 0,
+                 context_layers: int = 0):
         super().__init__()
         self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate,
-                                    context_blocks=context_blocks)
+                                    context_blocks=context_blocks, context_layers=context_layers)
         d, h = hidden_size, self.config.mlp_hidden
         # fp32 whatever torch's default dtype: trainable weights stay fp32 (an Adam step of
         # 5e-5 rounds to nothing in bf16), and the LM's dtype is reached by autocast
@@ -120,13 +125,15 @@ class KTokenEncoder(nn.Module):
             # untrained encoder is the block encoder exactly
             self.context = nn.Linear(context_blocks * k * d, h, bias=False, **f32)
             nn.init.zeros_(self.context.weight)
+        self.states = StatesContext(d, k, d) if context_layers else None
 
     @classmethod
     def from_config(cls, config: EncoderConfig) -> KTokenEncoder | RecursiveEncoder:
         if config.levels() is not None:
             return RecursiveEncoder(config)
         return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp,
-                   config.slot_weights, config.mlp_gate, config.context_blocks)
+                   config.slot_weights, config.mlp_gate, config.context_blocks,
+                   config.context_layers)
 
     @property
     def k(self) -> int:
@@ -137,9 +144,15 @@ class KTokenEncoder(nn.Module):
         return [] if self.mlp is None else list(self.mlp.parameters())
 
     def context_parameters(self) -> list[nn.Parameter]:
-        """The weights that read the earlier blocks (``context_blocks``): new to a block reader
-        continued with them, so training may give them a learning rate of their own."""
-        return [] if self.context is None else [self.context.weight]
+        """The weights that read context (``context_blocks``, ``context_layers``): new to a
+        block reader continued with them, so training may give them a rate of their own."""
+        own = [] if self.context is None else [self.context.weight]
+        return own + ([] if self.states is None else list(self.states.parameters()))
+
+    def bind_lm(self, source) -> None:
+        """Give a ``context_layers`` encoder the LM states it reads (``LayerStates``)."""
+        if self.states is not None:
+            self.states.bind(source)
 
     def order_parameters(self) -> list[nn.Parameter]:
         """The slot weights and the gate: fan-in 1, what tells a block's order apart first."""
@@ -160,6 +173,7 @@ class KTokenEncoder(nn.Module):
         k = self.config.k
         if mask is None:
             mask = torch.ones(b, t, dtype=torch.bool, device=embeds.device)
+        given, given_mask = embeds, mask
         n = -(-t // k)
         pad = n * k - t
         m = mask.to(embeds.dtype)
@@ -182,6 +196,8 @@ class KTokenEncoder(nn.Module):
             else:
                 extra = self.mlp[1:](self.mlp[0](flat) + self.context(self._earlier(flat)))
             merged = merged + (extra if self.gate is None else self.gate.to(extra.dtype) * extra)
+        if self.states is not None:
+            merged = merged + self.states(given, given_mask).to(merged.dtype)
         out_mask = count.squeeze(-1) > 0
         # a block of padding only carries no information; keep its output at exactly zero
         merged = merged * out_mask.unsqueeze(-1).to(merged.dtype)
@@ -211,6 +227,8 @@ class RecursiveEncoder(nn.Module):
         self.config = config
         self.inner = KTokenEncoder.from_config(levels[0])
         self.outer = KTokenEncoder.from_config(levels[1])
+        d = config.hidden_size
+        self.states = StatesContext(d, config.k, d) if config.context_layers else None
 
     @property
     def k(self) -> int:
@@ -220,7 +238,12 @@ class RecursiveEncoder(nn.Module):
         return self.inner.wide_parameters() + self.outer.wide_parameters()
 
     def context_parameters(self) -> list[nn.Parameter]:
-        return self.inner.context_parameters() + self.outer.context_parameters()
+        own = [] if self.states is None else list(self.states.parameters())
+        return self.inner.context_parameters() + self.outer.context_parameters() + own
+
+    def bind_lm(self, source) -> None:
+        if self.states is not None:
+            self.states.bind(source)
 
     def order_parameters(self) -> list[nn.Parameter]:
         return self.inner.order_parameters() + self.outer.order_parameters()
@@ -228,7 +251,13 @@ class RecursiveEncoder(nn.Module):
     def forward(self, embeds: torch.Tensor, mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         merged, m = self.inner(embeds, mask)
-        return self.outer(merged, m)
+        merged, m = self.outer(merged, m)
+        if self.states is not None:
+            if mask is None:
+                mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+            extra = self.states(embeds, mask).to(merged.dtype)
+            merged = merged + extra * m.unsqueeze(-1).to(merged.dtype)
+        return merged, m
 
 
 # (MLP layer index, parameter) -> for each axis, whether it counts hidden units
@@ -253,8 +282,11 @@ def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor
     """
     out = {}
     for key, new in current.items():
-        if key not in saved and key.rsplit(".", 2)[-2:] == ["context", "weight"]:
-            out[key] = new  # a block encoder gaining context (context_blocks): zeros, unchanged
+        if key not in saved and (key.rsplit(".", 2)[-2:] == ["context", "weight"]
+                                 or key.startswith("states.") or ".states." in key):
+            # a block encoder gaining context (context_blocks / context_layers): the new
+            # weights' fresh init, whose output starts at zero
+            out[key] = new
             continue
         if key not in saved:
             raise KTMError(f"encoder weight {key!r} is missing from the saved encoder: expected "

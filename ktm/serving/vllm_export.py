@@ -132,6 +132,11 @@ def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dic
     if getattr(model, "input_extension", None) is not None:
         raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "
                        "the vLLM export covers K-token merging models only")
+    if model.config.context_layers:
+        raise KTMError(f"this model's encoder reads the LM's first {model.config.context_layers} "
+                       "layers (context_layers), but the vLLM client merges prompts with the "
+                       "input-embedding table and the encoder alone, without the LM: serve it "
+                       "with ktm serve (torch or --backend llamacpp)")
     if model.config.spread_positions:
         raise KTMError("this model uses spread_positions, but vLLM places prompt_embeds at "
                        "consecutive positions: it would read the prefix differently; export a "

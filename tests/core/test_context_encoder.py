@@ -148,3 +148,130 @@ def test_a_checkpoint_read_with_other_context_blocks_is_refused(tiny_model_dir, 
                  "--task", "tree", "--n-eval", "2"])
     assert code != 0
     assert "--context-blocks 1 contradicts checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- context_layers (the LM's own)
+
+def _cumulative(embeds, mask):
+    """A causal stand-in for the LM's states: the running sum (each position sees only earlier
+    ones), so the encoder-level checks need no LM."""
+    return torch.cumsum(embeds * mask[..., None].to(embeds.dtype), dim=1)
+
+
+def _states_pair(layout, dtype=torch.float32):
+    torch.manual_seed(0)
+    block = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, **layout))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    ctx = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, context_layers=1, **layout))
+    ctx.load_state_dict(grow_encoder(block.state_dict(), ctx.state_dict()))
+    ctx.bind_lm(_cumulative)
+    return block.to(dtype), ctx.to(dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_context_with_its_mlp_at_zero_is_the_block_encoder_exactly(layout):
+    block, ctx = _states_pair(layout)
+    assert len(ctx.context_parameters()) == 4  # the states MLP's two layers
+    x = torch.randn(3, 19, 8)
+    mask = torch.ones(3, 19, dtype=torch.bool)
+    mask[1, 11:] = False
+    assert torch.equal(ctx(x, mask)[0], block(x, mask)[0])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_context_is_causal_and_a_batch_equals_its_rows(layout):
+    _, ctx = _states_pair(layout, torch.float64)
+    with torch.no_grad():
+        for p in ctx.context_parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    k = layout["k"]
+    x = torch.randn(1, 6 * k + 3, 8, dtype=torch.float64)
+    full, _ = ctx(x)
+    for t in range(k, x.shape[1], k):
+        torch.testing.assert_close(ctx(x[:, :t])[0], full[:, : t // k], rtol=1e-12, atol=1e-12)
+    y = x.clone()
+    y[:, 0] += 1.0  # the context is read: the first token reaches every later block
+    assert not torch.allclose(ctx(y)[0][:, 2:], full[:, 2:])
+    lengths = [17, 9, 4]
+    xs = torch.randn(3, 17, 8, dtype=torch.float64)
+    mask = torch.tensor([[i < n for i in range(17)] for n in lengths])
+    batch, _ = ctx(xs, mask)
+    for row, n in enumerate(lengths):
+        alone, _ = ctx(xs[row:row + 1, :n])
+        torch.testing.assert_close(batch[row:row + 1, :alone.shape[1]], alone, rtol=1e-12,
+                                   atol=1e-12)
+        assert not batch[row, alone.shape[1]:].any()
+
+
+def test_an_unbound_layer_context_is_a_clear_error():
+    ctx = KTokenEncoder.from_config(EncoderConfig(8, context_layers=1))
+    with pytest.raises(KTMError, match="no LM is bound"):
+        ctx(torch.randn(1, 8, 8))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+def test_the_states_read_are_the_lms_own_after_layer_l(family, tmp_path):
+    """The hook stops the LM after layer L; what it returns equals the full forward's hidden
+    states after that layer, with the sink row first and the adapter off."""
+    from helpers import save_tiny
+
+    from ktm.core.context_states import LayerStates
+
+    save_tiny(family, tmp_path / family)
+    model = fresh_model(str(tmp_path / family), k=2, context_layers=1)
+    perturb(model)  # a non-zero LoRA, which the states must not see
+    src = LayerStates(model.peft, 1, 0)
+    embeds = model.embed_ids(torch.tensor([[5, 9, 3, 7, 11, 2]]))
+    got = src(embeds, torch.ones(1, 6, dtype=torch.bool))
+    lm = model.peft.get_base_model()
+    x = torch.cat([model.embed_ids(torch.tensor([[0]])), embeds], 1)
+    with torch.no_grad(), model.peft.disable_adapter():
+        want = lm(inputs_embeds=x, output_hidden_states=True).hidden_states[1][:, 1:]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        lora_on = lm(inputs_embeds=x, output_hidden_states=True).hidden_states[1][:, 1:]
+    assert not torch.allclose(got, lora_on, atol=1e-4)
+
+
+def test_a_layer_context_model_trains_saves_and_loads(tiny_model_dir, tmp_path):
+    from ktm.training.train import adamw
+
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2, context_layers=2)
+    perturb(model)
+    model.train()
+    loss = model(PROMPTS, ["true", "false", "positive review"]).loss
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for p in model.encoder.context_parameters())
+    adamw([p for _, p in model.trainable_parameters()], lr=2e-3).step()
+    with torch.no_grad():
+        after = model(PROMPTS, ["true", "false", "positive review"]).loss
+    assert after.item() < loss.item() - 1e-3
+    model.eval()
+    model.save(tmp_path / "ckpt")
+    again = KTMModel.load(tmp_path / "ckpt")
+    with torch.no_grad():
+        for a, b in zip(model.encode_prompts(PROMPTS), again.encode_prompts(PROMPTS)):
+            assert torch.equal(a.embeds, b.embeds)
+    assert again.generate(PROMPTS[1], max_new_tokens=6) == model.generate(PROMPTS[1],
+                                                                           max_new_tokens=6)
+
+
+def test_more_context_layers_than_the_model_has_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(KTMError, match="context_layers=3 is more than the base model's 2 "
+                                       "layers: expected 1 to 2"):
+        fresh_model(tiny_model_dir, k=2, context_layers=3)
+    with pytest.raises(KTMError, match="context_layers must be an integer >= 0, got -1"):
+        EncoderConfig(8, context_layers=-1)
+
+
+def test_a_layer_context_reader_on_another_base_model_is_refused(tiny_model_dir, tmp_path):
+    from helpers import save_tiny
+
+    model = fresh_model(tiny_model_dir, k=2, context_layers=1)
+    model.save(tmp_path / "ckpt")
+    save_tiny("qwen2", tmp_path / "other")
+    with pytest.raises(KTMError, match="base"):
+        KTMModel.load(tmp_path / "ckpt", base=str(tmp_path / "other"))

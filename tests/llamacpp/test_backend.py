@@ -183,3 +183,17 @@ def test_scoring_reads_target_logits_through_llama_cpp_as_torch_does(pair):
     llama.train()
     llama(prompts, targets)  # training: torch
     assert calls == [1]
+
+
+def test_an_encoder_reading_the_lms_first_layers_runs_on_llama_cpp(tiny_model_dir, tmp_path):
+    """The encoder (with the LM's first layers it reads) stays in torch; only the merged
+    prefix goes to llama.cpp, so a contextual model generates there as on torch."""
+    model = fresh_model(tiny_model_dir, k=2, context_layers=1)
+    perturb(model)
+    model.save(tmp_path / "ctx")
+    torch_model = KTMModel.load(tmp_path / "ctx")
+    export_gguf(torch_model, tmp_path / "ctx-gguf", source=tmp_path / "ctx")
+    llama = KTMModel.load(tmp_path / "ctx-gguf", backend="llamacpp", llamacpp=EXACT)
+    prompt = [Segment(DOC), Segment(" Answer:", compress=False)]
+    assert llama.generate(prompt, max_new_tokens=16, stop_at_eos=False) == torch_model.generate(
+        prompt, max_new_tokens=16, stop_at_eos=False)

@@ -285,6 +285,14 @@ def test_export_refuses_a_model_trained_with_spread_positions(tiny_model_dir, tm
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_export_refuses_an_encoder_that_reads_the_lms_layers(tiny_model_dir, tmp_path):
+    # the vLLM client merges prompts without the LM, which a context_layers encoder reads
+    model = KTMModel.from_base(tiny_model_dir, k=4, context_layers=1)
+    with pytest.raises(KTMError, match="reads the LM's first 1 layers.*ktm serve"):
+        export_vllm(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
 def test_payload_sends_neutral_values_for_what_vllm_takes_from_generation_config(exported):
     """vLLM (its default ``--generation-config auto``) fills a sampling option a request leaves
     out from the LM's generation_config.json (Qwen2.5-Instruct's top_k 20, repetition_penalty

@@ -1,0 +1,112 @@
+"""Contextual merging from the LM's own first layers (``context_layers`` L > 0).
+
+The base LM's first L decoder layers read a compressed segment as plain tokens (adapter off, no
+gradient: the base's own weights, referenced, never copied or saved). Each token's state is
+RMS-normalised (the states are 20-300 times the embeddings' scale, with a massive activation at
+the first position, which a sink row placed before the segment takes and which is then dropped),
+averaged over each block of K tokens, and passed through an MLP whose last layer starts at zero.
+Its output is added to the block encoder's merged vector, so an untrained one is exactly the
+block encoder, and a block reader continued with it starts where the reader is.
+
+Causal: the LM's layers are causal and the states are read within the segment, so a block's
+vector depends only on its segment's tokens up to the block's end; appending tokens never
+changes an earlier complete block's vector, and merged prefixes stay cacheable by their ids.
+Cost: a plain prefill of L of the model's layers over the compressed tokens (under a no-grad
+pass), on top of the merged prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ktm.errors import KTMError
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The LM's stack of decoder layers: the module list as long as ``num_hidden_layers`` (any
+    family's: ``model.layers``, ``transformer.h``, ``gpt_neox.layers`` ...)."""
+    n = getattr(lm.config, "num_hidden_layers", None)
+    found = [m for m in lm.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if n is None or not found:
+        raise KTMError(f"cannot find the decoder layers of this {type(lm).__name__} (a module "
+                       f"list of num_hidden_layers={n} layers): context_layers needs them")
+    return found[0]
+
+
+class _Stop(Exception):
+    """Raised by the hook on layer L: the rest of the LM need not run."""
+
+
+class LayerStates:
+    """The base LM's hidden states after its first ``layers`` layers, adapter disabled and
+    without gradient; a callable the encoder holds (not a module: never saved or trained)."""
+
+    def __init__(self, peft_model, layers: int, sink_id: int):
+        self.peft = peft_model
+        self.layers = layers
+        self.sink_id = sink_id
+        lm = peft_model.get_base_model()
+        total = len(decoder_layers(lm))
+        if layers > total:
+            raise KTMError(f"context_layers={layers} is more than the base model's {total} "
+                           f"layers: expected 1 to {total}")
+
+    def __call__(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) input embeddings + (B, T) mask -> (B, T, D) states after layer L."""
+        lm = self.peft.get_base_model()
+        layer = decoder_layers(lm)[self.layers - 1]
+        got: dict[str, torch.Tensor] = {}
+
+        def stop(_module, _args, out):
+            got["h"] = out[0] if isinstance(out, tuple) else out
+            raise _Stop
+
+        b = embeds.shape[0]
+        table = lm.get_input_embeddings()
+        sink = table(torch.full((b, 1), self.sink_id, dtype=torch.long, device=embeds.device))
+        x = torch.cat([sink.to(embeds.dtype), embeds], dim=1)
+        m = torch.cat([torch.ones(b, 1, dtype=torch.long, device=mask.device), mask.long()], 1)
+        hook = layer.register_forward_hook(stop)
+        try:
+            with torch.no_grad(), self.peft.disable_adapter():
+                lm(inputs_embeds=x, attention_mask=m, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            hook.remove()
+        if "h" not in got:
+            raise KTMError(f"the base model's forward never reached layer {self.layers}")
+        return got["h"][:, 1:].detach()
+
+
+class StatesContext(nn.Module):
+    """RMS-normalised layer-L states pooled per block of K, then an MLP from zero: (B, N, D)
+    added to the merged vectors. ``source`` (a ``LayerStates``) is bound by the model."""
+
+    def __init__(self, hidden_size: int, k: int, width: int):
+        super().__init__()
+        f32 = {"dtype": torch.float32}
+        self.k = k
+        self.mlp = nn.Sequential(nn.Linear(hidden_size, width, **f32), nn.GELU(),
+                                 nn.Linear(width, hidden_size, **f32))
+        nn.init.zeros_(self.mlp[-1].weight)
+        nn.init.zeros_(self.mlp[-1].bias)
+        object.__setattr__(self, "source", None)
+
+    def bind(self, source: LayerStates | None) -> None:
+        object.__setattr__(self, "source", source)
+
+    def forward(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.source is None:
+            raise KTMError("this encoder reads the LM's first layers (context_layers), but no "
+                           "LM is bound to it: use it inside a KTMModel")
+        h = self.source(embeds, mask).to(self.mlp[0].weight.dtype)  # states in the LM dtype
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        b, t, d = h.shape
+        k = self.k
+        n = -(-t // k)
+        m = nn.functional.pad(mask.to(h.dtype), (0, n * k - t)).view(b, n, k, 1)
+        h = nn.functional.pad(h, (0, 0, 0, n * k - t)).view(b, n, k, d) * m
+        pooled = h.sum(2) / m.sum(2).clamp(min=1.0)
+        return self.mlp(pooled)
