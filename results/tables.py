@@ -53,6 +53,15 @@ LLAMACPP_R = {"torch (fp32, the Q4_1 weights dequantised)": "k4s2_readability.js
                   "k4s2_readability_llamacpp_foldq4.json",
               "llama.cpp, Q4_1 base + LoRA adapter (--no-fold-lora)":
                   "k4s2_readability_llamacpp_adapter.json"}
+# contextual merging against the block encoder at equal CPU-minutes: each run continues the
+# same K=4 consecutive-position reader (runs/readers/k4s) on the same windows (seed 5); the
+# block encoder's run is the shipped reader's last stage (k4s2)
+CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
+                    RESULTS / "readers" / "runs" / "k4s2",
+                "(c) + the block before (--context-blocks 1)":
+                    RESULTS / "readers" / "probes" / "k4x-conv1",
+                "(a) + the LM's first 2 layers (--context-layers 2)":
+                    RESULTS / "readers" / "probes" / "k4x-layers2"}
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
                   16: RESULTS / "bench" / "llamacpp_out16.json"}
@@ -190,6 +199,32 @@ def bench() -> str:
     return "\n".join(lines) + f"\n\nFile: `{rel(BENCH)}`."
 
 
+def context() -> str:
+    """R on held-out code / reviews (32 windows each) against CPU-minutes for the contextual
+    encoders and the block encoder, from the runs' metrics.jsonl (``ktm pretrain``)."""
+    lines = ["| encoder | step 50 | step 100 | step 150 | files |", "|---|---|---|---|---|"]
+    for label, folder in CONTEXT_RUNS.items():
+        path = folder / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        evals = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "eval" in row:
+                evals[row["step"]] = row
+        cells = []
+        for step in (50, 100, 150):
+            row = evals.get(step)
+            if row is None:
+                cells.append("–")
+                continue
+            e = row["eval"]
+            cells.append(f"{e['code']['R']:.3f} / {e['reviews']['R']:.3f} "
+                         f"({row['cpu_s'] / 60:.0f} CPU-min)")
+        lines.append(f"| {label} | {' | '.join(cells)} | `{rel(path)}` |")
+    return "\n".join(lines)
+
+
 def committed_at(path: Path) -> int:
     """When git first committed ``path`` (seconds; a file not yet committed counts as newest)."""
     out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%ct", "--", str(path)],
@@ -228,7 +263,8 @@ def demo() -> str:
 
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "readers": readers, "bench": bench, "demo": demo,
-                                        "llamacpp": llamacpp, "llamacpp_r": llamacpp_r}
+                                        "llamacpp": llamacpp, "llamacpp_r": llamacpp_r,
+                                        "context": context}
 
 
 def render(text: str, page: Path) -> str:
