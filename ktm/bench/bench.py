@@ -75,6 +75,9 @@ class BenchConfig:
                 "no LoRA); serve: a server per runtime (ktm serve --backend)"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
+    plain_gguf: str | None = field(default=None, metadata={
+        "help": "infer, llamacpp: the GGUF plain llama.cpp runs for the uncompressed baseline "
+                "(default: the model's base GGUF, e.g. the embedded Q4_1 file)"})
     output_tokens: int = field(default=32, metadata={
         "help": "tokens generated per sample for decode and end-to-end timings (infer)"})
     target_tokens: int = field(default=16, metadata={
@@ -126,6 +129,9 @@ class BenchConfig:
         if self.backends != ("torch",) and self.mode == "train":
             raise KTMError("--backends is an option of --mode infer and serve (training runs "
                            "on torch)")
+        if self.plain_gguf is not None and (self.mode != "infer"
+                                            or "llamacpp" not in self.backends):
+            raise KTMError("--plain-gguf is an option of --mode infer with --backends llamacpp")
         for name in ("lengths", "batch_sizes", "ks"):
             bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
             if bad:
@@ -244,7 +250,13 @@ def bench_runtimes(model, config: BenchConfig) -> dict:
     model.use_backend("llamacpp", config=rc)
     runtimes, model.runtime = {"ktm": model.runtime}, None  # each method picks its runtime
     try:
-        base, _ = export_files(export_dir(model, None, None), model, plain=True)
+        if config.plain_gguf is not None:
+            base = Path(config.plain_gguf).expanduser()
+            if not base.is_file():
+                raise KTMError(f"--plain-gguf {config.plain_gguf!r} is not a file: expected a "
+                               "GGUF of the model's base")
+        else:
+            base, _ = export_files(export_dir(model, None, None), model, plain=True)
         runtimes["uncompressed"] = LlamaCppRuntime(base, None, rc)
     except BaseException:
         runtimes["ktm"].close()

@@ -411,6 +411,30 @@ def test_both_backends_run_interleaved_each_against_its_own_uncompressed_run(tin
     assert plain["model_gguf"].endswith("base.gguf") and plain["adapter_gguf"] is None
 
 
+@pytest.mark.llamacpp
+def test_plain_llama_cpp_can_run_another_gguf_of_the_base(tiny_model_dir, tmp_path, monkeypatch):
+    """--plain-gguf: the uncompressed baseline on llama.cpp runs the file given (e.g. a Q8_0
+    copy of the base), the merged runs the model's own export."""
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(KTMError, match="--plain-gguf is an option of --mode infer with "
+                                       "--backends llamacpp"):
+        BenchConfig(model=tiny_model_dir, plain_gguf="x.gguf")
+    common = dict(model=tiny_model_dir, lengths=(64,), ks=(2,), repeats=1, warmup=0,
+                  output_tokens=2, backends=("llamacpp",), progress=False,
+                  out=str(tmp_path / "b.json"))
+    with pytest.raises(KTMError, match="--plain-gguf .*nowhere.gguf.* is not a file"):
+        run_bench(BenchConfig(plain_gguf=str(tmp_path / "nowhere.gguf"), **common))
+    from ktm.llamacpp.export import export_gguf
+
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    export_gguf(model, tmp_path / "plain")
+    plain = str(tmp_path / "plain" / "model.gguf")
+    rows = run_bench(BenchConfig(plain_gguf=plain, **common))
+    assert rows[0]["method"] == "uncompressed" and rows[0]["llamacpp"]["model_gguf"] == plain
+    assert rows[1]["llamacpp"]["model_gguf"].endswith("model.gguf")
+    assert rows[1]["llamacpp"]["model_gguf"] != plain
+
+
 def test_backends_other_than_torch_are_an_infer_option():
     with pytest.raises(KTMError, match="backends must be some of"):
         BenchConfig(backends=("onnx",))

@@ -285,6 +285,21 @@ def test_export_refuses_a_model_trained_with_spread_positions(tiny_model_dir, tm
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+def test_the_client_merges_as_the_model_with_an_encoder_reading_earlier_blocks(tiny_model_dir,
+                                                                              tmp_path):
+    # (c) contextual merging keeps the encoder contract: the export carries its weights
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=2, context_blocks=2)
+    perturb(model, seed=2)
+    assert model.encoder.context.weight.any()
+    export_vllm(model, tmp_path / "x")
+    client = VLLMClient(tmp_path / "x")
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = model.encode_prompts([prompt])[0].embeds
+        torch.testing.assert_close(client.encode(prompt).embeds, want)
+
+
 def test_export_refuses_an_encoder_that_reads_the_lms_layers(tiny_model_dir, tmp_path):
     # the vLLM client merges prompts without the LM, which a context_layers encoder reads
     model = KTMModel.from_base(tiny_model_dir, k=4, context_layers=1)
