@@ -90,6 +90,7 @@ class Row:
         self.text = TextStream(model.tokenizer, job.stop)
         self.trail = None if job.logprobs is None else Trail(model.tokenizer)
         self.eos = model.eos_ids
+        self.cells = cp.tokens_out + limit  # KV cells it may come to hold (llama.cpp's budget)
         self.prompt = {"prompt_tokens": cp.tokens_in, "prompt_tokens_merged": cp.tokens_out,
                        "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -131,6 +132,8 @@ class Engine:
         self._waiting: deque[Job] = deque()
         self._rows: list[Row] = []
         self._batch: DecodeState | None = None
+        # llama.cpp: requests wait for KV cells while this many rows or more run (None: no wait)
+        self._cells_wait: int | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ktm-engine", daemon=True)
         self.counts = {"finished": 0, "cancelled": 0, "rejected": 0, "failed": 0, "steps": 0,
@@ -205,6 +208,11 @@ class Engine:
                        and (left := deadline - time.monotonic()) > 0):
                     self._cond.wait(left)
             free = self.cfg.max_batch - len(self._rows) if self.rebatch or not self._rows else 0
+            if self._cells_wait is not None:
+                if len(self._rows) < self._cells_wait:  # a row ended: its cells are free again
+                    self._cells_wait = None
+                else:
+                    free = 0
             jobs: list[Job] = []
             while self._waiting and len(jobs) < free:
                 job = self._waiting.popleft()
@@ -241,6 +249,36 @@ class Engine:
             return None
         return want
 
+    def _fit_cells(self, keep: list[tuple[Job, CompressedPrompt, int]]
+                   ) -> list[tuple[Job, CompressedPrompt, int]]:
+        """The llama.cpp backend's KV cells are shared by all sequences: admit requests, in
+        order, while the cells they may come to hold (prompt rows + tokens they may generate)
+        fit beside the running rows'; the rest wait, first in line, until a row ends. One that
+        cannot fit even alone is answered with an error."""
+        total = self.runtime.context
+        free = total - sum(r.cells for r in self._rows)
+        fit, later = [], []
+        for job, cp, limit in keep:
+            need = cp.tokens_out + limit
+            if need > total:
+                self.counts["rejected"] += 1
+                job.deliver(Event(error=RequestError(
+                    f"the prompt's {cp.tokens_out} rows after merging and max_tokens={limit} "
+                    f"need {need} KV-cache cells, more than the llama.cpp context's {total} "
+                    "(ktm serve --llamacpp-context)", param="max_tokens",
+                    code="context_length_exceeded")))
+                job.cancelled.set()
+            elif not later and need <= free:
+                fit.append((job, cp, limit))
+                free -= need
+            else:
+                later.append(job)
+        if later:
+            with self._cond:
+                self._waiting.extendleft(reversed(later))
+            self._cells_wait = len(self._rows) + len(fit)
+        return fit
+
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill ``jobs`` and join them to the running batch. A failure before the join fails
         these requests only: the running ones never saw them."""
@@ -267,7 +305,8 @@ class Engine:
         misses = []
         if self.runtime is not None:  # it finds cached rows itself, whatever the prompt shares
             keep = [(job, cp, self._limit(job, cp)) for job, cp in zip(jobs, cps)]
-            keep = [(job, cp, limit) for job, cp, limit in keep if limit is not None]
+            keep = self._fit_cells([(job, cp, limit) for job, cp, limit in keep
+                                    if limit is not None])
             if not keep:
                 return [], []
             state = self.runtime.prefill([cp for _, cp, _ in keep])

@@ -19,13 +19,13 @@ pytestmark = pytest.mark.llamacpp
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, backend: str):
+def serving(model_dir: str, backend: str, context: int | None = None):
     torch.manual_seed(0)
     model = KTMModel.from_base(model_dir, k=4)
     perturb(model)
     if backend == "llamacpp":
         model.use_backend("llamacpp", config=RuntimeConfig(kv_type="f32", sequences=16,
-                                                           threads=1))
+                                                           threads=1, context=context))
     cfg = ServeConfig(model=model_dir, served_name="tiny", max_tokens_limit=448,
                       batch_window_ms=100, log_level="warning", backend=backend)
     app = create_app(model, cfg)
@@ -55,3 +55,32 @@ def test_sixteen_concurrent_requests_equal_one_by_one_and_the_torch_server(tiny_
         assert not srv.model.runtime.busy  # every finished request freed its sequence
     assert concurrent == one_by_one
     assert one_by_one == want
+
+
+def test_requests_wait_for_kv_cells_and_one_that_never_fits_is_refused(tiny_model_dir, tmp_path,
+                                                                       monkeypatch):
+    """The sequences share one KV cache: with too few cells for all sixteen at once, requests
+    wait for running ones to end instead of failing, and still give the same answers; a request
+    that cannot fit even alone gets a 400."""
+    import openai
+
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path))
+    reqs = _requests()
+    with serving(tiny_model_dir, "llamacpp") as srv:
+        want = [_ask(srv.url, kw) for kw in reqs]
+    with serving(tiny_model_dir, "llamacpp", context=96) as srv:
+        start = threading.Barrier(16)
+
+        def together(kw):
+            start.wait()
+            return _ask(srv.url, kw)
+
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(together, reqs))
+        assert 2 <= srv.engine.counts["peak_running"] < 16  # some ran together, some waited
+        assert srv.engine.counts["failed"] == 0
+        with pytest.raises(openai.BadRequestError, match="need .* KV-cache cells, more than "
+                                                         "the llama.cpp context's 96"):
+            _ask(srv.url, dict(reqs[0], max_tokens=120))
+        assert _ask(srv.url, reqs[0]) == want[0]  # and it serves on
+    assert got == want
