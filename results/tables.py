@@ -53,6 +53,8 @@ LLAMACPP_R = {"torch (fp32, the Q4_1 weights dequantised)": "k4s2_readability.js
                   "k4s2_readability_llamacpp_foldq4.json",
               "llama.cpp, Q4_1 base + LoRA adapter (--no-fold-lora)":
                   "k4s2_readability_llamacpp_adapter.json"}
+# ktm serve on both runtimes under concurrent clients (ktm bench --mode serve --backends)
+SERVE_LLAMACPP = RESULTS / "bench" / "serve_llamacpp.json"
 # contextual merging against the block encoder at equal CPU-minutes: each run continues the
 # same K=4 consecutive-position reader (runs/readers/k4s) on the same windows (seed 5); the
 # block encoder's run is the shipped reader's last stage (k4s2)
@@ -199,6 +201,28 @@ def bench() -> str:
     return "\n".join(lines) + f"\n\nFile: `{rel(BENCH)}`."
 
 
+def serve_llamacpp() -> str:
+    """``ktm serve`` on torch and on llama.cpp: throughput and latency per number of clients,
+    and the time to first token of a repeated context (its merged KV reused)."""
+    rows = json.loads(SERVE_LLAMACPP.read_text())
+    lines = ["| runtime | prompt | clients | requests/s | latency p50 | time to first token p50 "
+             "| output tokens/s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "load":
+            continue
+        what = "plain" if r["method"] == "uncompressed" else f"K={r['k']}"
+        lines.append(f"| {r['backend']} | {what} | {r['clients']} | {r['requests_per_s']:.2f} | "
+                     f"{r['latency_p50_s']:.2f} s | {r['ttft_p50_s']:.2f} s | "
+                     f"{r['output_tokens_per_s']:.1f} |")
+    lines += ["", "| runtime | repeated context: first token, new | again (KV reused) |",
+              "|---|---|---|"]
+    for r in rows:
+        if r["kind"] == "prefix":
+            lines.append(f"| {r['backend']} | {r['ttft_uncached_s']:.2f} s | "
+                         f"{r['ttft_cached_s']:.2f} s |")
+    return "\n".join(lines) + f"\n\nFile: `{rel(SERVE_LLAMACPP)}`."
+
+
 def context() -> str:
     """R on held-out code / reviews (32 windows each) against CPU-minutes for the contextual
     encoders and the block encoder, from the runs' metrics.jsonl (``ktm pretrain``)."""
@@ -264,7 +288,7 @@ def demo() -> str:
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "readers": readers, "bench": bench, "demo": demo,
                                         "llamacpp": llamacpp, "llamacpp_r": llamacpp_r,
-                                        "context": context}
+                                        "context": context, "serve_llamacpp": serve_llamacpp}
 
 
 def render(text: str, page: Path) -> str:
