@@ -261,12 +261,15 @@ def demo() -> str:
     long prompt where the run read one."""
     files = sorted((RESULTS / "demo").glob("demo-seed*.json"))
     files += [max((RESULTS / "demo").glob("demo-fresh-venv-*.json"), key=committed_at)]
+    files += sorted((RESULTS / "demo").glob("demo-k*.json"))  # from another reader
     lines = ["| run | start (balanced acc.) | after fine-tuning | fine-tuning (s) | file |",
              "|---|---|---|---|---|"]
     long = []
     for path in files:
         d = json.loads(path.read_text())
-        lines.append(f"| seed {d['config']['seed']} | {d['start']['balanced_accuracy']:.3f} | "
+        start = d["config"].get("reader", "auto")
+        run = f"seed {d['config']['seed']}" + ("" if start == "auto" else f", from {start}")
+        lines.append(f"| {run} | {d['start']['balanced_accuracy']:.3f} | "
                      f"{d['trained']['balanced_accuracy']:.3f} | {d['train_s']:.0f} | "
                      f"`{rel(path)}` |")
         if d.get("long_prompt"):
