@@ -59,11 +59,11 @@ SERVE_LLAMACPP = RESULTS / "bench" / "serve_llamacpp.json"
 # same K=4 consecutive-position reader (runs/readers/k4s) on the same windows (seed 5); the
 # block encoder's run is the shipped reader's last stage (k4s2)
 CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
-                    RESULTS / "readers" / "runs" / "k4s2",
+                    (RESULTS / "readers" / "runs" / "k4s2", "block"),
                 "(c) + the block before (--context-blocks 1)":
-                    RESULTS / "readers" / "probes" / "k4x-conv1",
+                    (RESULTS / "readers" / "probes" / "k4x-conv1", "conv1"),
                 "(a) + the LM's first 2 layers (--context-layers 2)":
-                    RESULTS / "readers" / "probes" / "k4x-layers2"}
+                    (RESULTS / "readers" / "probes" / "k4x-layers2", "layers2")}
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
                   16: RESULTS / "bench" / "llamacpp_out16.json"}
@@ -227,7 +227,17 @@ def context() -> str:
     """R on held-out code / reviews (32 windows each) against CPU-minutes for the contextual
     encoders and the block encoder, from the runs' metrics.jsonl (``ktm pretrain``)."""
     lines = ["| encoder | step 50 | step 100 | step 150 | files |", "|---|---|---|---|---|"]
-    for label, folder in CONTEXT_RUNS.items():
+    speed = ["| encoder | prefill speed-up, 2,048 tokens | 4,096 tokens | encoder's share of "
+             "the prefill | file |", "|---|---|---|---|---|"]
+    for label, (folder, name) in CONTEXT_RUNS.items():
+        bench_file = RESULTS / "bench" / f"context_prefill_{name}.json"
+        if bench_file.is_file():
+            rows = {r["input_tokens"]: r for r in json.loads(bench_file.read_text())
+                    if r["method"] == "ktm"}
+            speed.append(f"| {label} | {rows[2048]['speedup_prefill']:.2f}× | "
+                         f"{rows[4096]['speedup_prefill']:.2f}× | "
+                         f"{rows[2048]['encoder_share']:.0%} / {rows[4096]['encoder_share']:.0%}"
+                         f" | `{rel(bench_file)}` |")
         path = folder / "metrics.jsonl"
         if not path.is_file():
             continue
@@ -246,7 +256,7 @@ def context() -> str:
             cells.append(f"{e['code']['R']:.3f} / {e['reviews']['R']:.3f} "
                          f"({row['cpu_s'] / 60:.0f} CPU-min)")
         lines.append(f"| {label} | {' | '.join(cells)} | `{rel(path)}` |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + speed)
 
 
 def committed_at(path: Path) -> int:
