@@ -49,24 +49,20 @@ def _trained(layout, w=2):
     return ctx
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_appending_tokens_never_changes_an_earlier_complete_blocks_vector(layout):
-    ctx = _trained(layout)
-    k = layout["k"]
+def assert_causal(ctx, k: int) -> None:
+    """Every prefix of whole blocks merges to the full prompt's first vectors, and the first
+    token reaches later blocks (the context is really read)."""
     x = torch.randn(1, 6 * k + 3, 8, dtype=torch.float64)
     full, _ = ctx(x)
-    for t in range(k, x.shape[1], k):  # every prefix of whole blocks
-        part, _ = ctx(x[:, :t])
-        torch.testing.assert_close(part, full[:, : t // k], rtol=1e-12, atol=1e-12)
-    # and the context is really read: changing the first block changes the later ones
+    for t in range(k, x.shape[1], k):
+        torch.testing.assert_close(ctx(x[:, :t])[0], full[:, : t // k], rtol=1e-12, atol=1e-12)
     y = x.clone()
     y[:, 0] += 1.0
     assert not torch.allclose(ctx(y)[0][:, 2:], full[:, 2:])
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_batch_equals_its_rows_one_by_one(layout):
-    ctx = _trained(layout)
+def assert_batch_is_rows(ctx) -> None:
+    """A right-padded batch equals its rows merged one by one; blocks of padding stay zero."""
     lengths = [17, 9, 4]
     x = torch.randn(3, 17, 8, dtype=torch.float64)
     mask = torch.tensor([[i < n for i in range(17)] for n in lengths])
@@ -75,7 +71,17 @@ def test_a_batch_equals_its_rows_one_by_one(layout):
         alone, _ = ctx(x[row:row + 1, :n])
         blocks = alone.shape[1]
         torch.testing.assert_close(batch[row:row + 1, :blocks], alone, rtol=1e-12, atol=1e-12)
-        assert not batch[row, blocks:].any()  # blocks of padding only stay zero
+        assert not batch[row, blocks:].any()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_appending_tokens_never_changes_an_earlier_complete_blocks_vector(layout):
+    assert_causal(_trained(layout), layout["k"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_batch_equals_its_rows_one_by_one(layout):
+    assert_batch_is_rows(_trained(layout))
 
 
 def test_save_then_load_gives_identical_logits(tiny_model_dir, tmp_path):
@@ -186,23 +192,8 @@ def test_layer_context_is_causal_and_a_batch_equals_its_rows(layout):
     with torch.no_grad():
         for p in ctx.context_parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    k = layout["k"]
-    x = torch.randn(1, 6 * k + 3, 8, dtype=torch.float64)
-    full, _ = ctx(x)
-    for t in range(k, x.shape[1], k):
-        torch.testing.assert_close(ctx(x[:, :t])[0], full[:, : t // k], rtol=1e-12, atol=1e-12)
-    y = x.clone()
-    y[:, 0] += 1.0  # the context is read: the first token reaches every later block
-    assert not torch.allclose(ctx(y)[0][:, 2:], full[:, 2:])
-    lengths = [17, 9, 4]
-    xs = torch.randn(3, 17, 8, dtype=torch.float64)
-    mask = torch.tensor([[i < n for i in range(17)] for n in lengths])
-    batch, _ = ctx(xs, mask)
-    for row, n in enumerate(lengths):
-        alone, _ = ctx(xs[row:row + 1, :n])
-        torch.testing.assert_close(batch[row:row + 1, :alone.shape[1]], alone, rtol=1e-12,
-                                   atol=1e-12)
-        assert not batch[row, alone.shape[1]:].any()
+    assert_causal(ctx, layout["k"])
+    assert_batch_is_rows(ctx)
 
 
 def test_an_unbound_layer_context_is_a_clear_error():

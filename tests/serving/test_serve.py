@@ -139,18 +139,23 @@ def _ask(url: str, kw: dict) -> tuple[str, str]:
     return ch.text, ch.finish_reason
 
 
+def _together(url: str, reqs: list[dict]) -> list[tuple[str, str]]:
+    """``reqs`` sent at once, one thread each, released together by a barrier."""
+    start = threading.Barrier(len(reqs))
+
+    def one(kw):
+        start.wait()
+        return _ask(url, kw)
+
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        return list(pool.map(one, reqs))
+
+
 def test_sixteen_concurrent_requests_equal_one_by_one(server):
     reqs = _requests()
     one_by_one = [_ask(server.url, kw) for kw in reqs]
     assert server.engine.counts["peak_running"] <= 2  # (a stream above may have overlapped)
-    start = threading.Barrier(16)
-
-    def together(kw):
-        start.wait()
-        return _ask(server.url, kw)
-
-    with ThreadPoolExecutor(16) as pool:
-        concurrent = list(pool.map(together, reqs))
+    concurrent = _together(server.url, reqs)
     assert server.engine.counts["peak_running"] >= 8  # they really were decoded together
     assert concurrent == one_by_one
     assert len({t for t, _ in one_by_one}) > 8 and {"stop", "length"} <= {f for _, f in one_by_one}

@@ -2,13 +2,11 @@
 by one and the torch server's answers (greedy and seeded sampling, stops, chat)."""
 
 import contextlib
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from helpers import perturb
-from test_serve import _ask, _requests
+from test_serve import _ask, _requests, _together
 
 from ktm.llamacpp.runtime import RuntimeConfig
 from ktm.model import KTMModel
@@ -43,14 +41,7 @@ def test_sixteen_concurrent_requests_equal_one_by_one_and_the_torch_server(tiny_
         want = [_ask(srv.url, kw) for kw in reqs]
     with serving(tiny_model_dir, "llamacpp") as srv:
         one_by_one = [_ask(srv.url, kw) for kw in reqs]
-        start = threading.Barrier(16)
-
-        def together(kw):
-            start.wait()
-            return _ask(srv.url, kw)
-
-        with ThreadPoolExecutor(16) as pool:
-            concurrent = list(pool.map(together, reqs))
+        concurrent = _together(srv.url, reqs)
         assert srv.engine.counts["peak_running"] >= 8  # they really were decoded together
         assert not srv.model.runtime.busy  # every finished request freed its sequence
     assert concurrent == one_by_one
@@ -69,14 +60,7 @@ def test_requests_wait_for_kv_cells_and_one_that_never_fits_is_refused(tiny_mode
     with serving(tiny_model_dir, "llamacpp") as srv:
         want = [_ask(srv.url, kw) for kw in reqs]
     with serving(tiny_model_dir, "llamacpp", context=96) as srv:
-        start = threading.Barrier(16)
-
-        def together(kw):
-            start.wait()
-            return _ask(srv.url, kw)
-
-        with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(together, reqs))
+        got = _together(srv.url, reqs)
         assert 2 <= srv.engine.counts["peak_running"] < 16  # some ran together, some waited
         assert srv.engine.counts["failed"] == 0
         with pytest.raises(openai.BadRequestError, match="need .* KV-cache cells, more than "
