@@ -276,9 +276,10 @@ def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor
     keep their fresh init; the weights from them into the saved units of the second layer are
     zero, so the saved units compute what they did; the new units of the second layer keep their
     fresh init, and the last layer's weights from them are zero, so they add nothing to the
-    output until training moves those weights. The weights reading earlier blocks
-    (``context_blocks``), absent from a block encoder, keep their zero init. Slot weights, gates and anything outside an MLP
-    are copied as saved; they must have the same shape.
+    output until training moves those weights. The weights reading context (``context_blocks``,
+    ``context_layers``), absent from a block encoder, keep their fresh init, whose output is
+    zero. Slot weights, gates and anything outside an MLP are copied as saved; they must have
+    the same shape.
     """
     out = {}
     for key, new in current.items():

@@ -31,8 +31,7 @@ import torch
 
 from ktm.errors import KTMError
 from ktm.llamacpp.fold import fold_adapter
-from ktm.llamacpp.gguf_files import (gguf_arch, gguf_module, read_adapter, write_adapter,
-                                      write_base)
+from ktm.llamacpp.gguf_files import gguf_arch, gguf_module, read_adapter, write_adapter, write_base
 from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
 from ktm.util.fileio import check_apart, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions

@@ -73,9 +73,9 @@ def fold_adapter(base: Path, out: Path, adapter: dict[str, np.ndarray], alpha: f
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
         if t.tensor_type.name not in FOLDABLE:
-            raise KTMError(f"base weight {t.name!r} is of type {t.tensor_type.name}, which this export cannot "
-                           f"quantize again after folding (it can: {', '.join(FOLDABLE)}); "
-                           "export without folding (--no-fold-lora)")
+            raise KTMError(f"base weight {t.name!r} is of type {t.tensor_type.name}, which this "
+                           f"export cannot quantize again after folding (it can: "
+                           f"{', '.join(FOLDABLE)}); export without folding (--no-fold-lora)")
         w = gguf.quants.dequantize(np.array(t.data), t.tensor_type).astype(np.float32)
         a, b = adapter[f"{t.name}.lora_a"], adapter[f"{t.name}.lora_b"]
         if a.ndim != 2 or b.shape != (w.shape[0], a.shape[0]) or a.shape[1] != w.shape[1]:
