@@ -33,7 +33,7 @@ from ktm.errors import KTMError
 from ktm.llamacpp.fold import fold_adapter
 from ktm.llamacpp.gguf_files import gguf_arch, gguf_module, read_adapter, write_adapter, write_base
 from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
-from ktm.util.fileio import check_apart, sha256_files, write_json_atomic
+from ktm.util.fileio import check_apart, read_json_object, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions
 
 MANIFEST = "ktm_export.json"
@@ -196,25 +196,19 @@ def export_gguf(model, out: str | Path, source: str | Path | None = None,
     if opts.base_gguf is not None and not Path(opts.base_gguf).expanduser().is_file():
         raise KTMError(f"base GGUF {opts.base_gguf!r} is missing: expected a GGUF file of the "
                        "model's base")
-    found = {}
     with torch.no_grad():
-        save_atomic(out, lambda tmp: found.update(_write(model, tmp, opts)))
+        save_atomic(out, lambda tmp: _write(model, tmp, opts))
     return read_manifest(out)
 
 
 def read_manifest(directory: str | Path) -> dict:
     """A GGUF export's manifest, checked for format; a clear error for anything else."""
     path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise KTMError(f"{str(directory)!r} is not a ktm GGUF export: {MANIFEST} is missing "
-                       "(make one with: ktm export --format gguf DIR --model CHECKPOINT)")
-    try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KTMError(f"{str(path)!r} is corrupt: {e}") from e
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise KTMError(f"{str(path)!r} is not a {FORMAT} export (found "
-                       f"{m.get('format') if isinstance(m, dict) else type(m).__name__!r})")
+    m = read_json_object(path, f"{str(directory)!r} is not a ktm GGUF export: {MANIFEST} is "
+                               "missing (make one with: ktm export --format gguf DIR --model "
+                               "CHECKPOINT)")
+    if m.get("format") != FORMAT:
+        raise KTMError(f"{str(path)!r} is not a {FORMAT} export (found {m.get('format')!r})")
     if m.get("format_version") != FORMAT_VERSION:
         raise KTMError(f"{str(path)!r} is of format version {m.get('format_version')!r}; this "
                        f"ktm reads version {FORMAT_VERSION}: re-export")

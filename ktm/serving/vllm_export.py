@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from safetensors.torch import save_file
 
 from ktm.core.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, save_atomic
 from ktm.errors import KTMError
-from ktm.util.fileio import check_apart, sha256_files, write_json_atomic
+from ktm.util.fileio import check_apart, read_json_object, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions
 
 MANIFEST = "ktm_export.json"
@@ -155,16 +154,9 @@ def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dic
 
 def read_manifest(directory: str | Path) -> dict:
     path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise KTMError(f"{str(directory)!r} is not a ktm vLLM export: {MANIFEST} is missing "
-                       "(make one with: ktm export --format vllm DIR --model CHECKPOINT)")
-    try:
-        m = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KTMError(f"{str(path)!r} is corrupt: {e}") from e
-    if not isinstance(m, dict):
-        raise KTMError(f"{str(path)!r} is corrupt: expected a JSON object, found "
-                       f"{type(m).__name__}")
+    m = read_json_object(path, f"{str(directory)!r} is not a ktm vLLM export: {MANIFEST} is "
+                               "missing (make one with: ktm export --format vllm DIR --model "
+                               "CHECKPOINT)")
     if m.get("format") != "ktm-vllm" or m.get("format_version") != FORMAT_VERSION:
         raise KTMError(f"{str(path)!r} is not a ktm-vllm export of format version "
                        f"{FORMAT_VERSION} (found {m.get('format')!r} {m.get('format_version')!r})")

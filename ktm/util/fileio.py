@@ -304,6 +304,21 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def read_json_object(path: Path, missing: str) -> dict:
+    """A JSON file holding one object (an export's manifest); ``missing``: the whole error for
+    an absent file. A clear ``KTMError`` for an unreadable file or anything but an object."""
+    if not path.is_file():
+        raise KTMError(missing)
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KTMError(f"{str(path)!r} is corrupt: {e}") from e
+    if not isinstance(obj, dict):
+        raise KTMError(f"{str(path)!r} is corrupt: expected a JSON object, found "
+                       f"{type(obj).__name__}")
+    return obj
+
+
 def sha256_files(paths: list[Path], names: bool = True) -> str:
     """One sha256 over files (sorted by path), each preceded by its name when ``names``."""
     h = hashlib.sha256()
