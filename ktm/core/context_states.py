@@ -46,16 +46,15 @@ class LayerStates:
         self.peft = peft_model
         self.layers = layers
         self.sink_id = sink_id
-        lm = peft_model.get_base_model()
-        total = len(decoder_layers(lm))
-        if layers > total:
-            raise KTMError(f"context_layers={layers} is more than the base model's {total} "
-                           f"layers: expected 1 to {total}")
+        stack = decoder_layers(peft_model.get_base_model())
+        if layers > len(stack):
+            raise KTMError(f"context_layers={layers} is more than the base model's "
+                           f"{len(stack)} layers: expected 1 to {len(stack)}")
+        self.layer = stack[layers - 1]  # found once: the hook goes on it at every call
 
     def __call__(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, T, D) input embeddings + (B, T) mask -> (B, T, D) states after layer L."""
         lm = self.peft.get_base_model()
-        layer = decoder_layers(lm)[self.layers - 1]
         got: dict[str, torch.Tensor] = {}
 
         def stop(_module, _args, out):
@@ -67,7 +66,7 @@ class LayerStates:
         sink = table(torch.full((b, 1), self.sink_id, dtype=torch.long, device=embeds.device))
         x = torch.cat([sink.to(embeds.dtype), embeds], dim=1)
         m = torch.cat([torch.ones(b, 1, dtype=torch.long, device=mask.device), mask.long()], 1)
-        hook = layer.register_forward_hook(stop)
+        hook = self.layer.register_forward_hook(stop)
         try:
             with torch.no_grad(), self.peft.disable_adapter():
                 lm(inputs_embeds=x, attention_mask=m, use_cache=False)
