@@ -189,7 +189,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
              and _value(want, d) != _value(saved, d)]
     if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio",
-                                              "context_blocks", "context_layers"}:
+                                              "context_blocks", "context_layers",
+                                              "context_transformer"}:
         if want.k != own.k:
             raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
                            f"the inner K={want.k}")
@@ -197,7 +198,7 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
             raise KTMError(f"--mlp-ratio {want.mlp_ratio!r} is below checkpoint {checkpoint!r}'s "
                            f"{own.mlp_ratio!r}: expected a wider encoder (a narrower one cannot "
                            "hold it)")
-        for name in ("context_blocks", "context_layers"):
+        for name in ("context_blocks", "context_layers", "context_transformer"):
             theirs, ours = getattr(own, name), getattr(want, name)
             if theirs and ours != theirs:
                 raise KTMError(f"--{name.replace('_', '-')} {ours!r} differs from checkpoint "

@@ -23,7 +23,8 @@ def _is_int(v: Any) -> bool:
 
 
 def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
-                         inner_k: Any, context_blocks: Any = 0, context_layers: Any = 0) -> None:
+                         inner_k: Any, context_blocks: Any = 0, context_layers: Any = 0,
+                         context_transformer: Any = 0) -> None:
     """The encoder settings' rules, shared by ``KTMConfig`` and ``EncoderConfig``."""
     if not _is_int(k) or k < 1:
         raise KTMError(f"k must be an integer >= 1, got {k!r}")
@@ -38,6 +39,9 @@ def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
         raise KTMError(f"context_blocks must be an integer >= 0, got {context_blocks!r}")
     if not _is_int(context_layers) or context_layers < 0:
         raise KTMError(f"context_layers must be an integer >= 0, got {context_layers!r}")
+    if not _is_int(context_transformer) or context_transformer < 0:
+        raise KTMError(f"context_transformer must be an integer >= 0, got "
+                       f"{context_transformer!r}")
     if context_blocks and not use_mlp:
         raise KTMError(f"context_blocks={context_blocks} needs use_mlp=True: the earlier blocks "
                        "are read by the MLP")
@@ -100,6 +104,10 @@ class KTMConfig:
     context_layers: int = field(default=0, metadata={
         "help": "contextual merging: add to each merged vector an MLP (starting at zero) of its "
                 "block's states after the base LM's first L layers (0: off)"})
+    context_transformer: int = field(default=0, metadata={
+        "help": "contextual merging: N small causal transformer layers of the encoder's own "
+                "(starting as the identity) read each segment's token embeddings before the "
+                "block merge (0: off)"})
     plain_prefix: int = field(default=0, metadata={
         "help": "first prompt tokens kept plain (the LM's attention sink)"})
     plain_suffix: int = field(default=0, metadata={
@@ -130,7 +138,7 @@ class KTMConfig:
             raise KTMError(f"KTMConfig.lora must be a LoraSettings (or a dict of its fields), got "
                            f"{self.lora!r}")
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
-                             self.context_blocks, self.context_layers)
+                             self.context_blocks, self.context_layers, self.context_transformer)
         if not _is_int(self.plain_prefix) or self.plain_prefix < 0:
             raise KTMError(f"plain_prefix must be an integer >= 0, got {self.plain_prefix!r}")
         if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
@@ -144,7 +152,7 @@ class KTMConfig:
 
     # the encoder's part of the config (EncoderConfig adds the base model's hidden size)
     ENCODER_FIELDS = ("k", "mlp_ratio", "use_mlp", "slot_weights", "mlp_gate", "inner_k",
-                      "context_blocks", "context_layers")
+                      "context_blocks", "context_layers", "context_transformer")
 
     def encoder_kwargs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.ENCODER_FIELDS}

@@ -16,6 +16,10 @@ through weights that start at zero, so an encoder with them untrained is exactly
 encoder (and a block reader gains them without changing what it computes). A block's vector
 depends only on its own tokens and the W blocks before it: appending tokens to a segment never
 changes an earlier complete block's vector, so merged prefixes stay cacheable by their ids.
+
+The other contextual options keep that property: ``context_layers`` (the LM's own first layers,
+``ktm.core.context_states``) and ``context_transformer`` (small causal layers of the encoder's
+own over the token embeddings, ``ktm.core.context_mixer``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 from ktm.core.config import check_encoder_fields
+from ktm.core.context_mixer import TokenMixer
 from ktm.core.context_states import StatesContext
 from ktm.errors import KTMError
 
@@ -49,10 +54,13 @@ class EncoderConfig:
     context_blocks: int = 0
     # contextual merging from the LM's own first L layers (ktm.core.context_states; 0: off)
     context_layers: int = 0
+    # contextual merging: N small causal transformer layers over the token embeddings first
+    # (ktm.core.context_mixer; 0: off)
+    context_transformer: int = 0
 
     def __post_init__(self) -> None:
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
-                             self.context_blocks, self.context_layers)
+                             self.context_blocks, self.context_layers, self.context_transformer)
         if self.hidden_size < 1:
             raise KTMError(f"hidden_size must be >= 1, got {self.hidden_size!r}")
 
@@ -64,9 +72,11 @@ class EncoderConfig:
         """(inner, outer) single-level configs of a recursive encoder; None for one level."""
         if self.inner_k == 1:
             return None
-        # the layer-state context is the whole encoder's, added once to its K-token merges
-        inner = replace(self, k=self.inner_k, inner_k=1, context_layers=0)
-        return inner, replace(self, k=self.k // self.inner_k, inner_k=1, context_layers=0)
+        # the layer-state context is the whole encoder's, added once to its K-token merges; the
+        # token mixer is too, run once before the inner level
+        whole = {"inner_k": 1, "context_layers": 0, "context_transformer": 0}
+        inner = replace(self, k=self.inner_k, **whole)
+        return inner, replace(self, k=self.k // self.inner_k, **whole)
 
     @property
     def is_identity(self) -> bool:
@@ -96,10 +106,11 @@ class KTokenEncoder(nn.Module):
 
     def __init__(self, hidden_size: int, k: int = 4, mlp_ratio: float = 2.0, use_mlp: bool = True,
                  slot_weights: bool = False, mlp_gate: bool = False, context_blocks: int = 0,
-                 context_layers: int = 0):
+                 context_layers: int = 0, context_transformer: int = 0):
         super().__init__()
         self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate,
-                                    context_blocks=context_blocks, context_layers=context_layers)
+                                    context_blocks=context_blocks, context_layers=context_layers,
+                                    context_transformer=context_transformer)
         d, h = hidden_size, self.config.mlp_hidden
         # fp32 whatever torch's default dtype: trainable weights stay fp32 (an Adam step of
         # 5e-5 rounds to nothing in bf16), and the LM's dtype is reached by autocast
@@ -126,6 +137,7 @@ class KTokenEncoder(nn.Module):
             self.context = nn.Linear(context_blocks * k * d, h, bias=False, **f32)
             nn.init.zeros_(self.context.weight)
         self.states = StatesContext(d, k, d) if context_layers else None
+        self.mixer = TokenMixer(d, context_transformer) if context_transformer else None
 
     @classmethod
     def from_config(cls, config: EncoderConfig) -> KTokenEncoder | RecursiveEncoder:
@@ -133,7 +145,7 @@ class KTokenEncoder(nn.Module):
             return RecursiveEncoder(config)
         return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp,
                    config.slot_weights, config.mlp_gate, config.context_blocks,
-                   config.context_layers)
+                   config.context_layers, config.context_transformer)
 
     @property
     def k(self) -> int:
@@ -144,10 +156,12 @@ class KTokenEncoder(nn.Module):
         return [] if self.mlp is None else list(self.mlp.parameters())
 
     def context_parameters(self) -> list[nn.Parameter]:
-        """The weights that read context (``context_blocks``, ``context_layers``): new to a
-        block reader continued with them, so training may give them a rate of their own."""
+        """The weights that read context (``context_blocks``, ``context_layers``,
+        ``context_transformer``): new to a block reader continued with them, so training may
+        give them a rate of their own."""
         own = [] if self.context is None else [self.context.weight]
-        return own + ([] if self.states is None else list(self.states.parameters()))
+        return own + [p for m in (self.states, self.mixer) if m is not None
+                      for p in m.parameters()]
 
     def bind_lm(self, source) -> None:
         """Give a ``context_layers`` encoder the LM states it reads (``LayerStates``)."""
@@ -174,6 +188,8 @@ class KTokenEncoder(nn.Module):
         if mask is None:
             mask = torch.ones(b, t, dtype=torch.bool, device=embeds.device)
         given, given_mask = embeds, mask
+        if self.mixer is not None:
+            embeds = self.mixer(embeds)
         n = -(-t // k)
         pad = n * k - t
         m = mask.to(embeds.dtype)
@@ -229,6 +245,8 @@ class RecursiveEncoder(nn.Module):
         self.outer = KTokenEncoder.from_config(levels[1])
         d = config.hidden_size
         self.states = StatesContext(d, config.k, d) if config.context_layers else None
+        self.mixer = (TokenMixer(d, config.context_transformer) if config.context_transformer
+                      else None)
 
     @property
     def k(self) -> int:
@@ -238,7 +256,7 @@ class RecursiveEncoder(nn.Module):
         return self.inner.wide_parameters() + self.outer.wide_parameters()
 
     def context_parameters(self) -> list[nn.Parameter]:
-        own = [] if self.states is None else list(self.states.parameters())
+        own = [p for m in (self.states, self.mixer) if m is not None for p in m.parameters()]
         return self.inner.context_parameters() + self.outer.context_parameters() + own
 
     def bind_lm(self, source) -> None:
@@ -250,7 +268,8 @@ class RecursiveEncoder(nn.Module):
 
     def forward(self, embeds: torch.Tensor, mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        merged, m = self.inner(embeds, mask)
+        mixed = embeds if self.mixer is None else self.mixer(embeds)
+        merged, m = self.inner(mixed, mask)
         merged, m = self.outer(merged, m)
         if self.states is not None:
             if mask is None:
@@ -277,15 +296,16 @@ def grow_encoder(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor
     zero, so the saved units compute what they did; the new units of the second layer keep their
     fresh init, and the last layer's weights from them are zero, so they add nothing to the
     output until training moves those weights. The weights reading context (``context_blocks``,
-    ``context_layers``), absent from a block encoder, keep their fresh init, whose output is
-    zero. Slot weights, gates and anything outside an MLP are copied as saved; they must have
-    the same shape.
+    ``context_layers``, ``context_transformer``), absent from a block encoder, keep their fresh
+    init, whose output is zero (the identity, for the token mixer). Slot weights, gates and
+    anything outside an MLP are copied as saved; they must have the same shape.
     """
     out = {}
     for key, new in current.items():
         if key not in saved and (key.rsplit(".", 2)[-2:] == ["context", "weight"]
-                                 or key.startswith("states.") or ".states." in key):
-            # a block encoder gaining context (context_blocks / context_layers): the new
+                                 or any(key.startswith(f"{m}.") or f".{m}." in key
+                                        for m in ("states", "mixer"))):
+            # a block encoder gaining context (context_blocks / _layers / _transformer): the new
             # weights' fresh init, whose output starts at zero
             out[key] = new
             continue

@@ -38,12 +38,12 @@ class TrainConfig:
     # (docs/guide.md#defaults). None: lr.
     slot_lr: float | None = field(default=None, metadata={
         "help": "learning rate of the encoder's slot weights and gate (default: --lr)"})
-    # the weights that read earlier blocks (context_blocks) start at zero in a reader continued
-    # with them; a rate of their own lets them move while the trained MLP moves gently. None:
-    # encoder_lr (they have the MLP's wide fan-in)
+    # the weights that read context (context_blocks, _layers, _transformer) start at zero in a
+    # reader continued with them; a rate of their own lets them move while the trained MLP moves
+    # gently. None: encoder_lr (they have the MLP's wide fan-in)
     context_lr: float | None = field(default=None, metadata={
-        "help": "learning rate of the encoder's weights reading earlier blocks "
-                "(--context-blocks; default: --encoder-lr)"})
+        "help": "learning rate of the encoder's weights that read context (--context-blocks, "
+                "--context-layers, --context-transformer; default: --encoder-lr)"})
     ema_decay: float = field(default=0.0, metadata={
         "help": "keep an exponential moving average of the trainable weights with this decay "
                 "(e.g. 0.95): evaluations, the checkpoint and the returned model use it, the "
@@ -55,6 +55,14 @@ class TrainConfig:
         "help": "steps of linear learning-rate warm-up (0: none)"})
     clip_norm: float = field(default=1.0, metadata={
         "help": "clip the gradient norm to this (0: no clipping)"})
+    # a contextual encoder's new weights (context_blocks, _layers, _transformer) can start with
+    # gradients several times the LoRA's (results/README.md#contextual-merging); under one
+    # global clip they shrink every other weight's step. Apart, each set is clipped to clip_norm
+    # on its own and the rest trains as it would without them.
+    clip_context_apart: bool = field(default=False, metadata={
+        "help": "clip the contextual encoder weights' gradient norm on its own, not with the "
+                "LoRA's and the MLP's (--context-blocks, --context-layers, "
+                "--context-transformer)"})
     seed: int = field(default=0, metadata={
         "help": "random seed: the examples drawn and their order, new weights, dropout"})
     log_every: int = field(default=1, metadata={

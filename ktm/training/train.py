@@ -76,7 +76,7 @@ def adamw(params, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
 def param_groups(model, cfg: TrainConfig) -> list[dict]:
     """LoRA, slot weights and gate at ``lr``; the encoder MLP's wide layers at ``encoder_lr``;
     with ``slot_lr`` set, the slot weights and gate at that rate instead; the weights reading
-    earlier blocks at ``context_lr`` (default ``encoder_lr``)."""
+    context at ``context_lr`` (default ``encoder_lr``)."""
     wide = {id(p) for p in model.encoder.wide_parameters()}
     order = ({id(p) for p in model.encoder.order_parameters()} if cfg.slot_lr is not None
              else set())
@@ -110,7 +110,8 @@ class StepStats:
     target_tokens: int = 0
     prompt_tokens: int = 0  # before merging
     lm_prompt_tokens: int = 0  # positions the LM read
-    grad_norm: float = 0.0
+    grad_norm: float = 0.0  # before clipping, over every trainable weight
+    apart_norms: dict[str, float] = field(default_factory=dict)  # group name: its norm, if apart
     parts: dict[str, list[float]] = field(default_factory=dict)  # objective: [sum, tokens]
 
     @property
@@ -133,9 +134,12 @@ def check_trainable(model) -> None:
 
 def train_step(model, opt, window: Sequence[Example], batch_size: int,
                loss_fn: Callable = cross_entropy_loss, clip_norm: float = 1.0,
-               world: distributed.World = distributed.ONE) -> StepStats:
+               world: distributed.World = distributed.ONE,
+               clip_apart: Sequence[str] = ()) -> StepStats:
     """One optimizer step over ``window`` in micro-batches of ``batch_size``: the step's loss is
     the mean over every target token of the window; clip (0: off), AdamW, zero the grads.
+    The parameter groups named in ``clip_apart`` are each clipped to ``clip_norm`` on their own;
+    the rest together.
 
     With several processes ``window`` is this process's shard: token counts, gradients and the
     statistics are summed over processes first, so the step is that of the whole window.
@@ -163,8 +167,15 @@ def train_step(model, opt, window: Sequence[Example], batch_size: int,
             [stats.loss_sum, stats.target_tokens, stats.prompt_tokens, stats.lm_prompt_tokens],
             world, model.device)
         stats.parts = distributed.sum_by_key(stats.parts, world)
-    stats.grad_norm = float(torch.nn.utils.clip_grad_norm_(
-        params, clip_norm if clip_norm > 0 else math.inf))
+    limit = clip_norm if clip_norm > 0 else math.inf
+    rest = [p for g in opt.param_groups if g.get("name") not in clip_apart for p in g["params"]]
+    squares = float(torch.nn.utils.clip_grad_norm_(rest, limit)) ** 2 if rest else 0.0
+    for g in opt.param_groups:
+        if g.get("name") in clip_apart:
+            norm = float(torch.nn.utils.clip_grad_norm_(g["params"], limit))
+            stats.apart_norms[g["name"]] = norm
+            squares += norm ** 2
+    stats.grad_norm = math.sqrt(squares)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return stats
@@ -249,7 +260,13 @@ def _complete(model, out: Path, step: int, config: TrainConfig, ema, world) -> d
 def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
          world) -> dict:
     out = Path(config.out_dir)
-    opt = adamw(param_groups(model, config), lr=config.lr, weight_decay=config.weight_decay)
+    groups = param_groups(model, config)
+    clip_apart = ("encoder_context",) if config.clip_context_apart else ()
+    if clip_apart and not any(g["name"] in clip_apart for g in groups):
+        raise KTMError("clip_context_apart is set but the model has no contextual encoder "
+                       "weights: expected --context-blocks, --context-layers or "
+                       "--context-transformer (or no --clip-context-apart)")
+    opt = adamw(groups, lr=config.lr, weight_decay=config.weight_decay)
     distributed.broadcast_params([p for g in opt.param_groups for p in g["params"]], world)
     data = data_signature(examples)
     ema = (WeightAverage([p for _, p in model.trainable_parameters()], config.ema_decay)
@@ -295,7 +312,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                 g["lr"] = g["base_lr"] * lr_factor(step, config)
             window = [examples[order[step * per_step + j]] for j in world.shard(per_step)]
             st = train_step(model, opt, window, config.batch_size, loss_fn, config.clip_norm,
-                            world)
+                            world, clip_apart)
             step += 1
             if ema is not None:
                 ema.update()
@@ -303,7 +320,8 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             cpu = distributed.sum_numbers([time.process_time() - cpu_start], world,
                                           model.device)[0]
             last = {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
-                    "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm, "step_s": dt,
+                    "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm,
+                    **{f"grad_norm_{k}": v for k, v in st.apart_norms.items()}, "step_s": dt,
                     "input_tokens_per_s": st.input_tokens / dt,
                     "lm_tokens_per_s": st.lm_tokens / dt,
                     "elapsed_s": time.perf_counter() - t_start,

@@ -57,7 +57,7 @@ def assert_causal(ctx, k: int) -> None:
     for t in range(k, x.shape[1], k):
         torch.testing.assert_close(ctx(x[:, :t])[0], full[:, : t // k], rtol=1e-12, atol=1e-12)
     y = x.clone()
-    y[:, 0] += 1.0
+    y[:, 0] += torch.randn(x.shape[-1], dtype=x.dtype)  # not a constant, which a norm removes
     assert not torch.allclose(ctx(y)[0][:, 2:], full[:, 2:])
 
 
@@ -130,6 +130,63 @@ def test_context_lr_sets_the_context_weights_own_group(tiny_model_dir, tmp_path)
     default = {g["name"]: g for g in param_groups(model, TrainConfig(out_dir=str(tmp_path),
                                                                        encoder_lr=1e-5))}
     assert default["encoder_context"]["base_lr"] == 1e-5
+
+
+def test_clip_context_apart_leaves_the_other_weights_clipped_as_without_them(tiny_model_dir,
+                                                                            tmp_path):
+    """Apart, the context weights' gradient no longer shrinks the LoRA's and the MLP's step:
+    those are clipped exactly as they are alone, and the context weights on their own."""
+    from ktm.training.config import TrainConfig
+    from ktm.training.train import Example, adamw, param_groups, train_step
+
+    model = fresh_model(tiny_model_dir, k=2, context_blocks=1)
+    perturb(model)
+    with torch.no_grad():
+        model.encoder.context.weight.normal_(0, 0.3)  # trained: the gradient reaches it
+    model.eval()  # no dropout: every step sees the same gradient
+    window = [Example(p, t) for p, t in zip(PROMPTS, ["true", "false", "positive review"])]
+    cfg = TrainConfig(out_dir=str(tmp_path), lr=1e-30, encoder_lr=1e-30, context_lr=1e-30)
+
+    def clipped_grads(clip, apart=()):
+        opt = adamw(param_groups(model, cfg), lr=1e-30)
+        opt.zero_grad = lambda set_to_none=True: None  # keep the clipped grads to read them
+        st = train_step(model, opt, window, 2, clip_norm=clip, clip_apart=apart)
+        grads = {g["name"]: torch.cat([p.grad.flatten() for p in g["params"]])
+                 for g in opt.param_groups}
+        for p in model.parameters():
+            p.grad = None
+        return st, grads
+
+    def norm(grads, names):
+        return float(torch.cat([grads[n] for n in names]).norm())
+
+    _, raw = clipped_grads(0.0)  # unclipped
+    ctx, rest = ["encoder_context"], [n for n in raw if n != "encoder_context"]
+    clip = min(norm(raw, ctx), norm(raw, rest)) / 10  # both parts far above it
+    together, g1 = clipped_grads(clip)
+    apart, g2 = clipped_grads(clip, ctx)
+    assert not together.apart_norms
+    torch.testing.assert_close(apart.apart_norms["encoder_context"], norm(raw, ctx), rtol=1e-4,
+                               atol=0)
+    torch.testing.assert_close(apart.grad_norm, together.grad_norm, rtol=1e-4, atol=0)
+    torch.testing.assert_close(norm(g1, rest + ctx), clip, rtol=1e-4, atol=0)  # one clip
+    torch.testing.assert_close(norm(g2, rest), clip, rtol=1e-4, atol=0)  # each part at it
+    torch.testing.assert_close(norm(g2, ctx), clip, rtol=1e-4, atol=0)
+    assert norm(g1, rest) < clip * 0.999  # together, the context weights took part of it
+    for n in rest:  # the same direction, only a different scale
+        torch.testing.assert_close(g2[n] / norm(g2, rest), raw[n] / norm(raw, rest))
+
+
+def test_clip_context_apart_without_context_weights_is_refused(tiny_model_dir, tmp_path):
+    from ktm.training.config import TrainConfig
+    from ktm.training.train import Example, train
+
+    model = fresh_model(tiny_model_dir, k=2)
+    cfg = TrainConfig(out_dir=str(tmp_path / "run"), max_steps=1, clip_context_apart=True,
+                      progress=False)
+    with pytest.raises(KTMError, match="no contextual encoder weights"):
+        train(model, [Example(PROMPTS[0], "true")], cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -266,3 +323,77 @@ def test_a_layer_context_reader_on_another_base_model_is_refused(tiny_model_dir,
     save_tiny("qwen2", tmp_path / "other")
     with pytest.raises(KTMError, match="base"):
         KTMModel.load(tmp_path / "ckpt", base=str(tmp_path / "other"))
+
+
+# ------------------------------------------------- context_transformer (a small one of its own)
+
+def _mixer_pair(layout, layers=2, dtype=torch.float32):
+    torch.manual_seed(0)
+    block = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, **layout))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    ctx = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, context_transformer=layers,
+                                                  **layout))
+    ctx.load_state_dict(grow_encoder(block.state_dict(), ctx.state_dict()))
+    return block.to(dtype), ctx.to(dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_mixer_at_its_start_is_the_block_encoder_exactly(layout):
+    block, ctx = _mixer_pair(layout)
+    assert ctx.context_parameters()
+    assert any(p.any() for p in ctx.context_parameters())  # only the output projections are 0
+    x = torch.randn(3, 19, 8)
+    mask = torch.ones(3, 19, dtype=torch.bool)
+    mask[1, 11:] = False
+    got, got_mask = ctx(x, mask)
+    want, want_mask = block(x, mask)
+    assert torch.equal(got, want) and torch.equal(got_mask, want_mask)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_mixer_is_causal_and_a_batch_equals_its_rows(layout):
+    _, ctx = _mixer_pair(layout, dtype=torch.float64)
+    with torch.no_grad():
+        for p in ctx.context_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    assert_causal(ctx, layout["k"])
+    assert_batch_is_rows(ctx)
+
+
+def test_token_mixer_heads_are_about_64_wide():
+    from ktm.core.context_mixer import heads_for
+
+    assert [heads_for(d) for d in (576, 960, 2048, 8, 100)] == [9, 15, 32, 1, 2]
+
+
+def test_a_token_mixer_model_trains_saves_and_loads(tiny_model_dir, tmp_path):
+    from ktm.training.train import adamw
+
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2, context_transformer=1)
+    perturb(model)
+    model.train()
+    loss = model(PROMPTS, ["true", "false", "positive review"]).loss
+    loss.backward()
+    mixer = model.encoder.mixer.layers[0]
+    assert mixer.down.weight.grad.abs().sum() > 0  # the zero output projections move first
+    assert mixer.out.weight.grad.abs().sum() > 0
+    adamw([p for _, p in model.trainable_parameters()], lr=2e-3).step()
+    with torch.no_grad():
+        after = model(PROMPTS, ["true", "false", "positive review"]).loss
+    assert after.item() < loss.item() - 1e-3
+    model.eval()
+    model.save(tmp_path / "ckpt")
+    again = KTMModel.load(tmp_path / "ckpt")
+    assert again.encoder.config.context_transformer == 1
+    with torch.no_grad():
+        for a, b in zip(model.encode_prompts(PROMPTS), again.encode_prompts(PROMPTS)):
+            assert torch.equal(a.embeds, b.embeds)
+    assert again.generate(PROMPTS[1], max_new_tokens=6) == model.generate(PROMPTS[1],
+                                                                           max_new_tokens=6)
+
+
+def test_bad_context_transformer_is_a_clear_error():
+    with pytest.raises(KTMError, match="context_transformer must be an integer >= 0, got -2"):
+        EncoderConfig(8, context_transformer=-2)

@@ -185,10 +185,11 @@ def test_scoring_reads_target_logits_through_llama_cpp_as_torch_does(pair):
     assert calls == [1]
 
 
-def test_an_encoder_reading_the_lms_first_layers_runs_on_llama_cpp(tiny_model_dir, tmp_path):
-    """The encoder (with the LM's first layers it reads) stays in torch; only the merged
+@pytest.mark.parametrize("context", [dict(context_layers=1), dict(context_transformer=1)])
+def test_a_contextual_encoder_runs_on_llama_cpp(tiny_model_dir, tmp_path, context):
+    """The encoder (with the LM's first layers it may read) stays in torch; only the merged
     prefix goes to llama.cpp, so a contextual model generates there as on torch."""
-    model = fresh_model(tiny_model_dir, k=2, context_layers=1)
+    model = fresh_model(tiny_model_dir, k=2, **context)
     perturb(model)
     model.save(tmp_path / "ctx")
     torch_model = KTMModel.load(tmp_path / "ctx")

@@ -285,13 +285,14 @@ def test_export_refuses_a_model_trained_with_spread_positions(tiny_model_dir, tm
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_the_client_merges_as_the_model_with_an_encoder_reading_earlier_blocks(tiny_model_dir,
-                                                                              tmp_path):
-    # (c) contextual merging keeps the encoder contract: the export carries its weights
+@pytest.mark.parametrize("context", [dict(context_blocks=2), dict(context_transformer=1)])
+def test_the_client_merges_as_the_model_with_a_contextual_encoder(tiny_model_dir, tmp_path,
+                                                                  context):
+    # (c) and (b) contextual merging keep the encoder contract: the export carries their weights
     torch.manual_seed(0)
-    model = KTMModel.from_base(tiny_model_dir, k=2, context_blocks=2)
+    model = KTMModel.from_base(tiny_model_dir, k=2, **context)
     perturb(model, seed=2)
-    assert model.encoder.context.weight.any()
+    assert all(p.any() for p in model.encoder.context_parameters())
     export_vllm(model, tmp_path / "x")
     client = VLLMClient(tmp_path / "x")
     for prompt in PROMPTS:

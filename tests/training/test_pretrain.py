@@ -630,3 +630,37 @@ def test_init_with_context_blocks_gives_a_block_reader_context_exactly(tiny_mode
     assert all(p.any() for p in trained.encoder.context_parameters())
     assert main(["pretrain", "--init", str(tmp_path / "c" / "checkpoint"), "--context-blocks",
                  "1", *run, "--out-dir", str(tmp_path / "x")]) == 2
+
+
+def test_init_with_a_token_mixer_starts_as_the_block_reader_and_clips_it_apart(tiny_model_dir,
+                                                                              tmp_path, corpus):
+    """``--init READER --context-transformer N``: the same function at the start (the mixer's
+    output projections are zero); ``--clip-context-apart`` logs the mixer's own gradient norm."""
+    from ktm.cli.args import init_or_build
+    from ktm.cli.main import _parser
+
+    block = fresh(tiny_model_dir, k=2, mlp_ratio=0.5)
+    randomize_lora(block)
+    for p in block.encoder.parameters():
+        p.data.normal_(0, 0.05)
+    block.save(str(tmp_path / "block"))
+    want = _logits(block.eval())
+    argv = ["pretrain", "--init", str(tmp_path / "block"), "--model", tiny_model_dir,
+            "--context-transformer", "1", "--sources", corpus]
+    ctx = init_or_build(_parser(argv).parse_args(argv))
+    assert ctx.encoder.config.context_transformer == 1
+    torch.testing.assert_close(_logits(ctx.eval()), want, atol=1e-6, rtol=1e-6)
+    run = ["--max-steps", "2", "--no-progress", "--sources", corpus, "--batch-size", "2",
+           "--eval-sets", "none", "--context-tokens", "24", "--target-tokens", "8",
+           "--min-tokens", "8", "--context-lr", "1e-2", "--clip-context-apart"]
+    assert main(["pretrain", "--init", str(tmp_path / "block"), "--context-transformer", "1",
+                 *run, "--out-dir", str(tmp_path / "m")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").open()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert len(steps) == 2 and all(r["grad_norm_encoder_context"] > 0 for r in steps)
+    trained = KTMModel.load(str(tmp_path / "m" / "checkpoint"))
+    assert trained.encoder.mixer.layers[0].down.weight.any()
+    # a block reader without context weights: clipping them apart is refused, nothing written
+    assert main(["pretrain", "--init", str(tmp_path / "block"), *run,
+                 "--out-dir", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
