@@ -55,15 +55,27 @@ LLAMACPP_R = {"torch (fp32, the Q4_1 weights dequantised)": "k4s2_readability.js
                   "k4s2_readability_llamacpp_adapter.json"}
 # ktm serve on both runtimes under concurrent clients (ktm bench --mode serve --backends)
 SERVE_LLAMACPP = RESULTS / "bench" / "serve_llamacpp.json"
-# contextual merging against the block encoder at equal CPU-minutes: each run continues the
-# same K=4 consecutive-position reader (runs/readers/k4s) on the same windows (seed 5); the
-# block encoder's run is the shipped reader's last stage (k4s2)
+# contextual merging against the block encoder at equal CPU-minutes: each K=4 run continues the
+# same consecutive-position reader (runs/readers/k4s) on the same windows (seed 5), the block
+# encoder's run being the shipped reader's last stage (k4s2); each K=2 run continues the shipped
+# K=2 consecutive-position reader (runs/readers/k2s) the same way. label: (K, run folder, name);
+# the prefill benchmark is results/bench/context_prefill_NAME.json, R with a 4-token plain suffix
+# at the run's end results/readers/context_suffix4/NAME.json
+PROBES = RESULTS / "readers" / "probes"
 CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
-                    (RESULTS / "readers" / "runs" / "k4s2", "block"),
-                "(c) + the block before (--context-blocks 1)":
-                    (RESULTS / "readers" / "probes" / "k4x-conv1", "conv1"),
+                    (4, RESULTS / "readers" / "runs" / "k4s2", "block"),
+                "(c) + the block before (--context-blocks 1)": (4, PROBES / "k4x-conv1", "conv1"),
                 "(a) + the LM's first 2 layers (--context-layers 2)":
-                    (RESULTS / "readers" / "probes" / "k4x-layers2", "layers2")}
+                    (4, PROBES / "k4x-layers2", "layers2"),
+                "(a) + the LM's first 2 layers, clipped apart (--clip-context-apart)":
+                    (4, PROBES / "k4x-layers2-apart", "layers2-apart"),
+                "(b) + 1 transformer layer of its own (--context-transformer 1), clipped apart":
+                    (4, PROBES / "k4x-mixer1", "mixer1"),
+                "block MLP (K=2, continuing smollm2-135m-k2-seq)":
+                    (2, PROBES / "k2x-block", "k2-block"),
+                "(c) + the block before (K=2, --context-blocks 1)":
+                    (2, PROBES / "k2x-conv1", "k2-conv1")}
+CONTEXT_SUFFIX = RESULTS / "readers" / "context_suffix4"
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
                   16: RESULTS / "bench" / "llamacpp_out16.json"}
@@ -225,16 +237,18 @@ def serve_llamacpp() -> str:
 
 def context() -> str:
     """R on held-out code / reviews (32 windows each) against CPU-minutes for the contextual
-    encoders and the block encoder, from the runs' metrics.jsonl (``ktm pretrain``)."""
-    lines = ["| encoder | step 50 | step 100 | step 150 | files |", "|---|---|---|---|---|"]
-    speed = ["| encoder | prefill speed-up, 2,048 tokens | 4,096 tokens | encoder's share of "
-             "the prefill | file |", "|---|---|---|---|---|"]
-    for label, (folder, name) in CONTEXT_RUNS.items():
+    encoders and the block encoder, from the runs' metrics.jsonl (``ktm pretrain``), with the
+    end's R read with a 4-token plain suffix (``ktm eval --plain-suffix 4``) where measured."""
+    lines = ["| K | encoder | step 50 | step 100 | step 150 | step 150, 4-token plain suffix "
+             "| files |", "|---|---|---|---|---|---|---|"]
+    speed = ["| K | encoder | prefill speed-up, 2,048 tokens | 4,096 tokens | encoder's share of "
+             "the prefill | file |", "|---|---|---|---|---|---|"]
+    for label, (k, folder, name) in CONTEXT_RUNS.items():
         bench_file = RESULTS / "bench" / f"context_prefill_{name}.json"
         if bench_file.is_file():
             rows = {r["input_tokens"]: r for r in json.loads(bench_file.read_text())
                     if r["method"] == "ktm"}
-            speed.append(f"| {label} | {rows[2048]['speedup_prefill']:.2f}× | "
+            speed.append(f"| {k} | {label} | {rows[2048]['speedup_prefill']:.2f}× | "
                          f"{rows[4096]['speedup_prefill']:.2f}× | "
                          f"{rows[2048]['encoder_share']:.0%} / {rows[4096]['encoder_share']:.0%}"
                          f" | `{rel(bench_file)}` |")
@@ -255,7 +269,15 @@ def context() -> str:
             e = row["eval"]
             cells.append(f"{e['code']['R']:.3f} / {e['reviews']['R']:.3f} "
                          f"({row['cpu_s'] / 60:.0f} CPU-min)")
-        lines.append(f"| {label} | {' | '.join(cells)} | `{rel(path)}` |")
+        files = [f"`{rel(path)}`"]
+        suffix = CONTEXT_SUFFIX / f"{name}.json"
+        if suffix.is_file():
+            r = json.loads(suffix.read_text())["readability"]
+            cells.append(f"{r['code']['R']:.3f} / {r['reviews']['R']:.3f}")
+            files.append(f"`{rel(suffix)}`")
+        else:
+            cells.append("–")
+        lines.append(f"| {k} | {label} | {' | '.join(cells)} | {', '.join(files)} |")
     return "\n".join(lines + [""] + speed)
 
 
