@@ -283,7 +283,8 @@ class KTMModel(nn.Module):
 
             sink = next((i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id)
                          if i is not None), self.pad_id)
-            encoder.bind_lm(LayerStates(peft_model, layers, int(sink)))
+            encoder.bind_lm(LayerStates(peft_model.get_base_model(), layers, int(sink),
+                                        peft_model.disable_adapter))
 
     def _valid_pad(self, pad: int | None) -> int:
         """The id pads are written with. Pads never reach the LM (masked), but they are looked

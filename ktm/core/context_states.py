@@ -17,6 +17,9 @@ pass), on top of the merged prefill.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from torch import nn
 
@@ -39,14 +42,18 @@ class _Stop(Exception):
 
 
 class LayerStates:
-    """The base LM's hidden states after its first ``layers`` layers, adapter disabled and
-    without gradient; a callable the encoder holds (not a module: never saved or trained)."""
+    """The base LM's hidden states after its first ``layers`` layers, without gradient; a
+    callable the encoder holds (not a module: never saved or trained).
 
-    def __init__(self, peft_model, layers: int, sink_id: int):
-        self.peft = peft_model
-        self.layers = layers
-        self.sink_id = sink_id
-        stack = decoder_layers(peft_model.get_base_model())
+    ``lm``: the causal LM whose layers are read (a ``KTMModel``'s base under its PEFT wrapper,
+    or the export's copy of the first layers, ``ktm.serving.vllm_export``); ``adapter_off``: a
+    context manager under which ``lm`` computes as the base model (PEFT's ``disable_adapter``;
+    none for a plain LM)."""
+
+    def __init__(self, lm: nn.Module, layers: int, sink_id: int,
+                 adapter_off: Callable[[], AbstractContextManager] = nullcontext):
+        self.lm, self.layers, self.sink_id, self.adapter_off = lm, layers, sink_id, adapter_off
+        stack = decoder_layers(lm)
         if layers > len(stack):
             raise KTMError(f"context_layers={layers} is more than the base model's "
                            f"{len(stack)} layers: expected 1 to {len(stack)}")
@@ -54,7 +61,6 @@ class LayerStates:
 
     def __call__(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, T, D) input embeddings + (B, T) mask -> (B, T, D) states after layer L."""
-        lm = self.peft.get_base_model()
         got: dict[str, torch.Tensor] = {}
 
         def stop(_module, _args, out):
@@ -62,14 +68,14 @@ class LayerStates:
             raise _Stop
 
         b = embeds.shape[0]
-        table = lm.get_input_embeddings()
+        table = self.lm.get_input_embeddings()
         sink = table(torch.full((b, 1), self.sink_id, dtype=torch.long, device=embeds.device))
         x = torch.cat([sink.to(embeds.dtype), embeds], dim=1)
         m = torch.cat([torch.ones(b, 1, dtype=torch.long, device=mask.device), mask.long()], 1)
         hook = self.layer.register_forward_hook(stop)
         try:
-            with torch.no_grad(), self.peft.disable_adapter():
-                lm(inputs_embeds=x, attention_mask=m, use_cache=False)
+            with torch.no_grad(), self.adapter_off():
+                self.lm(inputs_embeds=x, attention_mask=m, use_cache=False)
         except _Stop:
             pass
         finally:

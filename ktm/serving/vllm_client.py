@@ -8,7 +8,9 @@
     client.complete([Segment(document), Segment("\\nQuestion: ...? Answer:", compress=False)])
 
 The client needs only the export's tokenizer, the LM's input-embedding table and the encoder
-(``ktm.core.prefix.encode_prompts``, the same step the ktm model runs), never the LM itself.
+(``ktm.core.prefix.encode_prompts``, the same step the ktm model runs), never the LM itself; an
+encoder that reads the base LM's first L layers (``context_layers``) runs them here, from the
+export's copy of those layers.
 
 Payload, as vLLM documents it for its Completions API: ``prompt_embeds`` is a (L, D) tensor
 written with ``torch.save`` and base64-encoded (vLLM reads it back with
@@ -88,6 +90,8 @@ class VLLMClient:
         self.embed = nn.Embedding.from_pretrained(self._embedding_table().to(dtype))
         self.encoder = KTokenEncoder.from_config(EncoderConfig.from_dict(m["encoder"]))
         self.encoder.load_state_dict(load_file(str(self.dir / ENCODER)))
+        if self.encoder.config.context_layers:
+            self.encoder.bind_lm(self._context_states(dtype))
         self.encoder.eval()  # fp32 weights, as in the model (bf16 runs under autocast)
         pad = self.tokenizer.pad_token_id
         self.prompt_encoder = PromptEncoder(self.tokenize, self.embed, self.encoder,
@@ -110,6 +114,24 @@ class VLLMClient:
                 raise KTMError(f"the {part} files in {str(self.dir)!r} are not the ones this "
                                f"export was made with (sha256 {got[part][:12]} != "
                                f"{want[part][:12]}): base model / encoder mismatch; re-export")
+
+    def _context_states(self, dtype: torch.dtype):
+        """The base LM's first L layers, which a ``context_layers`` encoder reads."""
+        from transformers import AutoModelForCausalLM
+
+        from ktm.core.context_states import LayerStates
+
+        c = self.manifest.get("context_lm")
+        layers = self.encoder.config.context_layers
+        if not isinstance(c, dict) or c.get("layers") != layers:
+            raise KTMError(f"{str(self.dir)!r} is corrupt: its encoder reads the LM's first "
+                           f"{layers} layers, but the manifest's context_lm is {c!r}; re-export")
+        folder = self.dir / c["dir"]
+        if sha256_files(lm_files(folder)) != c["sha256"]:
+            raise KTMError(f"the files in {str(folder)!r} are not the ones this export was made "
+                           "with: re-export")
+        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        return LayerStates(lm, layers, int(c["sink_id"]))
 
     def _embedding_table(self) -> torch.Tensor:
         e = self.manifest["embeddings"]

@@ -3,12 +3,16 @@
     DIR/lm/                   HF folder: the base LM with LoRA merged in (PEFT
                               ``merge_and_unload``) and its tokenizer -> ``vllm serve DIR/lm``
     DIR/encoder.safetensors   the K-token encoder
+    DIR/context_lm/           only for an encoder reading the LM's first L layers
+                              (``context_layers``): those layers of the base LM, adapter-free,
+                              as an HF folder of an L-layer model of the same family
     DIR/ktm_export.json       K, encoder settings, sizes, where the input embeddings are, the
                               sha256 of the LM, tokenizer and encoder files, and the model name
                               to serve under
 
 The LM reads merged prefixes as ``prompt_embeds``; ``ktm.serving.vllm_client`` computes them from
-the tokenizer, the LM's input-embedding table and the encoder, and refuses a server that does not
+the tokenizer, the LM's input-embedding table and the encoder (with ``context_layers``, also the
+first L layers, run in the client: the served LM has the LoRA merged into them), and refuses a server that does not
 serve this export (its served name carries the fingerprint of these exact files).
 """
 
@@ -30,6 +34,7 @@ from ktm.util.provenance import git_revision, versions
 MANIFEST = "ktm_export.json"
 LM_DIR = "lm"
 ENCODER = "encoder.safetensors"
+CONTEXT_LM_DIR = "context_lm"
 EMBEDDINGS = "input_embeddings.safetensors"  # only when the LM files do not hold the table
 FORMAT_VERSION = 1
 # what the client reads from the manifest (the rest is provenance, or optional with a default)
@@ -59,6 +64,38 @@ def _find_tensor(lm_dir: Path, key: str) -> str | None:
     return None
 
 
+def truncated_config(config, layers: int):
+    """``config`` of an LM with only its first ``layers`` decoder layers: ``num_hidden_layers``
+    and every per-layer list (``layer_types`` ...) cut to them."""
+    n = config.num_hidden_layers
+    d = config.to_dict()
+    d = {k: v[:layers] if isinstance(v, list) and len(v) == n else v for k, v in d.items()}
+    d["num_hidden_layers"] = layers
+    return type(config).from_dict(d)
+
+
+def _write_context_lm(model, tmp: Path) -> dict:
+    """The base LM's first L layers, adapter-free, as an L-layer model of the same family: what
+    a ``context_layers`` encoder reads (the served LM has the LoRA merged into those layers)."""
+    from transformers import AutoModelForCausalLM
+
+    source = model.encoder.states.source  # ktm.core.context_states.LayerStates
+    layers = model.config.context_layers
+    small = AutoModelForCausalLM.from_config(truncated_config(model.lm_config, layers))
+    # the base's own weights: PEFT keeps them as ``<module>.base_layer`` beside its lora_ ones
+    base = {k.replace(".base_layer.", "."): v
+            for k, v in source.lm.state_dict().items() if "lora_" not in k}
+    wanted = small.state_dict()
+    missing = sorted(k for k in wanted if k not in base)
+    if missing:
+        raise KTMError(f"cannot copy the base LM's first {layers} layers for the client: "
+                       f"{missing[:3]} not found in the base model's weights")
+    small.to(model.dtype).load_state_dict({k: base[k] for k in wanted})
+    small.save_pretrained(str(tmp / CONTEXT_LM_DIR), safe_serialization=True)
+    return {"dir": CONTEXT_LM_DIR, "layers": layers, "sink_id": source.sink_id,
+            "sha256": sha256_files(lm_files(tmp / CONTEXT_LM_DIR))}
+
+
 def _write(model, tmp: Path) -> None:
     lm_dir = tmp / LM_DIR
     # merge into a copy: the caller's model keeps its adapter
@@ -74,6 +111,7 @@ def _write(model, tmp: Path) -> None:
     enc = {k: v.detach().contiguous().cpu() for k, v in model.encoder.state_dict().items()}
     save_file(enc, str(tmp / ENCODER), metadata={"k": str(model.k)})
     lm_sha, enc_sha = sha256_files(lm_files(lm_dir)), sha256_files([tmp / ENCODER])
+    context_lm = _write_context_lm(model, tmp) if model.config.context_layers else None
     fingerprint = hashlib.sha256((lm_sha + enc_sha).encode()).hexdigest()
     cfg = model.config_dict
     write_json_atomic(tmp / MANIFEST, {
@@ -91,6 +129,7 @@ def _write(model, tmp: Path) -> None:
         "sha256": {"lm": lm_sha, "encoder": enc_sha,
                    "tokenizer": sha256_files(tokenizer_files(lm_dir))},
         "served_model_name": f"ktm-k{model.k}-{fingerprint[:12]}",
+        **({"context_lm": context_lm} if context_lm else {}),
         "versions": versions(), "git": git_revision(),
     })
 
@@ -131,11 +170,6 @@ def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dic
     if getattr(model, "input_extension", None) is not None:
         raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "
                        "the vLLM export covers K-token merging models only")
-    if model.config.context_layers:
-        raise KTMError(f"this model's encoder reads the LM's first {model.config.context_layers} "
-                       "layers (context_layers), but the vLLM client merges prompts with the "
-                       "input-embedding table and the encoder alone, without the LM: serve it "
-                       "with ktm serve (torch or --backend llamacpp)")
     if model.config.spread_positions:
         raise KTMError("this model uses spread_positions, but vLLM places prompt_embeds at "
                        "consecutive positions: it would read the prefix differently; export a "

@@ -270,7 +270,7 @@ def test_the_states_read_are_the_lms_own_after_layer_l(family, tmp_path):
     save_tiny(family, tmp_path / family)
     model = fresh_model(str(tmp_path / family), k=2, context_layers=1)
     perturb(model)  # a non-zero LoRA, which the states must not see
-    src = LayerStates(model.peft, 1, 0)
+    src = LayerStates(model.peft.get_base_model(), 1, 0, model.peft.disable_adapter)
     embeds = model.embed_ids(torch.tensor([[5, 9, 3, 7, 11, 2]]))
     got = src(embeds, torch.ones(1, 6, dtype=torch.bool))
     lm = model.peft.get_base_model()
@@ -397,3 +397,39 @@ def test_a_token_mixer_model_trains_saves_and_loads(tiny_model_dir, tmp_path):
 def test_bad_context_transformer_is_a_clear_error():
     with pytest.raises(KTMError, match="context_transformer must be an integer >= 0, got -2"):
         EncoderConfig(8, context_transformer=-2)
+
+
+# ------------------------------------------------------ every option: what a merged vector keys on
+
+CONTEXTS = [dict(context_blocks=1), dict(context_layers=1), dict(context_transformer=1)]
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_a_segments_vectors_depend_on_its_own_tokens_only_so_the_merge_cache_may_key_on_them(
+        tiny_model_dir, context):
+    """Every contextual option reads context within its segment only: a segment merges to the
+    same vectors whatever segments come before it, so ``ktm serve``'s merge cache, keyed by a
+    segment's ids, hands back exactly what merging it afresh in another prompt gives."""
+    from ktm import Segment
+
+    model = fresh_model(tiny_model_dir, k=2, **context)
+    perturb(model)
+    model.eval()
+    shared = "the shared document, merged in both prompts and cached after the first"
+
+    def prompt(first):
+        return [Segment(first), Segment(" then:", compress=False), Segment(shared),
+                Segment(" Answer:", compress=False)]
+
+    cache: dict = {}
+    with torch.no_grad():
+        first = model.encode_prompts([prompt("one text before it")], cache=cache)[0]
+        cached = model.encode_prompts([prompt("another, longer text before the shared one")],
+                                      cache=cache)[0]
+        fresh = model.encode_prompts([prompt("another, longer text before the shared one")])[0]
+    assert len(cache) == 3  # the two first segments and the shared one, merged once
+    torch.testing.assert_close(cached.embeds, fresh.embeds)
+    # the shared segment's vectors and the plain answer after it: the same in both prompts
+    tail = -(-len(model.tokenize(shared, False)) // 2) + len(model.tokenize(" Answer:", False))
+    torch.testing.assert_close(fresh.embeds[-tail:], first.embeds[-tail:])
+    assert not torch.allclose(fresh.embeds[:3], first.embeds[:3])  # what differs before it

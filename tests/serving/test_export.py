@@ -301,12 +301,30 @@ def test_the_client_merges_as_the_model_with_a_contextual_encoder(tiny_model_dir
         torch.testing.assert_close(client.encode(prompt).embeds, want)
 
 
-def test_export_refuses_an_encoder_that_reads_the_lms_layers(tiny_model_dir, tmp_path):
-    # the vLLM client merges prompts without the LM, which a context_layers encoder reads
-    model = KTMModel.from_base(tiny_model_dir, k=4, context_layers=1)
-    with pytest.raises(KTMError, match="reads the LM's first 1 layers.*ktm serve"):
-        export_vllm(model, tmp_path / "x")
-    assert not (tmp_path / "x").exists()
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_the_client_runs_the_base_lms_first_layers_for_an_encoder_that_reads_them(
+        family, tmp_path):
+    """(a) ``context_layers``: the served LM has the LoRA merged into every layer, so the export
+    carries the base's own first L layers (adapter-free) and the client runs them."""
+    from helpers import save_tiny
+
+    save_tiny(family, tmp_path / family)
+    torch.manual_seed(0)
+    model = KTMModel.from_base(str(tmp_path / family), k=2, context_layers=1)
+    perturb(model, seed=2)  # a LoRA the context layers must not see
+    assert all(p.any() for p in model.encoder.context_parameters())
+    m = export_vllm(model, tmp_path / "x")
+    assert m["context_lm"]["layers"] == 1
+    client = VLLMClient(tmp_path / "x")
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = model.encode_prompts([prompt])[0].embeds
+        torch.testing.assert_close(client.encode(prompt).embeds, want)
+    # the copied layers are checked like the LM's files
+    weights = next((tmp_path / "x" / "context_lm").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(KTMError, match="not the ones this export was made with"):
+        VLLMClient(tmp_path / "x")
 
 
 def test_payload_sends_neutral_values_for_what_vllm_takes_from_generation_config(exported):
