@@ -12,8 +12,9 @@
 
 The LM reads merged prefixes as ``prompt_embeds``; ``ktm.serving.vllm_client`` computes them from
 the tokenizer, the LM's input-embedding table and the encoder (with ``context_layers``, also the
-first L layers, run in the client: the served LM has the LoRA merged into them), and refuses a server that does not
-serve this export (its served name carries the fingerprint of these exact files).
+first L layers, run in the client: the served LM has the LoRA merged into them), and refuses a
+server that does not serve this export (its served name carries the fingerprint of these exact
+files).
 """
 
 from __future__ import annotations
