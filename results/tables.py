@@ -67,8 +67,8 @@ CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
                 "(c) + the block before (--context-blocks 1)": (4, PROBES / "k4x-conv1", "conv1"),
                 "(a) + the LM's first 2 layers (--context-layers 2)":
                     (4, PROBES / "k4x-layers2", "layers2"),
-                "(a) + the LM's first 2 layers, clipped apart (--clip-context-apart)":
-                    (4, PROBES / "k4x-layers2-apart", "layers2-apart"),
+                "(a) + the LM's first 4 layers (--context-layers 4)":
+                    (4, PROBES / "k4x-layers4", "layers4"),
                 "(b) + 1 transformer layer of its own (--context-transformer 1), clipped apart":
                     (4, PROBES / "k4x-mixer1", "mixer1"),
                 "block MLP (K=2, continuing smollm2-135m-k2-seq)":
