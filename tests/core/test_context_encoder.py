@@ -136,8 +136,9 @@ def test_clip_context_apart_leaves_the_other_weights_clipped_as_without_them(tin
                                                                             tmp_path):
     """Apart, the context weights' gradient no longer shrinks the LoRA's and the MLP's step:
     those are clipped exactly as they are alone, and the context weights on their own."""
+    from ktm.tasks.base import Example
     from ktm.training.config import TrainConfig
-    from ktm.training.train import Example, adamw, param_groups, train_step
+    from ktm.training.train import adamw, param_groups, train_step
 
     model = fresh_model(tiny_model_dir, k=2, context_blocks=1)
     perturb(model)
@@ -178,8 +179,9 @@ def test_clip_context_apart_leaves_the_other_weights_clipped_as_without_them(tin
 
 
 def test_clip_context_apart_without_context_weights_is_refused(tiny_model_dir, tmp_path):
+    from ktm.tasks.base import Example
     from ktm.training.config import TrainConfig
-    from ktm.training.train import Example, train
+    from ktm.training.train import train
 
     model = fresh_model(tiny_model_dir, k=2)
     cfg = TrainConfig(out_dir=str(tmp_path / "run"), max_steps=1, clip_context_apart=True,
