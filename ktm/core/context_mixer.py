@@ -8,6 +8,12 @@ Each adds its attention and feed-forward outputs to its input; both output proje
 zero, so untrained layers return their input exactly: the encoder is then the block encoder, and
 a block reader continued with them starts where the reader is.
 
+Scale: the layers work on each token's embedding divided by its RMS and return their change at
+that token's own scale (``x + rms(x) * change``). Input embeddings are small (SmolLM2-135M's have
+an RMS of about 0.12 per coordinate) while a fresh layer's branches are at unit scale, so
+without this the first steps at an ordinary learning rate swamped the embeddings (the loss
+rose 0.1-0.4 above the block encoder's, results/LOG.md).
+
 Written out rather than ``nn.TransformerEncoderLayer``: torch's layer switches to fused kernels
 when its weights do not require grad, so a loaded (frozen) reader computed what the trainable
 model did only to ~2e-7, and save -> load must give identical vectors.
@@ -71,6 +77,9 @@ class TokenMixer(nn.Module):
 
     def forward(self, embeds: torch.Tensor) -> torch.Tensor:
         x = embeds.to(self.layers[0].qkv.weight.dtype)
+        rms = x.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()
+        unit = h = x / rms
         for layer in self.layers:
-            x = layer(x)
-        return x.to(embeds.dtype)
+            h = layer(h)
+        # untrained, h - unit is exactly zero and so the result is exactly the input
+        return (x + rms * (h - unit)).to(embeds.dtype)

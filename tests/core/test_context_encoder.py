@@ -364,6 +364,25 @@ def test_token_mixer_is_causal_and_a_batch_equals_its_rows(layout):
     assert_batch_is_rows(ctx)
 
 
+def test_token_mixer_changes_each_token_at_its_own_scale():
+    """The layers read each token at unit RMS and return their change at the token's scale:
+    scaling the embeddings scales what the mixer returns by the same factor, so a trained mixer's
+    change to small input embeddings stays as small as they are."""
+    from ktm.core.context_mixer import TokenMixer
+
+    torch.manual_seed(0)
+    mixer = TokenMixer(16, 2).double()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    out = mixer(x)
+    assert not torch.allclose(out, x)
+    for c in (0.01, 7.0):
+        # to the eps under the RMS's square root, 1e-12 against a mean square of c**2
+        torch.testing.assert_close(mixer(c * x) / c, out, rtol=1e-6, atol=1e-7)
+
+
 def test_token_mixer_heads_are_about_64_wide():
     from ktm.core.context_mixer import heads_for
 
