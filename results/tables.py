@@ -69,7 +69,7 @@ CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
                     (4, PROBES / "k4x-layers2", "layers2"),
                 "(a) + the LM's first 4 layers (--context-layers 4)":
                     (4, PROBES / "k4x-layers4", "layers4"),
-                "(b) + 1 transformer layer of its own (--context-transformer 1), clipped apart":
+                "(b) + 1 transformer layer of its own (--context-transformer 1)":
                     (4, PROBES / "k4x-mixer1", "mixer1"),
                 "block MLP (K=2, continuing smollm2-135m-k2-seq)":
                     (2, PROBES / "k2x-block", "k2-block"),
