@@ -71,6 +71,8 @@ CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
                     (4, PROBES / "k4x-layers4", "layers4"),
                 "(b) + 1 transformer layer of its own (--context-transformer 1)":
                     (4, PROBES / "k4x-mixer1", "mixer1"),
+                "(b), its new weights at 1e-3 (--context-lr 1e-3)":
+                    (4, PROBES / "k4x-mixer1-lr1e-3", "mixer1-lr1e-3"),
                 "block MLP (K=2, continuing smollm2-135m-k2-seq)":
                     (2, PROBES / "k2x-block", "k2-block"),
                 "(c) + the block before (K=2, --context-blocks 1)":
@@ -278,7 +280,22 @@ def context() -> str:
         else:
             cells.append("–")
         lines.append(f"| {k} | {label} | {' | '.join(cells)} | {', '.join(files)} |")
-    return "\n".join(lines + [""] + speed)
+    return "\n".join(lines + [""] + speed + [""] + context_ablation())
+
+
+def context_ablation() -> list[str]:
+    """R at a contextual run's end with its context branch switched off, and that branch's
+    share of each merged vector (``results/readers/context_ablation.py``)."""
+    lines = ["| run | R code / reviews | context branch off | the branch's share of a merged "
+             "vector (median) | file |", "|---|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("readers/context_ablation_*.json")):
+        for r in json.loads(path.read_text())["rows"]:
+            c, v = r["code"], r["reviews"]
+            lines.append(f"| {r['name']} (K={r['k']}) | {c['R']:.3f} / {v['R']:.3f} | "
+                         f"{c['R_context_off']:.3f} / {v['R_context_off']:.3f} | "
+                         f"{c['branch_share_median']:.1%} / {v['branch_share_median']:.1%} | "
+                         f"`{rel(path)}` |")
+    return lines
 
 
 def committed_at(path: Path) -> int:
