@@ -65,6 +65,8 @@ PROBES = RESULTS / "readers" / "probes"
 CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
                     (4, RESULTS / "readers" / "runs" / "k4s2", "block"),
                 "(c) + the block before (--context-blocks 1)": (4, PROBES / "k4x-conv1", "conv1"),
+                "(a) + the LM's first layer (--context-layers 1)":
+                    (4, PROBES / "k4x-layers1", "layers1"),
                 "(a) + the LM's first 2 layers (--context-layers 2)":
                     (4, PROBES / "k4x-layers2", "layers2"),
                 "(a) + the LM's first 4 layers (--context-layers 4)":
