@@ -190,7 +190,7 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
              and _value(want, d) != _value(saved, d)]
     if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio",
                                               "context_blocks", "context_layers",
-                                              "context_transformer"}:
+                                              "context_transformer", "context_pool"}:
         if want.k != own.k:
             raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
                            f"the inner K={want.k}")
@@ -198,11 +198,14 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
             raise KTMError(f"--mlp-ratio {want.mlp_ratio!r} is below checkpoint {checkpoint!r}'s "
                            f"{own.mlp_ratio!r}: expected a wider encoder (a narrower one cannot "
                            "hold it)")
-        for name in ("context_blocks", "context_layers", "context_transformer"):
+        for name in ("context_blocks", "context_layers", "context_transformer", "context_pool"):
             theirs, ours = getattr(own, name), getattr(want, name)
+            if name == "context_pool":  # a block encoder's pool is unused: any is a growth
+                theirs = theirs if own.context_layers else 0
             if theirs and ours != theirs:
                 raise KTMError(f"--{name.replace('_', '-')} {ours!r} differs from checkpoint "
-                               f"{checkpoint!r}'s {theirs!r}: only a block encoder ({name}=0) "
+                               f"{checkpoint!r}'s {theirs!r}: only a block encoder "
+                               f"({'context_layers' if name == 'context_pool' else name}=0) "
                                "gains context")
         return _grown(path, own, replace(want, dtype=flags.get("dtype", "float32")),
                       args.device, getattr(args, "seed", 0) or 0)

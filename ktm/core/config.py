@@ -24,7 +24,7 @@ def _is_int(v: Any) -> bool:
 
 def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
                          inner_k: Any, context_blocks: Any = 0, context_layers: Any = 0,
-                         context_transformer: Any = 0) -> None:
+                         context_transformer: Any = 0, context_pool: Any = "mean") -> None:
     """The encoder settings' rules, shared by ``KTMConfig`` and ``EncoderConfig``."""
     if not _is_int(k) or k < 1:
         raise KTMError(f"k must be an integer >= 1, got {k!r}")
@@ -42,6 +42,11 @@ def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
     if not _is_int(context_transformer) or context_transformer < 0:
         raise KTMError(f"context_transformer must be an integer >= 0, got "
                        f"{context_transformer!r}")
+    if context_pool not in ("mean", "query"):
+        raise KTMError(f"context_pool must be mean or query, got {context_pool!r}")
+    if context_pool != "mean" and not context_layers:
+        raise KTMError(f"context_pool={context_pool!r} pools the LM's layer states: it needs "
+                       "context_layers >= 1")
     if context_blocks and not use_mlp:
         raise KTMError(f"context_blocks={context_blocks} needs use_mlp=True: the earlier blocks "
                        "are read by the MLP")
@@ -104,6 +109,9 @@ class KTMConfig:
     context_layers: int = field(default=0, metadata={
         "help": "contextual merging: add to each merged vector an MLP (starting at zero) of its "
                 "block's states after the base LM's first L layers (0: off)"})
+    context_pool: str = field(default="mean", metadata={
+        "help": "how context_layers pools a block's states: mean, or query (ARC-Encoder's "
+                "pooled queries: the block's mean attends to every state up to its end)"})
     context_transformer: int = field(default=0, metadata={
         "help": "contextual merging: N small causal transformer layers of the encoder's own "
                 "(starting as the identity) read each segment's token embeddings before the "
@@ -138,7 +146,8 @@ class KTMConfig:
             raise KTMError(f"KTMConfig.lora must be a LoraSettings (or a dict of its fields), got "
                            f"{self.lora!r}")
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
-                             self.context_blocks, self.context_layers, self.context_transformer)
+                             self.context_blocks, self.context_layers, self.context_transformer,
+                             self.context_pool)
         if not _is_int(self.plain_prefix) or self.plain_prefix < 0:
             raise KTMError(f"plain_prefix must be an integer >= 0, got {self.plain_prefix!r}")
         if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
@@ -152,7 +161,7 @@ class KTMConfig:
 
     # the encoder's part of the config (EncoderConfig adds the base model's hidden size)
     ENCODER_FIELDS = ("k", "mlp_ratio", "use_mlp", "slot_weights", "mlp_gate", "inner_k",
-                      "context_blocks", "context_layers", "context_transformer")
+                      "context_blocks", "context_layers", "context_transformer", "context_pool")
 
     def encoder_kwargs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.ENCODER_FIELDS}

@@ -4,9 +4,16 @@ The base LM's first L decoder layers read a compressed segment as plain tokens (
 gradient: the base's own weights, referenced, never copied or saved). Each token's state is
 RMS-normalised (the states are 20-300 times the embeddings' scale, with a massive activation at
 the first position, which a sink row placed before the segment takes and which is then dropped),
-averaged over each block of K tokens, and passed through an MLP whose last layer starts at zero.
-Its output is added to the block encoder's merged vector, so an untrained one is exactly the
-block encoder, and a block reader continued with it starts where the reader is.
+pooled per block of K tokens, and passed through an MLP whose last layer starts at zero. Its
+output is added to the block encoder's merged vector, so an untrained one is exactly the block
+encoder, and a block reader continued with it starts where the reader is.
+
+Pooling (``context_pool``): ``mean`` averages a block's states; ``query`` is ARC-Encoder's pooled
+queries (Pilchen et al. 2025): the block's mean state is one query of an attention over every
+state of the segment up to the block's end, so a block's vector reads the context before it, not
+only its own tokens. ARC pools the queries inside the LM's last encoder layer; here the attention
+is one of the encoder's own (any family's layers work the same way, and the LM's weights stay
+shared, never trained), added to the mean as a residual before the MLP.
 
 Causal: the LM's layers are causal and the states are read within the segment, so a block's
 vector depends only on its segment's tokens up to the block's end; appending tokens never
@@ -85,14 +92,55 @@ class LayerStates:
         return got["h"][:, 1:].detach()
 
 
-class StatesContext(nn.Module):
-    """RMS-normalised layer-L states pooled per block of K, then an MLP from zero: (B, N, D)
-    added to the merged vectors. ``source`` (a ``LayerStates``) is bound by the model."""
+POOLS = ("mean", "query")
 
-    def __init__(self, hidden_size: int, k: int, width: int):
+
+class PooledQueries(nn.Module):
+    """Attention whose queries are the blocks' mean states (ARC-Encoder's pooled queries): block
+    i's query reads every real state up to the block's end, never after it.
+
+    (B, N, D) block means + (B, T, D) states + (B, T) mask -> (B, N, D). Heads about 64 wide;
+    no position encoding of its own: the LM's layers have put positions into the states."""
+
+    def __init__(self, hidden_size: int, k: int):
         super().__init__()
         f32 = {"dtype": torch.float32}
         self.k = k
+        self.heads = max(1, round(hidden_size / 64))
+        while hidden_size % self.heads:
+            self.heads -= 1
+        self.q = nn.Linear(hidden_size, hidden_size, bias=False, **f32)
+        self.kv = nn.Linear(hidden_size, 2 * hidden_size, bias=False, **f32)
+        self.o = nn.Linear(hidden_size, hidden_size, bias=False, **f32)
+
+    def forward(self, pooled: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, d = pooled.shape
+        t, heads = h.shape[1], self.heads
+        q = self.q(pooled).view(b, n, heads, d // heads).transpose(1, 2)
+        key, value = self.kv(h).view(b, t, 2, heads, d // heads).permute(2, 0, 3, 1, 4)
+        ends = (torch.arange(n, device=h.device) + 1) * self.k  # block i reads tokens < its end
+        allowed = torch.arange(t, device=h.device)[None, :] < ends[:, None]  # (N, T)
+        allowed = allowed[None] & mask.bool()[:, None, :]  # (B, N, T): real tokens only
+        # a block of padding only reads nothing: let it read the first token (its output is
+        # zeroed by the encoder anyway) rather than make the softmax 0/0
+        allowed[..., 0] |= ~allowed.any(-1)
+        out = nn.functional.scaled_dot_product_attention(q, key, value,
+                                                         attn_mask=allowed[:, None])
+        return self.o(out.transpose(1, 2).reshape(b, n, d))
+
+
+class StatesContext(nn.Module):
+    """RMS-normalised layer-L states pooled per block of K (``pool``: the mean, or the mean
+    plus ARC's pooled-query attention), then an MLP from zero: (B, N, D) added to the merged
+    vectors. ``source`` (a ``LayerStates``) is bound by the model."""
+
+    def __init__(self, hidden_size: int, k: int, width: int, pool: str = "mean"):
+        super().__init__()
+        if pool not in POOLS:
+            raise KTMError(f"context_pool must be one of {', '.join(POOLS)}, got {pool!r}")
+        f32 = {"dtype": torch.float32}
+        self.k = k
+        self.attend = PooledQueries(hidden_size, k) if pool == "query" else None
         self.mlp = nn.Sequential(nn.Linear(hidden_size, width, **f32), nn.GELU(),
                                  nn.Linear(width, hidden_size, **f32))
         nn.init.zeros_(self.mlp[-1].weight)
@@ -114,4 +162,6 @@ class StatesContext(nn.Module):
         m = nn.functional.pad(mask.to(h.dtype), (0, n * k - t)).view(b, n, k, 1)
         h = nn.functional.pad(h, (0, 0, 0, n * k - t)).view(b, n, k, d) * m
         pooled = h.sum(2) / m.sum(2).clamp(min=1.0)
+        if self.attend is not None:
+            pooled = pooled + self.attend(pooled, h.view(b, n * k, d)[:, :t], mask)
         return self.mlp(pooled)

@@ -57,10 +57,13 @@ class EncoderConfig:
     # contextual merging: N small causal transformer layers over the token embeddings first
     # (ktm.core.context_mixer; 0: off)
     context_transformer: int = 0
+    # how context_layers pools a block's states: mean, or query (ARC-Encoder's pooled queries)
+    context_pool: str = "mean"
 
     def __post_init__(self) -> None:
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
-                             self.context_blocks, self.context_layers, self.context_transformer)
+                             self.context_blocks, self.context_layers, self.context_transformer,
+                             self.context_pool)
         if self.hidden_size < 1:
             raise KTMError(f"hidden_size must be >= 1, got {self.hidden_size!r}")
 
@@ -74,7 +77,8 @@ class EncoderConfig:
             return None
         # the layer-state context is the whole encoder's, added once to its K-token merges; the
         # token mixer is too, run once before the inner level
-        whole = {"inner_k": 1, "context_layers": 0, "context_transformer": 0}
+        whole = {"inner_k": 1, "context_layers": 0, "context_transformer": 0,
+                 "context_pool": "mean"}
         inner = replace(self, k=self.inner_k, **whole)
         return inner, replace(self, k=self.k // self.inner_k, **whole)
 
@@ -106,11 +110,13 @@ class KTokenEncoder(nn.Module):
 
     def __init__(self, hidden_size: int, k: int = 4, mlp_ratio: float = 2.0, use_mlp: bool = True,
                  slot_weights: bool = False, mlp_gate: bool = False, context_blocks: int = 0,
-                 context_layers: int = 0, context_transformer: int = 0):
+                 context_layers: int = 0, context_transformer: int = 0,
+                 context_pool: str = "mean"):
         super().__init__()
         self.config = EncoderConfig(hidden_size, k, mlp_ratio, use_mlp, slot_weights, mlp_gate,
                                     context_blocks=context_blocks, context_layers=context_layers,
-                                    context_transformer=context_transformer)
+                                    context_transformer=context_transformer,
+                                    context_pool=context_pool)
         d, h = hidden_size, self.config.mlp_hidden
         # fp32 whatever torch's default dtype: trainable weights stay fp32 (an Adam step of
         # 5e-5 rounds to nothing in bf16), and the LM's dtype is reached by autocast
@@ -136,7 +142,7 @@ class KTokenEncoder(nn.Module):
             # untrained encoder is the block encoder exactly
             self.context = nn.Linear(context_blocks * k * d, h, bias=False, **f32)
             nn.init.zeros_(self.context.weight)
-        self.states = StatesContext(d, k, d) if context_layers else None
+        self.states = StatesContext(d, k, d, context_pool) if context_layers else None
         self.mixer = TokenMixer(d, context_transformer) if context_transformer else None
 
     @classmethod
@@ -145,7 +151,7 @@ class KTokenEncoder(nn.Module):
             return RecursiveEncoder(config)
         return cls(config.hidden_size, config.k, config.mlp_ratio, config.use_mlp,
                    config.slot_weights, config.mlp_gate, config.context_blocks,
-                   config.context_layers, config.context_transformer)
+                   config.context_layers, config.context_transformer, config.context_pool)
 
     @property
     def k(self) -> int:
@@ -244,7 +250,8 @@ class RecursiveEncoder(nn.Module):
         self.inner = KTokenEncoder.from_config(levels[0])
         self.outer = KTokenEncoder.from_config(levels[1])
         d = config.hidden_size
-        self.states = StatesContext(d, config.k, d) if config.context_layers else None
+        self.states = (StatesContext(d, config.k, d, config.context_pool)
+                       if config.context_layers else None)
         self.mixer = (TokenMixer(d, config.context_transformer) if config.context_transformer
                       else None)
 

@@ -102,6 +102,10 @@ class PretrainConfig:
                 "or a text/JSONL file or folder"})
     objectives: tuple[str, ...] = field(default=("lm",), metadata={
         "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae, align"})
+    objective_mix: str = field(default="example", metadata={
+        "help": "how objectives mix: example (each window draws one by weight) or step (every "
+                "window of an optimizer step shares one drawn by weight: ARC-Encoder's "
+                "alternation of reconstruction and continuation)"})
     context_tokens: int = field(default=256, metadata={"help": "longest merged context"})
     target_tokens: int = field(default=64, metadata={"help": "longest continuation target"})
     ae_tokens: int = field(default=128, metadata={"help": "longest context to autoencode"})
@@ -129,6 +133,8 @@ class PretrainConfig:
         self.eval_sets = tuple(s for s in self.eval_sets if s != "none")
         self.source_weights = parse_weights(self.sources, "text source", known=is_source)
         self.objective_weights = parse_weights(self.objectives, "objective", OBJECTIVES)
+        if self.objective_mix not in ("example", "step"):
+            raise KTMError(f"objective_mix must be example or step, got {self.objective_mix!r}")
         self.k_mix = tuple(str(k) for k in self.k_mix)
         self.k_weights = {_k_value(k): w for k, w in parse_weights(self.k_mix, "K").items()
                           if w > 0} if self.k_mix else {}
@@ -165,8 +171,11 @@ class WindowStream(Sequence):
     is_stream = True  # ktm.training.train reads it in index order
 
     def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
-                 eos: int | None, lead: Sequence[int] = ()):
+                 eos: int | None, lead: Sequence[int] = (), per_step: int = 1):
         self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
+        # windows per optimizer step (all processes'): objective_mix="step" draws one objective
+        # for each run of per_step consecutive windows
+        self.per_step = per_step
         self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (KTMModel.lead_ids)
         self.sources = [s for s in cfg.source_weights if cfg.source_weights[s] > 0]
         self.src_w = [cfg.source_weights[s] for s in self.sources]
@@ -181,6 +190,8 @@ class WindowStream(Sequence):
             "windows": [w.context_tokens, w.target_tokens, w.ae_tokens, w.min_tokens],
             "text_field": cfg.text_field, "ae_cue": cfg.ae_cue,
             "docs": {name: len(d) for name, d in docs.items()}}
+        if cfg.objective_mix == "step":  # only then: an older run's signature stays as it was
+            self.signature["objective_mix"] = ["step", per_step]
 
     def __len__(self) -> int:
         return self.length
@@ -191,6 +202,9 @@ class WindowStream(Sequence):
         rng = random.Random(self.seed * 1_000_003 + i)
         source = rng.choices(self.sources, self.src_w)[0]
         objective = rng.choices(self.objs, self.obj_w)[0]
+        if self.cfg.objective_mix == "step":  # drawn apart, so the window draws stay the same
+            step = random.Random(f"{self.seed}:step:{i // self.per_step}")
+            objective = step.choices(self.objs, self.obj_w)[0]
         doc = rng.choice(self.docs[source])
         spec = self.cfg.window
         if objective == "ae":
@@ -384,7 +398,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
              * world.size)
     stream = WindowStream(docs, config, steps, train_config.seed, model.eos_id,
-                          model.lead_ids)
+                          model.lead_ids, per_step=steps // train_config.max_steps)
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:

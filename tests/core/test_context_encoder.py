@@ -223,36 +223,83 @@ def _cumulative(embeds, mask):
     return torch.cumsum(embeds * mask[..., None].to(embeds.dtype), dim=1)
 
 
-def _states_pair(layout, dtype=torch.float32):
+def _states_pair(layout, dtype=torch.float32, pool="mean", states=_cumulative):
     torch.manual_seed(0)
     block = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, **layout))
     with torch.no_grad():
         for p in block.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    ctx = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, context_layers=1, **layout))
+    ctx = KTokenEncoder.from_config(EncoderConfig(8, mlp_ratio=0.5, context_layers=1,
+                                                  context_pool=pool, **layout))
     ctx.load_state_dict(grow_encoder(block.state_dict(), ctx.state_dict()))
-    ctx.bind_lm(_cumulative)
+    ctx.bind_lm(states)
     return block.to(dtype), ctx.to(dtype)
 
 
+POOLS = {"mean": 4, "query": 7}  # each pool's context weights: the MLP's 2 layers (+ q, kv, o)
+
+
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layer_context_with_its_mlp_at_zero_is_the_block_encoder_exactly(layout):
-    block, ctx = _states_pair(layout)
-    assert len(ctx.context_parameters()) == 4  # the states MLP's two layers
+def test_layer_context_with_its_mlp_at_zero_is_the_block_encoder_exactly(layout, pool):
+    block, ctx = _states_pair(layout, pool=pool)
+    assert len(ctx.context_parameters()) == POOLS[pool]
     x = torch.randn(3, 19, 8)
     mask = torch.ones(3, 19, dtype=torch.bool)
     mask[1, 11:] = False
     assert torch.equal(ctx(x, mask)[0], block(x, mask)[0])
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layer_context_is_causal_and_a_batch_equals_its_rows(layout):
-    _, ctx = _states_pair(layout, torch.float64)
+def test_layer_context_is_causal_and_a_batch_equals_its_rows(layout, pool):
+    _, ctx = _states_pair(layout, torch.float64, pool)
     with torch.no_grad():
         for p in ctx.context_parameters():
             p.copy_(torch.randn_like(p) * 0.3)
     assert_causal(ctx, layout["k"])
     assert_batch_is_rows(ctx)
+
+
+def _own_states(embeds, mask):
+    """A stand-in LM that reads no context: each state is its own token's embedding."""
+    return embeds
+
+
+def test_pooled_queries_read_the_blocks_before_and_start_as_the_mean():
+    """With the mean pool and context-free states a block's vector reads its own tokens only;
+    ARC's pooled query reads every token up to its block's end. Its output projection at zero
+    gives the mean pool exactly."""
+    x = torch.randn(2, 12, 8, dtype=torch.float64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    changed = x.clone()
+    changed[:, 1] += 1.0  # a token of the first block (K=4)
+    merged = {}
+    for pool in POOLS:
+        _, ctx = _states_pair(dict(k=4), torch.float64, pool, _own_states)
+        with torch.no_grad():
+            for p in ctx.context_parameters():
+                p.copy_(torch.randn_like(p) * 0.3)
+        with torch.no_grad():
+            a, b = ctx(x, mask)[0], ctx(changed, mask)[0]
+        assert torch.equal(a[:, 1:], b[:, 1:]) == (pool == "mean")
+        merged[pool] = (ctx, a)
+    ctx, _ = merged["query"]
+    with torch.no_grad():
+        ctx.states.attend.o.weight.zero_()
+        for name, p in ctx.states.mlp.named_parameters():
+            p.copy_(dict(merged["mean"][0].states.mlp.named_parameters())[name])
+        assert torch.equal(ctx(x, mask)[0], merged["mean"][1])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(context_layers=1, context_pool="max"), "context_pool must be mean or query, got 'max'"),
+    (dict(context_pool="query"), "context_pool='query' pools the LM's layer states: it needs "
+                                 "context_layers >= 1"),
+])
+def test_bad_context_pool_is_a_clear_error(kw, match):
+    with pytest.raises(KTMError, match=match):
+        EncoderConfig(8, **kw)
 
 
 def test_an_unbound_layer_context_is_a_clear_error():
@@ -285,10 +332,11 @@ def test_the_states_read_are_the_lms_own_after_layer_l(family, tmp_path):
     assert not torch.allclose(got, lora_on, atol=1e-4)
 
 
-def test_a_layer_context_model_trains_saves_and_loads(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_layer_context_model_trains_saves_and_loads(tiny_model_dir, tmp_path, pool):
     from ktm.training.train import adamw
 
-    model = fresh_model(tiny_model_dir, k=4, inner_k=2, context_layers=2)
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2, context_layers=2, context_pool=pool)
     perturb(model)
     model.train()
     loss = model(PROMPTS, ["true", "false", "positive review"]).loss
@@ -422,7 +470,8 @@ def test_bad_context_transformer_is_a_clear_error():
 
 # ------------------------------------------------------ every option: what a merged vector keys on
 
-CONTEXTS = [dict(context_blocks=1), dict(context_layers=1), dict(context_transformer=1)]
+CONTEXTS = [dict(context_blocks=1), dict(context_layers=1),
+            dict(context_layers=1, context_pool="query"), dict(context_transformer=1)]
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

@@ -184,6 +184,28 @@ def test_window_stream_is_a_pure_function_of_seed_and_index(tiny_model_dir, corp
         a[50]
 
 
+def test_a_step_mix_gives_every_window_of_a_step_one_objective(tiny_model_dir, corpus):
+    """objective_mix="step" (ARC-Encoder's alternation): the windows of one optimizer step share
+    an objective, steps differ by weight; a window whose objective is the same is the same
+    window as in the per-example mix, and the signature tells the two mixes apart."""
+    model = fresh(tiny_model_dir)
+    docs = load_docs(model.tokenizer, small_cfg(corpus))
+    per_example = WindowStream(docs, small_cfg(corpus, ("lm", "ae")), 96, 3, 1)
+    cfg = small_cfg(corpus, ("lm", "ae"), objective_mix="step")
+    stream = WindowStream(docs, cfg, 96, 3, 1, per_step=4)
+    steps = [{stream[i].meta["objective"] for i in range(s, s + 4)} for s in range(0, 96, 4)]
+    assert all(len(objs) == 1 for objs in steps)
+    assert {o for objs in steps for o in objs} == {"lm", "ae"}
+    mixed = [{per_example[i].meta["objective"] for i in range(s, s + 4)} for s in range(0, 96, 4)]
+    assert any(len(objs) == 2 for objs in mixed)  # else the first assertion could not fail
+    same = [i for i in range(96) if stream[i].meta == per_example[i].meta]
+    assert same and all(stream[i] == per_example[i] for i in same)
+    assert stream.signature != per_example.signature
+    assert stream.signature != WindowStream(docs, cfg, 96, 3, 1, per_step=8).signature
+    with pytest.raises(KTMError, match="objective_mix must be example or step, got 'batch'"):
+        small_cfg(corpus, objective_mix="batch")
+
+
 def test_continuation_window_shapes():
     import random
 
@@ -630,6 +652,32 @@ def test_init_with_context_blocks_gives_a_block_reader_context_exactly(tiny_mode
     assert all(p.any() for p in trained.encoder.context_parameters())
     assert main(["pretrain", "--init", str(tmp_path / "c" / "checkpoint"), "--context-blocks",
                  "1", *run, "--out-dir", str(tmp_path / "x")]) == 2
+
+
+def test_init_with_pooled_queries_starts_as_the_block_reader(tiny_model_dir, tmp_path, corpus):
+    """``--init READER --context-layers L --context-pool query``: a block reader gains ARC's
+    pooled-query context and computes exactly what it did; a mean-pool layer reader does not
+    turn into a query one."""
+    from ktm.cli.args import init_or_build
+    from ktm.cli.main import _parser
+
+    block = fresh(tiny_model_dir, k=2, mlp_ratio=0.5)
+    randomize_lora(block)
+    for p in block.encoder.parameters():
+        p.data.normal_(0, 0.05)
+    block.save(str(tmp_path / "block"))
+    want = _logits(block.eval())
+    argv = ["pretrain", "--init", str(tmp_path / "block"), "--model", tiny_model_dir,
+            "--context-layers", "1", "--context-pool", "query", "--sources", corpus]
+    ctx = init_or_build(_parser(argv).parse_args(argv))
+    assert ctx.encoder.states.attend is not None and len(ctx.encoder.context_parameters()) == 7
+    torch.testing.assert_close(_logits(ctx.eval()), want, atol=1e-6, rtol=1e-6)
+    layers = fresh(tiny_model_dir, k=2, mlp_ratio=0.5, context_layers=1)
+    layers.save(str(tmp_path / "layers"))
+    argv[2] = str(tmp_path / "layers")
+    with pytest.raises(KTMError, match="--context-pool 'query' differs from checkpoint .*'s "
+                                       "'mean': only a block encoder \\(context_layers=0\\)"):
+        init_or_build(_parser(argv).parse_args(argv))
 
 
 def test_init_with_a_token_mixer_starts_as_the_block_reader_and_clips_it_apart(tiny_model_dir,
