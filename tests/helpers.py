@@ -125,11 +125,12 @@ TARGETS = ["true", "false", "positive review"]
 
 
 def perturb(model: KTMModel, seed: int = 0) -> None:
-    """Give LoRA and the encoder non-trivial weights (both start as no-ops)."""
+    """Give LoRA and the encoder non-trivial weights (both start as no-ops). The noise is drawn
+    on the CPU, so a model on any device or dtype gets the same weights."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.trainable_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.device, p.dtype))
 
 
 LAYERS = 2

@@ -77,7 +77,8 @@ def main() -> None:
         windows = heldout_sets(model.tokenizer, SETS, args.n_windows, args.seed)
         row = {"name": name, "checkpoint": checkpoint, "k": model.k,
                "encoder": {f: getattr(model.config, f) for f in
-                           ("context_blocks", "context_layers", "context_transformer")}}
+                           ("context_blocks", "context_layers", "context_pool",
+                            "context_transformer")}}
         for s in SETS:
             on = readability(model, windows[s], progress=True)
             with context_off(model) as removed:

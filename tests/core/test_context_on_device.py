@@ -23,13 +23,14 @@ import os
 
 import pytest
 import torch
-from helpers import PROMPTS, TARGETS, TEXT
+from helpers import PROMPTS, TARGETS, TEXT, perturb
 
 from ktm.decode.generate import advance, prefill
 from ktm.model import KTMModel
 
 DEVICE = os.environ.get("KTM_TEST_DEVICE", "cpu")
 OPTIONS = {"block": {}, "conv1": dict(context_blocks=1), "layers1": dict(context_layers=1),
+           "layers1-query": dict(context_layers=1, context_pool="query"),
            "mixer1": dict(context_transformer=1)}
 DTYPES = {"float32": 1e-5, "bfloat16": 5e-2}
 
@@ -54,10 +55,7 @@ def build(model_dir: str, option: str, dtype: str) -> KTMModel:
     torch.manual_seed(0)
     model = KTMModel.from_base(model_dir, k=4, inner_k=2, slot_weights=True, device=DEVICE,
                                dtype=dtype, **OPTIONS[option])
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, p in model.trainable_parameters():
-            p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.device, p.dtype))
+    perturb(model, seed=1)
     return model.eval()
 
 
