@@ -71,6 +71,14 @@ CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
                     (4, PROBES / "k4x-layers2", "layers2"),
                 "(a) + the LM's first 4 layers (--context-layers 4)":
                     (4, PROBES / "k4x-layers4", "layers4"),
+                "(a) 2 layers, ARC's pooled queries (--context-pool query)":
+                    (4, PROBES / "k4x-layers2-query", "layers2-query"),
+                "(a) 2 layers, lm only (--objectives lm)":
+                    (4, PROBES / "k4x-layers2-lm", "layers2-lm"),
+                "(a) 2 layers, distill + ae (--objectives distill ae=0.5)":
+                    (4, PROBES / "k4x-layers2-distill", "layers2-distill"),
+                "(a) 2 layers, lm + ae one per step (--objective-mix step: ARC's alternation)":
+                    (4, PROBES / "k4x-layers2-alt", "layers2-alt"),
                 "(b) + 1 transformer layer of its own (--context-transformer 1)":
                     (4, PROBES / "k4x-mixer1", "mixer1"),
                 "(b), its new weights at 1e-3 (--context-lr 1e-3)":
