@@ -79,6 +79,10 @@ CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
                     (4, PROBES / "k4x-layers2-distill", "layers2-distill"),
                 "(a) 2 layers, lm + ae one per step (--objective-mix step: ARC's alternation)":
                     (4, PROBES / "k4x-layers2-alt", "layers2-alt"),
+                "block MLP, 150 steps more (from smollm2-135m-k4-seq, seed 6)":
+                    (4, PROBES / "k4x-block-more", "block-more"),
+                "(a) 2 layers, pooled queries, 150 steps more (seed 6)":
+                    (4, PROBES / "k4x-layers2-query-more", "layers2-query-more"),
                 "(b) + 1 transformer layer of its own (--context-transformer 1)":
                     (4, PROBES / "k4x-mixer1", "mixer1"),
                 "(b), its new weights at 1e-3 (--context-lr 1e-3)":
