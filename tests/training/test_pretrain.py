@@ -624,6 +624,17 @@ def test_gzipped_text_under_a_plain_name_is_read_as_text(tmp_path) -> None:
     assert path_texts(str(path)) == ["plain words"]
 
 
+def _saved_block_reader(tiny_model_dir, path, **kw) -> torch.Tensor:
+    """A trained-looking block reader (non-zero LoRA and encoder) saved at ``path``; its
+    logits, which a reader grown from it must give at its start."""
+    block = fresh(tiny_model_dir, mlp_ratio=0.5, **kw)
+    randomize_lora(block)
+    for p in block.encoder.parameters():
+        p.data.normal_(0, 0.05)
+    block.save(str(path))
+    return _logits(block.eval())
+
+
 def test_init_with_context_blocks_gives_a_block_reader_context_exactly(tiny_model_dir, tmp_path,
                                                                        corpus):
     """``--init READER --context-blocks W``: the same function at the start (the new weights
@@ -631,12 +642,7 @@ def test_init_with_context_blocks_gives_a_block_reader_context_exactly(tiny_mode
     from ktm.cli.args import init_or_build
     from ktm.cli.main import _parser
 
-    block = fresh(tiny_model_dir, k=4, inner_k=2, mlp_ratio=0.5)
-    randomize_lora(block)
-    for p in block.encoder.parameters():
-        p.data.normal_(0, 0.05)
-    block.save(str(tmp_path / "block"))
-    want = _logits(block.eval())
+    want = _saved_block_reader(tiny_model_dir, tmp_path / "block", k=4, inner_k=2)
     argv = ["pretrain", "--init", str(tmp_path / "block"), "--model", tiny_model_dir,
             "--context-blocks", "2", "--sources", corpus]
     ctx = init_or_build(_parser(argv).parse_args(argv))
@@ -661,12 +667,7 @@ def test_init_with_pooled_queries_starts_as_the_block_reader(tiny_model_dir, tmp
     from ktm.cli.args import init_or_build
     from ktm.cli.main import _parser
 
-    block = fresh(tiny_model_dir, k=2, mlp_ratio=0.5)
-    randomize_lora(block)
-    for p in block.encoder.parameters():
-        p.data.normal_(0, 0.05)
-    block.save(str(tmp_path / "block"))
-    want = _logits(block.eval())
+    want = _saved_block_reader(tiny_model_dir, tmp_path / "block", k=2)
     argv = ["pretrain", "--init", str(tmp_path / "block"), "--model", tiny_model_dir,
             "--context-layers", "1", "--context-pool", "query", "--sources", corpus]
     ctx = init_or_build(_parser(argv).parse_args(argv))
@@ -687,12 +688,7 @@ def test_init_with_a_token_mixer_starts_as_the_block_reader_and_clips_it_apart(t
     from ktm.cli.args import init_or_build
     from ktm.cli.main import _parser
 
-    block = fresh(tiny_model_dir, k=2, mlp_ratio=0.5)
-    randomize_lora(block)
-    for p in block.encoder.parameters():
-        p.data.normal_(0, 0.05)
-    block.save(str(tmp_path / "block"))
-    want = _logits(block.eval())
+    want = _saved_block_reader(tiny_model_dir, tmp_path / "block", k=2)
     argv = ["pretrain", "--init", str(tmp_path / "block"), "--model", tiny_model_dir,
             "--context-transformer", "1", "--sources", corpus]
     ctx = init_or_build(_parser(argv).parse_args(argv))
