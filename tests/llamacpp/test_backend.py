@@ -185,7 +185,8 @@ def test_scoring_reads_target_logits_through_llama_cpp_as_torch_does(pair):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("context", [dict(context_layers=1), dict(context_transformer=1)])
+@pytest.mark.parametrize("context", [dict(context_layers=1), dict(context_transformer=1),
+                                     dict(context_layers=1, context_pool="query")])
 def test_a_contextual_encoder_runs_on_llama_cpp(tiny_model_dir, tmp_path, context):
     """The encoder (with the LM's first layers it may read) stays in torch; only the merged
     prefix goes to llama.cpp, so a contextual model generates there as on torch."""

@@ -301,16 +301,17 @@ def test_the_client_merges_as_the_model_with_a_contextual_encoder(tiny_model_dir
         torch.testing.assert_close(client.encode(prompt).embeds, want)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family,pool", [("llama", "mean"), ("qwen2", "query"),
+                                         ("gpt2", "mean")])
 def test_the_client_runs_the_base_lms_first_layers_for_an_encoder_that_reads_them(
-        family, tmp_path):
+        family, pool, tmp_path):
     """(a) ``context_layers``: the served LM has the LoRA merged into every layer, so the export
     carries the base's own first L layers (adapter-free) and the client runs them."""
     from helpers import save_tiny
 
     save_tiny(family, tmp_path / family)
     torch.manual_seed(0)
-    model = KTMModel.from_base(str(tmp_path / family), k=2, context_layers=1)
+    model = KTMModel.from_base(str(tmp_path / family), k=2, context_layers=1, context_pool=pool)
     perturb(model, seed=2)  # a LoRA the context layers must not see
     assert all(p.any() for p in model.encoder.context_parameters())
     m = export_vllm(model, tmp_path / "x")
