@@ -90,7 +90,9 @@ CONTEXT_RUNS = {"block MLP (the paper's; k4s2, shipped as smollm2-135m-k4-seq)":
                 "block MLP (K=2, continuing smollm2-135m-k2-seq)":
                     (2, PROBES / "k2x-block", "k2-block"),
                 "(c) + the block before (K=2, --context-blocks 1)":
-                    (2, PROBES / "k2x-conv1", "k2-conv1")}
+                    (2, PROBES / "k2x-conv1", "k2-conv1"),
+                "(a) 2 layers, pooled queries (K=2, --context-layers 2 --context-pool query)":
+                    (2, PROBES / "k2x-layers2-query", "k2-layers2-query")}
 CONTEXT_SUFFIX = RESULTS / "readers" / "context_suffix4"
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
