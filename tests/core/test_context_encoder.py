@@ -332,6 +332,30 @@ def test_the_states_read_are_the_lms_own_after_layer_l(family, tmp_path):
     assert not torch.allclose(got, lora_on, atol=1e-4)
 
 
+def test_what_the_mean_pool_feeds_its_mlp_is_each_blocks_mean_of_layer_l_states(tiny_model_dir):
+    """The issue's start test for (a), where this design adds (a) to the block encoder: with the
+    mean pool, what reaches the zero-started MLP is, per block of K, the mean of the base LM's
+    layer-L states (each RMS-normalised), padding left out."""
+    from ktm.core.context_states import LayerStates
+
+    model = fresh_model(tiny_model_dir, k=2, context_layers=2)
+    perturb(model)
+    got = []
+    hook = model.encoder.states.mlp.register_forward_hook(lambda m, a, out: got.append(a[0]))
+    embeds = model.embed_ids(torch.tensor([[5, 9, 3, 7, 11, 2, 8], [4, 6, 1, 0, 0, 0, 0]]))
+    mask = torch.tensor([[1] * 7, [1] * 3 + [0] * 4], dtype=torch.bool)
+    with torch.no_grad():
+        model.encoder(embeds, mask)
+    hook.remove()
+    src = LayerStates(model.peft.get_base_model(), 2, model.encoder.states.source.sink_id,
+                      model.peft.disable_adapter)
+    for row, n in enumerate((7, 3)):
+        h = src(embeds[row:row + 1, :n], mask[row:row + 1, :n])[0]
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        want = torch.stack([h[i:i + 2].mean(0) for i in range(0, n, 2)])
+        torch.testing.assert_close(got[0][row, :len(want)], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_a_layer_context_model_trains_saves_and_loads(tiny_model_dir, tmp_path, pool):
     from ktm.training.train import adamw
