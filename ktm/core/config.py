@@ -22,6 +22,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# how ``context_layers`` pools a block's states (ktm.core.context_states)
+CONTEXT_POOLS = ("mean", "query")
+
+
 def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
                          inner_k: Any, context_blocks: Any = 0, context_layers: Any = 0,
                          context_transformer: Any = 0, context_pool: Any = "mean") -> None:
@@ -42,8 +46,8 @@ def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
     if not _is_int(context_transformer) or context_transformer < 0:
         raise KTMError(f"context_transformer must be an integer >= 0, got "
                        f"{context_transformer!r}")
-    if context_pool not in ("mean", "query"):
-        raise KTMError(f"context_pool must be mean or query, got {context_pool!r}")
+    if context_pool not in CONTEXT_POOLS:
+        raise KTMError(f"context_pool must be {' or '.join(CONTEXT_POOLS)}, got {context_pool!r}")
     if context_pool != "mean" and not context_layers:
         raise KTMError(f"context_pool={context_pool!r} pools the LM's layer states: it needs "
                        "context_layers >= 1")

@@ -92,9 +92,6 @@ class LayerStates:
         return got["h"][:, 1:].detach()
 
 
-POOLS = ("mean", "query")
-
-
 class PooledQueries(nn.Module):
     """Attention whose queries are the blocks' mean states (ARC-Encoder's pooled queries): block
     i's query reads every real state up to the block's end, never after it.
@@ -132,12 +129,11 @@ class PooledQueries(nn.Module):
 class StatesContext(nn.Module):
     """RMS-normalised layer-L states pooled per block of K (``pool``: the mean, or the mean
     plus ARC's pooled-query attention), then an MLP from zero: (B, N, D) added to the merged
-    vectors. ``source`` (a ``LayerStates``) is bound by the model."""
+    vectors. ``source`` (a ``LayerStates``) is bound by the model; ``pool`` is checked with the
+    rest of the encoder's config (``ktm.core.config.check_encoder_fields``)."""
 
     def __init__(self, hidden_size: int, k: int, width: int, pool: str = "mean"):
         super().__init__()
-        if pool not in POOLS:
-            raise KTMError(f"context_pool must be one of {', '.join(POOLS)}, got {pool!r}")
         f32 = {"dtype": torch.float32}
         self.k = k
         self.attend = PooledQueries(hidden_size, k) if pool == "query" else None

@@ -395,10 +395,9 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     docs = load_docs(model.tokenizer, config)
     # the stream covers every process's shard of every step (ktm.training.distributed)
     world = distributed.setup(model.device)
-    steps = (train_config.max_steps * train_config.batch_size * train_config.grad_accum
-             * world.size)
-    stream = WindowStream(docs, config, steps, train_config.seed, model.eos_id,
-                          model.lead_ids, per_step=steps // train_config.max_steps)
+    per_step = train_config.batch_size * train_config.grad_accum * world.size
+    stream = WindowStream(docs, config, train_config.max_steps * per_step, train_config.seed,
+                          model.eos_id, model.lead_ids, per_step=per_step)
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:
