@@ -6,7 +6,9 @@ Imported as ``from helpers import ...`` (``tests/`` is on the path through its c
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 import torch
 import transformers as T
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -122,6 +124,35 @@ PROMPTS = [
 
 
 TARGETS = ["true", "false", "positive review"]
+
+
+# ---------------------------------------------------------------- the device the parity tests use
+# ``KTM_TEST_DEVICE`` (default cpu; cuda on a GPU machine) and ``KTM_TEST_DTYPE`` (the base LM's
+# dtype, default float32) pick where the device-aware tests run: tests/test_layout_parity.py,
+# tests/test_on_device.py and tests/core/test_context_on_device.py.
+DEVICE = os.environ.get("KTM_TEST_DEVICE", "cpu")
+DTYPE = os.environ.get("KTM_TEST_DTYPE", "float32")
+# norm-wise relative tolerance of a tensor comparison, ||a - b|| / ||b||: in fp32 another kernel
+# for another shape sums in another order; bf16 keeps 8 bits of mantissa (1e-2 seen on the CPU).
+# A wrong mask, position or read past a block is off by order 1.
+NORM_TOL = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def require_device() -> None:
+    """Fail (never skip) when the device asked for is not there: a GPU run that silently fell
+    back to nothing would pass unseen."""
+    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        pytest.fail(f"KTM_TEST_DEVICE={DEVICE!r} asked for, but torch sees no CUDA device",
+                    pytrace=False)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float | None = None) -> None:
+    """``a`` equals ``b`` up to the norm-wise relative ``tol`` (default: the test dtype's)."""
+    tol = NORM_TOL[DTYPE] if tol is None else tol
+    assert a.shape == b.shape, (a.shape, b.shape)
+    a, b = a.double(), b.double()
+    off = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert off <= tol, f"relative difference {off:.2e}, more than {tol:.0e}"
 
 
 def perturb(model: KTMModel, seed: int = 0) -> None:

@@ -57,6 +57,10 @@ HF = {"lengths": (512,), "output_tokens": 64, "out": "results/bench/decode_vs_hf
 class BenchConfig:
     model: str = field(default=DEFAULT_MODEL, metadata={
         "help": "embedded model name, local HF model folder, or ktm checkpoint folder"})
+    shape: str | None = field(default=None, metadata={
+        "help": "time an architecture with random weights instead of --model: a known shape "
+                "(qwen2.5-coder-7b, qwen2.5-0.5b) or an HF config.json; built on --device in "
+                "--dtype, prompts from a synthetic tokenizer (ktm.bench.shapes)"})
     mode: str = field(default="infer", metadata={
         "help": "infer: prefill/decode timings; train: LoRA training-step throughput; "
                 "serve: ktm serve under 1/4/16 concurrent clients (see ktm.bench.serve); "
@@ -145,6 +149,19 @@ class BenchConfig:
             if getattr(self, name) < 0:
                 raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
         parse_dtype(self.dtype)
+        if self.shape is not None:
+            from ktm.bench.shapes import shape_config
+
+            if self.model != DEFAULT_MODEL:
+                raise KTMError(f"--shape {self.shape!r} and --model {self.model!r}: expected "
+                               "one (a shape times random weights of an architecture)")
+            if self.backends != ("torch",):
+                raise KTMError("--shape builds a torch model in-process: expected --backends "
+                               "torch")
+            if self.mode not in ("infer", "train"):
+                raise KTMError(f"--shape is an option of --mode infer and train, got "
+                               f"{self.mode!r}")
+            shape_config(self.shape)  # an unknown shape is refused now, not after loading
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise KTMError(f"device must be cpu or cuda[:i], got {self.device!r}")
 
@@ -218,6 +235,14 @@ def load_model(config: BenchConfig):
     from ktm.model import KTMModel
 
     dtype, train = parse_dtype(config.dtype), config.mode == "train"
+    if config.shape is not None:
+        from ktm.bench.shapes import random_model
+
+        lm, tok = random_model(config.shape, config.device, dtype, config.seed)
+        model = KTMModel.from_base(lm, k=config.ks[0], tokenizer=tok,
+                                   mlp_ratio=config.mlp_ratios[0], device=config.device,
+                                   dtype=dtype)
+        return model if train else model.requires_grad_(False)
     if (Path(config.model) / "ktm_config.json").is_file():
         return KTMModel.load(config.model, device=config.device, dtype=dtype, trainable=train)
     model = KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
@@ -277,9 +302,10 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
         elif own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.config.use_mlp:
             encs[m.key] = own
         else:
-            # fp32 like every trainable weight (the model autocasts it to the LM's dtype)
-            encs[m.key] = KTokenEncoder(own.config.hidden_size, m.k, m.mlp_ratio).to(
-                model.device)
+            # fp32 like every trainable weight (the model autocasts it to the LM's dtype); made
+            # on the model's device (a 7B model's K=4 encoder has 1.3B weights)
+            with torch.device(model.device):
+                encs[m.key] = KTokenEncoder(own.config.hidden_size, m.k, m.mlp_ratio)
     return encs
 
 
@@ -322,11 +348,12 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
     return run
 
 
-def run_bench(config: BenchConfig) -> list[dict]:
-    """Run every (length, batch) with all methods interleaved; one result row per method."""
+def run_bench(config: BenchConfig, model=None) -> list[dict]:
+    """Run every (length, batch) with all methods interleaved; one result row per method.
+    ``model``: one ``load_model(config)`` made before (several runs of one large model)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = load_model(config)
+    model = load_model(config) if model is None else model
     extra = config.output_tokens if config.mode == "infer" else config.target_tokens + 1
     limit = getattr(model.peft.get_base_model().config, "max_position_embeddings", None)
     fit = tuple(n for n in config.lengths if not limit or n + extra <= limit)
@@ -345,6 +372,9 @@ def run_bench(config: BenchConfig) -> list[dict]:
     opts = _optimizers(model, methods, encs) if config.mode == "train" else {}
     pool = word_pool(model.tokenizer, config.seed)
     common = {"mode": config.mode, "model": config.model, "device": str(model.device),
+              **({"shape": config.shape, "random_weights": True} if config.shape else {}),
+              **({"device_name": torch.cuda.get_device_name(model.device)}
+                 if model.device.type == "cuda" else {}),
               "dtype": config.dtype, "threads": torch.get_num_threads(),
               "mem_kind": "cuda_max_allocated" if model.device.type == "cuda" else "rss",
               "config": asdict(config), "versions": versions(), "git": git_revision()}
@@ -381,13 +411,30 @@ def run_bench(config: BenchConfig) -> list[dict]:
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
                            else {"target_tokens": config.target_tokens + 1}),
                         "expected_compressed_tokens": math.ceil(length / m.k),
-                        **stats[m.key], **common})
+                        **stats[m.key],
+                        **(utilisation(model, enc, batch, stats[m.key], config)
+                           if config.mode == "train" else {}),
+                        **common})
     finally:
         bar.close()
         model.runtime = None
         for rt in runtimes.values():
             rt.close()
     return rows
+
+
+def utilisation(model, encoder, batch: int, row: dict, config: BenchConfig) -> dict:
+    """A train row's model FLOPs per step, their rate and MFU (``ktm.bench.flops``)."""
+    from ktm.bench.flops import peak_tflops, train_step_flops
+
+    merged = row["compressed_tokens"]
+    targets = config.target_tokens + 1  # EOS
+    flops = train_step_flops(model, encoder, batch, merged + targets, targets,
+                             merged if encoder is not None else 0)
+    peak, _ = peak_tflops(model.device, model.dtype)
+    rate = flops / row["step_s"] / 1e12
+    return {"model_flops_per_step": flops, "model_tflops_per_s": rate,
+            "peak_tflops": peak, "mfu": rate / peak if peak else None}
 
 
 # ---------------------------------------------------------------- entry points
@@ -400,7 +447,8 @@ COLUMNS = {
               ("kv_ratio", "{:.3f}"), ("speedup_prefill", "{:.2f}x"), ("speedup_e2e", "{:.2f}x")],
     "train": [("method", "{}"), ("k", "{}"), ("mlp_ratio", "{}"), ("input_tokens", "{}"),
               ("compressed_tokens", "{}"), ("batch", "{}"), ("step_s", "{:.3f}"),
-              ("input_tokens_per_s", "{:.0f}"), ("speedup_train", "{:.2f}x")],
+              ("input_tokens_per_s", "{:.0f}"), ("model_tflops_per_s", "{:.1f}"),
+              ("mfu", "{:.1%}"), ("speedup_train", "{:.2f}x")],
     "serve": [("method", "{}"), ("backend", "{}"), ("k", "{}"),
               ("input_tokens", "{}"),
               ("prompt_tokens_merged", "{}"), ("clients", "{}"), ("requests_per_s", "{:.2f}"),

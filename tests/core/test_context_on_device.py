@@ -19,34 +19,22 @@ wrong mask or a read past a block's segment is off by order 1.
     KTM_TEST_DEVICE=cuda python -m pytest -q tests/core/test_context_on_device.py
 """
 
-import os
-
 import pytest
 import torch
-from helpers import PROMPTS, TARGETS, TEXT, perturb
+from helpers import DEVICE, NORM_TOL, PROMPTS, TARGETS, TEXT, close, perturb, require_device
 
 from ktm.decode.generate import advance, prefill
 from ktm.model import KTMModel
 
-DEVICE = os.environ.get("KTM_TEST_DEVICE", "cpu")
 OPTIONS = {"block": {}, "conv1": dict(context_blocks=1), "layers1": dict(context_layers=1),
            "layers1-query": dict(context_layers=1, context_pool="query"),
            "mixer1": dict(context_transformer=1)}
-DTYPES = {"float32": 1e-5, "bfloat16": 5e-2}
+DTYPES = {d: NORM_TOL[d] for d in ("float32", "bfloat16")}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def device_is_there():
-    if DEVICE.startswith("cuda") and not torch.cuda.is_available():
-        pytest.fail(f"KTM_TEST_DEVICE={DEVICE!r} asked for, but torch sees no CUDA device",
-                    pytrace=False)
-
-
-def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    a, b = a.double(), b.double()
-    off = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-    assert off <= tol, f"relative difference {off:.2e}, more than {tol:.0e}"
+    require_device()
 
 
 def build(model_dir: str, option: str, dtype: str) -> KTMModel:

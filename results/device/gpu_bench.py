@@ -1,0 +1,124 @@
+"""The paper's efficiency table at its own scale, on one GPU: Qwen2.5-Coder-7B's shape with random
+weights in bf16 (``ktm bench --shape``), plain against K=2 and K=4, interleaved in one run, plus
+training throughput and MFU at Qwen2.5-0.5B's shape.
+
+Each part is ``ktm.bench.bench.run_bench`` on one model built once, and writes its own rows
+(``results/bench/gpu-*.json`` once copied back):
+
+    prefill   time to first token at 1k, 4k and 16k input tokens, batch 1
+    e2e       4k in, 128 out, batch 1: end to end, and the share of decode
+    batch16   16 prompts of 4k tokens, 16 out each: requests per second
+    train     ktm bench --mode train at Qwen2.5-0.5B's shape: tokens/s and MFU, plain vs K=4
+
+and ``gpu-profile.txt``: where the time of one K=4 and one plain 4k prefill + 16-token decode
+goes, by kernel (torch.profiler).
+
+    python results/device/gpu_bench.py OUT_DIR [--parts prefill e2e batch16 profile train]
+
+``--shape``, ``--train-shape``, ``--device`` and ``--dtype`` run the same script at another scale
+(a dry run on the CPU with a small config.json checks it end to end before GPU time is spent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ktm.bench.bench import BenchConfig, format_table, load_model, run_bench
+from ktm.util.fileio import write_json_atomic
+
+SEVEN_B = BenchConfig(shape="qwen2.5-coder-7b", ks=(2, 4), device="cuda", dtype="bfloat16",
+                      progress=False)
+PARTS = {
+    "prefill": replace(SEVEN_B, lengths=(1024, 4096, 16384), output_tokens=1, repeats=5),
+    "e2e": replace(SEVEN_B, lengths=(4096,), output_tokens=128, repeats=3),
+    "batch16": replace(SEVEN_B, lengths=(4096,), batch_sizes=(16,), output_tokens=16,
+                       repeats=3),
+}
+TRAIN = BenchConfig(mode="train", shape="qwen2.5-0.5b", ks=(4,), lengths=(1024, 4096),
+                    batch_sizes=(8,), device="cuda", dtype="bfloat16", repeats=5,
+                    progress=False)
+
+
+def profile(model, out: Path) -> None:
+    """Kernel time of a 4k prefill + 16 decode steps, plain and K=4 (a fresh K=4 encoder in
+    place of the model's own for the while)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ktm.bench.measure import infer_once, synthetic_text, word_pool
+    from ktm.core.encoder import KTokenEncoder
+
+    own = model.encoder
+    with torch.device(model.device):
+        model.encoder = KTokenEncoder(own.config.hidden_size, 4)
+
+    pool = word_pool(model.tokenizer, 0)
+    ids = [model.tokenize(synthetic_text(model, 4096, 1, pool), first=True)]
+    lines = []
+    for merge in (False, True):
+        infer_once(model, ids, merge, 16)  # warm
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            infer_once(model, ids, merge, 16)
+        name = f"K={model.k}" if merge else "plain"
+        lines += [f"## {name}: 4,096 in, 16 out, batch 1", "",
+                  prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), ""]
+    model.encoder = own
+    out.write_text("\n".join(lines))
+
+
+def record(rows: list[dict], path: Path) -> None:
+    """Write ``rows``; a copy of the tree without .git (the device machine's) records the
+    revision it was made from, ``KTM_SOURCE_REVISION``."""
+    for r in rows:
+        if r.get("git") is None and os.environ.get("KTM_SOURCE_REVISION"):
+            r["git"] = os.environ["KTM_SOURCE_REVISION"]
+    write_json_atomic(path, rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--parts", nargs="+", default=[*PARTS, "profile", "train"])
+    ap.add_argument("--shape", default=SEVEN_B.shape)
+    ap.add_argument("--train-shape", default=TRAIN.shape)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    where = dict(device=args.device, dtype=args.dtype)
+    seven_b = replace(SEVEN_B, shape=args.shape, **where)
+    parts = {n: replace(c, shape=args.shape, **where) for n, c in PARTS.items()}
+    train = replace(TRAIN, shape=args.train_shape, **where)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    seven = [p for p in args.parts if p in PARTS or p == "profile"]
+    if seven:
+        model = load_model(seven_b)
+        print(f"{args.shape} built in {time.perf_counter() - t0:.0f} s on {model.device}",
+              flush=True)
+        for name in seven:
+            if name == "profile":
+                profile(model, args.out / "gpu-profile.txt")
+                continue
+            rows = run_bench(parts[name], model)
+            record(rows, args.out / f"gpu-7b-{name}.json")
+            print(f"## {name} ({time.perf_counter() - t0:.0f} s)\n{format_table(rows)}",
+                  flush=True)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if "train" in args.parts:
+        rows = run_bench(train)
+        record(rows, args.out / "gpu-0.5b-train.json")
+        print(f"## train ({time.perf_counter() - t0:.0f} s)\n{format_table(rows)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

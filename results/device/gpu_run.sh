@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (its own torch; ktm installed without dependencies, the pinned
+# transformers / peft / tokenizers and the server's packages carried as wheels in .whl/):
+#   1. the device-aware parity suites on CUDA in fp32 and bf16 -> $OUT/parity-cuda.json
+#   2. the 7B efficiency table and the 0.5B training throughput -> $OUT/gpu-*.json
+# Run from the repository root with OUT set; KTM_SOURCE_REVISION names the commit copied.
+#   OUT=/tmp/out KTM_SOURCE_REVISION=$(git rev-parse --short HEAD) bash results/device/gpu_run.sh
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__)"
+python3 results/device/parity.py "$OUT/parity-cuda.json" --device cuda -- -n 4 2>&1 \
+    | tail -25
+python3 results/device/gpu_bench.py "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
