@@ -121,8 +121,12 @@ class PooledQueries(nn.Module):
         # a block of padding only reads nothing: let it read the first token (its output is
         # zeroed by the encoder anyway) rather than make the softmax 0/0
         allowed[..., 0] |= ~allowed.any(-1)
-        out = nn.functional.scaled_dot_product_attention(q, key, value,
-                                                         attn_mask=allowed[:, None])
+        # written out rather than through scaled_dot_product_attention: on CUDA in fp32 that
+        # picked kernels whose results differed between two copies of one encoder (a saved
+        # encoder loaded back merged other vectors); these three ops give the same on any device
+        scores = (q @ key.transpose(-1, -2)) * (d // heads) ** -0.5
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        out = scores.softmax(-1) @ value
         return self.o(out.transpose(1, 2).reshape(b, n, d))
 
 

@@ -10,8 +10,8 @@ Each part is ``ktm.bench.bench.run_bench`` on one model built once, and writes i
     batch16   16 prompts of 4k tokens, 16 out each: requests per second
     train     ktm bench --mode train at Qwen2.5-0.5B's shape: tokens/s and MFU, plain vs K=4
 
-and ``gpu-profile.txt``: where the time of one K=4 and one plain 4k prefill + 16-token decode
-goes, by kernel (torch.profiler).
+and ``gpu-7b-kernel-time.json``: the wall time of a prefill against the GPU's time in kernels
+(the rest is the host launching them), with the top kernels in ``gpu-profile.txt``.
 
     python results/device/gpu_bench.py OUT_DIR [--parts prefill e2e batch16 profile train]
 
@@ -46,31 +46,45 @@ TRAIN = BenchConfig(mode="train", shape="qwen2.5-0.5b", ks=(4,), lengths=(1024, 
                     progress=False)
 
 
-def profile(model, out: Path) -> None:
-    """Kernel time of a 4k prefill + 16 decode steps, plain and K=4 (a fresh K=4 encoder in
-    place of the model's own for the while)."""
+def kernel_time(model, out: Path) -> list[dict]:
+    """Where prefill time goes: for plain, K=2 and K=4 at 1k, 4k and 16k tokens, the wall time
+    of a prefill to the first token (median of 3, no profiler) against the time the GPU spent in
+    kernels during one profiled prefill; the rest is the host launching them. Also the top
+    kernels of the K=4 and plain 4k prefills, as text in ``out``."""
+    import statistics
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from ktm.bench.measure import infer_once, synthetic_text, word_pool
     from ktm.core.encoder import KTokenEncoder
 
-    own = model.encoder
+    own, pool, rows, text = model.encoder, word_pool(model.tokenizer, 0), [], []
     with torch.device(model.device):
-        model.encoder = KTokenEncoder(own.config.hidden_size, 4)
-
-    pool = word_pool(model.tokenizer, 0)
-    ids = [model.tokenize(synthetic_text(model, 4096, 1, pool), first=True)]
-    lines = []
-    for merge in (False, True):
-        infer_once(model, ids, merge, 16)  # warm
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            infer_once(model, ids, merge, 16)
-        name = f"K={model.k}" if merge else "plain"
-        lines += [f"## {name}: 4,096 in, 16 out, batch 1", "",
-                  prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), ""]
+        encoders = {1: own, 2: KTokenEncoder(own.config.hidden_size, 2),
+                    4: KTokenEncoder(own.config.hidden_size, 4)}
+    for n in (1024, 4096, 16384):
+        ids = [model.tokenize(synthetic_text(model, n, n, pool), first=True)]
+        for k, enc in encoders.items():
+            model.encoder = enc
+            infer_once(model, ids, k > 1, 1)  # warm
+            wall = statistics.median(infer_once(model, ids, k > 1, 1)["ttft_s"]
+                                     for _ in range(3))
+            # (a dry run on the CPU profiles the CPU: its kernel time then reads 0)
+            with torch_profile(activities=[ProfilerActivity.CUDA if model.device.type == "cuda"
+                                           else ProfilerActivity.CPU]) as prof:
+                infer_once(model, ids, k > 1, 1)
+            events = prof.key_averages()
+            kernels = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+            rows.append({"method": "ktm" if k > 1 else "uncompressed", "k": k,
+                         "input_tokens": n, "ttft_s": wall, "kernel_s": kernels,
+                         "gpu_busy": kernels / wall})
+            if n == 4096 and k in (1, 4):
+                text += [f"## {'plain' if k == 1 else 'K=4'}: prefill of 4,096 tokens", "",
+                         events.table(sort_by="self_device_time_total", row_limit=15), ""]
     model.encoder = own
-    out.write_text("\n".join(lines))
+    out.write_text("\n".join(text))
+    return rows
 
 
 def record(rows: list[dict], path: Path) -> None:
@@ -104,7 +118,12 @@ def main() -> int:
               flush=True)
         for name in seven:
             if name == "profile":
-                profile(model, args.out / "gpu-profile.txt")
+                rows = kernel_time(model, args.out / "gpu-profile.txt")
+                record(rows, args.out / "gpu-7b-kernel-time.json")
+                print("## kernel time\n" + "\n".join(
+                    f"{r['method']} K={r['k']} {r['input_tokens']}: ttft {r['ttft_s']:.4f} s, "
+                    f"kernels {r['kernel_s']:.4f} s ({r['gpu_busy']:.0%})" for r in rows),
+                    flush=True)
                 continue
             rows = run_bench(parts[name], model)
             record(rows, args.out / f"gpu-7b-{name}.json")
