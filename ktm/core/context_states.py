@@ -121,12 +121,8 @@ class PooledQueries(nn.Module):
         # a block of padding only reads nothing: let it read the first token (its output is
         # zeroed by the encoder anyway) rather than make the softmax 0/0
         allowed[..., 0] |= ~allowed.any(-1)
-        # written out rather than through scaled_dot_product_attention: on CUDA in fp32 that
-        # picked kernels whose results differed between two copies of one encoder (a saved
-        # encoder loaded back merged other vectors); these three ops give the same on any device
-        scores = (q @ key.transpose(-1, -2)) * (d // heads) ** -0.5
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        out = scores.softmax(-1) @ value
+        out = nn.functional.scaled_dot_product_attention(q, key, value,
+                                                         attn_mask=allowed[:, None])
         return self.o(out.transpose(1, 2).reshape(b, n, d))
 
 
@@ -163,5 +159,9 @@ class StatesContext(nn.Module):
         h = nn.functional.pad(h, (0, 0, 0, n * k - t)).view(b, n, k, d) * m
         pooled = h.sum(2) / m.sum(2).clamp(min=1.0)
         if self.attend is not None:
-            pooled = pooled + self.attend(pooled, h.view(b, n * k, d)[:, :t], mask)
+            # contiguous: on a strided input, matmul runs one mm if the weight requires grad and
+            # a bmm if not (torch's should_fold), which on CUDA round differently, so a frozen
+            # (loaded) encoder merged vectors a last bit off the trainable one it was saved from
+            states = h.view(b, n * k, d)[:, :t].contiguous()
+            pooled = pooled + self.attend(pooled, states, mask)
         return self.mlp(pooled)
