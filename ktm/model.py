@@ -28,12 +28,13 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktm.core import checkpoint
+from ktm.core.allocate import Scorer
 from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
 from ktm.core.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_positions, pack
 from ktm.core.config import DEFAULT_MODEL, KTMConfig, LoraSettings
-from ktm.core.encoder import EncoderConfig, KTokenEncoder
+from ktm.core.encoder import EncoderConfig, KTokenEncoder, level_encoder
 from ktm.core.input_lookup import input_lookup
 from ktm.core.lora import adapted_modules, lora_config, peft_wrapping, resolve_targets
 from ktm.core.lora_fold import FoldedLM
@@ -229,13 +230,14 @@ def load(
     encoder = KTokenEncoder.from_config(enc_cfg)
     encoder.load_state_dict(checkpoint.encoder_state(directory, enc_cfg))
     if k is not None and k != config.k:
-        encoder, config = encoder.inner, config.at_level(k)
+        encoder, config = level_encoder(encoder, k), config.at_level(k)
     encoder.to(device).requires_grad_(trainable)
     peft_model = checkpoint.load_peft(lm, directory, trainable)
     targets = tuple(sorted(checkpoint.adapter_targets(directory) or ())) or None
     config = replace(config, lora=replace(config.lora, target_modules=targets))
     model = cls(peft_model, tok, encoder, config)
     model.compressor_record = checkpoint.read_compressor_record(directory)
+    model.scorer.table = checkpoint.read_surprisal(directory)
     model = model.train(trainable) if trainable else model.eval()
     if backend != "torch":
         model.use_backend(backend, source=directory, gguf=gguf, config=llamacpp)
@@ -270,6 +272,9 @@ class KTMModel(nn.Module):
         self.compressor_record: dict | None = None
         self.applied_compressor: str | None = None
         self._compressor_warned = False
+        # per-token scores for a segment read at a ratio (ktm.core.allocate); its surprisal
+        # table is the reader's own (saved beside it), if it has one
+        self.scorer = Scorer(tokenizer)
         # the llama.cpp runtime the decode loop prefills and decodes through (None: torch)
         self.runtime = None  # a ktm.llamacpp.runtime.LlamaCppRuntime
         # decoding reads the LM with its LoRA folded into a separate copy of the adapted weights
@@ -317,14 +322,14 @@ class KTMModel(nn.Module):
         return self.encoder.k
 
     def encoder_at(self, k: int) -> nn.Module:
-        """The encoder that merges ``k`` tokens: the model's own, or the inner level of a
-        recursive one (``inner_k``), which is a whole K=inner_k encoder."""
+        """The encoder that merges ``k`` tokens: the model's own, or an inner level of a
+        recursive one (``inner_k``), which is a whole encoder of that K."""
         levels = self.config.levels  # the config follows the encoder in use
         if k not in levels:
             raise KTMError(f"K={k} is not one of this model's merge levels: expected one of "
                            f"{sorted(levels)} (a recursive encoder, inner_k > 1, also merges at "
                            "its inner K)")
-        return self.encoder if k == self.k else self.encoder.inner
+        return level_encoder(self.encoder, k)
 
     @contextmanager
     def merging_at(self, k: int) -> Iterator[KTMModel]:
@@ -417,7 +422,8 @@ class KTMModel(nn.Module):
     def _prompt_encoder(self) -> PromptEncoder:
         return PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
                              self._config.plain_prefix, self._config.spread_positions,
-                             self._config.plain_suffix, self.line_breaks)
+                             self._config.plain_suffix, self.line_breaks,
+                             self._config.allocator, self.scorer)
 
     @property
     def line_breaks(self) -> LineBreaks | None:

@@ -36,9 +36,10 @@ from ktm.tasks.tree_gen import STAGES
 
 
 def _unwrap(kind: Any) -> Any:
-    """``X | None`` -> ``X``."""
+    """``X | None`` -> ``X``; ``int | tuple[int, ...]`` -> the tuple (a flag taking values)."""
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return next(t for t in typing.get_args(kind) if t is not type(None))
+        kinds = [t for t in typing.get_args(kind) if t is not type(None)]
+        return next((t for t in kinds if typing.get_origin(t) is tuple), kinds[0])
     return kind
 
 
@@ -182,6 +183,9 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
     path = resolve_checkpoint(checkpoint)
     own = model_config(path)
     flags = given(KTMConfig, args)
+    if trainable and "inner_k" in flags and flags.get("k", own.k) > own.k:
+        # a reader gaining an outer level (--k 8 --inner-k 4 2 on a K=4 reader of inner K 2)
+        return _outer_grown(path, own, from_args(KTMConfig, args, base=own), args)
     # K first, as KTMModel.load checks it: a recursive checkpoint also reads at its inner K
     check_level(own, flags.get("k"), path)
     saved = own.at_level(flags["k"]) if "k" in flags else own
@@ -242,6 +246,42 @@ def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):
     state = encoder_state(path, theirs)
     if theirs != enc:
         state = grow_encoder(state, model.encoder.state_dict())
+    model.encoder.load_state_dict(state)
+    load_adapter_into(model, path)
+    return model.train()
+
+
+def _outer_grown(path: Path, own: KTMConfig, want: KTMConfig, args: argparse.Namespace):
+    """``--init READER --k 8 --inner-k 4 2`` on a K=4 reader of inner K 2: the reader becomes
+    the inner levels of a K=8 encoder whose new outer level starts as the mean of two of its
+    merges (a zero last MLP layer), its LoRA kept; so it reads K=4 and K=2 exactly as before
+    and K=8 from the start. Any other change of the saved settings is refused."""
+    import torch
+
+    from ktm.core.checkpoint import encoder_state, load_adapter_into
+    from ktm.core.encoder import EncoderConfig
+    from ktm.model import KTMModel
+
+    if want.levels[1:] != own.levels:
+        raise KTMError(f"--k {want.k} with inner K {list(want.levels[1:])}: growing reader "
+                       f"{str(path)!r} (K={own.k}, levels {list(own.levels)}) by an outer level "
+                       f"needs --inner-k {' '.join(map(str, own.levels))}")
+    if own.context_blocks or own.context_layers or own.context_transformer:
+        raise KTMError(f"reader {str(path)!r} merges with context: only a block encoder gains "
+                       "an outer level")
+    keep = replace(want, k=own.k, inner_k=own.inner_k, dtype=own.dtype)
+    if keep != replace(own, base_model=keep.base_model, dtype=own.dtype):
+        raise KTMError(f"growing reader {str(path)!r} by an outer level keeps its other settings:"
+                       " expected only --k and --inner-k to change")
+    with torch.random.fork_rng(devices=[]):  # the new level's init comes from the run's seed
+        torch.manual_seed(getattr(args, "seed", 0) or 0)
+        model = KTMModel.from_base(want.base_model,
+                                   config=replace(want, dtype=given(KTMConfig, args).get(
+                                       "dtype", "float32")), device=args.device)
+    saved = encoder_state(path, EncoderConfig(model.encoder.config.hidden_size,
+                                              **own.encoder_kwargs()))
+    state = model.encoder.state_dict()
+    state.update({f"inner.{key}": value for key, value in saved.items()})
     model.encoder.load_state_dict(state)
     load_adapter_into(model, path)
     return model.train()

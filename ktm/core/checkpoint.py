@@ -44,6 +44,7 @@ CONFIG = "ktm_config.json"
 ENCODER = "encoder.safetensors"
 ADAPTER = "adapter"
 ADAPTER_WEIGHTS = f"{ADAPTER}/adapter_model.safetensors"
+SURPRISAL = "surprisal.safetensors"  # a reader's n-gram table (ktm.core.surprisal), if any
 FORMAT_VERSION = 2
 COMPRESSOR_RECORD = "compressor.json"
 # baselines that are only an encoder setting (the loaded model already is them), the rest
@@ -61,6 +62,8 @@ def write_model_files(model, directory: Path) -> None:
              for k, v in model.encoder.state_dict().items()}
     save_file(state, str(directory / ENCODER), metadata={"k": str(model.k)})
     model.peft.save_pretrained(str(directory / ADAPTER), safe_serialization=True)
+    if model.scorer.table is not None:  # the reader's own surprisal table (ktm.core.surprisal)
+        model.scorer.table.save(directory / SURPRISAL)
     write_json_atomic(directory / CONFIG, {"format": "ktm", "format_version": FORMAT_VERSION,
                                            **model.config_dict, "versions": versions()})
 
@@ -136,10 +139,19 @@ def model_config(directory: str | Path) -> KTMConfig:
         raise KTMError(f"checkpoint {str(directory)!r}: {e}") from e
 
 
+def read_surprisal(directory: str | Path):
+    """The checkpoint's surprisal table (``ktm.core.surprisal``), or None if it has none."""
+    from ktm.core.surprisal import SurprisalTable
+
+    path = Path(directory) / SURPRISAL
+    return SurprisalTable.load(path) if path.is_file() else None
+
+
 def check_level(config: KTMConfig, k: int | None, directory: str | Path) -> None:
     """Refuse a K the checkpoint cannot merge at: its own, or a recursive one's inner K."""
     if k is not None and k not in config.levels:
-        inner = f" (or its inner K={config.inner_k})" if config.inner_k > 1 else ""
+        inner = config.levels[1:]
+        inner = f" (or its inner K={'/'.join(map(str, inner))})" if inner else ""
         raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}{inner}, "
                        f"but K={k} was requested")
 

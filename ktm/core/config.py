@@ -22,8 +22,27 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# the signals that spend a ratio's positions (ktm.core.allocate.SIGNALS; its home, this module
+# being a leaf that the allocator imports)
+ALLOCATORS = ("surprisal", "rules", "recency", "even", "random")
 # how ``context_layers`` pools a block's states (ktm.core.context_states)
 CONTEXT_POOLS = ("mean", "query")
+
+
+def inner_chain(inner_k: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The inner levels of a recursive encoder, outermost first: ``inner_k`` 1 -> (), 2 -> (2,),
+    (4, 2) -> (4, 2) (K=8 merges two K=4 merges, each of two K=2 merges)."""
+    return (inner_k,) if _is_int(inner_k) and inner_k > 1 else (
+        () if _is_int(inner_k) else tuple(inner_k))
+
+
+def normal_inner_k(inner_k: Any) -> Any:
+    """``inner_k`` in its one spelling: an int for one inner level (or none: 1), a tuple of two
+    or more; a list (read from JSON) becomes a tuple. Anything else is left for the check."""
+    if isinstance(inner_k, (list, tuple)):
+        chain = tuple(inner_k)
+        return chain[0] if len(chain) == 1 else (1 if not chain else chain)
+    return inner_k
 
 
 def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
@@ -37,8 +56,15 @@ def check_encoder_fields(k: Any, mlp_ratio: Any, use_mlp: bool, mlp_gate: bool,
         raise KTMError(f"mlp_ratio must be > 0 and finite, got {mlp_ratio!r}")
     if mlp_gate and not use_mlp:
         raise KTMError("mlp_gate=True needs use_mlp=True: there is no MLP output to gate")
-    if not _is_int(inner_k) or inner_k < 1 or k % inner_k or (1 < inner_k == k):
-        raise KTMError(f"inner_k={inner_k} must divide k={k} and be smaller (1: no recursion)")
+    chain = inner_k if isinstance(inner_k, tuple) else (inner_k,)
+    outer = k
+    for i in chain:
+        if not _is_int(i) or i < 1 or outer % i or (1 < i == outer) or (
+                i == 1 and len(chain) > 1):
+            raise KTMError(f"inner_k={inner_k!r} must divide k={k} and be smaller, each inner "
+                           "level dividing the one above it (1: no recursion; e.g. k=8 with "
+                           "inner_k=(4, 2))")
+        outer = i
     if not _is_int(context_blocks) or context_blocks < 0:
         raise KTMError(f"context_blocks must be an integer >= 0, got {context_blocks!r}")
     if not _is_int(context_layers) or context_layers < 0:
@@ -105,8 +131,10 @@ class KTMConfig:
         "help": "order-aware pooling: learnable per-slot weights starting at 1/K"})
     mlp_gate: bool = field(default=False, metadata={
         "help": "ReZero gate on the MLP output instead of a zero last layer"})
-    inner_k: int = field(default=1, metadata={
-        "help": "recursive merging: merge blocks of inner_k tokens first (1: off)"})
+    inner_k: int | tuple[int, ...] = field(default=1, metadata={
+        "help": "recursive merging: merge blocks of inner_k tokens first (1: off); several "
+                "values nest, outermost first (--k 8 --inner-k 4 2: merges of 2, 4 and 8 "
+                "tokens, each level a whole encoder)"})
     context_blocks: int = field(default=0, metadata={
         "help": "contextual merging: the encoder MLP also reads the W blocks before each block "
                 "of its segment, through weights starting at zero (0: the paper's block encoder)"})
@@ -135,6 +163,11 @@ class KTMConfig:
                 "the plain prompt's (off: consecutive ids, K times more context fits, and the only "
                 "layout llama.cpp and vLLM accept; a prompt layout: a checkpoint can be read with "
                 "the other)"})
+    allocator: str = field(default="rules", metadata={
+        "help": "how a segment read at a ratio (--ratio, Segment(ratio=...)) spends its "
+                "positions: surprisal (the reader's n-gram table), rules, recency, even or "
+                "random (ktm.core.allocate; a prompt layout: a checkpoint can be read with "
+                "another)"})
     lora: LoraSettings = field(default_factory=LoraSettings, metadata={"prefix": "lora"})
     add_eos: bool = field(default=True, metadata={"help": "training targets end with EOS"})
     dtype: str = field(default="float32", metadata={
@@ -149,6 +182,7 @@ class KTMConfig:
         if not isinstance(self.lora, LoraSettings):
             raise KTMError(f"KTMConfig.lora must be a LoraSettings (or a dict of its fields), got "
                            f"{self.lora!r}")
+        self.inner_k = normal_inner_k(self.inner_k)
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
                              self.context_blocks, self.context_layers, self.context_transformer,
                              self.context_pool)
@@ -157,6 +191,9 @@ class KTMConfig:
         if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
             raise KTMError(f"plain_suffix must be an integer >= 0, got {self.plain_suffix!r}")
         check_field_types(self)  # the other fields (a wrong type fails no rule above)
+        if self.allocator not in ALLOCATORS:
+            raise KTMError(f"allocator must be one of {', '.join(ALLOCATORS)}, got "
+                           f"{self.allocator!r}")
         if self.dtype not in DTYPES:
             raise KTMError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.dtype = DTYPES[self.dtype]
@@ -172,15 +209,16 @@ class KTMConfig:
 
     @property
     def levels(self) -> tuple[int, ...]:
-        """The K this model merges at: its own and, if recursive, its inner K (the inner level
-        is a whole K=inner_k encoder)."""
-        return (self.k, self.inner_k) if self.inner_k > 1 else (self.k,)
+        """The K this model merges at, largest first: its own and, if recursive, each inner K
+        (every inner level is a whole encoder of its K)."""
+        return (self.k, *inner_chain(self.inner_k))
 
     def at_level(self, k: int) -> KTMConfig:
-        """This model read at K=``k``, one of ``levels``: itself, or its inner level."""
+        """This model read at K=``k``, one of ``levels``: itself, or an inner level."""
         if k not in self.levels:
             raise KTMError(f"K={k} is not one of this model's merge levels {sorted(self.levels)}")
-        return self if k == self.k else replace(self, k=k, inner_k=1)
+        below = self.levels[self.levels.index(k) + 1:]
+        return self if k == self.k else replace(self, k=k, inner_k=normal_inner_k(below))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 from torch import nn
 
-from ktm.core.config import check_encoder_fields
+from ktm.core.config import check_encoder_fields, inner_chain, normal_inner_k
 from ktm.core.context_mixer import TokenMixer
 from ktm.core.context_states import StatesContext
 from ktm.errors import KTMError
@@ -48,8 +48,9 @@ class EncoderConfig:
     slot_weights: bool = False  # order-aware pooling: per-slot weights initialised to 1/K
     mlp_gate: bool = False  # ReZero gate on the MLP output (zero-initialised D-vector)
     # recursive merging: blocks of inner_k tokens are merged first, then k // inner_k of those
-    # (K=4 as a K=2 merge of two K=2 merges, whose inner level can start from the K=2 reader)
-    inner_k: int = 1
+    # (K=4 as a K=2 merge of two K=2 merges, whose inner level can start from the K=2 reader);
+    # a tuple nests, outermost first (k=8, inner_k=(4, 2))
+    inner_k: int | tuple[int, ...] = 1
     # contextual merging: the MLP also reads the W blocks before each block (0: the paper's)
     context_blocks: int = 0
     # contextual merging from the LM's own first L layers (ktm.core.context_states; 0: off)
@@ -61,6 +62,7 @@ class EncoderConfig:
     context_pool: str = "mean"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "inner_k", normal_inner_k(self.inner_k))
         check_encoder_fields(self.k, self.mlp_ratio, self.use_mlp, self.mlp_gate, self.inner_k,
                              self.context_blocks, self.context_layers, self.context_transformer,
                              self.context_pool)
@@ -72,15 +74,16 @@ class EncoderConfig:
         return max(1, round(self.mlp_ratio * self.k * self.hidden_size))
 
     def levels(self) -> tuple[EncoderConfig, EncoderConfig] | None:
-        """(inner, outer) single-level configs of a recursive encoder; None for one level."""
-        if self.inner_k == 1:
+        """(inner, outer) configs of a recursive encoder; None for one level. The outer level is
+        a single-level encoder; the inner one is recursive itself where ``inner_k`` nests."""
+        chain = inner_chain(self.inner_k)
+        if not chain:
             return None
         # the layer-state context is the whole encoder's, added once to its K-token merges; the
         # token mixer is too, run once before the inner level
-        whole = {"inner_k": 1, "context_layers": 0, "context_transformer": 0,
-                 "context_pool": "mean"}
-        inner = replace(self, k=self.inner_k, **whole)
-        return inner, replace(self, k=self.k // self.inner_k, **whole)
+        whole = {"context_layers": 0, "context_transformer": 0, "context_pool": "mean"}
+        inner = replace(self, k=chain[0], inner_k=normal_inner_k(chain[1:]), **whole)
+        return inner, replace(self, k=self.k // chain[0], inner_k=1, **whole)
 
     @property
     def is_identity(self) -> bool:
@@ -232,6 +235,18 @@ class KTokenEncoder(nn.Module):
         padded = nn.functional.pad(flat, (0, 0, w, 0))  # W zero blocks before the first
         n = flat.shape[1]
         return torch.cat([padded[:, w - j: w - j + n] for j in range(1, w + 1)], dim=-1)
+
+
+def level_encoder(encoder: nn.Module, k: int) -> nn.Module:
+    """The part of ``encoder`` that merges ``k`` tokens: itself, or a recursive one's inner
+    level at that K (each a whole encoder). Raises ``KTMError`` for a K it does not merge at."""
+    level = encoder
+    while level.k != k and isinstance(level, RecursiveEncoder):
+        level = level.inner
+    if level.k != k:
+        raise KTMError(f"K={k} is not one of this encoder's merge levels: expected one of "
+                       f"{[encoder.k, *inner_chain(encoder.config.inner_k)]}")
+    return level
 
 
 class RecursiveEncoder(nn.Module):

@@ -10,13 +10,18 @@ encoder, not the LM, so a client can compute merged prefixes without loading the
 
 from __future__ import annotations
 
+import warnings
+import zlib
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ktm.core.allocate import RATIO_TOLERANCE, RatioWarning, Units, allocate
 from ktm.core.batch import CompressedPrompt
+from ktm.core.config import inner_chain
+from ktm.core.encoder import level_encoder
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 
@@ -84,6 +89,10 @@ class PromptEncoder:
     spread_positions: bool = False  # merged blocks at their last token's position
     plain_suffix: int = 0
     line_breaks: LineBreaks | None = None
+    # a segment read at a ratio: the signal that spends its positions (ktm.core.allocate), and
+    # per-token scores for a signal that reads tokens, as scores(signal, ids) (None: none)
+    allocator: str = "even"
+    scores: Callable[[str, list[int]], list[float] | None] | None = None
 
     def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
                cache: MergeCache | None = None) -> list[CompressedPrompt]:
@@ -93,14 +102,15 @@ class PromptEncoder:
         ``cache`` reuses segments merged before and merges repeats once.
         """
         pieces = self.layout(prompts)
-        to_merge = [ids for row in pieces for ids, c in row if merge and c and ids]
+        to_merge = [(ids, level) for row in pieces for ids, level in row
+                    if merge and level and ids]
         merged = iter(self.merge_segments(to_merge, cache))
         device = self.embed.weight.device
         results = []
         for row in pieces:
-            parts = [next(merged) if merge and c else
+            parts = [next(merged) if merge and level else
                      self.embed(torch.tensor(ids, dtype=torch.long, device=device))
-                     for ids, c in row if ids]
+                     for ids, level in row if ids]
             embeds = torch.cat(parts, dim=0) if parts else None
             results.append(self._prompt(row, embeds, merge))
         return results
@@ -110,42 +120,105 @@ class PromptEncoder:
         """What ``encode`` gives, from the token ids alone: every count and position as there,
         ``embeds`` an (L, 0) tensor on the meta device. Tokenizing only, no embedding or
         encoder: checking that many prompts fit the model's positions is cheap."""
-        k = self.encoder.k
         out = []
         for row in self.layout(prompts):
-            n_out = sum(-(-len(ids) // k) if merge and c else len(ids) for ids, c in row)
+            n_out = sum(-(-len(ids) // level) if merge and level else len(ids)
+                        for ids, level in row)
             out.append(self._prompt(row, torch.empty(n_out, 0, device="meta"), merge))
         return out
 
-    def layout(self, prompts: list[tuple[Segment, ...]]) -> list[list[tuple[list[int], bool]]]:
-        """Each prompt's pieces as (token ids, merged?): its segments tokenized, then cut by
-        ``plain_prefix``, ``plain_suffix`` and ``line_breaks`` (class docstring)."""
-        pieces: list[list[tuple[list[int], bool]]] = []
+    def layout(self, prompts: list[tuple[Segment, ...]]) -> list[list[tuple[list[int], int]]]:
+        """Each prompt's pieces as (token ids, level): 0 for plain tokens, else the K they are
+        merged at. Its segments are tokenized, cut by ``plain_prefix``, ``plain_suffix`` and
+        ``line_breaks`` (class docstring), and a segment with a ratio or levels is cut into
+        runs of units at their levels (``ktm.core.allocate``)."""
+        pieces: list[list[tuple[list[int], int]]] = []
         for segs in prompts:
-            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress)
-                   for i, s in enumerate(segs)]
+            # (ids, merged?, index of the segment it comes from)
+            row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress,
+                    i) for i, s in enumerate(segs)]
             if self.plain_prefix and row and row[0][1]:
                 ids, n = row[0][0], self.plain_prefix
-                row[:1] = [(ids[:n], False), (ids[n:], True)]
+                row[:1] = [(ids[:n], False, 0), (ids[n:], True, 0)]
             if self.plain_suffix:
-                last = max((i for i, (_, c) in enumerate(row) if c), default=None)
+                last = max((i for i, (_, c, _) in enumerate(row) if c), default=None)
                 if last is not None:
-                    ids = row[last][0]
+                    ids, seg = row[last][0], row[last][2]
                     cut = max(len(ids) - self.plain_suffix, 0)
-                    row[last:last + 1] = [(ids[:cut], True), (ids[cut:], False)]
+                    row[last:last + 1] = [(ids[:cut], True, seg), (ids[cut:], False, seg)]
             if self.line_breaks is not None:
-                row = [(line, c) for ids, c in row for line in (self._lines(ids) if c else [ids])]
-            pieces.append(row)
+                row = [(line, c, seg) for ids, c, seg in row
+                       for line in (self._lines(ids) if c else [ids])]
+            pieces.append(self._levels(row, segs))
         self._check_ids(prompts)
         return pieces
 
-    def _prompt(self, row: list[tuple[list[int], bool]], embeds: torch.Tensor | None,
+    @property
+    def merge_levels(self) -> tuple[int, ...]:
+        """The K the encoder merges at, largest first (a recursive one's inner levels too)."""
+        return (self.encoder.k, *inner_chain(self.encoder.config.inner_k))
+
+    def _levels(self, row: list[tuple[list[int], bool, int]], segs: tuple[Segment, ...]
+                ) -> list[tuple[list[int], int]]:
+        """Pieces with their levels: plain 0, merged at the encoder's K, or, for a segment
+        with a ratio or levels, its merged pieces cut into runs of one level each."""
+        runs: dict[int, list[list[tuple[int, int]]]] = {}
+        for seg, s in enumerate(segs):
+            if s.ratio is None and s.levels is None:
+                continue
+            merged = [ids for ids, c, i in row if i == seg and c and ids]
+            plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
+            runs[seg] = self._segment_runs(s, merged, plain)
+        out = []
+        for ids, c, seg in row:
+            if not c:
+                out.append((ids, 0))
+            elif seg not in runs:
+                out.append((ids, self.encoder.k))
+            elif ids:
+                start = 0
+                for n, level in runs[seg].pop(0):
+                    out.append((ids[start:start + n], 0 if level == 1 else level))
+                    start += n
+        return out
+
+    def _segment_runs(self, seg: Segment, merged: list[list[int]], plain: int
+                      ) -> list[list[tuple[int, int]]]:
+        """Per merged piece of a segment, its (tokens, level) runs (level 1: plain)."""
+        levels, unit = self.merge_levels, self.encoder.k
+        if seg.levels is not None:
+            units = Units.of(merged, unit)
+            if len(seg.levels) != len(units.cuts):
+                raise KTMError(f"Segment levels give {len(seg.levels)} levels, but the segment "
+                               f"has {len(units.cuts)} units of up to {unit} tokens: expected "
+                               "one level per unit")
+            bad = next((v for v in seg.levels if v != 1 and v not in levels), None)
+            if bad is not None:
+                raise KTMError(f"Segment level {bad} is not one this model reads: expected 1 "
+                               f"(plain) or one of its merge levels {sorted(levels)}")
+            runs: list[list[tuple[int, int]]] = [[] for _ in merged]
+            for (p, _, n), level in zip(units.cuts, seg.levels):
+                runs[p].append((n, level))
+            return runs
+        ids = [i for piece in merged for i in piece]
+        scores = self.scores(self.allocator, ids) if self.scores is not None else None
+        seed = zlib.crc32(bytes(str(ids), "ascii"))  # the random signal: fixed per text
+        runs = allocate(merged, plain, seg.ratio, levels, self.allocator, scores, seed)
+        total = len(ids) + plain
+        got = total / max(1, plain + sum(-(-n // lv) for piece in runs for n, lv in piece))
+        if abs(got / seg.ratio - 1) > RATIO_TOLERANCE:
+            warnings.warn(f"a segment of {total} tokens was read at ratio {got:.2f}, not "
+                          f"{seg.ratio:g}: its units of up to {unit} tokens allow no closer "
+                          "split", RatioWarning, stacklevel=2)
+        return runs
+
+    def _prompt(self, row: list[tuple[list[int], int]], embeds: torch.Tensor | None,
                 merge: bool) -> CompressedPrompt:
         """One prompt's ``CompressedPrompt`` from its pieces and its (L, D) prefix embeddings."""
         n_in = sum(len(ids) for ids, _ in row)
         if n_in == 0 or embeds is None:
             raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
-        mergeable = tuple(len(ids) for ids, c in row if c and ids)
+        mergeable = tuple(len(ids) for ids, level in row if level and ids)
         sources = self._positions(row, merge)
         pos = sources if merge and self.spread_positions else None
         return CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos, sources,
@@ -173,38 +246,43 @@ class PromptEncoder:
             out.append(ids[start:])
         return out
 
-    def _positions(self, row: list[tuple[list[int], bool]], merge: bool = True) -> torch.Tensor:
+    def _positions(self, row: list[tuple[list[int], int]], merge: bool = True) -> torch.Tensor:
         """Each plain token at its own position, each merged block at its last token's."""
         start, out = 0, []
-        for ids, c in row:
+        for ids, level in row:
             n = len(ids)
-            if c and merge:
-                k = self.encoder.k
-                out += [start + min(j + k, n) - 1 for j in range(0, n, k)]
+            if level and merge:
+                out += [start + min(j + level, n) - 1 for j in range(0, n, level)]
             else:
                 out += range(start, start + n)
             start += n
         return torch.tensor(out, dtype=torch.long, device=self.embed.weight.device)
 
-    def merge_segments(self, segments: list[list[int]], cache: MergeCache | None = None
-                       ) -> list[torch.Tensor]:
-        """Run the encoder once over the compressed segments: right-padded (S, T, D) ->
-        (ceil(T_s/K), D) each; with ``cache`` only over those not merged before."""
+    def merge_segments(self, segments: list[tuple[list[int], int]],
+                       cache: MergeCache | None = None) -> list[torch.Tensor]:
+        """Run the encoder once per level over the (token ids, level) pieces: right-padded
+        (S, T, D) -> (ceil(T_s/level), D) each; with ``cache`` only over those not merged
+        before. A cache key is the ids, led by -level for a level other than the encoder's K
+        (ids are >= 0, so no key of one level is another's)."""
         if not segments:
             return []
-        keys = [tuple(s) for s in segments]
-        todo = keys if cache is None else list(dict.fromkeys(k for k in keys if k not in cache))
+        k = self.encoder.k
+        keys = [tuple(ids) if level == k else (-level, *ids) for ids, level in segments]
+        level_of = {key: level for key, (_, level) in zip(keys, segments)}
+        todo = keys if cache is None else list(dict.fromkeys(x for x in keys if x not in cache))
         found: dict[tuple[int, ...], torch.Tensor] = {}
-        if todo:
-            computed = self._merge(todo)
-            if cache is None:
-                return computed
-            for key, m in zip(todo, computed):
-                found[key] = cache[key] = m.detach()
-        return [found[k] if k in found else cache[k] for k in keys]
+        for level in dict.fromkeys(level_of[x] for x in todo):
+            group = [x for x in todo if level_of[x] == level]
+            ids = [x if level == k else x[1:] for x in group]
+            for key, m in zip(group, self._merge(ids, level)):
+                found[key] = m if cache is None else m.detach()
+                if cache is not None:
+                    cache[key] = found[key]
+        return [found[x] if x in found else cache[x] for x in keys]
 
-    def _merge(self, segments: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    def _merge(self, segments: list[tuple[int, ...]], level: int) -> list[torch.Tensor]:
         device = self.embed.weight.device
+        encoder = level_encoder(self.encoder, level)
         longest = max(len(s) for s in segments)
         ids = torch.tensor([list(s) + [self.pad_id] * (longest - len(s)) for s in segments],
                            device=device)
@@ -212,11 +290,10 @@ class PromptEncoder:
                             device=device, dtype=torch.bool)
         embeds = self.embed(ids)
         if embeds.dtype == torch.float32:
-            merged, _ = self.encoder(embeds, mask)
+            merged, _ = encoder(embeds, mask)
         else:
             # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
             with torch.autocast(device.type, dtype=embeds.dtype):
-                merged, _ = self.encoder(embeds, mask)
+                merged, _ = encoder(embeds, mask)
         merged = merged.to(embeds.dtype)
-        k = self.encoder.k
-        return [merged[i, : -(-len(s) // k)] for i, s in enumerate(segments)]
+        return [merged[i, : -(-len(s) // level)] for i, s in enumerate(segments)]

@@ -4,6 +4,10 @@ A plain string is one compressed segment. Keeping the question and the answer cu
 compressing a long context is the usual mixed layout:
 
     [Segment(document), Segment("Question: ...? Answer:", compress=False)]
+
+A compressed segment is merged at the model's K, or read at a ratio (``Segment(document,
+ratio=3.0)``: three tokens per position on average, the positions spent where the text needs
+them; ``ktm.core.allocate``), or at levels given block by block (``levels``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ktm.core.allocate import check_ratio
 from ktm.errors import KTMError
 from ktm.util.field_types import check_field_types
 
@@ -22,11 +27,19 @@ class Segment:
 
     ``ids`` gives the segment's token ids directly instead of tokenizing ``text`` (LTSC writes
     meta-token ids that no text maps to); ``text`` then stays the original text, for display.
+
+    ``ratio``: read the segment at this many tokens per position (>= 1), each unit of the
+    model's largest K tokens at its own level (1: plain, or a merge level), chosen by the
+    model's allocator (``KTMConfig.allocator``). ``levels``: the level of each unit given
+    directly (tests, oracles, pretraining's varied layouts). None of either: merged at the
+    model's K, as always.
     """
 
     text: str
     compress: bool = True
     ids: tuple[int, ...] | None = None
+    ratio: float | None = None
+    levels: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # what the tokenizer or the embedding table would otherwise refuse deep inside
@@ -47,6 +60,23 @@ class Segment:
                 except TypeError:
                     raise KTMError(f"Segment ids must be token ids (integers >= 0), got {i!r}"
                                    ) from None
+        if (self.ratio is not None or self.levels is not None) and not self.compress:
+            raise KTMError("Segment ratio and levels say how a compressed segment is merged: "
+                           "expected compress=True")
+        if self.ratio is not None and self.levels is not None:
+            raise KTMError("give a Segment ratio or its levels, not both")
+        if self.ratio is not None:
+            object.__setattr__(self, "ratio", check_ratio(self.ratio, "Segment ratio"))
+        if self.levels is not None:
+            if isinstance(self.levels, (str, bytes)) or not isinstance(self.levels, Iterable):
+                raise KTMError(f"Segment levels must be a sequence of integers >= 1, got "
+                               f"{self.levels!r:.60}")
+            object.__setattr__(self, "levels", tuple(self.levels))
+            bad = next((v for v in self.levels
+                        if isinstance(v, bool) or not isinstance(v, int) or v < 1), None)
+            if bad is not None or not self.levels:
+                raise KTMError(f"Segment levels must be integers >= 1 (1: plain), one per unit, "
+                               f"got {self.levels!r:.60}")
 
 
 PromptLike = str | Segment | Sequence[Segment]

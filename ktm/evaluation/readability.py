@@ -18,6 +18,17 @@ under ``MIN_GAIN`` (1 %) of NLL_none. A share of a gain that small is a ratio of
 gain of 1e-6 nats, a merged reading 0.1 nat better than none gives R = 1e5); the gains on the
 held-out sets lie far above it (docs/readers.md#readability-r).
 
+That is *continuation* R, and it rewards keeping the last tokens plain: a continuation reads
+the recent text most closely. *Recall* R is recency-neutral. Its question is ``RECALL_CUE``
+tokens copied from a random place in the context, given plain after it, and its target the
+``RECALL_TARGET`` tokens that followed them there (a context shorter than both keeps a third
+for the question); the same three readings, the same ratio.
+Both are reported (``R`` and ``R_recall``).
+
+A context may be read at a ratio (``ratio``: ``Segment(ratio=...)``, the model's allocator
+spending the positions) instead of at the model's K; ``ratio_read`` reports the ratio the
+merged contexts were read at (tokens in per position, over all windows).
+
 ``R_ci95`` is a percentile bootstrap over windows (1,000 resamples, fixed seed): the range R
 would likely take on another draw of as many held-out windows. With 32 or 64 windows it is
 several hundredths wide, which is what a difference between two readers must beat. A resample
@@ -28,11 +39,15 @@ over the resamples that have one.
 
 from __future__ import annotations
 
+import random
+import warnings
+import zlib
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from ktm.core.allocate import RatioWarning
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
@@ -104,34 +119,27 @@ def r_interval(per_window: torch.Tensor, n_boot: int = BOOTSTRAP["resamples"],
     return [lo, hi]
 
 
-@torch.no_grad()
-def readability(model, windows: Sequence[Window], batch_size: int = 8,
-                progress: bool = False) -> dict:
-    """The three pooled NLLs, R, and exact prompt tokens before/after merging."""
-    if not windows:
-        raise KTMError("readability needs at least one window")
-    was_training = model.training
-    model.eval()
-    rows = []  # per window: summed NLL merged, plain, none; target tokens
-    tokens_in = tokens_out = 0
-    lead = model.lead_ids  # a BOS the tokenizer would put first, as prompts get it
-    none = (Segment("", compress=False, ids=lead or (none_token(model.tokenizer),)),)
-    try:
-        for i in tqdm(range(0, len(windows), batch_size), desc="readability",
-                      disable=not progress):
-            batch = windows[i:i + batch_size]
-            ctx = [(Segment("", ids=lead + w.context),) for w in batch]
-            tgt = [w.target for w in batch]
-            merged = model(ctx, tgt, merge=True)
-            plain = model(ctx, tgt, merge=False).nll
-            empty = model([none] * len(batch), tgt, merge=False).nll
-            cols = (merged.nll, plain, empty, merged.n_tokens)  # doubles: a bf16 count rounds
-            # to the CPU first: MPS has no float64
-            rows.append(torch.stack([c.cpu().double() for c in cols], dim=1))
-            tokens_in += merged.tokens_in
-            tokens_out += merged.tokens_out
-    finally:
-        model.train(was_training)
+RECALL_CUE, RECALL_TARGET = 8, 16  # recall R: the copied question and what follows it
+
+
+def recall_question(window: Window, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(question, target) of a window's recall reading: ``RECALL_CUE`` tokens from a place in
+    its context drawn uniformly (seeded by ``seed`` and the context), and the ``RECALL_TARGET``
+    tokens after them; the place never depends on the reader or the layout."""
+    ctx = window.context
+    if len(ctx) < 2:
+        raise KTMError(f"a recall question needs a context of at least 2 tokens, got {len(ctx)}")
+    # a context shorter than the whole span keeps a third of it for the question
+    cue = min(RECALL_CUE, max(1, len(ctx) // 3))
+    span = cue + min(RECALL_TARGET, len(ctx) - cue)
+    start = random.Random(f"{seed}:{zlib.crc32(bytes(str(ctx), 'ascii'))}").randrange(
+        len(ctx) - span + 1)
+    return ctx[start:start + cue], ctx[start + cue:start + span]
+
+
+def _pooled(rows: list[torch.Tensor]) -> dict:
+    """R, its interval and the three NLLs from (n, 4) rows: summed NLL merged, plain, none, and
+    target tokens of each window."""
     per_window = torch.cat(rows)
     total = per_window.sum(dim=0).tolist()
     n_tok = int(total[3])
@@ -139,8 +147,75 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
     return {"R": context_ratio(nll["none"], nll["merged"], nll["plain"]),
             "R_ci95": r_interval(per_window),
             "nll_merged": nll["merged"], "nll_plain": nll["plain"], "nll_none": nll["none"],
-            "windows": len(windows), "target_tokens": n_tok,
-            "tokens_in": tokens_in / len(windows), "tokens_out": tokens_out / len(windows)}
+            "target_tokens": n_tok}
+
+
+def _three(model, ctx: list, none: list, tgt: list) -> tuple[torch.Tensor, int, int]:
+    """(B, 4) doubles: the NLL of ``tgt`` merged, plain and with no context, and its tokens;
+    with the merged prompts' tokens in and out."""
+    merged = model(ctx, tgt, merge=True)
+    plain = model(ctx, tgt, merge=False).nll
+    empty = model(none, tgt, merge=False).nll
+    cols = (merged.nll, plain, empty, merged.n_tokens)  # doubles: a bf16 count rounds
+    # to the CPU first: MPS has no float64
+    return (torch.stack([c.cpu().double() for c in cols], dim=1), merged.tokens_in,
+            merged.tokens_out)
+
+
+@torch.no_grad()
+def readability(model, windows: Sequence[Window], batch_size: int = 8,
+                progress: bool = False, ratio: float | None = None, recall: bool = True,
+                seed: int = 0) -> dict:
+    """Continuation R (``R``) and recall R (``R_recall``) with their NLLs, and the exact prompt
+    tokens before and after merging. ``ratio``: the contexts read at that ratio (None: at the
+    model's K); ``recall`` False: continuation R alone (half the forwards)."""
+    if not windows:
+        raise KTMError("readability needs at least one window")
+    was_training = model.training
+    model.eval()
+    rows, recall_rows = [], []  # per window: summed NLL merged, plain, none; target tokens
+    # a short window read at a ratio its units cannot split to: ratio_read reports it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RatioWarning)
+        try:
+            _readings(model, windows, batch_size, progress, ratio, recall, seed, rows,
+                      recall_rows)
+        finally:
+            model.train(was_training)
+    tokens_in = sum(n for _, n, _ in rows)
+    tokens_out = sum(n for _, _, n in rows)
+    rows = [r for r, _, _ in rows]
+    out = {**_pooled(rows), "windows": len(windows),
+           "tokens_in": tokens_in / len(windows), "tokens_out": tokens_out / len(windows),
+           "ratio": ratio, "ratio_read": tokens_in / tokens_out}
+    if recall:
+        out.update({f"{k}_recall" if k.startswith("R") else f"recall_{k}": v
+                    for k, v in _pooled(recall_rows).items()})
+    return out
+
+
+def _readings(model, windows: Sequence[Window], batch_size: int, progress: bool,
+              ratio: float | None, recall: bool, seed: int, rows: list, recall_rows: list
+              ) -> None:
+    """``readability``'s forwards: per batch, (NLL rows, tokens in, tokens out) into ``rows``
+    and the recall rows into ``recall_rows``."""
+    lead = model.lead_ids  # a BOS the tokenizer would put first, as prompts get it
+    start = lead or (none_token(model.tokenizer),)
+    for i in tqdm(range(0, len(windows), batch_size), desc="readability",
+                  disable=not progress):
+        batch = windows[i:i + batch_size]
+        ctx = [Segment("", ids=lead + w.context, ratio=ratio) for w in batch]
+        rows.append(_three(model, [(c,) for c in ctx],
+                           [(Segment("", compress=False, ids=start),)] * len(batch),
+                           [w.target for w in batch]))
+        if recall:
+            qa = [recall_question(w, seed) for w in batch]
+            part, _, _ = _three(
+                model, [(c, Segment("", compress=False, ids=q)) for c, (q, _) in
+                        zip(ctx, qa)],
+                [(Segment("", compress=False, ids=start + q),) for q, _ in qa],
+                [t for _, t in qa])
+            recall_rows.append(part)
 
 
 def heldout_sets(tokenizer, sets: Sequence[str], n: int, seed: int = 0,
@@ -155,8 +230,11 @@ def heldout_sets(tokenizer, sets: Sequence[str], n: int, seed: int = 0,
 
 def heldout_readability(model, sets: Sequence[str] = ("reviews", "code"), n: int = 64,
                         seed: int = 0, progress: bool = False,
-                        _cache: dict | None = None) -> dict:
-    """R per held-out set (``reviews``: other product categories, ``code``: unseen repos)."""
+                        _cache: dict | None = None, ratio: float | None = None,
+                        recall: bool = True) -> dict:
+    """R and recall R per held-out set (``reviews``: other product categories, ``code``: unseen
+    repos), the contexts read at the model's K or at ``ratio``."""
     check_read_positions(model)
     windows = heldout_sets(model.tokenizer, sets, n, seed, _cache)
-    return {name: readability(model, windows[name], progress=progress) for name in sets}
+    return {name: readability(model, windows[name], progress=progress, ratio=ratio,
+                              recall=recall, seed=seed) for name in sets}

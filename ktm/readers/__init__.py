@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ktm.core.config import inner_chain, normal_inner_k
 from ktm.errors import KTMError
 
 HERE = Path(__file__).resolve().parent
@@ -106,7 +107,7 @@ def _find_reader(model: str, k: int) -> str | None:
             continue
         if cfg.get("k") == k:
             return name
-        if inner is None and k > 1 and cfg.get("inner_k", 1) == k:
+        if inner is None and k > 1 and k in inner_chain(normal_inner_k(cfg.get("inner_k", 1))):
             inner = name
     return inner
 
@@ -127,7 +128,15 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
 
     ``info`` (the training command, data, CPU minutes, readability) goes to ``reader.json``.
     """
-    from ktm.core.checkpoint import ADAPTER, CONFIG, ENCODER, FILE_ERRORS, read_config, save_atomic
+    from ktm.core.checkpoint import (
+        ADAPTER,
+        CONFIG,
+        ENCODER,
+        FILE_ERRORS,
+        SURPRISAL,
+        read_config,
+        save_atomic,
+    )
     from ktm.util.fileio import write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
@@ -143,6 +152,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
             states[rel] = {k: v.to(STORAGE_DTYPE).contiguous() for k, v in
                            load_file(str(src / rel)).items()}
         lora_text = lora_config.read_text()
+        table = (src / SURPRISAL).read_bytes() if (src / SURPRISAL).is_file() else None
     except FILE_ERRORS as e:
         raise KTMError(f"checkpoint {str(src)!r} is incomplete or corrupt: {e}") from e
 
@@ -151,6 +161,8 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
         for rel, state in states.items():
             save_file(state, str(tmp / rel), metadata={"format": "pt"})
         write_text_atomic(tmp / ADAPTER / "adapter_config.json", lora_text)
+        if table is not None:  # the surprisal table as trained (float32 counts)
+            (tmp / SURPRISAL).write_bytes(table)
         write_json_atomic(tmp / CONFIG, cfg)
         write_json_atomic(tmp / "reader.json", {"name": name, **info})
 

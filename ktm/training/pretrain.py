@@ -34,14 +34,17 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
 
+from ktm.core.allocate import RatioWarning, check_ratio, max_ratio
 from ktm.core.batch import LossOutput
+from ktm.core.config import ALLOCATORS
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
@@ -119,6 +122,20 @@ class PretrainConfig:
     k_mix: tuple[str, ...] = field(default=(), metadata={
         "help": "a K mix, each K or K=WEIGHT, from the model's K and its inner K (--inner-k): "
                 "one LoRA learns to read each (none: the model's K only)"})
+    mixed_share: float = field(default=0.0, metadata={
+        "help": "adaptive merging: the share of windows whose context is read at a ratio drawn "
+                "log-uniformly from --ratio-range, its positions spent by a signal drawn from "
+                "--mixed-signals, so one reader learns to read any mix of levels (the others "
+                "are merged at the model's K, or the K mix's)"})
+    ratio_range: tuple[float, ...] = field(default=(1.5, 8.0), metadata={
+        "help": "the lowest and highest ratio of a mixed window"})
+    mixed_signals: tuple[str, ...] = field(default=("random", "rules", "surprisal", "recency",
+                                                    "even"), metadata={
+        "help": "the allocators a mixed window's layout is drawn from, each NAME or NAME=WEIGHT "
+                "(surprisal: the table pretraining builds from its own text)"})
+    eval_ratios: tuple[float, ...] = field(default=(), metadata={
+        "help": "readability R also with the held-out contexts read at these ratios "
+                "(logged as SET@rRATIO)"})
     text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
     eval_sets: tuple[str, ...] = field(default=("reviews", "code"), metadata={
         "help": "held-out sets for the periodic readability R (none: skip)"})
@@ -126,7 +143,8 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name in ("sources", "objectives", "k_mix", "eval_sets"):
+        for name in ("sources", "objectives", "k_mix", "eval_sets", "mixed_signals",
+                     "ratio_range", "eval_ratios"):
             value = getattr(self, name)
             # one name is one item: tuple("code") would be the sources c, o, d, e
             setattr(self, name, (value,) if isinstance(value, (str, int)) else tuple(value))
@@ -140,6 +158,17 @@ class PretrainConfig:
                           if w > 0} if self.k_mix else {}
         self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
                                  self.min_tokens)
+        if not 0.0 <= self.mixed_share <= 1.0:
+            raise KTMError(f"mixed_share must be in [0, 1], got {self.mixed_share!r}")
+        if len(self.ratio_range) != 2:
+            raise KTMError(f"ratio_range must be two ratios (lowest, highest), got "
+                           f"{list(self.ratio_range)}")
+        low, high = (check_ratio(r, "a ratio_range end") for r in self.ratio_range)
+        if low > high:
+            raise KTMError(f"ratio_range {list(self.ratio_range)}: expected lowest <= highest")
+        self.ratio_range = (low, high)
+        self.eval_ratios = tuple(check_ratio(r, "an eval ratio") for r in self.eval_ratios)
+        self.signal_weights = parse_weights(self.mixed_signals, "allocator", ALLOCATORS)
         for name in ("distill_hidden", "align_weight"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise KTMError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
@@ -171,12 +200,16 @@ class WindowStream(Sequence):
     is_stream = True  # ktm.training.train reads it in index order
 
     def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
-                 eos: int | None, lead: Sequence[int] = (), per_step: int = 1):
+                 eos: int | None, lead: Sequence[int] = (), per_step: int = 1,
+                 top_k: int = 1, plain: int = 0):
         self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
         # windows per optimizer step (all processes'): objective_mix="step" draws one objective
         # for each run of per_step consecutive windows
         self.per_step = per_step
         self.lead = tuple(lead)  # the tokenizer's BOS, if it adds one (KTMModel.lead_ids)
+        # a mixed window's ratio stays within what its context allows: every unit at the
+        # model's largest K, its plain prefix and suffix (``plain`` tokens) plain
+        self.top_k, self.plain = top_k, plain
         self.sources = [s for s in cfg.source_weights if cfg.source_weights[s] > 0]
         self.src_w = [cfg.source_weights[s] for s in self.sources]
         self.objs = [o for o in cfg.objective_weights if cfg.objective_weights[o] > 0]
@@ -192,6 +225,11 @@ class WindowStream(Sequence):
             "docs": {name: len(d) for name, d in docs.items()}}
         if cfg.objective_mix == "step":  # only then: an older run's signature stays as it was
             self.signature["objective_mix"] = ["step", per_step]
+        self.signals = [g for g, w in cfg.signal_weights.items() if w > 0]
+        self.signal_w = [cfg.signal_weights[g] for g in self.signals]
+        if cfg.mixed_share > 0:  # likewise
+            self.signature["mixed"] = [cfg.mixed_share, list(cfg.ratio_range),
+                                       dict(cfg.signal_weights)]
 
     def __len__(self) -> int:
         return self.length
@@ -219,6 +257,14 @@ class WindowStream(Sequence):
         meta = {"objective": objective, "source": source}
         if self.ks:  # drawn last, so that a run without a K mix keeps its windows
             meta["k"] = rng.choices(self.ks, self.k_w)[0]
+        if self.cfg.mixed_share > 0 and rng.random() < self.cfg.mixed_share:  # likewise
+            low, high = self.cfg.ratio_range
+            ratio = math.exp(rng.uniform(math.log(low), math.log(high)))
+            n = len(segments[0].ids)
+            ratio = max(1.0, min(ratio, max_ratio(n, min(self.plain, n), self.top_k)))
+            meta.pop("k", None)  # read at the model's own levels, all of them
+            meta["signal"] = rng.choices(self.signals, self.signal_w)[0]
+            segments = (Segment("", ids=segments[0].ids, ratio=ratio), *segments[1:])
         return Example(segments, target, meta=meta)
 
 
@@ -238,6 +284,8 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
         return
     filler = model.tokenizer("a", add_special_tokens=False)["input_ids"][:1] or [0]
     k = min(cfg.k_weights or (model.k,))  # the smallest K gives the longest prefix
+    # a mixed window below that K's ratio is read with more positions: the plain reading bounds it
+    plain_too = cfg.mixed_share > 0 and cfg.ratio_range[0] < k
     for obj in objs:
         n_ctx = spec.ae_tokens if obj == "ae" else spec.context_tokens
         segments = [Segment("", ids=tuple(model.lead_ids) + tuple(filler) * n_ctx)]
@@ -247,7 +295,8 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
                     else spec.target_tokens)
         try:
             with model.merging_at(k):
-                for merge in (True, False) if obj in ("distill", "align") else (True,):
+                for merge in ((True, False) if obj in ("distill", "align") or plain_too
+                              else (True,)):
                     model.check_fits(model.encode_prompts([segments], merge), [n_target],
                                      "target tokens")
         except KTMError as e:
@@ -325,6 +374,21 @@ def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch
     return total / count.clamp(min=1)
 
 
+@contextmanager
+def allocating(model, signal: str):
+    """A mixed window's layout: the model's segments read at a ratio spend their positions by
+    ``signal`` for the while ("": the model's own allocator)."""
+    if not signal:
+        yield
+        return
+    own = model._config
+    model._config = replace(own, allocator=signal)
+    try:
+        yield
+    finally:
+        model._config = own
+
+
 def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
                   align_weight: float = 1.0) -> LossOutput:
     """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill
@@ -334,15 +398,19 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
     n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
     parts: dict[str, tuple[float, int]] = {}
     tokens_in = tokens_out = 0
-    groups: dict[tuple[str, int], list[int]] = {}  # one student forward per (loss, K)
+    # one student forward per (loss, K, allocator of a mixed window)
+    groups: dict[tuple[str, int, str], list[int]] = {}
     for i, e in enumerate(batch):
         obj = e.meta["objective"]
         kind = obj if obj in ("distill", "align") else "ce"
-        groups.setdefault((kind, e.meta.get("k", model.k)), []).append(i)
-    for (kind, k), idx in sorted(groups.items()):
+        key = (kind, e.meta.get("k", model.k), e.meta.get("signal", ""))
+        groups.setdefault(key, []).append(i)
+    for (kind, k, signal), idx in sorted(groups.items()):
         sub = [batch[i] for i in idx]
         deep = kind == "distill" and distill_hidden > 0
-        with model.merging_at(k):
+        # a short window read at a ratio its units cannot split to: that is the window's ratio
+        with model.merging_at(k), allocating(model, signal), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RatioWarning)
             prefixes = model.encode_prompts([e.segments for e in sub])
             t = model.target_logits([e.segments for e in sub], [e.target for e in sub],
                                     prefixes=prefixes, hidden=deep,
@@ -393,11 +461,19 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
         check_read_positions(model)
     check_window_positions(model, config)
     docs = load_docs(model.tokenizer, config)
+    if model.scorer.table is None and (model.config.allocator == "surprisal" or (
+            config.mixed_share > 0 and config.signal_weights.get("surprisal", 0) > 0)):
+        # the reader's own n-gram table, from the text it trains on; saved with it
+        from ktm.core.surprisal import SurprisalTable
+
+        model.scorer.table = SurprisalTable.count(
+            (d for ds in docs.values() for d in ds), len(model.tokenizer))
     # the stream covers every process's shard of every step (ktm.training.distributed)
     world = distributed.setup(model.device)
     per_step = train_config.batch_size * train_config.grad_accum * world.size
     stream = WindowStream(docs, config, train_config.max_steps * per_step, train_config.seed,
-                          model.eos_id, model.lead_ids, per_step=per_step)
+                          model.eos_id, model.lead_ids, per_step=per_step, top_k=model.k,
+                          plain=model.config.plain_prefix + model.config.plain_suffix)
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:
@@ -417,6 +493,10 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
                     at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
                                              _cache=cache)
                 r.update({f"{name}@k{k}": v for name, v in at.items()})
+            for ratio in config.eval_ratios:  # at a ratio: "code@r4"
+                at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
+                                         _cache=cache, ratio=ratio)
+                r.update({f"{name}@r{ratio:g}": v for name, v in at.items()})
             return r
 
     def loss_fn(m, batch):

@@ -1,0 +1,239 @@
+"""Adaptive merging: a level per block, chosen to read a segment at a ratio the user sets.
+
+A segment read at ratio r (``Segment(text, ratio=3.0)``: r tokens in per position the LM reads)
+is cut into *units* of U tokens, U the model's largest merge level. Each unit is read at one
+level: 1 (its tokens plain), or one of the model's merge levels (2, 4, 8, ...: that many tokens
+per position). Every unit starts at the largest level; positions are then given out one
+refinement at a time (a unit's level to the next smaller one) to the unit whose positions now
+carry the most signal each, until the segment's budget of ``round(tokens / r)`` positions is
+spent: water-filling towards equal signal per position.
+
+    signal per unit:  s_u (e.g. the summed surprisal of its tokens)
+    refine next:      argmax_u  s_u / positions_u, while its extra positions fit the budget
+
+The signal is what a unit is worth; ``ktm.core.config.ALLOCATORS`` names them:
+
+    surprisal  a token's surprisal under a small n-gram table built from the reader's
+               pretraining text and shipped with it (``ktm.core.surprisal``): Byte Latent
+               Transformer's entropy model, made tiny
+    rules      content tokens count 1, a token seen in the last 32 tokens 0.5, punctuation 0.3,
+               whitespace 0 (needs only the tokenizer)
+    recency    later units are worth more (the recent text a continuation reads most closely)
+    even       every unit alike: the positions spread evenly (a uniform-K reading at any r)
+    random     a seeded draw per unit (a control, and pretraining's varied layouts)
+
+Positions stay consecutive whatever the levels, so the result runs on llama.cpp and vLLM too.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ktm.core.config import ALLOCATORS
+from ktm.errors import KTMError
+
+# how far the achieved ratio may land from the target before the layout says so
+RATIO_TOLERANCE = 0.05
+
+
+class RatioWarning(UserWarning):
+    """A segment was read at a ratio more than ``RATIO_TOLERANCE`` from the one asked for
+    (too short for its units to split closer)."""
+
+
+def max_ratio(tokens: int, plain: int, unit: int) -> float:
+    """The largest ratio a segment of ``tokens`` tokens, ``plain`` of them kept plain, is read
+    at: every unit at the largest level ``unit``."""
+    return tokens / max(1, plain + positions(tokens - plain, unit))
+
+
+def check_ratio(ratio: float, what: str = "ratio") -> float:
+    """A ratio is a finite number >= 1 (1: every token plain)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (
+            1.0 <= ratio < math.inf):
+        raise KTMError(f"{what} must be a finite number >= 1 (tokens in per position read; 1 "
+                       f"reads every token plain), got {ratio!r}")
+    return float(ratio)
+
+
+def positions(n: int, level: int) -> int:
+    """Positions a unit of ``n`` tokens takes at ``level`` (1: plain)."""
+    return -(-n // level)
+
+
+def spread_order(n: int) -> list[int]:
+    """A rank per unit that spreads ties over the segment (bit-reversed order: 0, n/2, n/4,
+    3n/4, ...), so equal signals refine units evenly apart rather than from the start."""
+    bits = max(1, (n - 1).bit_length())
+    keys = [int(f"{i:0{bits}b}"[::-1], 2) for i in range(n)]
+    order = sorted(range(n), key=lambda i: keys[i])
+    rank = [0] * n
+    for r, i in enumerate(order):
+        rank[i] = r
+    return rank
+
+
+def spend(scores: Sequence[float], lengths: Sequence[int], levels: Sequence[int],
+          budget: int) -> list[int]:
+    """Each unit's level: all start at the largest of ``levels`` (which include 1), then the
+    unit whose positions carry the most signal each is refined one level, while its extra
+    positions fit in ``budget`` positions for all units together. Raises ``KTMError`` when even
+    the largest level exceeds the budget."""
+    ladder = sorted(set(levels), reverse=True)
+    if ladder[-1] != 1:
+        ladder.append(1)
+    step = [0] * len(lengths)  # index into ladder
+    used = sum(positions(n, ladder[0]) for n in lengths)
+    if used > budget:
+        raise KTMError(f"{budget} positions cannot hold {len(lengths)} units at the largest "
+                       f"level {ladder[0]} ({used} positions)")
+    rank = spread_order(len(lengths))
+
+    def entry(u: int) -> tuple[float, int, int]:
+        per = scores[u] / positions(lengths[u], ladder[step[u]])
+        return (-per, rank[u], u)
+
+    heap = [entry(u) for u in range(len(lengths)) if len(ladder) > 1]
+    heapq.heapify(heap)
+    while heap:
+        _, _, u = heapq.heappop(heap)
+        n, now = lengths[u], ladder[step[u]]
+        extra = positions(n, ladder[step[u] + 1]) - positions(n, now)
+        if used + extra > budget:
+            continue  # this unit's next refinement does not fit; a cheaper one may
+        used += extra
+        step[u] += 1
+        if step[u] + 1 < len(ladder):
+            heapq.heappush(heap, entry(u))
+    return [ladder[s] for s in step]
+
+
+@dataclass(frozen=True)
+class Units:
+    """A segment's merged pieces cut into units: (piece index, start, length) each."""
+
+    cuts: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, pieces: Sequence[Sequence[int]], unit: int) -> Units:
+        return cls(tuple((p, s, min(unit, len(ids) - s)) for p, ids in enumerate(pieces)
+                         for s in range(0, len(ids), unit)))
+
+    @property
+    def lengths(self) -> list[int]:
+        return [n for _, _, n in self.cuts]
+
+
+def rule_scores(ids: Sequence[int], kinds: Callable[[int], str], window: int = 32
+                ) -> list[float]:
+    """Per token: 0 for whitespace, 0.3 for punctuation, 0.5 for a token seen in the last
+    ``window`` tokens, 1 for other content. ``kinds(id)`` is "space", "punct" or "word"."""
+    out, seen = [], {}
+    for i, t in enumerate(ids):
+        kind = kinds(t)
+        if kind == "space":
+            out.append(0.0)
+        elif kind == "punct":
+            out.append(0.3)
+        else:
+            out.append(0.5 if i - seen.get(t, -window - 1) <= window else 1.0)
+        seen[t] = i
+    return out
+
+
+def token_kinds(tokenizer) -> Callable[[int], str]:
+    """``kinds(id)`` for ``rule_scores``, read from the tokenizer's own decoding once per id."""
+    cache: dict[int, str] = {}
+
+    def kinds(t: int) -> str:
+        if t not in cache:
+            text = tokenizer.decode([t])
+            cache[t] = ("space" if not text.strip() else
+                        "punct" if not any(c.isalnum() for c in text) else "word")
+        return cache[t]
+
+    return kinds
+
+
+class Scorer:
+    """Per-token scores for the signals that read tokens: ``surprisal`` (from ``table``, a
+    ``ktm.core.surprisal.SurprisalTable``) and ``rules`` (from the tokenizer's decoding);
+    None for the signals that need none. A model's own, as ``scorer(signal, ids)``."""
+
+    def __init__(self, tokenizer, table=None):
+        self.tokenizer, self.table = tokenizer, table
+        self._kinds = None
+
+    def __call__(self, signal: str, ids: list[int]) -> list[float] | None:
+        if signal == "surprisal":
+            if self.table is None:
+                raise KTMError("the surprisal allocator needs the reader's surprisal table, and "
+                               "this model has none: expected a reader pretrained by ktm "
+                               "pretrain (which builds it), ktm surprisal-table, or another "
+                               f"allocator ({', '.join(a for a in ALLOCATORS if a != 'surprisal')}"
+                               ")")
+            return self.table.scores(ids)
+        if signal == "rules":
+            if self._kinds is None:
+                self._kinds = token_kinds(self.tokenizer)
+            return rule_scores(ids, self._kinds)
+        return None
+
+
+def unit_scores(signal: str, token_scores: Sequence[float] | None, units: Units,
+                seed: int = 0) -> list[float]:
+    """A signal per unit: the sum of its tokens' scores (``surprisal``, ``rules``), its place
+    (``recency``), a constant (``even``) or a seeded draw (``random``)."""
+    n = len(units.cuts)
+    if signal == "even":
+        return [1.0] * n
+    if signal == "recency":
+        return [(u + 1) / n for u in range(n)]
+    if signal == "random":
+        rng = random.Random(seed)
+        return [rng.random() for _ in range(n)]
+    if token_scores is None:
+        raise KTMError(f"signal {signal!r} needs per-token scores")
+    out, i = [], 0
+    for _, _, length in units.cuts:
+        # a small floor: a unit of zero signal still ranks by the spread order
+        out.append(sum(token_scores[i:i + length]) + 1e-6)
+        i += length
+    return out
+
+
+def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: Sequence[int],
+             signal: str, token_scores: Sequence[float] | None = None,
+             seed: int = 0) -> list[list[tuple[int, int]]]:
+    """Levels for a segment read at ``ratio``: ``pieces`` are its merged pieces' token ids in
+    order, ``plain`` the tokens of it kept plain anyway (a plain prefix or suffix), which count
+    against its positions. Returns per piece its (units' token count, level) runs, consecutive
+    units of one level joined. ``token_scores``: per token of the pieces, concatenated.
+
+    Raises ``KTMError`` for a ratio above what the largest level gives this segment."""
+    unit = max(levels)
+    units = Units.of(pieces, unit)
+    total = sum(len(p) for p in pieces) + plain
+    budget = round(total / ratio) - plain
+    least = sum(positions(n, unit) for n in units.lengths)
+    most = total / max(1, least + plain)
+    if budget < least and most >= ratio * (1 - RATIO_TOLERANCE):
+        budget = least  # every unit at the largest level comes close enough (a partial unit)
+    if budget < least:
+        raise KTMError(f"ratio {ratio:g} is more than this segment allows: its {total} tokens "
+                       f"take at least {least + plain} positions at the largest level K={unit}"
+                       f"{f' and {plain} plain tokens' if plain else ''} (ratio {most:.2f}); "
+                       f"expected a ratio <= {most:.2f}, or a reader with a larger K")
+    chosen = spend(unit_scores(signal, token_scores, units, seed), units.lengths, levels,
+                   budget)
+    runs: list[list[tuple[int, int]]] = [[] for _ in pieces]
+    for (p, _, n), level in zip(units.cuts, chosen):
+        if runs[p] and runs[p][-1][1] == level:
+            runs[p][-1] = (runs[p][-1][0] + n, level)
+        else:
+            runs[p].append((n, level))
+    return runs
