@@ -274,7 +274,7 @@ class KTMModel(nn.Module):
         self._compressor_warned = False
         # per-token scores for a segment read at a ratio (ktm.core.allocate); its surprisal
         # table is the reader's own (saved beside it), if it has one
-        self.scorer = Scorer(tokenizer)
+        self.scorer = Scorer(tokenizer, lm=self._lm_surprisal)
         # the llama.cpp runtime the decode loop prefills and decodes through (None: torch)
         self.runtime = None  # a ktm.llamacpp.runtime.LlamaCppRuntime
         # decoding reads the LM with its LoRA folded into a separate copy of the adapted weights
@@ -433,6 +433,23 @@ class KTMModel(nn.Module):
         if self._line_breaks is None:
             self._line_breaks = line_break_ids(self.tokenizer)
         return self._line_breaks
+
+    @torch.no_grad()
+    def _lm_surprisal(self, ids: list[int]) -> list[float]:
+        """Each token's surprisal (nats) under the base LM (adapter off) reading ``ids`` plain;
+        the first token's is the mean of the rest (nothing predicts it)."""
+        if len(ids) < 2:
+            return [1.0] * len(ids)
+        p = self.pack([self._embed(self._ids(ids))])
+        was = self.training
+        self.eval()
+        try:
+            with self.peft.disable_adapter():
+                logits = self.lm(p.embeds, p.mask, p.position_ids)[0, :-1].float()
+        finally:
+            self.train(was)
+        nll = nn.functional.cross_entropy(logits, self._ids(ids[1:]), reduction="none")
+        return [float(nll.mean())] + nll.tolist()
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -21,6 +21,9 @@ The signal is what a unit is worth; ``ktm.core.config.ALLOCATORS`` names them:
     recency    later units are worth more (the recent text a continuation reads most closely)
     even       every unit alike: the positions spread evenly (a uniform-K reading at any r)
     random     a seeded draw per unit (a control, and pretraining's varied layouts)
+    lm         a token's surprisal under the base LM itself reading the segment plain: the
+               oracle the cheap signals are measured against (it costs a plain forward, more
+               than the merged prefill it plans)
 
 Positions stay consecutive whatever the levels, so the result runs on llama.cpp and vLLM too.
 """
@@ -161,14 +164,21 @@ def token_kinds(tokenizer) -> Callable[[int], str]:
 
 class Scorer:
     """Per-token scores for the signals that read tokens: ``surprisal`` (from ``table``, a
-    ``ktm.core.surprisal.SurprisalTable``) and ``rules`` (from the tokenizer's decoding);
-    None for the signals that need none. A model's own, as ``scorer(signal, ids)``."""
+    ``ktm.core.surprisal.SurprisalTable``), ``rules`` (from the tokenizer's decoding) and
+    ``lm`` (``lm(ids)``, the model's own); None for the signals that need none. A model's own,
+    as ``scorer(signal, ids)``."""
 
-    def __init__(self, tokenizer, table=None):
-        self.tokenizer, self.table = tokenizer, table
+    def __init__(self, tokenizer, table=None, lm: Callable[[list[int]], list[float]] | None
+                 = None):
+        self.tokenizer, self.table, self.lm = tokenizer, table, lm
         self._kinds = None
 
     def __call__(self, signal: str, ids: list[int]) -> list[float] | None:
+        if signal == "lm":
+            if self.lm is None:
+                raise KTMError("the lm allocator reads the segment with the model's own LM: "
+                               "expected a scorer made by a KTMModel")
+            return self.lm(ids)
         if signal == "surprisal":
             if self.table is None:
                 raise KTMError("the surprisal allocator needs the reader's surprisal table, and "
