@@ -183,7 +183,8 @@ class Scorer:
             if self.table is None:
                 raise KTMError("the surprisal allocator needs the reader's surprisal table, and "
                                "this model has none: expected a reader pretrained by ktm "
-                               "pretrain (which builds it), ktm surprisal-table, or another "
+                               "pretrain with --mixed-signals surprisal (which builds it), or "
+                               "another "
                                f"allocator ({', '.join(a for a in ALLOCATORS if a != 'surprisal')}"
                                ")")
             return self.table.scores(ids)

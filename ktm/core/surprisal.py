@@ -11,7 +11,8 @@ with p(t) the unigram probability (add-one smoothed over the vocabulary) and ``a
 bigram seen often speaks for itself, a rare one falls back on how common the token is. Bigrams
 share ``BUCKETS`` hashed counters; a collision adds a little noise, not an error.
 
-    ktm surprisal-table --sources code reviews trees=0.5 --out runs/table.safetensors
+``ktm pretrain`` counts it over its own sources and saves it with the reader when an allocator
+needs it (``--mixed-signals`` with surprisal, or ``--allocator surprisal``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ktm.errors import KTMError
@@ -95,7 +97,7 @@ class SurprisalTable:
     def load(cls, path: str | Path) -> SurprisalTable:
         try:
             tensors = load_file(str(path))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SafetensorError) as e:
             raise KTMError(f"cannot read surprisal table {str(path)!r}: {e}") from e
         if set(tensors) != {"unigram", "bigram"}:
             raise KTMError(f"surprisal table {str(path)!r} holds {sorted(tensors)}: expected "

@@ -189,7 +189,7 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
            "tokens_in": tokens_in / len(windows), "tokens_out": tokens_out / len(windows),
            "ratio": ratio, "ratio_read": tokens_in / tokens_out}
     if recall:
-        out.update({f"{k}_recall" if k.startswith("R") else f"recall_{k}": v
+        out.update({k.replace("R", "R_recall", 1) if k.startswith("R") else f"recall_{k}": v
                     for k, v in _pooled(recall_rows).items()})
     return out
 

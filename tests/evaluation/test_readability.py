@@ -121,3 +121,29 @@ def test_r_interval_is_a_bootstrap_over_windows():
     assert r_interval(torch.tensor([a])) is None  # one window: no interval
     flat = [10.0, 20.0, 20.0, 10.0]  # the plain context does not help: R undefined
     assert r_interval(torch.tensor([flat, flat])) is None
+
+
+def test_recall_r_asks_for_what_followed_a_copied_question(tiny_model_dir):
+    """Recall R: a question copied from a place in the context drawn per context and seed (never
+    by the reader), its target the tokens that followed; both kinds of R come back, with the
+    ratio the contexts were read at."""
+    from helpers import fresh_model
+
+    from ktm.evaluation.readability import readability, recall_question
+    from ktm.tasks.corpus import Window
+
+    w = Window(tuple(range(10, 90)), tuple(range(90, 100)), "code")
+    q, t = recall_question(w, seed=0)
+    assert (len(q), len(t)) == (8, 16) and q + t == w.context[w.context.index(q[0]):][:24]
+    assert recall_question(w, seed=0) == (q, t) != recall_question(w, seed=1)
+    short = Window((1, 2, 3, 4, 5, 6), (7,), "x")  # a third for the question, the rest after it
+    assert [len(x) for x in recall_question(short, 0)] == [2, 4]
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2)
+    windows = [Window(tuple(model.tokenize("The quick brown fox jumps over the lazy dog. " * 4,
+                                           first=True)), (5, 6, 7), "x")] * 2
+    out = readability(model, windows, ratio=3.0)
+    assert {"R", "R_recall", "R_ci95", "R_recall_ci95", "recall_nll_merged"} <= set(out)
+    assert out["ratio"] == 3.0 and abs(out["ratio_read"] / 3.0 - 1) < 0.05
+    alone = readability(model, windows, recall=False)
+    assert "R_recall" not in alone and alone["ratio_read"] == pytest.approx(
+        out["tokens_in"] / -(-out["tokens_in"] // 4), rel=0.05)

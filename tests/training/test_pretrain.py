@@ -708,3 +708,83 @@ def test_init_with_a_token_mixer_starts_as_the_block_reader_and_clips_it_apart(t
     assert main(["pretrain", "--init", str(tmp_path / "block"), *run,
                  "--out-dir", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_mixed_windows_read_their_context_at_a_ratio_and_keep_other_windows(tiny_model_dir,
+                                                                            corpus):
+    """--mixed-share: a share of windows read at a ratio within --ratio-range (and within what
+    the context allows), by an allocator of the mix; the other windows, and a run without the
+    option, are the windows they were."""
+    model = fresh(tiny_model_dir, k=8, inner_k=(4, 2))
+    plain = small_cfg(corpus, ("lm", "ae"))
+    mixed = small_cfg(corpus, ("lm", "ae"), mixed_share=0.5, ratio_range=(1.5, 6),
+                      mixed_signals=("random", "even=2"))
+    docs = load_docs(model.tokenizer, plain)
+    a = WindowStream(docs, plain, 80, 3, 1, top_k=8)
+    b = WindowStream(docs, mixed, 80, 3, 1, top_k=8)
+    assert "mixed" not in a.signature and b.signature["mixed"][0] == 0.5
+    read_mixed = [i for i in range(80) if "signal" in b[i].meta]
+    assert 20 < len(read_mixed) < 60
+    for i in range(80):
+        ctx = b[i].segments[0]
+        if i in read_mixed:
+            assert b[i].meta["signal"] in ("random", "even")
+            assert 1.0 <= ctx.ratio <= 6.0
+            assert ctx.ratio <= len(ctx.ids) / -(-len(ctx.ids) // 8) + 1e-9
+            assert ctx.ids == a[i].segments[0].ids and b[i].target == a[i].target
+        else:
+            assert b[i] == a[i]
+
+
+def test_a_mixed_pretraining_run_learns_and_saves_its_surprisal_table(tiny_model_dir, corpus,
+                                                                     tmp_path):
+    from ktm.core.checkpoint import SURPRISAL
+
+    model = fresh(tiny_model_dir, k=8, inner_k=(4, 2))
+    cfg = small_cfg(corpus, ("lm", "ae"), mixed_share=1.0, mixed_signals=("surprisal",
+                                                                          "rules"))
+    batch = [WindowStream(load_docs(model.tokenizer, cfg), cfg, 8, 0, 1, top_k=8)[i]
+             for i in range(8)]
+    out = tmp_path / "run"
+    pretrain(model, cfg, TrainConfig(out_dir=str(out), max_steps=3, batch_size=4, lr=3e-3,
+                                     progress=False))
+    assert (out / "checkpoint" / SURPRISAL).is_file()
+    loaded = KTMModel.load(out / "checkpoint")
+    assert loaded.scorer.table is not None
+    assert loaded.scorer.table.unigram.sum() == model.scorer.table.unigram.sum() > 0
+    with torch.no_grad():
+        assert torch.isfinite(pretrain_loss(loaded, batch).loss)
+
+
+def test_init_with_an_outer_level_reads_as_the_reader_at_its_own_levels(tiny_model_dir,
+                                                                        tmp_path, corpus, capsys):
+    """--init READER --k 8 --inner-k 4 2 on a K=4 reader of inner K 2: the same vectors at K=4
+    and K=2, the same LoRA, and at K=8 the mean of two of its K=4 vectors."""
+    from ktm.cli.args import init_or_build
+    from ktm.cli.main import _parser
+
+    reader = fresh(tiny_model_dir, k=4, inner_k=2)
+    randomize_lora(reader)
+    with torch.no_grad():
+        for p in reader.encoder.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    reader.save(tmp_path / "k4")
+    common = ["--init", str(tmp_path / "k4"), "--model", tiny_model_dir, "--sources", corpus,
+              "--slot-weights", "--k", "8"]
+    argv = ["pretrain", *common, "--inner-k", "4", "2"]
+    grown = init_or_build(_parser(argv).parse_args(argv)).eval()
+    reader.eval()
+    assert grown.config.levels == (8, 4, 2)
+    text = "The quick brown fox jumps over the lazy dog. Hello world, my name is"
+    with torch.no_grad():
+        for k in (4, 2):
+            with grown.merging_at(k), reader.merging_at(k):
+                torch.testing.assert_close(grown.compress(text).embeds,
+                                           reader.compress(text).embeds)
+        four = reader.compress(text).embeds
+        eight = grown.compress(text).embeds
+        n = four.shape[0] // 2
+        torch.testing.assert_close(eight[:n], (four[0:2 * n:2] + four[1:2 * n:2]) / 2)
+    bad = ["pretrain", *common, "--inner-k", "4", "--out-dir", str(tmp_path / "bad")]
+    assert main(bad) == 2
+    assert "needs --inner-k 4 2" in capsys.readouterr().err
