@@ -169,6 +169,8 @@ def load(
     plain_suffix: int | None = None,
     align_lines: bool | None = None,
     spread_positions: bool | None = None,
+    ratio: float | None = None,
+    allocator: str | None = None,
     backend: str = "torch",
     gguf: str | Path | None = None,
     llamacpp: RuntimeConfig | None = None,
@@ -178,9 +180,10 @@ def load(
     ``base``: another folder of the checkpoint's base model (same sizes and tokenizer; None: the
     saved one). ``k``: None for the saved K, or a recursive checkpoint's inner K. ``trainable``:
     False freezes everything (inference); True lets ``train`` continue the encoder and LoRA.
-    ``plain_suffix`` / ``align_lines`` / ``spread_positions`` read it with another prompt layout
-    than it was saved with (None: its own; e.g. a spread-position reader continued with
-    consecutive positions, which llama.cpp and vLLM accept). ``backend="llamacpp"``: prefill and
+    ``plain_suffix`` / ``align_lines`` / ``spread_positions`` / ``ratio`` / ``allocator`` read
+    it with another prompt layout than it was saved with (None: its own; e.g. a spread-position
+    reader continued with consecutive positions, which llama.cpp and vLLM accept, or a reader of
+    several levels read at a ratio). ``backend="llamacpp"``: prefill and
     decode through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from the GGUF export
     ``gguf`` (None: the checkpoint folder if it is one, else an export written once into the
     cache); ``llamacpp``: its context settings. Raises ``KTMError`` for a folder that is not a
@@ -203,7 +206,9 @@ def load(
                      plain_suffix=config.plain_suffix if plain_suffix is None else plain_suffix,
                      align_lines=config.align_lines if align_lines is None else align_lines,
                      spread_positions=(config.spread_positions if spread_positions is None
-                                       else spread_positions))
+                                       else spread_positions),
+                     ratio=config.ratio if ratio is None else ratio,
+                     allocator=config.allocator if allocator is None else allocator)
     device = check_device(device)
     try:
         lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
@@ -423,7 +428,7 @@ class KTMModel(nn.Module):
         return PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
                              self._config.plain_prefix, self._config.spread_positions,
                              self._config.plain_suffix, self.line_breaks,
-                             self._config.allocator, self.scorer)
+                             self._config.allocator, self.scorer, self._config.ratio)
 
     @property
     def line_breaks(self) -> LineBreaks | None:

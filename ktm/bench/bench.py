@@ -35,6 +35,7 @@ from ktm.bench.measure import (
     trim_allocator,
     word_pool,
 )
+from ktm.core.allocate import check_ratio
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.core.encoder import KTokenEncoder
@@ -72,6 +73,9 @@ class BenchConfig:
     ks: tuple[int, ...] = field(default=(1, 2, 3, 4, 8), metadata={"help": "merge factors K"})
     mlp_ratios: tuple[float, ...] = field(default=(2.0,), metadata={
         "help": "encoder MLP width = ratio * K * hidden (2.0 = paper width); several to compare"})
+    ratios: tuple[float, ...] = field(default=(), metadata={
+        "help": "adaptive merging: also read each prompt at these ratios (tokens per position), "
+                "with the model's own encoder levels and allocator, its time included"})
     backends: tuple[str, ...] = field(default=("torch",), metadata={
         "help": "runtimes that prefill and decode: torch and/or llamacpp (the [llamacpp] "
                 "extra); infer: each method on each, interleaved, speed-ups against the same "
@@ -142,6 +146,7 @@ class BenchConfig:
                 raise KTMError(f"{name} must be integers >= 1, got {bad}")
         if any(r <= 0 for r in self.mlp_ratios):
             raise KTMError(f"mlp_ratios must be > 0, got {list(self.mlp_ratios)}")
+        self.ratios = tuple(check_ratio(r, "each of ratios") for r in self.ratios)
         for name in ("output_tokens", "target_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -172,10 +177,12 @@ class Method:
     k: int = 1
     mlp_ratio: float | None = None
     backend: str = "torch"
+    ratio: float | None = None  # read at a ratio by the model's own levels (adaptive merging)
 
     @property
     def key(self) -> str:
-        key = "uncompressed" if self.name == "uncompressed" else f"K={self.k},r={self.mlp_ratio}"
+        key = ("uncompressed" if self.name == "uncompressed" else f"ratio={self.ratio:g}"
+               if self.ratio is not None else f"K={self.k},r={self.mlp_ratio}")
         return key if self.backend == "torch" else f"{key}@{self.backend}"
 
     @property
@@ -252,11 +259,13 @@ def load_model(config: BenchConfig):
     return model if train else model.requires_grad_(False)
 
 
-def methods_of(config: BenchConfig) -> list[Method]:
+def methods_of(config: BenchConfig, top_k: int = 1) -> list[Method]:
+    """The methods of a run; ``top_k``: the model's own K, which reads the ratio methods."""
     out = []
     for b in config.backends:
         out += [Method("uncompressed", backend=b)] if config.uncompressed else []
         out += [Method("ktm", k, r, b) for k in config.ks for r in config.mlp_ratios]
+        out += [Method("ktm", top_k, None, b, ratio) for ratio in config.ratios]
     return out
 
 
@@ -295,6 +304,9 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
     torch.manual_seed(seed)
     for m in methods:
         if m.name == "uncompressed":
+            continue
+        if m.ratio is not None:  # the model's own levels read every ratio
+            encs[m.key] = own
             continue
         same = Method(m.name, m.k, m.mlp_ratio).key  # the torch twin's: one encoder for both
         if same in encs:
@@ -342,8 +354,8 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
         model.runtime = runtimes[m.name] if m.backend == "llamacpp" else None
         merge = m.name != "uncompressed"
         if config.mode == "infer":
-            return infer_once(model, ids, merge, config.output_tokens)
-        return train_once(model, opts[m.key], prompts, targets, merge)
+            return infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
+        return train_once(model, opts[m.key], prompts, targets, merge, ratio=m.ratio)
 
     return run
 
@@ -366,7 +378,7 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
     if limit and max(config.lengths) + extra > limit:
         raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "
                        f"the model's context of {limit} positions")
-    methods = methods_of(config)
+    methods = methods_of(config, model.k)
     runtimes = bench_runtimes(model, config)
     encs = _encoders(model, methods, config.seed)
     opts = _optimizers(model, methods, encs) if config.mode == "train" else {}
@@ -410,7 +422,9 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                         "input_tokens": length, "batch": batch, "repeats": config.repeats,
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
                            else {"target_tokens": config.target_tokens + 1}),
-                        "expected_compressed_tokens": math.ceil(length / m.k),
+                        "ratio": m.ratio,
+                        "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None
+                                                       else round(length / m.ratio)),
                         **stats[m.key],
                         **(utilisation(model, enc, batch, stats[m.key], config)
                            if config.mode == "train" else {}),
@@ -439,7 +453,8 @@ def utilisation(model, encoder, batch: int, row: dict, config: BenchConfig) -> d
 
 # ---------------------------------------------------------------- entry points
 COLUMNS = {
-    "infer": [("method", "{}"), ("backend", "{}"), ("k", "{}"), ("mlp_ratio", "{}"),
+    "infer": [("method", "{}"), ("backend", "{}"), ("k", "{}"), ("ratio", "{:g}"),
+              ("mlp_ratio", "{}"),
               ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"),
               ("encoder_s", "{:.3f}"),
               ("prefill_s", "{:.3f}"), ("encoder_share", "{:.0%}"), ("ttft_s", "{:.3f}"),

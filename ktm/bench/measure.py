@@ -105,9 +105,10 @@ def interleave(run, methods: list, warmup: int, repeats: int, tick=None
     return runs
 
 
-def encode_prefix(model, rows: list[list[int]], merge: bool) -> list:
-    """Token ids per sample -> their ``CompressedPrompt``s, through ``encode_prompts``."""
-    prompts = [(Segment("", ids=tuple(r)),) for r in rows]
+def encode_prefix(model, rows: list[list[int]], merge: bool, ratio: float | None = None) -> list:
+    """Token ids per sample -> their ``CompressedPrompt``s, through ``encode_prompts``;
+    ``ratio``: read at that ratio (adaptive merging, the allocator's time included)."""
+    prompts = [(Segment("", ids=tuple(r), ratio=ratio if merge else None),) for r in rows]
     return model.encode_prompts(prompts, merge)
 
 
@@ -179,7 +180,7 @@ def trim_allocator() -> None:
 
 @torch.inference_mode()
 def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
-               sample_memory: bool = True) -> dict:
+               sample_memory: bool = True, ratio: float | None = None) -> dict:
     """Time one batch through ``ktm.decode.generate``'s own prefill and decode loop (greedy,
     no early stop): encoder, prefill, first token, then the KV-cached decode.
     ``sample_memory`` False: no RSS sampling thread beside the timed code (``PeakMemory``)."""
@@ -190,7 +191,7 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
         runtime.clear()  # a timed run prefills everything: no rows cached from the last one
     with PeakMemory(dev, 0.002 if sample_memory else None) as mem:
         t0 = clock(dev)
-        prefixes = encode_prefix(model, rows, merge)
+        prefixes = encode_prefix(model, rows, merge, ratio)
         t1 = clock(dev)
         if runtime is None:
             state = prefill(model, prefixes, room=output_tokens - 1)  # as decode_steps' own
@@ -215,10 +216,12 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
     }
 
 
-def train_once(model, opt, prompts: list[str], targets: list[str], merge: bool) -> dict:
+def train_once(model, opt, prompts: list[str], targets: list[str], merge: bool,
+               ratio: float | None = None) -> dict:
     """Time one training step through ``ktm.training.train.train_step`` (forward, backward,
     clip, AdamW), with the same definition of input tokens/s as ``ktm train``."""
-    window = [Example((Segment(p, compress=merge),), t) for p, t in zip(prompts, targets)]
+    window = [Example((Segment(p, compress=merge, ratio=ratio if merge else None),), t)
+              for p, t in zip(prompts, targets)]
     dev = model.device
     model.train()
     with PeakMemory(dev) as mem:

@@ -138,7 +138,7 @@ def threads_arg(parser: argparse.ArgumentParser) -> None:
 
 RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
 # how prompts are laid out, not weights: may differ from a checkpoint's
-LAYOUT = ("plain_suffix", "align_lines", "spread_positions")
+LAYOUT = ("plain_suffix", "align_lines", "spread_positions", "ratio", "allocator")
 
 
 @dataclass
@@ -223,7 +223,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
                          dtype=flags.get("dtype", "float32"), trainable=trainable,
                          plain_suffix=flags.get("plain_suffix"),
                          align_lines=flags.get("align_lines"),
-                         spread_positions=flags.get("spread_positions"))
+                         spread_positions=flags.get("spread_positions"),
+                         ratio=flags.get("ratio"), allocator=flags.get("allocator"))
 
 
 def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):

@@ -163,6 +163,11 @@ class KTMConfig:
                 "the plain prompt's (off: consecutive ids, K times more context fits, and the only "
                 "layout llama.cpp and vLLM accept; a prompt layout: a checkpoint can be read with "
                 "the other)"})
+    ratio: float | None = field(default=None, metadata={
+        "help": "adaptive merging: read every compressed segment without a ratio of its own at "
+                "this many tokens per position (>= 1), each block at its own level, the "
+                "positions spent by --allocator (None: uniform K; a prompt layout: a checkpoint "
+                "can be read with another)"})
     allocator: str = field(default="rules", metadata={
         "help": "how a segment read at a ratio (--ratio, Segment(ratio=...)) spends its "
                 "positions: surprisal (the reader's n-gram table), rules, recency, even, "
@@ -192,6 +197,10 @@ class KTMConfig:
         if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
             raise KTMError(f"plain_suffix must be an integer >= 0, got {self.plain_suffix!r}")
         check_field_types(self)  # the other fields (a wrong type fails no rule above)
+        if self.ratio is not None and not (isinstance(self.ratio, (int, float))
+                                           and 1.0 <= self.ratio < float("inf")):
+            raise KTMError(f"ratio must be a finite number >= 1 (tokens in per position read) "
+                           f"or None (uniform K), got {self.ratio!r}")
         if self.allocator not in ALLOCATORS:
             raise KTMError(f"allocator must be one of {', '.join(ALLOCATORS)}, got "
                            f"{self.allocator!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -93,6 +93,7 @@ class PromptEncoder:
     # per-token scores for a signal that reads tokens, as scores(signal, ids) (None: none)
     allocator: str = "even"
     scores: Callable[[str, list[int]], list[float] | None] | None = None
+    ratio: float | None = None  # the ratio of a compressed segment without its own (None: K)
 
     def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
                cache: MergeCache | None = None) -> list[CompressedPrompt]:
@@ -164,6 +165,8 @@ class PromptEncoder:
         with a ratio or levels, its merged pieces cut into runs of one level each."""
         runs: dict[int, list[list[tuple[int, int]]]] = {}
         for seg, s in enumerate(segs):
+            if s.compress and s.ratio is None and s.levels is None and self.ratio is not None:
+                s = replace(s, ratio=self.ratio)
             if s.ratio is None and s.levels is None:
                 continue
             merged = [ids for ids, c, i in row if i == seg and c and ids]

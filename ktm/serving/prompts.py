@@ -45,18 +45,24 @@ def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ..
                                "or exactly the segments' texts joined, not token ids or a list "
                                f"of {len(prompts)} prompts", param="prompt")
         _check_joined(prompts[0], ext.segments, "prompt")
-        return [_text_segments(model, [(s.text, s.merge and ext.merge) for s in ext.segments],
-                               "prompt")]
+        return [_text_segments(model, [(s.text, s.merge and ext.merge,
+                                        s.ratio if s.ratio is not None else ext.ratio)
+                                       for s in ext.segments], "prompt")]
     where = (lambda i: "prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
-    return [_non_empty((Segment("", ext.merge, _in_vocabulary(model, p, where(i))),), where(i))
-            if isinstance(p, tuple) else _text_segments(model, [(p, ext.merge)], where(i))
+    return [_non_empty((Segment("", ext.merge, _in_vocabulary(model, p, where(i)),
+                                ratio=ext.ratio if ext.merge else None),), where(i))
+            if isinstance(p, tuple) else _text_segments(model, [(p, ext.merge, ext.ratio)],
+                                                        where(i))
             for i, p in enumerate(prompts)]
 
 
-def _text_segments(model, parts: list[tuple[str, bool]], where: str) -> tuple[Segment, ...]:
-    parts = [(t, m) for t, m in parts if t]
-    return _non_empty(tuple(Segment(t, m, _ids(model, t, i == 0, where))
-                            for i, (t, m) in enumerate(parts)), where)
+def _text_segments(model, parts: list[tuple[str, bool, float | None]], where: str
+                   ) -> tuple[Segment, ...]:
+    """Segments of (text, merge, ratio) parts; a ratio reads a merged part at it."""
+    parts = [p for p in parts if p[0]]
+    return _non_empty(tuple(Segment(t, m, _ids(model, t, i == 0, where),
+                                    ratio=r if m else None)
+                            for i, (t, m, r) in enumerate(parts)), where)
 
 
 def _apply(tokenizer, turns: list[tuple[str, int]], pad: str = "") -> str:
@@ -131,7 +137,7 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     for text, merge in join_whitespace(model, layout, contents):
         _check_text(text, "messages")
         ids = model.tokenize(text, first=not segs) if lead else read(text)
-        segs.append(Segment(text, merge, tuple(ids)))
+        segs.append(Segment(text, merge, tuple(ids), ratio=ext_all.ratio if merge else None))
     return _non_empty(tuple(segs), "messages")
 
 

@@ -61,12 +61,17 @@ class Strict(BaseModel):
 class SegmentIn(Strict):
     text: str
     merge: bool = True
+    # a merged segment read at this ratio (tokens per position, adaptive merging); None: the
+    # request's ratio, else the model's
+    ratio: float | None = Field(None, ge=1, allow_inf_nan=False)
 
 
 class KtmOptions(Strict):
     merge: bool = True  # False: every part plain
     segments: list[SegmentIn] | None = Field(None, min_length=1)  # completions only
     ignore_eos: bool = False
+    # every merged part read at this ratio (Segment(ratio=...)); None: the model's layout
+    ratio: float | None = Field(None, ge=1, allow_inf_nan=False)
 
 
 class MessageKtm(Strict):

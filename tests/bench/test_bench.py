@@ -440,3 +440,22 @@ def test_backends_other_than_torch_are_an_infer_option():
         BenchConfig(backends=("onnx",))
     with pytest.raises(KTMError, match="--backends is an option of --mode infer and serve"):
         BenchConfig(mode="train", backends=("torch", "llamacpp"))
+
+
+def test_ratio_methods_read_at_their_ratio_with_the_models_own_levels(tiny_model_dir, tmp_path):
+    """--ratios: each prompt also read at a ratio by the checkpoint's own encoder (its levels,
+    its allocator), the row recording the ratio and the positions the LM read."""
+    from ktm.bench.bench import run_bench
+
+    torch.manual_seed(0)
+    KTMModel.from_base(tiny_model_dir, k=8, inner_k=(4, 2)).save(str(tmp_path / "k8"))
+    cfg = BenchConfig(model=str(tmp_path / "k8"), lengths=(128,), ks=(8,), ratios=(3, 6),
+                      repeats=1, warmup=0, output_tokens=2, progress=False)
+    rows = {(r["k"], r["ratio"]): r for r in run_bench(cfg) if r["method"] == "ktm"}
+    assert set(rows) == {(8, None), (8, 3.0), (8, 6.0)}
+    for ratio in (3.0, 6.0):
+        got = 128 / rows[8, ratio]["compressed_tokens"]
+        assert abs(got / ratio - 1) <= 0.05
+        assert rows[8, ratio]["expected_compressed_tokens"] == round(128 / ratio)
+    with pytest.raises(KTMError, match="each of ratios must be a finite number >= 1"):
+        BenchConfig(ratios=(0.5,))

@@ -40,6 +40,14 @@ def test_train_then_generate_from_checkpoint(capsys, tiny_model_dir, tmp_path):
     (["generate", "--model", "no-such-model", "--prompt", "hi", "--top-p", "0"], "top_p must be"),
     (["generate", "--model", "no-such-model", "--prompt", "", "--plain", ""], "prompt is empty"),
     (["train", "--model", "{tiny}", "--batch-size", "0", "--out-dir", "{tmp}/x"], "batch_size"),
+    (["generate", "--model", "{tiny}", "--ratio", "0.5", "--prompt", "hi"],
+     "ratio must be a finite number >= 1"),
+    (["generate", "--model", "{tiny}", "--ratio", "nan", "--prompt", "hi"],
+     "ratio must be a finite number >= 1"),
+    (["generate", "--model", "{tiny}", "--k", "4", "--ratio", "9", "--prompt",
+      "The quick brown fox jumps over the lazy dog."], "ratio 9 is more than this segment"),
+    (["generate", "--model", "{tiny}", "--allocator", "best", "--prompt", "hi"],
+     "allocator must be one of"),
 ])
 def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, argv, match):
     argv = [a.format(tiny=tiny_model_dir, tmp=tmp_path) for a in argv]
@@ -655,3 +663,28 @@ def test_curriculum_rows_are_printed_by_rank_0_alone(capsys, tiny_model_dir, tmp
                        "--final-stage", "small", "--steps-per-round", "1", "--n-eval", "2",
                        "--batch-size", "2", "--out-dir", str(tmp_path))
     assert code == 0 and out == ""
+
+
+def test_ratio_reads_every_command_s_merged_segments_at_it(capsys, tiny_model_dir, tmp_path,
+                                                          monkeypatch):
+    """--ratio (a prompt layout): generate and eval --readability read at it, and the eval row
+    reports the ratio read; a checkpoint can be read at one it was not saved with."""
+    from ktm.model import KTMModel
+
+    ckpt = tmp_path / "k8"
+    KTMModel.from_base(tiny_model_dir, k=8, inner_k=(4, 2)).save(str(ckpt))
+    prompt = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 2
+    code, _, err = run(capsys, "generate", "--checkpoint", str(ckpt), "--ratio", "3",
+                       "--prompt", prompt, "--max-new-tokens", "2")
+    n_in, n_out = map(int, re.search(r"prompt tokens (\d+) -> (\d+)", err).groups())
+    assert code == 0 and abs(n_in / n_out / 3 - 1) <= 0.05
+    write_heldout_sets(tmp_path / "data")
+    monkeypatch.setenv("KTM_DATA", str(tmp_path / "data"))
+    out = tmp_path / "read.json"
+    code, _, _ = run(capsys, "eval", "--checkpoint", str(ckpt), "--readability", "code",
+                     "--n-windows", "2", "--ratio", "2", "--allocator", "even", "--json",
+                     str(out))
+    row = json.loads(out.read_text())
+    assert code == 0 and row["config"]["model"]["config"]["ratio"] == 2.0
+    r = row["readability"]["code"]
+    assert {"R", "R_recall", "ratio_read"} <= set(r) and abs(r["ratio_read"] / 2 - 1) <= 0.05

@@ -215,3 +215,26 @@ def test_a_content_after_template_whitespace_reads_as_apply_chat_template_reads_
     assert [merge for _, merge in contents] == [True, True, False]
     if template == "chatml":
         assert contents[0][0] == "Hello world"
+
+
+def test_a_ratio_reads_the_merged_parts_of_a_request_at_it():
+    """ktm.ratio for a whole request (completions and chat), a segment's own ratio first; plain
+    parts never carry one; a ratio below 1 or not finite is refused by the protocol."""
+    from pydantic import ValidationError
+
+    model = Model(TEMPLATE)
+    req = CompletionRequest(model="m", prompt=None, ktm={
+        "ratio": 3, "segments": [{"text": "The quick brown fox."}, {"text": " Q:", "merge": False},
+                                 {"text": " The lazy dog.", "ratio": 1.5}]})
+    [segs] = completion_segments(model, req)
+    assert [(s.compress, s.ratio) for s in segs] == [(True, 3.0), (False, None), (True, 1.5)]
+    [one] = completion_segments(model, CompletionRequest(model="m", prompt="The quick brown fox.",
+                                                         ktm={"ratio": 2}))
+    assert one[0].ratio == 2.0
+    msgs = [{"role": "system", "content": "The quick brown fox."},
+            {"role": "user", "content": "Who?", "ktm": {"merge": False}}]
+    segs = chat_segments(model, chat(messages=msgs, ktm={"ratio": 4}))
+    assert {(s.compress, s.ratio) for s in segs} == {(True, 4.0), (False, None)}
+    for bad in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="x", ktm={"ratio": bad})
