@@ -9,7 +9,10 @@
 #   of the same task, runs/exp/TASK-uncompressed, so list uncompressed first; k4-teachW for
 #   another weight W, e.g. k4-teach0.2); and the
 #   baselines mean_pool (K=4 mean pooling), selective_context, llmlingua (both to ratio 0.5,
-#   i.e. K=2's length), ltsc.
+#   i.e. K=2's length), ltsc; and adaptive merging (ktm train --ratio R): ada-rR (e.g. ada-r4) fine-tunes
+#   the mixed-level reader $ADAPTIVE_READER (default runs/adaptive/k8mix/checkpoint, made by
+#   results/adaptive/train_reader.sh) reading each task's context at ratio R, its positions spent by
+#   --allocator ${ALLOCATOR:-surprisal}; ada-kK reads it uniformly at K (the same reader's control).
 # LR=RATE (environment) fine-tunes at another LoRA rate (the encoder's is a tenth of it) and
 # writes to results/tasks/budgets/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead. SLOT_LR=RATE gives
 # the encoder's slot weights their own rate (ktm train --slot-lr), into results/tasks/probes/TASK-slotRATE/.
@@ -118,6 +121,9 @@ for m in $methods; do
     mean_pool) model=(--k 4); comp=(--compressor mean_pool) ;;
     selective_context|llmlingua) model=(); comp=(--compressor "$m" --compressor-option ratio=0.5) ;;
     ltsc) model=(); comp=(--compressor ltsc) ;;
+    ada-r*) model=(--k 8 --init "${ADAPTIVE_READER:-runs/adaptive/k8mix/checkpoint}"
+                   --ratio "${m#ada-r}" --allocator "${ALLOCATOR:-surprisal}") ;;
+    ada-k*) model=(--k "${m#ada-k}" --init "${ADAPTIVE_READER:-runs/adaptive/k8mix/checkpoint}") ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
   [[ $m == k[0-9]* && -n ${SUFFIX:-} ]] && model+=(--plain-suffix "$SUFFIX")
