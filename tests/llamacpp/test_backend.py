@@ -199,3 +199,21 @@ def test_a_contextual_encoder_runs_on_llama_cpp(tiny_model_dir, tmp_path, contex
     prompt = [Segment(DOC), Segment(" Answer:", compress=False)]
     assert llama.generate(prompt, max_new_tokens=16, stop_at_eos=False) == torch_model.generate(
         prompt, max_new_tokens=16, stop_at_eos=False)
+
+
+def test_a_prompt_read_at_a_ratio_runs_on_llama_cpp(tiny_model_dir, tmp_path):
+    """Adaptive merging keeps positions consecutive: a reader of levels 8, 4 and 2 read at a
+    ratio (each unit at its own level, plain ones too) generates on llama.cpp as on torch."""
+    model = fresh_model(tiny_model_dir, k=8, inner_k=(4, 2), slot_weights=True, ratio=2.5,
+                        allocator="rules")
+    perturb(model)
+    model.save(tmp_path / "mixed")
+    torch_model = KTMModel.load(tmp_path / "mixed")
+    export_gguf(torch_model, tmp_path / "mixed-gguf", source=tmp_path / "mixed")
+    llama = KTMModel.load(tmp_path / "mixed-gguf", backend="llamacpp", llamacpp=EXACT)
+    prompts = [[Segment(DOC), Segment(" Answer:", compress=False)], [Segment(DOC, ratio=6)]]
+    levels = {lv for ids, lv in torch_model._prompt_encoder().layout(
+        [tuple(p) for p in prompts])[0]}
+    assert {0, 2} <= levels  # a real mix: plain tokens and merges in one segment
+    want = torch_model.generate(prompts, max_new_tokens=16, stop_at_eos=False)
+    assert llama.generate(prompts, max_new_tokens=16, stop_at_eos=False) == want
