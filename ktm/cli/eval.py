@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from ktm.cli.args import TaskArgs, build_task, from_args, load_or_build, plain, task_settings
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import check_scoring
-
-HELDOUT_SETS = ["reviews", "code"]
+from ktm.tasks.corpus import HELDOUT
 
 
 @dataclass
@@ -30,9 +29,10 @@ class EvalArgs:
     seed: int = field(default=1, metadata={
         "help": "seed for drawing eval examples (or readability windows)"})
     readability: tuple[str, ...] | None = field(default=None, metadata={
-        "choices": HELDOUT_SETS,
-        "help": "instead of a task: readability R on these held-out sets (reviews of other "
-                "categories, code of unseen repositories)"})
+        "choices": list(HELDOUT),
+        "help": "instead of a task: readability R and recall R on these held-out sets (reviews "
+                "of other categories, code of unseen repositories, stdlib: Python "
+                "standard-library modules no project file uses)"})
     n_windows: int = field(default=64, metadata={
         "aliases": ["--n-eval-windows"],  # ktm pretrain's name
         "help": "held-out windows per readability set"})

@@ -193,7 +193,13 @@ def folder_files(root: Path) -> list[Path]:
 
 
 BUILTIN = ("code", "reviews", "trees")
-HELDOUT = ("reviews", "code")
+HELDOUT = ("reviews", "code", "stdlib")
+# held-out "stdlib": Python standard-library modules that no file of the project imports, read
+# from the running Python's own sources (text no project file holds, and never trained on)
+STDLIB_MODULES = ("difflib", "fractions", "calendar", "colorsys", "sched", "graphlib", "netrc",
+                  "tabnanny", "pprint", "reprlib", "fnmatch", "gettext", "mailbox", "imaplib",
+                  "ftplib", "smtplib", "poplib", "plistlib", "configparser")
+STDLIB_LINES = 60  # a module's source is cut into documents of this many lines
 DEFAULT_TREE_STAGES = ("small", "xmedium", "medium")
 
 
@@ -289,10 +295,28 @@ def source_texts(spec: str, text_field: str = "text") -> list[str]:
     return path_texts(spec, text_field)
 
 
+def stdlib_texts() -> list[str]:
+    """The ``stdlib`` held-out set: each of ``STDLIB_MODULES``' sources that this Python has,
+    cut into documents of ``STDLIB_LINES`` lines. Needs no data folder."""
+    import importlib.util
+
+    out = []
+    for name in STDLIB_MODULES:
+        spec = importlib.util.find_spec(name)
+        try:
+            lines = Path(spec.origin).read_text(encoding="utf-8").splitlines(keepends=True)
+        except (AttributeError, TypeError, OSError, UnicodeDecodeError):
+            continue  # a Python without the module's source (only .pyc)
+        out += ["".join(lines[i:i + STDLIB_LINES]) for i in range(0, len(lines), STDLIB_LINES)]
+    return out
+
+
 def heldout_texts(name: str) -> list[str]:
-    """Evaluation-only text for the readability metric: ``reviews`` or ``code``."""
+    """Evaluation-only text for the readability metric: ``reviews``, ``code`` or ``stdlib``."""
     from ktm.tasks.jsonl import resolve_data_path
 
+    if name == "stdlib":
+        return stdlib_texts()
     if name == "reviews":
         from ktm.tasks.amazon import OTHER_CATEGORIES_FILE, load_reviews
 

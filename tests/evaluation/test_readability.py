@@ -147,3 +147,21 @@ def test_recall_r_asks_for_what_followed_a_copied_question(tiny_model_dir):
     alone = readability(model, windows, recall=False)
     assert "R_recall" not in alone and alone["ratio_read"] == pytest.approx(
         out["tokens_in"] / -(-out["tokens_in"] // 4), rel=0.05)
+
+
+def test_the_stdlib_held_out_set_is_text_no_project_file_imports():
+    """``stdlib``: Python standard-library modules read from this Python's own sources, needing
+    no data folder; none of them is imported anywhere in the project."""
+    import re
+    from pathlib import Path
+
+    from ktm.tasks.corpus import STDLIB_MODULES, heldout_texts
+
+    texts = heldout_texts("stdlib")
+    assert len(texts) > 100 and all(texts)
+    repo = Path(__file__).resolve().parents[2]
+    used = set()
+    for path in [*repo.glob("ktm/**/*.py"), *repo.glob("tests/**/*.py"),
+                 *repo.glob("results/**/*.py")]:
+        used |= set(re.findall(r"^\s*(?:import|from)\s+(\w+)", path.read_text(), flags=re.M))
+    assert used.isdisjoint(STDLIB_MODULES)
