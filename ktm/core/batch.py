@@ -36,10 +36,17 @@ class CompressedPrompt:
     # its own; a merged block: its last token's); the plain reading's state to compare with
     sources: torch.Tensor | None = None
     merged: bool = True  # False: read with merging off (every segment plain)
+    # (tokens, positions) of the compressed segments alone: the ratio they were read at
+    squeezed: tuple[int, int] = (0, 0)
 
     @property
     def length_reduction(self) -> float:
         return 1.0 - self.tokens_out / self.tokens_in
+
+    @property
+    def ratio_read(self) -> float | None:
+        """Tokens per position of the compressed segments (None: the prompt has none)."""
+        return self.squeezed[0] / self.squeezed[1] if self.squeezed[1] else None
 
     @property
     def next_position(self) -> int:

@@ -103,7 +103,7 @@ class PromptEncoder:
         ``cache`` reuses segments merged before and merges repeats once.
         """
         pieces = self.layout(prompts)
-        to_merge = [(ids, level) for row in pieces for ids, level in row
+        to_merge = [(ids, level) for row in pieces for ids, level, _ in row
                     if merge and level and ids]
         merged = iter(self.merge_segments(to_merge, cache))
         device = self.embed.weight.device
@@ -111,7 +111,7 @@ class PromptEncoder:
         for row in pieces:
             parts = [next(merged) if merge and level else
                      self.embed(torch.tensor(ids, dtype=torch.long, device=device))
-                     for ids, level in row if ids]
+                     for ids, level, _ in row if ids]
             embeds = torch.cat(parts, dim=0) if parts else None
             results.append(self._prompt(row, embeds, merge))
         return results
@@ -124,16 +124,18 @@ class PromptEncoder:
         out = []
         for row in self.layout(prompts):
             n_out = sum(-(-len(ids) // level) if merge and level else len(ids)
-                        for ids, level in row)
+                        for ids, level, _ in row)
             out.append(self._prompt(row, torch.empty(n_out, 0, device="meta"), merge))
         return out
 
-    def layout(self, prompts: list[tuple[Segment, ...]]) -> list[list[tuple[list[int], int]]]:
-        """Each prompt's pieces as (token ids, level): 0 for plain tokens, else the K they are
-        merged at. Its segments are tokenized, cut by ``plain_prefix``, ``plain_suffix`` and
-        ``line_breaks`` (class docstring), and a segment with a ratio or levels is cut into
-        runs of units at their levels (``ktm.core.allocate``)."""
-        pieces: list[list[tuple[list[int], int]]] = []
+    def layout(self, prompts: list[tuple[Segment, ...]]
+               ) -> list[list[tuple[list[int], int, bool]]]:
+        """Each prompt's pieces as (token ids, level, from a compressed segment?); level 0 for
+        plain tokens, else the K they are merged at. Its segments are tokenized, cut by
+        ``plain_prefix``, ``plain_suffix`` and ``line_breaks`` (class docstring), and a segment
+        with a ratio or levels is cut into runs of units at their levels
+        (``ktm.core.allocate``)."""
+        pieces: list[list[tuple[list[int], int, bool]]] = []
         for segs in prompts:
             # (ids, merged?, index of the segment it comes from)
             row = [(self.tokenize(s.text, i == 0) if s.ids is None else list(s.ids), s.compress,
@@ -160,7 +162,7 @@ class PromptEncoder:
         return (self.encoder.k, *inner_chain(self.encoder.config.inner_k))
 
     def _levels(self, row: list[tuple[list[int], bool, int]], segs: tuple[Segment, ...]
-                ) -> list[tuple[list[int], int]]:
+                ) -> list[tuple[list[int], int, bool]]:
         """Pieces with their levels: plain 0, merged at the encoder's K, or, for a segment
         with a ratio or levels, its merged pieces cut into runs of one level each."""
         runs: dict[int, list[list[tuple[int, int]]]] = {}
@@ -175,13 +177,13 @@ class PromptEncoder:
         out = []
         for ids, c, seg in row:
             if not c:
-                out.append((ids, 0))
+                out.append((ids, 0, segs[seg].compress))
             elif seg not in runs:
-                out.append((ids, self.encoder.k))
+                out.append((ids, self.encoder.k, True))
             elif ids:
                 start = 0
                 for n, level in runs[seg].pop(0):
-                    out.append((ids[start:start + n], 0 if level == 1 else level))
+                    out.append((ids[start:start + n], 0 if level == 1 else level, True))
                     start += n
         return out
 
@@ -215,17 +217,21 @@ class PromptEncoder:
                           "split", RatioWarning, stacklevel=2)
         return runs
 
-    def _prompt(self, row: list[tuple[list[int], int]], embeds: torch.Tensor | None,
+    def _prompt(self, row: list[tuple[list[int], int, bool]], embeds: torch.Tensor | None,
                 merge: bool) -> CompressedPrompt:
         """One prompt's ``CompressedPrompt`` from its pieces and its (L, D) prefix embeddings."""
-        n_in = sum(len(ids) for ids, _ in row)
+        n_in = sum(len(ids) for ids, _, _ in row)
         if n_in == 0 or embeds is None:
             raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
-        mergeable = tuple(len(ids) for ids, level in row if level and ids)
+        mergeable = tuple(len(ids) for ids, level, _ in row if level and ids)
+        # the compressed segments' tokens and positions: the ratio they were read at
+        squeezed = (sum(len(ids) for ids, _, c in row if c),
+                    sum(-(-len(ids) // level) if merge and level else len(ids)
+                        for ids, level, c in row if c))
         sources = self._positions(row, merge)
         pos = sources if merge and self.spread_positions else None
         return CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos, sources,
-                                merged=merge)
+                                merged=merge, squeezed=squeezed)
 
     def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:
         """Ids given directly must be rows of the embedding table (the LM's, plus any extra rows
@@ -249,10 +255,11 @@ class PromptEncoder:
             out.append(ids[start:])
         return out
 
-    def _positions(self, row: list[tuple[list[int], int]], merge: bool = True) -> torch.Tensor:
+    def _positions(self, row: list[tuple[list[int], int, bool]], merge: bool = True
+                   ) -> torch.Tensor:
         """Each plain token at its own position, each merged block at its last token's."""
         start, out = 0, []
-        for ids, level in row:
+        for ids, level, _ in row:
             n = len(ids)
             if level and merge:
                 out += [start + min(j + level, n) - 1 for j in range(0, n, level)]

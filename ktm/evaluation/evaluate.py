@@ -77,6 +77,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
     preds: list[str | None] = []
     answers: list[str] = []
     before = after = 0
+    squeezed = [0, 0]
     compress_s = 0.0
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
@@ -86,11 +87,19 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         compress_s += seconds
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
+        tally_squeezed(squeezed, prefixes)
         texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
                                merge=merge)
         answers += texts
         preds += [parse(t) if parse else parse_label(t, labels) for t in texts]
-    return _class_row(examples, labels, preds, answers, before, after, compress_s, t0)
+    return _class_row(examples, labels, preds, answers, before, after, compress_s, t0, squeezed)
+
+
+def tally_squeezed(total: list[int], prefixes) -> None:
+    """Add the compressed segments' tokens and positions of ``prefixes`` to ``total``."""
+    for cp in prefixes:
+        total[0] += cp.squeezed[0]
+        total[1] += cp.squeezed[1]
 
 
 def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batch_size,
@@ -111,7 +120,7 @@ def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batc
     answers = [{lab: round(v, 4) for lab, v in zip(labels, row, strict=True)}
                for row in logp.tolist()]
     row = _class_row(examples, labels, preds, answers, counts["tokens_in"],
-                     counts["tokens_out"], counts["compress_s"], t1)
+                     counts["tokens_out"], counts["compress_s"], t1, counts["squeezed"])
     uncorrected = row["balanced_accuracy"] if prior is None else balanced_accuracy(
         decide(logp, labels), _golds(examples), labels)
     row["scoring"] = {"method": "likelihood", "targets": list(targets),
@@ -126,7 +135,8 @@ def _golds(examples: Sequence[Example]) -> list[str]:
     return [e.label or e.target.strip() for e in examples]
 
 
-def _class_row(examples, labels, preds, answers, before, after, compress_s, t0) -> dict:
+def _class_row(examples, labels, preds, answers, before, after, compress_s, t0,
+               squeezed) -> dict:
     golds = _golds(examples)
     return {
         "n": len(examples),
@@ -136,6 +146,8 @@ def _class_row(examples, labels, preds, answers, before, after, compress_s, t0) 
         "tokens_before": before / len(examples),
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
+        # the compressed segments' tokens per position (a ratio's target, or about K)
+        "ratio_read": squeezed[0] / squeezed[1] if squeezed[1] else None,
         "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,
@@ -151,6 +163,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
                         batch_size: int = 4, progress: bool = False) -> dict:
     """Perplexity of the targets given the (merged) prompts, pooled over all target tokens."""
     nll, n_tok, before, after = 0.0, 0, 0, 0
+    squeezed = [0, 0]
     compress_s = 0.0
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
@@ -163,6 +176,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
         n_tok += int(out.n_tokens.sum())
         before += out.tokens_in
         after += out.tokens_out
+        tally_squeezed(squeezed, prefixes)
     return {
         "n": len(examples),
         "perplexity": perplexity(nll, n_tok),
@@ -170,6 +184,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
         "tokens_before": before / len(examples),
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
+        "ratio_read": squeezed[0] / squeezed[1] if squeezed[1] else None,
         "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,

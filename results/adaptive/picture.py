@@ -24,7 +24,7 @@ def token_levels(model, ids: tuple[int, ...], ratio: float) -> list[tuple[int, i
     from ktm.core.prompt import Segment
 
     pieces = model._prompt_encoder().layout([(Segment("", ids=ids, ratio=ratio),)])[0]
-    return [(t, level) for piece, level in pieces for t in piece]
+    return [(t, level) for piece, level, _ in pieces for t in piece]
 
 
 def draw(ax, model, tokens: list[tuple[int, int]], width: int = 96, max_lines: int = 22) -> None:

@@ -177,3 +177,13 @@ def test_a_nested_reader_saves_loads_and_reads_at_each_level(reader, tmp_path):
         assert at4.config.levels == (4, 2)
         with reader.merging_at(4):
             assert torch.equal(at4.compress(TEXT).embeds, reader.compress(TEXT).embeds)
+
+
+def test_a_prompt_reports_the_ratio_its_compressed_segments_were_read_at(reader):
+    plain = " Question: who? Answer:"
+    cp = reader.compress([Segment(TEXT, ratio=2.0), Segment(plain, compress=False)])
+    n_plain = len(reader.tokenize(plain))
+    assert cp.squeezed == (cp.tokens_in - n_plain, cp.tokens_out - n_plain)
+    assert abs(cp.ratio_read / 2.0 - 1) <= 0.05
+    assert reader.compress([Segment(plain, compress=False)]).ratio_read is None
+    assert reader.compress([Segment(TEXT)], merge=False).ratio_read == 1.0

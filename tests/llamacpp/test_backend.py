@@ -212,7 +212,7 @@ def test_a_prompt_read_at_a_ratio_runs_on_llama_cpp(tiny_model_dir, tmp_path):
     export_gguf(torch_model, tmp_path / "mixed-gguf", source=tmp_path / "mixed")
     llama = KTMModel.load(tmp_path / "mixed-gguf", backend="llamacpp", llamacpp=EXACT)
     prompts = [[Segment(DOC), Segment(" Answer:", compress=False)], [Segment(DOC, ratio=6)]]
-    levels = {lv for ids, lv in torch_model._prompt_encoder().layout(
+    levels = {lv for ids, lv, _ in torch_model._prompt_encoder().layout(
         [tuple(p) for p in prompts])[0]}
     assert {0, 2} <= levels  # a real mix: plain tokens and merges in one segment
     want = torch_model.generate(prompts, max_new_tokens=16, stop_at_eos=False)
