@@ -41,10 +41,11 @@ def with_table(model: KTMModel, sources: list[str]) -> None:
 def readings(model: KTMModel, args) -> list[tuple[dict, object]]:
     """(what, how to set the model up) per reading: each K uniformly, then each allocator at
     each ratio."""
-    out = [({"layout": "uniform", "k": k, "ratio": None}, ("k", k))
-           for k in sorted(model.config.levels) if k in args.ks or not args.ks]
-    out += [({"layout": "adaptive", "allocator": a, "ratio": r}, ("ratio", a, r))
-            for r in args.ratios for a in args.allocators]
+    out = [({"layout": "uniform", "k": k, "ratio": None, "plain_suffix": 0}, ("k", k, 0))
+           for k in sorted(model.config.levels) if args.ks is None or k in args.ks]
+    out += [({"layout": "adaptive", "allocator": a, "ratio": r, "plain_suffix": n},
+             ("ratio", a, r, n))
+            for n in args.suffixes for r in args.ratios for a in args.allocators]
     return out
 
 
@@ -56,7 +57,10 @@ def main() -> int:
     ap.add_argument("--ratios", nargs="+", type=float, default=[1.5, 2, 3, 4, 6, 8])
     ap.add_argument("--allocators", nargs="+", default=["even", "rules", "surprisal", "recency",
                                                          "lm"])
-    ap.add_argument("--ks", nargs="*", type=int, default=[], help="uniform levels (all: none)")
+    ap.add_argument("--ks", nargs="*", type=int, default=None,
+                    help="uniform levels (default: all; none given: none)")
+    ap.add_argument("--suffixes", nargs="+", type=int, default=[0],
+                    help="plain suffixes (the last N tokens plain, counted in the ratio)")
     ap.add_argument("--surprisal-from", nargs="*", default=[])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
@@ -77,7 +81,7 @@ def main() -> int:
             with model.merging_at(how[1]):
                 sets = heldout_readability(model, args.sets, args.n, _cache=cache)
         else:
-            model._config = dataclasses.replace(own, allocator=how[1])
+            model._config = dataclasses.replace(own, allocator=how[1], plain_suffix=how[3])
             try:
                 sets = heldout_readability(model, args.sets, args.n, _cache=cache,
                                            ratio=how[2])
