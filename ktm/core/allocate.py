@@ -225,20 +225,19 @@ def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: 
     against its positions. Returns per piece its (units' token count, level) runs, consecutive
     units of one level joined. ``token_scores``: per token of the pieces, concatenated.
 
-    Raises ``KTMError`` for a ratio above what the largest level gives this segment."""
+    Raises ``KTMError`` for a ratio above the largest level; a segment too short for its ratio
+    is read with every unit at the largest level."""
     unit = max(levels)
     units = Units.of(pieces, unit)
     total = sum(len(p) for p in pieces) + plain
     budget = round(total / ratio) - plain
-    least = sum(positions(n, unit) for n in units.lengths)
-    most = total / max(1, least + plain)
-    if budget < least and most >= ratio * (1 - RATIO_TOLERANCE):
-        budget = least  # every unit at the largest level comes close enough (a partial unit)
-    if budget < least:
-        raise KTMError(f"ratio {ratio:g} is more than this segment allows: its {total} tokens "
-                       f"take at least {least + plain} positions at the largest level K={unit}"
-                       f"{f' and {plain} plain tokens' if plain else ''} (ratio {most:.2f}); "
-                       f"expected a ratio <= {most:.2f}, or a reader with a larger K")
+    if ratio > unit:
+        raise KTMError(f"ratio {ratio:g} is more than this reader allows: its largest level "
+                       f"merges K={unit} tokens per position; expected a ratio <= {unit}, or a "
+                       "reader with a larger K")
+    # a segment too short for the ratio (a partial unit, its plain tokens) is read with every
+    # unit at the largest level: the closest it comes, which the layout then reports
+    budget = max(budget, sum(positions(n, unit) for n in units.lengths))
     chosen = spend(unit_scores(signal, token_scores, units, seed), units.lengths, levels,
                    budget)
     runs: list[list[tuple[int, int]]] = [[] for _ in pieces]

@@ -45,7 +45,7 @@ def test_train_then_generate_from_checkpoint(capsys, tiny_model_dir, tmp_path):
     (["generate", "--model", "{tiny}", "--ratio", "nan", "--prompt", "hi"],
      "ratio must be a finite number >= 1"),
     (["generate", "--model", "{tiny}", "--k", "4", "--ratio", "9", "--prompt",
-      "The quick brown fox jumps over the lazy dog."], "ratio 9 is more than this segment"),
+      "The quick brown fox jumps over the lazy dog."], "ratio 9 is more than this reader allows"),
     (["generate", "--model", "{tiny}", "--allocator", "best", "--prompt", "hi"],
      "allocator must be one of"),
 ])

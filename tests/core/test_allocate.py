@@ -57,8 +57,10 @@ def test_a_long_segment_lands_within_five_percent_of_its_ratio(signal, ratio):
 
 
 def test_a_ratio_beyond_the_largest_level_names_the_value():
-    with pytest.raises(KTMError, match=r"ratio 9 is more than this segment allows.*<= 8\.00"):
+    with pytest.raises(KTMError, match=r"ratio 9 is more than this reader allows.*K=8.*<= 8"):
         allocate([list(range(64))], 0, 9.0, (8, 4, 2), "even")
+    # a segment too short for its ratio: every unit at the largest level, the closest it comes
+    assert allocate([list(range(5))], 1, 8.0, (8, 4, 2), "even") == [[(5, 8)]]
     assert max_ratio(65, 1, 8) == 65 / 9
 
 
@@ -118,7 +120,7 @@ def test_bad_levels_and_ratios_are_refused_by_name(reader):
         Segment("x", compress=False, ratio=2)
     with pytest.raises(KTMError, match="not both"):
         Segment("x", ratio=2, levels=(8,))
-    with pytest.raises(KTMError, match="ratio 12 is more than this segment allows"):
+    with pytest.raises(KTMError, match="ratio 12 is more than this reader allows"):
         reader.compress([Segment("", ids=ids, ratio=12)])
 
 
