@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,20 @@ RATIO_TOLERANCE = 0.05
 class RatioWarning(UserWarning):
     """A segment was read at a ratio more than ``RATIO_TOLERANCE`` from the one asked for
     (too short for its units to split closer)."""
+
+
+def quiet_ratio(fn: Callable) -> Callable:
+    """``fn`` with ``RatioWarning`` silenced: a training run or an evaluation reads many short
+    segments, and reports the ratio they were read at instead (``ratio_read``)."""
+    import functools
+
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RatioWarning)
+            return fn(*args, **kwargs)
+
+    return quiet
 
 
 def max_ratio(tokens: int, plain: int, unit: int) -> float:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ktm.core.allocate import quiet_ratio
 from ktm.decode.generate import eval_mode
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import (
@@ -191,6 +192,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
     }
 
 
+@quiet_ratio  # the row reports the ratio read
 def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
     """``kwargs`` go to the task kind's scorer; for classification, likelihood scoring reads
     each label's answer text from the task (``task.label_target``), and a generated answer is

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ktm.core.allocate import quiet_ratio
 from ktm.errors import KTMError
 from ktm.tasks.base import Example, check_examples
 from ktm.tasks.fits import check_examples_fit
@@ -185,6 +186,7 @@ def _cuda_devices(model) -> list[int]:
     return list(range(torch.cuda.device_count())) if model.device.type == "cuda" else []
 
 
+@quiet_ratio  # the rows report the ratio read
 def train(
     model,
     examples: Sequence[Example],
