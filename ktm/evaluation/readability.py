@@ -150,12 +150,26 @@ def _pooled(rows: list[torch.Tensor]) -> dict:
             "target_tokens": n_tok}
 
 
-def _three(model, ctx: list, none: list, tgt: list) -> tuple[torch.Tensor, int, int]:
+def _plain_nll(model, prompts: list, tgt: list, cache: dict | None) -> torch.Tensor:
+    """(B,) NLL of each target read after its prompt unmerged; with ``cache`` (the same model
+    reading the same windows under several layouts) each one is computed once."""
+    if cache is None:
+        return model(prompts, tgt, merge=False).nll
+    keys = [(tuple(i for s in p for i in s.ids), tuple(t)) for p, t in zip(prompts, tgt)]
+    todo = [j for j, key in enumerate(keys) if key not in cache]
+    if todo:
+        nll = model([prompts[j] for j in todo], [tgt[j] for j in todo], merge=False).nll
+        cache.update({keys[j]: v for j, v in zip(todo, nll)})
+    return torch.stack([cache[key] for key in keys])
+
+
+def _three(model, ctx: list, none: list, tgt: list, cache: dict | None = None
+           ) -> tuple[torch.Tensor, int, int]:
     """(B, 4) doubles: the NLL of ``tgt`` merged, plain and with no context, and its tokens;
     with the merged prompts' tokens in and out."""
     merged = model(ctx, tgt, merge=True)
-    plain = model(ctx, tgt, merge=False).nll
-    empty = model(none, tgt, merge=False).nll
+    plain = _plain_nll(model, ctx, tgt, cache)
+    empty = _plain_nll(model, none, tgt, cache)
     cols = (merged.nll, plain, empty, merged.n_tokens)  # doubles: a bf16 count rounds
     # to the CPU first: MPS has no float64
     return (torch.stack([c.cpu().double() for c in cols], dim=1), merged.tokens_in,
@@ -165,10 +179,12 @@ def _three(model, ctx: list, none: list, tgt: list) -> tuple[torch.Tensor, int, 
 @torch.no_grad()
 def readability(model, windows: Sequence[Window], batch_size: int = 8,
                 progress: bool = False, ratio: float | None = None, recall: bool = True,
-                seed: int = 0) -> dict:
+                seed: int = 0, plain_cache: dict | None = None) -> dict:
     """Continuation R (``R``) and recall R (``R_recall``) with their NLLs, and the exact prompt
     tokens before and after merging. ``ratio``: the contexts read at that ratio (None: at the
-    model's K); ``recall`` False: continuation R alone (half the forwards)."""
+    model's K); ``recall`` False: continuation R alone (half the forwards). ``plain_cache``: a
+    dict kept across calls on the same model and windows, which then read each plain and
+    context-free NLL once (they do not depend on the layout)."""
     if not windows:
         raise KTMError("readability needs at least one window")
     was_training = model.training
@@ -179,7 +195,7 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
         warnings.simplefilter("ignore", RatioWarning)
         try:
             _readings(model, windows, batch_size, progress, ratio, recall, seed, rows,
-                      recall_rows)
+                      recall_rows, plain_cache)
         finally:
             model.train(was_training)
     tokens_in = sum(n for _, n, _ in rows)
@@ -195,8 +211,8 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
 
 
 def _readings(model, windows: Sequence[Window], batch_size: int, progress: bool,
-              ratio: float | None, recall: bool, seed: int, rows: list, recall_rows: list
-              ) -> None:
+              ratio: float | None, recall: bool, seed: int, rows: list, recall_rows: list,
+              cache: dict | None = None) -> None:
     """``readability``'s forwards: per batch, (NLL rows, tokens in, tokens out) into ``rows``
     and the recall rows into ``recall_rows``."""
     lead = model.lead_ids  # a BOS the tokenizer would put first, as prompts get it
@@ -207,14 +223,14 @@ def _readings(model, windows: Sequence[Window], batch_size: int, progress: bool,
         ctx = [Segment("", ids=lead + w.context, ratio=ratio) for w in batch]
         rows.append(_three(model, [(c,) for c in ctx],
                            [(Segment("", compress=False, ids=start),)] * len(batch),
-                           [w.target for w in batch]))
+                           [w.target for w in batch], cache))
         if recall:
             qa = [recall_question(w, seed) for w in batch]
             part, _, _ = _three(
                 model, [(c, Segment("", compress=False, ids=q)) for c, (q, _) in
                         zip(ctx, qa)],
                 [(Segment("", compress=False, ids=start + q),) for q, _ in qa],
-                [t for _, t in qa])
+                [t for _, t in qa], cache)
             recall_rows.append(part)
 
 
@@ -231,10 +247,11 @@ def heldout_sets(tokenizer, sets: Sequence[str], n: int, seed: int = 0,
 def heldout_readability(model, sets: Sequence[str] = ("reviews", "code"), n: int = 64,
                         seed: int = 0, progress: bool = False,
                         _cache: dict | None = None, ratio: float | None = None,
-                        recall: bool = True) -> dict:
+                        recall: bool = True, plain_cache: dict | None = None) -> dict:
     """R and recall R per held-out set (``reviews``: other product categories, ``code``: unseen
     repos), the contexts read at the model's K or at ``ratio``."""
     check_read_positions(model)
     windows = heldout_sets(model.tokenizer, sets, n, seed, _cache)
     return {name: readability(model, windows[name], progress=progress, ratio=ratio,
-                              recall=recall, seed=seed) for name in sets}
+                              recall=recall, seed=seed, plain_cache=plain_cache)
+            for name in sets}

@@ -71,6 +71,7 @@ def main() -> int:
         with_table(model, args.surprisal_from)
     top = model.k
     cache: dict = {}
+    plain: dict = {}  # plain and context-free NLLs: the same under every layout, read once
     rows = []
     own = model._config
     todo = [(what, how) for what, how in readings(model, args)
@@ -79,12 +80,13 @@ def main() -> int:
         t0 = time.process_time()
         if how[0] == "k":
             with model.merging_at(how[1]):
-                sets = heldout_readability(model, args.sets, args.n, _cache=cache)
+                sets = heldout_readability(model, args.sets, args.n, _cache=cache,
+                                           plain_cache=plain)
         else:
             model._config = dataclasses.replace(own, allocator=how[1], plain_suffix=how[3])
             try:
                 sets = heldout_readability(model, args.sets, args.n, _cache=cache,
-                                           ratio=how[2])
+                                           ratio=how[2], plain_cache=plain)
             finally:
                 model._config = own
         rows.append({**what, "checkpoint": args.checkpoint, "levels": list(model.config.levels),

@@ -165,3 +165,24 @@ def test_the_stdlib_held_out_set_is_text_no_project_file_imports():
                  *repo.glob("results/**/*.py")]:
         used |= set(re.findall(r"^\s*(?:import|from)\s+(\w+)", path.read_text(), flags=re.M))
     assert used.isdisjoint(STDLIB_MODULES)
+
+
+def test_a_plain_cache_reads_each_plain_nll_once_and_changes_nothing(tiny_model_dir):
+    from helpers import fresh_model
+
+    from ktm.evaluation.readability import readability
+    from ktm.tasks.corpus import Window
+
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2)
+    text = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 3
+    windows = [Window(tuple(model.tokenize(text[i:], first=True)), (5, 6, 7), "x")
+               for i in (0, 9, 17)]
+    cache: dict = {}
+    for ratio in (None, 2.0, 3.0):
+        want = readability(model, windows, ratio=ratio)
+        got = readability(model, windows, ratio=ratio, plain_cache=cache)
+        assert {k: got[k] for k in ("R", "R_recall", "nll_plain", "recall_nll_none")} == {
+            k: want[k] for k in ("R", "R_recall", "nll_plain", "recall_nll_none")}
+    # plain continuation and recall per window, recall's question alone per window, and the
+    # one context-free continuation reading all three share (the same target)
+    assert len(cache) == 3 * len(windows) + 1
