@@ -22,6 +22,8 @@ TASK_METRICS = ("balanced_accuracy", "perplexity", "accuracy")  # the first one 
 
 def _metrics(ev: dict) -> dict[str, float | None]:
     sets = {f"R {k}": v.get("R") for k, v in ev.items() if isinstance(v, dict) and "R" in v}
+    sets |= {f"recall R {k}": v.get("R_recall") for k, v in ev.items()
+             if isinstance(v, dict) and "R_recall" in v}
     if sets:
         return sets
     for name in TASK_METRICS:
@@ -145,9 +147,10 @@ def plot_curves(curves: list[dict], path: str) -> None:
                 ax.plot(*zip(*pts), marker=markers[i // 10 % len(markers)], ms=3,
                         color=colours[i % 10], label=c["run"])
         ax.set_xlabel("CPU-minutes of the run")
-        if name.startswith("R "):
-            ax.set_ylabel("readability R")
-            ax.set_title(f"held-out {name[2:]}", parse_math=False)
+        if name.startswith(("R ", "recall R ")):
+            kind, _, held = name.partition("R ")
+            ax.set_ylabel(f"{kind}readability R")
+            ax.set_title(f"held-out {held}", parse_math=False)
         else:
             ax.set_ylabel(name.replace("_", " "))
             ax.set_title(name.replace("_", " "), parse_math=False)
