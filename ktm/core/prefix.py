@@ -102,7 +102,7 @@ class PromptEncoder:
         ``merge=False`` feeds every segment as plain tokens (the uncompressed baseline);
         ``cache`` reuses segments merged before and merges repeats once.
         """
-        pieces = self.layout(prompts)
+        pieces = self.layout(prompts, merge)
         to_merge = [(ids, level) for row in pieces for ids, level, _ in row
                     if merge and level and ids]
         merged = iter(self.merge_segments(to_merge, cache))
@@ -122,19 +122,19 @@ class PromptEncoder:
         ``embeds`` an (L, 0) tensor on the meta device. Tokenizing only, no embedding or
         encoder: checking that many prompts fit the model's positions is cheap."""
         out = []
-        for row in self.layout(prompts):
+        for row in self.layout(prompts, merge):
             n_out = sum(-(-len(ids) // level) if merge and level else len(ids)
                         for ids, level, _ in row)
             out.append(self._prompt(row, torch.empty(n_out, 0, device="meta"), merge))
         return out
 
-    def layout(self, prompts: list[tuple[Segment, ...]]
+    def layout(self, prompts: list[tuple[Segment, ...]], merge: bool = True
                ) -> list[list[tuple[list[int], int, bool]]]:
         """Each prompt's pieces as (token ids, level, from a compressed segment?); level 0 for
         plain tokens, else the K they are merged at. Its segments are tokenized, cut by
         ``plain_prefix``, ``plain_suffix`` and ``line_breaks`` (class docstring), and a segment
         with a ratio or levels is cut into runs of units at their levels
-        (``ktm.core.allocate``)."""
+        (``ktm.core.allocate``; with ``merge`` off nothing is merged, so nothing allocated)."""
         pieces: list[list[tuple[list[int], int, bool]]] = []
         for segs in prompts:
             # (ids, merged?, index of the segment it comes from)
@@ -152,7 +152,7 @@ class PromptEncoder:
             if self.line_breaks is not None:
                 row = [(line, c, seg) for ids, c, seg in row
                        for line in (self._lines(ids) if c else [ids])]
-            pieces.append(self._levels(row, segs))
+            pieces.append(self._levels(row, segs, allocate=merge))
         self._check_ids(prompts)
         return pieces
 
@@ -161,12 +161,13 @@ class PromptEncoder:
         """The K the encoder merges at, largest first (a recursive one's inner levels too)."""
         return (self.encoder.k, *inner_chain(self.encoder.config.inner_k))
 
-    def _levels(self, row: list[tuple[list[int], bool, int]], segs: tuple[Segment, ...]
-                ) -> list[tuple[list[int], int, bool]]:
+    def _levels(self, row: list[tuple[list[int], bool, int]], segs: tuple[Segment, ...],
+                allocate: bool = True) -> list[tuple[list[int], int, bool]]:
         """Pieces with their levels: plain 0, merged at the encoder's K, or, for a segment
-        with a ratio or levels, its merged pieces cut into runs of one level each."""
+        with a ratio or levels, its merged pieces cut into runs of one level each (not when
+        ``allocate`` is off: a prompt read unmerged needs no plan)."""
         runs: dict[int, list[list[tuple[int, int]]]] = {}
-        for seg, s in enumerate(segs):
+        for seg, s in enumerate(segs if allocate else ()):
             if s.compress and s.ratio is None and s.levels is None and self.ratio is not None:
                 s = replace(s, ratio=self.ratio)
             if s.ratio is None and s.levels is None:
