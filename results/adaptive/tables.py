@@ -22,10 +22,12 @@ def table(rows: list[dict]) -> str:
     head = ("| reading | " + " | ".join(f"{s}: R / recall R (ratio read)" for s in sets) + " |")
     lines = [head, "|---|" + "---|" * len(sets)]
     order = sorted(rows, key=lambda r: (r["ratio"] or r.get("k") or 0,
-                                        r["layout"] != "uniform", r.get("allocator") or ""))
+                                        r["layout"] != "uniform", r.get("plain_suffix") or 0,
+                                        r.get("allocator") or ""))
     for r in order:
+        suffix = f", plain suffix {r['plain_suffix']}" if r.get("plain_suffix") else ""
         what = (f"uniform K={r['k']}" if r["layout"] == "uniform"
-                else f"r={r['ratio']:g}, {r['allocator']}")
+                else f"r={r['ratio']:g}, {r['allocator']}{suffix}")
         cells = [f"{fmt(r['sets'][s]['R'])} / {fmt(r['sets'][s].get('R_recall'))} "
                  f"({r['sets'][s]['ratio_read']:.2f})" for s in sets]
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
