@@ -41,8 +41,17 @@ from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_id
 from ktm.core.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.core.tokens import SegmentTokenizer
 from ktm.errors import KTMError
-from ktm.llamacpp.backend import attach, check_backend, detach
+from ktm.llamacpp.backend import attach, detach
 from ktm.llamacpp.runtime import RuntimeConfig
+from ktm.vllm.runtime import VLLMConfig
+
+# what runs the LM while decoding and scoring: chosen here, and only here (``use_backend``)
+BACKENDS = ("torch", "llamacpp", "vllm")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise KTMError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 # -- building: KTMModel.from_base and KTMModel.load ----------------------------------------------
 
@@ -171,6 +180,7 @@ def load(
     backend: str = "torch",
     gguf: str | Path | None = None,
     llamacpp: RuntimeConfig | None = None,
+    vllm: VLLMConfig | None = None,
 ) -> KTMModel:
     """Load a checkpoint folder or a shipped reader's name (e.g. ``"smollm2-135m-k4"``).
 
@@ -182,9 +192,11 @@ def load(
     consecutive positions, which llama.cpp and vLLM accept). ``backend="llamacpp"``: prefill and
     decode through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from the GGUF export
     ``gguf`` (None: the checkpoint folder if it is one, else an export written once into the
-    cache); ``llamacpp``: its context settings. Raises ``KTMError`` for a folder that is not a
-    checkpoint, a K it cannot merge at, or a base model whose sizes or tokenizer disagree with
-    the saved ones."""
+    cache); ``llamacpp``: its context settings. ``backend="vllm"``: through vLLM (``ktm.vllm``;
+    its install step in docs/serving.md), from an export written once into the cache;
+    ``vllm``: where vLLM runs (in this process, a server started here, or ``url``). Raises
+    ``KTMError`` for a folder that is not a checkpoint, a K it cannot merge at, or a base model
+    whose sizes or tokenizer disagree with the saved ones."""
     from ktm.readers import resolve_checkpoint
 
     if not isinstance(directory, (str, Path)):
@@ -238,7 +250,8 @@ def load(
     model.compressor_record = checkpoint.read_compressor_record(directory)
     model = model.train(trainable) if trainable else model.eval()
     if backend != "torch":
-        model.use_backend(backend, source=directory, gguf=gguf, config=llamacpp)
+        model.use_backend(backend, source=directory, gguf=gguf,
+                          config=vllm if backend == "vllm" else llamacpp)
     return model
 
 
@@ -270,8 +283,9 @@ class KTMModel(nn.Module):
         self.compressor_record: dict | None = None
         self.applied_compressor: str | None = None
         self._compressor_warned = False
-        # the llama.cpp runtime the decode loop prefills and decodes through (None: torch)
-        self.runtime = None  # a ktm.llamacpp.runtime.LlamaCppRuntime
+        # what the decode loop prefills and decodes through, and eval-mode scoring reads
+        # (None: torch; ktm.llamacpp.runtime.LlamaCppRuntime, ktm.vllm.runtime.VLLMRuntime)
+        self.runtime = None
         # decoding reads the LM with its LoRA folded into a separate copy of the adapted weights
         # (``ktm.core.lora_fold``, which says what that costs): True always, False never, None
         # when no LoRA weight trains (a model loaded with trainable=False)
@@ -531,11 +545,29 @@ class KTMModel(nn.Module):
 
         ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
         """
+        if self.runtime is not None and not self.training:
+            return self._runtime_loss(prompts, targets, merge, prefixes)
         t = self.target_logits(prompts, targets, merge, prefixes)
         tok_nll = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
         nll = tok_nll.new_zeros(len(t.lengths)).index_add(0, t.rows, tok_nll)
         n_tokens = torch.tensor(t.lengths, device=self.device)
         return LossOutput(tok_nll.mean(), nll, n_tokens, t.tokens_in, t.tokens_out)
+
+    def _runtime_loss(self, prompts, targets, merge: bool, prefixes) -> LossOutput:
+        """``forward`` in eval mode on a runtime (R, likelihoods, perplexity): its log-probs."""
+        if prefixes is None:
+            prefixes = self.encode_prompts(prompts, merge)
+        if len(prefixes) != len(targets):
+            raise KTMError(f"{len(prefixes)} prompts but {len(targets)} targets: expected equal")
+        tgt = [self.target_ids(t) for t in targets]
+        self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
+        tok_nll = -torch.cat(self.runtime.score(prefixes, tgt)).to(self.device, torch.float32)
+        rows = torch.tensor([r for r, t in enumerate(tgt) for _ in t], device=self.device)
+        nll = tok_nll.new_zeros(len(tgt)).index_add(0, rows, tok_nll)
+        return LossOutput(tok_nll.mean(), nll, torch.tensor([len(t) for t in tgt],
+                                                            device=self.device),
+                          sum(cp.tokens_in for cp in prefixes),
+                          sum(cp.tokens_out for cp in prefixes))
 
     def target_logits(
         self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
@@ -563,15 +595,6 @@ class KTMModel(nn.Module):
                            "expected one each")
         tgt = [self.target_ids(t) for t in targets]
         self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
-        if self.runtime is not None and not self.training and not (hidden or prompt_hidden):
-            # scoring on the llama.cpp backend (R, likelihoods, perplexity); training stays here
-            logits = self.runtime.target_logits(prefixes, tgt)
-            return TargetLogits(
-                torch.cat(logits).to(self.device),
-                torch.tensor([i for t in tgt for i in t], device=self.device),
-                torch.tensor([r for r, t in enumerate(tgt) for _ in t], device=self.device),
-                [len(t) for t in tgt], sum(cp.tokens_in for cp in prefixes),
-                sum(cp.tokens_out for cp in prefixes))
         seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
         p = self.pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
         longest = p.embeds.shape[1]
@@ -597,19 +620,23 @@ class KTMModel(nn.Module):
     # ---------------------------------------------------------------- generation
     @property
     def backend(self) -> str:
-        return "torch" if self.runtime is None else "llamacpp"
+        return "torch" if self.runtime is None else self.runtime.name
 
     def use_backend(self, backend: str, source: str | Path | None = None,
-                    gguf: str | Path | None = None, config: RuntimeConfig | None = None) -> None:
-        """Decode through ``backend``: ``"torch"`` or ``"llamacpp"`` (see ``load``; ``source``:
-        the checkpoint folder this model was loaded from). Generation and, in eval mode, scoring
-        (``forward``, ``target_logits``: R, likelihoods, perplexity) run on llama.cpp; training
-        and hidden states stay on torch."""
+                    gguf: str | Path | None = None,
+                    config: RuntimeConfig | VLLMConfig | None = None) -> None:
+        """Decode through ``backend``: ``"torch"``, ``"llamacpp"`` or ``"vllm"`` (see ``load``;
+        ``source``: the checkpoint folder this model was loaded from; ``config``: the backend's
+        settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
+        perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
         check_backend(backend)
-        if backend == "torch":
-            detach(self)
-        else:
+        detach(self)  # the runtime before, if any, is closed
+        if backend == "llamacpp":
             attach(self, source=source, gguf=gguf, config=config)
+        elif backend == "vllm":
+            from ktm.vllm.backend import make_runtime
+
+            self.runtime = make_runtime(self, config)
 
     def generate(self, prompts, **kwargs):
         """Text continuation of one prompt (returns str) or of a list of prompts (list[str]).
@@ -658,7 +685,7 @@ DEFAULT_K = 4
 
 def load_any(model: str, k: int | None = None, device: str = "cpu",
              dtype: str | torch.dtype = "float32", backend: str = "torch",
-             llamacpp: RuntimeConfig | None = None):
+             llamacpp: RuntimeConfig | None = None, vllm: VLLMConfig | None = None):
     """``k``: a base model's K (default 4); for a checkpoint, if given, it must match."""
     from ktm.readers import READERS
 
@@ -666,12 +693,12 @@ def load_any(model: str, k: int | None = None, device: str = "cpu",
     dt = parse_dtype(dtype)
     if (Path(model) / "ktm_config.json").is_file() or model in READERS:
         return KTMModel.load(model, k=k, device=device, dtype=dt, backend=backend,
-                             llamacpp=llamacpp)
+                             llamacpp=llamacpp, vllm=vllm)
     k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
     # frozen like a loaded checkpoint: served or exported, never trained (decoding then folds
     # the LoRA, ``KTMModel.fold_lora``)
     out = KTMModel.from_base(model, k=k, use_mlp=False, device=device,
                              dtype=dt).requires_grad_(False)
     if backend != "torch":
-        out.use_backend(backend, config=llamacpp)
+        out.use_backend(backend, config=vllm if backend == "vllm" else llamacpp)
     return out

@@ -39,7 +39,7 @@ from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.core.encoder import KTokenEncoder
 from ktm.errors import KTMError
-from ktm.llamacpp.backend import BACKENDS
+from ktm.model import BACKENDS
 from ktm.training.train import adamw
 from ktm.util.fileio import check_writable, write_json_atomic
 from ktm.util.provenance import git_revision, versions

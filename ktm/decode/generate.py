@@ -223,10 +223,11 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
             # the last new token is never read back: max_new_tokens - 1 positions follow
             state = prefill(model, prefixes, cfg.use_cache, room=cfg.max_new_tokens - 1)
         elif not cfg.use_cache:
-            raise KTMError("use_cache=False re-runs the whole sequence on the torch path (the "
-                           "test reference); the llama.cpp backend always keeps its KV cache")
-        else:
-            state = runtime.prefill(prefixes)
+            raise KTMError(f"use_cache=False re-runs the whole sequence on the torch path (the "
+                           f"test reference); the {runtime.name} backend always keeps its KV "
+                           "cache")
+        else:  # the rows' sampling settings: vLLM samples inside its own step
+            state = runtime.prefill(prefixes, [cfg] * len(prefixes))
     try:
         yield from _steps(model, state, cfg, runtime)
     finally:

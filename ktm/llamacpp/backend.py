@@ -11,17 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ktm.errors import KTMError
 from ktm.llamacpp.export import MANIFEST, export_files, export_gguf, export_key, read_manifest
 from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
 from ktm.util.fileio import flock
-
-BACKENDS = ("torch", "llamacpp")
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise KTMError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Path:

@@ -115,6 +115,8 @@ _LOG_CALLBACK = None
 class LlamaCppRuntime:
     """A llama.cpp model (base GGUF + LoRA adapter GGUF) and one context over it."""
 
+    name = "llamacpp"
+
     def __init__(self, base_gguf: str | Path, adapter_gguf: str | Path | None,
                  config: RuntimeConfig = RuntimeConfig()):
         self.lib = lib = import_llama_cpp()
@@ -174,9 +176,10 @@ class LlamaCppRuntime:
 
     # ---- the two calls of ktm's decode loop --------------------------------------------------
 
-    def prefill(self, prefixes) -> LlamaState:
+    def prefill(self, prefixes, sampling=None) -> LlamaState:
         """Read the prefixes (``CompressedPrompt``s), each into a free sequence of its own (the
-        one whose cached rows it shares most), from the first row that sequence lacks."""
+        one whose cached rows it shares most), from the first row that sequence lacks.
+        ``sampling`` (the rows' ``GenerationConfig``s) is the decode loop's own business here."""
         free = [s for s in range(self.config.sequences) if s not in self.busy]
         if len(prefixes) > len(free):
             raise KTMError(f"{len(prefixes)} prompts, but this llama.cpp context has "
@@ -242,6 +245,11 @@ class LlamaCppRuntime:
                 self.release(state)
             out.append(torch.stack(rows))
         return out
+
+    def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]:
+        """Per prompt, the (T,) log-probabilities of its target tokens (from ``target_logits``)."""
+        return [torch.log_softmax(lg.float(), -1)[torch.arange(len(t)), torch.tensor(t)]
+                for lg, t in zip(self.target_logits(prefixes, targets), targets)]
 
     def _feed_tokens(self, seq: int, ids: list[int], start: int) -> torch.Tensor:
         """Token ids at positions ``start..`` of one sequence, in batches; (len, V) logits."""

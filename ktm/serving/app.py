@@ -185,6 +185,10 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                                status=404)
         body.check_stream_options()
         logprobs = body.logprobs_asked()
+        if logprobs is not None and not engine.logits:
+            raise RequestError(f"logprobs are not available on the {model.backend} backend: it "
+                               "samples inside its own engine and returns tokens only",
+                               param="logprobs")
         max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
                       else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens is not None and max_tokens > cfg.max_tokens_limit:

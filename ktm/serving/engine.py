@@ -74,16 +74,20 @@ class Job:
         return sum(len(s.ids) for s in self.segments)
 
 
+def sampling(job: Job, limit: int) -> GenerationConfig:
+    """A request's decoding settings: temperature 0 or top_p 0 (a nucleus of the most likely
+    token only) is greedy."""
+    return GenerationConfig(max_new_tokens=limit, do_sample=job.temperature > 0 and job.top_p > 0,
+                            temperature=job.temperature or 1.0, top_p=job.top_p or 1.0,
+                            seed=job.seed, stop_at_eos=not job.ignore_eos)
+
+
 class Row:
     """A running request: its sampling settings, token count and released text."""
 
     def __init__(self, job: Job, model, cp: CompressedPrompt, cached: int, limit: int):
         self.job, self.limit, self.n = job, limit, 0
-        # temperature 0 or top_p 0 (a nucleus of the most likely token only): greedy
-        self.cfg = GenerationConfig(max_new_tokens=limit,
-                                    do_sample=job.temperature > 0 and job.top_p > 0,
-                                    temperature=job.temperature or 1.0, top_p=job.top_p or 1.0,
-                                    seed=job.seed, stop_at_eos=not job.ignore_eos)
+        self.cfg = sampling(job, limit)
         self.gen = None
         if self.cfg.do_sample and job.seed is not None:
             self.gen = torch.Generator(device=model.device).manual_seed(job.seed)
@@ -123,8 +127,10 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.context: int | None = model.max_positions
         budget = int(cfg.prefix_cache_mb * 2**20)
-        # the llama.cpp backend keeps the KV of every sequence itself (ktm.llamacpp.runtime)
+        # llama.cpp and vLLM keep the KV of every sequence themselves
         self.runtime = getattr(model, "runtime", None)
+        # vLLM samples inside its own step and hands back tokens, not a distribution
+        self.logits = getattr(self.runtime, "gives_logits", True)
         self.rebatch = self.runtime is not None or can_rebatch(model)  # else: windowed batches
         self.merged = LRUCache(budget // 8)
         self.kv = LRUCache(budget - budget // 8 if self.rebatch and self.runtime is None else 0)
@@ -254,8 +260,11 @@ class Engine:
         """The llama.cpp backend's KV cells are shared by all sequences: admit requests, in
         order, while the cells they may come to hold (prompt rows + tokens they may generate)
         fit beside the running rows'; the rest wait, first in line, until a row ends. One that
-        cannot fit even alone is answered with an error."""
+        cannot fit even alone is answered with an error. A runtime that counts no cells (a
+        vLLM server) schedules its cache itself."""
         total = self.runtime.context
+        if total is None:
+            return keep
         free = total - sum(r.cells for r in self._rows)
         fit, later = [], []
         for job, cp, limit in keep:
@@ -309,7 +318,8 @@ class Engine:
                                     if limit is not None])
             if not keep:
                 return [], []
-            state = self.runtime.prefill([cp for _, cp, _ in keep])
+            state = self.runtime.prefill([cp for _, cp, _ in keep],
+                                         [sampling(job, limit) for job, _, limit in keep])
             return [state], [Row(job, self.model, cp, n, limit)
                              for (job, cp, limit), n in zip(keep, state.reused)]
         for job, cp in zip(jobs, cps):
