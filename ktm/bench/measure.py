@@ -185,7 +185,7 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
     ``sample_memory`` False: no RSS sampling thread beside the timed code (``PeakMemory``)."""
     dev = model.device
     cfg = GenerationConfig(max_new_tokens=output_tokens, stop_at_eos=False)
-    runtime = getattr(model, "runtime", None)  # the llama.cpp backend
+    runtime = getattr(model, "runtime", None)  # llama.cpp or vLLM
     if runtime is not None:
         runtime.clear()  # a timed run prefills everything: no rows cached from the last one
     with PeakMemory(dev, 0.002 if sample_memory else None) as mem:
@@ -195,7 +195,7 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
         if runtime is None:
             state = prefill(model, prefixes, room=output_tokens - 1)  # as decode_steps' own
         else:
-            state = runtime.prefill(prefixes)
+            state = runtime.prefill(prefixes, [cfg] * len(prefixes))
         t2 = clock(dev)
         steps = decode_steps(model, None, cfg, state=state)
         tokens = [next(steps)]

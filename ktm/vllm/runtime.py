@@ -98,6 +98,7 @@ class VLLMRuntime:
         self.version = check_vllm() if config.url is None else None
         self.dir = Path(export_dir)
         self.manifest = m = read_manifest(self.dir)
+        self.lm_config = json.loads((self.dir / LM_DIR / "config.json").read_text())
         self.config = config
         self.eos, self.pad = sorted(eos_ids), pad_id
         self.width = int(m.get("embedding_size", m["hidden_size"]))
@@ -107,6 +108,7 @@ class VLLMRuntime:
         self._ids = itertools.count()
         self._tokens: dict[str, deque[int]] = {}
         self._done: set[str] = set()
+        self._errors: dict[str, str] = {}  # requests that ended in a failure, not a finish
 
     # ---- the calls of ktm's decode loop and serving engine -----------------------------------
 
@@ -194,6 +196,9 @@ class VLLMRuntime:
         want = [rid for rid in ids if not self._tokens[rid] and rid not in self._done]
         if want:
             self._pump(want)
+        for rid in ids:
+            if not self._tokens[rid] and rid in self._errors:
+                raise KTMError(self._errors.pop(rid))
         return [self._tokens[rid].popleft() if self._tokens[rid] else None for rid in ids]
 
     def _drop(self, ids: list[str]) -> None:
@@ -203,6 +208,7 @@ class VLLMRuntime:
         for rid in ids:
             self._tokens.pop(rid, None)
             self._done.discard(rid)
+            self._errors.pop(rid, None)
 
     def record(self) -> dict:
         """What a result row records of this runtime: its export and settings (no local paths)."""
@@ -211,6 +217,16 @@ class VLLMRuntime:
                 "export_sha256": self.manifest["sha256"],
                 **{k: v for k, v in asdict(self.config).items() if k != "url"},
                 "remote": self.config.url is not None}
+
+    def kv_bytes(self, cells: int) -> int:
+        """Bytes the KV cache holds for ``cells`` positions (keys and values of every layer)."""
+        c = self.lm_config
+        heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return cells * c["num_hidden_layers"] * 2 * heads * head_dim * self.dtype.itemsize
+
+    def clear(self) -> None:
+        """Forget cached prefixes (a timed run prefills everything)."""
 
     # ---- what a transport implements ---------------------------------------------------------
 
@@ -237,10 +253,10 @@ class VLLMRuntime:
             pass
 
 
-def default_len(manifest: dict, config: VLLMConfig) -> int:
+def default_len(lm_config: dict, config: VLLMConfig) -> int:
     if config.max_model_len is not None:
         return config.max_model_len
-    return min(int(manifest["model"].get("max_position_embeddings") or 8192), 8192)
+    return min(int(lm_config.get("max_position_embeddings") or 8192), 8192)
 
 
 class VLLMEngine(VLLMRuntime):
@@ -258,7 +274,7 @@ class VLLMEngine(VLLMRuntime):
         self._vllm, self._delta = vllm, RequestOutputKind.DELTA
         self.llm = vllm.LLM(model=str(self.dir / LM_DIR), enable_prompt_embeds=True,
                             dtype=self.manifest["dtype"], enforce_eager=config.eager,
-                            max_model_len=default_len(self.manifest, config),
+                            max_model_len=default_len(self.lm_config, config),
                             max_num_seqs=config.max_num_seqs, seed=0, disable_log_stats=True)
         self.engine = self.llm.llm_engine
         cache = self.engine.vllm_config.cache_config
@@ -297,6 +313,9 @@ class VLLMEngine(VLLMRuntime):
 
     def _abort(self, ids) -> None:
         self.engine.abort_request(ids)
+
+    def clear(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def score(self, prefixes, targets):
         """Per prompt, the (T,) log-probabilities of its target tokens: the prefix as embeddings
@@ -357,7 +376,6 @@ class VLLMServer(VLLMRuntime):
         super().__init__(export_dir, config, eos_ids, pad_id)
         self.proc: subprocess.Popen | None = None
         self._cond = threading.Condition()
-        self._errors: dict[str, str] = {}
         self._streams: dict[str, object] = {}
         self.url = (config.url or "").rstrip("/")
         if config.url is None:
@@ -369,7 +387,7 @@ class VLLMServer(VLLMRuntime):
         cmd = server_command(str(self.dir / LM_DIR), self.manifest["served_model_name"],
                              self.manifest["dtype"])
         cmd += ["--host", "127.0.0.1", "--port", str(port),
-                "--max-model-len", str(default_len(self.manifest, self.config)),
+                "--max-model-len", str(default_len(self.lm_config, self.config)),
                 "--max-num-seqs", str(self.config.max_num_seqs), "--seed", "0"]
         if self.config.eager:
             cmd.append("--enforce-eager")
@@ -426,7 +444,7 @@ class VLLMServer(VLLMRuntime):
 
     def _read(self, rid: str, resp) -> None:
         """One request's stream: its token ids into the buffer, its end or failure noted."""
-        error = None
+        error = f"the vLLM server at {self.url} stopped answering mid-request"
         try:
             for raw in resp:
                 line = raw.decode("utf-8", "replace").strip()
@@ -434,6 +452,7 @@ class VLLMServer(VLLMRuntime):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    error = None
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -445,7 +464,7 @@ class VLLMServer(VLLMRuntime):
                         self._tokens[rid].extend(ids)
                     self._cond.notify_all()
         except Exception as e:  # noqa: BLE001 - a dropped connection, a timeout
-            error = f"the vLLM server at {self.url} stopped answering mid-request: {e}"
+            error = f"{error}: {e}"
         finally:
             resp.close()
             with self._cond:
@@ -459,9 +478,6 @@ class VLLMServer(VLLMRuntime):
         deadline = time.monotonic() + self.config.timeout
         with self._cond:
             while True:
-                for rid in want:
-                    if rid in self._errors:
-                        raise KTMError(self._errors.pop(rid))
                 if all(self._tokens[rid] or rid in self._done for rid in want):
                     return
                 if self.proc is not None and self.proc.poll() is not None:
