@@ -40,8 +40,9 @@ from ktm.core.lora_fold import FoldedLM
 from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
 from ktm.core.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.core.tokens import SegmentTokenizer
+from ktm.decode.runtime import TorchRuntime
 from ktm.errors import KTMError
-from ktm.llamacpp.backend import attach, detach
+from ktm.llamacpp.backend import attach
 from ktm.llamacpp.runtime import RuntimeConfig
 from ktm.vllm.runtime import VLLMConfig
 
@@ -284,8 +285,8 @@ class KTMModel(nn.Module):
         self.applied_compressor: str | None = None
         self._compressor_warned = False
         # what the decode loop prefills and decodes through, and eval-mode scoring reads
-        # (None: torch; ktm.llamacpp.runtime.LlamaCppRuntime, ktm.vllm.runtime.VLLMRuntime)
-        self.runtime = None
+        # (ktm.decode.runtime: torch, llama.cpp or vLLM; picked by use_backend)
+        self.runtime = TorchRuntime(self)
         # decoding reads the LM with its LoRA folded into a separate copy of the adapted weights
         # (``ktm.core.lora_fold``, which says what that costs): True always, False never, None
         # when no LoRA weight trains (a model loaded with trainable=False)
@@ -545,7 +546,7 @@ class KTMModel(nn.Module):
 
         ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
         """
-        if self.runtime is not None and not self.training:
+        if not self.training:  # scoring: on the runtime (torch keeps the autograd graph)
             return self._runtime_loss(prompts, targets, merge, prefixes)
         t = self.target_logits(prompts, targets, merge, prefixes)
         tok_nll = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
@@ -555,12 +556,7 @@ class KTMModel(nn.Module):
 
     def _runtime_loss(self, prompts, targets, merge: bool, prefixes) -> LossOutput:
         """``forward`` in eval mode on a runtime (R, likelihoods, perplexity): its log-probs."""
-        if prefixes is None:
-            prefixes = self.encode_prompts(prompts, merge)
-        if len(prefixes) != len(targets):
-            raise KTMError(f"{len(prefixes)} prompts but {len(targets)} targets: expected equal")
-        tgt = [self.target_ids(t) for t in targets]
-        self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
+        prefixes, tgt = self._pairs(prompts, targets, merge, prefixes)
         tok_nll = -torch.cat(self.runtime.score(prefixes, tgt)).to(self.device, torch.float32)
         rows = torch.tensor([r for r, t in enumerate(tgt) for _ in t], device=self.device)
         nll = tok_nll.new_zeros(len(tgt)).index_add(0, rows, tok_nll)
@@ -569,17 +565,9 @@ class KTMModel(nn.Module):
                           sum(cp.tokens_in for cp in prefixes),
                           sum(cp.tokens_out for cp in prefixes))
 
-    def target_logits(
-        self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
-        merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
-        hidden: bool = False, prompt_hidden: bool = False,
-    ) -> TargetLogits:
-        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch.
-
-        ``hidden``: also each layer's hidden states (N, D) at those positions (distillation).
-        ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
-        M = all prefix positions of the batch, row by row (context alignment).
-        """
+    def _pairs(self, prompts, targets, merge: bool, prefixes
+               ) -> tuple[list[CompressedPrompt], list[list[int]]]:
+        """Checked (prompt, target) pairs: each prompt's prefix and its target's ids."""
         single = next((x for x in (prompts, targets) if isinstance(x, (str, Segment))), None)
         if single is not None:  # a str would be read as one prompt (or target) per character
             raise KTMError("expected a list of prompts and a list of targets, one each, got a "
@@ -595,6 +583,20 @@ class KTMModel(nn.Module):
                            "expected one each")
         tgt = [self.target_ids(t) for t in targets]
         self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
+        return prefixes, tgt
+
+    def target_logits(
+        self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
+        merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
+        hidden: bool = False, prompt_hidden: bool = False,
+    ) -> TargetLogits:
+        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch.
+
+        ``hidden``: also each layer's hidden states (N, D) at those positions (distillation).
+        ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
+        M = all prefix positions of the batch, row by row (context alignment).
+        """
+        prefixes, tgt = self._pairs(prompts, targets, merge, prefixes)
         seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
         p = self.pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
         longest = p.embeds.shape[1]
@@ -620,7 +622,7 @@ class KTMModel(nn.Module):
     # ---------------------------------------------------------------- generation
     @property
     def backend(self) -> str:
-        return "torch" if self.runtime is None else self.runtime.name
+        return self.runtime.name
 
     def use_backend(self, backend: str, source: str | Path | None = None,
                     gguf: str | Path | None = None,
@@ -630,13 +632,16 @@ class KTMModel(nn.Module):
         settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
         perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
         check_backend(backend)
-        detach(self)  # the runtime before, if any, is closed
         if backend == "llamacpp":
-            attach(self, source=source, gguf=gguf, config=config)
+            runtime = attach(self, source=source, gguf=gguf, config=config)
         elif backend == "vllm":
             from ktm.vllm.backend import make_runtime
 
-            self.runtime = make_runtime(self, config)
+            runtime = make_runtime(self, config)
+        else:
+            runtime = TorchRuntime(self)
+        self.runtime.close()  # the one before (a llama.cpp context, a vLLM engine) is freed
+        self.runtime = runtime
 
     def generate(self, prompts, **kwargs):
         """Text continuation of one prompt (returns str) or of a list of prompts (list[str]).

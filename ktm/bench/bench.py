@@ -73,10 +73,11 @@ class BenchConfig:
     mlp_ratios: tuple[float, ...] = field(default=(2.0,), metadata={
         "help": "encoder MLP width = ratio * K * hidden (2.0 = paper width); several to compare"})
     backends: tuple[str, ...] = field(default=("torch",), metadata={
-        "help": "runtimes that prefill and decode: torch and/or llamacpp (the [llamacpp] "
-                "extra); infer: each method on each, interleaved, speed-ups against the same "
-                "runtime's uncompressed run (on llamacpp: plain llama.cpp, the base GGUF with "
-                "no LoRA); serve: a server per runtime (ktm serve --backend)"})
+        "help": "runtimes that prefill and decode: torch, llamacpp (the [llamacpp] extra) "
+                "and/or vllm (docs/vllm.md); infer: each method on each, interleaved, speed-ups "
+                "against the same runtime's uncompressed run (on llamacpp: plain llama.cpp, the "
+                "base GGUF with no LoRA; on vllm: the same engine reading the prompt's own token "
+                "rows); serve: a server per runtime (ktm serve --backend)"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     plain_gguf: str | None = field(default=None, metadata={
@@ -270,19 +271,22 @@ def bench_runtimes(model, config: BenchConfig) -> dict:
     llama.cpp (the base GGUF alone, no LoRA). vLLM: one engine in this process on the model's
     export (the LoRA merged into the LM), which both read: merged prompts and plain ones, whose
     every row is a token's own embedding."""
-    runtimes = {}
+    own = model.runtime  # torch's
+    runtimes = {("torch", "ktm"): own, ("torch", "uncompressed"): own}
     try:
         if "llamacpp" in config.backends:
             runtimes.update(_llamacpp_runtimes(model, config))
+            model.runtime = own
         if "vllm" in config.backends:
             from ktm.vllm.runtime import VLLMConfig
 
             model.use_backend("vllm", config=VLLMConfig(max_num_seqs=max(config.batch_sizes)))
             runtimes["vllm", "ktm"] = runtimes["vllm", "uncompressed"] = model.runtime
-            model.runtime = None
+            model.runtime = own
     except BaseException:
-        for rt in set(runtimes.values()):
+        for rt in set(runtimes.values()) - {own}:
             rt.close()
+        model.runtime = own
         raise
     return runtimes
 
@@ -295,7 +299,7 @@ def _llamacpp_runtimes(model, config: BenchConfig) -> dict:
     cells = (max(config.lengths) + config.output_tokens + 8) * max(config.batch_sizes)
     rc = RuntimeConfig(context=cells, sequences=max(config.batch_sizes))
     model.use_backend("llamacpp", config=rc)
-    runtimes, model.runtime = {("llamacpp", "ktm"): model.runtime}, None
+    runtimes = {("llamacpp", "ktm"): model.runtime}
     try:
         if config.plain_gguf is not None:
             base = Path(config.plain_gguf).expanduser()
@@ -361,7 +365,7 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
     def run(m: Method) -> dict:
         if m.key in encs:
             model.encoder = encs[m.key]
-        model.runtime = runtimes.get((m.backend, m.name))  # None: torch
+        model.runtime = runtimes[m.backend, m.name]
         merge = m.name != "uncompressed"
         if config.mode == "infer":
             return infer_once(model, ids, merge, config.output_tokens)
@@ -439,8 +443,9 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                         **common})
     finally:
         bar.close()
-        model.runtime = None
-        for rt in set(runtimes.values()):  # vLLM's one engine serves two methods
+        own = runtimes["torch", "ktm"]
+        model.runtime = own
+        for rt in set(runtimes.values()) - {own}:  # vLLM's one engine serves two methods
             rt.close()
     return rows
 

@@ -36,9 +36,9 @@ def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Pat
 
 
 def attach(model, source: str | Path | None = None, gguf: str | Path | None = None,
-           config: RuntimeConfig | None = None) -> None:
-    """Make ``model`` decode through llama.cpp (``model.runtime``); ``source``: the checkpoint
-    folder it was loaded from, if any."""
+           config: RuntimeConfig | None = None) -> LlamaCppRuntime:
+    """A llama.cpp runtime for ``model`` (``KTMModel.use_backend`` makes it its runtime);
+    ``source``: the checkpoint folder it was loaded from, if any."""
     import_llama_cpp()  # the one-line install hint before any export work
     if model.config.spread_positions:
         from ktm.llamacpp.export import check_exportable
@@ -47,15 +47,7 @@ def attach(model, source: str | Path | None = None, gguf: str | Path | None = No
     where = export_dir(model, source, gguf)
     base, adapter = export_files(where, model)
     folded = read_manifest(where).get("model_gguf")
-    detach(model)
-    model.runtime = LlamaCppRuntime(base, adapter, config or RuntimeConfig())
+    runtime = LlamaCppRuntime(base, adapter, config or RuntimeConfig())
     # what a result row records of the runtime: whether the LoRA is folded in, and into what
-    model.runtime.files["folded_types"] = None if folded is None else folded["types"]
-
-
-def detach(model) -> None:
-    """Back to the torch path (the llama.cpp context is freed)."""
-    rt = getattr(model, "runtime", None)
-    if rt is not None:
-        rt.close()
-    model.runtime = None
+    runtime.files["folded_types"] = None if folded is None else folded["types"]
+    return runtime

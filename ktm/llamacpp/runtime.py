@@ -116,6 +116,10 @@ class LlamaCppRuntime:
     """A llama.cpp model (base GGUF + LoRA adapter GGUF) and one context over it."""
 
     name = "llamacpp"
+    gives_logits = True
+    joinable = True  # each row is a sequence of its own
+    rereads = False  # no use_cache=False: the cache is always kept
+    prefix_kv = None  # cached prefixes live in its own KV cache
 
     def __init__(self, base_gguf: str | Path, adapter_gguf: str | Path | None,
                  config: RuntimeConfig = RuntimeConfig()):
@@ -176,10 +180,12 @@ class LlamaCppRuntime:
 
     # ---- the two calls of ktm's decode loop --------------------------------------------------
 
-    def prefill(self, prefixes, sampling=None) -> LlamaState:
+    def prefill(self, prefixes, sampling=None, contexts=None, joinable: bool = False
+                ) -> LlamaState:
         """Read the prefixes (``CompressedPrompt``s), each into a free sequence of its own (the
         one whose cached rows it shares most), from the first row that sequence lacks.
-        ``sampling`` (the rows' ``GenerationConfig``s) is the decode loop's own business here."""
+        Sampling stays the decode loop's; cached rows are found by comparing them, so
+        ``contexts`` is not needed, and every batch can be joined."""
         free = [s for s in range(self.config.sequences) if s not in self.busy]
         if len(prefixes) > len(free):
             raise KTMError(f"{len(prefixes)} prompts, but this llama.cpp context has "
@@ -421,8 +427,12 @@ class LlamaCppRuntime:
             lib.llama_batch_free(batch)
             lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
-    def kv_bytes(self, cells: int) -> int:
-        """Bytes the KV cache holds for ``cells`` positions (keys and values of every layer)."""
+    def keep_prefixes(self, max_bytes: int) -> None:
+        """The cells keep what sequences held until they are needed: no budget of its own."""
+
+    def kv_bytes(self, state: LlamaState) -> int:
+        """Bytes the KV cache holds for the batch's rows (keys and values of every layer)."""
+        cells = sum(state.next_pos)
         lib = self.lib
         per = (lib.llama_model_n_layer(self.model) * 2 * lib.llama_model_n_head_kv(self.model)
                * (lib.llama_model_n_embd(self.model) // lib.llama_model_n_head(self.model)))

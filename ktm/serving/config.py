@@ -79,23 +79,23 @@ def load_served_model(cfg: ServeConfig):
     from ktm.model import load_any
 
     check_servable(cfg.model)
-    runtime = None
+    settings = None
     if cfg.backend == "llamacpp":
         from ktm.llamacpp.runtime import RuntimeConfig
 
         # one llama.cpp sequence per request decoding at once
-        runtime = RuntimeConfig(context=cfg.llamacpp_context, sequences=cfg.max_batch,
-                                kv_type=cfg.llamacpp_kv_type)
+        settings = RuntimeConfig(context=cfg.llamacpp_context, sequences=cfg.max_batch,
+                                 kv_type=cfg.llamacpp_kv_type)
     elif cfg.backend == "vllm":
         from ktm.vllm.runtime import VLLMConfig
 
-        runtime = VLLMConfig(url=cfg.vllm_url, server=cfg.vllm_server,
-                             kv_cache_gb=cfg.vllm_kv_cache_gb, max_num_seqs=cfg.max_batch)
+        settings = VLLMConfig(url=cfg.vllm_url, server=cfg.vllm_server,
+                              kv_cache_gb=cfg.vllm_kv_cache_gb, max_num_seqs=cfg.max_batch)
     model = load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)
-    if runtime is not None:
+    if cfg.backend != "torch":
         # a checkpoint folder that is a GGUF export serves its own files
         source = Path(cfg.model) if Path(cfg.model).is_dir() else None
-        model.use_backend(cfg.backend, source=source, gguf=cfg.gguf, config=runtime)
+        model.use_backend(cfg.backend, source=source, gguf=cfg.gguf, config=settings)
     return model
 
 

@@ -85,6 +85,7 @@ class VLLMState:
     logits: torch.Tensor  # (B, V): 0 at the token vLLM chose, -inf elsewhere
     chosen: list[int | None]  # that token; None once vLLM has finished the row
     reused: list[int] = field(default_factory=list)  # prefix rows vLLM found cached (unknown: 0)
+    positions: list[int] = field(default_factory=list)  # positions each row has read
 
 
 class VLLMRuntime:
@@ -92,6 +93,9 @@ class VLLMRuntime:
 
     name = "vllm"
     gives_logits = False  # a row's logits single out vLLM's choice: no distribution to report
+    joinable = True  # each row is a request of its own
+    rereads = False  # no use_cache=False: the cache is always kept
+    prefix_kv = None  # cached prefixes live in its own KV cache
 
     def __init__(self, export_dir: str | Path, config: VLLMConfig, eos_ids, pad_id: int):
         # a remote server needs the export only; vLLM runs there
@@ -112,9 +116,12 @@ class VLLMRuntime:
 
     # ---- the calls of ktm's decode loop and serving engine -----------------------------------
 
-    def prefill(self, prefixes, sampling=None) -> VLLMState:
+    def prefill(self, prefixes, sampling=None, contexts=None, joinable: bool = False
+                ) -> VLLMState:
         """Hand each prefix (a ``CompressedPrompt``) to vLLM with its row's sampling settings
-        (``GenerationConfig``s; None: greedy, 1 token); returns once every row has its first."""
+        (``GenerationConfig``s; None: greedy, 1 token); returns once every row has its first.
+        vLLM finds cached prefixes itself (``contexts`` is not needed), and every batch can be
+        joined."""
         rows = [self._rows(cp) for cp in prefixes]  # every row checked before any is sent
         ids = []
         try:
@@ -127,7 +134,8 @@ class VLLMRuntime:
         except BaseException:
             self._drop(ids)
             raise
-        return VLLMState(ids, self._one_hot(chosen), chosen, [0] * len(ids))
+        return VLLMState(ids, self._one_hot(chosen), chosen, [0] * len(ids),
+                         [r.shape[0] for r in rows])
 
     def advance(self, state: VLLMState, tokens: torch.Tensor) -> None:
         """The loop read ``tokens`` (B,): each row's next token from vLLM."""
@@ -137,10 +145,11 @@ class VLLMRuntime:
                                f"vLLM chose {want}")
         state.chosen = self._next(state.ids)
         state.logits = self._one_hot(state.chosen)
+        state.positions = [p + 1 for p in state.positions]
 
     def join(self, a: VLLMState, b: VLLMState) -> VLLMState:
         return VLLMState(a.ids + b.ids, torch.cat([a.logits, b.logits]), a.chosen + b.chosen,
-                         a.reused + b.reused)
+                         a.reused + b.reused, a.positions + b.positions)
 
     def keep(self, state: VLLMState, rows: list[int]) -> None:
         """Drop every row not in ``rows``: its request is aborted (a stop string, a client gone)."""
@@ -148,6 +157,7 @@ class VLLMRuntime:
         state.ids = [state.ids[j] for j in rows]
         state.chosen = [state.chosen[j] for j in rows]
         state.reused = [state.reused[j] for j in rows]
+        state.positions = [state.positions[j] for j in rows]
         state.logits = state.logits[rows]
 
     def release(self, state: VLLMState | None) -> None:
@@ -218,8 +228,12 @@ class VLLMRuntime:
                 **{k: v for k, v in asdict(self.config).items() if k != "url"},
                 "remote": self.config.url is not None}
 
-    def kv_bytes(self, cells: int) -> int:
-        """Bytes the KV cache holds for ``cells`` positions (keys and values of every layer)."""
+    def keep_prefixes(self, max_bytes: int) -> None:
+        """vLLM keeps its own prefix cache, within its KV cache."""
+
+    def kv_bytes(self, state: VLLMState) -> int:
+        """Bytes of keys and values (every layer) the batch's rows hold in vLLM's cache."""
+        cells = sum(state.positions)
         c = self.lm_config
         heads = c.get("num_key_value_heads") or c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -393,7 +407,7 @@ class VLLMServer(VLLMRuntime):
             cmd.append("--enforce-eager")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{self.config.kv_cache_gb:g}"}
         self.log = self.dir.parent / f".{self.dir.name}.vllm-server.log"
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab") as log:  # a log: appended, as metrics.jsonl
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}/v1"

@@ -135,9 +135,11 @@ def test_timed_path_matches_model_prefix_and_generate(ktm_model, merge):
 
 
 def test_timing_runs_through_generates_own_prefill_and_decode(ktm_model, monkeypatch):
-    """No copy of the decode loop: the benchmark calls ktm.decode.generate's prefill and advance."""
+    """No copy of the decode loop: the benchmark calls the model's runtime, whose torch prefill
+    and advance are ktm.decode.generate's."""
     import ktm.bench.measure as bm
     import ktm.decode.generate as gen
+    import ktm.decode.runtime as rt
 
     calls = {"prefill": 0, "advance": 0}
     for name in calls:
@@ -148,6 +150,7 @@ def test_timing_runs_through_generates_own_prefill_and_decode(ktm_model, monkeyp
             return _real(*a, **kw)
 
         monkeypatch.setattr(gen, name, counted)
+        monkeypatch.setattr(rt, name, counted)
         if hasattr(bm, name):
             monkeypatch.setattr(bm, name, counted)
     ids = [ktm_model.tokenize(synthetic_text(ktm_model, 12, seed=2,
