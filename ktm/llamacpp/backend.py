@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ktm.llamacpp.export import MANIFEST, export_files, export_gguf, export_key, read_manifest
 from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
-from ktm.util.fileio import flock
+from ktm.util.fileio import written_once
 
 
 def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Path:
@@ -25,14 +25,8 @@ def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Pat
         return Path(source)
     from ktm.core.base_model import cache_dir
 
-    dest = cache_dir() / "gguf" / export_key(model)
-    if not (dest / MANIFEST).is_file():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest.parent / f".{dest.name}.lock", "a") as lock:
-            flock(lock)  # two processes exporting the same model: the second waits and reuses
-            if not (dest / MANIFEST).is_file():
-                export_gguf(model, dest)
-    return dest
+    return written_once(cache_dir() / "gguf" / export_key(model), MANIFEST,
+                        lambda dest: export_gguf(model, dest))
 
 
 def attach(model, source: str | Path | None = None, gguf: str | Path | None = None,

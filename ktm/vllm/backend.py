@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ktm.errors import KTMError
-from ktm.util.fileio import flock
+from ktm.util.fileio import written_once
 from ktm.vllm.export import FORMAT_VERSION, MANIFEST, export_vllm, read_manifest
 from ktm.vllm.install import check_vllm
 from ktm.vllm.runtime import VLLMConfig, VLLMEngine, VLLMRuntime, VLLMServer
@@ -34,14 +34,8 @@ def export_dir(model) -> Path:
     """The cache folder of this model's vLLM export, written now if absent."""
     from ktm.core.base_model import cache_dir
 
-    dest = cache_dir() / "vllm" / export_key(model)
-    if not (dest / MANIFEST).is_file():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest.parent / f".{dest.name}.lock", "a") as lock:
-            flock(lock)  # two processes exporting the same model: the second waits and reuses
-            if not (dest / MANIFEST).is_file():
-                export_vllm(model, dest)
-    return dest
+    return written_once(cache_dir() / "vllm" / export_key(model), MANIFEST,
+                        lambda dest: export_vllm(model, dest))
 
 
 def make_runtime(model, config: VLLMConfig | None = None) -> VLLMRuntime:
