@@ -365,8 +365,11 @@ def serve(cfg: ServeConfig) -> None:
     model = load_served_model(cfg)
     print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
           f"http://{cfg.host}:{cfg.port}/v1", flush=True)
-    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                log_config=log_config(cfg.log_level))
+    try:
+        uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port,
+                    log_level=cfg.log_level, log_config=log_config(cfg.log_level))
+    finally:  # a vLLM engine's processes end with the server, also on SIGTERM
+        model.runtime.close()
 
 
 def log_config(level: str) -> dict:
