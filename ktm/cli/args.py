@@ -342,6 +342,10 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
                         help="llama.cpp KV-cache type: f16 (its default) or f32 (the torch "
                              f"path's precision exactly, no flash attention) (default: "
                              f"{d.kv_type!r})")
+    parser.add_argument("--llamacpp-deterministic", action="store_true",
+                        help="llama.cpp: greedy output independent of other requests and of "
+                             "what ran before (cells per sequence, no reused rows, a decode "
+                             "batch per row; slower under load)")
     parser.add_argument("--vllm-url", default=None, metavar="URL",
                         help="--backend vllm: a running vLLM server's /v1 address serving this "
                              "model's export (default: vLLM runs in this process)")
@@ -363,7 +367,8 @@ def runtime_config(args: argparse.Namespace):
         from ktm.llamacpp.runtime import RuntimeConfig
 
         return RuntimeConfig(context=args.llamacpp_context, sequences=args.llamacpp_sequences,
-                             kv_type=args.llamacpp_kv_type)
+                             kv_type=args.llamacpp_kv_type,
+                             deterministic=args.llamacpp_deterministic)
     return None
 
 

@@ -44,6 +44,10 @@ class ServeConfig:
                 "trained context, at most 16384)"})
     llamacpp_kv_type: str = field(default="f16", metadata={
         "help": "llama.cpp KV-cache type", "choices": ["f16", "f32"]})
+    llamacpp_deterministic: bool = field(default=False, metadata={
+        "help": "llama.cpp: greedy output independent of other requests and of what ran before "
+                "(cells per sequence, no reused rows, a decode batch per row; slower under "
+                "load)"})
     vllm_url: str | None = field(default=None, metadata={
         "help": "--backend vllm: a running vLLM server's /v1 address serving this model's "
                 "export (default: vLLM runs in this process)"})
@@ -85,7 +89,8 @@ def load_served_model(cfg: ServeConfig):
 
         # one llama.cpp sequence per request decoding at once
         settings = RuntimeConfig(context=cfg.llamacpp_context, sequences=cfg.max_batch,
-                                 kv_type=cfg.llamacpp_kv_type)
+                                 kv_type=cfg.llamacpp_kv_type,
+                                 deterministic=cfg.llamacpp_deterministic)
     elif cfg.backend == "vllm":
         from ktm.vllm.runtime import VLLMConfig
 
