@@ -189,3 +189,11 @@ def test_only_the_runtimes_and_the_one_picker_ask_which_backend_runs(module):
     """The decode loop, the serving engine, scoring and the rest call the model's runtime and
     never ask which it is; what differs is said by the runtime's attributes."""
     assert backend_checks(module) == []
+
+
+@pytest.mark.slow  # starts a process
+def test_ruff_finds_nothing():
+    """The lint the project claims (pyproject's [tool.ruff]), run with the test command."""
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "ktm", "tests", "results"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
