@@ -98,6 +98,9 @@ CONTEXT_SUFFIX = RESULTS / "readers" / "context_suffix4"
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
                   16: RESULTS / "bench" / "llamacpp_out16.json"}
+# R of the same reader on vLLM's CPU build, fp32 and bf16, beside torch's (ktm eval --readability)
+VLLM_R = {"torch (fp32)": "k4s2_readability.json", "vLLM, fp32": "k4s2_readability_vllm.json",
+          "vLLM, bf16": "k4s2_readability_vllm_bf16.json"}
 # vLLM's CPU build (ktm bench --backends vllm): one reader's timings, and ktm serve in front of it
 VLLM_BENCH = RESULTS / "bench" / "vllm_out128.json"
 VLLM_SERVE = (RESULTS / "bench" / "vllm_serve_k4.json", RESULTS / "bench" / "vllm_serve_k2.json")
@@ -185,11 +188,11 @@ def readers() -> str:
     return "\n".join(lines)
 
 
-def llamacpp_r() -> str:
+def llamacpp_r(runs: dict[str, str] = LLAMACPP_R) -> str:
     """The K=4 consecutive-position reader's R on torch and on llama.cpp, per way of running its
     LoRA there (``ktm eval --readability``, ``--backend llamacpp``)."""
     lines = ["| runtime | R code | R reviews | revision | file |", "|---|---|---|---|---|"]
-    for label, name in LLAMACPP_R.items():
+    for label, name in runs.items():
         path = RESULTS / "readers" / name
         row = json.loads(path.read_text())
         r = row["readability"]
@@ -257,6 +260,11 @@ def serve_llamacpp() -> str:
             lines.append(f"| {r['backend']} | {r['ttft_uncached_s']:.2f} s | "
                          f"{r['ttft_cached_s']:.2f} s |")
     return "\n".join(lines) + f"\n\nFile: `{rel(SERVE_LLAMACPP)}`."
+
+
+def vllm_r() -> str:
+    """The same reader's R on vLLM in fp32 and bf16, beside torch's."""
+    return llamacpp_r(VLLM_R)
 
 
 def vllm() -> str:
@@ -418,7 +426,7 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "llamacpp": llamacpp, "llamacpp_r": llamacpp_r,
                                         "context": context, "serve_llamacpp": serve_llamacpp,
                                         "vllm": vllm, "serve_vllm": serve_vllm,
-                                        "determinism": determinism}
+                                        "determinism": determinism, "vllm_r": vllm_r}
 
 
 def render(text: str, page: Path) -> str:
