@@ -61,10 +61,10 @@ class GenerationConfig:
             raise KTMError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):
-    """(B, V) logits -> (B,) next tokens, greedy or temperature/top-p sampling."""
-    if not cfg.do_sample:
-        return logits.argmax(-1)
+def sampling_probs(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+    """(B, V) logits -> (B, V) the weights sampling draws from: softmax at ``temperature``, then
+    only the smallest set of most likely tokens whose mass reaches ``top_p`` (unnormalised:
+    ``torch.multinomial`` normalises)."""
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -72,7 +72,14 @@ def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generato
         drop = sorted_p.cumsum(-1) - sorted_p >= cfg.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return probs
+
+
+def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):
+    """(B, V) logits -> (B,) next tokens, greedy or temperature/top-p sampling."""
+    if not cfg.do_sample:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, cfg), 1, generator=gen).squeeze(-1)
 
 
 def select_rows(logits: torch.Tensor, cfg: GenerationConfig,
