@@ -114,7 +114,9 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def create_app(model, cfg: ServeConfig) -> FastAPI:
+def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
+    """``owns_model``: the server's end is the model's (``ktm serve``), so its runtime is
+    closed then: a vLLM engine's processes end with the server."""
     engine = Engine(model, cfg)
     started = int(time.time())
 
@@ -123,6 +125,8 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         engine.start()
         yield
         engine.shutdown()
+        if owns_model:  # here, not after uvicorn.run: on SIGTERM uvicorn re-raises the signal
+            model.runtime.close()
 
     app = FastAPI(title="ktm serve", lifespan=lifespan)
     app.state.engine = engine
@@ -365,11 +369,8 @@ def serve(cfg: ServeConfig) -> None:
     model = load_served_model(cfg)
     print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
           f"http://{cfg.host}:{cfg.port}/v1", flush=True)
-    try:
-        uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port,
-                    log_level=cfg.log_level, log_config=log_config(cfg.log_level))
-    finally:  # a vLLM engine's processes end with the server, also on SIGTERM
-        model.runtime.close()
+    uvicorn.run(create_app(model, cfg, owns_model=True), host=cfg.host, port=cfg.port,
+                log_level=cfg.log_level, log_config=log_config(cfg.log_level))
 
 
 def log_config(level: str) -> dict:
