@@ -41,9 +41,19 @@ from ktm.core.lora_fold import FoldedLM
 from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
 from ktm.core.prompt import PromptLike, Segment, as_segments, split_prompts
 from ktm.core.tokens import SegmentTokenizer
+from ktm.decode.runtime import TorchRuntime
 from ktm.errors import KTMError
-from ktm.llamacpp.backend import attach, check_backend, detach
+from ktm.llamacpp.backend import attach
 from ktm.llamacpp.runtime import RuntimeConfig
+from ktm.vllm.runtime import VLLMConfig
+
+# what runs the LM while decoding and scoring: chosen here, and only here (``use_backend``)
+BACKENDS = ("torch", "llamacpp", "vllm")
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise KTMError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 # -- building: KTMModel.from_base and KTMModel.load ----------------------------------------------
 
@@ -174,6 +184,7 @@ def load(
     backend: str = "torch",
     gguf: str | Path | None = None,
     llamacpp: RuntimeConfig | None = None,
+    vllm: VLLMConfig | None = None,
 ) -> KTMModel:
     """Load a checkpoint folder or a shipped reader's name (e.g. ``"smollm2-135m-k4"``).
 
@@ -186,9 +197,11 @@ def load(
     several levels read at a ratio). ``backend="llamacpp"``: prefill and
     decode through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from the GGUF export
     ``gguf`` (None: the checkpoint folder if it is one, else an export written once into the
-    cache); ``llamacpp``: its context settings. Raises ``KTMError`` for a folder that is not a
-    checkpoint, a K it cannot merge at, or a base model whose sizes or tokenizer disagree with
-    the saved ones."""
+    cache); ``llamacpp``: its context settings. ``backend="vllm"``: through vLLM (``ktm.vllm``;
+    its install step in docs/serving.md), from an export written once into the cache;
+    ``vllm``: where vLLM runs (in this process, a server started here, or ``url``). Raises
+    ``KTMError`` for a folder that is not a checkpoint, a K it cannot merge at, or a base model
+    whose sizes or tokenizer disagree with the saved ones."""
     from ktm.readers import resolve_checkpoint
 
     if not isinstance(directory, (str, Path)):
@@ -245,7 +258,8 @@ def load(
     model.scorer.table = checkpoint.read_surprisal(directory)
     model = model.train(trainable) if trainable else model.eval()
     if backend != "torch":
-        model.use_backend(backend, source=directory, gguf=gguf, config=llamacpp)
+        model.use_backend(backend, source=directory, gguf=gguf,
+                          config=vllm if backend == "vllm" else llamacpp)
     return model
 
 
@@ -280,8 +294,9 @@ class KTMModel(nn.Module):
         # per-token scores for a segment read at a ratio (ktm.core.allocate); its surprisal
         # table is the reader's own (saved beside it), if it has one
         self.scorer = Scorer(tokenizer, lm=self._lm_surprisal)
-        # the llama.cpp runtime the decode loop prefills and decodes through (None: torch)
-        self.runtime = None  # a ktm.llamacpp.runtime.LlamaCppRuntime
+        # what the decode loop prefills and decodes through, and eval-mode scoring reads
+        # (ktm.decode.runtime: torch, llama.cpp or vLLM; picked by use_backend)
+        self.runtime = TorchRuntime(self)
         # decoding reads the LM with its LoRA folded into a separate copy of the adapted weights
         # (``ktm.core.lora_fold``, which says what that costs): True always, False never, None
         # when no LoRA weight trains (a model loaded with trainable=False)
@@ -559,23 +574,28 @@ class KTMModel(nn.Module):
 
         ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
         """
+        if not self.training:  # scoring: on the runtime (torch keeps the autograd graph)
+            return self._runtime_loss(prompts, targets, merge, prefixes)
         t = self.target_logits(prompts, targets, merge, prefixes)
         tok_nll = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
         nll = tok_nll.new_zeros(len(t.lengths)).index_add(0, t.rows, tok_nll)
         n_tokens = torch.tensor(t.lengths, device=self.device)
         return LossOutput(tok_nll.mean(), nll, n_tokens, t.tokens_in, t.tokens_out)
 
-    def target_logits(
-        self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
-        merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
-        hidden: bool = False, prompt_hidden: bool = False,
-    ) -> TargetLogits:
-        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch.
+    def _runtime_loss(self, prompts, targets, merge: bool, prefixes) -> LossOutput:
+        """``forward`` in eval mode on a runtime (R, likelihoods, perplexity): its log-probs."""
+        prefixes, tgt = self._pairs(prompts, targets, merge, prefixes)
+        tok_nll = -torch.cat(self.runtime.score(prefixes, tgt)).to(self.device, torch.float32)
+        rows = torch.tensor([r for r, t in enumerate(tgt) for _ in t], device=self.device)
+        nll = tok_nll.new_zeros(len(tgt)).index_add(0, rows, tok_nll)
+        return LossOutput(tok_nll.mean(), nll, torch.tensor([len(t) for t in tgt],
+                                                            device=self.device),
+                          sum(cp.tokens_in for cp in prefixes),
+                          sum(cp.tokens_out for cp in prefixes))
 
-        ``hidden``: also each layer's hidden states (N, D) at those positions (distillation).
-        ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
-        M = all prefix positions of the batch, row by row (context alignment).
-        """
+    def _pairs(self, prompts, targets, merge: bool, prefixes
+               ) -> tuple[list[CompressedPrompt], list[list[int]]]:
+        """Checked (prompt, target) pairs: each prompt's prefix and its target's ids."""
         single = next((x for x in (prompts, targets) if isinstance(x, (str, Segment))), None)
         if single is not None:  # a str would be read as one prompt (or target) per character
             raise KTMError("expected a list of prompts and a list of targets, one each, got a "
@@ -591,15 +611,20 @@ class KTMModel(nn.Module):
                            "expected one each")
         tgt = [self.target_ids(t) for t in targets]
         self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
-        if self.runtime is not None and not self.training and not (hidden or prompt_hidden):
-            # scoring on the llama.cpp backend (R, likelihoods, perplexity); training stays here
-            logits = self.runtime.target_logits(prefixes, tgt)
-            return TargetLogits(
-                torch.cat(logits).to(self.device),
-                torch.tensor([i for t in tgt for i in t], device=self.device),
-                torch.tensor([r for r, t in enumerate(tgt) for _ in t], device=self.device),
-                [len(t) for t in tgt], sum(cp.tokens_in for cp in prefixes),
-                sum(cp.tokens_out for cp in prefixes))
+        return prefixes, tgt
+
+    def target_logits(
+        self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
+        merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
+        hidden: bool = False, prompt_hidden: bool = False,
+    ) -> TargetLogits:
+        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch.
+
+        ``hidden``: also each layer's hidden states (N, D) at those positions (distillation).
+        ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
+        M = all prefix positions of the batch, row by row (context alignment).
+        """
+        prefixes, tgt = self._pairs(prompts, targets, merge, prefixes)
         seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
         p = self.pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
         longest = p.embeds.shape[1]
@@ -625,19 +650,26 @@ class KTMModel(nn.Module):
     # ---------------------------------------------------------------- generation
     @property
     def backend(self) -> str:
-        return "torch" if self.runtime is None else "llamacpp"
+        return self.runtime.name
 
     def use_backend(self, backend: str, source: str | Path | None = None,
-                    gguf: str | Path | None = None, config: RuntimeConfig | None = None) -> None:
-        """Decode through ``backend``: ``"torch"`` or ``"llamacpp"`` (see ``load``; ``source``:
-        the checkpoint folder this model was loaded from). Generation and, in eval mode, scoring
-        (``forward``, ``target_logits``: R, likelihoods, perplexity) run on llama.cpp; training
-        and hidden states stay on torch."""
+                    gguf: str | Path | None = None,
+                    config: RuntimeConfig | VLLMConfig | None = None) -> None:
+        """Decode through ``backend``: ``"torch"``, ``"llamacpp"`` or ``"vllm"`` (see ``load``;
+        ``source``: the checkpoint folder this model was loaded from; ``config``: the backend's
+        settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
+        perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
         check_backend(backend)
-        if backend == "torch":
-            detach(self)
+        if backend == "llamacpp":
+            runtime = attach(self, source=source, gguf=gguf, config=config)
+        elif backend == "vllm":
+            from ktm.vllm.backend import make_runtime
+
+            runtime = make_runtime(self, config)
         else:
-            attach(self, source=source, gguf=gguf, config=config)
+            runtime = TorchRuntime(self)
+        self.runtime.close()  # the one before (a llama.cpp context, a vLLM engine) is freed
+        self.runtime = runtime
 
     def generate(self, prompts, **kwargs):
         """Text continuation of one prompt (returns str) or of a list of prompts (list[str]).
@@ -686,7 +718,7 @@ DEFAULT_K = 4
 
 def load_any(model: str, k: int | None = None, device: str = "cpu",
              dtype: str | torch.dtype = "float32", backend: str = "torch",
-             llamacpp: RuntimeConfig | None = None):
+             llamacpp: RuntimeConfig | None = None, vllm: VLLMConfig | None = None):
     """``k``: a base model's K (default 4); for a checkpoint, if given, it must match."""
     from ktm.readers import READERS
 
@@ -694,12 +726,12 @@ def load_any(model: str, k: int | None = None, device: str = "cpu",
     dt = parse_dtype(dtype)
     if (Path(model) / "ktm_config.json").is_file() or model in READERS:
         return KTMModel.load(model, k=k, device=device, dtype=dt, backend=backend,
-                             llamacpp=llamacpp)
+                             llamacpp=llamacpp, vllm=vllm)
     k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
     # frozen like a loaded checkpoint: served or exported, never trained (decoding then folds
     # the LoRA, ``KTMModel.fold_lora``)
     out = KTMModel.from_base(model, k=k, use_mlp=False, device=device,
                              dtype=dt).requires_grad_(False)
     if backend != "torch":
-        out.use_backend(backend, config=llamacpp)
+        out.use_backend(backend, config=vllm if backend == "vllm" else llamacpp)
     return out

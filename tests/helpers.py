@@ -31,6 +31,26 @@ CORPUS = [
 ]
 
 
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def skip_unless_ci(why: str) -> None:
+    """A test needs something this install lacks: skip it on a development install, but fail
+    under CI, whose test command installs everything a test needs (a skip there would pass a
+    test unseen)."""
+    if IN_CI:
+        pytest.fail(f"{why}; CI installs it", pytrace=False)
+    pytest.skip(why)
+
+
+def require_module(name: str, why: str) -> None:
+    """``skip_unless_ci`` for a module that is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        skip_unless_ci(why)
+
+
 def build_tokenizer(bos: bool = False, eos: bool = False) -> PreTrainedTokenizerFast:
     """``bos``: the tokenizer puts <bos> before every text, as Llama 3's or Gemma's does;
     ``eos``: it puts <eos> after every text, as Llama 2's with ``add_eos_token`` does."""

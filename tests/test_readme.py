@@ -14,11 +14,13 @@ README = (REPO / "README.md").read_text()
 # the pages a user follows: their commands must run as written (results/LOG.md is history)
 PAGES = {"README.md": README, "results/README.md": (REPO / "results" / "README.md").read_text()
          } | {f"docs/{p.name}": p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
-# flags of the launchers and servers the README also shows (torchrun, accelerate, pip, vllm)
+# flags of the launchers, servers and scripts the pages also show (torchrun, accelerate, pip,
+# vllm, results/determinism.py)
 OTHER_TOOLS = {"--cpu", "--enable-prompt-embeds", "--machine_rank", "--main_process_ip",
                "--main_process_port", "--master_addr", "--master_port", "--multi_gpu",
                "--nnodes", "--no-deps", "--node_rank", "--nproc_per_node", "--num_machines",
-               "--num_processes", "--served-model-name", "--standalone"}
+               "--num_processes", "--served-model-name", "--standalone",
+               "--tensor-parallel-size", "--pipeline-parallel-size", "--runtimes"}
 
 
 def shown_commands(text: str = README) -> list[str]:

@@ -15,7 +15,7 @@ KTM = Path(ktm.__file__).parent
 REPO = KTM.parent
 # the layers, bottom up: a module may import its own layer and the layers below it, never a layer
 # above it nor another layer of the same rank (docs/design.md draws the same map)
-RANK = {"errors": 0, "util": 1, "core": 2, "readers": 3, "decode": 3, "llamacpp": 3,
+RANK = {"errors": 0, "util": 1, "core": 2, "readers": 3, "decode": 3, "llamacpp": 3, "vllm": 3,
         "model": 4, "tasks": 4, "compressors": 5, "evaluation": 5, "training": 6, "serving": 7,
         "bench": 8, "cli": 9}
 TOP_MODULES = {"__init__.py", "errors.py", "model.py"}
@@ -152,3 +152,48 @@ def test_python_m_ktm_cli_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "ktm.cli", "--help"], capture_output=True,
                          text=True, check=True)
     assert "usage: ktm" in out.stdout
+
+
+# where a backend may be named: the runtimes themselves, the one place that picks one
+# (KTMModel.use_backend), the flags that build a backend's settings, and the benchmark, which
+# builds the runtimes it compares and labels its rows with them
+NAMES_BACKENDS = {"ktm.model", "ktm.cli.args", "ktm.serving.config", "ktm.bench.bench"}
+RUNTIME_HOMES = ("ktm.decode.runtime", "ktm.llamacpp.", "ktm.vllm.")
+BACKENDS = {"torch", "llamacpp", "vllm"}
+RUNTIME_CLASSES = {"TorchRuntime", "LlamaCppRuntime", "VLLMRuntime", "VLLMEngine", "VLLMServer"}
+
+
+def backend_checks(module: str) -> list[str]:
+    """Comparisons with a backend's name, ``runtime is (not) None`` tests and isinstance checks
+    of a runtime class in a module, as 'line: code'."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            values = [v for c in sides
+                      for v in (c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set)) else [c])]
+            named = any(isinstance(v, ast.Constant) and v.value in BACKENDS for v in values)
+            is_none = (any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+                       and "runtime" in ast.unparse(node.left))
+            if named or is_none:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+              and any(getattr(n, "id", None) in RUNTIME_CLASSES for n in ast.walk(node))):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in NAMES_BACKENDS
+                                    and not m.startswith(RUNTIME_HOMES)])
+def test_only_the_runtimes_and_the_one_picker_ask_which_backend_runs(module):
+    """The decode loop, the serving engine, scoring and the rest call the model's runtime and
+    never ask which it is; what differs is said by the runtime's attributes."""
+    assert backend_checks(module) == []
+
+
+@pytest.mark.slow  # starts a process
+def test_ruff_finds_nothing():
+    """The lint the project claims (pyproject's [tool.ruff]), run with the test command."""
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "ktm", "tests", "results"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr

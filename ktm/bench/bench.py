@@ -40,7 +40,7 @@ from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.core.encoder import KTokenEncoder
 from ktm.errors import KTMError
-from ktm.llamacpp.backend import BACKENDS
+from ktm.model import BACKENDS
 from ktm.training.train import adamw
 from ktm.util.fileio import check_writable, write_json_atomic
 from ktm.util.provenance import git_revision, versions
@@ -77,10 +77,11 @@ class BenchConfig:
         "help": "adaptive merging: also read each prompt at these ratios (tokens per position), "
                 "with the model's own encoder levels and allocator, its time included"})
     backends: tuple[str, ...] = field(default=("torch",), metadata={
-        "help": "runtimes that prefill and decode: torch and/or llamacpp (the [llamacpp] "
-                "extra); infer: each method on each, interleaved, speed-ups against the same "
-                "runtime's uncompressed run (on llamacpp: plain llama.cpp, the base GGUF with "
-                "no LoRA); serve: a server per runtime (ktm serve --backend)"})
+        "help": "runtimes that prefill and decode: torch, llamacpp (the [llamacpp] extra) "
+                "and/or vllm (docs/vllm.md); infer: each method on each, interleaved, speed-ups "
+                "against the same runtime's uncompressed run (on llamacpp: plain llama.cpp, the "
+                "base GGUF with no LoRA; on vllm: the same engine reading the prompt's own token "
+                "rows); serve: a server per runtime (ktm serve --backend)"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     plain_gguf: str | None = field(default=None, metadata={
@@ -250,7 +251,9 @@ def load_model(config: BenchConfig):
                                    mlp_ratio=config.mlp_ratios[0], device=config.device,
                                    dtype=dtype)
         return model if train else model.requires_grad_(False)
-    if (Path(config.model) / "ktm_config.json").is_file():
+    from ktm.readers import READERS
+
+    if (Path(config.model) / "ktm_config.json").is_file() or config.model in READERS:
         return KTMModel.load(config.model, device=config.device, dtype=dtype, trainable=train)
     model = KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
                                device=config.device, dtype=dtype)
@@ -270,11 +273,34 @@ def methods_of(config: BenchConfig, top_k: int = 1) -> list[Method]:
 
 
 def bench_runtimes(model, config: BenchConfig) -> dict:
-    """The llama.cpp runtimes by method name, with cells for the longest prompt and its answer
-    in every row of the largest batch: ``ktm``, the model's own (exported once into the cache),
-    and ``uncompressed``, plain llama.cpp (the base GGUF alone, no LoRA); {} without llamacpp."""
-    if "llamacpp" not in config.backends:
-        return {}
+    """The runtimes by (backend, method name); torch runs without one.
+
+    llama.cpp: cells for the longest prompt and its answer in every row of the largest batch;
+    ``ktm``, the model's own (exported once into the cache), and ``uncompressed``, plain
+    llama.cpp (the base GGUF alone, no LoRA). vLLM: one engine in this process on the model's
+    export (the LoRA merged into the LM), which both read: merged prompts and plain ones, whose
+    every row is a token's own embedding."""
+    own = model.runtime  # torch's
+    runtimes = {("torch", "ktm"): own, ("torch", "uncompressed"): own}
+    try:
+        if "llamacpp" in config.backends:
+            runtimes.update(_llamacpp_runtimes(model, config))
+            model.runtime = own
+        if "vllm" in config.backends:
+            from ktm.vllm.runtime import VLLMConfig
+
+            model.use_backend("vllm", config=VLLMConfig(max_num_seqs=max(config.batch_sizes)))
+            runtimes["vllm", "ktm"] = runtimes["vllm", "uncompressed"] = model.runtime
+            model.runtime = own
+    except BaseException:
+        for rt in set(runtimes.values()) - {own}:
+            rt.close()
+        model.runtime = own
+        raise
+    return runtimes
+
+
+def _llamacpp_runtimes(model, config: BenchConfig) -> dict:
     from ktm.llamacpp.backend import export_dir
     from ktm.llamacpp.export import export_files
     from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig
@@ -282,7 +308,7 @@ def bench_runtimes(model, config: BenchConfig) -> dict:
     cells = (max(config.lengths) + config.output_tokens + 8) * max(config.batch_sizes)
     rc = RuntimeConfig(context=cells, sequences=max(config.batch_sizes))
     model.use_backend("llamacpp", config=rc)
-    runtimes, model.runtime = {"ktm": model.runtime}, None  # each method picks its runtime
+    runtimes = {("llamacpp", "ktm"): model.runtime}
     try:
         if config.plain_gguf is not None:
             base = Path(config.plain_gguf).expanduser()
@@ -291,9 +317,9 @@ def bench_runtimes(model, config: BenchConfig) -> dict:
                                "GGUF of the model's base")
         else:
             base, _ = export_files(export_dir(model, None, None), model, plain=True)
-        runtimes["uncompressed"] = LlamaCppRuntime(base, None, rc)
+        runtimes["llamacpp", "uncompressed"] = LlamaCppRuntime(base, None, rc)
     except BaseException:
-        runtimes["ktm"].close()
+        runtimes["llamacpp", "ktm"].close()
         raise
     return runtimes
 
@@ -351,7 +377,7 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
     def run(m: Method) -> dict:
         if m.key in encs:
             model.encoder = encs[m.key]
-        model.runtime = runtimes[m.name] if m.backend == "llamacpp" else None
+        model.runtime = runtimes[m.backend, m.name]
         merge = m.name != "uncompressed"
         if config.mode == "infer":
             return infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
@@ -416,8 +442,8 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                     rows.append({
                         "method": m.name, "k": m.k, "mlp_ratio": m.mlp_ratio,
                         "backend": m.backend,
-                        **({"llamacpp": runtimes[m.name].record()}
-                           if m.backend == "llamacpp" else {}),
+                        **({m.backend: runtimes[m.backend, m.name].record()}
+                           if m.backend != "torch" else {}),
                         "encoder_params": sum(p.numel() for p in enc.parameters()) if enc else 0,
                         "input_tokens": length, "batch": batch, "repeats": config.repeats,
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
@@ -431,8 +457,9 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                         **common})
     finally:
         bar.close()
-        model.runtime = None
-        for rt in runtimes.values():
+        own = runtimes["torch", "ktm"]
+        model.runtime = own
+        for rt in set(runtimes.values()) - {own}:  # vLLM's one engine serves two methods
             rt.close()
     return rows
 

@@ -11,10 +11,9 @@ import ctypes
 import threading
 
 import torch
-from transformers import DynamicCache
 
 from ktm.core.prompt import Segment
-from ktm.decode.generate import GenerationConfig, decode_steps, prefill
+from ktm.decode.generate import GenerationConfig, decode_steps
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
 from ktm.training.train import train_step
@@ -112,13 +111,6 @@ def encode_prefix(model, rows: list[list[int]], merge: bool, ratio: float | None
     return model.encode_prompts(prompts, merge)
 
 
-def cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of every layer's cached keys and values (a ``RoomyLayer``'s free room, the same for
-    every method, not counted)."""
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
-
-
 class PeakMemory:
     """Peak memory inside a ``with`` block: CUDA max allocated, or process RSS sampled on CPU.
 
@@ -186,23 +178,18 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
     ``sample_memory`` False: no RSS sampling thread beside the timed code (``PeakMemory``)."""
     dev = model.device
     cfg = GenerationConfig(max_new_tokens=output_tokens, stop_at_eos=False)
-    runtime = getattr(model, "runtime", None)  # the llama.cpp backend
-    if runtime is not None:
-        runtime.clear()  # a timed run prefills everything: no rows cached from the last one
+    runtime = model.runtime
+    runtime.clear()  # a timed run prefills everything: no rows cached from the last one
     with PeakMemory(dev, 0.002 if sample_memory else None) as mem:
         t0 = clock(dev)
         prefixes = encode_prefix(model, rows, merge, ratio)
         t1 = clock(dev)
-        if runtime is None:
-            state = prefill(model, prefixes, room=output_tokens - 1)  # as decode_steps' own
-        else:
-            state = runtime.prefill(prefixes)
+        state = runtime.prefill(prefixes, [cfg] * len(prefixes))  # as decode_steps' own
         t2 = clock(dev)
         steps = decode_steps(model, None, cfg, state=state)
         tokens = [next(steps)]
         t3 = clock(dev)
-        kv = cache_bytes(state.cache) if runtime is None else runtime.kv_bytes(
-            sum(cp.tokens_out for cp in prefixes))
+        kv = runtime.kv_bytes(state)
         tokens += list(steps)
         t4 = clock(dev)
     b, decoded = len(rows), output_tokens - 1

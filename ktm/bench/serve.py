@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -81,15 +82,22 @@ class Server:
             cmd += ["--k", str(k)]
         if config.threads:
             cmd += ["--threads", str(config.threads)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+        # stderr to a file, not a pipe: processes the server starts (vLLM's engine) inherit it,
+        # and a pipe held open by one of them would never reach its end
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.err,
+                                     env={**os.environ, "TQDM_DISABLE": "1"})
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read().decode("utf-8", "replace")
 
     def __enter__(self) -> Server:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise KTMError(f"ktm serve exited with {self.proc.returncode}: "
-                               f"{self.proc.stderr.read()[-2000:]}")
+                               f"{self.stderr()[-2000:]}")
             try:
                 if json.loads(self.get("/health"))["status"] == "ok":
                     return self
@@ -100,10 +108,11 @@ class Server:
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         try:
-            self.proc.communicate(timeout=60)
+            self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.communicate()
+            self.proc.wait()
+        self.err.close()
 
     def get(self, path: str) -> str:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)

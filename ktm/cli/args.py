@@ -360,15 +360,17 @@ def load_or_build(args: argparse.Namespace):
 
 
 def backend_args(parser: argparse.ArgumentParser) -> None:
-    """``--backend torch|llamacpp`` and the llama.cpp context's settings."""
-    from ktm.llamacpp.backend import BACKENDS
+    """``--backend torch|llamacpp|vllm``, the llama.cpp context's settings and where vLLM runs."""
     from ktm.llamacpp.runtime import KV_TYPES, RuntimeConfig
+    from ktm.model import BACKENDS
+    from ktm.vllm.runtime import VLLMConfig
 
-    d = RuntimeConfig()
+    d, v = RuntimeConfig(), VLLMConfig()
     parser.add_argument("--backend", choices=BACKENDS, default="torch",
-                        help="what prefills and decodes: torch, or llama.cpp (the [llamacpp] "
+                        help="what prefills and decodes: torch; llama.cpp (the [llamacpp] "
                              "extra; the model is exported to GGUF once, into the cache, unless "
-                             "--gguf names an export) (default: 'torch')")
+                             "--gguf names an export); or vLLM (installed as docs/serving.md "
+                             "says; exported once into the cache) (default: 'torch')")
     parser.add_argument("--gguf", metavar="DIR", default=None,
                         help="a GGUF export of this model (ktm export --format gguf) for "
                              "--backend llamacpp")
@@ -381,13 +383,34 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
                         help="llama.cpp KV-cache type: f16 (its default) or f32 (the torch "
                              f"path's precision exactly, no flash attention) (default: "
                              f"{d.kv_type!r})")
+    parser.add_argument("--llamacpp-deterministic", action="store_true",
+                        help="llama.cpp: greedy output independent of other requests and of "
+                             "what ran before (cells per sequence, no reused rows, a decode "
+                             "batch per row; slower under load)")
+    parser.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="--backend vllm: a running vLLM server's /v1 address serving this "
+                             "model's export (default: vLLM runs in this process)")
+    parser.add_argument("--vllm-server", action="store_true",
+                        help="--backend vllm: start a vLLM server process instead of an engine "
+                             "in this process")
+    parser.add_argument("--vllm-kv-cache-gb", type=float, default=v.kv_cache_gb, metavar="GB",
+                        help=f"--backend vllm: its CPU KV cache (default: {v.kv_cache_gb:g})")
 
 
 def runtime_config(args: argparse.Namespace):
-    from ktm.llamacpp.runtime import RuntimeConfig
+    """The settings of the ``--backend`` the command was given (None for torch)."""
+    if args.backend == "vllm":
+        from ktm.vllm.runtime import VLLMConfig
 
-    return RuntimeConfig(context=args.llamacpp_context, sequences=args.llamacpp_sequences,
-                         kv_type=args.llamacpp_kv_type)
+        return VLLMConfig(url=args.vllm_url, server=args.vllm_server,
+                          kv_cache_gb=args.vllm_kv_cache_gb)
+    if args.backend == "llamacpp":
+        from ktm.llamacpp.runtime import RuntimeConfig
+
+        return RuntimeConfig(context=args.llamacpp_context, sequences=args.llamacpp_sequences,
+                             kv_type=args.llamacpp_kv_type,
+                             deterministic=args.llamacpp_deterministic)
+    return None
 
 
 def build_task(t: TaskArgs, options: Sequence[str] = ()):

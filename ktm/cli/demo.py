@@ -27,7 +27,6 @@ from ktm.bench.measure import infer_once
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.core.prompt import prompt_text
-from ktm.decode.generate import prefill
 from ktm.errors import KTMError
 from ktm.evaluation.evaluate import evaluate_classification, summary
 from ktm.evaluation.readability import readability
@@ -83,7 +82,7 @@ def time_prefill(model: KTMModel, prompts, repeats: int = 5) -> dict:
     device."""
     def once(merge: bool) -> float:
         t0 = clock(model.device)
-        prefill(model, model.encode_prompts(prompts, merge))
+        model.runtime.prefill(model.encode_prompts(prompts, merge))
         return clock(model.device) - t0
 
     once(True), once(False)  # warm-up

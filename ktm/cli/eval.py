@@ -131,9 +131,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def backend_record(model) -> dict:
-    """The backend a row was measured on (llama.cpp: its files and context settings)."""
-    rt = getattr(model, "runtime", None)
-    return {"name": "torch"} if rt is None else {"name": "llamacpp", **rt.record()}
+    """The backend a row was measured on (llama.cpp, vLLM: their files and settings)."""
+    return {"name": model.runtime.name, **model.runtime.record()}
 
 
 def _write_predictions(path: str, examples, preds, answers) -> None:

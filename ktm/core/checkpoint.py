@@ -64,6 +64,7 @@ def write_model_files(model, directory: Path) -> None:
     model.peft.save_pretrained(str(directory / ADAPTER), safe_serialization=True)
     if model.scorer.table is not None:  # the reader's own surprisal table (ktm.core.surprisal)
         model.scorer.table.save(directory / SURPRISAL)
+    record_base_by_name(directory / ADAPTER / "adapter_config.json", model.config.base_model)
     write_json_atomic(directory / CONFIG, {"format": "ktm", "format_version": FORMAT_VERSION,
                                            **model.config_dict, "versions": versions()})
 
@@ -305,13 +306,27 @@ def load_weights_into(model, directory: str | Path) -> None:
     load_adapter_into(model, directory)
 
 
+def record_base_by_name(adapter_config: Path, base_model: str) -> None:
+    """PEFT records the base as the path it was loaded from (a cache folder of this machine);
+    a checkpoint records it by name instead (an embedded model's, else its folder's), its
+    identity being ``ktm_config.json``'s ``base_identity``: no local path ships."""
+    cfg = json.loads(adapter_config.read_text())
+    cfg["base_model_name_or_path"] = Path(base_model).name
+    write_json_atomic(adapter_config, cfg)
+
+
 def load_peft(lm, directory: str | Path, trainable: bool) -> PeftModel:
     """The base LM with the checkpoint's LoRA adapter (trainable adapter weights stay fp32)."""
     path = Path(directory) / ADAPTER
     try:
         with peft_wrapping():
-            return PeftModel.from_pretrained(lm, str(path), is_trainable=trainable)
+            peft = PeftModel.from_pretrained(lm, str(path), is_trainable=trainable)
     except FILE_ERRORS as e:
         raise KTMError(f"LoRA adapter in {str(path)!r} is missing or corrupt, or does not fit the "
                        f"base model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                        ) from e
+    # the saved adapter names its base (``record_base_by_name``); PEFT reads the base's files
+    # from the path it holds when it saves again, so it holds where the base is here
+    for cfg in peft.peft_config.values():
+        cfg.base_model_name_or_path = lm.name_or_path
+    return peft

@@ -53,7 +53,7 @@ class LayerStates:
     callable the encoder holds (not a module: never saved or trained).
 
     ``lm``: the causal LM whose layers are read (a ``KTMModel``'s base under its PEFT wrapper,
-    or the export's copy of the first layers, ``ktm.serving.vllm_export``); ``adapter_off``: a
+    or the export's copy of the first layers, ``ktm.vllm.export``); ``adapter_off``: a
     context manager under which ``lm`` computes as the base model (PEFT's ``disable_adapter``;
     none for a plain LM)."""
 

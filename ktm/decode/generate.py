@@ -61,10 +61,10 @@ class GenerationConfig:
             raise KTMError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):
-    """(B, V) logits -> (B,) next tokens, greedy or temperature/top-p sampling."""
-    if not cfg.do_sample:
-        return logits.argmax(-1)
+def sampling_probs(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+    """(B, V) logits -> (B, V) the weights sampling draws from: softmax at ``temperature``, then
+    only the smallest set of most likely tokens whose mass reaches ``top_p`` (unnormalised:
+    ``torch.multinomial`` normalises)."""
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -72,7 +72,14 @@ def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generato
         drop = sorted_p.cumsum(-1) - sorted_p >= cfg.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return probs
+
+
+def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):
+    """(B, V) logits -> (B,) next tokens, greedy or temperature/top-p sampling."""
+    if not cfg.do_sample:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, cfg), 1, generator=gen).squeeze(-1)
 
 
 def select_rows(logits: torch.Tensor, cfg: GenerationConfig,
@@ -166,6 +173,7 @@ class DecodeState:
     # the LM prefill read with (``KTMModel.decode_lm``: the LoRA-folded view, or None for the
     # PEFT model): every later step of the batch reads with the same weights as its cache
     via: torch.nn.Module | None = None
+    reused: list[int] = field(default_factory=list)  # leading rows each row found cached
 
 
 @torch.no_grad()
@@ -206,10 +214,10 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
     """Yield (B,) token ids per step; rows that have finished repeat the pad id.
 
     ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them;
-    ``state``: a batch ``prefill`` has already read (the benchmark times the prefill apart).
-    A model with a ``runtime`` (the llama.cpp backend) prefills and advances through it.
+    ``state``: a batch the runtime has already prefilled (the benchmark times the prefill apart).
+    The model's runtime (``ktm.decode.runtime``: torch, llama.cpp or vLLM) prefills and advances.
     """
-    runtime = getattr(model, "runtime", None)
+    runtime = model.runtime
     if state is None:
         if prefixes is None:
             with torch.no_grad(), eval_mode(model):
@@ -219,19 +227,15 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
                            "expected one each")
         # the last new token is returned, never read back: it takes no position
         model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
-        if runtime is None:
-            # the last new token is never read back: max_new_tokens - 1 positions follow
-            state = prefill(model, prefixes, cfg.use_cache, room=cfg.max_new_tokens - 1)
-        elif not cfg.use_cache:
-            raise KTMError("use_cache=False re-runs the whole sequence on the torch path (the "
-                           "test reference); the llama.cpp backend always keeps its KV cache")
-        else:
-            state = runtime.prefill(prefixes)
+        if not (cfg.use_cache or runtime.rereads):
+            raise KTMError(f"use_cache=False re-runs the whole sequence on the torch path (the "
+                           f"test reference); the {runtime.name} backend always keeps its KV "
+                           "cache")
+        state = runtime.prefill(prefixes, [cfg] * len(prefixes))
     try:
         yield from _steps(model, state, cfg, runtime)
-    finally:
-        if runtime is not None:  # done, failed or abandoned: its sequences are free again
-            runtime.release(state)
+    finally:  # done, failed or abandoned: its rows are let go
+        runtime.release(state)
 
 
 def _steps(model, state, cfg: GenerationConfig, runtime) -> Iterator[torch.Tensor]:
@@ -249,10 +253,7 @@ def _steps(model, state, cfg: GenerationConfig, runtime) -> Iterator[torch.Tenso
             if bool(finished.all()):
                 return
         if i + 1 < cfg.max_new_tokens:
-            if runtime is None:
-                advance(model, state, nxt)
-            else:
-                runtime.advance(state, nxt)
+            runtime.advance(state, nxt)
 
 
 def _trim(ids: list[int], eos: frozenset[int], stop: bool) -> list[int]:

@@ -11,17 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ktm.errors import KTMError
 from ktm.llamacpp.export import MANIFEST, export_files, export_gguf, export_key, read_manifest
 from ktm.llamacpp.runtime import LlamaCppRuntime, RuntimeConfig, import_llama_cpp
-from ktm.util.fileio import flock
-
-BACKENDS = ("torch", "llamacpp")
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise KTMError(f"backend must be one of {BACKENDS}, got {backend!r}")
+from ktm.util.fileio import written_once
 
 
 def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Path:
@@ -33,20 +25,14 @@ def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Pat
         return Path(source)
     from ktm.core.base_model import cache_dir
 
-    dest = cache_dir() / "gguf" / export_key(model)
-    if not (dest / MANIFEST).is_file():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest.parent / f".{dest.name}.lock", "a") as lock:
-            flock(lock)  # two processes exporting the same model: the second waits and reuses
-            if not (dest / MANIFEST).is_file():
-                export_gguf(model, dest)
-    return dest
+    return written_once(cache_dir() / "gguf" / export_key(model), MANIFEST,
+                        lambda dest: export_gguf(model, dest))
 
 
 def attach(model, source: str | Path | None = None, gguf: str | Path | None = None,
-           config: RuntimeConfig | None = None) -> None:
-    """Make ``model`` decode through llama.cpp (``model.runtime``); ``source``: the checkpoint
-    folder it was loaded from, if any."""
+           config: RuntimeConfig | None = None) -> LlamaCppRuntime:
+    """A llama.cpp runtime for ``model`` (``KTMModel.use_backend`` makes it its runtime);
+    ``source``: the checkpoint folder it was loaded from, if any."""
     import_llama_cpp()  # the one-line install hint before any export work
     if model.config.spread_positions:
         from ktm.llamacpp.export import check_exportable
@@ -55,15 +41,7 @@ def attach(model, source: str | Path | None = None, gguf: str | Path | None = No
     where = export_dir(model, source, gguf)
     base, adapter = export_files(where, model)
     folded = read_manifest(where).get("model_gguf")
-    detach(model)
-    model.runtime = LlamaCppRuntime(base, adapter, config or RuntimeConfig())
+    runtime = LlamaCppRuntime(base, adapter, config or RuntimeConfig())
     # what a result row records of the runtime: whether the LoRA is folded in, and into what
-    model.runtime.files["folded_types"] = None if folded is None else folded["types"]
-
-
-def detach(model) -> None:
-    """Back to the torch path (the llama.cpp context is freed)."""
-    rt = getattr(model, "runtime", None)
-    if rt is not None:
-        rt.close()
-    model.runtime = None
+    runtime.files["folded_types"] = None if folded is None else folded["types"]
+    return runtime

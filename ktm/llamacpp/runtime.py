@@ -53,7 +53,11 @@ class RuntimeConfig:
     ``DEFAULT_CONTEXT``); ``sequences``: prompts one batch may hold;
     ``kv_type``: the cache's number type (f32 for exact parity with the torch path);
     ``threads``: None for torch's thread count; ``gpu_layers``: layers offloaded where
-    llama.cpp was built for a GPU (0 on a CPU build)."""
+    llama.cpp was built for a GPU (0 on a CPU build). ``deterministic``: greedy output that
+    depends on nothing but the prompt: each sequence gets its own cells (``context /
+    sequences`` each, instead of sharing all), every prompt is read from its first row (no rows
+    reused from an earlier request), and each row is decoded in a llama.cpp batch of its own;
+    it costs the batched decode's throughput (docs/llamacpp.md)."""
 
     context: int | None = None
     sequences: int = 16
@@ -61,6 +65,11 @@ class RuntimeConfig:
     threads: int | None = None
     gpu_layers: int = 0
     kv_type: str = "f16"  # the KV cache's type: f16 (llama.cpp's default, half the memory) | f32
+    deterministic: bool = False
+    # llama.cpp's weight layouts repacked for this CPU (its "extra buffer types"): off, as on a
+    # Xeon with AMX and AVX-512 llama-cpp-python 0.3.36's decode of the Q4_1 GGUF crashes with
+    # them (a segmentation fault at the first llama_decode)
+    extra_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_type not in KV_TYPES:
@@ -115,6 +124,12 @@ _LOG_CALLBACK = None
 class LlamaCppRuntime:
     """A llama.cpp model (base GGUF + LoRA adapter GGUF) and one context over it."""
 
+    name = "llamacpp"
+    gives_logits = True
+    joinable = True  # each row is a sequence of its own
+    rereads = False  # no use_cache=False: the cache is always kept
+    prefix_kv = None  # cached prefixes live in its own KV cache
+
     def __init__(self, base_gguf: str | Path, adapter_gguf: str | Path | None,
                  config: RuntimeConfig = RuntimeConfig()):
         self.lib = lib = import_llama_cpp()
@@ -125,6 +140,7 @@ class LlamaCppRuntime:
         self.config = config
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = config.gpu_layers
+        mparams.use_extra_bufts = config.extra_buffers
         self.model = lib.llama_model_load_from_file(str(base_gguf).encode(), mparams)
         if not self.model:
             raise KTMError(f"llama.cpp could not load the GGUF model {str(base_gguf)!r}: "
@@ -145,7 +161,9 @@ class LlamaCppRuntime:
         cparams.n_batch = config.batch
         cparams.n_ubatch = config.batch
         cparams.n_seq_max = config.sequences
-        cparams.kv_unified = True  # sequences share the cells: one long prompt may use them all
+        # sequences share the cells (one long prompt may use them all), unless each must read
+        # its cache laid out the same whatever the others hold
+        cparams.kv_unified = not config.deterministic
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.no_perf = True
@@ -174,9 +192,12 @@ class LlamaCppRuntime:
 
     # ---- the two calls of ktm's decode loop --------------------------------------------------
 
-    def prefill(self, prefixes) -> LlamaState:
+    def prefill(self, prefixes, sampling=None, contexts=None, joinable: bool = False
+                ) -> LlamaState:
         """Read the prefixes (``CompressedPrompt``s), each into a free sequence of its own (the
-        one whose cached rows it shares most), from the first row that sequence lacks."""
+        one whose cached rows it shares most), from the first row that sequence lacks.
+        Sampling stays the decode loop's; cached rows are found by comparing them, so
+        ``contexts`` is not needed, and every batch can be joined."""
         free = [s for s in range(self.config.sequences) if s not in self.busy]
         if len(prefixes) > len(free):
             raise KTMError(f"{len(prefixes)} prompts, but this llama.cpp context has "
@@ -184,9 +205,16 @@ class LlamaCppRuntime:
                            f"at most {self.config.sequences} prompts decoding at once "
                            "(--llamacpp-sequences)")
         seqs, logits, next_pos, reused = [], [], [], []
+        own = self.context // self.config.sequences  # a sequence's cells when not shared
         try:
-            for cp in prefixes:
+            for cp, cfg in zip(prefixes, sampling or [None] * len(prefixes)):
                 embeds, positions = self._rows(cp)
+                need = embeds.shape[0] + (cfg.max_new_tokens if cfg is not None else 1)
+                if self.config.deterministic and need > own:
+                    raise KTMError(f"a prompt of {embeds.shape[0]} rows and its answer need "
+                                   f"{need} KV cells, but a deterministic llama.cpp context "
+                                   f"gives each of its {self.config.sequences} sequences "
+                                   f"{own}: expected a larger --llamacpp-context")
                 seq = max(free, key=lambda s: self._shared(s, embeds, positions))
                 free.remove(seq)
                 self.busy.add(seq)
@@ -205,7 +233,16 @@ class LlamaCppRuntime:
         return LlamaState(seqs, next_pos, torch.stack(logits), reused)
 
     def advance(self, state: LlamaState, tokens: torch.Tensor) -> None:
-        """Feed one token per row, all rows in one llama.cpp batch; updates ``state``."""
+        """Feed one token per row, all rows in one llama.cpp batch (deterministic: a batch per
+        row, the shape a request decoded alone has); updates ``state``."""
+        if self.config.deterministic and len(state.seqs) > 1:
+            rows = [LlamaState([seq], [pos], state.logits[j:j + 1])
+                    for j, (seq, pos) in enumerate(zip(state.seqs, state.next_pos))]
+            for j, row in enumerate(rows):
+                self.advance(row, tokens[j:j + 1])
+            state.logits = torch.cat([row.logits for row in rows])
+            state.next_pos = [row.next_pos[0] for row in rows]
+            return
         lib = self.lib
         ids = tokens.tolist()
         batch = lib.llama_batch_init(len(ids), 0, 1)
@@ -242,6 +279,11 @@ class LlamaCppRuntime:
                 self.release(state)
             out.append(torch.stack(rows))
         return out
+
+    def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]:
+        """Per prompt, the (T,) log-probabilities of its target tokens (from ``target_logits``)."""
+        return [torch.log_softmax(lg.float(), -1)[torch.arange(len(t)), torch.tensor(t)]
+                for lg, t in zip(self.target_logits(prefixes, targets), targets)]
 
     def _feed_tokens(self, seq: int, ids: list[int], start: int) -> torch.Tensor:
         """Token ids at positions ``start..`` of one sequence, in batches; (len, V) logits."""
@@ -304,7 +346,7 @@ class LlamaCppRuntime:
         """Leading rows of a prefix that sequence ``seq`` already holds, at most all but the
         last (whose logits the decode starts from)."""
         held = self.held[seq]
-        if held.embeds is None:
+        if held.embeds is None or self.config.deterministic:
             return 0
         m = min(held.embeds.shape[0], embeds.shape[0] - 1)
         same = (held.embeds[:m] == embeds[:m]).all(-1) & (held.positions[:m] == positions[:m])
@@ -413,8 +455,12 @@ class LlamaCppRuntime:
             lib.llama_batch_free(batch)
             lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
-    def kv_bytes(self, cells: int) -> int:
-        """Bytes the KV cache holds for ``cells`` positions (keys and values of every layer)."""
+    def keep_prefixes(self, max_bytes: int) -> None:
+        """The cells keep what sequences held until they are needed: no budget of its own."""
+
+    def kv_bytes(self, state: LlamaState) -> int:
+        """Bytes the KV cache holds for the batch's rows (keys and values of every layer)."""
+        cells = sum(state.next_pos)
         lib = self.lib
         per = (lib.llama_model_n_layer(self.model) * 2 * lib.llama_model_n_head_kv(self.model)
                * (lib.llama_model_n_embd(self.model) // lib.llama_model_n_head(self.model)))
@@ -424,7 +470,11 @@ class LlamaCppRuntime:
         """What a result row records of this runtime: its files and context settings."""
         from dataclasses import asdict
 
-        return {**self.files, **asdict(self.config), "context": self.context,
+        # a file by its folder and name (an export's folder is its fingerprint, the embedded
+        # GGUF's its package): never a path of this machine
+        files = {k: v if not isinstance(v, str) else "/".join(Path(v).parts[-2:])
+                 for k, v in self.files.items()}
+        return {**files, **asdict(self.config), "context": self.context,
                 "llama_cpp_python": getattr(self.lib, "__version__", None)}
 
     def close(self) -> None:

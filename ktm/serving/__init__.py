@@ -3,9 +3,8 @@
     config.py    ServeConfig (the CLI flags) and loading the served model
     protocol.py  request shapes, the ``ktm`` extension field, OpenAI's error shape
     prompts.py   requests -> token-id segments (chat template split around the contents)
-    engine.py    continuous batching (prefill/advance + join/keep_rows), prefix cache
+    engine.py    continuous batching on the model's runtime (torch, llama.cpp or vLLM)
     logprobs.py  logprobs of generated tokens, held until their text is released; OpenAI's shapes
-    cache.py     the bytes-bounded LRU behind the prefix cache
     app.py       FastAPI routes, SSE streaming, uvicorn
 """
 

@@ -114,7 +114,9 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def create_app(model, cfg: ServeConfig) -> FastAPI:
+def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
+    """``owns_model``: the server's end is the model's (``ktm serve``), so its runtime is
+    closed then: a vLLM engine's processes end with the server."""
     engine = Engine(model, cfg)
     started = int(time.time())
 
@@ -123,6 +125,8 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
         engine.start()
         yield
         engine.shutdown()
+        if owns_model:  # here, not after uvicorn.run: on SIGTERM uvicorn re-raises the signal
+            model.runtime.close()
 
     app = FastAPI(title="ktm serve", lifespan=lifespan)
     app.state.engine = engine
@@ -185,6 +189,10 @@ def create_app(model, cfg: ServeConfig) -> FastAPI:
                                status=404)
         body.check_stream_options()
         logprobs = body.logprobs_asked()
+        if logprobs is not None and not engine.logits:
+            raise RequestError(f"logprobs are not available on the {model.backend} backend: it "
+                               "samples inside its own engine and returns tokens only",
+                               param="logprobs")
         max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
                       else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
@@ -361,8 +369,8 @@ def serve(cfg: ServeConfig) -> None:
     model = load_served_model(cfg)
     print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
           f"http://{cfg.host}:{cfg.port}/v1", flush=True)
-    uvicorn.run(create_app(model, cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                log_config=log_config(cfg.log_level))
+    uvicorn.run(create_app(model, cfg, owns_model=True), host=cfg.host, port=cfg.port,
+                log_level=cfg.log_level, log_config=log_config(cfg.log_level))
 
 
 def log_config(level: str) -> dict:

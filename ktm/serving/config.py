@@ -32,9 +32,11 @@ class ServeConfig:
     prefix_cache_mb: float = field(default=512.0, metadata={
         "help": "memory for reused merged segments and context KV (0: off)"})
     backend: str = field(default="torch", metadata={
-        "help": "what prefills and decodes: torch, or llamacpp (the [llamacpp] extra; the model "
-                "is exported to GGUF once, into the cache, unless --gguf names an export)",
-        "choices": ["torch", "llamacpp"]})
+        "help": "what prefills and decodes: torch; llamacpp (the [llamacpp] extra; the model "
+                "is exported to GGUF once, into the cache, unless --gguf names an export); or "
+                "vllm (exported once into the cache; this server merges prompts and forwards "
+                "them to vLLM)",
+        "choices": ["torch", "llamacpp", "vllm"]})
     gguf: str | None = field(default=None, metadata={
         "help": "a GGUF export of the model (ktm export --format gguf) for --backend llamacpp"})
     llamacpp_context: int | None = field(default=None, metadata={
@@ -42,6 +44,17 @@ class ServeConfig:
                 "trained context, at most 16384)"})
     llamacpp_kv_type: str = field(default="f16", metadata={
         "help": "llama.cpp KV-cache type", "choices": ["f16", "f32"]})
+    llamacpp_deterministic: bool = field(default=False, metadata={
+        "help": "llama.cpp: greedy output independent of other requests and of what ran before "
+                "(cells per sequence, no reused rows, a decode batch per row; slower under "
+                "load)"})
+    vllm_url: str | None = field(default=None, metadata={
+        "help": "--backend vllm: a running vLLM server's /v1 address serving this model's "
+                "export (default: vLLM runs in this process)"})
+    vllm_server: bool = field(default=False, metadata={
+        "help": "--backend vllm: start a vLLM server process instead of an engine in this one"})
+    vllm_kv_cache_gb: float = field(default=1.0, metadata={
+        "help": "--backend vllm: its CPU KV cache in GiB"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -70,18 +83,24 @@ def load_served_model(cfg: ServeConfig):
     from ktm.model import load_any
 
     check_servable(cfg.model)
-    runtime = None
-    if cfg.backend != "torch":
+    settings = None
+    if cfg.backend == "llamacpp":
         from ktm.llamacpp.runtime import RuntimeConfig
 
         # one llama.cpp sequence per request decoding at once
-        runtime = RuntimeConfig(context=cfg.llamacpp_context, sequences=cfg.max_batch,
-                                kv_type=cfg.llamacpp_kv_type)
+        settings = RuntimeConfig(context=cfg.llamacpp_context, sequences=cfg.max_batch,
+                                 kv_type=cfg.llamacpp_kv_type,
+                                 deterministic=cfg.llamacpp_deterministic)
+    elif cfg.backend == "vllm":
+        from ktm.vllm.runtime import VLLMConfig
+
+        settings = VLLMConfig(url=cfg.vllm_url, server=cfg.vllm_server,
+                              kv_cache_gb=cfg.vllm_kv_cache_gb, max_num_seqs=cfg.max_batch)
     model = load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)
-    if runtime is not None:
+    if cfg.backend != "torch":
         # a checkpoint folder that is a GGUF export serves its own files
         source = Path(cfg.model) if Path(cfg.model).is_dir() else None
-        model.use_backend(cfg.backend, source=source, gguf=cfg.gguf, config=runtime)
+        model.use_backend(cfg.backend, source=source, gguf=cfg.gguf, config=settings)
     return model
 
 

@@ -1,7 +1,8 @@
 """The serving engine: one thread that decodes all running requests together.
 
-Continuous batching with the functions ``decode_steps`` uses (``ktm.decode.generate.prefill``,
-``advance``, ``select_next``) plus ``ktm.decode.batched``'s ``join`` and ``keep_rows``:
+Continuous batching on the model's runtime (``ktm.decode.runtime``: torch, llama.cpp or vLLM),
+through the calls ``decode_steps`` makes (``prefill``, ``advance``) plus ``join`` and ``keep``,
+with ``ktm.decode.generate.select_next`` picking each row's token:
 
     loop: admit waiting requests -> prefill them together -> join them to the running batch
           -> pick one token per row (each row with its own sampling settings and generator)
@@ -12,8 +13,9 @@ An idle engine waits ``batch_window_ms`` after a request so that requests arrivi
 prefilled together; while it is decoding, arrivals join at the next step. Rows never affect each
 other (left padding, position ids of real positions only), so batching does not change outputs.
 
-Prefix cache: the merged embeddings of every compressed segment are kept (LRU, bytes-bounded),
-and so is the KV of a prompt's leading context (up to its last merged segment). A request whose
+Prefix cache: the merged embeddings of every compressed segment are kept here (LRU,
+bytes-bounded), and the runtime keeps the KV of a prompt's leading context (up to its last merged
+segment; torch within this budget, llama.cpp and vLLM in their own caches). A request whose
 context was seen before prefills only what follows it.
 
 Torch work runs on this thread; the asyncio server only queues requests and relays text.
@@ -32,14 +34,13 @@ import torch
 
 from ktm.core.batch import CompressedPrompt
 from ktm.core.prompt import Segment
-from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
-from ktm.decode.generate import DecodeState, GenerationConfig, advance, prefill, select_next
+from ktm.decode.generate import GenerationConfig, select_next
 from ktm.decode.text_stream import TextStream
-from ktm.serving.cache import LRUCache
 from ktm.serving.config import ServeConfig
 from ktm.serving.logprobs import TokenLogprob, Trail, step_logprobs
 from ktm.serving.prompts import context_of
 from ktm.serving.protocol import RequestError
+from ktm.util.lru import LRUCache
 
 log = logging.getLogger("ktm.serving")
 
@@ -74,16 +75,20 @@ class Job:
         return sum(len(s.ids) for s in self.segments)
 
 
+def sampling(job: Job, limit: int) -> GenerationConfig:
+    """A request's decoding settings: temperature 0 or top_p 0 (a nucleus of the most likely
+    token only) is greedy."""
+    return GenerationConfig(max_new_tokens=limit, do_sample=job.temperature > 0 and job.top_p > 0,
+                            temperature=job.temperature or 1.0, top_p=job.top_p or 1.0,
+                            seed=job.seed, stop_at_eos=not job.ignore_eos)
+
+
 class Row:
     """A running request: its sampling settings, token count and released text."""
 
     def __init__(self, job: Job, model, cp: CompressedPrompt, cached: int, limit: int):
         self.job, self.limit, self.n = job, limit, 0
-        # temperature 0 or top_p 0 (a nucleus of the most likely token only): greedy
-        self.cfg = GenerationConfig(max_new_tokens=limit,
-                                    do_sample=job.temperature > 0 and job.top_p > 0,
-                                    temperature=job.temperature or 1.0, top_p=job.top_p or 1.0,
-                                    seed=job.seed, stop_at_eos=not job.ignore_eos)
+        self.cfg = sampling(job, limit)
         self.gen = None
         if self.cfg.do_sample and job.seed is not None:
             self.gen = torch.Generator(device=model.device).manual_seed(job.seed)
@@ -123,15 +128,16 @@ class Engine:
         self.model, self.cfg = model, cfg
         self.context: int | None = model.max_positions
         budget = int(cfg.prefix_cache_mb * 2**20)
-        # the llama.cpp backend keeps the KV of every sequence itself (ktm.llamacpp.runtime)
-        self.runtime = getattr(model, "runtime", None)
-        self.rebatch = self.runtime is not None or can_rebatch(model)  # else: windowed batches
+        self.runtime = model.runtime
+        # vLLM samples inside its own step and hands back tokens, not a distribution
+        self.logits = self.runtime.gives_logits
+        self.rebatch = self.runtime.joinable  # else: windowed batches
         self.merged = LRUCache(budget // 8)
-        self.kv = LRUCache(budget - budget // 8 if self.rebatch and self.runtime is None else 0)
+        self.runtime.keep_prefixes(budget - budget // 8)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._rows: list[Row] = []
-        self._batch: DecodeState | None = None
+        self._batch = None  # the runtime's state of the running rows
         # llama.cpp: requests wait for KV cells while this many rows or more run (None: no wait)
         self._cells_wait: int | None = None
         self._stopping = False
@@ -154,6 +160,12 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def kv(self) -> LRUCache | None:
+        """The KV of leading contexts, where the runtime keeps it within this server's budget
+        (None: in a cache of its own)."""
+        return self.runtime.prefix_kv
+
     def submit(self, *jobs: Job) -> None:
         """Queue ``jobs`` (the choices of one request): all of them, or none if they do not fit."""
         with self._cond:
@@ -175,7 +187,7 @@ class Engine:
         return {"running": len(self._rows), "waiting": len(self._waiting),
                 "max_batch": self.cfg.max_batch, "continuous_batching": self.rebatch,
                 **self.counts, "prefix_cache": {"merged": self.merged.stats(),
-                                                "kv": self.kv.stats()},
+                                                "kv": None if self.kv is None else self.kv.stats()},
                 "last_error": self.last_error}
 
     # ---------------------------------------------------------------- the engine thread
@@ -254,8 +266,11 @@ class Engine:
         """The llama.cpp backend's KV cells are shared by all sequences: admit requests, in
         order, while the cells they may come to hold (prompt rows + tokens they may generate)
         fit beside the running rows'; the rest wait, first in line, until a row ends. One that
-        cannot fit even alone is answered with an error."""
+        cannot fit even alone is answered with an error. A runtime that counts no cells (a
+        vLLM server) schedules its cache itself."""
         total = self.runtime.context
+        if total is None:
+            return keep
         free = total - sum(r.cells for r in self._rows)
         fit, later = [], []
         for job, cp, limit in keep:
@@ -290,52 +305,29 @@ class Engine:
             return
         self._rows += rows  # first: a failed join (it grows the batch's cache) fails them too
         for part in parts:
-            if self._batch is None:
-                self._batch = part
-            elif self.runtime is not None:
-                self._batch = self.runtime.join(self._batch, part)
-            else:
-                self._batch = join(self._batch, part)
+            self._batch = part if self._batch is None else self.runtime.join(self._batch, part)
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
-    def _prefill(self, jobs: list[Job]) -> tuple[list[DecodeState], list[Row]]:
+    def _prefill(self, jobs: list[Job]) -> tuple[list, list[Row]]:
         cps = self.model.encode_prompts([j.segments for j in jobs], cache=self.merged)
-        parts: list[DecodeState] = []
-        rows: list[Row] = []
-        misses = []
-        if self.runtime is not None:  # it finds cached rows itself, whatever the prompt shares
-            keep = [(job, cp, self._limit(job, cp)) for job, cp in zip(jobs, cps)]
-            keep = self._fit_cells([(job, cp, limit) for job, cp, limit in keep
-                                    if limit is not None])
-            if not keep:
-                return [], []
-            state = self.runtime.prefill([cp for _, cp, _ in keep])
-            return [state], [Row(job, self.model, cp, n, limit)
-                             for (job, cp, limit), n in zip(keep, state.reused)]
-        for job, cp in zip(jobs, cps):
-            limit = self._limit(job, cp)
-            if limit is None:
-                continue
-            context = context_of(job.segments)
-            key = tuple((s.ids, s.compress) for s in context) if context else None
-            stored = self.kv.get(key) if key is not None else None
-            n = 0 if stored is None else min(stored[0][0].shape[-2], cp.tokens_out - 1)
-            if n < 1:
-                misses.append((job, cp, limit, context, key))
-                continue
-            past = [(k[:, :, :n], v[:, :, :n]) for k, v in stored]
-            rest = None if cp.positions is None else cp.positions[n:]
-            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:], rest))
-            rows.append(Row(job, self.model, cp, n, limit))
-        if misses:
-            batch = prefill(self.model, [m[1] for m in misses])
-            for i, (job, cp, limit, context, key) in enumerate(misses):
-                if key is not None and self.kv.max_bytes and key not in self.kv:
-                    n = self.model.encode_prompts([context], cache=self.merged)[0].tokens_out
-                    self.kv[key] = row_kv(batch, i, n)
-                rows.append(Row(job, self.model, cp, 0, limit))
-            parts.append(batch)
-        return parts, rows
+        keep = [(job, cp, self._limit(job, cp)) for job, cp in zip(jobs, cps)]
+        keep = self._fit_cells([(job, cp, limit) for job, cp, limit in keep if limit is not None])
+        if not keep:
+            return [], []
+        state = self.runtime.prefill([cp for _, cp, _ in keep],
+                                     [sampling(job, limit) for job, _, limit in keep],
+                                     [self._context(job) for job, _, _ in keep], joinable=True)
+        return [state], [Row(job, self.model, cp, n, limit)
+                         for (job, cp, limit), n in zip(keep, state.reused)]
+
+    def _context(self, job: Job) -> tuple[tuple, int] | None:
+        """A prompt's leading context (up to its last merged segment) as the runtime may keep
+        its KV: its key and merged row count; None when there is none or nothing is kept."""
+        context = context_of(job.segments)
+        if not context or self.kv is None or not self.kv.max_bytes:
+            return None
+        n = self.model.encode_prompts([context], cache=self.merged)[0].tokens_out
+        return tuple((s.ids, s.compress) for s in context), n
 
     def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:
         """(B, V) -> (B,) next tokens: greedy rows at once, sampled rows each with its own
@@ -393,10 +385,7 @@ class Engine:
         for job, ev in out:
             job.deliver(ev)
         if self._rows:
-            if self.runtime is not None:
-                self.runtime.advance(self._batch, tokens)
-            else:
-                advance(self.model, self._batch, tokens)
+            self.runtime.advance(self._batch, tokens)
 
     def _row_failed(self, row: Row, e: Exception) -> Event:
         """One request failed while decoding: a 500 for it, its row dropped, the others go on."""
@@ -407,24 +396,16 @@ class Engine:
         return Event(error=_internal(e))
 
     def _keep(self, rows: list[int]) -> None:
-        if self.runtime is not None:
-            self.runtime.keep(self._batch, rows)  # the dropped rows' sequences are free again
-            if not rows:
-                self._batch, self._rows = None, []
-                return
-            self._rows = [self._rows[i] for i in rows]
-            return
+        self.runtime.keep(self._batch, rows)  # the dropped rows are let go
         if not rows:
             self._batch, self._rows = None, []
             return
-        keep_rows(self._batch, rows)
         self._rows = [self._rows[i] for i in rows]
 
     def _fail(self, jobs: list[Job], e: Exception, running: bool = True) -> None:
         """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
         if running:
-            if self.runtime is not None:
-                self.runtime.release(self._batch)
+            self.runtime.release(self._batch)
             self._batch, self._rows = None, []
         self.last_error = f"{type(e).__name__}: {e}"
         self.counts["failed"] += len(jobs)

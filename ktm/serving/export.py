@@ -1,5 +1,5 @@
 """``ktm export --format vllm|gguf DIR``: a ktm model handed to another engine, one config for
-both formats (``ExportConfig``); the files each writes are in ``ktm.serving.vllm_export`` and
+both formats (``ExportConfig``); the files each writes are in ``ktm.vllm.export`` and
 ``ktm.llamacpp.export``."""
 
 from __future__ import annotations
@@ -76,11 +76,13 @@ def run_export(cfg: ExportConfig, out: str) -> dict:
         print(f"wrote {out}: run it with\n  ktm generate --checkpoint {out} --backend llamacpp "
               "--prompt ...\n  ktm serve --model {out} --backend llamacpp".replace("{out}", out))
         return manifest
-    from ktm.serving.vllm_export import LM_DIR, export_vllm
+    from ktm.vllm.export import LM_DIR, export_vllm
+    from ktm.vllm.install import server_command
 
     model = load_any(cfg.model, cfg.k, "cpu", cfg.dtype)
     manifest = export_vllm(model, out, source=cfg.model)
-    print(f"wrote {out}: serve it with\n  vllm serve {Path(out) / LM_DIR} "
-          f"--served-model-name {manifest['served_model_name']} --enable-prompt-embeds "
-          f"--dtype {manifest['dtype']}")
+    cmd = server_command(str(Path(out) / LM_DIR), manifest["served_model_name"],
+                         manifest["dtype"])
+    print(f"wrote {out}: serve it with\n  python {' '.join(cmd[1:])}\nor run it with\n  "
+          f"ktm generate --checkpoint {cfg.model} --backend vllm --prompt ...")
     return manifest

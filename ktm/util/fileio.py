@@ -16,7 +16,7 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -58,6 +58,19 @@ def flock(f: IO[Any] | int, wait: bool = True) -> bool:
     except OSError:
         return False
     return True
+
+
+def written_once(dest: Path, marker: str, write: Callable[[Path], Any]) -> Path:
+    """``dest``, written by ``write(dest)`` unless ``dest / marker`` already exists: a cache
+    folder (an export of a model) that two processes asking at once write once, the second
+    waiting for the first and then reusing its files."""
+    if not (dest / marker).is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.parent / f".{dest.name}.lock", "a") as lock:
+            flock(lock)
+            if not (dest / marker).is_file():
+                write(dest)
+    return dest
 
 
 def check_writable(path: str | Path) -> None:

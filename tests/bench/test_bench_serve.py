@@ -19,6 +19,7 @@ def test_serve_preset_fills_only_options_left_at_default():
     assert (q.lengths, q.ks, q.clients, q.requests) == ((256,), (4,), (1, 4), 8)
 
 
+@pytest.mark.slow  # starts a ktm serve process
 def test_serve_bench_writes_load_and_prefix_rows(tiny_model_dir, tmp_path, capsys):
     from ktm.bench.serve import CUE, Tokens
 

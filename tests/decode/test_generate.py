@@ -3,7 +3,7 @@ import torch
 from helpers import PROMPTS, perturb
 
 from ktm import KTMError, Segment
-from ktm.decode.generate import generate_ids
+from ktm.decode.generate import GenerationConfig, generate_ids, sampling_probs, select_next
 
 
 @pytest.mark.parametrize("merge", [True, False])
@@ -204,3 +204,41 @@ def test_a_cache_with_room_decodes_as_the_growing_cache(ktm_model, monkeypatch, 
     gen.advance(ktm_model, roomy, nxt)
     gen.advance(ktm_model, plain, nxt)
     torch.testing.assert_close(roomy.logits, plain.logits, rtol=0, atol=0)
+
+
+def test_sampling_keeps_the_tokens_and_probabilities_a_hand_calculation_gives():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    # top_p 0.7: 0.5 alone falls short, 0.5 + 0.3 reaches it; the rest goes
+    probs = sampling_probs(logits, GenerationConfig(do_sample=True, top_p=0.7))
+    torch.testing.assert_close(probs / probs.sum(), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # temperature 2 flattens p to p ** 0.5 (renormalised) before top-p
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05]) ** 0.5
+    p = p / p.sum()  # 0.373, 0.289, 0.204, 0.134: three are needed to reach 0.8
+    probs = sampling_probs(logits, GenerationConfig(do_sample=True, temperature=2.0, top_p=0.8))
+    torch.testing.assert_close(probs / probs.sum(), torch.cat([p[:3] / p[:3].sum(),
+                                                               torch.zeros(1)])[None])
+    # the draws follow those weights
+    gen = torch.Generator().manual_seed(0)
+    cfg = GenerationConfig(do_sample=True, top_p=0.7)
+    draws = torch.cat([select_next(logits, cfg, gen) for _ in range(4000)])
+    assert set(draws.tolist()) == {0, 1} and abs(float((draws == 0).float().mean()) - 0.625) < 0.03
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (0.3, 0.95)])
+def test_sampling_weights_equal_transformers_logits_processors(temperature, top_p):
+    """The same distribution transformers' TemperatureLogitsWarper + TopPLogitsWarper give."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = torch.randn(6, 200, generator=torch.Generator().manual_seed(3)) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    want = torch.softmax(scores, dim=-1)
+    got = sampling_probs(logits, GenerationConfig(do_sample=True, temperature=temperature,
+                                                  top_p=top_p))
+    got = got / got.sum(-1, keepdim=True)
+    assert torch.equal(got > 0, want > 0)  # the same tokens kept
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -167,7 +167,7 @@ def test_without_the_extra_the_error_says_how_to_install_it(tiny_model_dir, monk
     assert "\n" not in str(e.value)
 
 
-def test_scoring_reads_target_logits_through_llama_cpp_as_torch_does(pair):
+def test_scoring_reads_target_log_probs_through_llama_cpp_as_torch_does(pair):
     """``forward`` (R, likelihood scoring, perplexity) in eval mode runs on llama.cpp."""
     torch_model, llama = pair
     prompts = [[Segment(DOC), Segment(" Answer:", compress=False)], PROMPTS[0]]
@@ -177,8 +177,8 @@ def test_scoring_reads_target_logits_through_llama_cpp_as_torch_does(pair):
     assert torch.equal(got.n_tokens, want.n_tokens) and got.tokens_out == want.tokens_out
     assert torch.allclose(got.nll, want.nll, rtol=1e-4, atol=1e-4)
     calls = []
-    real = llama.runtime.target_logits
-    llama.runtime.target_logits = lambda *a: calls.append(1) or real(*a)
+    real = llama.runtime.score
+    llama.runtime.score = lambda *a: calls.append(1) or real(*a)
     llama(prompts, targets)
     llama.train()
     llama(prompts, targets)  # training: torch

@@ -85,3 +85,24 @@ def test_a_weight_folded_into_another_type_is_stored_in_it(files, tmp_path):
              for t in gguf.GGUFReader(str(tmp_path / "model.gguf")).tensors}
     assert {types[n] for n in folded} == {"F16"}
     assert {types[n] for n in types if n not in folded} == {"F32"}
+
+
+def test_a_weight_folded_into_q8_0_is_within_one_quantisation_step_of_w_plus_ba(files,
+                                                                                 tmp_path):
+    """Q8_0 (the default fold of a Q4_1 base) stores each block of 32 numbers as 8-bit steps of
+    max |block| / 127: every folded number lies within one step of W + (alpha / r) B A."""
+    gguf = gguf_module()
+    base, adapter, alpha = files
+    folded = fold_adapter(base, tmp_path / "model.gguf", adapter, alpha, "Q8_0")
+    before = _tensors(base)
+    stored = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "model.gguf")).tensors}
+    for name in folded:
+        t = stored[name]
+        assert t.tensor_type.name == "Q8_0"
+        a, b = adapter[f"{name}.lora_a"], adapter[f"{name}.lora_b"]
+        want = before[name] + (alpha / a.shape[0]) * (b @ a)
+        got = gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(want.shape)
+        blocks = want.reshape(-1, 32)
+        step = np.abs(blocks).max(axis=1, keepdims=True) / 127
+        assert np.all(np.abs(got.reshape(-1, 32) - blocks) <= step * (1 + 1e-3))
+        assert not np.array_equal(got, want)  # really quantised

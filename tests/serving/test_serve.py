@@ -441,11 +441,12 @@ def _engine_globals(server) -> dict:
 
 
 def _slow_decoding(server, monkeypatch, seconds: float) -> dict:
-    """Each decode step of the running engine takes ``seconds`` more; its globals, to patch more."""
-    g = _engine_globals(server)
-    advance = g["advance"]
-    monkeypatch.setitem(g, "advance", lambda *a: time.sleep(seconds) or advance(*a))
-    return g
+    """Each decode step of the running engine's runtime takes ``seconds`` more; the engine's
+    globals, to patch more."""
+    runtime = server.engine.runtime
+    advance = runtime.advance
+    monkeypatch.setattr(runtime, "advance", lambda *a: time.sleep(seconds) or advance(*a))
+    return _engine_globals(server)
 
 
 def _post_long(server, stream: bool) -> http.client.HTTPConnection:
@@ -614,8 +615,8 @@ def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeyp
 
 def test_a_failed_forward_step_fails_the_running_requests_and_the_server_goes_on(
         server, monkeypatch):
-    g = _engine_globals(server)
-    advance = g["advance"]
+    runtime = server.engine.runtime
+    advance = runtime.advance
     calls = []
 
     def failing_advance(*a):  # the shared forward pass: no request is to blame
@@ -624,7 +625,7 @@ def test_a_failed_forward_step_fails_the_running_requests_and_the_server_goes_on
             raise RuntimeError("out of memory")
         return advance(*a)
 
-    monkeypatch.setitem(g, "advance", failing_advance)
+    monkeypatch.setattr(runtime, "advance", failing_advance)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     before = dict(server.engine.counts)
     start = threading.Barrier(2)
@@ -648,12 +649,12 @@ def test_a_failed_forward_step_fails_the_running_requests_and_the_server_goes_on
 def test_a_failed_join_fails_the_running_and_the_joining_requests(server, monkeypatch):
     # joining grows the running batch's cache in place: a failure there leaves no batch to go
     # on with, and the request that was joining must be answered too, not left waiting
-    g = _slow_decoding(server, monkeypatch, 0.02)
+    _slow_decoding(server, monkeypatch, 0.02)
 
     def failing_join(*_):
         raise RuntimeError("join failed")
 
-    monkeypatch.setitem(g, "join", failing_join)
+    monkeypatch.setattr(server.engine.runtime, "join", failing_join)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=30)
     stream = c.completions.create(model="tiny", prompt=DOC, max_tokens=200, stream=True,

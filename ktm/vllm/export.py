@@ -1,7 +1,7 @@
 """``ktm export --format vllm DIR``: a ktm model as files vLLM and a small client can use.
 
     DIR/lm/                   HF folder: the base LM with LoRA merged in (PEFT
-                              ``merge_and_unload``) and its tokenizer -> ``vllm serve DIR/lm``
+                              ``merge_and_unload``) and its tokenizer -> vLLM serves ``DIR/lm``
     DIR/encoder.safetensors   the K-token encoder
     DIR/context_lm/           only for an encoder reading the LM's first L layers
                               (``context_layers``): those layers of the base LM, adapter-free,
@@ -10,7 +10,7 @@
                               sha256 of the LM, tokenizer and encoder files, and the model name
                               to serve under
 
-The LM reads merged prefixes as ``prompt_embeds``; ``ktm.serving.vllm_client`` computes them from
+The LM reads merged prefixes as ``prompt_embeds``; ``ktm.vllm.client`` computes them from
 the tokenizer, the LM's input-embedding table and the encoder (with ``context_layers``, also the
 first L layers, run in the client: the served LM has the LoRA merged into them), and refuses a
 server that does not serve this export (its served name carries the fingerprint of these exact

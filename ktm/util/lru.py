@@ -1,8 +1,9 @@
-"""The server's prefix caches: least-recently-used entries within a byte budget.
+"""Least-recently-used entries within a byte budget: the server's prefix caches.
 
 Two instances: merged embeddings of compressed segments (keyed by the segment's token ids, used
-by ``ktm.core.prefix.merge_segments``) and the KV of a prompt's leading context (keyed by its
-segments). Only the engine thread touches them. A plain ``OrderedDict`` does LRU in a few lines;
+by ``ktm.core.prefix.merge_segments``, held by the serving engine) and the KV of a prompt's
+leading context (keyed by its segments, held by ``ktm.decode.runtime.TorchRuntime``). Only the
+engine thread touches them. A plain ``OrderedDict`` does LRU in a few lines;
 ``functools.lru_cache`` cannot bound bytes or be filled from outside.
 """
 

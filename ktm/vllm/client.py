@@ -2,7 +2,8 @@
 ``prompt_embeds``.
 
     ktm export --format vllm out/x --model runs/x/checkpoint
-    vllm serve out/x/lm --served-model-name <name from the export> --enable-prompt-embeds
+    python -m vllm.entrypoints.openai.api_server --model out/x/lm \
+        --served-model-name <name from the export> --enable-prompt-embeds
 
     client = VLLMClient("out/x", "http://127.0.0.1:8000/v1")
     client.complete([Segment(document), Segment("\\nQuestion: ...? Answer:", compress=False)])
@@ -25,6 +26,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -42,14 +44,15 @@ from ktm.core.prefix import PromptEncoder, line_break_ids
 from ktm.core.prompt import PromptLike, as_segments
 from ktm.core.tokens import SegmentTokenizer
 from ktm.errors import KTMError
-from ktm.serving.vllm_export import (
+from ktm.util.fileio import sha256_files
+from ktm.vllm.export import (
     ENCODER,
     LM_DIR,
     lm_files,
     read_manifest,
     tokenizer_files,
 )
-from ktm.util.fileio import sha256_files
+from ktm.vllm.install import server_command
 
 # vLLM fills a sampling option the request leaves out from the LM's generation_config.json
 # (its default ``--generation-config auto``: e.g. Qwen2.5's top_k 20, repetition_penalty 1.05);
@@ -194,8 +197,9 @@ class VLLMClient:
         return answer
 
     def serve_command(self) -> str:
-        return (f"vllm serve {self.dir / LM_DIR} --served-model-name {self.model_name} "
-                f"--enable-prompt-embeds --dtype {self.manifest['dtype']}")
+        """The command that serves this export (with vLLM's CPU or CUDA wheel alike)."""
+        return " ".join(server_command(str(self.dir / LM_DIR), self.model_name,
+                                       self.manifest["dtype"])).replace(sys.executable, "python")
 
     def check_server(self) -> dict:
         """Refuse a server that does not serve this export's LM; returns its model card."""

@@ -1,4 +1,4 @@
-"""``ktm export --format vllm`` and ``ktm.serving.vllm_client`` on the tiny model (vLLM itself
+"""``ktm export --format vllm`` and ``ktm.vllm.client`` on the tiny model (vLLM itself
 needs a GPU; a stub server stands in for it, decoding the payload the way vLLM documents)."""
 
 import base64
@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from ktm import KTMError
 from ktm.model import KTMModel
-from ktm.serving.vllm_client import VLLMClient, encode_embeds
-from ktm.serving.vllm_export import export_vllm, read_manifest
+from ktm.vllm.client import VLLMClient, encode_embeds
+from ktm.vllm.export import export_vllm, read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +434,7 @@ def test_a_failed_export_leaves_the_previous_one_whole_and_no_temp(trained, tmp_
     output path that is a file, or under one, is refused as well."""
     import errno
 
-    import ktm.serving.vllm_export
+    import ktm.vllm.export
     from ktm.cli.main import main
 
     out = tmp_path / "x"
@@ -444,7 +444,7 @@ def test_a_failed_export_leaves_the_previous_one_whole_and_no_temp(trained, tmp_
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ktm.serving.vllm_export, "save_file", no_space)
+    monkeypatch.setattr(ktm.vllm.export, "save_file", no_space)
     with pytest.raises(KTMError, match=f"cannot write {str(out)!r}: .*No space left"):
         export_vllm(trained, out)
     trained.save(tmp_path / "ck")

@@ -8,8 +8,8 @@ from helpers import PROMPT, perturb
 from transformers import AutoModelForCausalLM
 
 from ktm.model import KTMModel
-from ktm.serving.vllm_client import VLLMClient
-from ktm.serving.vllm_export import export_vllm
+from ktm.vllm.client import VLLMClient
+from ktm.vllm.export import export_vllm
 
 
 def _served_logits(out, prompt, dtype=torch.float32) -> torch.Tensor:

@@ -1,0 +1,162 @@
+"""What runs the LM while decoding and scoring: the ``Runtime`` contract, and ``TorchRuntime``,
+the model's own LM in torch.
+
+A model always has one runtime (``KTMModel.runtime``; ``KTMModel.use_backend`` is the one place
+that picks it). The decode loop (``ktm.decode.generate.decode_steps``), the serving engine, the
+benchmark and eval-mode scoring call it and never ask which it is:
+
+    prefill(prefixes, sampling, contexts, joinable)  the prompts' rows read -> a batch state whose
+                                       ``logits`` (B, V) give each row's next token; ``reused``:
+                                       leading rows each found cached
+    advance(state, tokens)             one (B,) token per row read; ``state.logits`` updated
+    join(a, b) / keep(state, rows)     continuous batching: rows join, rows leave
+    release(state)                     a batch done, failed or abandoned: its rows are let go
+    score(prefixes, targets)           per prompt, the (T,) log-probs of its target tokens
+
+Implementations: ``TorchRuntime`` here, ``ktm.llamacpp.runtime.LlamaCppRuntime``,
+``ktm.vllm.runtime.VLLMRuntime``. What differs between them is said by attributes, not by
+names: ``gives_logits`` (False: the logits only single out the engine's own choice, as vLLM
+samples inside its step), ``context`` (KV cells every running row shares, which the serving
+engine admits requests by; None: no such bound), ``joinable`` (rows can join a running batch),
+``rereads`` (``use_cache=False``, the whole sequence re-read each step, is possible).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
+from ktm.decode.generate import DecodeState, advance, prefill
+from ktm.util.lru import LRUCache
+
+
+class Runtime(Protocol):
+    name: str
+    gives_logits: bool
+    context: int | None
+    joinable: bool
+    rereads: bool
+
+    def prefill(self, prefixes, sampling=None, contexts=None, joinable: bool = False): ...
+
+    def advance(self, state, tokens: torch.Tensor) -> None: ...
+
+    def join(self, a, b): ...
+
+    def keep(self, state, rows: list[int]) -> None: ...
+
+    def release(self, state) -> None: ...
+
+    def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]: ...
+
+    def keep_prefixes(self, max_bytes: int) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def kv_bytes(self, state) -> int: ...
+
+    def record(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class TorchRuntime:
+    """The model's own LM in torch (``KTMModel.lm``, its LoRA folded for decoding): the eager
+    path. It keeps the KV of prompts' leading contexts when asked (``keep_prefixes``: the
+    server's prefix cache), so a repeated long document is read once."""
+
+    name = "torch"
+    gives_logits = True
+    context = None
+    rereads = True  # use_cache=False re-reads the whole sequence each step (the test reference)
+
+    def __init__(self, model):
+        self.model = model
+        self.prefix_kv = LRUCache(0)
+
+    @property
+    def joinable(self) -> bool:
+        """Rows can join and leave a running batch (full-attention cache layers only)."""
+        return can_rebatch(self.model)
+
+    def keep_prefixes(self, max_bytes: int) -> None:
+        self.prefix_kv = LRUCache(max_bytes if self.joinable else 0)
+
+    def prefill(self, prefixes, sampling=None, contexts=None, joinable: bool = False
+                ) -> DecodeState:
+        """``sampling``: the rows' ``GenerationConfig``s (their cache setting and how many
+        tokens follow, for which the cache keeps room); ``joinable``: a batch rows will join and
+        leave (the server's): plain cache layers, and rows whose leading context
+        (``contexts[i]``: its key and merged row count, or None) is cached read only the rest."""
+        if not joinable:
+            use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
+            room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling else 0
+            state = prefill(self.model, prefixes, use_cache, room=room)
+            state.reused = [0] * len(prefixes)
+            return state
+        contexts = contexts or [None] * len(prefixes)
+        parts, order, reused, misses = [], [], [0] * len(prefixes), []
+        for i, (cp, ctx) in enumerate(zip(prefixes, contexts)):
+            stored = self.prefix_kv.get(ctx[0]) if ctx is not None else None
+            n = 0 if stored is None else min(stored[0][0].shape[-2], cp.tokens_out - 1)
+            if n < 1:
+                misses.append(i)
+                continue
+            past = [(k[:, :, :n], v[:, :, :n]) for k, v in stored]
+            rest = None if cp.positions is None else cp.positions[n:]
+            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:], rest))
+            order.append(i)
+            reused[i] = n
+        if misses:
+            batch = prefill(self.model, [prefixes[i] for i in misses])
+            for j, i in enumerate(misses):
+                ctx = contexts[i]
+                if ctx is not None and self.prefix_kv.max_bytes and ctx[0] not in self.prefix_kv:
+                    self.prefix_kv[ctx[0]] = row_kv(batch, j, ctx[1])
+            parts.append(batch)
+            order += misses
+        state = parts[0]
+        for part in parts[1:]:
+            state = join(state, part)
+        if order != sorted(order):  # back to the prefixes' order
+            keep_rows(state, [order.index(i) for i in range(len(order))])
+        state.reused = reused
+        return state
+
+    def advance(self, state: DecodeState, tokens: torch.Tensor) -> None:
+        advance(self.model, state, tokens)
+
+    def join(self, a: DecodeState, b: DecodeState) -> DecodeState:
+        out = join(a, b)
+        out.reused = a.reused + b.reused
+        return out
+
+    def keep(self, state: DecodeState, rows: list[int]) -> None:
+        if rows:
+            keep_rows(state, rows)
+            state.reused = [state.reused[j] for j in rows]
+
+    def release(self, state) -> None:
+        """Nothing to let go: the batch's cache goes with its state."""
+
+    def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]:
+        t = self.model.target_logits([None] * len(prefixes), targets, prefixes=prefixes)
+        lp = torch.log_softmax(t.logits, -1).gather(1, t.labels[:, None])[:, 0]
+        return list(lp.split(t.lengths))
+
+    def clear(self) -> None:
+        self.prefix_kv.clear()
+
+    def kv_bytes(self, state: DecodeState) -> int:
+        """Bytes of every layer's cached keys and values (a ``RoomyLayer``'s free room, the
+        same for every method, not counted)."""
+        return sum(t.nbytes for layer in state.cache.layers for t in (layer.keys, layer.values)
+                   if t is not None)
+
+    def record(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.prefix_kv.clear()
