@@ -50,10 +50,10 @@ def trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.trainable_parameters()}
 
 
-def assert_same(a: dict, b: dict) -> None:
+def assert_same(a: dict, b: dict, atol: float = 1e-5) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
 
 
 def steps_logged(out) -> list[int]:
@@ -254,7 +254,11 @@ def test_pretrain_under_accelerate_launch(tiny_model_dir, start, tmp_path):
                           target_tokens=8, ae_tokens=16, min_tokens=8, eval_sets=())
     pretrain(one, pcfg, TrainConfig(out_dir=str(tmp_path / "one"), max_steps=2, batch_size=4,
                                     lr=1e-2, progress=False))
-    assert_same(trainable(KTMModel.load(str(out / "checkpoint"), trainable=True)), trainable(one))
+    # two shards sum a step's gradients in another order than one process: on a Xeon with
+    # AVX-512 the weights (up to 0.29) then differ by up to 1.7e-5 after two Adam steps at 1e-2;
+    # a lost or doubled window moves them by the order of the learning rate
+    assert_same(trainable(KTMModel.load(str(out / "checkpoint"), trainable=True)), trainable(one),
+                atol=1e-4)
 
 
 def test_world_shards_and_single_process_helpers():
