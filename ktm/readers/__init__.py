@@ -137,7 +137,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
         read_config,
         save_atomic,
     )
-    from ktm.util.fileio import write_json_atomic, write_text_atomic
+    from ktm.util.fileio import atomic_open, write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
     cfg = read_config(src)
@@ -162,7 +162,8 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
             save_file(state, str(tmp / rel), metadata={"format": "pt"})
         write_text_atomic(tmp / ADAPTER / "adapter_config.json", lora_text)
         if table is not None:  # the surprisal table as trained (float32 counts)
-            (tmp / SURPRISAL).write_bytes(table)
+            with atomic_open(tmp / SURPRISAL, "wb") as f:
+                f.write(table)
         write_json_atomic(tmp / CONFIG, cfg)
         write_json_atomic(tmp / "reader.json", {"name": name, **info})
 
