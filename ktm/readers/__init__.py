@@ -137,7 +137,8 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
         read_config,
         save_atomic,
     )
-    from ktm.util.fileio import atomic_open, write_json_atomic, write_text_atomic
+    from ktm.core.surprisal import SurprisalTable
+    from ktm.util.fileio import write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
     cfg = read_config(src)
@@ -152,7 +153,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
             states[rel] = {k: v.to(STORAGE_DTYPE).contiguous() for k, v in
                            load_file(str(src / rel)).items()}
         lora_text = lora_config.read_text()
-        table = (src / SURPRISAL).read_bytes() if (src / SURPRISAL).is_file() else None
+        table = SurprisalTable.load(src / SURPRISAL) if (src / SURPRISAL).is_file() else None
     except FILE_ERRORS as e:
         raise KTMError(f"checkpoint {str(src)!r} is incomplete or corrupt: {e}") from e
 
@@ -162,8 +163,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
             save_file(state, str(tmp / rel), metadata={"format": "pt"})
         write_text_atomic(tmp / ADAPTER / "adapter_config.json", lora_text)
         if table is not None:  # the surprisal table as trained (float32 counts)
-            with atomic_open(tmp / SURPRISAL, "wb") as f:
-                f.write(table)
+            table.save(tmp / SURPRISAL)
         write_json_atomic(tmp / CONFIG, cfg)
         write_json_atomic(tmp / "reader.json", {"name": name, **info})
 

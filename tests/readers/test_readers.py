@@ -131,6 +131,31 @@ def test_pack_reader_names_a_corrupt_source_not_a_failed_write(tiny_model_dir, t
     assert not registry.exists() or list(registry.iterdir()) == []
 
 
+def test_pack_reader_carries_the_surprisal_table_and_names_a_corrupt_one(tiny_model_dir,
+                                                                          tmp_path, registry,
+                                                                          capsys):
+    from ktm.core.checkpoint import SURPRISAL
+    from ktm.core.surprisal import SurprisalTable
+
+    run = tmp_path / "run"
+    assert tiny_pretrain(tiny_model_dir, run, "--max-steps", "1") == 0
+    vocab = len(KTMModel.load(str(run / "checkpoint")).tokenizer)
+    table = SurprisalTable.count([[1, 2, 3, 2, 3], [4, 2, 3]], vocab)
+    table.save(run / "checkpoint" / SURPRISAL)
+    assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 0
+    packed = SurprisalTable.load(registry / "tiny-k2" / SURPRISAL)
+    assert torch.equal(packed.unigram, table.unigram) and torch.equal(packed.bigram, table.bigram)
+    assert KTMModel.load("tiny-k2").scorer("surprisal", [1, 2, 3]) == table.scores([1, 2, 3])
+
+    (run / "checkpoint" / SURPRISAL).write_bytes(b"not safetensors")
+    capsys.readouterr()
+    assert main(["pack-reader", str(run), "--name", "tiny-k2"]) == 2
+    assert f"cannot read surprisal table {str(run / 'checkpoint' / SURPRISAL)!r}" in \
+        capsys.readouterr().err
+    assert SurprisalTable.load(registry / "tiny-k2" / SURPRISAL).unigram.sum() == \
+        table.unigram.sum()  # the packed reader is left as it was
+
+
 def test_pack_reader_refuses_a_run_of_another_model_or_k(tiny_model_dir, tmp_path, monkeypatch,
                                                         capsys):
     """A run packed under a reader name of another K, or of the embedded model while it trained
