@@ -175,44 +175,29 @@ def _fresh(args: argparse.Namespace):
 
 
 def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
-    """A checkpoint or shipped reader; given model flags must agree with its config."""
+    """A checkpoint or shipped reader; given model flags must agree with its config, except
+    those a trainable start grows (``ktm.training.growth``)."""
     from ktm.core.checkpoint import check_level, model_config
     from ktm.model import KTMModel
     from ktm.readers import resolve_checkpoint
+    from ktm.training.growth import GROWABLE, grow
 
     path = resolve_checkpoint(checkpoint)
     own = model_config(path)
     flags = given(KTMConfig, args)
+    seed, dtype = getattr(args, "seed", 0) or 0, flags.get("dtype", "float32")
     if trainable and "inner_k" in flags and flags.get("k", own.k) > own.k:
         # a reader gaining an outer level (--k 8 --inner-k 4 2 on a K=4 reader of inner K 2)
-        return _outer_grown(path, own, from_args(KTMConfig, args, base=own), args)
+        return grow(checkpoint, replace(from_args(KTMConfig, args, base=own), dtype=dtype),
+                    device=args.device, seed=seed)
     # K first, as KTMModel.load checks it: a recursive checkpoint also reads at its inner K
     check_level(own, flags.get("k"), path)
     saved = own.at_level(flags["k"]) if "k" in flags else own
     want = from_args(KTMConfig, args, base=saved)
     clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
              and _value(want, d) != _value(saved, d)]
-    if trainable and clash and set(clash) <= {"lora_r", "lora_alpha", "mlp_ratio",
-                                              "context_blocks", "context_layers",
-                                              "context_transformer", "context_pool"}:
-        if want.k != own.k:
-            raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
-                           f"the inner K={want.k}")
-        if want.mlp_ratio < own.mlp_ratio:
-            raise KTMError(f"--mlp-ratio {want.mlp_ratio!r} is below checkpoint {checkpoint!r}'s "
-                           f"{own.mlp_ratio!r}: expected a wider encoder (a narrower one cannot "
-                           "hold it)")
-        for name in ("context_blocks", "context_layers", "context_transformer", "context_pool"):
-            theirs, ours = getattr(own, name), getattr(want, name)
-            if name == "context_pool":  # a block encoder's pool is unused: any is a growth
-                theirs = theirs if own.context_layers else 0
-            if theirs and ours != theirs:
-                raise KTMError(f"--{name.replace('_', '-')} {ours!r} differs from checkpoint "
-                               f"{checkpoint!r}'s {theirs!r}: only a block encoder "
-                               f"({'context_layers' if name == 'context_pool' else name}=0) "
-                               "gains context")
-        return _grown(path, own, replace(want, dtype=flags.get("dtype", "float32")),
-                      args.device, getattr(args, "seed", 0) or 0)
+    if trainable and clash and set(clash) <= set(GROWABLE):
+        return grow(checkpoint, replace(want, dtype=dtype), device=args.device, seed=seed)
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
         theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
@@ -220,72 +205,11 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
                        "drop the flag or pick a matching checkpoint")
     # the dtype is a choice of this run (default float32), not the one the checkpoint trained in
     return KTMModel.load(path, base=flags.get("model"), k=flags.get("k"), device=args.device,
-                         dtype=flags.get("dtype", "float32"), trainable=trainable,
+                         dtype=dtype, trainable=trainable,
                          plain_suffix=flags.get("plain_suffix"),
                          align_lines=flags.get("align_lines"),
                          spread_positions=flags.get("spread_positions"),
                          ratio=flags.get("ratio"), allocator=flags.get("allocator"))
-
-
-def _grown(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int):
-    """``--init CKPT --lora-r R`` / ``--mlp-ratio M`` / ``--context-blocks W``: the checkpoint's
-    model with its adapter grown to rank R, its encoder MLP widened to ratio M and / or reading
-    the W blocks before each block (the same function at the start, more capacity to train;
-    ``ktm.core.checkpoint.grow_lora`` and
-    ``ktm.core.encoder.grow_encoder``)."""
-    import torch
-
-    from ktm.core.checkpoint import encoder_state, load_adapter_into
-    from ktm.core.encoder import EncoderConfig, grow_encoder
-    from ktm.model import KTMModel
-
-    with torch.random.fork_rng(devices=[]):  # the new units' init comes from the run's seed
-        torch.manual_seed(seed)
-        model = KTMModel.from_base(want.base_model, config=want, device=device)
-    enc = model.encoder.config
-    theirs = EncoderConfig(enc.hidden_size, **own.encoder_kwargs())
-    state = encoder_state(path, theirs)
-    if theirs != enc:
-        state = grow_encoder(state, model.encoder.state_dict())
-    model.encoder.load_state_dict(state)
-    load_adapter_into(model, path)
-    return model.train()
-
-
-def _outer_grown(path: Path, own: KTMConfig, want: KTMConfig, args: argparse.Namespace):
-    """``--init READER --k 8 --inner-k 4 2`` on a K=4 reader of inner K 2: the reader becomes
-    the inner levels of a K=8 encoder whose new outer level starts as the mean of two of its
-    merges (a zero last MLP layer), its LoRA kept; so it reads K=4 and K=2 exactly as before
-    and K=8 from the start. Any other change of the saved settings is refused."""
-    import torch
-
-    from ktm.core.checkpoint import encoder_state, load_adapter_into
-    from ktm.core.encoder import EncoderConfig
-    from ktm.model import KTMModel
-
-    if want.levels[1:] != own.levels:
-        raise KTMError(f"--k {want.k} with inner K {list(want.levels[1:])}: growing reader "
-                       f"{str(path)!r} (K={own.k}, levels {list(own.levels)}) by an outer level "
-                       f"needs --inner-k {' '.join(map(str, own.levels))}")
-    if own.context_blocks or own.context_layers or own.context_transformer:
-        raise KTMError(f"reader {str(path)!r} merges with context: only a block encoder gains "
-                       "an outer level")
-    keep = replace(want, k=own.k, inner_k=own.inner_k, dtype=own.dtype)
-    if keep != replace(own, base_model=keep.base_model, dtype=own.dtype):
-        raise KTMError(f"growing reader {str(path)!r} by an outer level keeps its other settings:"
-                       " expected only --k and --inner-k to change")
-    with torch.random.fork_rng(devices=[]):  # the new level's init comes from the run's seed
-        torch.manual_seed(getattr(args, "seed", 0) or 0)
-        model = KTMModel.from_base(want.base_model,
-                                   config=replace(want, dtype=given(KTMConfig, args).get(
-                                       "dtype", "float32")), device=args.device)
-    saved = encoder_state(path, EncoderConfig(model.encoder.config.hidden_size,
-                                              **own.encoder_kwargs()))
-    state = model.encoder.state_dict()
-    state.update({f"inner.{key}": value for key, value in saved.items()})
-    model.encoder.load_state_dict(state)
-    load_adapter_into(model, path)
-    return model.train()
 
 
 def _value(cfg: KTMConfig, dest: str) -> Any:

@@ -215,8 +215,9 @@ def encoder_state(directory: str | Path, enc_cfg: EncoderConfig) -> dict[str, to
         state = load_file(str(path))
     except FILE_ERRORS as e:
         raise KTMError(f"encoder file {str(path)!r} is missing or corrupt: {e}") from e
-    expected = {k: tuple(v.shape) for k, v in KTokenEncoder.from_config(enc_cfg)
-                .state_dict().items()}
+    with torch.device("meta"):  # shapes only: no memory, and no draw from the caller's RNG
+        expected = {k: tuple(v.shape) for k, v in KTokenEncoder.from_config(enc_cfg)
+                    .state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
     if expected != found:
         raise KTMError(

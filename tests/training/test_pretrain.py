@@ -676,8 +676,9 @@ def test_init_with_pooled_queries_starts_as_the_block_reader(tiny_model_dir, tmp
     layers = fresh(tiny_model_dir, k=2, mlp_ratio=0.5, context_layers=1)
     layers.save(str(tmp_path / "layers"))
     argv[2] = str(tmp_path / "layers")
-    with pytest.raises(KTMError, match="--context-pool 'query' differs from checkpoint .*'s "
-                                       "'mean': only a block encoder \\(context_layers=0\\)"):
+    with pytest.raises(KTMError, match="context_pool 'query' \\(--context-pool\\) differs from "
+                                       "checkpoint .*'s 'mean': only a block encoder "
+                                       "\\(context_layers=0\\)"):
         init_or_build(_parser(argv).parse_args(argv))
 
 
@@ -787,4 +788,4 @@ def test_init_with_an_outer_level_reads_as_the_reader_at_its_own_levels(tiny_mod
         torch.testing.assert_close(eight[:n], (four[0:2 * n:2] + four[1:2 * n:2]) / 2)
     bad = ["pretrain", *common, "--inner-k", "4", "--out-dir", str(tmp_path / "bad")]
     assert main(bad) == 2
-    assert "needs --inner-k 4 2" in capsys.readouterr().err
+    assert "(--inner-k 4 2)" in capsys.readouterr().err
