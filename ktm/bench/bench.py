@@ -42,6 +42,7 @@ from ktm.core.encoder import KTokenEncoder
 from ktm.errors import KTMError
 from ktm.model import BACKENDS
 from ktm.training.train import adamw
+from ktm.util.field_types import check_at_least
 from ktm.util.fileio import check_writable, write_json_atomic
 from ktm.util.provenance import git_revision, versions
 
@@ -123,8 +124,7 @@ class BenchConfig:
         self.clients = tuple(self.clients)
         if not self.clients or any(not isinstance(c, int) or c < 1 for c in self.clients):
             raise KTMError(f"clients must be integers >= 1, got {list(self.clients)}")
-        if self.requests < 1:
-            raise KTMError(f"requests must be >= 1, got {self.requests}")
+        check_at_least(self, 1, "requests")
         for name in ("lengths", "batch_sizes", "ks", "mlp_ratios"):
             setattr(self, name, tuple(getattr(self, name)))
             if not getattr(self, name):
@@ -148,12 +148,8 @@ class BenchConfig:
         if any(r <= 0 for r in self.mlp_ratios):
             raise KTMError(f"mlp_ratios must be > 0, got {list(self.mlp_ratios)}")
         self.ratios = tuple(check_ratio(r, "each of ratios") for r in self.ratios)
-        for name in ("output_tokens", "target_tokens", "repeats"):
-            if getattr(self, name) < 1:
-                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "threads"):
-            if getattr(self, name) < 0:
-                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, 1, "output_tokens", "target_tokens", "repeats")
+        check_at_least(self, 0, "warmup", "threads")
         parse_dtype(self.dtype)
         if self.shape is not None:
             from ktm.bench.shapes import shape_config

@@ -33,6 +33,7 @@ from ktm.core.config import KTMConfig
 from ktm.errors import KTMError
 from ktm.tasks import TASKS
 from ktm.tasks.tree_gen import STAGES
+from ktm.util.field_types import check_at_least
 
 
 def _unwrap(kind: Any) -> Any:
@@ -156,10 +157,8 @@ class TaskArgs:
     n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
 
     def __post_init__(self) -> None:
-        for name in ("n_train", "n_eval"):  # n_eval 0 failed at the evaluation after training
-            if getattr(self, name) < 1:
-                raise KTMError(f"--{name.replace('_', '-')} must be >= 1, "
-                               f"got {getattr(self, name)}")
+        # n_eval 0 failed at the evaluation after training
+        check_at_least(self, 1, "n_train", "n_eval", flags=True)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.errors import KTMError
+from ktm.util.field_types import check_at_least
 
 
 @dataclass
@@ -66,12 +67,8 @@ class ServeConfig:
             raise KTMError(f"k must be an integer >= 1, got {self.k}")
         if not 0 <= self.port <= 65535:
             raise KTMError(f"port must be in 0..65535, got {self.port}")
-        for name in ("max_batch", "max_tokens_limit", "max_queue"):
-            if getattr(self, name) < 1:
-                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("batch_window_ms", "prefix_cache_mb", "threads"):
-            if getattr(self, name) < 0:
-                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, 1, "max_batch", "max_tokens_limit", "max_queue")
+        check_at_least(self, 0, "batch_window_ms", "prefix_cache_mb", "threads")
         parse_dtype(self.dtype)
         if self.served_name is None:
             self.served_name = Path(self.model.rstrip("/")).name or self.model

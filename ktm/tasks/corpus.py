@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 from ktm.core.tokens import raw_text_ids
 from ktm.errors import KTMError
 from ktm.tasks.jsonl import base_name, check_utf8, is_gzip, open_text, read_jsonl
+from ktm.util.field_types import check_at_least
 
 EVAL_ONLY_NAMES = ("amazon_reviews_other", "amazon_other_categories_2018.jsonl.gz",
                    "heldout_repos_test.jsonl.gz")
@@ -214,9 +215,7 @@ class WindowSpec:
     min_tokens: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("context_tokens", "target_tokens", "ae_tokens"):
-            if getattr(self, name) < 1:
-                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, 1, "context_tokens", "target_tokens", "ae_tokens")
         if self.min_tokens < 2:
             raise KTMError(f"min_tokens must be >= 2 (a context and a target), "
                            f"got {self.min_tokens}")

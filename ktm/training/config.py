@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from ktm.errors import KTMError
-from ktm.util.field_types import check_field_types
+from ktm.util.field_types import check_at_least, check_field_types
 
 
 @dataclass
@@ -80,12 +80,8 @@ class TrainConfig:
         check_field_types(self)
         if not self.out_dir:
             raise KTMError("TrainConfig.out_dir is empty: expected the run's folder")
-        for name in ("max_steps", "batch_size", "grad_accum", "log_every"):
-            if getattr(self, name) < 1:
-                raise KTMError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                raise KTMError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, 1, "max_steps", "batch_size", "grad_accum", "log_every")
+        check_at_least(self, 0, "warmup_steps", "eval_every", "save_every")
         for name in ("lr", "encoder_lr", "slot_lr", "context_lr", "weight_decay", "clip_norm"):
             v = getattr(self, name)  # NaN passed every comparison and trained to NaN weights
             if v is not None and not math.isfinite(v):

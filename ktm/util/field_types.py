@@ -41,3 +41,16 @@ def check_field_types(obj: object) -> None:
         if not ok(value):
             raise KTMError(f"{type(obj).__name__}.{f.name} must be {expected}"
                            f"{' or None' if optional else ''}, got {value!r}")
+
+
+def check_at_least(obj: object, minimum: int, *names: str, flags: bool = False) -> None:
+    """Raise a KTMError naming the first of ``names`` (fields of ``obj``) below ``minimum``:
+    the one home of the config classes' ``>= 1`` / ``>= 0`` checks. ``flags=True`` names the
+    field as its CLI flag (``n_train`` -> ``--n-train``), for configs only the CLI builds."""
+    for name in names:
+        value = getattr(obj, name)
+        shown = f"--{name.replace('_', '-')}" if flags else name
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise KTMError(f"{shown} must be a number >= {minimum}, got {value!r}")
+        if not value >= minimum:  # NaN too
+            raise KTMError(f"{shown} must be >= {minimum}, got {value!r}")
