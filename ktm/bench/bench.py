@@ -20,7 +20,7 @@ from __future__ import annotations
 import gc
 import math
 import statistics
-import sys
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -394,8 +394,9 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
     if getattr(config, "lengths_unchosen", False) and fit and fit != config.lengths:
         # a local model of a shorter context than the embedded one's: the preset's longest
         # lengths are left out, said so; lengths given (--lengths) are refused below
-        print(f"bench: lengths {[n for n in config.lengths if n not in fit]} left out: beyond "
-              f"the model's context of {limit} positions", file=sys.stderr)
+        warnings.warn(f"bench: lengths {[n for n in config.lengths if n not in fit]} left out: "
+                      f"beyond the model's context of {limit} positions", UserWarning,
+                      stacklevel=2)
         config.lengths = fit
     if limit and max(config.lengths) + extra > limit:
         raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "

@@ -19,7 +19,7 @@ as ``generate`` hands it out), so prefill is in ``ttft_s`` only. ``vs_hf_decode`
 from __future__ import annotations
 
 import statistics
-import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -138,6 +138,6 @@ def run_hf_bench(config, load_model: Callable) -> list[dict]:
     finally:
         bar.close()
     if not all(r["same_tokens_as_hf"] for r in rows):
-        print("bench hf: greedy tokens differ from generate's (a trained LoRA, or rounding)",
-              file=sys.stderr)
+        warnings.warn("bench hf: greedy tokens differ from generate's (a trained LoRA, or "
+                      "rounding)", UserWarning, stacklevel=2)
     return rows

@@ -1,5 +1,5 @@
 """``python -m ktm.cli ...``: the form launchers take (torchrun, accelerate launch)."""
 
-from ktm.cli.main import main
+from ktm.cli.main import program
 
-raise SystemExit(main())
+raise SystemExit(program())

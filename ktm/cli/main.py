@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -232,6 +233,20 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"ktm: warning: {message}", file=sys.stderr if file is None else file)
+
+
+def program() -> int:
+    """The ``ktm`` program (console script, ``python -m ktm.cli``): ``main`` with caveats shown
+    the CLI's way. The library says a caveat in one way, ``warnings.warn`` (a library user can
+    filter it or make it an error); the program prints each as one ``ktm: warning:`` line, not
+    Python's file-and-line form. The server's request events go to the ``ktm.serving`` logger.
+    ``main`` itself leaves the warnings machinery as it finds it, for callers in Python."""
+    warnings.showwarning = _show_warning
+    return main()
 
 
 LAUNCHABLE = ("train", "pretrain", "curriculum")  # the commands that train on several processes

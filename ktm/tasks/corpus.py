@@ -36,7 +36,7 @@ import gzip
 import json
 import os
 import random
-import sys
+import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -188,8 +188,9 @@ def folder_files(root: Path) -> list[Path]:
         (skipped if not_text(path) is not None else files).append(path)
     if skipped:
         names = ", ".join(str(p.relative_to(root)) for p in skipped)
-        print(f"ktm: warning: {root}: skipped {len(skipped)} archive or binary file"
-              f"{'s' * (len(skipped) > 1)} (not text): {names}", file=sys.stderr)
+        warnings.warn(f"{root}: skipped {len(skipped)} archive or binary file"
+                      f"{'s' * (len(skipped) > 1)} (not text): {names}", UserWarning,
+                      stacklevel=2)
     return files
 
 

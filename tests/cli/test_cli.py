@@ -688,3 +688,25 @@ def test_ratio_reads_every_command_s_merged_segments_at_it(capsys, tiny_model_di
     assert code == 0 and row["config"]["model"]["config"]["ratio"] == 2.0
     r = row["readability"]["code"]
     assert {"R", "R_recall", "ratio_read"} <= set(r) and abs(r["ratio_read"] / 2 - 1) <= 0.05
+
+
+def test_the_program_says_a_library_caveat_as_one_ktm_warning_line(tiny_model_dir):
+    """The library warns through ``warnings``; the ``ktm`` program prints it as one line (not
+    Python's file:line form with the source line under it), and ``main`` called from Python
+    leaves the warnings machinery to its caller."""
+    import subprocess
+    import sys
+    import warnings
+
+    flags = ["generate", "--model", tiny_model_dir, "--k", "8", "--inner-k", "4", "2",
+             "--ratio", "2", "--prompt", "The quick brown fox jumps over", "--max-new-tokens",
+             "1"]
+    r = subprocess.run([sys.executable, "-m", "ktm.cli", *flags], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if "ratio" in line]
+    assert said == ["ktm: warning: a segment of 9 tokens was read at ratio 3.00, not 2: its "
+                    "units of up to 8 tokens allow no closer split"], r.stderr
+    with pytest.warns(UserWarning, match="read at ratio 3.00, not 2"):
+        assert main(flags) == 0
+    assert warnings.showwarning is warnings._showwarning_orig
