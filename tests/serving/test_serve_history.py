@@ -2,7 +2,8 @@
 prompts one at a time, then as 24 concurrent requests while streams are dropped and bad requests
 sent, then one at a time again, on torch and on llama.cpp's deterministic option (vLLM: in
 ``tests/vllm/test_vllm_engine.py``; the default llama.cpp context's rate:
-``results/determinism.py``)."""
+``results/determinism.py``). On every runtime, each stream dropped while others share the batch
+is cancelled and frees its rows."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,8 +35,9 @@ def _ask(url: str, kw: dict, **extra):
 
 
 def _faults(url: str, reqs: list[dict]) -> None:
-    for kw in reqs:
-        stream = _ask(url, {**kw, "max_tokens": 48}, stream=True)
+    for kw in reqs:  # ignoring EOS, each would run 48 steps: it ends by its client going
+        ktm = {**kw["extra_body"]["ktm"], "ignore_eos": True}
+        stream = _ask(url, {**kw, "max_tokens": 48, "extra_body": {"ktm": ktm}}, stream=True)
         next(iter(stream))
         stream.close()
     for kw in [dict(reqs[0], model="other"), dict(reqs[0], max_tokens=10**6)] * 3:
@@ -54,7 +56,11 @@ def _history(model) -> tuple[list[str], list[str], list[str]]:
             together = list(pool.map(lambda kw: _ask(srv.url, kw).choices[0].text, reqs * 3))
             noise.result()
         after = [_ask(srv.url, kw).choices[0].text for kw in reqs]
-        assert app.state.engine.counts["peak_running"] >= 4  # decoded together
+        counts = app.state.engine.counts
+        assert counts["peak_running"] >= 4  # decoded together
+        assert counts["cancelled"] == len(reqs), counts  # every dropped stream, noticed
+        assert counts["failed"] == 0 and app.state.engine.stats()["running"] == 0
+    assert not getattr(model.runtime, "busy", None)  # llama.cpp: every sequence free again
     return before, together, after
 
 
@@ -68,6 +74,17 @@ def reader():
 def test_on_torch(reader):
     before, together, after = _history(reader)
     assert together == before * 3 and after == before
+
+
+@pytest.mark.llamacpp
+def test_on_llama_cpp_by_default_dropped_streams_free_their_sequences(reader):
+    """The default context's answers may move under load (its rate: results/determinism.py);
+    what a dropped stream leaves behind may not."""
+    reader.use_backend("llamacpp", config=RuntimeConfig(sequences=16))
+    try:
+        _history(reader)
+    finally:
+        reader.use_backend("torch")
 
 
 @pytest.mark.llamacpp
