@@ -124,9 +124,11 @@ def _ask(url: str, kw: dict) -> str:
 def _faults(url: str, reqs: list[dict]) -> None:
     """Streams dropped after their first chunk, and requests the server must refuse."""
     c = _client(url)
-    for kw in reqs:
+    for kw in reqs:  # ignoring EOS, each would run 40 steps: it ends by its client going
+        extra = kw.get("extra_body", {})
+        extra = {**extra, "ktm": {**extra.get("ktm", {}), "ignore_eos": True}}
         stream = (c.chat.completions if "messages" in kw else c.completions).create(
-            **{**kw, "max_tokens": 40}, stream=True)
+            **{**kw, "max_tokens": 40, "extra_body": extra}, stream=True)
         next(iter(stream))
         stream.close()
     bad = [dict(reqs[0], max_tokens=100000), dict(reqs[0], model="other"),
@@ -155,6 +157,8 @@ def test_serve_answers_the_same_one_by_one_together_and_after_faults(vllm_reader
         engine = app.state.engine
         assert engine.counts["peak_running"] >= 4  # they really were decoded together
         assert engine.counts["failed"] == 0
+        assert engine.counts["cancelled"] == len(reqs), engine.counts  # each dropped stream
+        assert engine.stats()["running"] == 0
     assert together == before and after == before
     # and the server equals the library on torch
     for kw, text in zip(reqs[::2], before[::2]):
