@@ -14,11 +14,11 @@ classmethods, ``cls`` being the class; ``load_any`` takes a name that is either.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,14 +32,15 @@ from ktm.core.allocate import Scorer
 from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
-from ktm.core.batch import CompressedPrompt, LossOutput, Packed, TargetLogits, check_positions, pack
+from ktm.core.batch import CompressedPrompt, LossOutput, pack
 from ktm.core.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.core.encoder import EncoderConfig, KTokenEncoder, level_encoder
 from ktm.core.input_lookup import input_lookup
 from ktm.core.lora import adapted_modules, lora_config, peft_wrapping, resolve_targets
 from ktm.core.lora_fold import FoldedLM
+from ktm.core.loss import check_fits, ids_tensor, loss
 from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
-from ktm.core.prompt import PromptLike, Segment, as_segments, split_prompts
+from ktm.core.prompt import PromptLike, as_segments, split_prompts
 from ktm.core.tokens import SegmentTokenizer
 from ktm.decode.runtime import TorchRuntime
 from ktm.errors import KTMError
@@ -263,6 +264,48 @@ def load(
     return model
 
 
+def valid_pad(pad: int | None, rows: int) -> int:
+    """The id pads are written with. Pads never reach the LM (masked), but they are looked up
+    in the embedding table, so any row of it will do: the tokenizer's pad, else (none, or one
+    added past the table, as ``add_special_tokens({"pad_token": ...})`` does) 0."""
+    return int(pad) if pad is not None and 0 <= pad < rows else 0
+
+
+@torch.no_grad()
+def lm_surprisal(model: KTMModel, ids: list[int]) -> list[float]:
+    """Each token's surprisal (nats) under the base LM (adapter off) reading ``ids`` plain;
+    the first token's is the mean of the rest (nothing predicts it). The ``lm`` allocator's
+    signal (``KTMModel.scorer``)."""
+    if len(ids) < 2:
+        return [1.0] * len(ids)
+    p = pack([model.input_embedding(ids_tensor(ids, model.device))])
+    was = model.training
+    model.eval()
+    try:
+        with model.peft.disable_adapter():
+            logits = model.lm(p.embeds, p.mask, p.position_ids)[0, :-1].float()
+    finally:
+        model.train(was)
+    nll = nn.functional.cross_entropy(logits, ids_tensor(ids[1:], model.device),
+                                      reduction="none")
+    return [float(nll.mean())] + nll.tolist()
+
+
+def warn_unapplied_compressor(model: KTMModel) -> None:
+    """Once: a baseline checkpoint whose method rewrites prompts, read with prompts as given,
+    answers as another model would."""
+    rec = model.compressor_record
+    if (rec is None or rec["name"] in checkpoint.SETTING_ONLY
+            or model.applied_compressor == rec["name"] or model._compressor_warned):
+        return
+    warnings.warn(f"this checkpoint was trained with --compressor {rec['name']} "
+                  f"({checkpoint.COMPRESSOR_RECORD}), but generate reads prompts as given: "
+                  f"rewrite them with {rec['name']} first (ktm.compressors.apply."
+                  "apply_compressor, as ktm generate does), or load a checkpoint trained "
+                  "without a baseline", UserWarning, stacklevel=3)
+    model._compressor_warned = True
+
+
 class KTMModel(nn.Module):
     """Base causal LM + PEFT LoRA + K-token merging encoder, described by one ``KTMConfig``."""
 
@@ -282,7 +325,7 @@ class KTMModel(nn.Module):
         self.eos_id = target_eos(lm, tokenizer)
         self._segment_ids = SegmentTokenizer(tokenizer)
         self.lead_ids = self._segment_ids.lead_ids  # the BOS the first segment opens with, if any
-        self.pad_id = self._valid_pad(tokenizer.pad_token_id)
+        self.pad_id = valid_pad(tokenizer.pad_token_id, self._embed.weight.shape[0])
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
         self._line_breaks: LineBreaks | None = None  # read from the tokenizer on first use
         self._base_identity: dict | None = None  # hashed from the tokenizer on first use
@@ -293,7 +336,7 @@ class KTMModel(nn.Module):
         self._compressor_warned = False
         # per-token scores for a segment read at a ratio (ktm.core.allocate); its surprisal
         # table is the reader's own (saved beside it), if it has one
-        self.scorer = Scorer(tokenizer, lm=self._lm_surprisal)
+        self.scorer = Scorer(tokenizer, lm=partial(lm_surprisal, self))
         # what the decode loop prefills and decodes through, and eval-mode scoring reads
         # (ktm.decode.runtime: torch, llama.cpp or vLLM; picked by use_backend)
         self.runtime = TorchRuntime(self)
@@ -310,12 +353,6 @@ class KTMModel(nn.Module):
                          if i is not None), self.pad_id)
             encoder.bind_lm(LayerStates(peft_model.get_base_model(), layers, int(sink),
                                         peft_model.disable_adapter))
-
-    def _valid_pad(self, pad: int | None) -> int:
-        """The id pads are written with. Pads never reach the LM (masked), but they are looked
-        up in the embedding table, so any row of it will do: the tokenizer's pad, else (none, or
-        one added past the table, as ``add_special_tokens({"pad_token": ...})`` does) 0."""
-        return int(pad) if pad is not None and 0 <= pad < self._embed.weight.shape[0] else 0
 
     # ---------------------------------------------------------------- construction
     # around a base model or from a checkpoint (defined above)
@@ -454,29 +491,6 @@ class KTMModel(nn.Module):
             self._line_breaks = line_break_ids(self.tokenizer)
         return self._line_breaks
 
-    @torch.no_grad()
-    def _lm_surprisal(self, ids: list[int]) -> list[float]:
-        """Each token's surprisal (nats) under the base LM (adapter off) reading ``ids`` plain;
-        the first token's is the mean of the rest (nothing predicts it)."""
-        if len(ids) < 2:
-            return [1.0] * len(ids)
-        p = self.pack([self._embed(self._ids(ids))])
-        was = self.training
-        self.eval()
-        try:
-            with self.peft.disable_adapter():
-                logits = self.lm(p.embeds, p.mask, p.position_ids)[0, :-1].float()
-        finally:
-            self.train(was)
-        nll = nn.functional.cross_entropy(logits, self._ids(ids[1:]), reduction="none")
-        return [float(nll.mean())] + nll.tolist()
-
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
-
-    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._embed(ids)
-
     @property
     def input_embedding(self) -> nn.Module:
         """The id -> (..., D) lookup every prompt, target and generated token goes through."""
@@ -489,13 +503,6 @@ class KTMModel(nn.Module):
         object.__setattr__(self, "_embed", module)
 
     # ---------------------------------------------------------------- the LM
-    def pack(self, seqs: list[torch.Tensor], positions=None) -> Packed:
-        return pack(seqs, positions)
-
-    def check_fits(self, prefixes: list[CompressedPrompt], extra: list[int], what: str,
-                   unread: int = 0) -> None:
-        check_positions(prefixes, extra, self.max_positions, self.k, what, unread)
-
     def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
            cache=None, keep: int | torch.Tensor = 0, hidden: bool = False,
            via: nn.Module | None = None):
@@ -533,119 +540,19 @@ class KTMModel(nn.Module):
     def prompt_logits(self, prompt: PromptLike, merge: bool = True) -> torch.Tensor:
         """(L, V) logits at every prefix position of one prompt."""
         cp = self.encode_prompts([prompt], merge)[0]
-        self.check_fits([cp], [0], "more tokens")
-        p = self.pack([cp.embeds], [cp.positions])
+        check_fits(self, [cp], [0], "more tokens")
+        p = pack([cp.embeds], [cp.positions])
         return self.lm(p.embeds, p.mask, p.position_ids)[0]
 
-    # ---------------------------------------------------------------- training forward
-    def target_ids(self, target: str | Sequence[int]) -> list[int]:
-        """Token ids the loss covers: a string is tokenized and gets EOS (``add_eos``); ids given
-        directly (a window cut from a longer text) are used exactly as they are."""
-        if not isinstance(target, str):
-            ids = self._target_id_list(target)
-            if not ids:
-                raise KTMError("target token ids are empty: expected at least one id")
-            return ids
-        ids = self.tokenize(target)
-        if self._config.add_eos and self.eos_id is not None:
-            ids = ids + [self.eos_id]
-        if not ids:
-            raise KTMError(f"target {target!r} tokenizes to nothing: expected a non-empty target")
-        return ids
-
-    def _target_id_list(self, target) -> list[int]:
-        rows = self._embed.weight.shape[0]
-        try:
-            ids = [operator.index(i) for i in target]
-        except TypeError:
-            raise KTMError(f"target must be a str or a sequence of token ids, got "
-                           f"{type(target).__name__} {target!r:.60}") from None
-        bad = next((i for i in ids if not 0 <= i < rows), None)
-        if bad is not None:
-            raise KTMError(f"target token id {bad} is outside the vocabulary: expected ids in "
-                           f"[0, {rows})")
-        return ids
-
+    # ---------------------------------------------------------------- the loss
     def forward(
         self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
         merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
     ) -> LossOutput:
-        """Loss on target tokens only; logits are computed at labelled positions only.
-
-        ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them.
-        """
-        if not self.training:  # scoring: on the runtime (torch keeps the autograd graph)
-            return self._runtime_loss(prompts, targets, merge, prefixes)
-        t = self.target_logits(prompts, targets, merge, prefixes)
-        tok_nll = nn.functional.cross_entropy(t.logits, t.labels, reduction="none")
-        nll = tok_nll.new_zeros(len(t.lengths)).index_add(0, t.rows, tok_nll)
-        n_tokens = torch.tensor(t.lengths, device=self.device)
-        return LossOutput(tok_nll.mean(), nll, n_tokens, t.tokens_in, t.tokens_out)
-
-    def _runtime_loss(self, prompts, targets, merge: bool, prefixes) -> LossOutput:
-        """``forward`` in eval mode on a runtime (R, likelihoods, perplexity): its log-probs."""
-        prefixes, tgt = self._pairs(prompts, targets, merge, prefixes)
-        tok_nll = -torch.cat(self.runtime.score(prefixes, tgt)).to(self.device, torch.float32)
-        rows = torch.tensor([r for r, t in enumerate(tgt) for _ in t], device=self.device)
-        nll = tok_nll.new_zeros(len(tgt)).index_add(0, rows, tok_nll)
-        return LossOutput(tok_nll.mean(), nll, torch.tensor([len(t) for t in tgt],
-                                                            device=self.device),
-                          sum(cp.tokens_in for cp in prefixes),
-                          sum(cp.tokens_out for cp in prefixes))
-
-    def _pairs(self, prompts, targets, merge: bool, prefixes
-               ) -> tuple[list[CompressedPrompt], list[list[int]]]:
-        """Checked (prompt, target) pairs: each prompt's prefix and its target's ids."""
-        single = next((x for x in (prompts, targets) if isinstance(x, (str, Segment))), None)
-        if single is not None:  # a str would be read as one prompt (or target) per character
-            raise KTMError("expected a list of prompts and a list of targets, one each, got a "
-                           f"single {type(single).__name__} {single!r:.40}: wrap it in a list")
-        if len(prompts) != len(targets):
-            raise KTMError(f"{len(prompts)} prompts but {len(targets)} targets: expected equal")
-        if not prompts:
-            raise KTMError("no prompts given: expected at least one prompt and its target")
-        if prefixes is None:
-            prefixes = self.encode_prompts(prompts, merge)
-        elif len(prefixes) != len(prompts):
-            raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
-                           "expected one each")
-        tgt = [self.target_ids(t) for t in targets]
-        self.check_fits(prefixes, [len(t) for t in tgt], "target tokens")
-        return prefixes, tgt
-
-    def target_logits(
-        self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
-        merge: bool = True, prefixes: list[CompressedPrompt] | None = None,
-        hidden: bool = False, prompt_hidden: bool = False,
-    ) -> TargetLogits:
-        """fp32 logits (N, V) predicting each target token, N = all target tokens of the batch.
-
-        ``hidden``: also each layer's hidden states (N, D) at those positions (distillation).
-        ``prompt_hidden``: also each layer's hidden states (M, D) at every prefix position,
-        M = all prefix positions of the batch, row by row (context alignment).
-        """
-        prefixes, tgt = self._pairs(prompts, targets, merge, prefixes)
-        seqs = [torch.cat([cp.embeds, self._embed(self._ids(t))]) for cp, t in zip(prefixes, tgt)]
-        p = self.pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
-        longest = p.embeds.shape[1]
-        keep = torch.zeros(len(seqs), longest, dtype=torch.bool, device=self.device)
-        in_prompt = torch.zeros_like(keep)
-        rows, labels = [], []
-        for i, (cp, t) in enumerate(zip(prefixes, tgt)):
-            first = longest - p.lengths[i]
-            start = first + cp.tokens_out - 1  # hidden state predicting t[0]
-            keep[i, start:start + len(t)] = True
-            in_prompt[i, first:first + cp.tokens_out] = True
-            rows += [i] * len(t)
-            labels += t
-        deep = hidden or prompt_hidden
-        out = self.lm(p.embeds, p.mask, p.position_ids, keep=keep, hidden=deep)
-        logits, states = out if deep else (out, None)
-        return TargetLogits(logits.float(), self._ids(labels), self._ids(rows),
-                            [len(t) for t in tgt], sum(cp.tokens_in for cp in prefixes),
-                            sum(cp.tokens_out for cp in prefixes),
-                            tuple(h[keep] for h in states[1:]) if hidden else None,
-                            tuple(h[in_prompt] for h in states[1:]) if prompt_hidden else None)
+        """Loss on target tokens only (``ktm.core.loss``: ``target_ids``, ``target_logits``);
+        in eval mode read from the runtime. ``prefixes``: the prompts' ``CompressedPrompt``s
+        when the caller already has them."""
+        return loss(self, prompts, targets, merge, prefixes)
 
     # ---------------------------------------------------------------- generation
     @property
@@ -680,7 +587,7 @@ class KTMModel(nn.Module):
         for the LM's positions."""
         from ktm.decode.generate import generate
 
-        self._warn_unapplied_compressor()
+        warn_unapplied_compressor(self)
         return generate(self, prompts, **kwargs)
 
     def stream(self, prompt: PromptLike, **kwargs):
@@ -688,22 +595,8 @@ class KTMModel(nn.Module):
         ``generate``); a list of prompts raises ``KTMError`` at the first piece."""
         from ktm.decode.generate import stream
 
-        self._warn_unapplied_compressor()
+        warn_unapplied_compressor(self)
         return stream(self, prompt, **kwargs)
-
-    def _warn_unapplied_compressor(self) -> None:
-        """Once: a baseline checkpoint whose method rewrites prompts, read with prompts as given,
-        answers as another model would."""
-        rec = self.compressor_record
-        if (rec is None or rec["name"] in checkpoint.SETTING_ONLY
-                or self.applied_compressor == rec["name"] or self._compressor_warned):
-            return
-        warnings.warn(f"this checkpoint was trained with --compressor {rec['name']} "
-                      f"({checkpoint.COMPRESSOR_RECORD}), but generate reads prompts as given: "
-                      f"rewrite them with {rec['name']} first (ktm.compressors.apply."
-                      "apply_compressor, as ktm generate does), or load a checkpoint trained "
-                      "without a baseline", UserWarning, stacklevel=3)
-        self._compressor_warned = True
 
     def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name, parameter) of the weights that train (``requires_grad``): the encoder's and

@@ -9,6 +9,7 @@ import hashlib
 
 import torch
 
+from ktm.core.loss import target_ids
 from ktm.model import KTMModel
 from ktm.tasks import get_task
 
@@ -23,5 +24,5 @@ for name, kw in [("tree", {"stage": "small"}), ("amazon", {}), ("commitpack", {}
             for cp in model.compress([e.segments for e in examples], merge=merge):
                 digest.update(cp.embeds.float().numpy().tobytes())
     for e in examples:
-        digest.update(str(model.target_ids(e.target)).encode())
+        digest.update(str(target_ids(model, e.target)).encode())
 print(digest.hexdigest())

@@ -29,6 +29,7 @@ from helpers import (
 from transformers import AutoModelForCausalLM
 
 from ktm import Segment
+from ktm.core.loss import target_ids, target_logits
 from ktm.decode.batched import prefill_from_kv, row_kv
 from ktm.decode.generate import advance, generate_ids, prefill
 from ktm.model import KTMModel
@@ -116,8 +117,8 @@ def test_a_padded_batch_equals_its_rows_one_by_one(families, family, layout):
             close(cp.embeds, alone.embeds)
         assert (cp.tokens_in, cp.tokens_out) == (alone.tokens_in, alone.tokens_out)
     # the LM's rows left-padded together
-    logits = model.target_logits(PROMPTS, TARGETS).logits
-    rows = [model.target_logits([p], [t]).logits for p, t in zip(PROMPTS, TARGETS)]
+    logits = target_logits(model, PROMPTS, TARGETS).logits
+    rows = [target_logits(model, [p], [t]).logits for p, t in zip(PROMPTS, TARGETS)]
     same(logits, torch.cat(rows))
     together = generate_ids(model, PROMPTS, max_new_tokens=6, stop_at_eos=False)
     assert not EXACT or together == [generate_ids(model, p, max_new_tokens=6, stop_at_eos=False)[0]
@@ -131,8 +132,8 @@ def test_cached_decode_equals_a_full_rerun_and_the_loss_paths_logits(families, f
     target's tokens gives the logits the training forward computes for them."""
     model = build(families, family, layout)
     cps = model.encode_prompts(PROMPTS)
-    targets = [model.target_ids(t) for t in TARGETS]
-    want = model.target_logits(PROMPTS, TARGETS)
+    targets = [target_ids(model, t) for t in TARGETS]
+    want = target_logits(model, PROMPTS, TARGETS)
     cached, full = prefill(model, cps), prefill(model, cps, use_cache=False)
     for step in range(max(len(t) for t in targets)):
         same(cached.logits, full.logits)

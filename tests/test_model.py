@@ -6,6 +6,7 @@ from helpers import PROMPTS, TARGETS, TEXT, perturb
 from transformers import AutoModelForCausalLM
 
 from ktm import KTMError, Segment
+from ktm.core.loss import target_ids
 from ktm.model import KTMModel
 
 
@@ -47,7 +48,7 @@ def test_a_prompt_gets_the_tokenizers_bos_once_and_never_its_eos(tmp_path):
     ids = [tok.bos_token_id, *plain[0], *plain[1]]
     cp = model.compress(prompt, merge=False)
     assert cp.tokens_in == len(ids)
-    torch.testing.assert_close(cp.embeds, model.embed_ids(torch.tensor(ids)))
+    torch.testing.assert_close(cp.embeds, model.input_embedding(torch.tensor(ids)))
 
 
 def test_later_segments_and_targets_continue_the_text_without_a_dummy_space():
@@ -64,7 +65,7 @@ def test_later_segments_and_targets_continue_the_text_without_a_dummy_space():
     prompt = [Segment("Tree: AB"), Segment(", Answer:", compress=False)]
     ids = [i for n, s in enumerate(prompt) for i in model.tokenize(s.text, first=n == 0)]
     assert ids[0] == tok.bos_token_id and tok.bos_token_id not in ids[1:]
-    assert tok.decode(ids + model.target_ids(" true"), skip_special_tokens=True) == (
+    assert tok.decode(ids + target_ids(model, " true"), skip_special_tokens=True) == (
         "Tree: AB, Answer: true")
     assert model.compress(prompt, merge=False).tokens_in == len(ids)
 
@@ -81,7 +82,7 @@ def test_legacy_sentencepiece_later_segments_get_no_dummy_space(kind):
                                       num_hidden_layers=1, num_attention_heads=4))
     model = KTMModel.from_base(lm, k=2, tokenizer=tok)
     ids = model.tokenize("Tree: AB", first=True) + model.tokenize(", Answer:")
-    ids += model.target_ids(" true")
+    ids += target_ids(model, " true")
     assert tok.decode(ids, skip_special_tokens=True) == "Tree: AB, Answer: true"
     assert tok.convert_ids_to_tokens(model.tokenize(", Answer:"))[0] == ","
     assert tok.convert_ids_to_tokens(model.tokenize(" true")) == ["\u2581true"]
@@ -249,7 +250,7 @@ def test_spread_positions_put_each_block_at_its_last_token(tiny_model_dir):
     assert cached == full
     target = [7, 8, 9]
     out = model([prompt], [target])
-    embeds = torch.cat([cp.embeds, model.embed_ids(torch.tensor(target))])[None]
+    embeds = torch.cat([cp.embeds, model.input_embedding(torch.tensor(target))])[None]
     pos = torch.tensor([[0, 4, 8, 9, 10, 11, 12, 13, 14]])
     with torch.no_grad():
         logits = model.peft(inputs_embeds=embeds, position_ids=pos).logits[0, 5:8]
@@ -270,7 +271,7 @@ def test_plain_suffix_keeps_the_last_tokens_of_the_last_merged_segment_plain(tin
     prompt = [Segment("", ids=first), Segment("", ids=doc),
               Segment("", compress=False, ids=question)]
     cp = model.compress(prompt)
-    emb = model.embed_ids
+    emb = model.input_embedding
     with torch.no_grad():
         # first segment: 1 plain + 5 merged (2 blocks), untouched by the suffix; the last
         # compressed segment: 8 merged (2 blocks) + its last 3 plain; then the question
@@ -320,7 +321,7 @@ def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
     # the lines after the plain first token: cut after each line break, merged one by one
     lines = [ids[1:breaks[0] + 1], ids[breaks[0] + 1:breaks[1] + 1], ids[breaks[1] + 1:]]
     cp = model.compress([Segment(text), Segment("Answer:", compress=False)])
-    emb, q = model.embed_ids, model.tokenize("Answer:")
+    emb, q = model.input_embedding, model.tokenize("Answer:")
     with torch.no_grad():
         want = torch.cat([emb(torch.tensor(ids[:1]))]
                          + [model.encoder(emb(torch.tensor(line))[None])[0][0] for line in lines]
@@ -417,15 +418,15 @@ def test_a_tokenizer_without_eos_ends_targets_with_the_models_eos():
                num_attention_heads=4)
     lm = LlamaForCausalLM(LlamaConfig(eos_token_id=[7, 1], **cfg))
     model = KTMModel.from_base(lm, k=2, tokenizer=tok)
-    assert model.target_ids("true") == model.tokenize("true") + [7]
-    assert model.target_ids("true") != model.tokenize("true")
+    assert target_ids(model, "true") == model.tokenize("true") + [7]
+    assert target_ids(model, "true") != model.tokenize("true")
     # neither names one: refused up front, not a model that never learns to stop
     lm = LlamaForCausalLM(LlamaConfig(eos_token_id=None, **cfg))
     lm.generation_config.eos_token_id = None
     with pytest.raises(KTMError, match=r"no EOS token.*add_eos=False"):
         KTMModel.from_base(lm, k=2, tokenizer=tok)
     model = KTMModel.from_base(lm, k=2, tokenizer=tok, add_eos=False)
-    assert model.target_ids("true") == model.tokenize("true")
+    assert target_ids(model, "true") == model.tokenize("true")
 
 
 def test_a_folder_without_eos_is_named_in_the_refusal(tmp_path, capsys):

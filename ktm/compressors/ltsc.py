@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ktm.compressors.base import Compressor
+from ktm.core.loss import ids_tensor
 from ktm.core.prompt import Segment, as_segments
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
@@ -86,7 +87,7 @@ def add_meta_tokens(model, sequences: Sequence[Sequence[int]]) -> list[int]:
         raise KTMError("add_meta_tokens needs non-empty token sequences, got an empty one")
     old = meta_rows(model)
     with torch.no_grad():
-        rows = torch.stack([model.embed_ids(model._ids(list(s))).float().mean(0)
+        rows = torch.stack([model.input_embedding(ids_tensor(s, model.device)).float().mean(0)
                             for s in sequences])
     base = old.base if old is not None else model.input_embedding
     if old is not None:

@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 import torch
 
 from ktm.compressors.base import Compressor, check_ratio
+from ktm.core.batch import pack
+from ktm.core.loss import ids_tensor
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 
@@ -61,14 +63,15 @@ class SelectiveContext(Compressor):
                 # Gemma): such a model has never read text without it
                 lead = list(model.lead_ids)
                 for batch in self._groups(rows):
-                    p = model.pack([model.embed_ids(model._ids(lead + r)) for r in batch])
+                    p = pack([model.input_embedding(ids_tensor(lead + r, model.device))
+                              for r in batch])
                     # logits only where a next token is scored: (N, V), N = sum(len(r) - 1)
                     keep = torch.zeros_like(p.mask, dtype=torch.bool)
                     for b, r in enumerate(batch):
                         keep[b, keep.shape[1] - len(r):-1] = True
                     logp = model.lm(p.embeds, p.mask, p.position_ids, keep=keep).float()
                     logp = logp.log_softmax(-1)
-                    nexts = model._ids([t for r in batch for t in r[1:]])
+                    nexts = ids_tensor([t for r in batch for t in r[1:]], model.device)
                     nll = (-logp.gather(-1, nexts[:, None]).squeeze(-1)).tolist()
                     at = 0
                     for r in batch:

@@ -17,6 +17,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ktm.core.batch import pack
+from ktm.core.loss import check_fits
 from ktm.core.prompt import PromptLike, Segment, split_prompts
 from ktm.decode.text_stream import TextStream, anchor_ids, decode_continuation
 from ktm.errors import KTMError
@@ -183,7 +185,7 @@ def prefill(model, prefixes, use_cache: bool = True, room: int = 0) -> DecodeSta
     ``room``: positions the cache keeps free for the tokens decoded next (``kv_cache``), as
     ``decode_steps`` asks; 0 gives plain ``DynamicLayer``s, which rows can join or leave
     (``ktm.decode.batched``)."""
-    p = model.pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes])
+    p = pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes])
     cache = kv_cache(model, room) if use_cache else None
     via = model.decode_lm()
     with eval_mode(model):
@@ -194,7 +196,7 @@ def prefill(model, prefixes, use_cache: bool = True, room: int = 0) -> DecodeSta
 @torch.no_grad()
 def advance(model, state: DecodeState, tokens: torch.Tensor) -> None:
     """Feed one (B,) token per row; updates ``state`` in place (cached: one position each)."""
-    step = model.embed_ids(tokens)[:, None]
+    step = model.input_embedding(tokens)[:, None]
     state.mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], dim=1)
     last = state.pos[:, -1:] + 1
     with eval_mode(model):
@@ -226,7 +228,7 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
             raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
                            "expected one each")
         # the last new token is returned, never read back: it takes no position
-        model.check_fits(prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
+        check_fits(model, prefixes, [cfg.max_new_tokens] * len(prefixes), "new tokens", unread=1)
         if not (cfg.use_cache or runtime.rereads):
             raise KTMError(f"use_cache=False re-runs the whole sequence on the torch path (the "
                            f"test reference); the {runtime.name} backend always keeps its KV "

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from ktm.core.loss import target_logits
 from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
 from ktm.decode.generate import DecodeState, advance, prefill
 from ktm.util.lru import LRUCache
@@ -142,7 +143,7 @@ class TorchRuntime:
         """Nothing to let go: the batch's cache goes with its state."""
 
     def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]:
-        t = self.model.target_logits([None] * len(prefixes), targets, prefixes=prefixes)
+        t = target_logits(self.model, [None] * len(prefixes), targets, prefixes=prefixes)
         lp = torch.log_softmax(t.logits, -1).gather(1, t.labels[:, None])[:, 0]
         return list(lp.split(t.lengths))
 

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
+from ktm.core.loss import target_ids
 from ktm.decode.generate import eval_mode
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import (
@@ -218,7 +219,7 @@ def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
 def answer_room(model, targets: Sequence[str]) -> int:
     """New tokens a generated answer gets: room for the longest answer text and its EOS (a
     user's label may be several tokens long), at least 4."""
-    return max(4, max(len(model.target_ids(t)) for t in targets))
+    return max(4, max(len(target_ids(model, t)) for t in targets))
 
 
 def check_task_fits(model, task, examples: Sequence[Example], merge: bool = True,
@@ -230,6 +231,6 @@ def check_task_fits(model, task, examples: Sequence[Example], merge: bool = True
         check_examples_fit(model, examples, "evaluation", merge=merge)
         return
     targets = [task.label_target(lab) for lab in task.labels]
-    longest = max(len(model.target_ids(t)) for t in targets)
+    longest = max(len(target_ids(model, t)) for t in targets)
     check_examples_fit(model, examples, "evaluation", merge=merge, answer_tokens=longest,
                        new_tokens=max_new_tokens or answer_room(model, targets))

@@ -159,7 +159,7 @@ def embedding_check(model, base: Path, adapter: Path | None) -> dict:
     try:
         by_id = rt.token_logits(ids)
         with torch.no_grad():
-            rows = model.embed_ids(torch.tensor(ids, device=model.device))
+            rows = model.input_embedding(torch.tensor(ids, device=model.device))
         by_row = rt.row_logits(rows)
     finally:
         rt.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ktm.core.loss import check_fits, target_ids
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
 
@@ -39,10 +40,10 @@ def check_examples_fit(model, examples: Sequence[Example], what: str, *, merge: 
         seen.add(key)
         try:
             cp = model.measure_prompts([e.segments], merge)[0]
-            n = len(model.target_ids(e.target)) if answer_tokens is None else answer_tokens
+            n = len(target_ids(model, e.target)) if answer_tokens is None else answer_tokens
             if n:
-                model.check_fits([cp], [n], "target tokens")
+                check_fits(model, [cp], [n], "target tokens")
             if new_tokens:
-                model.check_fits([cp], [new_tokens], "new tokens", unread=1)
+                check_fits(model, [cp], [new_tokens], "new tokens", unread=1)
         except KTMError as err:
             raise KTMError(f"{where(e, i, what)}: {err}") from None

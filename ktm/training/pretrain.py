@@ -45,6 +45,7 @@ from torch import nn
 from ktm.core.allocate import RatioWarning, check_ratio, max_ratio
 from ktm.core.batch import LossOutput
 from ktm.core.config import ALLOCATORS
+from ktm.core.loss import check_fits, target_logits
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
@@ -297,7 +298,7 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
             with model.merging_at(k):
                 for merge in ((True, False) if obj in ("distill", "align") or plain_too
                               else (True,)):
-                    model.check_fits(model.encode_prompts([segments], merge), [n_target],
+                    check_fits(model, model.encode_prompts([segments], merge), [n_target],
                                      "target tokens")
         except KTMError as e:
             flags = ("--ae-tokens" if obj == "ae" else "--context-tokens / --target-tokens")
@@ -330,7 +331,7 @@ def as_base(model):
 def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
     """The base LM (adapter disabled, eval mode) reading each example's context plain."""
     with as_base(model):
-        return model.target_logits([e.segments for e in batch], [e.target for e in batch],
+        return target_logits(model, [e.segments for e in batch], [e.target for e in batch],
                                    merge=False, hidden=hidden)
 
 
@@ -352,7 +353,7 @@ def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch
     with as_base(model):
         plain = model.encode_prompts([e.segments for e in batch], merge=False)
         first = [e.target[:1] for e in batch]  # the teacher's states at the prompt only
-        teacher = model.target_logits([e.segments for e in batch], first, prefixes=plain,
+        teacher = target_logits(model, [e.segments for e in batch], first, prefixes=plain,
                                       prompt_hidden=True).prompt_hidden
     t_idx, s_idx, rows = [], [], []
     t_off = s_off = 0
@@ -412,7 +413,7 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
         with model.merging_at(k), allocating(model, signal), warnings.catch_warnings():
             warnings.simplefilter("ignore", RatioWarning)
             prefixes = model.encode_prompts([e.segments for e in sub])
-            t = model.target_logits([e.segments for e in sub], [e.target for e in sub],
+            t = target_logits(model, [e.segments for e in sub], [e.target for e in sub],
                                     prefixes=prefixes, hidden=deep,
                                     prompt_hidden=kind == "align")
             if kind == "align":

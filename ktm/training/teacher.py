@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ktm.core.batch import LossOutput
+from ktm.core.loss import target_logits
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
 
@@ -60,9 +61,9 @@ def distill_loss(teacher, weight: float = 0.5) -> Callable:
 
     def loss_fn(model, batch: Sequence[Example]) -> LossOutput:
         prompts, targets = [e.segments for e in batch], [e.target for e in batch]
-        s = model.target_logits(prompts, targets)
+        s = target_logits(model, prompts, targets)
         with torch.no_grad():
-            t = teacher.target_logits(prompts, targets, merge=False)
+            t = target_logits(teacher, prompts, targets, merge=False)
         if not torch.equal(t.labels.cpu(), s.labels.cpu()):
             raise KTMError("teacher and student tokenize the targets differently: expected "
                            "a teacher on the same base model")

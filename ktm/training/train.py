@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
+from ktm.core.loss import target_ids
 from ktm.errors import KTMError
 from ktm.tasks.base import Example, check_examples
 from ktm.tasks.fits import check_examples_fit
@@ -148,7 +149,7 @@ def train_step(model, opt, window: Sequence[Example], batch_size: int,
     check_trainable(model)
     stats = StepStats()
     window_tokens = distributed.sum_numbers(
-        [sum(len(model.target_ids(e.target)) for e in window)], world, model.device)[0]
+        [sum(len(target_ids(model, e.target)) for e in window)], world, model.device)[0]
     for start in range(0, len(window), batch_size):
         res = loss_fn(model, window[start:start + batch_size])
         res.nll.sum().div(window_tokens).backward()

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers import PROMPTS, TARGETS, perturb, save_tiny_llama  # noqa: E402
 
+from ktm.core.loss import target_logits
 from ktm.model import KTMModel  # noqa: E402
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
@@ -56,8 +57,8 @@ def main() -> None:
                       max(diff(own[k], its[k]) for k in own), "lora", lora)
                 merged = [c.embeds for c in other.encode_prompts(PROMPTS)]
                 print("  embeds", max(diff(a, b) for a, b in zip(first, merged)))
-                print("  logits", diff(model.target_logits(PROMPTS, TARGETS).logits,
-                                       other.target_logits(PROMPTS, TARGETS).logits))
+                print("  logits", diff(target_logits(model, PROMPTS, TARGETS).logits,
+                                       target_logits(other, PROMPTS, TARGETS).logits))
                 if pool == "query":
                     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]], device=DEVICE)
                     emb, mask = model.input_embedding(ids), torch.ones_like(ids, dtype=torch.bool)

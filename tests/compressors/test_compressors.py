@@ -285,9 +285,9 @@ def test_ltsc_keeps_the_tokenizers_bos_plain(tiny_bos_model_dir):
 
 def test_ltsc_meta_tokens_are_mean_initialised_and_trainable(tiny_model_dir):
     model = fresh(tiny_model_dir)
-    vocab_rows = model.embed_ids(torch.arange(3)).detach()
+    vocab_rows = model.input_embedding(torch.arange(3)).detach()
     ids = add_meta_tokens(model, [[0, 1, 2], [1]])
-    torch.testing.assert_close(model.embed_ids(torch.tensor(ids)),
+    torch.testing.assert_close(model.input_embedding(torch.tensor(ids)),
                                torch.stack([vocab_rows.mean(0), vocab_rows[1]]))
     assert model.config_dict["vocab_size"] == len(model.tokenizer)  # LM head untouched
     names = [n for n, _ in model.trainable_parameters()]

@@ -19,6 +19,7 @@ from ktm.core.allocate import (
     spend,
     spread_order,
 )
+from ktm.core.loss import target_logits
 from ktm.decode.generate import advance, generate_ids, prefill
 from ktm.errors import KTMError
 from ktm.model import KTMModel
@@ -99,9 +100,9 @@ def test_segment_levels_read_each_unit_at_its_own_level(reader):
         for u, level in enumerate(levels):
             unit = ids[u * 8:(u + 1) * 8]
             if level == 1:
-                parts.append(reader.embed_ids(torch.tensor(unit)))
+                parts.append(reader.input_embedding(torch.tensor(unit)))
             else:
-                parts.append(reader.encoder_at(level)(reader.embed_ids(torch.tensor([unit])))[0][0])
+                parts.append(reader.encoder_at(level)(reader.input_embedding(torch.tensor([unit])))[0][0])
         torch.testing.assert_close(mixed.embeds, torch.cat(parts), atol=1e-6, rtol=1e-5)
     assert mixed.tokens_out == sum(positions(len(ids[u * 8:(u + 1) * 8]), lv)
                                    for u, lv in enumerate(levels))
@@ -151,8 +152,8 @@ def test_mixed_level_prompts_keep_the_parity_properties(reader):
     for spread in (False, True):
         reader._config = dataclasses.replace(reader._config, spread_positions=spread)
         with torch.no_grad():
-            logits = reader.target_logits(prompts, ["a b", "c", "d e f"]).logits
-            rows = [reader.target_logits([p], [t]).logits
+            logits = target_logits(reader, prompts, ["a b", "c", "d e f"]).logits
+            rows = [target_logits(reader, [p], [t]).logits
                     for p, t in zip(prompts, ["a b", "c", "d e f"])]
             torch.testing.assert_close(logits, torch.cat(rows), atol=1e-4, rtol=1e-4)
             cps = reader.encode_prompts(prompts)

@@ -320,10 +320,10 @@ def test_the_states_read_are_the_lms_own_after_layer_l(family, tmp_path):
     model = fresh_model(str(tmp_path / family), k=2, context_layers=1)
     perturb(model)  # a non-zero LoRA, which the states must not see
     src = LayerStates(model.peft.get_base_model(), 1, 0, model.peft.disable_adapter)
-    embeds = model.embed_ids(torch.tensor([[5, 9, 3, 7, 11, 2]]))
+    embeds = model.input_embedding(torch.tensor([[5, 9, 3, 7, 11, 2]]))
     got = src(embeds, torch.ones(1, 6, dtype=torch.bool))
     lm = model.peft.get_base_model()
-    x = torch.cat([model.embed_ids(torch.tensor([[0]])), embeds], 1)
+    x = torch.cat([model.input_embedding(torch.tensor([[0]])), embeds], 1)
     with torch.no_grad(), model.peft.disable_adapter():
         want = lm(inputs_embeds=x, output_hidden_states=True).hidden_states[1][:, 1:]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -342,7 +342,7 @@ def test_what_the_mean_pool_feeds_its_mlp_is_each_blocks_mean_of_layer_l_states(
     perturb(model)
     got = []
     hook = model.encoder.states.mlp.register_forward_hook(lambda m, a, out: got.append(a[0]))
-    embeds = model.embed_ids(torch.tensor([[5, 9, 3, 7, 11, 2, 8], [4, 6, 1, 0, 0, 0, 0]]))
+    embeds = model.input_embedding(torch.tensor([[5, 9, 3, 7, 11, 2, 8], [4, 6, 1, 0, 0, 0, 0]]))
     mask = torch.tensor([[1] * 7, [1] * 3 + [0] * 4], dtype=torch.bool)
     with torch.no_grad():
         model.encoder(embeds, mask)

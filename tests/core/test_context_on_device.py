@@ -23,6 +23,7 @@ import pytest
 import torch
 from helpers import DEVICE, NORM_TOL, PROMPTS, TARGETS, TEXT, close, perturb, require_device
 
+from ktm.core.loss import target_ids, target_logits
 from ktm.decode.generate import advance, prefill
 from ktm.model import KTMModel
 
@@ -69,8 +70,8 @@ def test_merging_is_causal_and_a_batch_equals_its_rows(tiny_model_dir, option, d
     together = model.encode_prompts(PROMPTS)
     for prompt, cp in zip(PROMPTS, together):
         close(cp.embeds, model.encode_prompts([prompt])[0].embeds, tol)
-    rows = [model.target_logits([p], [t]).logits for p, t in zip(PROMPTS, TARGETS)]
-    close(model.target_logits(PROMPTS, TARGETS).logits, torch.cat(rows), tol)
+    rows = [target_logits(model, [p], [t]).logits for p, t in zip(PROMPTS, TARGETS)]
+    close(target_logits(model, PROMPTS, TARGETS).logits, torch.cat(rows), tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,8 +81,8 @@ def test_cached_decode_equals_a_full_rerun_and_the_training_forward(tiny_model_d
                                                                      dtype):
     model, tol = build(tiny_model_dir, option, dtype), DTYPES[dtype]
     cps = model.encode_prompts(PROMPTS)
-    targets = [model.target_ids(t) for t in TARGETS]
-    want = model.target_logits(PROMPTS, TARGETS)
+    targets = [target_ids(model, t) for t in TARGETS]
+    want = target_logits(model, PROMPTS, TARGETS)
     cached, full = prefill(model, cps), prefill(model, cps, use_cache=False)
     for step in range(max(len(t) for t in targets)):
         close(cached.logits, full.logits, tol)
@@ -106,8 +107,8 @@ def test_save_load_is_identical_and_a_step_lowers_the_loss(tiny_model_dir, tmp_p
     with torch.no_grad():
         for a, b in zip(model.encode_prompts(PROMPTS), again.encode_prompts(PROMPTS)):
             assert torch.equal(a.embeds, b.embeds)
-        assert torch.equal(model.target_logits(PROMPTS, TARGETS).logits,
-                           again.target_logits(PROMPTS, TARGETS).logits)
+        assert torch.equal(target_logits(model, PROMPTS, TARGETS).logits,
+                           target_logits(again, PROMPTS, TARGETS).logits)
     model.train()
     loss = model(PROMPTS, TARGETS).loss
     loss.backward()

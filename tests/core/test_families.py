@@ -11,6 +11,7 @@ from helpers import FAMILIES, build_tokenizer, save_tiny, tiny_config
 
 from ktm import KTMError
 from ktm.core.config import LoraSettings
+from ktm.core.loss import target_logits
 from ktm.decode.generate import generate_ids
 from ktm.model import KTMModel
 
@@ -50,7 +51,7 @@ def test_logits_equal_the_hf_forward(family):
         torch.testing.assert_close(model.prompt_logits(TEXT), want, atol=1e-5, rtol=1e-5)
         # the training path computes the head only at target positions: same numbers there
         n = ids.shape[1]
-        t = model.target_logits([tok.decode(ids[0, :n - 4])], [ids[0, n - 4:].tolist()],
+        t = target_logits(model, [tok.decode(ids[0, :n - 4])], [ids[0, n - 4:].tolist()],
                                 merge=False)
     torch.testing.assert_close(t.logits, want[n - 5:n - 1], atol=1e-5, rtol=1e-5)
 
@@ -90,8 +91,8 @@ def test_a_left_padded_batch_equals_its_rows_one_by_one(family):
     perturb_lora(model)
     prompts, targets = [TEXT, "Hello world"], ["fox jumps", "world"]
     with torch.no_grad():
-        batch = model.target_logits(prompts, targets).logits
-        rows = [model.target_logits([p], [t]).logits for p, t in zip(prompts, targets)]
+        batch = target_logits(model, prompts, targets).logits
+        rows = [target_logits(model, [p], [t]).logits for p, t in zip(prompts, targets)]
     torch.testing.assert_close(batch, torch.cat(rows), atol=1e-5, rtol=1e-5)
 
 

@@ -3,6 +3,7 @@ import torch
 from helpers import perturb
 from transformers import AutoModelForCausalLM
 
+from ktm.core.loss import target_ids
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.evaluation.evaluate import evaluate_classification, evaluate_task
@@ -30,7 +31,7 @@ def test_label_logprobs_match_the_base_model_by_hand(tiny_model_dir):
     for i, prompt in enumerate(PROMPTS[:2]):
         for j, target in enumerate(TARGETS):
             p = model.tokenizer(prompt)["input_ids"]
-            t = model.target_ids(target)
+            t = target_ids(model, target)
             with torch.no_grad():
                 logp = base(torch.tensor([p + t])).logits[0].log_softmax(-1)
             want = sum(float(logp[len(p) - 1 + n, tok]) for n, tok in enumerate(t))

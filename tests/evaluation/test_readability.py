@@ -32,7 +32,7 @@ def test_r_matches_hand_computed_nlls(tiny_model_dir, monkeypatch):
     got = readability(model, windows)
 
     lm = model.peft  # the same model (adapter on) through the plain HF forward
-    emb = model.embed_ids
+    emb = model.input_embedding
     sums = {"merged": 0.0, "plain": 0.0, "none": 0.0}
     n = 0
     per_window = []
@@ -75,7 +75,7 @@ def test_windows_start_with_the_bos_the_tokenizer_puts_first(tiny_bos_model_dir)
     assert bos not in ids
     w = Window(tuple(ids[:8]), tuple(ids[8:12]), "t")
     got = readability(model, [w])
-    lm, emb = model.peft, model.embed_ids
+    lm, emb = model.peft, model.input_embedding
     ctx, tgt = torch.tensor((bos,) + w.context), torch.tensor(w.target)
     with torch.no_grad():
         merged, _ = model.encoder(emb(ctx[1:])[None])  # the BOS is the plain first token

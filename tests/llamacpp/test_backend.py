@@ -134,8 +134,15 @@ def test_a_model_whose_input_embeddings_llama_cpp_reads_otherwise_is_refused(che
     """The check compares logits: ktm's rows scaled (as an embedding multiplier or Gemma's
     sqrt(D) scale would) read differently from llama.cpp's own lookup of the same ids."""
     model = KTMModel.load(checkpoint)
-    plain = model.embed_ids
-    monkeypatch.setattr(model, "embed_ids", lambda ids: plain(ids) * 8.0)
+    plain = model.input_embedding
+
+    class Scaled(torch.nn.Module):
+        weight = property(lambda self: plain.weight)
+
+        def forward(self, ids):
+            return plain(ids) * 8.0
+
+    monkeypatch.setattr(KTMModel, "input_embedding", property(lambda self: Scaled()))
     with pytest.raises(KTMError, match="reads the 'llama' model's input embeddings differently"):
         export_gguf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_serve import DOC, openai_client, running_server
 
+from ktm.core.loss import target_logits
 from ktm.decode.generate import generate_ids
 from ktm.serving.prompts import chat_segments
 from ktm.serving.protocol import ChatRequest
@@ -36,7 +37,7 @@ def reference(model, prompt, n: int, **sampling) -> tuple[list[int], torch.Tenso
     each, from one plain forward over the prompt and those tokens (no KV cache)."""
     ids = generate_ids(model, [prompt], max_new_tokens=n, stop_at_eos=False, **sampling)[0]
     with torch.no_grad():
-        logits = model.eval().target_logits([prompt], [ids]).logits
+        logits = target_logits(model.eval(), [prompt], [ids]).logits
     return ids, torch.log_softmax(logits, dim=-1)
 
 

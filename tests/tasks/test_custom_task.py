@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ktm.cli.main import main
+from ktm.core.loss import target_ids
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.tasks import get_task
@@ -202,7 +203,7 @@ def test_evaluate_task_reads_answers_with_the_tasks_parser(tmp_path, ktm_model, 
     monkeypatch.setattr(ktm_model, "generate", fake_generate)
     row = evaluate_task(ktm_model, task, examples)
     assert row["metric"] == "accuracy" and row["accuracy"] == 1.0 and row["unparsed"] == 0
-    assert seen["max_new_tokens"] == len(ktm_model.target_ids(long_label)) > 4
+    assert seen["max_new_tokens"] == len(target_ids(ktm_model, long_label)) > 4
 
 
 def _run(capsys, *argv):

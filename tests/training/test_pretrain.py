@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from ktm import KTMError
 from ktm.cli.main import main
+from ktm.core.loss import target_logits
 from ktm.core.prompt import Segment
 from ktm.model import KTMModel
 from ktm.tasks.corpus import WindowSpec, continuation_window, path_texts, source_texts
@@ -102,7 +103,7 @@ def test_distillation_teacher_is_the_base_model_exactly(tiny_model_dir, corpus):
     torch.testing.assert_close(got.logits, torch.cat(want), atol=1e-4, rtol=1e-4)
     # the adapter really is on outside the teacher: otherwise this test could not fail
     with torch.no_grad():
-        student_plain = model.target_logits([e.segments for e in batch],
+        student_plain = target_logits(model, [e.segments for e in batch],
                                             [e.target for e in batch], merge=False)
     assert (student_plain.logits - got.logits).abs().max() > 1e-2
 
@@ -121,7 +122,7 @@ def test_context_gap_is_against_the_plain_reading_at_each_blocks_last_token(
     n = len(batch[0].segments[0].ids)
     want_src = [0] + [min(j + 4, n - 1) for j in range(0, n - 1, 4)]  # 1 plain, then blocks of 4
     assert prefixes[0].sources.tolist() == want_src
-    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+    t = target_logits(model, [e.segments for e in batch], [e.target for e in batch],
                             prefixes=prefixes, prompt_hidden=True)
     got = _context_gap(model, batch, prefixes, t.prompt_hidden)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -155,12 +156,12 @@ def test_context_gap_is_zero_when_the_merged_reading_is_the_plain_one(tiny_model
     stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 3, 0, model.tokenizer.eos_token_id)
     batch = [stream[i] for i in range(3)]
     prefixes = model.encode_prompts([e.segments for e in batch])
-    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+    t = target_logits(model, [e.segments for e in batch], [e.target for e in batch],
                             prefixes=prefixes, prompt_hidden=True)
     gap = _context_gap(model, batch, prefixes, t.prompt_hidden)
     assert gap.abs().max().item() < 1e-8
     randomize_lora(model)  # a student that reads differently is not aligned: the test can fail
-    t = model.target_logits([e.segments for e in batch], [e.target for e in batch],
+    t = target_logits(model, [e.segments for e in batch], [e.target for e in batch],
                             prefixes=prefixes, prompt_hidden=True)
     assert (_context_gap(model, batch, prefixes, t.prompt_hidden) > 1e-3).all()
 
@@ -454,7 +455,7 @@ def test_init_adapter_starts_lora_from_another_k(tiny_model_dir, tmp_path):
 def _logits(model, texts=("the quick brown fox jumps", "over the lazy dog")):
     prompts = [(Segment(t), Segment(" and", compress=False)) for t in texts]
     with torch.no_grad():
-        return model.target_logits(prompts, [" then it ran"] * len(prompts)).logits
+        return target_logits(model, prompts, [" then it ran"] * len(prompts)).logits
 
 
 def test_grown_lora_computes_the_same_function_then_trains_its_new_rank(tiny_model_dir,
@@ -475,7 +476,7 @@ def test_grown_lora_computes_the_same_function_then_trains_its_new_rank(tiny_mod
     a = next(p for n, p in big.peft.named_parameters() if "lora_A" in n)
     assert torch.all(b[:, 4:] == 0) and a[4:].abs().sum() > 0
     big.train()
-    out = big.target_logits([(Segment("the quick brown fox"),)], [" jumps"])
+    out = target_logits(big, [(Segment("the quick brown fox"),)], [" jumps"])
     torch.nn.functional.cross_entropy(out.logits, out.labels).backward()
     assert b.grad[:, 4:].abs().sum() > 0  # the new rank is trainable from the first step
 

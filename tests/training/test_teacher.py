@@ -9,6 +9,7 @@ from torch import nn
 
 from ktm import KTMError
 from ktm.cli.main import main
+from ktm.core.loss import target_logits
 from ktm.core.prompt import Segment
 from ktm.model import KTMModel
 from ktm.tasks.base import Example
@@ -38,9 +39,9 @@ def model(tiny_model_dir, k, seed):
 def test_loss_is_the_weighted_mix_of_ce_and_kl_to_the_plain_teacher(tiny_model_dir):
     student, teacher = model(tiny_model_dir, 2, 0), model(tiny_model_dir, 2, 1)
     prompts, targets = [e.segments for e in BATCH], [e.target for e in BATCH]
-    s = student.target_logits(prompts, targets)
-    plain = teacher.target_logits(prompts, targets, merge=False)
-    merged = teacher.target_logits(prompts, targets)  # what a teacher must NOT read
+    s = target_logits(student, prompts, targets)
+    plain = target_logits(teacher, prompts, targets, merge=False)
+    merged = target_logits(teacher, prompts, targets)  # what a teacher must NOT read
     ce = nn.functional.cross_entropy(s.logits, s.labels, reduction="none")
     want = 0.7 * ce + 0.3 * kl_per_token(s.logits, plain.logits)
     out = distill_loss(teacher, 0.3)(student, BATCH)
