@@ -446,6 +446,8 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
                            else {"target_tokens": config.target_tokens + 1}),
                         "ratio": m.ratio,
+                        # the model's own allocator lays out a ratio row (its config's)
+                        "allocator": model.config.allocator if m.ratio is not None else None,
                         "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None
                                                        else round(length / m.ratio)),
                         **stats[m.key],

@@ -454,7 +454,8 @@ def test_ratio_methods_read_at_their_ratio_with_the_models_own_levels(tiny_model
     from ktm.bench.bench import run_bench
 
     torch.manual_seed(0)
-    KTMModel.from_base(tiny_model_dir, k=8, inner_k=(4, 2)).save(str(tmp_path / "k8"))
+    KTMModel.from_base(tiny_model_dir, k=8, inner_k=(4, 2), allocator="even").save(
+        str(tmp_path / "k8"))
     cfg = BenchConfig(model=str(tmp_path / "k8"), lengths=(128,), ks=(8,), ratios=(3, 6),
                       repeats=1, warmup=0, output_tokens=2, progress=False)
     rows = {(r["k"], r["ratio"]): r for r in run_bench(cfg) if r["method"] == "ktm"}
@@ -463,5 +464,7 @@ def test_ratio_methods_read_at_their_ratio_with_the_models_own_levels(tiny_model
         got = 128 / rows[8, ratio]["compressed_tokens"]
         assert abs(got / ratio - 1) <= 0.05
         assert rows[8, ratio]["expected_compressed_tokens"] == round(128 / ratio)
+        assert rows[8, ratio]["allocator"] == "even"  # the checkpoint's own, recorded
+    assert rows[8, None]["allocator"] is None
     with pytest.raises(KTMError, match="each of ratios must be a finite number >= 1"):
         BenchConfig(ratios=(0.5,))
