@@ -331,3 +331,26 @@ def load_peft(lm, directory: str | Path, trainable: bool) -> PeftModel:
     for cfg in peft.peft_config.values():
         cfg.base_model_name_or_path = lm.name_or_path
     return peft
+
+
+def check_exportable(model, engine: str) -> None:
+    """Refuse a model another engine (``engine``: llama.cpp, vLLM) cannot read as ktm does: one
+    fine-tuned on prompts a baseline rewrote (the engine would read them as given), one with
+    LTSC's meta-token rows (ids the engine's LM lacks), one with spread positions (the engine
+    places a prefix at consecutive positions)."""
+    rec = getattr(model, "compressor_record", None)
+    if rec is not None and rec["name"] not in SETTING_ONLY:
+        raise KTMError(f"this model's checkpoint was trained with --compressor {rec['name']} "
+                       f"({COMPRESSOR_RECORD}): its LoRA reads prompts as {rec['name']} "
+                       f"rewrote them, {engine} would read them as given; expected a checkpoint "
+                       "trained without a baseline (ktm eval and ktm generate apply its method)")
+    if getattr(model, "input_extension", None) is not None:
+        raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; the "
+                       f"{engine} export covers K-token merging models only")
+    if model.config.spread_positions:
+        raise KTMError(f"this model uses spread_positions (a merged block at its last token's "
+                       f"position), but {engine} reads a sequence only at consecutive "
+                       "positions: it would read the prefix differently; expected a "
+                       "consecutive-position model, e.g. the shipped reader smollm2-135m-k2-seq "
+                       "or smollm2-135m-k4-seq for the embedded model (or this one continued "
+                       "with ktm pretrain --init ... --no-spread-positions)")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ktm.core.checkpoint import check_exportable as exportable
 from ktm.errors import KTMError
 from ktm.llamacpp.fold import fold_adapter
 from ktm.llamacpp.gguf_files import gguf_arch, gguf_module, read_adapter, write_adapter, write_base
@@ -81,23 +82,7 @@ def _layout(config) -> dict:
 
 def check_exportable(model) -> None:
     """Refuse a model llama.cpp cannot run as ktm does (module docstring)."""
-    rec = getattr(model, "compressor_record", None)
-    if rec is not None:
-        from ktm.core.checkpoint import SETTING_ONLY
-
-        if rec["name"] not in SETTING_ONLY:
-            raise KTMError(f"this model's checkpoint was trained with --compressor {rec['name']}: "
-                           f"its LoRA reads prompts as {rec['name']} rewrote them; expected a "
-                           "checkpoint trained without a baseline")
-    if getattr(model, "input_extension", None) is not None:
-        raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; the "
-                       "GGUF export covers K-token merging models only")
-    if model.config.spread_positions:
-        raise KTMError("this model uses spread positions (a merged block at its last token's "
-                       "position), but llama.cpp reads a sequence only at consecutive positions: "
-                       "expected a consecutive-position model, e.g. the shipped reader "
-                       "smollm2-135m-k2-seq or smollm2-135m-k4-seq for the embedded model (or "
-                       "this one continued with ktm pretrain --init ... --no-spread-positions)")
+    exportable(model, "llama.cpp")
     gguf_arch(model.lm_config)
 
 

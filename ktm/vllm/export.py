@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ktm.core.checkpoint import COMPRESSOR_RECORD, SETTING_ONLY, save_atomic
+from ktm.core.checkpoint import check_exportable, save_atomic
 from ktm.errors import KTMError
 from ktm.util.fileio import check_apart, read_json_object, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions
@@ -161,22 +161,7 @@ def export_vllm(model, out: str | Path, source: str | Path | None = None) -> dic
     apart from it, as from the base model's folder). Needs memory for a second copy of the LM
     while LoRA is merged.
     """
-    rec = getattr(model, "compressor_record", None)
-    if rec is not None and rec["name"] not in SETTING_ONLY:
-        raise KTMError(f"this model's checkpoint was trained with --compressor {rec['name']} "
-                       f"({COMPRESSOR_RECORD}): its LoRA reads prompts as {rec['name']} "
-                       "rewrote them, vLLM would read them as given; expected a checkpoint "
-                       "trained without a baseline (ktm eval and ktm generate apply its method)")
-    # any extension of the input table (LTSC's meta-token rows) has ids vLLM's LM lacks
-    if getattr(model, "input_extension", None) is not None:
-        raise KTMError("this model has LTSC meta-token rows beyond the LM's vocabulary; "
-                       "the vLLM export covers K-token merging models only")
-    if model.config.spread_positions:
-        raise KTMError("this model uses spread_positions, but vLLM places prompt_embeds at "
-                       "consecutive positions: it would read the prefix differently; export a "
-                       "model trained with consecutive positions, e.g. the shipped reader "
-                       "smollm2-135m-k2-seq or smollm2-135m-k4-seq for the embedded model (or "
-                       "this one continued with ktm pretrain --init ... --no-spread-positions)")
+    check_exportable(model, "vLLM")
     _check_plain_lookup(model)
     out = Path(out)
     check_apart(out, [model.config.base_model] + ([source] if source is not None else []))
