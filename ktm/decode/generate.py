@@ -52,6 +52,17 @@ class GenerationConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def ends_at(self, token: int, eos: frozenset[int]) -> bool:
+        """Whether ``token`` ends the generation by itself: an end-of-sequence id (``eos``, the
+        model's ``eos_ids``) while ``stop_at_eos``. The one rule the decode loop, ``generate``,
+        ``stream`` and the server apply (the loop on tensors: ``stop_ids``)."""
+        return self.stop_at_eos and token in eos
+
+    def stop_ids(self, eos: frozenset[int], device) -> torch.Tensor:
+        """``ends_at`` as the ids a row of tokens is checked against (none: never ends)."""
+        return torch.tensor(sorted(eos) if self.stop_at_eos else [], dtype=torch.long,
+                            device=device)
+
     def __post_init__(self) -> None:
         if (not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool)
                 or self.max_new_tokens < 1):
@@ -245,12 +256,12 @@ def _steps(model, state, cfg: GenerationConfig, runtime) -> Iterator[torch.Tenso
     if cfg.do_sample and cfg.seed is not None:
         gens = [torch.Generator(device=model.device).manual_seed(cfg.seed)
                 for _ in range(state.logits.shape[0])]
-    eos = torch.tensor(sorted(model.eos_ids), dtype=torch.long, device=model.device)
+    eos = cfg.stop_ids(model.eos_ids, model.device)
     finished = torch.zeros(state.logits.shape[0], dtype=torch.bool, device=model.device)
     for i in range(cfg.max_new_tokens):
         nxt = select_rows(state.logits, cfg, gens).masked_fill(finished, model.pad_id)
         yield nxt
-        if cfg.stop_at_eos and len(eos):
+        if len(eos):
             finished |= torch.isin(nxt, eos)
             if bool(finished.all()):
                 return
@@ -258,12 +269,8 @@ def _steps(model, state, cfg: GenerationConfig, runtime) -> Iterator[torch.Tenso
             runtime.advance(state, nxt)
 
 
-def _trim(ids: list[int], eos: frozenset[int], stop: bool) -> list[int]:
-    if stop:
-        for i, t in enumerate(ids):
-            if t in eos:
-                return ids[:i]
-    return ids
+def _trim(ids: list[int], eos: frozenset[int], cfg: GenerationConfig) -> list[int]:
+    return next((ids[:i] for i, t in enumerate(ids) if cfg.ends_at(t, eos)), ids)
 
 
 def generate_ids(model, prompts, prefixes=None, **kwargs) -> list[list[int]]:
@@ -275,7 +282,7 @@ def generate_ids(model, prompts, prefixes=None, **kwargs) -> list[list[int]]:
     if not steps:
         return [[] for _ in segs]
     ids = torch.stack(steps, dim=1).tolist()
-    return [_trim(row, model.eos_ids, cfg.stop_at_eos) for row in ids]
+    return [_trim(row, model.eos_ids, cfg) for row in ids]
 
 
 def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str | list[str]:
@@ -296,7 +303,7 @@ def stream(model, prompt: PromptLike, **kwargs) -> Iterator[str]:
     text = TextStream(model.tokenizer)
     for nxt in decode_steps(model, segs, cfg):
         tok = int(nxt[0])
-        if cfg.stop_at_eos and tok in model.eos_ids:
+        if cfg.ends_at(tok, model.eos_ids):
             break
         if piece := text.push(tok):
             yield piece

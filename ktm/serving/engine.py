@@ -102,7 +102,7 @@ class Row:
     def push(self, token: int) -> Event:
         """The row's next token (with a trail, the engine has added its logprob entry)."""
         self.n += 1
-        if self.cfg.stop_at_eos and token in self.eos:
+        if self.cfg.ends_at(token, self.eos):
             return self._end(self.text.flush(), "stop")
         piece = self.text.push(token)
         if self.text.stopped:

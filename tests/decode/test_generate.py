@@ -242,3 +242,13 @@ def test_sampling_weights_equal_transformers_logits_processors(temperature, top_
     got = got / got.sum(-1, keepdim=True)
     assert torch.equal(got > 0, want > 0)  # the same tokens kept
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_rule_ends_a_generation_for_the_loop_the_trim_and_the_server():
+    from ktm.decode.generate import GenerationConfig
+
+    eos = frozenset({2, 7})
+    on, off = GenerationConfig(), GenerationConfig(stop_at_eos=False)
+    assert [on.ends_at(t, eos) for t in (1, 2, 7)] == [False, True, True]
+    assert not any(off.ends_at(t, eos) for t in (1, 2, 7))
+    assert on.stop_ids(eos, "cpu").tolist() == [2, 7] and off.stop_ids(eos, "cpu").numel() == 0
