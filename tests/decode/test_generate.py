@@ -245,8 +245,6 @@ def test_sampling_weights_equal_transformers_logits_processors(temperature, top_
 
 
 def test_one_rule_ends_a_generation_for_the_loop_the_trim_and_the_server():
-    from ktm.decode.generate import GenerationConfig
-
     eos = frozenset({2, 7})
     on, off = GenerationConfig(), GenerationConfig(stop_at_eos=False)
     assert [on.ends_at(t, eos) for t in (1, 2, 7)] == [False, True, True]
