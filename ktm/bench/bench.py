@@ -35,9 +35,8 @@ from ktm.bench.measure import (
     trim_allocator,
     word_pool,
 )
-from ktm.core.allocate import check_ratio
 from ktm.core.base_model import parse_dtype
-from ktm.core.config import DEFAULT_MODEL
+from ktm.core.config import DEFAULT_MODEL, check_ratio
 from ktm.core.encoder import KTokenEncoder
 from ktm.errors import KTMError
 from ktm.model import BACKENDS

@@ -31,10 +31,10 @@ Positions stay consecutive whatever the levels, so the result runs on llama.cpp 
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ktm.core.config import ALLOCATORS
@@ -49,33 +49,20 @@ class RatioWarning(UserWarning):
     (too short for its units to split closer)."""
 
 
-def quiet_ratio(fn: Callable) -> Callable:
-    """``fn`` with ``RatioWarning`` silenced: a training run or an evaluation reads many short
-    segments, and reports the ratio they were read at instead (``ratio_read``)."""
-    import functools
-
-    @functools.wraps(fn)
-    def quiet(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RatioWarning)
-            return fn(*args, **kwargs)
-
-    return quiet
+@contextmanager
+def quiet_ratio() -> Iterator[None]:
+    """``RatioWarning`` silenced, as ``with quiet_ratio():`` or ``@quiet_ratio()``: a training
+    run or an evaluation reads many short segments, and reports the ratio they were read at
+    instead (``ratio_read``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RatioWarning)
+        yield
 
 
 def max_ratio(tokens: int, plain: int, unit: int) -> float:
     """The largest ratio a segment of ``tokens`` tokens, ``plain`` of them kept plain, is read
     at: every unit at the largest level ``unit``."""
     return tokens / max(1, plain + positions(tokens - plain, unit))
-
-
-def check_ratio(ratio: float, what: str = "ratio") -> float:
-    """A ratio is a finite number >= 1 (1: every token plain)."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (
-            1.0 <= ratio < math.inf):
-        raise KTMError(f"{what} must be a finite number >= 1 (tokens in per position read; 1 "
-                       f"reads every token plain), got {ratio!r}")
-    return float(ratio)
 
 
 def positions(n: int, level: int) -> int:

@@ -46,7 +46,7 @@ class CompressedPrompt:
     @property
     def ratio_read(self) -> float | None:
         """Tokens per position of the compressed segments (None: the prompt has none)."""
-        return self.squeezed[0] / self.squeezed[1] if self.squeezed[1] else None
+        return ratio_of(self.squeezed)
 
     @property
     def next_position(self) -> int:
@@ -158,3 +158,15 @@ def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: i
                else "with merging off")
         raise KTMError(f"prompt is {cp.tokens_out} positions {how} + {more} {what}, over the "
                        f"model's limit of {limit} positions; {hint}")
+
+
+def squeezed_sum(prefixes, total: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """``total`` plus the compressed segments' (tokens, positions) of ``prefixes``
+    (``CompressedPrompt.squeezed``): what a result row's ``ratio_read`` pools."""
+    return (total[0] + sum(cp.squeezed[0] for cp in prefixes),
+            total[1] + sum(cp.squeezed[1] for cp in prefixes))
+
+
+def ratio_of(squeezed: tuple[int, int]) -> float | None:
+    """Tokens per position of (tokens, positions) (None: no compressed segment)."""
+    return squeezed[0] / squeezed[1] if squeezed[1] else None

@@ -6,6 +6,7 @@ it, so a result row records exactly what was used. A leaf module: no torch, no m
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -27,6 +28,16 @@ def _is_int(v: Any) -> bool:
 ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm")
 # how ``context_layers`` pools a block's states (ktm.core.context_states)
 CONTEXT_POOLS = ("mean", "query")
+
+
+def check_ratio(ratio: float, what: str = "ratio") -> float:
+    """A ratio is a finite number >= 1 (1: every token plain)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (
+            1.0 <= ratio < math.inf):
+        raise KTMError(f"{what} must be a finite number >= 1 (tokens in per position read; 1 "
+                       f"reads every token plain), got {ratio!r}")
+    return float(ratio)
+
 
 
 def inner_chain(inner_k: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -197,10 +208,8 @@ class KTMConfig:
         if not _is_int(self.plain_suffix) or self.plain_suffix < 0:
             raise KTMError(f"plain_suffix must be an integer >= 0, got {self.plain_suffix!r}")
         check_field_types(self)  # the other fields (a wrong type fails no rule above)
-        if self.ratio is not None and not (isinstance(self.ratio, (int, float))
-                                           and 1.0 <= self.ratio < float("inf")):
-            raise KTMError(f"ratio must be a finite number >= 1 (tokens in per position read) "
-                           f"or None (uniform K), got {self.ratio!r}")
+        if self.ratio is not None:
+            check_ratio(self.ratio)  # None: uniform K
         if self.allocator not in ALLOCATORS:
             raise KTMError(f"allocator must be one of {', '.join(ALLOCATORS)}, got "
                            f"{self.allocator!r}")

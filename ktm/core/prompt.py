@@ -16,7 +16,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ktm.core.allocate import check_ratio
+from ktm.core.config import check_ratio
 from ktm.errors import KTMError
 from ktm.util.field_types import check_field_types
 

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
+from ktm.core.batch import ratio_of, squeezed_sum
 from ktm.core.loss import target_ids
 from ktm.decode.generate import eval_mode
 from ktm.errors import KTMError
@@ -79,7 +80,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
     preds: list[str | None] = []
     answers: list[str] = []
     before = after = 0
-    squeezed = [0, 0]
+    squeezed = (0, 0)
     compress_s = 0.0
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
@@ -89,19 +90,12 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         compress_s += seconds
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
-        tally_squeezed(squeezed, prefixes)
+        squeezed = squeezed_sum(prefixes, squeezed)
         texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
                                merge=merge)
         answers += texts
         preds += [parse(t) if parse else parse_label(t, labels) for t in texts]
     return _class_row(examples, labels, preds, answers, before, after, compress_s, t0, squeezed)
-
-
-def tally_squeezed(total: list[int], prefixes) -> None:
-    """Add the compressed segments' tokens and positions of ``prefixes`` to ``total``."""
-    for cp in prefixes:
-        total[0] += cp.squeezed[0]
-        total[1] += cp.squeezed[1]
 
 
 def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batch_size,
@@ -149,7 +143,7 @@ def _class_row(examples, labels, preds, answers, before, after, compress_s, t0,
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
         # the compressed segments' tokens per position (a ratio's target, or about K)
-        "ratio_read": squeezed[0] / squeezed[1] if squeezed[1] else None,
+        "ratio_read": ratio_of(squeezed),
         "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,
@@ -165,7 +159,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
                         batch_size: int = 4, progress: bool = False) -> dict:
     """Perplexity of the targets given the (merged) prompts, pooled over all target tokens."""
     nll, n_tok, before, after = 0.0, 0, 0, 0
-    squeezed = [0, 0]
+    squeezed = (0, 0)
     compress_s = 0.0
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
@@ -178,7 +172,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
         n_tok += int(out.n_tokens.sum())
         before += out.tokens_in
         after += out.tokens_out
-        tally_squeezed(squeezed, prefixes)
+        squeezed = squeezed_sum(prefixes, squeezed)
     return {
         "n": len(examples),
         "perplexity": perplexity(nll, n_tok),
@@ -186,14 +180,14 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
         "tokens_before": before / len(examples),
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
-        "ratio_read": squeezed[0] / squeezed[1] if squeezed[1] else None,
+        "ratio_read": ratio_of(squeezed),
         "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
         "wall_s": time.perf_counter() - t0,
     }
 
 
-@quiet_ratio  # the row reports the ratio read
+@quiet_ratio()  # the row reports the ratio read
 def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
     """``kwargs`` go to the task kind's scorer; for classification, likelihood scoring reads
     each label's answer text from the task (``task.label_target``), and a generated answer is

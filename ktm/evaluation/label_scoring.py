@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ktm.core.batch import squeezed_sum
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
 from ktm.util.timing import timed
@@ -43,7 +44,7 @@ def label_logprobs(model, examples: Sequence[Example], targets: Sequence[str], *
         raise KTMError("no label targets to score: expected at least one")
     if not examples:
         raise KTMError("no examples to score: expected at least one")
-    rows, before, after, compress_s, squeezed = [], 0, 0, 0.0, [0, 0]
+    rows, before, after, compress_s, squeezed = [], 0, 0, 0.0, (0, 0)
     for i in tqdm(range(0, len(examples), batch_size), desc=desc, disable=not progress):
         prompts = [e.segments for e in examples[i:i + batch_size]]
         # the encoder's kernels, not only their launch, on CUDA
@@ -51,8 +52,7 @@ def label_logprobs(model, examples: Sequence[Example], targets: Sequence[str], *
         compress_s += seconds
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
-        for cp in prefixes:  # the compressed segments' tokens and positions
-            squeezed = [squeezed[0] + cp.squeezed[0], squeezed[1] + cp.squeezed[1]]
+        squeezed = squeezed_sum(prefixes, squeezed)
         cols = [model(prompts, [t] * len(prompts), merge=merge, prefixes=prefixes).nll
                 for t in targets]
         rows.append(-torch.stack(cols, dim=1).float().cpu())

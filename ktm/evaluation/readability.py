@@ -40,14 +40,13 @@ over the resamples that have one.
 from __future__ import annotations
 
 import random
-import warnings
 import zlib
 from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from ktm.core.allocate import RatioWarning
+from ktm.core.allocate import quiet_ratio
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
@@ -191,8 +190,7 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
     model.eval()
     rows, recall_rows = [], []  # per window: summed NLL merged, plain, none; target tokens
     # a short window read at a ratio its units cannot split to: ratio_read reports it
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RatioWarning)
+    with quiet_ratio():
         try:
             _readings(model, windows, batch_size, progress, ratio, recall, seed, rows,
                       recall_rows, plain_cache)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import random
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -42,9 +41,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch import nn
 
-from ktm.core.allocate import RatioWarning, check_ratio, max_ratio
+from ktm.core.allocate import max_ratio, quiet_ratio
 from ktm.core.batch import LossOutput
-from ktm.core.config import ALLOCATORS
+from ktm.core.config import ALLOCATORS, check_ratio
 from ktm.core.loss import check_fits, target_logits
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
@@ -410,8 +409,7 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
         sub = [batch[i] for i in idx]
         deep = kind == "distill" and distill_hidden > 0
         # a short window read at a ratio its units cannot split to: that is the window's ratio
-        with model.merging_at(k), allocating(model, signal), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RatioWarning)
+        with model.merging_at(k), allocating(model, signal), quiet_ratio():
             prefixes = model.encode_prompts([e.segments for e in sub])
             t = target_logits(model, [e.segments for e in sub], [e.target for e in sub],
                                     prefixes=prefixes, hidden=deep,

@@ -187,7 +187,7 @@ def _cuda_devices(model) -> list[int]:
     return list(range(torch.cuda.device_count())) if model.device.type == "cuda" else []
 
 
-@quiet_ratio  # the rows report the ratio read
+@quiet_ratio()  # the rows report the ratio read
 def train(
     model,
     examples: Sequence[Example],
