@@ -298,7 +298,7 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
                 for merge in ((True, False) if obj in ("distill", "align") or plain_too
                               else (True,)):
                     check_fits(model, model.encode_prompts([segments], merge), [n_target],
-                                     "target tokens")
+                               "target tokens")
         except KTMError as e:
             flags = ("--ae-tokens" if obj == "ae" else "--context-tokens / --target-tokens")
             raise KTMError(f"a full {obj} window does not fit this model's positions ({e}): "
@@ -331,7 +331,7 @@ def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
     """The base LM (adapter disabled, eval mode) reading each example's context plain."""
     with as_base(model):
         return target_logits(model, [e.segments for e in batch], [e.target for e in batch],
-                                   merge=False, hidden=hidden)
+                             merge=False, hidden=hidden)
 
 
 def _hidden_gap(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]
@@ -353,7 +353,7 @@ def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch
         plain = model.encode_prompts([e.segments for e in batch], merge=False)
         first = [e.target[:1] for e in batch]  # the teacher's states at the prompt only
         teacher = target_logits(model, [e.segments for e in batch], first, prefixes=plain,
-                                      prompt_hidden=True).prompt_hidden
+                                prompt_hidden=True).prompt_hidden
     t_idx, s_idx, rows = [], [], []
     t_off = s_off = 0
     for i, (cp, tp) in enumerate(zip(prefixes, plain)):
@@ -412,8 +412,8 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
         with model.merging_at(k), allocating(model, signal), quiet_ratio():
             prefixes = model.encode_prompts([e.segments for e in sub])
             t = target_logits(model, [e.segments for e in sub], [e.target for e in sub],
-                                    prefixes=prefixes, hidden=deep,
-                                    prompt_hidden=kind == "align")
+                              prefixes=prefixes, hidden=deep,
+                              prompt_hidden=kind == "align")
             if kind == "align":
                 gap = _context_gap(model, sub, prefixes, t.prompt_hidden)
         if kind == "distill":

@@ -52,7 +52,7 @@ def test_logits_equal_the_hf_forward(family):
         # the training path computes the head only at target positions: same numbers there
         n = ids.shape[1]
         t = target_logits(model, [tok.decode(ids[0, :n - 4])], [ids[0, n - 4:].tolist()],
-                                merge=False)
+                          merge=False)
     torch.testing.assert_close(t.logits, want[n - 5:n - 1], atol=1e-5, rtol=1e-5)
 
 

@@ -104,7 +104,7 @@ def test_distillation_teacher_is_the_base_model_exactly(tiny_model_dir, corpus):
     # the adapter really is on outside the teacher: otherwise this test could not fail
     with torch.no_grad():
         student_plain = target_logits(model, [e.segments for e in batch],
-                                            [e.target for e in batch], merge=False)
+                                      [e.target for e in batch], merge=False)
     assert (student_plain.logits - got.logits).abs().max() > 1e-2
 
 
@@ -123,7 +123,7 @@ def test_context_gap_is_against_the_plain_reading_at_each_blocks_last_token(
     want_src = [0] + [min(j + 4, n - 1) for j in range(0, n - 1, 4)]  # 1 plain, then blocks of 4
     assert prefixes[0].sources.tolist() == want_src
     t = target_logits(model, [e.segments for e in batch], [e.target for e in batch],
-                            prefixes=prefixes, prompt_hidden=True)
+                      prefixes=prefixes, prompt_hidden=True)
     got = _context_gap(model, batch, prefixes, t.prompt_hidden)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     s_all, t_all, rows, off = [], [], [], 0
@@ -157,12 +157,12 @@ def test_context_gap_is_zero_when_the_merged_reading_is_the_plain_one(tiny_model
     batch = [stream[i] for i in range(3)]
     prefixes = model.encode_prompts([e.segments for e in batch])
     t = target_logits(model, [e.segments for e in batch], [e.target for e in batch],
-                            prefixes=prefixes, prompt_hidden=True)
+                      prefixes=prefixes, prompt_hidden=True)
     gap = _context_gap(model, batch, prefixes, t.prompt_hidden)
     assert gap.abs().max().item() < 1e-8
     randomize_lora(model)  # a student that reads differently is not aligned: the test can fail
     t = target_logits(model, [e.segments for e in batch], [e.target for e in batch],
-                            prefixes=prefixes, prompt_hidden=True)
+                      prefixes=prefixes, prompt_hidden=True)
     assert (_context_gap(model, batch, prefixes, t.prompt_hidden) > 1e-3).all()
 
 
