@@ -135,9 +135,9 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
         FILE_ERRORS,
         SURPRISAL,
         read_config,
+        read_surprisal,
         save_atomic,
     )
-    from ktm.core.surprisal import SurprisalTable
     from ktm.util.fileio import write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
@@ -153,7 +153,7 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
             states[rel] = {k: v.to(STORAGE_DTYPE).contiguous() for k, v in
                            load_file(str(src / rel)).items()}
         lora_text = lora_config.read_text()
-        table = SurprisalTable.load(src / SURPRISAL) if (src / SURPRISAL).is_file() else None
+        table = read_surprisal(src)
     except FILE_ERRORS as e:
         raise KTMError(f"checkpoint {str(src)!r} is incomplete or corrupt: {e}") from e
 
