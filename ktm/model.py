@@ -42,6 +42,7 @@ from ktm.core.loss import check_fits, ids_tensor, loss
 from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
 from ktm.core.prompt import PromptLike, as_segments, split_prompts
 from ktm.core.tokens import SegmentTokenizer
+from ktm.decode.press import PressConfig, import_kvpress, press_refusal
 from ktm.decode.runtime import TorchRuntime
 from ktm.errors import KTMError
 from ktm.llamacpp.backend import attach
@@ -68,13 +69,16 @@ def from_base(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = torch.float32,
     config: KTMConfig | None = None,
+    press: str | None = None,
+    press_ratio: float = 0.5,
     **fields,
 ) -> KTMModel:
     """Wrap a base model (embedded name, local HF folder, or a loaded model + tokenizer).
 
     ``config`` gives everything at once; otherwise it is built from ``k``, ``lora``,
     ``dtype`` and any other ``KTMConfig`` field given by keyword (``mlp_ratio=0.5``,
-    ``slot_weights=True``, ``spread_positions=True``, ...).
+    ``slot_weights=True``, ``spread_positions=True``, ...). ``press`` / ``press_ratio``: a KV
+    press, as ``load``'s.
 
     A model object is adapted in place (PEFT injects the LoRA layers into it), so it then
     belongs to the returned model; from_base refuses it a second time.
@@ -134,7 +138,10 @@ def from_base(
     with peft_wrapping():
         peft_model = get_peft_model(lm, lora_config(lm, config.lora),
                                     autocast_adapter_dtype=True)
-    return cls(peft_model, tok, encoder, config).eval()
+    model = cls(peft_model, tok, encoder, config).eval()
+    if press is not None:
+        model.use_press(press, press_ratio)
+    return model
 
 
 def cast_as_loaded(lm: PreTrainedModel, device: torch.device, dtype: torch.dtype
@@ -186,6 +193,8 @@ def load(
     gguf: str | Path | None = None,
     llamacpp: RuntimeConfig | None = None,
     vllm: VLLMConfig | None = None,
+    press: str | None = None,
+    press_ratio: float = 0.5,
 ) -> KTMModel:
     """Load a checkpoint folder or a shipped reader's name (e.g. ``"smollm2-135m-k4"``).
 
@@ -200,7 +209,9 @@ def load(
     ``gguf`` (None: the checkpoint folder if it is one, else an export written once into the
     cache); ``llamacpp``: its context settings. ``backend="vllm"``: through vLLM (``ktm.vllm``;
     its install step in docs/serving.md), from an export written once into the cache;
-    ``vllm``: where vLLM runs (in this process, a server started here, or ``url``). Raises
+    ``vllm``: where vLLM runs (in this process, a server started here, or ``url``).
+    ``press``: a KV press (``ktm.decode.press``, the ``[kvpress]`` extra) on the torch runtime
+    at ``press_ratio`` (the share of the pressable KV dropped), as ``use_press``. Raises
     ``KTMError`` for a folder that is not a checkpoint, a K it cannot merge at, or a base model
     whose sizes or tokenizer disagree with the saved ones."""
     from ktm.readers import resolve_checkpoint
@@ -258,6 +269,8 @@ def load(
     model.compressor_record = checkpoint.read_compressor_record(directory)
     model.scorer.table = checkpoint.read_surprisal(directory)
     model = model.train(trainable) if trainable else model.eval()
+    if press is not None:
+        model.use_press(press, press_ratio)  # checked before a backend starts
     if backend != "torch":
         model.use_backend(backend, source=directory, gguf=gguf,
                           config=vllm if backend == "vllm" else llamacpp)
@@ -575,8 +588,30 @@ class KTMModel(nn.Module):
             runtime = make_runtime(self, config)
         else:
             runtime = TorchRuntime(self)
+        press = getattr(self.runtime, "press", None)
+        if press is not None and not hasattr(runtime, "use_press"):
+            runtime.close()
+            raise KTMError(press_refusal(backend, press.name))
         self.runtime.close()  # the one before (a llama.cpp context, a vLLM engine) is freed
         self.runtime = runtime
+        if press is not None:
+            runtime.use_press(press)
+
+    def use_press(self, press: str | PressConfig | None, ratio: float = 0.5) -> None:
+        """Compress the KV cache of every prompt's pressable rows (its compressed segments,
+        merged or plain) after prefill with a kvpress press (``ktm.decode.press``: names in
+        ``press_names()``), dropping ``ratio`` of it; for generation, streaming, serving and
+        eval-mode scoring alike. None: no press. The torch runtime only: llama.cpp and vLLM
+        keep their own KV cache (a ``KTMError`` there)."""
+        cfg = (press if isinstance(press, PressConfig) or press is None
+               else PressConfig(press, ratio))
+        if cfg is not None:
+            import_kvpress()
+        if not hasattr(self.runtime, "use_press"):
+            if cfg is None:
+                return
+            raise KTMError(press_refusal(self.backend, cfg.name))
+        self.runtime.use_press(cfg)
 
     def generate(self, prompts, **kwargs):
         """Text continuation of one prompt (returns str) or of a list of prompts (list[str]).
@@ -611,20 +646,25 @@ DEFAULT_K = 4
 
 def load_any(model: str, k: int | None = None, device: str = "cpu",
              dtype: str | torch.dtype = "float32", backend: str = "torch",
-             llamacpp: RuntimeConfig | None = None, vllm: VLLMConfig | None = None):
-    """``k``: a base model's K (default 4); for a checkpoint, if given, it must match."""
+             llamacpp: RuntimeConfig | None = None, vllm: VLLMConfig | None = None,
+             press: str | None = None, press_ratio: float = 0.5):
+    """``k``: a base model's K (default 4); for a checkpoint, if given, it must match.
+    ``press`` / ``press_ratio``: a KV press on the torch runtime (``KTMModel.use_press``)."""
     from ktm.readers import READERS
 
     check_backend(backend)
     dt = parse_dtype(dtype)
     if (Path(model) / "ktm_config.json").is_file() or model in READERS:
         return KTMModel.load(model, k=k, device=device, dtype=dt, backend=backend,
-                             llamacpp=llamacpp, vllm=vllm)
+                             llamacpp=llamacpp, vllm=vllm, press=press,
+                             press_ratio=press_ratio)
     k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
     # frozen like a loaded checkpoint: served or exported, never trained (decoding then folds
     # the LoRA, ``KTMModel.fold_lora``)
     out = KTMModel.from_base(model, k=k, use_mlp=False, device=device,
                              dtype=dt).requires_grad_(False)
+    if press is not None:
+        out.use_press(press, press_ratio)
     if backend != "torch":
         out.use_backend(backend, config=vllm if backend == "vllm" else llamacpp)
     return out

@@ -274,6 +274,8 @@ def load_or_build(args: argparse.Namespace):
     ``--backend`` the command was given (``backend_args``)."""
     checkpoint = getattr(args, "checkpoint", None)
     model = _saved(args, checkpoint, trainable=False) if checkpoint else _fresh(args)
+    if getattr(args, "press", None):  # refused by name below on a backend without presses
+        model.use_press(args.press, args.press_ratio)
     if getattr(args, "backend", "torch") != "torch":
         from ktm.readers import resolve_checkpoint
 
@@ -318,6 +320,22 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
                              "in this process")
     parser.add_argument("--vllm-kv-cache-gb", type=float, default=v.kv_cache_gb, metavar="GB",
                         help=f"--backend vllm: its CPU KV cache (default: {v.kv_cache_gb:g})")
+    press_args(parser)
+
+
+def press_args(parser: argparse.ArgumentParser) -> None:
+    """``--press NAME --press-ratio R``: a kvpress press on the torch runtime."""
+    from ktm.decode.press import SCORERS, WRAPPERS, press_names
+
+    parser.add_argument("--press", choices=press_names(), default=None, metavar="NAME",
+                        help="press the KV cache of the prompt's compressed segments after "
+                             "prefill (merged or plain; the plain segments after them never) "
+                             "with a kvpress press (the [kvpress] extra; torch backend only): "
+                             f"{', '.join(SCORERS)}, or WRAPPER:PRESS with a wrapper of "
+                             f"{', '.join(WRAPPERS)} (default: none)")
+    parser.add_argument("--press-ratio", type=float, default=0.5, metavar="R",
+                        help="--press: the share of the pressed segments' KV dropped, in "
+                             "[0, 1) (default: 0.5)")
 
 
 def runtime_config(args: argparse.Namespace):

@@ -38,6 +38,10 @@ class CompressedPrompt:
     merged: bool = True  # False: read with merging off (every segment plain)
     # (tokens, positions) of the compressed segments alone: the ratio they were read at
     squeezed: tuple[int, int] = (0, 0)
+    # leading rows up to the end of the last compressed segment (merged or, with merging off,
+    # read plain): what a KV press compresses (``ktm.decode.press``); the rows after it (a
+    # question, a cue) are never pressed
+    pressable: int = 0
 
     @property
     def length_reduction(self) -> float:

@@ -30,6 +30,8 @@ import torch
 from ktm.core.loss import target_logits
 from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
 from ktm.decode.generate import DecodeState, advance, prefill
+from ktm.decode.press import PressConfig, pressed_row
+from ktm.errors import KTMError
 from ktm.util.lru import LRUCache
 
 
@@ -73,9 +75,11 @@ class TorchRuntime:
     context = None
     rereads = True  # use_cache=False re-reads the whole sequence each step (the test reference)
 
-    def __init__(self, model):
+    def __init__(self, model, press: PressConfig | None = None):
         self.model = model
         self.prefix_kv = LRUCache(0)
+        # a KV press (``ktm.decode.press``) every prefill and score applies; None: none
+        self.press = press
 
     @property
     def joinable(self) -> bool:
@@ -83,7 +87,14 @@ class TorchRuntime:
         return can_rebatch(self.model)
 
     def keep_prefixes(self, max_bytes: int) -> None:
-        self.prefix_kv = LRUCache(max_bytes if self.joinable else 0)
+        # a pressed prefix's KV is not the prefix's rows: a press reads every prompt whole
+        keep = self.joinable and self.press is None
+        self.prefix_kv = LRUCache(max_bytes if keep else 0)
+
+    def use_press(self, press: PressConfig | None) -> None:
+        """Press every prompt read from now on (None: none)."""
+        self.press = press
+        self.keep_prefixes(self.prefix_kv.max_bytes)
 
     def prefill(self, prefixes, sampling=None, contexts=None, joinable: bool = False
                 ) -> DecodeState:
@@ -91,6 +102,8 @@ class TorchRuntime:
         tokens follow, for which the cache keeps room); ``joinable``: a batch rows will join and
         leave (the server's): plain cache layers, and rows whose leading context
         (``contexts[i]``: its key and merged row count, or None) is cached read only the rest."""
+        if self.press is not None:
+            return self._pressed(prefixes, sampling)
         if not joinable:
             use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
             room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling else 0
@@ -126,6 +139,24 @@ class TorchRuntime:
         state.reused = reused
         return state
 
+    def _pressed(self, prefixes, sampling) -> DecodeState:
+        """Each prefix prefilled alone under the press (``pressed_row``), then batched."""
+        if sampling and not all(cfg.use_cache for cfg in sampling):
+            raise KTMError(f"press {self.press.name} compresses the KV cache: expected "
+                           "use_cache on")
+        if len(prefixes) > 1 and not self.joinable:
+            raise KTMError(f"press {self.press.name} on a batch of {len(prefixes)} prompts "
+                           "needs full-attention KV cache layers to batch the pressed rows; "
+                           "this model has others: give one prompt at a time")
+        state = None
+        for cp in prefixes:
+            cache, logits, kv, pos, via = pressed_row(self.model, cp, self.press)
+            mask = torch.ones(1, kv, dtype=torch.long, device=logits.device)
+            row = DecodeState(cp.embeds[None, -1:], mask, pos[:, -1:], cache, logits[:, -1], via)
+            state = row if state is None else join(state, row)
+        state.reused = [0] * len(prefixes)
+        return state
+
     def advance(self, state: DecodeState, tokens: torch.Tensor) -> None:
         advance(self.model, state, tokens)
 
@@ -143,9 +174,18 @@ class TorchRuntime:
         """Nothing to let go: the batch's cache goes with its state."""
 
     def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]:
+        if self.press is not None:
+            return [self._pressed_score(cp, t) for cp, t in zip(prefixes, targets)]
         t = target_logits(self.model, [None] * len(prefixes), targets, prefixes=prefixes)
         lp = torch.log_softmax(t.logits, -1).gather(1, t.labels[:, None])[:, 0]
         return list(lp.split(t.lengths))
+
+    def _pressed_score(self, cp, target: list[int]) -> torch.Tensor:
+        """(T,) log-probs of ``target`` read after ``cp`` with its pressable rows pressed."""
+        ids = torch.tensor(target, dtype=torch.long, device=self.model.device)
+        after = self.model.input_embedding(ids[:-1]) if len(target) > 1 else None
+        _, logits, _, _, _ = pressed_row(self.model, cp, self.press, after, keep=len(target))
+        return torch.log_softmax(logits[0].float(), -1).gather(1, ids[:, None])[:, 0]
 
     def clear(self) -> None:
         self.prefix_kv.clear()
@@ -157,7 +197,7 @@ class TorchRuntime:
                    if t is not None)
 
     def record(self) -> dict:
-        return {}
+        return {} if self.press is None else {"press": self.press.to_dict()}
 
     def close(self) -> None:
         self.prefix_kv.clear()

@@ -41,13 +41,15 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
 from ktm.core.prompt import Segment
+from ktm.decode.press import kept_positions
 from ktm.errors import KTMError
 from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
 
@@ -55,14 +57,14 @@ from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
 READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)
 
 
-def check_read_positions(model) -> None:
+def check_read_positions(model, spec: WindowSpec = READ_SPEC) -> None:
     """Refuse a model whose positions cannot hold a held-out window read plain (the BOS if any,
-    ``READ_SPEC``'s context and continuation): R reads every context both merged and plain."""
-    need = len(model.lead_ids) + READ_SPEC.context_tokens + READ_SPEC.target_tokens
+    ``spec``'s context and continuation): R reads every context both merged and plain."""
+    need = len(model.lead_ids) + spec.context_tokens + spec.target_tokens
     if model.max_positions and need > model.max_positions:
         raise KTMError(f"the readability R reads held-out contexts plain: {need} positions "
-                       f"(a {READ_SPEC.context_tokens}-token context and a "
-                       f"{READ_SPEC.target_tokens}-token continuation), over this model's limit "
+                       f"(a {spec.context_tokens}-token context and a "
+                       f"{spec.target_tokens}-token continuation), over this model's limit "
                        f"of {model.max_positions}: expected no R for this model (ktm pretrain "
                        "--eval-sets none; ktm eval without --readability)")
 
@@ -149,41 +151,71 @@ def _pooled(rows: list[torch.Tensor]) -> dict:
             "target_tokens": n_tok}
 
 
+@contextmanager
+def unpressed(model) -> Iterator[None]:
+    """``model`` read with no KV press for the calls inside (a press is the reading under
+    test; the plain and context-free readings are its reference)."""
+    runtime = model.runtime
+    press = getattr(runtime, "press", None)
+    if press is None:
+        yield
+        return
+    runtime.press = None
+    try:
+        yield
+    finally:
+        runtime.press = press
+
+
 def _plain_nll(model, prompts: list, tgt: list, cache: dict | None) -> torch.Tensor:
-    """(B,) NLL of each target read after its prompt unmerged; with ``cache`` (the same model
-    reading the same windows under several layouts) each one is computed once."""
-    if cache is None:
-        return model(prompts, tgt, merge=False).nll
-    keys = [(tuple(i for s in p for i in s.ids), tuple(t)) for p, t in zip(prompts, tgt)]
-    todo = [j for j, key in enumerate(keys) if key not in cache]
-    if todo:
-        nll = model([prompts[j] for j in todo], [tgt[j] for j in todo], merge=False).nll
-        cache.update({keys[j]: v for j, v in zip(todo, nll)})
+    """(B,) NLL of each target read after its prompt unmerged and unpressed; with ``cache``
+    (the same model reading the same windows under several layouts) each one is computed
+    once."""
+    with unpressed(model):
+        if cache is None:
+            return model(prompts, tgt, merge=False).nll
+        keys = [(tuple(i for s in p for i in s.ids), tuple(t)) for p, t in zip(prompts, tgt)]
+        todo = [j for j, key in enumerate(keys) if key not in cache]
+        if todo:
+            nll = model([prompts[j] for j in todo], [tgt[j] for j in todo], merge=False).nll
+            cache.update({keys[j]: v for j, v in zip(todo, nll)})
     return torch.stack([cache[key] for key in keys])
 
 
-def _three(model, ctx: list, none: list, tgt: list, cache: dict | None = None
-           ) -> tuple[torch.Tensor, int, int]:
-    """(B, 4) doubles: the NLL of ``tgt`` merged, plain and with no context, and its tokens;
-    with the merged prompts' tokens in and out."""
-    merged = model(ctx, tgt, merge=True)
-    plain = _plain_nll(model, ctx, tgt, cache)
-    empty = _plain_nll(model, none, tgt, cache)
+def _three(model, ctx: list, none: list, tgt: list, cache: dict | None = None,
+           merge: bool = True, reference=None) -> tuple[torch.Tensor, int, int]:
+    """(B, 4) doubles: the NLL of ``tgt`` merged (with ``merge`` off: read plain, as a press
+    alone reads it), plain and with no context (by ``reference``, None: ``model``), and its
+    tokens; with the merged prompts' tokens in and out."""
+    merged = model(ctx, tgt, merge=merge)
+    press = getattr(model.runtime, "press", None)
+    kept = sum(kept_positions(cp, press) for cp in model.measure_prompts(ctx, merge))
+    ref = model if reference is None else reference
+    plain = _plain_nll(ref, ctx, tgt, cache)
+    empty = _plain_nll(ref, none, tgt, cache)
     cols = (merged.nll, plain, empty, merged.n_tokens)  # doubles: a bf16 count rounds
     # to the CPU first: MPS has no float64
     return (torch.stack([c.cpu().double() for c in cols], dim=1), merged.tokens_in,
-            merged.tokens_out)
+            merged.tokens_out, kept)
 
 
 @torch.no_grad()
 def readability(model, windows: Sequence[Window], batch_size: int = 8,
                 progress: bool = False, ratio: float | None = None, recall: bool = True,
-                seed: int = 0, plain_cache: dict | None = None) -> dict:
+                seed: int = 0, plain_cache: dict | None = None, merge: bool = True,
+                reference=None) -> dict:
     """Continuation R (``R``) and recall R (``R_recall``) with their NLLs, and the exact prompt
     tokens before and after merging. ``ratio``: the contexts read at that ratio (None: at the
     model's K); ``recall`` False: continuation R alone (half the forwards). ``plain_cache``: a
     dict kept across calls on the same model and windows, which then read each plain and
-    context-free NLL once (they do not depend on the layout)."""
+    context-free NLL once (they do not depend on the layout).
+
+    The reading under test is ``model``'s, with its KV press if it has one (``merge`` off: the
+    context read plain, as a press alone reads it); the plain and context-free references are
+    ``reference``'s (None: ``model``'s), never pressed: a base model as ``reference`` puts
+    every reader and press on one scale. ``kv_kept``: the share of the prompt positions whose
+    KV the reading keeps (1 - the press's share of the pressed ones; merging's shortening is in
+    ``ratio_read``)."""
     if not windows:
         raise KTMError("readability needs at least one window")
     was_training = model.training
@@ -193,15 +225,16 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
     with quiet_ratio():
         try:
             _readings(model, windows, batch_size, progress, ratio, recall, seed, rows,
-                      recall_rows, plain_cache)
+                      recall_rows, plain_cache, merge, reference)
         finally:
             model.train(was_training)
-    tokens_in = sum(n for _, n, _ in rows)
-    tokens_out = sum(n for _, _, n in rows)
-    rows = [r for r, _, _ in rows]
+    tokens_in = sum(r[1] for r in rows)
+    tokens_out = sum(r[2] for r in rows)
+    kept = sum(r[3] for r in rows)
+    rows = [r[0] for r in rows]
     out = {**_pooled(rows), "windows": len(windows),
            "tokens_in": tokens_in / len(windows), "tokens_out": tokens_out / len(windows),
-           "ratio": ratio, "ratio_read": tokens_in / tokens_out}
+           "ratio": ratio, "ratio_read": tokens_in / tokens_out, "kv_kept": kept / tokens_in}
     if recall:
         out.update({k.replace("R", "R_recall", 1) if k.startswith("R") else f"recall_{k}": v
                     for k, v in _pooled(recall_rows).items()})
@@ -210,7 +243,7 @@ def readability(model, windows: Sequence[Window], batch_size: int = 8,
 
 def _readings(model, windows: Sequence[Window], batch_size: int, progress: bool,
               ratio: float | None, recall: bool, seed: int, rows: list, recall_rows: list,
-              cache: dict | None = None) -> None:
+              cache: dict | None = None, merge: bool = True, reference=None) -> None:
     """``readability``'s forwards: per batch, (NLL rows, tokens in, tokens out) into ``rows``
     and the recall rows into ``recall_rows``."""
     lead = model.lead_ids  # a BOS the tokenizer would put first, as prompts get it
@@ -221,35 +254,55 @@ def _readings(model, windows: Sequence[Window], batch_size: int, progress: bool,
         ctx = [Segment("", ids=lead + w.context, ratio=ratio) for w in batch]
         rows.append(_three(model, [(c,) for c in ctx],
                            [(Segment("", compress=False, ids=start),)] * len(batch),
-                           [w.target for w in batch], cache))
+                           [w.target for w in batch], cache, merge, reference))
         if recall:
             qa = [recall_question(w, seed) for w in batch]
-            part, _, _ = _three(
+            part, *_ = _three(
                 model, [(c, Segment("", compress=False, ids=q)) for c, (q, _) in
                         zip(ctx, qa)],
                 [(Segment("", compress=False, ids=start + q),) for q, _ in qa],
-                [t for _, t in qa], cache)
+                [t for _, t in qa], cache, merge, reference)
             recall_rows.append(part)
 
 
 def heldout_sets(tokenizer, sets: Sequence[str], n: int, seed: int = 0,
-                 cache: dict | None = None) -> dict[str, list[Window]]:
-    """The ``n`` held-out windows of each set, read once per (set, n, seed) into ``cache``."""
+                 cache: dict | None = None, spec: WindowSpec = READ_SPEC
+                 ) -> dict[str, list[Window]]:
+    """The ``n`` held-out windows of each set (a held-out set's name, or a file or folder of
+    the user's own text), read once per (set, n, seed, spec) into ``cache``."""
     cache = {} if cache is None else cache
     for name in sets:
-        if (name, n, seed) not in cache:
-            cache[(name, n, seed)] = heldout_windows(tokenizer, name, n, READ_SPEC, seed)
-    return {name: cache[(name, n, seed)] for name in sets}
+        key = (name, n, seed) if spec == READ_SPEC else (name, n, seed, spec)
+        if key not in cache:
+            cache[key] = heldout_windows(tokenizer, name, n, spec, seed)
+    return {name: cache[(name, n, seed) if spec == READ_SPEC else (name, n, seed, spec)]
+            for name in sets}
+
+
+def read_spec(context_tokens: int | None) -> WindowSpec:
+    """The windows R reads: ``READ_SPEC``, or its continuation after a context of
+    ``context_tokens`` (a document needs both)."""
+    if context_tokens is None or context_tokens == READ_SPEC.context_tokens:
+        return READ_SPEC
+    t = READ_SPEC.target_tokens
+    return WindowSpec(context_tokens=context_tokens, target_tokens=t,
+                      min_tokens=context_tokens + t)
 
 
 def heldout_readability(model, sets: Sequence[str] = ("reviews", "code"), n: int = 64,
                         seed: int = 0, progress: bool = False,
                         _cache: dict | None = None, ratio: float | None = None,
-                        recall: bool = True, plain_cache: dict | None = None) -> dict:
+                        recall: bool = True, plain_cache: dict | None = None,
+                        context_tokens: int | None = None, merge: bool = True,
+                        reference=None) -> dict:
     """R and recall R per held-out set (``reviews``: other product categories, ``code``: unseen
-    repos), the contexts read at the model's K or at ``ratio``."""
-    check_read_positions(model)
-    windows = heldout_sets(model.tokenizer, sets, n, seed, _cache)
+    repos, ``stdlib``; or a file or folder of the user's own text), the contexts
+    (``context_tokens``, default ``READ_SPEC``'s) read at the model's K or at ``ratio``, with
+    its press if it has one (``readability``: ``merge``, ``reference``)."""
+    spec = read_spec(context_tokens)
+    check_read_positions(model, spec)
+    windows = heldout_sets(model.tokenizer, sets, n, seed, _cache, spec)
     return {name: readability(model, windows[name], progress=progress, ratio=ratio,
-                              recall=recall, seed=seed, plain_cache=plain_cache)
+                              recall=recall, seed=seed, plain_cache=plain_cache, merge=merge,
+                              reference=reference)
             for name in sets}

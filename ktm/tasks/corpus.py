@@ -326,7 +326,10 @@ def heldout_texts(name: str) -> list[str]:
         from ktm.tasks.commitpack import HELDOUT_FILE, load_commits
 
         return [c.new for c in load_commits(resolve_data_path(None, HELDOUT_FILE), None)]
-    raise KTMError(f"unknown held-out set {name!r}: expected one of {', '.join(HELDOUT)}")
+    if Path(name).expanduser().exists():  # the user's own text, a file or a folder
+        return path_texts(name)
+    raise KTMError(f"unknown held-out set {name!r}: expected one of {', '.join(HELDOUT)}, or "
+                   "an existing file or folder of text")
 
 
 # ------------------------------------------------------------------ documents

@@ -1,0 +1,256 @@
+"""KV-cache presses on the torch runtime: NVIDIA's ``kvpress`` behind ktm's prefill and scoring.
+
+A press (``kvpress``, the ``[kvpress]`` extra) prefills a prompt, then keeps a fraction
+(``1 - ratio``) of its KV cache, chosen by a training-free score. In ktm a press is a setting
+of the torch runtime (``PressConfig``; ``KTMModel.use_press``, ``--press NAME --press-ratio R``):
+
+    prompt rows:  [pressable: what a merge would merge, merged or plain][plain: question, cue]
+    prefill:      read the pressable rows under the press -> their KV cut to keep (1 - ratio)
+                  then the plain rows, at their true positions, unpressed
+    then:         decode (or the targets scored) over that cache, at true positions
+
+so a press stacks on merging: a merged prompt's merged positions are pressed like a plain
+prompt's tokens. When no plain row follows the pressable ones, the last of them is read after
+the press (it is what the first new token is predicted from, so it reads the pressed cache like
+every later token). Presses are picked by name from ``PRESSES``; every kvpress press that needs
+no extra model or download is there, the wrapping ones as ``wrapper:inner``
+(``adakv:snapkv``).
+
+What this wrapper papers over (kvpress 0.5.5, which declares ``transformers<5.3``; ktm pins
+a newer transformers and installs kvpress beside it with ``--no-deps``, as vLLM's wheel):
+
+* kvpress's hook tells the prefill by ``kwargs["cache_position"]``, which attention layers no
+  longer get: a forward pre-hook on each attention layer puts it back, rebuilt from the cache's
+  length (``_cache_position``). kvpress's own code then runs unchanged: no press is written
+  here.
+* kvpress presses a whole batch at once and knows no padding: ktm presses row by row, then
+  batches the pressed rows (left-padded, as the server joins rows).
+* kvpress presses everything its context manager's forward reads: ktm opens it around the
+  pressable rows alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from ktm.errors import KTMError
+
+# ktm name -> kvpress class. Scorers keep a share of positions by a score of their own; each
+# takes ``compression_ratio`` (the share dropped).
+SCORERS = {
+    "expected_attention": "ExpectedAttentionPress",
+    "keydiff": "KeyDiffPress",
+    "snapkv": "SnapKVPress",
+    "streaming_llm": "StreamingLLMPress",
+    "tova": "TOVAPress",
+    "knorm": "KnormPress",
+    "random": "RandomPress",
+    "lagkv": "LagKVPress",
+    "leverage": "LeverageScorePress",
+    "cur": "CURPress",
+    "compactor": "CompactorPress",
+    "non_causal_attention": "NonCausalAttnPress",
+}
+# wrapping presses, named ``wrapper:inner`` with a scorer inside: each takes the inner press
+# as ``press`` (AdaKV: head-wise budgets; CriticalKV: values weigh in; Block and Chunk: the
+# scorer run per block or chunk of the context; KeyRerotation: the kept keys rotated back to
+# consecutive positions)
+WRAPPERS = {
+    "adakv": "AdaKVPress",
+    "criticalkv": "CriticalKVPress",
+    "block": "BlockPress",
+    "chunk": "ChunkPress",
+    "key_rerotation": "KeyRerotationPress",
+}
+# kvpress presses ktm does not offer, and why (``press_names`` lists the rest)
+LEFT_OUT = {
+    "DuoAttentionPress": "downloads attention patterns",
+    "ExpectedAttentionStatsPress": "downloads query statistics",
+    "QFilterPress": "downloads its filters",
+    "KVzapPress": "needs a trained scoring model",
+    "FastKVzipPress": "downloads its gates",
+    "RestoreKVPress": "downloads its weights",
+    "LUKVPress": "downloads its tables",
+    "DMSPress": "needs a model trained for it",
+    "KVzipPress": "re-reads the context from token ids and loads the tokenizer by path; ktm "
+                  "prefills embeddings",
+    "ObservedAttentionPress": "needs eager attention weights returned by every layer",
+    "PyramidKVPress": "keeps a different length per layer, which rows cannot share a mask with",
+    "ThinKPress": "cuts key channels, not positions",
+    "DecodingPress": "presses while decoding, not the prompt",
+    "PrefillDecodingPress": "presses while decoding, not the prompt",
+    "CompressionRatioDecodingPress": "presses while decoding, not the prompt",
+    "CAMPress": "presses while decoding, not the prompt",
+    "FinchPress": "needs a delimiter token between context and question in the prompt ids",
+    "SimLayerKVPress": "keeps a different length per layer",
+    "PerLayerCompressionPress": "keeps a different length per layer",
+    "ComposedPress": "composes presses given as objects; ktm names one",
+    "KVComposePress": "keeps a different length per head",
+    "KVgradPress": "needs gradients through the LM at prefill",
+    "MergingPress": "a wrapper whose merged keys ktm does not batch",
+    "ChunkKVPress": "keeps a different length per layer with most scorers inside",
+    "EntropyGatedChunkKVPress": "a ChunkKV variant: a different length per layer",
+    "CapPress": "caps an absolute length, not a ratio",
+}
+INSTALL = 'pip install -e ".[kvpress]" && pip install --no-deps kvpress==0.5.5'
+
+
+def press_names() -> list[str]:
+    """Every press name ``PressConfig`` takes: the scorers, then each wrapper around each."""
+    return [*SCORERS, *(f"{w}:{s}" for w in WRAPPERS for s in SCORERS)]
+
+
+@dataclass(frozen=True)
+class PressConfig:
+    """A KV press: ``name`` (``press_names``) and ``ratio``, the share of the pressable
+    positions' KV it drops, in [0, 1). Raises ``KTMError`` on construction for an unknown
+    name or a ratio outside [0, 1)."""
+
+    name: str
+    ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        wrapper, _, inner = self.name.rpartition(":")
+        if inner not in SCORERS or (wrapper and wrapper not in WRAPPERS):
+            raise KTMError(f"unknown press {self.name!r}: expected one of "
+                           f"{', '.join(SCORERS)}, or WRAPPER:PRESS with a wrapper of "
+                           f"{', '.join(WRAPPERS)}")
+        if (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))
+                or not 0 <= self.ratio < 1):  # NaN fails it too
+            raise KTMError(f"press ratio must be a number in [0, 1) (the share of the KV "
+                           f"dropped), got {self.ratio!r}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "ratio": self.ratio}
+
+    def kept(self, n: int) -> int:
+        """Positions of ``n`` pressable ones a press keeps (kvpress's own rounding)."""
+        return int(n * (1 - self.ratio))
+
+    def make(self):
+        """The kvpress object."""
+        kvpress = import_kvpress()
+        wrapper, _, inner = self.name.rpartition(":")
+        press = getattr(kvpress, SCORERS[inner])(compression_ratio=float(self.ratio))
+        if wrapper:
+            press = getattr(kvpress, WRAPPERS[wrapper])(press=press)
+        return press
+
+
+def press_refusal(backend: str, name: str) -> str:
+    """Why a press cannot run on ``backend`` (an engine with a KV cache of its own)."""
+    return (f"press {name!r} runs on the torch runtime only: the {backend} backend keeps the KV "
+            "cache inside its engine, where kvpress cannot reach; expected backend='torch' "
+            "(--backend torch), or no press")
+
+
+def import_kvpress():
+    try:
+        import kvpress
+    except ImportError as e:
+        raise KTMError(f"a KV press needs kvpress ({e}): install it with {INSTALL}") from None
+    return kvpress
+
+
+def _cache_position(module, args, kwargs):
+    """Forward pre-hook: the ``cache_position`` kvpress's hook reads, from the cache's length
+    before this layer's keys are added (none given: the attention layer got none)."""
+    if kwargs.get("cache_position") is not None:
+        return None
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cache = kwargs.get("past_key_values")
+    past = 0 if cache is None else cache.get_seq_length(module.layer_idx)
+    kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+    return args, kwargs
+
+
+def attention_layers(lm) -> list:
+    """The attention modules a press hooks, as kvpress finds them (``model.model.layers``)."""
+    inner = getattr(lm, "model", None)
+    inner = getattr(inner, "language_model", inner)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not all(hasattr(x, "self_attn") for x in layers):
+        raise KTMError(f"a KV press needs a decoder whose layers each have self_attn "
+                       f"(model.model.layers), as kvpress does; {type(lm).__name__} has none")
+    return [x.self_attn for x in layers]
+
+
+@contextmanager
+def kvpress_compatible(lm) -> Iterator[None]:
+    """kvpress's hooks run on ``lm`` (a transformers causal LM) inside, on this transformers
+    too: each attention layer gets the ``cache_position`` kvpress reads (``_cache_position``).
+    ``pressing`` opens it; kvpress's own pipeline runs inside it as it is."""
+    hooks = [m.register_forward_pre_hook(_cache_position, with_kwargs=True)
+             for m in attention_layers(lm)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextmanager
+def pressing(lm, press: PressConfig, rows: int) -> Iterator[None]:
+    """The prefill of ``rows`` positions from an empty cache inside compresses its KV with
+    ``press`` on ``lm``. kvpress's refusals (a prompt shorter than a press's window) become
+    ``KTMError``s naming the press and the prompt."""
+    try:
+        with kvpress_compatible(lm), press.make()(lm):
+            yield
+    except AssertionError as e:  # kvpress checks its inputs with assert
+        raise KTMError(f"press {press.name} cannot press {rows} positions: {e}; expected a "
+                       "longer compressed segment, or another press") from None
+
+
+def _row_positions(cp, extra: int) -> torch.Tensor:
+    """(L + extra,) position ids of a prefix followed by ``extra`` tokens."""
+    pos = cp.row_positions(extra)
+    if pos is None:
+        pos = torch.arange(cp.tokens_out + extra, device=cp.embeds.device)
+    return pos
+
+
+@torch.no_grad()
+def pressed_row(model, cp, press: PressConfig, after: torch.Tensor | None = None,
+                keep: int = 1):
+    """Read one prefix (a ``CompressedPrompt``) with its pressable rows pressed, then its other
+    rows and ``after`` ((A, D) embeddings that follow it: targets), unpressed, at their true
+    positions. Returns (cache, logits (1, keep, V) at the last positions read, KV length,
+    position ids read after the press)."""
+    from ktm.decode.generate import eval_mode
+
+    extra = 0 if after is None else after.shape[0]
+    embeds = cp.embeds if after is None else torch.cat([cp.embeds, after.to(cp.embeds.dtype)])
+    pos = _row_positions(cp, extra)
+    # the last prefix row is read after the press when nothing plain follows it
+    split = min(cp.pressable, cp.tokens_out - 1)
+    via = model.decode_lm()
+    lm = via if via is not None else model.peft.get_base_model()
+    cache = DynamicCache(config=model.lm_config)
+    with eval_mode(model):
+        if split > 0:
+            one = torch.ones(1, split, dtype=torch.long, device=embeds.device)
+            with pressing(lm, press, split):
+                model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via)
+        kv = cache.get_seq_length()
+        lengths = {layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None}
+        if len(lengths) > 1:
+            raise KTMError(f"press {press.name} kept {sorted(lengths)} positions in different "
+                           "layers: expected one length for every layer")
+        rest = embeds[split:]
+        mask = torch.ones(1, kv + rest.shape[0], dtype=torch.long, device=embeds.device)
+        logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
+    return cache, logits, kv + rest.shape[0], pos[None, split:], via
+
+
+def kept_positions(cp, press: PressConfig | None) -> int:
+    """Positions of a prefix (``CompressedPrompt``) whose KV a press leaves in the cache."""
+    split = min(cp.pressable, cp.tokens_out - 1)
+    if press is None or split <= 0:
+        return cp.tokens_out
+    return cp.tokens_out - split + press.kept(split)
