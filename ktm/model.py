@@ -580,6 +580,9 @@ class KTMModel(nn.Module):
         settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
         perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
         check_backend(backend)
+        press = getattr(self.runtime, "press", None)
+        if press is not None and backend != "torch":  # before an engine starts
+            raise KTMError(press_refusal(backend, press.name))
         if backend == "llamacpp":
             runtime = attach(self, source=source, gguf=gguf, config=config)
         elif backend == "vllm":
@@ -588,10 +591,6 @@ class KTMModel(nn.Module):
             runtime = make_runtime(self, config)
         else:
             runtime = TorchRuntime(self)
-        press = getattr(self.runtime, "press", None)
-        if press is not None and not hasattr(runtime, "use_press"):
-            runtime.close()
-            raise KTMError(press_refusal(backend, press.name))
         self.runtime.close()  # the one before (a llama.cpp context, a vLLM engine) is freed
         self.runtime = runtime
         if press is not None:

@@ -149,6 +149,23 @@ def press_refusal(backend: str, name: str) -> str:
             "(--backend torch), or no press")
 
 
+@contextmanager
+def pressed_as(runtime, press: PressConfig | None) -> Iterator[None]:
+    """``runtime`` reads with ``press`` (None: no press) inside, then as before; its prefix
+    cache is left as it is. A runtime without presses takes None only."""
+    before = getattr(runtime, "press", None)
+    if press == before:
+        yield
+        return
+    if not hasattr(runtime, "use_press"):
+        raise KTMError(press_refusal(runtime.name, press.name))
+    runtime.press = press
+    try:
+        yield
+    finally:
+        runtime.press = before
+
+
 def import_kvpress():
     try:
         import kvpress

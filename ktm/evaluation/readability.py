@@ -41,15 +41,14 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
 from ktm.core.prompt import Segment
-from ktm.decode.press import kept_positions
+from ktm.decode.press import kept_positions, pressed_as
 from ktm.errors import KTMError
 from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
 
@@ -151,27 +150,11 @@ def _pooled(rows: list[torch.Tensor]) -> dict:
             "target_tokens": n_tok}
 
 
-@contextmanager
-def unpressed(model) -> Iterator[None]:
-    """``model`` read with no KV press for the calls inside (a press is the reading under
-    test; the plain and context-free readings are its reference)."""
-    runtime = model.runtime
-    press = getattr(runtime, "press", None)
-    if press is None:
-        yield
-        return
-    runtime.press = None
-    try:
-        yield
-    finally:
-        runtime.press = press
-
-
 def _plain_nll(model, prompts: list, tgt: list, cache: dict | None) -> torch.Tensor:
     """(B,) NLL of each target read after its prompt unmerged and unpressed; with ``cache``
     (the same model reading the same windows under several layouts) each one is computed
     once."""
-    with unpressed(model):
+    with pressed_as(model.runtime, None):  # the reference is never pressed
         if cache is None:
             return model(prompts, tgt, merge=False).nll
         keys = [(tuple(i for s in p for i in s.ids), tuple(t)) for p, t in zip(prompts, tgt)]

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ktm.errors import KTMError
 from ktm.serving.config import ServeConfig
 from ktm.serving.engine import Engine, Event, Job
 from ktm.serving.logprobs import chat_logprobs, completion_logprobs
@@ -112,6 +113,32 @@ def merged_usage(usages: list[dict], n: int) -> dict:
 
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def request_press(runtime, ext: KtmOptions):
+    """The KV press a request is read with: its ``ktm`` field's (``press``, ``press_ratio``;
+    ``"none"``: none), else the server's ``--press``."""
+    from ktm.decode.press import PressConfig, import_kvpress, press_refusal
+
+    server = getattr(runtime, "press", None)
+    if ext.press is None and ext.press_ratio is None:
+        return server
+    name = ext.press or (server.name if server is not None else None)
+    if name is None:
+        raise RequestError("ktm.press_ratio needs a press: name one in ktm.press (this server "
+                           "reads with none)", param="ktm.press_ratio")
+    if name == "none":
+        return None
+    ratio = ext.press_ratio if ext.press_ratio is not None else (
+        server.ratio if server is not None else PressConfig.ratio)
+    try:
+        cfg = PressConfig(name, ratio)
+        if not hasattr(runtime, "use_press"):
+            raise KTMError(press_refusal(runtime.name, name))
+        import_kvpress()
+    except KTMError as e:
+        raise RequestError(str(e), param="ktm.press") from None
+    return cfg
 
 
 def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
@@ -209,7 +236,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                                f"of {cfg.max_queue}", param="n")
         ext = body.ktm or KtmOptions()
         job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-               "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs}
+               "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs,
+               "press": request_press(model.runtime, ext)}
         # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
         # seed + i: n different answers, each reproducible alone
         handle = Handle(engine, [{**job, "segments": segments,

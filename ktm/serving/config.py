@@ -56,6 +56,12 @@ class ServeConfig:
         "help": "--backend vllm: start a vLLM server process instead of an engine in this one"})
     vllm_kv_cache_gb: float = field(default=1.0, metadata={
         "help": "--backend vllm: its CPU KV cache in GiB"})
+    press: str | None = field(default=None, metadata={
+        "help": "a kvpress press on every request's compressed segments' KV after prefill "
+                "(torch backend only; a request's ktm field may name another, or none); names "
+                "as ktm generate --press"})
+    press_ratio: float = field(default=0.5, metadata={
+        "help": "--press: the share of the pressed KV dropped, in [0, 1)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -70,6 +76,10 @@ class ServeConfig:
         check_at_least(self, 1, "max_batch", "max_tokens_limit", "max_queue")
         check_at_least(self, 0, "batch_window_ms", "prefix_cache_mb", "threads")
         parse_dtype(self.dtype)
+        if self.press is not None:
+            from ktm.decode.press import PressConfig
+
+            PressConfig(self.press, self.press_ratio)  # refused now, by name
         if self.served_name is None:
             self.served_name = Path(self.model.rstrip("/")).name or self.model
         if not self.served_name:
@@ -93,7 +103,8 @@ def load_served_model(cfg: ServeConfig):
 
         settings = VLLMConfig(url=cfg.vllm_url, server=cfg.vllm_server,
                               kv_cache_gb=cfg.vllm_kv_cache_gb, max_num_seqs=cfg.max_batch)
-    model = load_any(cfg.model, cfg.k, cfg.device, cfg.dtype)
+    model = load_any(cfg.model, cfg.k, cfg.device, cfg.dtype, press=cfg.press,
+                     press_ratio=cfg.press_ratio)
     if cfg.backend != "torch":
         # a checkpoint folder that is a GGUF export serves its own files
         source = Path(cfg.model) if Path(cfg.model).is_dir() else None

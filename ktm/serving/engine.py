@@ -35,6 +35,7 @@ import torch
 from ktm.core.batch import CompressedPrompt
 from ktm.core.prompt import Segment
 from ktm.decode.generate import GenerationConfig, select_next
+from ktm.decode.press import PressConfig, pressed_as
 from ktm.decode.text_stream import TextStream
 from ktm.serving.config import ServeConfig
 from ktm.serving.logprobs import TokenLogprob, Trail, step_logprobs
@@ -67,6 +68,7 @@ class Job:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token (0: the chosen one's only); None: off
+    press: PressConfig | None = None  # the KV press its prompt is read with (None: none)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
 
@@ -314,11 +316,18 @@ class Engine:
         keep = self._fit_cells([(job, cp, limit) for job, cp, limit in keep if limit is not None])
         if not keep:
             return [], []
-        state = self.runtime.prefill([cp for _, cp, _ in keep],
-                                     [sampling(job, limit) for job, _, limit in keep],
-                                     [self._context(job) for job, _, _ in keep], joinable=True)
-        return [state], [Row(job, self.model, cp, n, limit)
-                         for (job, cp, limit), n in zip(keep, state.reused)]
+        states, rows = [], []
+        for press in dict.fromkeys(job.press for job, _, _ in keep):  # a prefill per press
+            group = [(job, cp, limit) for job, cp, limit in keep if job.press == press]
+            with pressed_as(self.runtime, press):
+                state = self.runtime.prefill([cp for _, cp, _ in group],
+                                             [sampling(job, limit) for job, _, limit in group],
+                                             [self._context(job) for job, _, _ in group],
+                                             joinable=True)
+            states.append(state)
+            rows += [Row(job, self.model, cp, n, limit)
+                     for (job, cp, limit), n in zip(group, state.reused)]
+        return states, rows
 
     def _context(self, job: Job) -> tuple[tuple, int] | None:
         """A prompt's leading context (up to its last merged segment) as the runtime may keep

@@ -72,6 +72,10 @@ class KtmOptions(Strict):
     ignore_eos: bool = False
     # every merged part read at this ratio (Segment(ratio=...)); None: the model's layout
     ratio: float | None = Field(None, ge=1, allow_inf_nan=False)
+    # a KV press on the compressed segments (ktm.decode.press names; "none": none); None: the
+    # server's --press. press_ratio: its share of the KV dropped (None: the server's)
+    press: str | None = None
+    press_ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
 
 
 class MessageKtm(Strict):

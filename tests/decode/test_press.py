@@ -1,0 +1,160 @@
+"""KV presses (kvpress) on the torch runtime: against kvpress's own pipeline, the identities a
+press must keep, what it presses and what it never does, and its errors."""
+
+import math
+
+import pytest
+import torch
+from helpers import TEXT, fresh_model, require_module
+
+from ktm.core.prompt import Segment
+from ktm.decode.generate import generate_ids
+from ktm.decode.press import PressConfig, kept_positions, kvpress_compatible, press_names
+from ktm.errors import KTMError
+
+LONG = TEXT * 3  # 70-odd tokens of the tiny tokenizer: longer than SnapKV's 64-token window
+PROMPT = [Segment(LONG), Segment(" Answer:", compress=False)]
+
+
+@pytest.fixture(autouse=True)
+def _kvpress():
+    require_module("kvpress", "the [kvpress] extra and kvpress (the README's test command)")
+
+
+def test_press_config_refuses_bad_names_and_ratios():
+    for name in ("nope", "adakv", "nope:snapkv", "adakv:nope", ""):
+        with pytest.raises(KTMError, match="unknown press"):
+            PressConfig(name, 0.5)
+    for ratio in (1.0, -0.1, math.nan, True, "0.5"):
+        with pytest.raises(KTMError, match=r"in \[0, 1\)"):
+            PressConfig("snapkv", ratio)
+    assert "adakv:snapkv" in press_names() and "expected_attention" in press_names()
+
+
+def test_ratio_zero_reads_as_no_press(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=4)
+    prompts = [PROMPT, [Segment(TEXT)]]
+    plain = model.generate(prompts, max_new_tokens=12)
+    nll = model(prompts, ["true", "false"]).nll
+    model.use_press("expected_attention", 0.0)
+    assert model.generate(prompts, max_new_tokens=12) == plain
+    # the pressed path reads the prefix in two forwards: the same numbers up to float rounding
+    torch.testing.assert_close(model(prompts, ["true", "false"]).nll, nll, rtol=1e-5, atol=1e-5)
+
+
+def test_a_press_changes_what_is_read_and_keeps_its_share(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=1)
+    cp = model.compress(PROMPT)
+    before = model([PROMPT], ["true"]).nll
+    model.use_press("knorm", 0.5)
+    state = model.runtime.prefill([cp])
+    split = cp.pressable  # a plain segment follows: every compressed row is pressed
+    assert split == cp.tokens_out - len(model.tokenize(" Answer:"))
+    assert state.cache.get_seq_length() == PressConfig("knorm", 0.5).kept(split) + (
+        cp.tokens_out - split) == kept_positions(cp, PressConfig("knorm", 0.5))
+    assert int(state.pos[0, -1]) == cp.tokens_out - 1  # the plain rows at their true positions
+    assert not torch.allclose(model([PROMPT], ["true"]).nll, before)
+
+
+def test_the_last_row_is_read_after_the_press_when_nothing_plain_follows(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=1)
+    cp = model.compress([Segment(LONG)])
+    assert cp.pressable == cp.tokens_out
+    model.use_press("streaming_llm", 0.5)
+    state = model.runtime.prefill([cp])
+    assert state.cache.get_seq_length() == PressConfig("streaming_llm", 0.5).kept(
+        cp.tokens_out - 1) + 1
+
+
+def test_a_press_at_k1_equals_the_press_on_the_plain_prompt(tiny_model_dir):
+    k1 = fresh_model(tiny_model_dir, k=1, press="expected_attention", press_ratio=0.5)
+    k4 = fresh_model(tiny_model_dir, k=4, press="expected_attention", press_ratio=0.5)
+    assert k1.generate(PROMPT, max_new_tokens=12) == k4.generate(PROMPT, max_new_tokens=12,
+                                                                 merge=False)
+    torch.testing.assert_close(k1([PROMPT], ["true"]).nll,
+                               k4([PROMPT], ["true"], merge=False).nll, rtol=0, atol=0)
+
+
+def test_a_pressed_batch_equals_its_prompts_one_by_one(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=4, press="tova", press_ratio=0.5)
+    prompts = [PROMPT, [Segment(TEXT), Segment(" Q:", compress=False)], [Segment(LONG * 2)]]
+    together = model.generate(prompts, max_new_tokens=10)
+    assert together == [model.generate(p, max_new_tokens=10) for p in prompts]
+    streamed = "".join(model.stream(prompts[1], max_new_tokens=10))
+    assert streamed == together[1]
+
+
+def test_stacked_presses_the_merged_rows(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=4, press="snapkv", press_ratio=0.5)
+    cp = model.compress([Segment(LONG * 4), Segment(" Answer:", compress=False)])
+    assert cp.pressable < cp.tokens_in / 3  # merged rows
+    state = model.runtime.prefill([cp])
+    assert state.cache.get_seq_length() == kept_positions(cp, model.runtime.press)
+
+
+def test_kvpress_refusals_are_named(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=1, press="snapkv", press_ratio=0.5)
+    with pytest.raises(KTMError, match="press snapkv cannot press .* window"):
+        model.generate([Segment("short text"), Segment("Q:", compress=False)])
+
+
+def test_use_cache_off_is_refused_under_a_press(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=4, press="knorm")
+    with pytest.raises(KTMError, match="use_cache"):
+        model.generate(PROMPT, use_cache=False)
+
+
+def test_other_backends_refuse_a_press_in_one_line(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=4, press="knorm")
+    for backend in ("llamacpp", "vllm"):
+        with pytest.raises(KTMError, match=f"torch runtime only: the {backend} backend") as e:
+            model.use_backend(backend)
+        assert "\n" not in str(e.value)
+    assert model.backend == "torch" and model.runtime.press.name == "knorm"
+    model.use_press(None)
+    assert model.runtime.press is None
+
+
+def pipeline_parity(model, context: str, question: str, names, n_new: int = 10) -> None:
+    """kvpress's own pipeline (its prefill under the press, then the question at its true
+    positions, then greedy decoding) and ktm's press give the same tokens, on the ids the
+    pipeline itself prepares; and a press changes some answer (it is applied at all)."""
+    from kvpress import KVPressTextGenerationPipeline
+
+    lm, tok = model.peft.get_base_model(), model.tokenizer
+    pipe = KVPressTextGenerationPipeline(model=lm, tokenizer=tok, device=str(model.device))
+    ids = pipe.preprocess(context, [question], "", 10**9)
+    prompt = [Segment("", ids=ids["context_ids"][0].tolist()),
+              Segment("", ids=ids["questions_ids"][0][0].tolist(), compress=False)]
+    unpressed = pipe(context, question=question, max_new_tokens=n_new)["answer"]
+    answers = []
+    for name in names:
+        cfg = PressConfig(name, 0.75)
+        with kvpress_compatible(lm):
+            want = pipe(context, question=question, press=cfg.make(),
+                        max_new_tokens=n_new)["answer"]
+        model.use_press(cfg)
+        got = generate_ids(model, [prompt], max_new_tokens=n_new)[0]
+        assert tok.decode(got, skip_special_tokens=True) == want, name
+        answers.append(want)
+    assert any(a != unpressed for a in answers)
+
+
+PIPELINE_PRESSES = ("expected_attention", "snapkv", "knorm", "tova", "keydiff",
+                    "streaming_llm", "adakv:expected_attention")
+
+
+def test_greedy_equals_kvpress_pipeline(tiny_bos_model_dir):
+    model = fresh_model(tiny_bos_model_dir, k=1)  # kvpress puts the BOS before a context
+    pipeline_parity(model, LONG, " Who jumps?", PIPELINE_PRESSES)
+
+
+@pytest.mark.slow
+def test_greedy_equals_kvpress_pipeline_on_the_embedded_model():
+    from ktm.model import KTMModel
+
+    model = KTMModel.from_base("smollm2-135m", k=1).requires_grad_(False)
+    context = ("def add(a, b):\n    return a + b\n\n" * 4 + "class Stack:\n    def __init__"
+               "(self):\n        self.items = []\n\n    def push(self, x):\n        self."
+               "items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n") * 2
+    pipeline_parity(model, context, "What does Stack.pop return?", PIPELINE_PRESSES, 16)
