@@ -38,6 +38,7 @@ from ktm.bench.measure import (
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL, check_ratio
 from ktm.core.encoder import KTokenEncoder
+from ktm.decode.press import pressed_as
 from ktm.errors import KTMError
 from ktm.model import BACKENDS
 from ktm.training.train import adamw
@@ -82,6 +83,10 @@ class BenchConfig:
                 "against the same runtime's uncompressed run (on llamacpp: plain llama.cpp, the "
                 "base GGUF with no LoRA; on vllm: the same engine reading the prompt's own token "
                 "rows); serve: a server per runtime (ktm serve --backend)"})
+    presses: tuple[str, ...] = field(default=(), metadata={
+        "help": "infer, torch: also read with these KV presses (NAME=RATIO, names as ktm "
+                "generate --press), each on the uncompressed prompt and stacked on each K; "
+                "their prefill and KV bytes as pressed"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     plain_gguf: str | None = field(default=None, metadata={
@@ -147,6 +152,12 @@ class BenchConfig:
         if any(r <= 0 for r in self.mlp_ratios):
             raise KTMError(f"mlp_ratios must be > 0, got {list(self.mlp_ratios)}")
         self.ratios = tuple(check_ratio(r, "each of ratios") for r in self.ratios)
+        self.presses = tuple(self.presses)
+        for spec in self.presses:
+            press_of(spec)  # an unknown name or a bad ratio is refused now
+        if self.presses and (self.mode != "infer" or "torch" not in self.backends):
+            raise KTMError("--presses is an option of --mode infer on the torch backend (a "
+                           "press runs on the torch runtime only)")
         check_at_least(self, 1, "output_tokens", "target_tokens", "repeats")
         check_at_least(self, 0, "warmup", "threads")
         parse_dtype(self.dtype)
@@ -174,11 +185,13 @@ class Method:
     mlp_ratio: float | None = None
     backend: str = "torch"
     ratio: float | None = None  # read at a ratio by the model's own levels (adaptive merging)
+    press: str | None = None  # a KV press, NAME=RATIO (torch)
 
     @property
     def key(self) -> str:
         key = ("uncompressed" if self.name == "uncompressed" else f"ratio={self.ratio:g}"
                if self.ratio is not None else f"K={self.k},r={self.mlp_ratio}")
+        key += f"+{self.press}" if self.press else ""
         return key if self.backend == "torch" else f"{key}@{self.backend}"
 
     @property
@@ -264,7 +277,26 @@ def methods_of(config: BenchConfig, top_k: int = 1) -> list[Method]:
         out += [Method("uncompressed", backend=b)] if config.uncompressed else []
         out += [Method("ktm", k, r, b) for k in config.ks for r in config.mlp_ratios]
         out += [Method("ktm", top_k, None, b, ratio) for ratio in config.ratios]
+    for spec in config.presses:  # the torch runtime's
+        out += [Method("uncompressed", press=spec)]
+        out += [Method("ktm", k, r, press=spec) for k in config.ks for r in config.mlp_ratios]
     return out
+
+
+def press_of(spec: str | None):
+    """A ``--presses`` entry, NAME=RATIO, as its ``PressConfig`` (None: none)."""
+    from ktm.decode.press import PressConfig
+
+    if spec is None:
+        return None
+    name, sep, ratio = spec.rpartition("=")
+    try:
+        value = float(ratio)
+    except ValueError:
+        value = None
+    if not sep or value is None:
+        raise KTMError(f"presses entry {spec!r}: expected NAME=RATIO, e.g. snapkv=0.75")
+    return PressConfig(name, value)
 
 
 def bench_runtimes(model, config: BenchConfig) -> dict:
@@ -326,6 +358,11 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
     for m in methods:
         if m.name == "uncompressed":
             continue
+        if m.press is not None:  # its unpressed twin's encoder
+            same = Method(m.name, m.k, m.mlp_ratio, m.backend, m.ratio).key
+            if same in encs:
+                encs[m.key] = encs[same]
+                continue
         if m.ratio is not None:  # the model's own levels read every ratio
             encs[m.key] = own
             continue
@@ -375,7 +412,8 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
         model.runtime = runtimes[m.backend, m.name]
         merge = m.name != "uncompressed"
         if config.mode == "infer":
-            return infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
+            with pressed_as(model.runtime, press_of(m.press)):
+                return infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
         return train_once(model, opts[m.key], prompts, targets, merge, ratio=m.ratio)
 
     return run
@@ -444,7 +482,7 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                         "input_tokens": length, "batch": batch, "repeats": config.repeats,
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
                            else {"target_tokens": config.target_tokens + 1}),
-                        "ratio": m.ratio,
+                        "ratio": m.ratio, "press": m.press,
                         # the model's own allocator lays out a ratio row (its config's)
                         "allocator": model.config.allocator if m.ratio is not None else None,
                         "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None
@@ -479,6 +517,7 @@ def utilisation(model, encoder, batch: int, row: dict, config: BenchConfig) -> d
 # ---------------------------------------------------------------- entry points
 COLUMNS = {
     "infer": [("method", "{}"), ("backend", "{}"), ("k", "{}"), ("ratio", "{:g}"),
+              ("press", "{}"),
               ("mlp_ratio", "{}"),
               ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"),
               ("encoder_s", "{:.3f}"),

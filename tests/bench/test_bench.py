@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import require_module
 
 from ktm import KTMError
 from ktm.bench.bench import (
@@ -65,6 +66,9 @@ def infer_rows(tiny_model_dir, tmp_path_factory):
     {"mode": "bogus"}, {"lengths": ()}, {"lengths": (0,)}, {"ks": (2, -1)}, {"ks": (1.5,)},
     {"mlp_ratios": (0.0,)}, {"repeats": 0}, {"output_tokens": 0}, {"warmup": -1},
     {"dtype": "int8"}, {"device": "tpu"}, {"clients": (0,)}, {"requests": 0},
+    {"presses": ("knorm",)}, {"presses": ("nope=0.5",)}, {"presses": ("knorm=1.5",)},
+    {"presses": ("knorm=0.5",), "mode": "train"},
+    {"presses": ("knorm=0.5",), "backends": ("llamacpp",)},
 ])
 def test_config_rejects_bad_values(kw):
     with pytest.raises(KTMError):
@@ -468,3 +472,16 @@ def test_ratio_methods_read_at_their_ratio_with_the_models_own_levels(tiny_model
     assert rows[8, None]["allocator"] is None
     with pytest.raises(KTMError, match="each of ratios must be a finite number >= 1"):
         BenchConfig(ratios=(0.5,))
+
+
+def test_press_rows_keep_their_share_of_the_kv(tiny_model_dir, tmp_path):
+    require_module("kvpress", "the [kvpress] extra and kvpress (the README's test command)")
+    rows = run_bench(small(tiny_model_dir, tmp_path, lengths=(41,), ks=(4,), batch_sizes=(1, 2),
+                           presses=("knorm=0.5",)))
+    for r in rows:
+        assert r["speedup_prefill"] > 0
+        plain = 41 if r["method"] == "uncompressed" else 11  # ceil(41 / 4) positions
+        # the press drops half of every position but the last (read after it)
+        want = plain if r["press"] is None else int((plain - 1) * 0.5) + 1
+        assert r["kv_ratio"] == pytest.approx(want / 41)
+    assert {r["press"] for r in rows} == {None, "knorm=0.5"}
