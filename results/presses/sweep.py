@@ -35,9 +35,8 @@ from ktm.util.provenance import git_revision, versions
 
 
 def readings(args) -> list[dict]:
-    out = [{"kind": "plain", "model": args.base, "press": None, "ratio": None}]
-    out += [{"kind": "press", "model": args.base, "press": p, "ratio": r}
-            for r in args.ratios for p in args.presses]
+    out = [{"kind": "press", "model": args.base, "press": p, "ratio": r}
+           for r in args.ratios for p in args.presses]
     for reader in args.readers:
         out.append({"kind": "reader", "model": reader, "press": None, "ratio": None})
         for spec in args.stack:
