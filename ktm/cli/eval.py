@@ -29,10 +29,13 @@ class EvalArgs:
     seed: int = field(default=1, metadata={
         "help": "seed for drawing eval examples (or readability windows)"})
     readability: tuple[str, ...] | None = field(default=None, metadata={
-        "choices": list(HELDOUT),
         "help": "instead of a task: readability R and recall R on these held-out sets (reviews "
                 "of other categories, code of unseen repositories, stdlib: Python "
-                "standard-library modules no project file uses)"})
+                "standard-library modules no project file uses) or on a file or folder of "
+                f"your own text ({', '.join(HELDOUT)}, or a path)"})
+    context_tokens: int = field(default=256, metadata={
+        "help": "--readability: tokens of context before each continuation (a document needs "
+                "this many plus 64)"})
     n_windows: int = field(default=64, metadata={
         "aliases": ["--n-eval-windows"],  # ktm pretrain's name
         "help": "held-out windows per readability set"})
@@ -162,10 +165,13 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
                                 compress_train=False).compressor
     t0 = time.perf_counter()
     sets = heldout_readability(model, args.readability, args.n_windows, seed=args.seed,
-                               progress=True)
-    method = args.method or name or (f"ktm-k{model.k}" if model.merges else "uncompressed")
+                               progress=True, context_tokens=args.context_tokens,
+                               merge=args.merge)
+    method = args.method or name or (f"ktm-k{model.k}" if model.merges and args.merge
+                                     else "uncompressed")
     config = {"model": model.config_dict,
               "readability": {"sets": list(args.readability), "n_windows": args.n_windows,
+                              "context_tokens": args.context_tokens, "merge": args.merge,
                               "seed": args.seed, "device": str(model.device),
                               "ci_bootstrap": BOOTSTRAP, "backend": backend_record(model)},
               "compressor": None if comp is None else {"name": comp.name,

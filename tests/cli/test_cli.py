@@ -710,3 +710,30 @@ def test_the_program_says_a_library_caveat_as_one_ktm_warning_line(tiny_model_di
     with pytest.warns(UserWarning, match="read at ratio 3.00, not 2"):
         assert main(flags) == 0
     assert warnings.showwarning is warnings._showwarning_orig
+
+
+def test_press_flags_on_generate_and_eval(capsys, tiny_model_dir, tmp_path):
+    """--press reads like KTMModel.use_press; eval --readability takes the user's own text at
+    another context length and reports the KV a press keeps; other backends refuse a press."""
+    from helpers import TEXT, fresh_model, require_module
+
+    from ktm import Segment
+
+    require_module("kvpress", "the [kvpress] extra and kvpress (the README's test command)")
+    doc = TEXT * 3
+    code, out, _ = run(capsys, "generate", "--model", tiny_model_dir, "--k", "4", "--prompt",
+                       doc, "--plain", " Answer:", "--max-new-tokens", "6", "--press", "tova",
+                       "--press-ratio", "0.5")
+    model = fresh_model(tiny_model_dir, k=4, use_mlp=False, press="tova", press_ratio=0.5)
+    assert code == 0
+    assert out.strip() == model.generate([Segment(doc), Segment(" Answer:", compress=False)],
+                                         max_new_tokens=6).strip()
+    (tmp_path / "mine.txt").write_text(doc * 12)
+    code, out, _ = run(capsys, "eval", "--model", tiny_model_dir, "--readability",
+                       str(tmp_path / "mine.txt"), "--context-tokens", "128", "--n-windows", "2",
+                       "--press", "knorm", "--press-ratio", "0.5", "--no-merge")
+    r = json.loads(out)["readability"][str(tmp_path / "mine.txt")]
+    assert code == 0 and r["tokens_in"] == 128 and r["kv_kept"] == pytest.approx(64 / 128)
+    code, _, err = run(capsys, "generate", "--model", tiny_model_dir, "--prompt", doc,
+                       "--press", "knorm", "--backend", "vllm")
+    assert code != 0 and "torch runtime only" in err and len(err.strip().splitlines()) == 1
