@@ -1,0 +1,155 @@
+"""Tables and the frontier plot of the presses' results, into results/presses/README.md.
+
+    python results/presses/tables.py            # rewrites the generated blocks and the plot
+
+Reads ``heldout.json`` (``sweep.py``: R and recall R per reading) and, if present,
+``speed.json`` (``ktm bench --presses``: prefill, time to first token, decode, memory, KV).
+Rows are grouped by the share of the plain prompt's KV the reading keeps: every press point
+beside the ktm readings that keep as much or less.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+BANDS = (0.5, 0.25, 0.125)  # shares of the plain prompt's KV, compared within 10 %
+
+
+def name(r: dict) -> str:
+    reader = r["model"].replace("smollm2-135m-", "")
+    if r["kind"] == "press":
+        return f"{r['press']} {r['ratio']:g}"
+    if r["kind"] == "reader":
+        return f"ktm {reader}"
+    return f"ktm {reader} + {r['press']} {r['ratio']:g}"
+
+
+def fmt(v) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def kv(r: dict) -> float:
+    """The share of the plain prompt's KV kept, averaged over the sets."""
+    return sum(s["kv_kept"] for s in r["sets"].values()) / len(r["sets"])
+
+
+def band(share: float) -> float | None:
+    return next((b for b in BANDS if abs(share / b - 1) < 0.1), None)
+
+
+def heldout(rows: list[dict]) -> str:
+    out = []
+    for ctx in sorted({r["context_tokens"] for r in rows}):
+        part = [r for r in rows if r["context_tokens"] == ctx]
+        sets = list(part[0]["sets"])
+        n = sorted({r["n_windows"] for r in part})
+        out.append(f"**{ctx}-token contexts** ({', '.join(map(str, n))} windows per set; "
+                   f"revision {part[0]['git'][:7]})\n")
+        out.append("| reading | KV kept | " + " | ".join(
+            f"{s}: continuation R | {s}: recall R" for s in sets) + " | CPU s |")
+        out.append("|---|---|" + "---|---|" * len(sets) + "---|")
+        for r in sorted(part, key=lambda r: (-round(kv(r), 2), r["kind"] != "press", name(r))):
+            cells = [f"{fmt(r['sets'][s]['R'])} | {fmt(r['sets'][s]['R_recall'])}"
+                     for s in sets]
+            out.append(f"| {name(r)} | {kv(r):.1%} | " + " | ".join(cells)
+                       + f" | {r['cpu_s']:.0f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def best(rows: list[dict]) -> str:
+    """Per context and KV band: the best press on each measure against the best ktm reading."""
+    out = ["| context | KV kept | best press: continuation / recall (mean over sets) | "
+           "best ktm: continuation / recall | ktm at least as good on both |",
+           "|---|---|---|---|---|"]
+    for ctx in sorted({r["context_tokens"] for r in rows}):
+        for b in BANDS:
+            part = [r for r in rows if r["context_tokens"] == ctx and band(kv(r)) == b]
+            press = [r for r in part if r["kind"] == "press"]
+            ours = [r for r in part if r["kind"] != "press"]
+            if not press or not ours:
+                continue
+
+            def mean(r, key):
+                vals = [s[key] for s in r["sets"].values() if s[key] is not None]
+                return sum(vals) / len(vals) if vals else None
+
+            pc = max(press, key=lambda r: mean(r, "R"))
+            pr = max(press, key=lambda r: mean(r, "R_recall"))
+            oc = max(ours, key=lambda r: mean(r, "R"))
+            orr = max(ours, key=lambda r: mean(r, "R_recall"))
+            both = any(mean(r, "R") >= mean(pc, "R") and mean(r, "R_recall") >= mean(pr, "R_recall")
+                       for r in ours)
+            out.append(f"| {ctx} | {b:.1%} | {mean(pc, 'R'):.2f} ({name(pc)}) / "
+                       f"{mean(pr, 'R_recall'):.2f} ({name(pr)}) | {mean(oc, 'R'):.2f} "
+                       f"({name(oc)}) / {mean(orr, 'R_recall'):.2f} ({name(orr)}) | "
+                       f"{'yes' if both else 'no'} |")
+    return "\n".join(out)
+
+
+def speed(rows: list[dict]) -> str:
+    out = ["| reading | input tokens | positions read | prefill s | TTFT s | decode tok/s | "
+           "KV kept | peak memory MB | prefill vs plain |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        what = ("plain" if r["method"] == "uncompressed" else f"ktm K={r['k']}")
+        what += f" + {r['press']}" if r.get("press") else ""
+        out.append(f"| {what} | {r['input_tokens']} | {r['compressed_tokens']} | "
+                   f"{r['prefill_s']:.2f} | {r['ttft_s']:.2f} | {r['decode_tokens_per_s']:.1f} | "
+                   f"{r['kv_ratio']:.1%} | {r['peak_mem_bytes'] / 2**20:.0f} | "
+                   f"{r['speedup_prefill']:.2f}× |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs = sorted({r["context_tokens"] for r in rows})
+    fig, axes = plt.subplots(2, len(ctxs), figsize=(5 * len(ctxs), 8), squeeze=False)
+    marks = {"press": ("o", "tab:gray"), "reader": ("s", "tab:red"),
+             "stacked": ("^", "tab:orange")}
+    for j, ctx in enumerate(ctxs):
+        for i, key in enumerate(("R", "R_recall")):
+            ax = axes[i][j]
+            for r in (r for r in rows if r["context_tokens"] == ctx):
+                vals = [s[key] for s in r["sets"].values() if s[key] is not None]
+                m, c = marks[r["kind"]]
+                ax.scatter(kv(r), sum(vals) / len(vals), marker=m, color=c)
+                ax.annotate(name(r), (kv(r), sum(vals) / len(vals)), fontsize=6)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("share of the plain prompt's KV kept")
+            ax.set_ylabel("continuation R" if key == "R" else "recall R")
+            ax.set_title(f"{ctx}-token contexts")
+            ax.grid(alpha=0.3)
+    fig.suptitle("KV presses (gray) against ktm readers (red) and stacked (orange)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def render(text: str, blocks: dict[str, str]) -> str:
+    for key, body in blocks.items():
+        text = re.sub(rf"(<!-- generated: {key} -->\n).*?(<!-- /generated -->)",
+                      lambda m, b=body: m.group(1) + b.strip() + "\n" + m.group(2), text,
+                      flags=re.S)
+    return text
+
+
+def main() -> int:
+    rows = json.loads((HERE / "heldout.json").read_text())
+    blocks = {"heldout": heldout(rows), "best": best(rows)}
+    if (HERE / "speed.json").exists():
+        blocks["speed"] = speed(json.loads((HERE / "speed.json").read_text()))
+    page = HERE / "README.md"
+    page.write_text(render(page.read_text(), blocks))
+    plot(rows, HERE / "frontier.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
