@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -57,15 +58,14 @@ SCORERS = {
     "non_causal_attention": "NonCausalAttnPress",
 }
 # wrapping presses, named ``wrapper:inner`` with a scorer inside: each takes the inner press
-# as ``press`` (AdaKV: head-wise budgets; CriticalKV: values weigh in; Block and Chunk: the
-# scorer run per block or chunk of the context; KeyRerotation: the kept keys rotated back to
-# consecutive positions)
+# as ``press`` (AdaKV: head-wise budgets; CriticalKV: values weigh in; CriticalAdaKV: both;
+# Block and Chunk: the scorer run per block or chunk of the context)
 WRAPPERS = {
     "adakv": "AdaKVPress",
     "criticalkv": "CriticalKVPress",
+    "criticaladakv": "CriticalAdaKVPress",
     "block": "BlockPress",
     "chunk": "ChunkPress",
-    "key_rerotation": "KeyRerotationPress",
 }
 # kvpress presses ktm does not offer, and why (``press_names`` lists the rest)
 LEFT_OUT = {
@@ -93,6 +93,8 @@ LEFT_OUT = {
     "KVComposePress": "keeps a different length per head",
     "KVgradPress": "needs gradients through the LM at prefill",
     "MergingPress": "a wrapper whose merged keys ktm does not batch",
+    "KeyRerotationPress": "moves the kept keys to new positions; ktm reads every later token at "
+                          "its true position",
     "ChunkKVPress": "keeps a different length per layer with most scorers inside",
     "EntropyGatedChunkKVPress": "a ChunkKV variant: a different length per layer",
     "CapPress": "caps an absolute length, not a ratio",
@@ -232,13 +234,20 @@ def _row_positions(cp, extra: int) -> torch.Tensor:
     return pos
 
 
+class PressedRow(NamedTuple):
+    cache: DynamicCache  # the pressed KV, then the rows read after the press
+    logits: torch.Tensor  # (1, keep, V) at the last positions read
+    length: int  # positions in the cache
+    positions: torch.Tensor  # (1, S) position ids of the rows read after the press
+    via: torch.nn.Module | None  # the LM it was read with (``KTMModel.decode_lm``)
+
+
 @torch.no_grad()
 def pressed_row(model, cp, press: PressConfig, after: torch.Tensor | None = None,
-                keep: int = 1):
+                keep: int = 1) -> PressedRow:
     """Read one prefix (a ``CompressedPrompt``) with its pressable rows pressed, then its other
     rows and ``after`` ((A, D) embeddings that follow it: targets), unpressed, at their true
-    positions. Returns (cache, logits (1, keep, V) at the last positions read, KV length,
-    position ids read after the press)."""
+    positions."""
     from ktm.decode.generate import eval_mode
 
     extra = 0 if after is None else after.shape[0]
@@ -262,7 +271,7 @@ def pressed_row(model, cp, press: PressConfig, after: torch.Tensor | None = None
         rest = embeds[split:]
         mask = torch.ones(1, kv + rest.shape[0], dtype=torch.long, device=embeds.device)
         logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
-    return cache, logits, kv + rest.shape[0], pos[None, split:], via
+    return PressedRow(cache, logits, kv + rest.shape[0], pos[None, split:], via)
 
 
 def kept_positions(cp, press: PressConfig | None) -> int:

@@ -150,9 +150,10 @@ class TorchRuntime:
                            "this model has others: give one prompt at a time")
         state = None
         for cp in prefixes:
-            cache, logits, kv, pos, via = pressed_row(self.model, cp, self.press)
-            mask = torch.ones(1, kv, dtype=torch.long, device=logits.device)
-            row = DecodeState(cp.embeds[None, -1:], mask, pos[:, -1:], cache, logits[:, -1], via)
+            r = pressed_row(self.model, cp, self.press)
+            mask = torch.ones(1, r.length, dtype=torch.long, device=r.logits.device)
+            row = DecodeState(cp.embeds[None, -1:], mask, r.positions[:, -1:], r.cache,
+                              r.logits[:, -1], r.via)
             state = row if state is None else join(state, row)
         state.reused = [0] * len(prefixes)
         return state
@@ -184,7 +185,7 @@ class TorchRuntime:
         """(T,) log-probs of ``target`` read after ``cp`` with its pressable rows pressed."""
         ids = torch.tensor(target, dtype=torch.long, device=self.model.device)
         after = self.model.input_embedding(ids[:-1]) if len(target) > 1 else None
-        _, logits, _, _, _ = pressed_row(self.model, cp, self.press, after, keep=len(target))
+        logits = pressed_row(self.model, cp, self.press, after, keep=len(target)).logits
         return torch.log_softmax(logits[0].float(), -1).gather(1, ids[:, None])[:, 0]
 
     def clear(self) -> None:

@@ -9,7 +9,15 @@ from helpers import TEXT, fresh_model, require_module
 
 from ktm.core.prompt import Segment
 from ktm.decode.generate import generate_ids
-from ktm.decode.press import PressConfig, kept_positions, kvpress_compatible, press_names
+from ktm.decode.press import (
+    LEFT_OUT,
+    SCORERS,
+    WRAPPERS,
+    PressConfig,
+    kept_positions,
+    kvpress_compatible,
+    press_names,
+)
 from ktm.errors import KTMError
 
 LONG = TEXT * 3  # 70-odd tokens of the tiny tokenizer: longer than SnapKV's 64-token window
@@ -29,6 +37,22 @@ def test_press_config_refuses_bad_names_and_ratios():
         with pytest.raises(KTMError, match=r"in \[0, 1\)"):
             PressConfig("snapkv", ratio)
     assert "adakv:snapkv" in press_names() and "expected_attention" in press_names()
+
+
+def test_every_kvpress_press_is_offered_or_left_out_with_a_reason():
+    import kvpress
+
+    exported = {n for n in kvpress.__all__ if n.endswith("Press")} - {"BasePress", "ScorerPress"}
+    assert exported == set(SCORERS.values()) | set(WRAPPERS.values()) | set(LEFT_OUT)
+
+
+@pytest.mark.parametrize("name", press_names())
+def test_every_offered_press_generates_and_scores(tiny_model_dir, name):
+    model = fresh_model(tiny_model_dir, k=2, press=name, press_ratio=0.5)
+    prompts = [[Segment(LONG * 2), Segment(" Answer:", compress=False)], [Segment(LONG * 3)]]
+    texts = model.generate(prompts, max_new_tokens=4)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    assert torch.isfinite(model(prompts, ["true", "false"]).nll).all()
 
 
 def test_ratio_zero_reads_as_no_press(tiny_model_dir):
