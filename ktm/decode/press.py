@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache
 
+from ktm.core.batch import TargetLogits
 from ktm.errors import KTMError
 
 # ktm name -> kvpress class. Scorers keep a share of positions by a score of their own; each
@@ -242,36 +243,62 @@ class PressedRow(NamedTuple):
     via: torch.nn.Module | None  # the LM it was read with (``KTMModel.decode_lm``)
 
 
-@torch.no_grad()
-def pressed_row(model, cp, press: PressConfig, after: torch.Tensor | None = None,
-                keep: int = 1) -> PressedRow:
+def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = None,
+                 keep: int = 1, via: torch.nn.Module | None = None) -> PressedRow:
     """Read one prefix (a ``CompressedPrompt``) with its pressable rows pressed, then its other
     rows and ``after`` ((A, D) embeddings that follow it: targets), unpressed, at their true
-    positions."""
-    from ktm.decode.generate import eval_mode
-
+    positions, through ``via`` (None: the PEFT model, whose LoRA trains). In the caller's
+    mode and grad setting: training reads this way too (``pressed_targets``)."""
     extra = 0 if after is None else after.shape[0]
     embeds = cp.embeds if after is None else torch.cat([cp.embeds, after.to(cp.embeds.dtype)])
     pos = _row_positions(cp, extra)
     # the last prefix row is read after the press when nothing plain follows it
     split = min(cp.pressable, cp.tokens_out - 1)
-    via = model.decode_lm()
     lm = via if via is not None else model.peft.get_base_model()
     cache = DynamicCache(config=model.lm_config)
-    with eval_mode(model):
-        if split > 0:
-            one = torch.ones(1, split, dtype=torch.long, device=embeds.device)
-            with pressing(lm, press, split):
-                model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via)
-        kv = cache.get_seq_length()
-        lengths = {layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None}
-        if len(lengths) > 1:
-            raise KTMError(f"press {press.name} kept {sorted(lengths)} positions in different "
-                           "layers: expected one length for every layer")
-        rest = embeds[split:]
-        mask = torch.ones(1, kv + rest.shape[0], dtype=torch.long, device=embeds.device)
-        logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
+    if split > 0:
+        one = torch.ones(1, split, dtype=torch.long, device=embeds.device)
+        with pressing(lm, press, split):
+            model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via)
+    kv = cache.get_seq_length()
+    lengths = {layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None}
+    if len(lengths) > 1:
+        raise KTMError(f"press {press.name} kept {sorted(lengths)} positions in different "
+                       "layers: expected one length for every layer")
+    rest = embeds[split:]
+    mask = torch.ones(1, kv + rest.shape[0], dtype=torch.long, device=embeds.device)
+    logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
     return PressedRow(cache, logits, kv + rest.shape[0], pos[None, split:], via)
+
+
+@torch.no_grad()
+def pressed_row(model, cp, press: PressConfig, after: torch.Tensor | None = None,
+                keep: int = 1) -> PressedRow:
+    """``read_pressed`` for decoding and scoring: no grad, eval mode, the LM decoding reads
+    (``KTMModel.decode_lm``)."""
+    from ktm.decode.generate import eval_mode
+
+    with eval_mode(model):
+        return read_pressed(model, cp, press, after, keep, model.decode_lm())
+
+
+def pressed_targets(model, prefixes, targets: list[list[int]], press: PressConfig
+                    ) -> TargetLogits:
+    """fp32 logits (N, V) predicting each target token after its prefix read pressed, row by
+    row, with the autograd graph (a reader trained to be read stacked: ``ktm pretrain
+    --press``); as ``ktm.core.loss.target_logits`` gives them unpressed."""
+    device = model.device
+    logits, labels, rows = [], [], []
+    for i, (cp, t) in enumerate(zip(prefixes, targets)):
+        ids = torch.tensor(t, dtype=torch.long, device=device)
+        after = model.input_embedding(ids[:-1]) if len(t) > 1 else None
+        logits.append(read_pressed(model, cp, press, after, keep=len(t)).logits[0])
+        labels.append(ids)
+        rows += [i] * len(t)
+    return TargetLogits(torch.cat(logits).float(), torch.cat(labels),
+                        torch.tensor(rows, device=device), [len(t) for t in targets],
+                        sum(cp.tokens_in for cp in prefixes),
+                        sum(cp.tokens_out for cp in prefixes))
 
 
 def kept_positions(cp, press: PressConfig | None) -> int:

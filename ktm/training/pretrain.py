@@ -44,7 +44,7 @@ from torch import nn
 from ktm.core.allocate import max_ratio, quiet_ratio
 from ktm.core.batch import LossOutput
 from ktm.core.config import ALLOCATORS, check_ratio
-from ktm.core.loss import check_fits, target_logits
+from ktm.core.loss import check_fits, target_ids, target_logits
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
@@ -136,6 +136,14 @@ class PretrainConfig:
     eval_ratios: tuple[float, ...] = field(default=(), metadata={
         "help": "readability R also with the held-out contexts read at these ratios "
                 "(logged as SET@rRATIO)"})
+    press: str | None = field(default=None, metadata={
+        "help": "a KV press read in training (kvpress, names as ktm generate --press): the "
+                "windows --press-share draws read the merged context's KV pressed, so the "
+                "reader learns to be read stacked (lm and ae windows; none: no press)"})
+    press_ratio: float = field(default=0.5, metadata={
+        "help": "--press: the share of the merged context's KV dropped, in [0, 1)"})
+    press_share: float = field(default=0.5, metadata={
+        "help": "--press: the share of lm and ae windows read pressed"})
     text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
     eval_sets: tuple[str, ...] = field(default=("reviews", "code"), metadata={
         "help": "held-out sets for the periodic readability R (none: skip)"})
@@ -168,6 +176,12 @@ class PretrainConfig:
             raise KTMError(f"ratio_range {list(self.ratio_range)}: expected lowest <= highest")
         self.ratio_range = (low, high)
         self.eval_ratios = tuple(check_ratio(r, "an eval ratio") for r in self.eval_ratios)
+        if self.press is not None:
+            from ktm.decode.press import PressConfig
+
+            PressConfig(self.press, self.press_ratio)  # an unknown name or a bad ratio, now
+        if not 0.0 <= self.press_share <= 1.0:
+            raise KTMError(f"press_share must be in [0, 1], got {self.press_share!r}")
         self.signal_weights = parse_weights(self.mixed_signals, "allocator", ALLOCATORS)
         for name in ("distill_hidden", "align_weight"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
@@ -230,6 +244,8 @@ class WindowStream(Sequence):
         if cfg.mixed_share > 0:  # likewise
             self.signature["mixed"] = [cfg.mixed_share, list(cfg.ratio_range),
                                        dict(cfg.signal_weights)]
+        if cfg.press is not None:  # likewise
+            self.signature["press"] = [cfg.press, cfg.press_ratio, cfg.press_share]
 
     def __len__(self) -> int:
         return self.length
@@ -265,6 +281,9 @@ class WindowStream(Sequence):
             meta.pop("k", None)  # read at the model's own levels, all of them
             meta["signal"] = rng.choices(self.signals, self.signal_w)[0]
             segments = (Segment("", ids=segments[0].ids, ratio=ratio), *segments[1:])
+        if (self.cfg.press is not None and objective in ("lm", "ae")  # drawn last: likewise
+                and rng.random() < self.cfg.press_share):
+            meta["press"] = True
         return Example(segments, target, meta=meta)
 
 
@@ -390,10 +409,11 @@ def allocating(model, signal: str):
 
 
 def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
-                  align_weight: float = 1.0) -> LossOutput:
+                  align_weight: float = 1.0, press=None) -> LossOutput:
     """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill
     (plus ``distill_hidden`` times the hidden-state gap), CE plus ``align_weight`` times the
-    context gap for align."""
+    context gap for align. ``press`` (a ``PressConfig``): the windows marked for it read their
+    context's KV pressed (``ktm.decode.press.pressed_targets``)."""
     nll = torch.zeros(len(batch), dtype=torch.float32, device=model.device)  # losses are fp32
     n_tok = torch.zeros(len(batch), dtype=torch.long, device=model.device)
     parts: dict[str, tuple[float, int]] = {}
@@ -403,17 +423,24 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
     for i, e in enumerate(batch):
         obj = e.meta["objective"]
         kind = obj if obj in ("distill", "align") else "ce"
-        key = (kind, e.meta.get("k", model.k), e.meta.get("signal", ""))
+        key = (kind, e.meta.get("k", model.k), e.meta.get("signal", ""),
+               press is not None and e.meta.get("press", False))
         groups.setdefault(key, []).append(i)
-    for (kind, k, signal), idx in sorted(groups.items()):
+    for (kind, k, signal, pressed), idx in sorted(groups.items()):
         sub = [batch[i] for i in idx]
         deep = kind == "distill" and distill_hidden > 0
         # a short window read at a ratio its units cannot split to: that is the window's ratio
         with model.merging_at(k), allocating(model, signal), quiet_ratio():
             prefixes = model.encode_prompts([e.segments for e in sub])
-            t = target_logits(model, [e.segments for e in sub], [e.target for e in sub],
-                              prefixes=prefixes, hidden=deep,
-                              prompt_hidden=kind == "align")
+            if pressed:
+                from ktm.decode.press import pressed_targets
+
+                t = pressed_targets(model, prefixes,
+                                    [target_ids(model, e.target) for e in sub], press)
+            else:
+                t = target_logits(model, [e.segments for e in sub], [e.target for e in sub],
+                                  prefixes=prefixes, hidden=deep,
+                                  prompt_hidden=kind == "align")
             if kind == "align":
                 gap = _context_gap(model, sub, prefixes, t.prompt_hidden)
         if kind == "distill":
@@ -496,10 +523,22 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
                 at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
                                          _cache=cache, ratio=ratio)
                 r.update({f"{name}@r{ratio:g}": v for name, v in at.items()})
+            if press is not None:  # read stacked, as it learns to be: "code@press"
+                with pressed_as(m.runtime, press):
+                    at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
+                                             _cache=cache)
+                r.update({f"{name}@press": v for name, v in at.items()})
             return r
 
+    press = None
+    if config.press is not None:
+        from ktm.decode.press import PressConfig, import_kvpress, pressed_as
+
+        import_kvpress()  # a missing kvpress fails before training
+        press = PressConfig(config.press, config.press_ratio)
+
     def loss_fn(m, batch):
-        return pretrain_loss(m, batch, config.distill_hidden, config.align_weight)
+        return pretrain_loss(m, batch, config.distill_hidden, config.align_weight, press)
 
     return train(model, stream, train_config, evaluate=evaluate, loss_fn=loss_fn,
                  run_extra={"pretrain": config.to_dict(), "command": command,

@@ -790,3 +790,45 @@ def test_init_with_an_outer_level_reads_as_the_reader_at_its_own_levels(tiny_mod
     bad = ["pretrain", *common, "--inner-k", "4", "--out-dir", str(tmp_path / "bad")]
     assert main(bad) == 2
     assert "(--inner-k 4 2)" in capsys.readouterr().err
+
+
+def test_a_reader_learns_to_be_read_pressed(tiny_model_dir, corpus):
+    """--press: the marked windows read their merged context's KV pressed, with gradients; the
+    training reading equals the scoring one (the runtime's, in eval mode), and a step lowers
+    the pressed loss."""
+    from helpers import require_module
+
+    from ktm.decode.press import PressConfig, pressed_as
+
+    require_module("kvpress", "the [kvpress] extra and kvpress (the README's test command)")
+    model = fresh(tiny_model_dir, k=2)
+    randomize_lora(model)
+    cfg = small_cfg(corpus, ("lm", "ae"), press="knorm", press_ratio=0.5, press_share=1.0)
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 8, 0, model.tokenizer.eos_token_id)
+    batch = [stream[i] for i in range(8)]
+    assert all(e.meta.get("press") for e in batch)
+    press = PressConfig("knorm", 0.5)
+    model.eval()
+    with torch.no_grad():
+        trained = pretrain_loss(model, batch, press=press)
+        unpressed = pretrain_loss(model, batch)
+        with pressed_as(model.runtime, press):
+            scored = model([e.segments for e in batch], [e.target for e in batch])
+    torch.testing.assert_close(trained.nll, scored.nll, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(trained.nll, unpressed.nll)
+    model.train()
+    before = pretrain_loss(model, batch, press=press)
+    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    before.loss.backward()
+    assert all(p.grad is not None for n, p in model.trainable_parameters() if "lora" in n)
+    opt.step()
+    with torch.no_grad():
+        after = pretrain_loss(model, batch, press=press)
+    assert after.loss.item() < before.loss.item() - 1e-3, (before.loss.item(), after.loss.item())
+
+
+def test_press_settings_are_checked(corpus):
+    with pytest.raises(KTMError, match="unknown press"):
+        small_cfg(corpus, press="nope")
+    with pytest.raises(KTMError, match="press_share"):
+        small_cfg(corpus, press="knorm", press_share=1.5)
