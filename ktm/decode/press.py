@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ktm.core.batch import TargetLogits
 from ktm.errors import KTMError
@@ -225,6 +226,13 @@ def pressing(lm, press: PressConfig, rows: int) -> Iterator[None]:
     except AssertionError as e:  # kvpress checks its inputs with assert
         raise KTMError(f"press {press.name} cannot press {rows} positions: {e}; expected a "
                        "longer compressed segment, or another press") from None
+    except (RuntimeError, TypeError, AttributeError, ValueError, IndexError) as e:
+        # the LM reads this prompt unpressed: what failed is kvpress's reading of its layers
+        raise KTMError(f"press {press.name} failed on this {lm.config.model_type} model "
+                       f"({type(e).__name__}: {e}): kvpress reads Llama-style attention with "
+                       "every layer attending to the whole context (it is tested on Llama, "
+                       "Mistral, Phi-3, Qwen2/3 and Gemma 3); expected such a model, or no "
+                       "press") from e
 
 
 def _row_positions(cp, extra: int) -> torch.Tensor:
@@ -256,6 +264,12 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
     split = min(cp.pressable, cp.tokens_out - 1)
     lm = via if via is not None else model.peft.get_base_model()
     cache = DynamicCache(config=model.lm_config)
+    windowed = sorted({type(x).__name__ for x in cache.layers if type(x) is not DynamicLayer})
+    if windowed:
+        raise KTMError(f"press {press.name} on this {lm.config.model_type} model: its cache has "
+                       f"{', '.join(windowed)} layers (sliding-window attention), and kvpress "
+                       "presses full-attention caches; expected a model whose every layer "
+                       "attends to the whole context, or no press")
     if split > 0:
         one = torch.ones(1, split, dtype=torch.long, device=embeds.device)
         with pressing(lm, press, split):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import TEXT, fresh_model, require_module
+from helpers import FAMILIES, TEXT, fresh_model, require_module, save_tiny
 
 from ktm.core.prompt import Segment
 from ktm.decode.generate import generate_ids
@@ -182,3 +182,24 @@ def test_greedy_equals_kvpress_pipeline_on_the_embedded_model():
                "(self):\n        self.items = []\n\n    def push(self, x):\n        self."
                "items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n") * 2
     pipeline_parity(model, context, "What does Stack.pop return?", PIPELINE_PRESSES, 16)
+
+
+# tiny models of these families read a press (the rest refuse it by name)
+PRESSED_FAMILIES = {"llama", "qwen2", "qwen3", "gemma", "mixtral", "phi3", "olmo2", "cohere",
+                    "granite", "smollm3", "olmo", "starcoder2", "qwen2_moe", "qwen3_moe",
+                    "phimoe"}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_press_reads_a_family_or_refuses_it_by_name(tmp_path, family):
+    save_tiny(family, tmp_path)
+    model = fresh_model(str(tmp_path), k=2, press="expected_attention", press_ratio=0.5)
+    prompt = [Segment(TEXT * 3), Segment(" Q:", compress=False)]
+    if family in PRESSED_FAMILIES:
+        cp = model.compress(prompt)
+        state = model.runtime.prefill([cp])
+        assert state.cache.get_seq_length() == kept_positions(cp, model.runtime.press)
+        assert isinstance(model.generate(prompt, max_new_tokens=3), str)
+    else:
+        with pytest.raises(KTMError, match="press expected_attention|a KV press needs"):
+            model.generate(prompt, max_new_tokens=3)
