@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ktm.cli.args import TaskArgs, build_task, from_args, load_or_build, plain, task_settings
 from ktm.errors import KTMError
@@ -155,6 +156,10 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     from ktm.util.fileio import write_json_atomic
 
     name, options = _readability_method(args)
+    for spec in args.readability:  # refused before the model loads
+        if spec not in HELDOUT and not Path(spec).expanduser().exists():
+            raise KTMError(f"--readability {spec!r} is neither a held-out set "
+                           f"({', '.join(HELDOUT)}) nor an existing file or folder of text")
     model = load_or_build(args)
     comp = None
     if name:  # mean pooling: only the encoder setting, which R reads like any merger's

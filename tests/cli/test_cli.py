@@ -734,6 +734,9 @@ def test_press_flags_on_generate_and_eval(capsys, tiny_model_dir, tmp_path):
                        "--press", "knorm", "--press-ratio", "0.5", "--no-merge")
     r = json.loads(out)["readability"][str(tmp_path / "mine.txt")]
     assert code == 0 and r["tokens_in"] == 128 and r["kv_kept"] == pytest.approx(64 / 128)
+    code, _, err = run(capsys, "eval", "--model", "no-such-model", "--readability",
+                       str(tmp_path / "nothing-here"))
+    assert code != 0 and "neither a held-out set" in err
     code, _, err = run(capsys, "generate", "--model", tiny_model_dir, "--prompt", doc,
                        "--press", "knorm", "--backend", "vllm")
     assert code != 0 and "torch runtime only" in err and len(err.strip().splitlines()) == 1
