@@ -132,6 +132,60 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def prefill_of(r: dict, speed: list[dict]) -> tuple[float, bool] | None:
+    """A reading's prefill seconds at its context length from the bench rows (the same press
+    and K; a press the bench did not time: plain's, which it reads whole), and whether it was
+    timed as it is."""
+    k = 1 if r["kind"] == "press" else int(r["model"].split("-k")[-1].split("-")[0])
+    press = None if r["kind"] == "reader" else f"{r['press']}={r['ratio']:g}"
+    rows = [b for b in speed if b["input_tokens"] == r["context_tokens"]
+            and (b["k"] if b["method"] != "uncompressed" else 1) == k]
+    same = next((b for b in rows if b.get("press") == press), None)
+    if same is not None:
+        return same["prefill_s"], True
+    unpressed = next((b for b in rows if b.get("press") is None), None)
+    return (unpressed["prefill_s"], False) if unpressed else None
+
+
+def plot_prefill(rows: list[dict], speed: list[dict], path: Path) -> None:
+    """Quality against prefill time, at each KV share: a point per reading timed by the bench
+    at its context length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs = sorted({r["context_tokens"] for r in rows
+                   if any(b["input_tokens"] == r["context_tokens"] for b in speed)})
+    if not ctxs:
+        return
+    fig, axes = plt.subplots(2, len(BANDS), figsize=(5 * len(BANDS), 8), squeeze=False)
+    colors = {"press": "tab:gray", "reader": "tab:red", "stacked": "tab:orange"}
+    for j, b in enumerate(BANDS):
+        for i, key in enumerate(("R", "R_recall")):
+            ax = axes[i][j]
+            for r in rows:
+                if r["context_tokens"] not in ctxs or band(kv(r)) != b:
+                    continue
+                t = prefill_of(r, speed)
+                if t is None:
+                    continue
+                vals = [s[key] for s in r["sets"].values() if s[key] is not None]
+                ax.scatter(t[0], sum(vals) / len(vals), color=colors[r["kind"]],
+                           marker="o" if t[1] else "x")
+                ax.annotate(f"{name(r)} ({r['context_tokens']})", (t[0], sum(vals) / len(vals)),
+                            fontsize=6)
+            ax.set_xscale("log")
+            ax.set_xlabel("prefill seconds (ktm bench; x: timed as plain's)")
+            ax.set_ylabel("continuation R" if key == "R" else "recall R")
+            ax.set_title(f"KV kept {b:.1%}")
+            ax.grid(alpha=0.3)
+    fig.suptitle("Quality against prefill time at equal KV: presses (gray), ktm (red), "
+                 "stacked (orange)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def render(text: str, blocks: dict[str, str]) -> str:
     for key, body in blocks.items():
         text = re.sub(rf"(<!-- generated: {key} -->\n).*?(<!-- /generated -->)",
@@ -143,11 +197,14 @@ def render(text: str, blocks: dict[str, str]) -> str:
 def main() -> int:
     rows = json.loads((HERE / "heldout.json").read_text())
     blocks = {"heldout": heldout(rows), "best": best(rows)}
-    if (HERE / "speed.json").exists():
-        blocks["speed"] = speed(json.loads((HERE / "speed.json").read_text()))
+    timed = json.loads((HERE / "speed.json").read_text()) if (HERE / "speed.json").exists() \
+        else []
+    if timed:
+        blocks["speed"] = speed(timed)
     page = HERE / "README.md"
     page.write_text(render(page.read_text(), blocks))
     plot(rows, HERE / "frontier.png")
+    plot_prefill(rows, timed, HERE / "prefill.png")
     return 0
 
 
