@@ -12,12 +12,12 @@ stack="expected_attention=0.5 keydiff=0.5 snapkv=0.5 tova=0.5 streaming_llm=0.5 
 if [ -d runs/presses/k2-stack/checkpoint ]; then
   python results/presses/sweep.py --resume --contexts 256 --sets code stdlib --n 24 \
       --readers runs/presses/k2-stack/checkpoint --stack expected_attention=0.5 --out $out
-  python results/presses/sweep.py --resume --contexts 1024 --sets code --n 24 \
+  python results/presses/sweep.py --resume --contexts 1024 --sets code --n 12 \
       --readers runs/presses/k2-stack/checkpoint --stack expected_attention=0.5 --out $out
 fi
-python results/presses/sweep.py --resume --contexts 1024 --sets code --n 24 \
+python results/presses/sweep.py --resume --contexts 1024 --sets code --n 12 \
     --readers smollm2-135m-k2-seq --stack $stack --out $out
-python results/presses/sweep.py --resume --contexts 1024 --sets code --n 24 \
+python results/presses/sweep.py --resume --contexts 1024 --sets code --n 12 \
     --readers smollm2-135m-k4-seq --stack expected_attention=0.5 --out $out
 python results/presses/sweep.py --resume --contexts 256 --sets code stdlib --n 24 \
     --readers smollm2-135m-k2-seq --stack $stack --out $out
