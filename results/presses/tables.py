@@ -20,7 +20,8 @@ BANDS = (0.5, 0.25, 0.125)  # shares of the plain prompt's KV, compared within 1
 
 
 def name(r: dict) -> str:
-    reader = r["model"].replace("smollm2-135m-", "")
+    reader = (r["model"].replace("smollm2-135m-", "")
+              .replace("runs/presses/k2-stack/checkpoint", "k2-stack (trained stacked)"))
     if r["kind"] == "press":
         return f"{r['press']} {r['ratio']:g}"
     if r["kind"] == "reader":
@@ -136,7 +137,7 @@ def prefill_of(r: dict, speed: list[dict]) -> tuple[float, bool] | None:
     """A reading's prefill seconds at its context length from the bench rows (the same press
     and K; a press the bench did not time: plain's, which it reads whole), and whether it was
     timed as it is."""
-    k = 1 if r["kind"] == "press" else int(r["model"].split("-k")[-1].split("-")[0])
+    k = 1 if r["kind"] == "press" else r["model_config"]["config"]["k"]
     press = None if r["kind"] == "reader" else f"{r['press']}={r['ratio']:g}"
     rows = [b for b in speed if b["input_tokens"] == r["context_tokens"]
             and (b["k"] if b["method"] != "uncompressed" else 1) == k]
@@ -176,7 +177,8 @@ def plot_prefill(rows: list[dict], speed: list[dict], path: Path) -> None:
                 ax.annotate(f"{name(r)} ({r['context_tokens']})", (t[0], sum(vals) / len(vals)),
                             fontsize=6)
             ax.set_xscale("log")
-            ax.set_xlabel("prefill seconds (ktm bench; x: timed as plain's)")
+            ax.set_xlabel("prefill seconds (ktm bench; x: a press it did not time, at its "
+                          "unpressed reading's)")
             ax.set_ylabel("continuation R" if key == "R" else "recall R")
             ax.set_title(f"KV kept {b:.1%}")
             ax.grid(alpha=0.3)
