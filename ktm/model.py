@@ -590,11 +590,9 @@ class KTMModel(nn.Module):
 
             runtime = make_runtime(self, config)
         else:
-            runtime = TorchRuntime(self)
+            runtime = TorchRuntime(self, press)
         self.runtime.close()  # the one before (a llama.cpp context, a vLLM engine) is freed
         self.runtime = runtime
-        if press is not None:
-            runtime.use_press(press)
 
     def use_press(self, press: str | PressConfig | None, ratio: float = 0.5) -> None:
         """Compress the KV cache of every prompt's pressable rows (its compressed segments,

@@ -38,7 +38,7 @@ from ktm.bench.measure import (
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL, check_ratio
 from ktm.core.encoder import KTokenEncoder
-from ktm.decode.press import pressed_as
+from ktm.decode.press import PressConfig, pressed_as
 from ktm.errors import KTMError
 from ktm.model import BACKENDS
 from ktm.training.train import adamw
@@ -283,20 +283,9 @@ def methods_of(config: BenchConfig, top_k: int = 1) -> list[Method]:
     return out
 
 
-def press_of(spec: str | None):
+def press_of(spec: str | None) -> PressConfig | None:
     """A ``--presses`` entry, NAME=RATIO, as its ``PressConfig`` (None: none)."""
-    from ktm.decode.press import PressConfig
-
-    if spec is None:
-        return None
-    name, sep, ratio = spec.rpartition("=")
-    try:
-        value = float(ratio)
-    except ValueError:
-        value = None
-    if not sep or value is None:
-        raise KTMError(f"presses entry {spec!r}: expected NAME=RATIO, e.g. snapkv=0.75")
-    return PressConfig(name, value)
+    return None if spec is None else PressConfig.parse(spec)
 
 
 def bench_runtimes(model, config: BenchConfig) -> dict:

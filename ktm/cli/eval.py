@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ktm.cli.args import TaskArgs, build_task, from_args, load_or_build, plain, task_settings
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import check_scoring
-from ktm.tasks.corpus import HELDOUT
+from ktm.tasks.corpus import HELDOUT, is_heldout
 
 
 @dataclass
@@ -157,7 +156,7 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
 
     name, options = _readability_method(args)
     for spec in args.readability:  # refused before the model loads
-        if spec not in HELDOUT and not Path(spec).expanduser().exists():
+        if not is_heldout(spec):
             raise KTMError(f"--readability {spec!r} is neither a held-out set "
                            f"({', '.join(HELDOUT)}) nor an existing file or folder of text")
     model = load_or_build(args)

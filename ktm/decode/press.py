@@ -129,6 +129,18 @@ class PressConfig:
             raise KTMError(f"press ratio must be a number in [0, 1) (the share of the KV "
                            f"dropped), got {self.ratio!r}")
 
+    @classmethod
+    def parse(cls, spec: str) -> PressConfig:
+        """A press written NAME=RATIO (``snapkv=0.75``)."""
+        name, sep, ratio = spec.rpartition("=")
+        try:
+            value = float(ratio)
+        except ValueError:
+            value = None
+        if not sep or value is None:
+            raise KTMError(f"press {spec!r}: expected NAME=RATIO, e.g. snapkv=0.75")
+        return cls(name, value)
+
     def to_dict(self) -> dict:
         return {"name": self.name, "ratio": self.ratio}
 
@@ -296,17 +308,18 @@ def pressed_row(model, cp, press: PressConfig, after: torch.Tensor | None = None
         return read_pressed(model, cp, press, after, keep, model.decode_lm())
 
 
-def pressed_targets(model, prefixes, targets: list[list[int]], press: PressConfig
-                    ) -> TargetLogits:
+def pressed_targets(model, prefixes, targets: list[list[int]], press: PressConfig,
+                    via: torch.nn.Module | None = None) -> TargetLogits:
     """fp32 logits (N, V) predicting each target token after its prefix read pressed, row by
-    row, with the autograd graph (a reader trained to be read stacked: ``ktm pretrain
-    --press``); as ``ktm.core.loss.target_logits`` gives them unpressed."""
+    row, as ``ktm.core.loss.target_logits`` gives them unpressed; in the caller's mode and
+    grad setting (with the autograd graph: a reader trained to be read stacked, ``ktm
+    pretrain --press``; scored by the runtime through ``via``, ``read_pressed``'s)."""
     device = model.device
     logits, labels, rows = [], [], []
     for i, (cp, t) in enumerate(zip(prefixes, targets)):
         ids = torch.tensor(t, dtype=torch.long, device=device)
         after = model.input_embedding(ids[:-1]) if len(t) > 1 else None
-        logits.append(read_pressed(model, cp, press, after, keep=len(t)).logits[0])
+        logits.append(read_pressed(model, cp, press, after, keep=len(t), via=via).logits[0])
         labels.append(ids)
         rows += [i] * len(t)
     return TargetLogits(torch.cat(logits).float(), torch.cat(labels),

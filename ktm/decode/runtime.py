@@ -29,8 +29,8 @@ import torch
 
 from ktm.core.loss import target_logits
 from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
-from ktm.decode.generate import DecodeState, advance, prefill
-from ktm.decode.press import PressConfig, pressed_row
+from ktm.decode.generate import DecodeState, advance, eval_mode, prefill
+from ktm.decode.press import PressConfig, pressed_row, pressed_targets
 from ktm.errors import KTMError
 from ktm.util.lru import LRUCache
 
@@ -144,10 +144,6 @@ class TorchRuntime:
         if sampling and not all(cfg.use_cache for cfg in sampling):
             raise KTMError(f"press {self.press.name} compresses the KV cache: expected "
                            "use_cache on")
-        if len(prefixes) > 1 and not self.joinable:
-            raise KTMError(f"press {self.press.name} on a batch of {len(prefixes)} prompts "
-                           "needs full-attention KV cache layers to batch the pressed rows; "
-                           "this model has others: give one prompt at a time")
         state = None
         for cp in prefixes:
             r = pressed_row(self.model, cp, self.press)
@@ -176,17 +172,13 @@ class TorchRuntime:
 
     def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]:
         if self.press is not None:
-            return [self._pressed_score(cp, t) for cp, t in zip(prefixes, targets)]
-        t = target_logits(self.model, [None] * len(prefixes), targets, prefixes=prefixes)
+            with torch.no_grad(), eval_mode(self.model):
+                t = pressed_targets(self.model, prefixes, targets, self.press,
+                                    via=self.model.decode_lm())
+        else:
+            t = target_logits(self.model, [None] * len(prefixes), targets, prefixes=prefixes)
         lp = torch.log_softmax(t.logits, -1).gather(1, t.labels[:, None])[:, 0]
         return list(lp.split(t.lengths))
-
-    def _pressed_score(self, cp, target: list[int]) -> torch.Tensor:
-        """(T,) log-probs of ``target`` read after ``cp`` with its pressable rows pressed."""
-        ids = torch.tensor(target, dtype=torch.long, device=self.model.device)
-        after = self.model.input_embedding(ids[:-1]) if len(target) > 1 else None
-        logits = pressed_row(self.model, cp, self.press, after, keep=len(target)).logits
-        return torch.log_softmax(logits[0].float(), -1).gather(1, ids[:, None])[:, 0]
 
     def clear(self) -> None:
         self.prefix_kv.clear()

@@ -255,11 +255,9 @@ def heldout_sets(tokenizer, sets: Sequence[str], n: int, seed: int = 0,
     the user's own text), read once per (set, n, seed, spec) into ``cache``."""
     cache = {} if cache is None else cache
     for name in sets:
-        key = (name, n, seed) if spec == READ_SPEC else (name, n, seed, spec)
-        if key not in cache:
-            cache[key] = heldout_windows(tokenizer, name, n, spec, seed)
-    return {name: cache[(name, n, seed) if spec == READ_SPEC else (name, n, seed, spec)]
-            for name in sets}
+        if (name, n, seed, spec) not in cache:
+            cache[(name, n, seed, spec)] = heldout_windows(tokenizer, name, n, spec, seed)
+    return {name: cache[(name, n, seed, spec)] for name in sets}
 
 
 def read_spec(context_tokens: int | None) -> WindowSpec:

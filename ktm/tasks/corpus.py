@@ -311,6 +311,11 @@ def stdlib_texts() -> list[str]:
     return out
 
 
+def is_heldout(name: str) -> bool:
+    """Whether ``name`` is something R reads: a held-out set, or a file or folder of text."""
+    return name in HELDOUT or Path(name).expanduser().exists()
+
+
 def heldout_texts(name: str) -> list[str]:
     """Evaluation-only text for the readability metric: ``reviews``, ``code`` or ``stdlib``."""
     from ktm.tasks.jsonl import resolve_data_path
@@ -326,7 +331,7 @@ def heldout_texts(name: str) -> list[str]:
         from ktm.tasks.commitpack import HELDOUT_FILE, load_commits
 
         return [c.new for c in load_commits(resolve_data_path(None, HELDOUT_FILE), None)]
-    if Path(name).expanduser().exists():  # the user's own text, a file or a folder
+    if is_heldout(name):  # the user's own text, a file or a folder
         return path_texts(name)
     raise KTMError(f"unknown held-out set {name!r}: expected one of {', '.join(HELDOUT)}, or "
                    "an existing file or folder of text")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ktm.decode.press import PressConfig
 from ktm.evaluation.readability import BOOTSTRAP, heldout_readability
 from ktm.model import KTMModel
 from ktm.util.fileio import write_json_atomic
@@ -40,8 +41,9 @@ def readings(args) -> list[dict]:
     for reader in args.readers:
         out.append({"kind": "reader", "model": reader, "press": None, "ratio": None})
         for spec in args.stack:
-            p, r = spec.split("=")
-            out.append({"kind": "stacked", "model": reader, "press": p, "ratio": float(r)})
+            press = PressConfig.parse(spec)
+            out.append({"kind": "stacked", "model": reader, "press": press.name,
+                        "ratio": press.ratio})
     return out
 
 
