@@ -334,3 +334,10 @@ def kept_positions(cp, press: PressConfig | None) -> int:
     if press is None or split <= 0:
         return cp.tokens_out
     return cp.tokens_out - split + press.kept(split)
+
+
+def kv_kept(model, prefixes) -> int:
+    """Positions of ``prefixes`` whose KV ``model``'s reading keeps: every position read, less
+    what its runtime's press drops (the torch runtime's; other runtimes keep them all)."""
+    press = getattr(model.runtime, "press", None)
+    return sum(kept_positions(cp, press) for cp in prefixes)

@@ -19,6 +19,7 @@ from ktm.core.allocate import quiet_ratio
 from ktm.core.batch import ratio_of, squeezed_sum
 from ktm.core.loss import target_ids
 from ktm.decode.generate import eval_mode
+from ktm.decode.press import kv_kept
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import (
     check_scoring,
@@ -79,7 +80,7 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
                               merge=merge, batch_size=batch_size, progress=progress)
     preds: list[str | None] = []
     answers: list[str] = []
-    before = after = 0
+    before = after = kept = 0
     squeezed = (0, 0)
     compress_s = 0.0
     t0 = time.perf_counter()
@@ -90,12 +91,14 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
         compress_s += seconds
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
+        kept += kv_kept(model, prefixes)
         squeezed = squeezed_sum(prefixes, squeezed)
         texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
                                merge=merge)
         answers += texts
         preds += [parse(t) if parse else parse_label(t, labels) for t in texts]
-    return _class_row(examples, labels, preds, answers, before, after, compress_s, t0, squeezed)
+    return _class_row(examples, labels, preds, answers, before, after, kept, compress_s, t0,
+                      squeezed)
 
 
 def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batch_size,
@@ -116,7 +119,8 @@ def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batc
     answers = [{lab: round(v, 4) for lab, v in zip(labels, row, strict=True)}
                for row in logp.tolist()]
     row = _class_row(examples, labels, preds, answers, counts["tokens_in"],
-                     counts["tokens_out"], counts["compress_s"], t1, counts["squeezed"])
+                     counts["tokens_out"], counts["kv_kept"], counts["compress_s"], t1,
+                     counts["squeezed"])
     uncorrected = row["balanced_accuracy"] if prior is None else balanced_accuracy(
         decide(logp, labels), _golds(examples), labels)
     row["scoring"] = {"method": "likelihood", "targets": list(targets),
@@ -131,7 +135,7 @@ def _golds(examples: Sequence[Example]) -> list[str]:
     return [e.label or e.target.strip() for e in examples]
 
 
-def _class_row(examples, labels, preds, answers, before, after, compress_s, t0,
+def _class_row(examples, labels, preds, answers, before, after, kept, compress_s, t0,
                squeezed) -> dict:
     golds = _golds(examples)
     return {
@@ -142,6 +146,8 @@ def _class_row(examples, labels, preds, answers, before, after, compress_s, t0,
         "tokens_before": before / len(examples),
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
+        # positions whose KV the reading keeps: tokens_after less what a KV press drops
+        "kv_after": kept / len(examples),
         # the compressed segments' tokens per position (a ratio's target, or about K)
         "ratio_read": ratio_of(squeezed),
         "compression_s": compress_s,
@@ -158,7 +164,7 @@ def _class_row(examples, labels, preds, answers, before, after, compress_s, t0,
 def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = True,
                         batch_size: int = 4, progress: bool = False) -> dict:
     """Perplexity of the targets given the (merged) prompts, pooled over all target tokens."""
-    nll, n_tok, before, after = 0.0, 0, 0, 0
+    nll, n_tok, before, after, kept = 0.0, 0, 0, 0, 0
     squeezed = (0, 0)
     compress_s = 0.0
     t0 = time.perf_counter()
@@ -172,6 +178,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
         n_tok += int(out.n_tokens.sum())
         before += out.tokens_in
         after += out.tokens_out
+        kept += kv_kept(model, prefixes)
         squeezed = squeezed_sum(prefixes, squeezed)
     return {
         "n": len(examples),
@@ -180,6 +187,7 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
         "tokens_before": before / len(examples),
         "tokens_after": after / len(examples),
         "length_reduction": length_reduction(before, after),
+        "kv_after": kept / len(examples),
         "ratio_read": ratio_of(squeezed),
         "compression_s": compress_s,
         "compression_ms_per_1k_tokens": 1e6 * compress_s / before,

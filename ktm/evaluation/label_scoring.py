@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm.core.batch import squeezed_sum
+from ktm.decode.press import kv_kept
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
 from ktm.util.timing import timed
@@ -44,7 +45,7 @@ def label_logprobs(model, examples: Sequence[Example], targets: Sequence[str], *
         raise KTMError("no label targets to score: expected at least one")
     if not examples:
         raise KTMError("no examples to score: expected at least one")
-    rows, before, after, compress_s, squeezed = [], 0, 0, 0.0, (0, 0)
+    rows, before, after, kept, compress_s, squeezed = [], 0, 0, 0, 0.0, (0, 0)
     for i in tqdm(range(0, len(examples), batch_size), desc=desc, disable=not progress):
         prompts = [e.segments for e in examples[i:i + batch_size]]
         # the encoder's kernels, not only their launch, on CUDA
@@ -52,12 +53,13 @@ def label_logprobs(model, examples: Sequence[Example], targets: Sequence[str], *
         compress_s += seconds
         before += sum(cp.tokens_in for cp in prefixes)
         after += sum(cp.tokens_out for cp in prefixes)
+        kept += kv_kept(model, prefixes)
         squeezed = squeezed_sum(prefixes, squeezed)
         cols = [model(prompts, [t] * len(prompts), merge=merge, prefixes=prefixes).nll
                 for t in targets]
         rows.append(-torch.stack(cols, dim=1).float().cpu())
-    return torch.cat(rows), {"tokens_in": before, "tokens_out": after, "compress_s": compress_s,
-                             "squeezed": squeezed}
+    return torch.cat(rows), {"tokens_in": before, "tokens_out": after, "kv_kept": kept,
+                             "compress_s": compress_s, "squeezed": squeezed}
 
 
 def label_prior(logprobs: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
 from ktm.core.prompt import Segment
-from ktm.decode.press import kept_positions, pressed_as
+from ktm.decode.press import kv_kept, pressed_as
 from ktm.errors import KTMError
 from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
 
@@ -171,8 +171,7 @@ def _three(model, ctx: list, none: list, tgt: list, cache: dict | None = None,
     alone reads it), plain and with no context (by ``reference``, None: ``model``), and its
     tokens; with the merged prompts' tokens in and out."""
     merged = model(ctx, tgt, merge=merge)
-    press = getattr(model.runtime, "press", None)
-    kept = sum(kept_positions(cp, press) for cp in model.measure_prompts(ctx, merge))
+    kept = kv_kept(model, model.measure_prompts(ctx, merge))
     ref = model if reference is None else reference
     plain = _plain_nll(ref, ctx, tgt, cache)
     empty = _plain_nll(ref, none, tgt, cache)

@@ -116,6 +116,28 @@ def test_stacked_presses_the_merged_rows(tiny_model_dir):
     assert state.cache.get_seq_length() == kept_positions(cp, model.runtime.press)
 
 
+def test_task_rows_count_the_kv_a_press_keeps(tiny_model_dir):
+    from ktm.evaluation.evaluate import evaluate_classification, evaluate_perplexity
+    from ktm.tasks.base import Example
+
+    examples = [Example(tuple(PROMPT), " true", label="true"),
+                Example((Segment(LONG * 2), Segment(" Q:", compress=False)), " false",
+                        label="false")]
+    model = fresh_model(tiny_model_dir, k=2)
+    plain = [evaluate_perplexity(model, examples, batch_size=1),
+             evaluate_classification(model, examples, ["true", "false"], max_new_tokens=2),
+             evaluate_classification(model, examples, ["true", "false"], scoring="likelihood")]
+    assert [r["kv_after"] for r in plain] == [r["tokens_after"] for r in plain]
+    model.use_press("knorm", 0.5)
+    want = sum(kept_positions(model.compress(list(e.segments)), model.runtime.press)
+               for e in examples) / len(examples)
+    pressed = [evaluate_perplexity(model, examples, batch_size=1),
+               evaluate_classification(model, examples, ["true", "false"], max_new_tokens=2),
+               evaluate_classification(model, examples, ["true", "false"], scoring="likelihood")]
+    assert [r["kv_after"] for r in pressed] == [want] * 3
+    assert want < plain[0]["tokens_after"] == pressed[0]["tokens_after"]
+
+
 def test_kvpress_refusals_are_named(tiny_model_dir):
     model = fresh_model(tiny_model_dir, k=1, press="snapkv", press_ratio=0.5)
     with pytest.raises(KTMError, match="press snapkv cannot press .* window"):
