@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ktm.decode.generate import DecodeState, eval_mode
+from ktm.decode.hidden import keep_hidden, shift_hidden
 from ktm.errors import KTMError
 
 # one (keys, values) pair per layer, each (B, H, T, Dh)
@@ -72,6 +73,7 @@ def keep_rows(state: DecodeState, rows: list[int]) -> None:
     idx = torch.tensor(rows, dtype=torch.long, device=state.mask.device)
     mask = state.mask[idx]
     cut = mask.shape[1] - int(mask.sum(1).max()) if rows else 0
+    state.hidden = keep_hidden(state.hidden, rows, state.mask.shape[0], cut)
     state.mask = mask[:, cut:]
     state.embeds, state.pos = state.embeds[idx, -1:], state.pos[idx, -1:]
     state.logits = state.logits[idx]
@@ -88,10 +90,13 @@ def join(a: DecodeState, b: DecodeState) -> DecodeState:
         x.keys = torch.cat([_pad_left(x.keys, pa, 2), _pad_left(y.keys, pb, 2)])
         x.values = torch.cat([_pad_left(x.values, pa, 2), _pad_left(y.values, pb, 2)])
     # with the cache, advance needs only each row's last position (and reads no embeds)
+    hidden = [h for h in (shift_hidden(a.hidden, 0, pa),
+                          shift_hidden(b.hidden, a.mask.shape[0], pb)) if h is not None]
     return DecodeState(torch.cat([a.embeds[:, -1:], b.embeds[:, -1:]]),
                        torch.cat([_pad_left(a.mask, pa, 1), _pad_left(b.mask, pb, 1)]),
                        torch.cat([a.pos[:, -1:], b.pos[:, -1:]]), a.cache,
-                       torch.cat([a.logits, b.logits]), a.via)
+                       torch.cat([a.logits, b.logits]), a.via,
+                       hidden=torch.cat(hidden) if hidden else None)
 
 
 def row_kv(state: DecodeState, row: int, n: int) -> KV:

@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicLayer
 from ktm.core.batch import pack
 from ktm.core.loss import check_fits
 from ktm.core.prompt import PromptLike, Segment, split_prompts
+from ktm.decode.hidden import hiding
 from ktm.decode.text_stream import TextStream, anchor_ids, decode_continuation
 from ktm.errors import KTMError
 from ktm.util.field_types import check_field_types
@@ -187,6 +188,9 @@ class DecodeState:
     # PEFT model): every later step of the batch reads with the same weights as its cache
     via: torch.nn.Module | None = None
     reused: list[int] = field(default_factory=list)  # leading rows each row found cached
+    # (N, 4) [row, layer, head, position] of cached keys a head-wise KV press hid from
+    # attention (``ktm.decode.press.hidden_keys``: kept in the cache, never attended); None: none
+    hidden: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -213,8 +217,10 @@ def advance(model, state: DecodeState, tokens: torch.Tensor) -> None:
     with eval_mode(model):
         if state.cache is not None:
             state.pos = last
-            state.logits = model.lm(step, state.mask, last, state.cache, keep=1,
-                                    via=state.via)[:, -1]
+            with hiding(state.via if state.via is not None else model.peft.get_base_model(),
+                        state.hidden):
+                state.logits = model.lm(step, state.mask, last, state.cache, keep=1,
+                                        via=state.via)[:, -1]
         else:  # the reference path: re-read everything
             state.embeds = torch.cat([state.embeds, step], dim=1)
             state.pos = torch.cat([state.pos, last], dim=1)

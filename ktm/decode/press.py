@@ -41,6 +41,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ktm.core.batch import TargetLogits
+from ktm.decode.hidden import attention_layers, hidden_keys, hiding
 from ktm.errors import KTMError
 
 # ktm name -> kvpress class. Scorers keep a share of positions by a score of their own; each
@@ -202,17 +203,6 @@ def _cache_position(module, args, kwargs):
     return args, kwargs
 
 
-def attention_layers(lm) -> list:
-    """The attention modules a press hooks, as kvpress finds them (``model.model.layers``)."""
-    inner = getattr(lm, "model", None)
-    inner = getattr(inner, "language_model", inner)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not all(hasattr(x, "self_attn") for x in layers):
-        raise KTMError(f"a KV press needs a decoder whose layers each have self_attn "
-                       f"(model.model.layers), as kvpress does; {type(lm).__name__} has none")
-    return [x.self_attn for x in layers]
-
-
 @contextmanager
 def kvpress_compatible(lm) -> Iterator[None]:
     """kvpress's hooks run on ``lm`` (a transformers causal LM) inside, on this transformers
@@ -261,6 +251,7 @@ class PressedRow(NamedTuple):
     length: int  # positions in the cache
     positions: torch.Tensor  # (1, S) position ids of the rows read after the press
     via: torch.nn.Module | None  # the LM it was read with (``KTMModel.decode_lm``)
+    hidden: torch.Tensor | None  # keys a head-wise press hid (``hidden_keys``)
 
 
 def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = None,
@@ -282,10 +273,14 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
                        f"{', '.join(windowed)} layers (sliding-window attention), and kvpress "
                        "presses full-attention caches; expected a model whose every layer "
                        "attends to the whole context, or no press")
+    hidden = None
     if split > 0:
         one = torch.ones(1, split, dtype=torch.long, device=embeds.device)
-        with pressing(lm, press, split):
-            model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via)
+        try:
+            with pressing(lm, press, split):
+                model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via)
+        finally:
+            hidden = hidden_keys(lm)
     kv = cache.get_seq_length()
     lengths = {layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None}
     if len(lengths) > 1:
@@ -293,8 +288,9 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
                        "layers: expected one length for every layer")
     rest = embeds[split:]
     mask = torch.ones(1, kv + rest.shape[0], dtype=torch.long, device=embeds.device)
-    logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
-    return PressedRow(cache, logits, kv + rest.shape[0], pos[None, split:], via)
+    with hiding(lm, hidden):
+        logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
+    return PressedRow(cache, logits, kv + rest.shape[0], pos[None, split:], via, hidden)
 
 
 @torch.no_grad()

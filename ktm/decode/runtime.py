@@ -149,7 +149,7 @@ class TorchRuntime:
             r = pressed_row(self.model, cp, self.press)
             mask = torch.ones(1, r.length, dtype=torch.long, device=r.logits.device)
             row = DecodeState(cp.embeds[None, -1:], mask, r.positions[:, -1:], r.cache,
-                              r.logits[:, -1], r.via)
+                              r.logits[:, -1], r.via, hidden=r.hidden)
             state = row if state is None else join(state, row)
         state.reused = [0] * len(prefixes)
         return state

@@ -99,13 +99,42 @@ def test_a_press_at_k1_equals_the_press_on_the_plain_prompt(tiny_model_dir):
                                k4([PROMPT], ["true"], merge=False).nll, rtol=0, atol=0)
 
 
-def test_a_pressed_batch_equals_its_prompts_one_by_one(tiny_model_dir):
-    model = fresh_model(tiny_model_dir, k=4, press="tova", press_ratio=0.5)
+@pytest.mark.parametrize("name", ["tova", "adakv:knorm", "criticaladakv:keydiff"])
+def test_a_pressed_batch_equals_its_prompts_one_by_one(tiny_model_dir, name):
+    """Head-wise presses (AdaKV) hide keys per row and head: each row's stay its own."""
+    model = fresh_model(tiny_model_dir, k=4, press=name, press_ratio=0.5)
     prompts = [PROMPT, [Segment(TEXT), Segment(" Q:", compress=False)], [Segment(LONG * 2)]]
     together = model.generate(prompts, max_new_tokens=10)
     assert together == [model.generate(p, max_new_tokens=10) for p in prompts]
     streamed = "".join(model.stream(prompts[1], max_new_tokens=10))
     assert streamed == together[1]
+
+
+def test_hidden_keys_follow_their_rows_when_rows_leave(tiny_model_dir):
+    """The server's batch drops finished rows: what a head-wise press hid stays with its row,
+    and nothing stays on the layers for an unpressed read."""
+    model = fresh_model(tiny_model_dir, k=1, press="adakv:knorm", press_ratio=0.5)
+    prompts = [[Segment(TEXT), Segment(" Q:", compress=False)], [Segment(LONG * 2)], PROMPT]
+    rt = model.runtime
+
+    def steps(state, n=6):
+        out = []
+        for _ in range(n):
+            tok = state.logits.argmax(-1)
+            out.append(tok)
+            rt.advance(state, tok)
+        return torch.stack(out, 1)
+
+    state = rt.prefill([model.compress(p) for p in prompts])
+    assert state.hidden is not None and set(state.hidden[:, 0].tolist()) == {0, 1, 2}
+    rt.keep(state, [0, 2])
+    alone = rt.prefill([model.compress(p) for p in (prompts[0], prompts[2])])
+    assert torch.equal(steps(state), steps(alone))
+    assert all(getattr(m, "masked_key_indices", None) is None
+               for m in model.peft.get_base_model().model.layers[0].modules())
+    model.use_press(None)
+    plain = model.generate(prompts, max_new_tokens=6)
+    assert plain == [model.generate(p, max_new_tokens=6) for p in prompts]
 
 
 def test_stacked_presses_the_merged_rows(tiny_model_dir):
