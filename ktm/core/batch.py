@@ -42,6 +42,8 @@ class CompressedPrompt:
     # read plain): what a KV press compresses (``ktm.decode.press``); the rows after it (a
     # question, a cue) are never pressed
     pressable: int = 0
+    # the plain prompt's token ids (what a query-agnostic press re-reads: ``ktm.decode.press``)
+    ids: tuple[int, ...] = ()
 
     @property
     def length_reduction(self) -> float:

@@ -234,7 +234,8 @@ class PromptEncoder:
         rows = [-(-len(ids) // level) if merge and level else len(ids) for ids, level, _ in row]
         pressable = max((sum(rows[:i + 1]) for i, (_, _, c) in enumerate(row) if c), default=0)
         return CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos, sources,
-                                merged=merge, squeezed=squeezed, pressable=pressable)
+                                merged=merge, squeezed=squeezed, pressable=pressable,
+                                ids=tuple(i for ids, _, _ in row for i in ids))
 
     def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:
         """Ids given directly must be rows of the embedding table (the LM's, plus any extra rows

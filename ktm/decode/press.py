@@ -31,7 +31,8 @@ a newer transformers and installs kvpress beside it with ``--no-deps``, as vLLM'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,6 +71,12 @@ WRAPPERS = {
     "block": "BlockPress",
     "chunk": "ChunkPress",
 }
+# query-agnostic presses: each scores the KV by what the LM needs of it to re-read the
+# context after it (KVzip's reconstruction), from the context's token ids, which ktm gives it
+# (``Replay``); they hide keys per head (``ktm.decode.hidden``)
+REPLAYS = {
+    "kvzip": "KVzipPress",
+}
 # kvpress presses ktm does not offer, and why (``press_names`` lists the rest)
 LEFT_OUT = {
     "DuoAttentionPress": "downloads attention patterns",
@@ -80,8 +87,6 @@ LEFT_OUT = {
     "RestoreKVPress": "downloads its weights",
     "LUKVPress": "downloads its tables",
     "DMSPress": "needs a model trained for it",
-    "KVzipPress": "re-reads the context from token ids and loads the tokenizer by path; ktm "
-                  "prefills embeddings",
     "ObservedAttentionPress": "needs eager attention weights returned by every layer",
     "PyramidKVPress": "keeps a different length per layer, which rows cannot share a mask with",
     "ThinKPress": "cuts key channels, not positions",
@@ -106,8 +111,9 @@ INSTALL = 'pip install -e ".[kvpress]" && pip install --no-deps kvpress==0.5.5'
 
 
 def press_names() -> list[str]:
-    """Every press name ``PressConfig`` takes: the scorers, then each wrapper around each."""
-    return [*SCORERS, *(f"{w}:{s}" for w in WRAPPERS for s in SCORERS)]
+    """Every press name ``PressConfig`` takes: the scorers, the query-agnostic ones, then each
+    wrapper around each scorer."""
+    return [*SCORERS, *REPLAYS, *(f"{w}:{s}" for w in WRAPPERS for s in SCORERS)]
 
 
 @dataclass(frozen=True)
@@ -121,10 +127,12 @@ class PressConfig:
 
     def __post_init__(self) -> None:
         wrapper, _, inner = self.name.rpartition(":")
-        if inner not in SCORERS or (wrapper and wrapper not in WRAPPERS):
+        if self.name not in REPLAYS and (inner not in SCORERS
+                                         or (wrapper and wrapper not in WRAPPERS)):
             raise KTMError(f"unknown press {self.name!r}: expected one of "
-                           f"{', '.join(SCORERS)}, or WRAPPER:PRESS with a wrapper of "
-                           f"{', '.join(WRAPPERS)}")
+                           f"{', '.join([*SCORERS, *REPLAYS])}, or WRAPPER:PRESS with a "
+                           f"wrapper of {', '.join(WRAPPERS)} around one of the first "
+                           f"{len(SCORERS)}")
         if (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))
                 or not 0 <= self.ratio < 1):  # NaN fails it too
             raise KTMError(f"press ratio must be a number in [0, 1) (the share of the KV "
@@ -149,14 +157,115 @@ class PressConfig:
         """Positions of ``n`` pressable ones a press keeps (kvpress's own rounding)."""
         return int(n * (1 - self.ratio))
 
-    def make(self):
-        """The kvpress object."""
+    @property
+    def replays(self) -> bool:
+        """Whether the press re-reads the context's tokens (``Replay``)."""
+        return self.name in REPLAYS
+
+    def make(self, replay: Replay | None = None):
+        """The kvpress object (a query-agnostic press: reading ``replay``'s context)."""
         kvpress = import_kvpress()
+        if self.replays:
+            if replay is None:
+                raise KTMError(f"press {self.name} re-reads the context's tokens: expected "
+                               "them (ktm.decode.press.Replay)")
+            return replay_press(kvpress, REPLAYS[self.name], float(self.ratio), replay)
         wrapper, _, inner = self.name.rpartition(":")
         press = getattr(kvpress, SCORERS[inner])(compression_ratio=float(self.ratio))
         if wrapper:
             press = getattr(kvpress, WRAPPERS[wrapper])(press=press)
         return press
+
+
+class Replay(NamedTuple):
+    """What a query-agnostic press re-reads after the pressed rows: per chunk of the context,
+    its rows (start, end) and the token ids that re-read it (a cue, then the chunk's tokens),
+    and ``read``, which reads (T,) ids after the cache at the next true positions."""
+    chunks: list[tuple[int, int, list[int]]]
+    read: Callable[[list[int]], None]
+
+
+# KVzip's cues (the paper's wording, as kvpress words them) and its chunk of re-read tokens
+REPLAY_CUE = "\n\nRepeat the previous context exactly."
+REPLAY_CUE_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+REPLAY_CHUNK = 2048  # context tokens per re-read (kvpress's default)
+REPLAY_OVERLAP = 8  # tokens of the chunk before that the next cue quotes
+
+
+def replay_chunks(tokenizer, ids: list[int], sources: list[int]
+                  ) -> list[tuple[int, int, list[int]]]:
+    """The ``Replay`` chunks of a context of token ``ids`` read as rows, row r standing for
+    the tokens up to ``sources[r]``: every ``REPLAY_CHUNK`` tokens re-read after a cue and
+    the chat template's turn change (a newline without one), each scoring the rows whose
+    last token it holds. With one row per token these are kvpress's KVzip chunks."""
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    turn = "\n"
+    if getattr(tokenizer, "chat_template", None):
+        mark = "\u2063KTM-CONTEXT\u2063"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}],
+                                             add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=False)
+        turn = text.split(mark, 1)[1]
+    suffix = encode(turn)
+    chunks, row = [], 0
+    for c, start in enumerate(range(0, len(ids), REPLAY_CHUNK)):
+        piece = ids[start:start + REPLAY_CHUNK]
+        end = row
+        while end < len(sources) and sources[end] < start + REPLAY_CHUNK:
+            end += 1
+        cue = (encode(REPLAY_CUE) if c == 0 else
+               encode(REPLAY_CUE_NEXT) + ids[max(0, start - REPLAY_OVERLAP):start])
+        if end > row:
+            chunks.append((row, end, cue + suffix + piece))
+        row = end
+    return chunks
+
+
+def replay_press(kvpress, cls_name: str, ratio: float, replay: Replay):
+    """kvpress's query-agnostic press ``cls_name`` (KVzip) reading ktm's context: kvpress
+    takes the context's ids from the forward it wraps and a tokenizer loaded by the model's
+    path, and re-reads with ids at implicit positions; ktm prefills embeddings (merged rows
+    among them) at its own positions, so ``replay`` gives the ids, rows and the read. The
+    scoring (the re-read's attention over the pressed rows), the choice of what to hide and
+    the hiding are kvpress's own methods."""
+    base = getattr(kvpress, cls_name)
+
+    class ReplayPress(base):
+        @contextmanager
+        def __call__(self, lm):
+            self.post_init_from_model(lm)
+            try:
+                yield  # ktm's prefill of the pressed rows
+                if self.compression_ratio > 0:
+                    self._replay(lm)
+            finally:
+                self._reset_internal_parameters()
+
+        def _replay(self, lm):
+            cfg = lm.config
+            rows = replay.chunks[-1][1]
+            self.context_length = rows
+            self.score_val = torch.zeros((cfg.num_hidden_layers, 1, cfg.num_key_value_heads,
+                                          rows), dtype=lm.dtype, device=lm.device)
+            hooks = [m.register_forward_hook(self.forward_hook, with_kwargs=True)
+                     for m in attention_layers(lm)]
+            try:
+                for self.start_idx, self.end_idx, ids in replay.chunks:
+                    replay.read(ids)
+            finally:
+                for h in hooks:
+                    h.remove()
+            self.compress_post(lm)
+
+    logger = logging.getLogger(base.__module__)
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its warning that re-reading costs 2-3 prefills, per row
+    try:
+        return ReplayPress(compression_ratio=ratio)
+    finally:
+        logger.setLevel(level)
 
 
 def press_refusal(backend: str, name: str) -> str:
@@ -218,12 +327,14 @@ def kvpress_compatible(lm) -> Iterator[None]:
 
 
 @contextmanager
-def pressing(lm, press: PressConfig, rows: int) -> Iterator[None]:
+def pressing(lm, press: PressConfig, rows: int, replay: Replay | None = None
+             ) -> Iterator[None]:
     """The prefill of ``rows`` positions from an empty cache inside compresses its KV with
-    ``press`` on ``lm``. kvpress's refusals (a prompt shorter than a press's window) become
-    ``KTMError``s naming the press and the prompt."""
+    ``press`` on ``lm`` (a query-agnostic one re-reading ``replay``). kvpress's refusals (a
+    prompt shorter than a press's window) become ``KTMError``s naming the press and the
+    prompt."""
     try:
-        with kvpress_compatible(lm), press.make()(lm):
+        with kvpress_compatible(lm), press.make(replay)(lm):
             yield
     except AssertionError as e:  # kvpress checks its inputs with assert
         raise KTMError(f"press {press.name} cannot press {rows} positions: {e}; expected a "
@@ -276,8 +387,10 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
     hidden = None
     if split > 0:
         one = torch.ones(1, split, dtype=torch.long, device=embeds.device)
+        replay = _replay(model, cp, split, cache, int(pos[split - 1]) + 1, via) if (
+            press.replays) else None
         try:
-            with pressing(lm, press, split):
+            with pressing(lm, press, split, replay):
                 model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via)
         finally:
             hidden = hidden_keys(lm)
@@ -291,6 +404,31 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
     with hiding(lm, hidden):
         logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
     return PressedRow(cache, logits, kv + rest.shape[0], pos[None, split:], via, hidden)
+
+
+def _replay(model, cp, split: int, cache: DynamicCache, start: int, via) -> Replay:
+    """The ``Replay`` of a prefix's first ``split`` rows: their tokens, re-read after the cache
+    from position ``start``, without gradients and leaving the pressed keys and values as they
+    were (the tensors training reads through)."""
+    if not cp.ids or cp.sources is None:
+        raise KTMError("a query-agnostic press re-reads the prompt's token ids: expected a "
+                       "prefix made by KTMModel.compress")
+    sources = [int(x) for x in cp.sources[:split]]
+    chunks = replay_chunks(model.tokenizer, list(cp.ids[:sources[-1] + 1]), sources)
+
+    def read(ids: list[int]) -> None:
+        kept = [(layer.keys, layer.values) for layer in cache.layers]
+        n = cache.get_seq_length()
+        t = torch.tensor(ids, dtype=torch.long, device=cp.embeds.device)
+        mask = torch.ones(1, n + len(ids), dtype=torch.long, device=t.device)
+        with torch.no_grad():
+            model.lm(model.input_embedding(t)[None].to(cp.embeds.dtype), mask,
+                     torch.arange(start, start + len(ids), device=t.device)[None], cache,
+                     keep=1, via=via)
+        for layer, (k, v) in zip(cache.layers, kept):  # the re-read's keys trimmed off
+            layer.keys, layer.values = k, v
+
+    return Replay(chunks, read)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from ktm.core.prompt import Segment
 from ktm.decode.generate import generate_ids
 from ktm.decode.press import (
     LEFT_OUT,
+    REPLAYS,
     SCORERS,
     WRAPPERS,
     PressConfig,
@@ -43,7 +44,8 @@ def test_every_kvpress_press_is_offered_or_left_out_with_a_reason():
     import kvpress
 
     exported = {n for n in kvpress.__all__ if n.endswith("Press")} - {"BasePress", "ScorerPress"}
-    assert exported == set(SCORERS.values()) | set(WRAPPERS.values()) | set(LEFT_OUT)
+    assert exported == (set(SCORERS.values()) | set(REPLAYS.values()) | set(WRAPPERS.values())
+                        | set(LEFT_OUT))
 
 
 @pytest.mark.parametrize("name", press_names())
@@ -194,6 +196,7 @@ def pipeline_parity(model, context: str, question: str, names, n_new: int = 10) 
     """kvpress's own pipeline (its prefill under the press, then the question at its true
     positions, then greedy decoding) and ktm's press give the same tokens, on the ids the
     pipeline itself prepares; and a press changes some answer (it is applied at all)."""
+    import kvpress
     from kvpress import KVPressTextGenerationPipeline
 
     lm, tok = model.peft.get_base_model(), model.tokenizer
@@ -205,9 +208,11 @@ def pipeline_parity(model, context: str, question: str, names, n_new: int = 10) 
     answers = []
     for name in names:
         cfg = PressConfig(name, 0.75)
+        # a query-agnostic press, as kvpress offers it, reads the ids its pipeline prefills
+        press = getattr(kvpress, REPLAYS[name])(compression_ratio=0.75) if cfg.replays else (
+            cfg.make())
         with kvpress_compatible(lm):
-            want = pipe(context, question=question, press=cfg.make(),
-                        max_new_tokens=n_new)["answer"]
+            want = pipe(context, question=question, press=press, max_new_tokens=n_new)["answer"]
         model.use_press(cfg)
         got = generate_ids(model, [prompt], max_new_tokens=n_new)[0]
         assert tok.decode(got, skip_special_tokens=True) == want, name
@@ -216,7 +221,7 @@ def pipeline_parity(model, context: str, question: str, names, n_new: int = 10) 
 
 
 PIPELINE_PRESSES = ("expected_attention", "snapkv", "knorm", "tova", "keydiff",
-                    "streaming_llm", "adakv:expected_attention")
+                    "streaming_llm", "adakv:expected_attention", "kvzip")
 
 
 def test_greedy_equals_kvpress_pipeline(tiny_bos_model_dir):
