@@ -7,7 +7,7 @@
 #   bash results/presses/run_stacked.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=results/presses/heldout.json
+out=${OUT:-results/presses/heldout.json}  # OUT: another file (merged in after)
 stack="expected_attention=0.5 keydiff=0.5 snapkv=0.5 tova=0.5 streaming_llm=0.5 knorm=0.5"
 if [ -d runs/presses/k2-stack/checkpoint ]; then
   python results/presses/sweep.py --resume --contexts 256 --sets code stdlib --n 24 \
@@ -21,3 +21,13 @@ python results/presses/sweep.py --resume --contexts 1024 --sets code --n 12 \
     --readers smollm2-135m-k4-seq --stack expected_attention=0.5 --out $out
 python results/presses/sweep.py --resume --contexts 256 --sets code stdlib --n 24 \
     --readers smollm2-135m-k2-seq --stack $stack --out $out
+# KVzip on merged prompts, and ktm's readings at 2,048 tokens
+python results/presses/sweep.py --resume --contexts 256 --sets code stdlib --n 24 \
+    --readers smollm2-135m-k2-seq --stack kvzip=0.5 --out $out
+python results/presses/sweep.py --resume --contexts 1024 --sets code --n 12 \
+    --readers smollm2-135m-k2-seq --stack kvzip=0.5 --out $out
+python results/presses/sweep.py --resume --contexts 2048 --sets code --n 12 \
+    --readers smollm2-135m-k2-seq --stack expected_attention=0.5 knorm=0.5 tova=0.5 kvzip=0.5 \
+    --out $out
+python results/presses/sweep.py --resume --contexts 2048 --sets code --n 12 \
+    --readers smollm2-135m-k4-seq --out $out
