@@ -44,6 +44,13 @@ NAMES = {"uncompressed": "uncompressed", "k2": "**ktm K=2**", "k4": "**ktm K=4**
 TASK_COLUMNS = (("tree small", "balanced acc."), ("amazon", "balanced acc."),
                 ("commitpack", "perplexity"))
 BENCH = RESULTS / "bench" / "prefill_2048.json"
+# the uncompressed fine-tune of each task with each KV press (results/presses/tasks.sh), beside
+# ktm's rows; the presses' prefill from the press benchmark (results/presses/speed.json)
+PRESS_TASKS = RESULTS / "presses" / "tasks"
+PRESS_TASK_NAMES = {"tree": "tree small", "amazon": "amazon", "commitpack": "commitpack"}
+PRESS_SPEED = RESULTS / "presses" / "speed.json"
+# the headline's press rows: the press ratio, at the KV share of the ktm row it stands beside
+PRESS_HEADLINE = {0.5: "k2", 0.75: "k4"}
 # the shipped readers and the pretraining run each was packed from (results/readers/)
 SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e",
                    "smollm2-135m-k2-seq": "k2s", "smollm2-135m-k4-seq": "k4s2"}
@@ -118,9 +125,43 @@ def task_files() -> list[Path]:
     return sorted(p for p in TASKS.glob("*/*.json") if "-teach" not in p.name)
 
 
+def press_task_rows() -> dict[str, list[dict]]:
+    """Per task folder (tree, amazon, commitpack): its press rows, each with its press."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(PRESS_TASKS.glob("*/*.json")):
+        row = json.loads(path.read_text())
+        row["press"] = row["config"]["eval"]["backend"]["press"]
+        row["file"] = path
+        out.setdefault(path.parent.name, []).append(row)
+    return out
+
+
+def quality(row: dict) -> float:
+    """The task metric, higher better (balanced accuracy, or minus perplexity)."""
+    return -row["perplexity"] if "perplexity" in row else row["balanced_accuracy"]
+
+
+def best_press(rows: list[dict], ratio: float) -> dict | None:
+    picked = [r for r in rows if r["press"]["ratio"] == ratio]
+    return max(picked, key=quality) if picked else None
+
+
+def metric_text(row: dict) -> str:
+    return f"{row['perplexity']:.2f}" if "perplexity" in row else f"{row['balanced_accuracy']:.3f}"
+
+
+def press_prefill() -> str:
+    """The presses' prefill against plain's at 2,048 tokens (one input, the press scoring
+    included), as a range over the presses benchmarked."""
+    rows = [r for r in json.loads(PRESS_SPEED.read_text())
+            if r.get("input_tokens") == 2048 and r["method"] != "ktm" and r.get("press")]
+    lo, hi = (min(r["speedup_prefill"] for r in rows), max(r["speedup_prefill"] for r in rows))
+    return f"{lo:.2f}–{hi:.2f}× (the whole prompt read)"
+
+
 def headline() -> str:
     """Quality per task and the prefill speed-up at 2,048 tokens, K=2 and K=4 against
-    uncompressed and the baselines."""
+    uncompressed, the baselines and the best KV press at the KV each keeps."""
     rows, _ = load_results([str(p) for p in task_files()])
     by_task = score(rows)
     cells: dict[str, dict[str, str]] = {m: {} for m in METHODS}
@@ -144,6 +185,19 @@ def headline() -> str:
     for m in METHODS:
         lines.append(f"| {NAMES[m]} | " + " | ".join(cells[m][t] for t, _ in TASK_COLUMNS)
                      + f" | {speed.get(m, '–')} |")
+    pressed = press_task_rows()
+    if pressed:
+        folder = {v: k for k, v in PRESS_TASK_NAMES.items()}
+        for ratio, beside in PRESS_HEADLINE.items():
+            row_cells = []
+            for task, _ in TASK_COLUMNS:
+                best = best_press(pressed.get(folder[task], []), ratio)
+                row_cells.append("–" if best is None else
+                                 f"{metric_text(best)} ({best['press']['name']}; KV "
+                                 f"{1 - best['kv_after'] / best['tokens_before']:.0%} smaller)")
+            lines.append(f"| uncompressed + best KV press ({ratio:g}, beside "
+                         f"{NAMES[beside].strip('*')}) | " + " | ".join(row_cells)
+                         + f" | {press_prefill()} |")
     n = {t: next((r["n"] for r in by_task.get(t, [])), "–") for t, _ in TASK_COLUMNS}
     ratios = sorted({r["mlp_ratio"] for r in bench if r.get("mlp_ratio")})
     return "\n".join(lines) + (
@@ -153,7 +207,35 @@ def headline() -> str:
         f"amazon {n['amazon']}, commitpack {n['commitpack']}. Shorter: the share of prompt "
         "tokens the LM no longer reads. Prefill (`ktm bench`): encoder included (MLP ratio "
         f"{', '.join(f'{x:g}' for x in ratios)}), batch 1, median of paired repeats. "
-        f"Files: `{rel(TASKS)}/*/*.json`, `{rel(BENCH)}`.")
+        "A KV press (kvpress, on the uncompressed fine-tune) reads the whole prompt and keeps "
+        "part of its context's KV: its cell names the press that scored best at that ratio "
+        "and the share of the prompt's KV dropped (for ktm, shorter is also the KV dropped); "
+        "its prefill is the presses' range in the press benchmark. "
+        f"Files: `{rel(TASKS)}/*/*.json`, `{rel(BENCH)}`"
+        + (f", `{rel(PRESS_TASKS)}/*/*.json`, `{rel(PRESS_SPEED)}`." if pressed else "."))
+
+
+def press_tasks() -> str:
+    """Per task: the uncompressed fine-tune with each press at ratio 0.5 and 0.75 beside ktm
+    K=2 and K=4 (fine-tuned from the shipped readers), by the share of the prompt's KV kept."""
+    rows, _ = load_results([str(p) for p in task_files()])
+    by_task = score(rows)
+    out = []
+    for folder, pressed in press_task_rows().items():
+        task = PRESS_TASK_NAMES[folder]
+        found = {r["method"]: r for r in by_task.get(task, [])}
+        metric = "perplexity" if "perplexity" in pressed[0] else "balanced acc."
+        out += [f"### {task}", "", f"| reading | KV kept | {metric} |", "|---|---|---|"]
+        for m in ("uncompressed", "k2", "k4"):
+            if m in found:
+                r = found[m]
+                out.append(f"| {NAMES[m]} | {r['tokens_after'] / r['tokens_before']:.0%} | "
+                           f"{metric_text(r)} |")
+        for r in sorted(pressed, key=lambda r: (r["press"]["ratio"], -quality(r))):
+            out.append(f"| uncompressed + {r['press']['name']} {r['press']['ratio']:g} | "
+                       f"{r['kv_after'] / r['tokens_before']:.0%} | {metric_text(r)} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def tasks() -> str:
@@ -422,6 +504,7 @@ def demo() -> str:
 
 
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
+                                        "press_tasks": press_tasks,
                                         "readers": readers, "bench": bench, "demo": demo,
                                         "llamacpp": llamacpp, "llamacpp_r": llamacpp_r,
                                         "context": context, "serve_llamacpp": serve_llamacpp,
