@@ -32,6 +32,7 @@ _EXPORTS = {
     "LoraSettings": "ktm.core.config", "Segment": "ktm.core.prompt",
     "TrainConfig": "ktm.training.config", "train": "ktm.training.train",
     "PretrainConfig": "ktm.training.pretrain", "pretrain": "ktm.training.pretrain",
+    "chat_prompt": "ktm.serving.prompts",
 }
 __all__ = [*sorted(_EXPORTS), "__version__"]
 

@@ -60,13 +60,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ktm.decode.generate import GenerationConfig
 
     # the options and the prompt are checked before the model is loaded (seconds, or minutes)
-    segments = list(as_segments([Segment(args.prompt)]
-                                + [Segment(p, compress=False) for p in args.plain]))
+    if (args.prompt is None) == (args.chat is None):
+        raise KTMError("give the prompt as --prompt TEXT or a chat as --chat FILE.jsonl: "
+                       "expected one of them")
+    if args.chat is not None and args.plain:
+        raise KTMError("--plain goes with --prompt; a chat's plain parts are its messages "
+                       "(\"ktm\": {\"merge\": false}) or its history budget")
+    if args.history_budget is not None and args.chat is None:
+        raise KTMError("--history-budget reads a chat: expected --chat FILE.jsonl")
+    messages = read_chat_file(args.chat) if args.chat is not None else None
+    segments = None if messages is not None else list(as_segments(
+        [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]))
     opts = from_args(GenerationConfig, args).to_dict()
     # a baseline's checkpoint reads its prompts as the method it records rewrote them
     name, options = resolve(args.checkpoint, args.compressor,
                             parse_options(args.compressor_option))
     model = load_or_build(args)
+    if messages is not None:
+        from ktm.serving.prompts import chat_prompt
+
+        segments = list(chat_prompt(model, messages, args.history_budget, opts["merge"]))
     before = None
     if name:
         segments, before = _baseline_prompt(args, name, options, model, segments)
@@ -82,6 +95,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[prompt tokens {n_in} -> {cp.tokens_out}{how}, K={model.k}]",
           file=sys.stderr)
     return 0
+
+
+def read_chat_file(path: str) -> list[dict]:
+    """The messages of a JSONL chat file, one JSON object per line (blank lines skipped)."""
+    import json
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise KTMError(f"cannot read chat file {path!r}: {e.strerror}") from None
+    messages = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KTMError(f"{path}:{n}: not JSON ({e.msg}): expected one message object per "
+                           "line") from None
+        if not isinstance(msg, dict):
+            raise KTMError(f"{path}:{n}: a {type(msg).__name__}, expected a message object "
+                           "({\"role\": ..., \"content\": ...})")
+        messages.append(msg)
+    if not messages:
+        raise KTMError(f"chat file {path!r} holds no messages: expected one JSON object per "
+                       "line")
+    return messages
 
 
 def _baseline_prompt(args: argparse.Namespace, name: str, options: dict, model, segments):
@@ -145,9 +185,18 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     add_model_args(gen)
     gen.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
                                           "model flags given must agree with it)")
-    gen.add_argument("--prompt", required=True, help="text to compress")
+    gen.add_argument("--prompt", help="text to compress")
     gen.add_argument("--plain", action="append", default=[],
                      help="text appended as plain tokens (repeatable)")
+    gen.add_argument("--chat", metavar="FILE.jsonl",
+                     help="a chat instead of --prompt: one message per line, as OpenAI's "
+                          "({\"role\": \"user\", \"content\": \"...\"}, optionally \"ktm\": "
+                          "{\"merge\": false}), read through the model's chat template as "
+                          "ktm serve reads it")
+    gen.add_argument("--history-budget", type=int, metavar="N",
+                     help="--chat: read the chat within N positions, its unmarked messages "
+                          "plain while it fits and the oldest merged (whole) past it; system "
+                          "messages and the newest user message stay plain")
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
     backend_args(gen)
     threads_arg(gen)

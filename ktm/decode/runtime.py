@@ -65,6 +65,22 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
+def shared_rows(cp, embeds: torch.Tensor, positions: torch.Tensor | None) -> int:
+    """Leading rows the prefix ``cp`` shares with a stored one (``embeds`` (L, D) at
+    ``positions``, None: 0 .. L-1): equal embeddings at equal positions."""
+    n = min(cp.tokens_out, embeds.shape[0])
+    if n == 0 or embeds.dtype != cp.embeds.dtype or embeds.device != cp.embeds.device:
+        return 0
+    same = (cp.embeds[:n] == embeds[:n]).all(-1)
+    if positions is not None or cp.positions is not None:
+        mine = cp.row_positions(0)
+        mine = torch.arange(n, device=same.device) if mine is None else mine[:n]
+        theirs = torch.arange(n, device=same.device) if positions is None else positions[:n]
+        same &= mine == theirs
+    differ = (~same).nonzero()
+    return int(differ[0, 0]) if len(differ) else n
+
+
 class TorchRuntime:
     """The model's own LM in torch (``KTMModel.lm``, its LoRA folded for decoding): the eager
     path. It keeps the KV of prompts' leading contexts when asked (``keep_prefixes``: the
@@ -113,8 +129,8 @@ class TorchRuntime:
         contexts = contexts or [None] * len(prefixes)
         parts, order, reused, misses = [], [], [0] * len(prefixes), []
         for i, (cp, ctx) in enumerate(zip(prefixes, contexts)):
-            stored = self.prefix_kv.get(ctx[0]) if ctx is not None else None
-            n = 0 if stored is None else min(stored[0][0].shape[-2], cp.tokens_out - 1)
+            stored, n = self._reusable(cp, ctx)
+            n = min(n, cp.tokens_out - 1)
             if n < 1:
                 misses.append(i)
                 continue
@@ -128,7 +144,10 @@ class TorchRuntime:
             for j, i in enumerate(misses):
                 ctx = contexts[i]
                 if ctx is not None and self.prefix_kv.max_bytes and ctx[0] not in self.prefix_kv:
-                    self.prefix_kv[ctx[0]] = row_kv(batch, j, ctx[1])
+                    cp = prefixes[i]
+                    pos = None if cp.positions is None else cp.positions[:ctx[1]].clone()
+                    self.prefix_kv[ctx[0]] = (row_kv(batch, j, ctx[1]),
+                                              cp.embeds[:ctx[1]].clone(), pos)
             parts.append(batch)
             order += misses
         state = parts[0]
@@ -138,6 +157,24 @@ class TorchRuntime:
             keep_rows(state, [order.index(i) for i in range(len(order))])
         state.reused = reused
         return state
+
+    def _reusable(self, cp, ctx) -> tuple[list | None, int]:
+        """Stored KV the prefix ``cp`` can start from, and how many of its leading rows: its
+        context's own (``ctx``: key, rows), else the stored context sharing the most leading
+        rows with it, the same embeddings at the same positions (a chat's merged history read
+        at an earlier turn: the KV of a row depends on those rows alone). (None, 0): none."""
+        if ctx is None or not self.prefix_kv.max_bytes:
+            return None, 0
+        if ctx[0] in self.prefix_kv:
+            kv, _, _ = self.prefix_kv[ctx[0]]
+            return kv, ctx[1]
+        best, most = None, 0
+        for key in list(self.prefix_kv):
+            _, embeds, positions = self.prefix_kv.peek(key)
+            n = shared_rows(cp, embeds, positions)
+            if n > most:
+                best, most = key, n
+        return (None, 0) if best is None else (self.prefix_kv[best][0], most)
 
     def _pressed(self, prefixes, sampling) -> DecodeState:
         """Each prefix prefilled alone under the press (``pressed_row``), then batched."""

@@ -228,7 +228,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             raise RequestError(f"{name}={max_tokens} is over this server's limit of "
                                f"{cfg.max_tokens_limit}", param=name)
         stop = tuple(body.stop_list())
-        prompts = ([await run_in_threadpool(chat_segments, model, body)] if chat
+        prompts = ([await run_in_threadpool(chat_segments, model, body, cfg.history_budget)]
+                   if chat
                    else await run_in_threadpool(completion_segments, model, body))
         if len(prompts) * body.n > cfg.max_queue:
             raise RequestError(f"{len(prompts)} prompt(s) with n={body.n} make "

@@ -62,6 +62,11 @@ class ServeConfig:
                 "as ktm generate --press"})
     press_ratio: float = field(default=0.5, metadata={
         "help": "--press: the share of the pressed KV dropped, in [0, 1)"})
+    history_budget: int | None = field(default=None, metadata={
+        "help": "chats are read within this many positions: a message without its own ktm "
+                "field is read plain while the chat fits, and the oldest are merged (whole, at "
+                "K) as it grows past it; system messages and the newest user message stay "
+                "plain (a request's ktm.history_budget overrides it; default: no budget)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -75,6 +80,8 @@ class ServeConfig:
             raise KTMError(f"port must be in 0..65535, got {self.port}")
         check_at_least(self, 1, "max_batch", "max_tokens_limit", "max_queue")
         check_at_least(self, 0, "batch_window_ms", "prefix_cache_mb", "threads")
+        if self.history_budget is not None:
+            check_at_least(self, 1, "history_budget")
         parse_dtype(self.dtype)
         if self.press is not None:
             from ktm.decode.press import PressConfig

@@ -17,12 +17,23 @@ text, as a completion does).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import replace
 
 from jinja2 import TemplateError
+from pydantic import ValidationError
 
 from ktm.core.prefix import embedding_rows
 from ktm.core.prompt import Segment
-from ktm.serving.protocol import ChatRequest, CompletionRequest, KtmOptions, RequestError
+from ktm.errors import KTMError
+from ktm.serving.history import eligible_messages, plan_history
+from ktm.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    KtmOptions,
+    Message,
+    RequestError,
+)
 
 MARK = "[[ktm-content-{}]]"
 MARK_RE = re.compile(r"\[\[ktm-content-(\d+)\]\]")
@@ -107,26 +118,70 @@ def template_role(tokenizer, role: str) -> str:
     return role if known else "system"
 
 
-def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
+def chat_segments(model, req: ChatRequest, history_budget: int | None = None
+                  ) -> tuple[Segment, ...]:
+    """The request's chat as segments. ``history_budget``: the server's (``--history-budget``;
+    the request's ``ktm.history_budget`` overrides it, 0 turning it off): the positions the
+    chat is read within, its oldest unmarked messages merged to fit (``ktm.serving.history``)."""
     ext_all = req.ktm or KtmOptions()
+    budget = history_budget if ext_all.history_budget is None else ext_all.history_budget
+    return read_chat(model, req.messages, ext_all, budget or None)
+
+
+def chat_prompt(model, messages: Sequence[dict | Message], history_budget: int | None = None,
+                merge: bool = True) -> tuple[Segment, ...]:
+    """A chat (OpenAI-style messages: ``{"role": ..., "content": ..., "ktm": {...}}``) as the
+    prompt ``ktm serve`` reads for it, through the model's chat template: each content merged
+    unless its ``ktm`` says ``{"merge": false}``; with ``history_budget`` (positions), unmarked
+    contents plain and the oldest merged only as the budget needs (``ktm.serving.history``).
+    ``merge`` False: every content plain. Raises ``KTMError`` for a bad message or a chat that
+    cannot fit its budget."""
+    parsed = []
+    for i, m in enumerate(messages):
+        try:
+            parsed.append(m if isinstance(m, Message) else Message.model_validate(m))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in (i, *first["loc"]))
+            raise KTMError(f"bad chat message at {where}: {first['msg']}; expected {{'role': "
+                           "'system' | 'developer' | 'user' | 'assistant', 'content': text}"
+                           ) from None
+    try:
+        if not parsed:
+            raise RequestError("messages are empty: expected at least one message",
+                               param="messages")
+        return read_chat(model, parsed, KtmOptions(merge=merge), history_budget)
+    except RequestError as e:
+        raise KTMError(str(e)) from None
+
+
+def read_chat(model, messages: Sequence[Message], ext_all: KtmOptions,
+              history_budget: int | None = None) -> tuple[Segment, ...]:
+    """``messages`` as segments, read with the request-wide ``ext_all`` and, when merging is
+    on, within ``history_budget`` positions (None: no budget)."""
     if ext_all.segments is not None:
         raise RequestError("ktm.segments is for /v1/completions; in a chat, give a message "
                            "\"ktm\": {\"segments\": [...]}", param="ktm.segments")
     merge_all = ext_all.merge
+    # with a budget, an unmarked message is read plain unless the budget needs it merged
+    budgeted = history_budget is not None and merge_all
     contents: list[list[tuple[str, bool]]] = []
-    for i, m in enumerate(req.messages):
+    marked: list[bool] = []
+    for i, m in enumerate(messages):
         ext = m.ktm
+        marked.append(ext is not None and (ext.merge is not None or ext.segments is not None))
         if ext is not None and ext.segments is not None:
             _check_joined(m.text(), ext.segments, f"messages.{i}.content")
             parts = [(s.text, s.merge) for s in ext.segments]
         else:
-            parts = [(m.text(), True if ext is None or ext.merge is None else ext.merge)]
+            unmarked = not budgeted
+            parts = [(m.text(), unmarked if ext is None or ext.merge is None else ext.merge)]
         contents.append([(t, merge and merge_all) for t, merge in parts if t])
     if not any(contents):
         raise RequestError("messages are empty: expected at least one message with content",
                            param="messages")
     layout, trimmed = render_chat(model.tokenizer, [(template_role(model.tokenizer, m.role), i)
-                                                    for i, m in enumerate(req.messages)])
+                                                    for i, m in enumerate(messages)])
     for i in trimmed:
         contents[i] = _strip(contents[i])
     # a template writes its own BOS; the role lines that stand in for a missing one open with
@@ -134,35 +189,59 @@ def chat_segments(model, req: ChatRequest) -> tuple[Segment, ...]:
     lead = not getattr(model.tokenizer, "chat_template", None)
     read = TemplateReader(model)
     segs: list[Segment] = []
-    for text, merge in join_whitespace(model, layout, contents):
+    owners: list[int | None] = []
+    for text, merge, owner in join_whitespace(model, layout, contents):
         _check_text(text, "messages")
         ids = model.tokenize(text, first=not segs) if lead else read(text)
         segs.append(Segment(text, merge, tuple(ids), ratio=ext_all.ratio if merge else None))
+        owners.append(owner)
+    if budgeted:
+        segs = _within_budget(model, segs, owners, messages, marked, history_budget,
+                              ext_all.ratio)
     return _non_empty(tuple(segs), "messages")
 
 
-def join_whitespace(model, layout: list[str | int],
-                    contents: list[list[tuple[str, bool]]]) -> list[tuple[str, bool]]:
-    """The chat's pieces as (text, merge), in order. Where a piece of the template ends in
+def _within_budget(model, segs: list[Segment], owners: list[int | None],
+                   messages: Sequence[Message], marked: list[bool], budget: int,
+                   ratio: float | None) -> list[Segment]:
+    """``segs`` with the oldest eligible messages' segments merged, as few as fit ``budget``."""
+    candidates = [i for i in eligible_messages([m.role for m in messages], marked)
+                  if i in owners]
+
+    def merged(n: int) -> list[Segment]:
+        chosen = set(candidates[:n])
+        return [replace(s, compress=True, ratio=ratio) if o in chosen else s
+                for s, o in zip(segs, owners, strict=True)]
+
+    def positions(n: int) -> int:
+        return model.measure_prompts([tuple(merged(n))])[0].tokens_out
+
+    return merged(plan_history(positions, candidates, budget, model.k))
+
+
+def join_whitespace(model, layout: list[str | int], contents: list[list[tuple[str, bool]]]
+                    ) -> list[tuple[str, bool, int | None]]:
+    """The chat's pieces as (text, merge, the message it holds: None for template text), in
+    order. Where a piece of the template ends in
     whitespace the next content's first word takes in (Llama 2's "[INST] " + "Hello": the
     tokenizer reads "▁Hello", as ``apply_chat_template`` and vLLM give, not "▁", "Hello"), that
     whitespace moves to the start of the content, merged or not; the same at a content's end
     before template text. Only as much moves as the tokenizer reads with the next word (ChatML's
     "user\n" + "Hello" stays as it is), so the pieces read as the whole text reads. The
     boundaries between a message's own ``ktm.segments`` are the client's and stay."""
-    pieces: list[list] = []  # [text, merge, from the template]
+    pieces: list[list] = []  # [text, merge, from the template, message]
     for piece in layout:
         if isinstance(piece, int):
-            pieces += [[text, merge, False] for text, merge in contents[piece]]
+            pieces += [[text, merge, False, piece] for text, merge in contents[piece]]
         elif pieces and pieces[-1][2]:  # an empty content: the template's texts meet
             pieces[-1][0] += piece
         else:
-            pieces.append([piece, False, True])
+            pieces.append([piece, False, True, None])
     for a, b in zip(pieces, pieces[1:]):
         if a[2] or b[2]:
             moved = _joined_tail(model, a[0], b[0])
             a[0], b[0] = a[0][:len(a[0]) - len(moved)], moved + b[0]
-    return [(text, merge) for text, merge, _ in pieces if text]
+    return [(text, merge, owner) for text, merge, _, owner in pieces if text]
 
 
 def _joined_tail(model, text: str, after: str, probe: int = 32) -> str:

@@ -76,6 +76,9 @@ class KtmOptions(Strict):
     # server's --press. press_ratio: its share of the KV dropped (None: the server's)
     press: str | None = None
     press_ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
+    # a chat read within this many positions, its oldest unmarked messages merged to fit
+    # (ktm.serving.history); None: the server's --history-budget, 0: none
+    history_budget: int | None = Field(None, ge=0, strict=True)
 
 
 class MessageKtm(Strict):

@@ -2,7 +2,8 @@
 
 Two instances: merged embeddings of compressed segments (keyed by the segment's token ids, used
 by ``ktm.core.prefix.merge_segments``, held by the serving engine) and the KV of a prompt's
-leading context (keyed by its segments, held by ``ktm.decode.runtime.TorchRuntime``). Only the
+leading context (keyed by its segments, held by ``ktm.decode.runtime.TorchRuntime``, which also
+finds the entry sharing the most leading rows with a prompt). Only the
 engine thread touches them. A plain ``OrderedDict`` does LRU in a few lines;
 ``functools.lru_cache`` cannot bound bytes or be filled from outside.
 """
@@ -17,6 +18,8 @@ import torch
 
 
 def nbytes(value: Any) -> int:
+    if value is None:
+        return 0
     if isinstance(value, torch.Tensor):
         return value.nbytes
     if isinstance(value, (list, tuple)):
@@ -35,6 +38,10 @@ class LRUCache(MutableMapping):
         self._data.move_to_end(key)
         self.hits += 1
         return value
+
+    def peek(self, key: Hashable) -> Any:
+        """The value, leaving the order and the hit count as they are (a search's look)."""
+        return self._data[key][0]
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
         size = nbytes(value)

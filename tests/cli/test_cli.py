@@ -740,3 +740,37 @@ def test_press_flags_on_generate_and_eval(capsys, tiny_model_dir, tmp_path):
     code, _, err = run(capsys, "generate", "--model", tiny_model_dir, "--prompt", doc,
                        "--press", "knorm", "--backend", "vllm")
     assert code != 0 and "torch runtime only" in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_dir, tmp_path):
+    """--chat FILE.jsonl reads as ktm.chat_prompt (the server's reading); --history-budget as
+    its budget; bad files and flags are one-line errors."""
+    from helpers import TEXT, fresh_model
+
+    import ktm
+
+    messages = [{"role": "system", "content": "Be brief."}]
+    for t in range(4):
+        messages += [{"role": "user", "content": f"Part {t}: {TEXT}"},
+                     {"role": "assistant", "content": f"Noted {t}."}]
+    messages.append({"role": "user", "content": "Which part was first?"})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(m) for m in messages) + "\n\n")
+    model = fresh_model(tiny_model_dir, k=4, use_mlp=False)
+    plain = model.measure_prompts([ktm.chat_prompt(model, messages, merge=False)])[0].tokens_out
+    budget = plain * 3 // 4
+    code, out, err = run(capsys, "generate", "--model", tiny_model_dir, "--k", "4", "--no-mlp",
+                         "--chat", str(path), "--history-budget", str(budget),
+                         "--max-new-tokens", "6")
+    segs = ktm.chat_prompt(model, messages, history_budget=budget)
+    assert code == 0
+    assert out.strip() == model.generate(segs, max_new_tokens=6).strip()
+    shown = model.measure_prompts([segs])[0].tokens_out
+    assert f"-> {shown}," in err and shown <= budget < plain
+    path.write_text('{"role": "user", "content": "hi"}\nnot json\n')
+    for flags, said in ((["--chat", str(path)], "chat.jsonl:2: not JSON"),
+                        (["--chat", str(path), "--prompt", "x"], "one of them"),
+                        (["--prompt", "x", "--history-budget", "9"], "reads a chat"),
+                        ([], "one of them")):
+        code, _, err = run(capsys, "generate", "--model", tiny_model_dir, *flags)
+        assert code != 0 and said in err and len(err.strip().splitlines()) == 1

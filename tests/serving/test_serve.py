@@ -171,7 +171,7 @@ def test_sixteen_concurrent_requests_equal_one_by_one(server):
 
 
 def test_a_repeated_context_reuses_its_merged_kv(server, client):
-    doc = DOC * 3
+    doc = "A context no other test sends. " + DOC * 3  # no stored context shares its rows
     before = server.engine.kv.stats()["hits"]
     first = client.completions.create(model="tiny", prompt=None, max_tokens=8, temperature=0,
                                       extra_body=segs_body(doc, " First?"))

@@ -1,0 +1,149 @@
+"""A chat read within a budget of positions (``--history-budget``, ``ktm.chat_prompt``): under
+the budget every unmarked message is plain; past it the oldest are merged, whole, as few as fit,
+never the system messages or the newest user message; a longer chat merges a superset, and the
+server serves the merged history's KV again on the next turn; a chat that cannot fit is refused
+with its numbers."""
+
+import pytest
+import torch
+from helpers import TEXT, perturb
+from test_serve import openai_client, post
+
+import ktm
+from ktm.errors import KTMError
+from ktm.model import KTMModel
+from ktm.serving.app import BackgroundServer, create_app
+from ktm.serving.config import ServeConfig
+
+
+def chat(turns: int) -> list[dict]:
+    out = [{"role": "system", "content": "You answer in one word."}]
+    for t in range(turns):
+        out += [{"role": "user", "content": f"Part {t}: {TEXT}"},
+                {"role": "assistant", "content": f"Noted {t}, {TEXT[:30]}"}]
+    return out + [{"role": "user", "content": "Which part came first?"}]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    m = KTMModel.from_base(tiny_model_dir, k=4)
+    perturb(m)
+    return m
+
+
+def positions(model, segs) -> int:
+    return model.measure_prompts([segs])[0].tokens_out
+
+
+def merged_contents(segs) -> list[str]:
+    """The merged messages' contents (the template's space before a content moves into it)."""
+    return [s.text.strip() for s in segs if s.compress]
+
+
+def test_under_the_budget_every_unmarked_message_is_plain(model):
+    messages = chat(3)
+    plain = ktm.chat_prompt(model, messages, merge=False)
+    assert ktm.chat_prompt(model, messages, history_budget=positions(model, plain)) == plain
+    assert not any(s.compress for s in plain)
+    # without a budget every content is merged, as the server reads an unmarked chat
+    assert all(s.compress for s in ktm.chat_prompt(model, messages) if "Part" in s.text)
+
+
+def test_past_the_budget_the_oldest_merge_first_and_as_few_as_fit(model):
+    messages = chat(6)
+    full = positions(model, ktm.chat_prompt(model, messages, merge=False))
+    for budget in (full - 1, full * 3 // 4, full * 3 // 5):
+        segs = ktm.chat_prompt(model, messages, history_budget=budget)
+        merged = merged_contents(segs)
+        assert positions(model, segs) <= budget
+        contents = [m["content"] for m in messages[1:-1]]  # eligible: not system, not newest
+        assert merged == contents[:len(merged)]  # the oldest, in order, whole
+        # one message fewer merged would not fit: as few as fit
+        fewer = len(merged) - 1
+        with_fewer = [s if s.text.strip() not in merged[fewer:] else s.__class__(
+            s.text, False, s.ids) for s in segs]
+        assert positions(model, tuple(with_fewer)) > budget
+        assert messages[0]["content"] not in merged and messages[-1]["content"] not in merged
+
+
+def test_a_longer_chat_merges_what_the_shorter_one_did(model):
+    budget = 290  # chat(5) is 381 positions plain, chat(8) 288 with all it may merge merged
+    before = []
+    for turns in range(5, 9):
+        merged = merged_contents(ktm.chat_prompt(model, chat(turns), history_budget=budget))
+        assert merged[:len(before)] == before
+        before = merged
+    assert before  # the budget was passed: the check can fail
+
+
+def test_marked_messages_keep_their_marks(model):
+    messages = chat(5)
+    messages[1] = {**messages[1], "ktm": {"merge": False}}  # the oldest: the client keeps it
+    messages[-1] = {**messages[-1], "ktm": {"merge": True}}  # the newest: the client merges it
+    budget = positions(model, ktm.chat_prompt(model, messages, merge=False)) * 3 // 4
+    segs = ktm.chat_prompt(model, messages, history_budget=budget)
+    merged = merged_contents(segs)
+    assert messages[1]["content"] not in merged and messages[-1]["content"] in merged
+    assert messages[2]["content"] in merged
+
+
+def test_a_chat_that_cannot_fit_is_refused_with_its_numbers(model):
+    messages = chat(4)
+    old = [m["content"] for m in messages[1:-1]]  # all but the system and the newest
+    least = positions(model, tuple(s.__class__(s.text, s.text.strip() in old, s.ids)
+                                   for s in ktm.chat_prompt(model, messages, merge=False)))
+    with pytest.raises(KTMError, match=rf"needs {least} positions .* history budget of 10"):
+        ktm.chat_prompt(model, messages, history_budget=10)
+    with pytest.raises(KTMError, match="bad chat message at 0.role"):
+        ktm.chat_prompt(model, [{"role": "robot", "content": "hi"}])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, model):
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=50,
+                      log_level="warning", history_budget=10**6)
+    with BackgroundServer(create_app(model, cfg)) as srv:
+        srv.model = model
+        yield srv
+
+
+def ask(server, messages, **ktm_field) -> dict:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+    if ktm_field:
+        body["ktm"] = ktm_field
+    return post(server, body, "/v1/chat/completions")
+
+
+def test_the_server_reads_a_chat_within_its_budget(server):
+    messages = chat(5)
+    plain = ask(server, messages, merge=False)
+    under = ask(server, messages)  # the server's budget is far above this chat
+    assert under["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert under["usage"]["prompt_tokens_merged"] == under["usage"]["prompt_tokens"]
+    budget = plain["usage"]["prompt_tokens"] * 3 // 4
+    over = ask(server, messages, history_budget=budget)
+    assert over["usage"]["prompt_tokens_merged"] <= budget
+    want = server.model.generate(ktm.chat_prompt(server.model, messages,
+                                                 history_budget=budget), max_new_tokens=8)
+    assert over["choices"][0]["message"]["content"] == want
+    off = ask(server, messages, history_budget=0)  # the server's reading without a budget
+    assert off["usage"]["prompt_tokens_merged"] < over["usage"]["prompt_tokens_merged"]
+
+
+def test_the_next_turn_reads_the_merged_history_from_the_prefix_cache(server):
+    budget = 290
+    cached = []
+    for turns in (6, 7):  # turn 7 merges more than turn 6: its context is a new one
+        r = ask(server, chat(turns), history_budget=budget)
+        cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[1] > 0
+
+
+def test_a_chat_over_its_budget_gets_a_400_naming_the_numbers(server):
+    client = openai_client(server)
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="history budget of 12"):
+        client.chat.completions.create(model="tiny", messages=chat(3), max_tokens=4,
+                                       extra_body={"ktm": {"history_budget": 12}})
