@@ -137,17 +137,16 @@ class TorchRuntime:
             past = [(k[:, :, :n], v[:, :, :n]) for k, v in stored]
             rest = None if cp.positions is None else cp.positions[n:]
             parts.append(prefill_from_kv(self.model, past, cp.embeds[n:], rest))
+            if ctx[0] not in self.prefix_kv:  # started from another's rows: keep its own
+                self._keep_context(cp, ctx, parts[-1], 0)
             order.append(i)
             reused[i] = n
         if misses:
             batch = prefill(self.model, [prefixes[i] for i in misses])
             for j, i in enumerate(misses):
                 ctx = contexts[i]
-                if ctx is not None and self.prefix_kv.max_bytes and ctx[0] not in self.prefix_kv:
-                    cp = prefixes[i]
-                    pos = None if cp.positions is None else cp.positions[:ctx[1]].clone()
-                    self.prefix_kv[ctx[0]] = (row_kv(batch, j, ctx[1]),
-                                              cp.embeds[:ctx[1]].clone(), pos)
+                if ctx is not None and ctx[0] not in self.prefix_kv:
+                    self._keep_context(prefixes[i], ctx, batch, j)
             parts.append(batch)
             order += misses
         state = parts[0]
@@ -157,6 +156,15 @@ class TorchRuntime:
             keep_rows(state, [order.index(i) for i in range(len(order))])
         state.reused = reused
         return state
+
+    def _keep_context(self, cp, ctx, state: DecodeState, row: int) -> None:
+        """Keep the KV of ``cp``'s leading context (``ctx``: key, rows), read as ``row`` of
+        ``state``, with its embeddings and positions (what ``_reusable`` compares)."""
+        if not self.prefix_kv.max_bytes:
+            return
+        n = ctx[1]
+        pos = None if cp.positions is None else cp.positions[:n].clone()
+        self.prefix_kv[ctx[0]] = (row_kv(state, row, n), cp.embeds[:n].clone(), pos)
 
     def _reusable(self, cp, ctx) -> tuple[list | None, int]:
         """Stored KV the prefix ``cp`` can start from, and how many of its leading rows: its

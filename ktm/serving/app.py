@@ -241,7 +241,9 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                "press": request_press(model.runtime, ext)}
         # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
         # seed + i: n different answers, each reproducible alone
+        # a chat's next turn begins with this whole prompt but its generation prompt
         handle = Handle(engine, [{**job, "segments": segments,
+                                  "context": segments[:-1] if chat else None,
                                   "seed": None if body.seed is None else body.seed + i}
                                  for segments in prompts for i in range(body.n)])
         choices = len(handle.jobs)

@@ -69,6 +69,9 @@ class Job:
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token (0: the chosen one's only); None: off
     press: PressConfig | None = None  # the KV press its prompt is read with (None: none)
+    # the leading segments whose KV the server keeps for later prompts that begin with them
+    # (None: up to the last merged one, ``context_of``; a chat: all but its generation prompt)
+    context: tuple[Segment, ...] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
 
@@ -332,7 +335,7 @@ class Engine:
     def _context(self, job: Job) -> tuple[tuple, int] | None:
         """A prompt's leading context (up to its last merged segment) as the runtime may keep
         its KV: its key and merged row count; None when there is none or nothing is kept."""
-        context = context_of(job.segments)
+        context = context_of(job.segments) if job.context is None else job.context
         if not context or self.kv is None or not self.kv.max_bytes:
             return None
         n = self.model.encode_prompts([context], cache=self.merged)[0].tokens_out

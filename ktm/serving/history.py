@@ -14,9 +14,11 @@ The policy never merges the system and developer messages (the instructions ever
 the chat template's own text (role tokens) or the newest user message (what is being asked).
 Messages the client marked keep its marks and count toward the budget.
 
-The messages merged are always the oldest eligible ones, and a longer chat merges at least as
-many, so turn t's merged messages are the first of turn t+1's: whole messages merge, nothing
-straddles a turn, and the KV of a merged prefix read once stays valid for the turns after.
+The messages merged are always the oldest eligible ones, a block at a time (``block_ends``), and
+a longer chat merges at least as many, so turn t's merged messages are the first of turn t+1's:
+whole messages merge, nothing straddles a turn, and between the turns where a block is added
+each turn's prompt begins with the whole prompt before it, whose KV the server keeps
+(``ktm.serving.engine``): the time to first token stays that of reading one turn.
 A chat that cannot fit even with every eligible message merged is refused, naming the numbers.
 """
 
@@ -28,6 +30,12 @@ from ktm.serving.protocol import RequestError
 
 # roles whose messages the policy never merges: the instructions every turn reads
 KEPT_ROLES = ("system", "developer")
+# the merged set grows a block of messages at a time, a block closing once its messages hold
+# this share of the budget in tokens: between the turns where it grows (about every
+# BLOCK_SHARE * budget / (1.33 * a turn's tokens) turns at K=4), every turn's prompt starts
+# with the one before (whose KV is kept); it merges at most this share of the budget more
+# than needed
+BLOCK_SHARE = 0.5
 
 
 def eligible_messages(roles: Sequence[str], marked: Sequence[bool]) -> list[int]:
@@ -38,29 +46,48 @@ def eligible_messages(roles: Sequence[str], marked: Sequence[bool]) -> list[int]
             if not mark and role not in KEPT_ROLES and i != newest_user]
 
 
-def plan_history(positions: Callable[[int], int], candidates: Sequence[int], budget: int,
+def block_ends(sizes: Sequence[int], budget: int) -> list[int]:
+    """Where the merge blocks of messages of ``sizes`` tokens (oldest first) end (counts of
+    messages): a block closes once it holds ``BLOCK_SHARE`` of ``budget`` in tokens; the last
+    may be short. Each end depends only on the messages before it, so a longer chat keeps
+    every end a shorter one had."""
+    step = max(1, int(budget * BLOCK_SHARE))
+    ends, held = [], 0
+    for i, n in enumerate(sizes, 1):
+        held += n
+        if held >= step:
+            ends.append(i)
+            held = 0
+    if sizes and (not ends or ends[-1] != len(sizes)):
+        ends.append(len(sizes))
+    return ends
+
+
+def plan_history(positions: Callable[[int], int], sizes: Sequence[int], budget: int,
                  k: int) -> int:
-    """How many of ``candidates`` (oldest first) to merge: the fewest that bring the chat within
-    ``budget`` positions, ``positions(n)`` being the chat's positions with the first n merged
-    (never more for a larger n). Raises ``RequestError`` when even all of them leave it over."""
+    """How many of the older messages (oldest first, of ``sizes`` tokens) to merge: the fewest
+    whole blocks (``block_ends``) that bring the chat within ``budget`` positions,
+    ``positions(n)`` being the chat's positions with the first n merged (never more for a
+    larger n). Raises ``RequestError`` when even all of them leave it over."""
     if budget < 1:
         raise RequestError(f"history budget must be at least 1 position, got {budget}",
                            param="ktm.history_budget")
     if positions(0) <= budget:
         return 0
-    least = positions(len(candidates))
+    least = positions(len(sizes))
     if least > budget:
         raise RequestError(
-            f"this chat needs {least} positions even with its {len(candidates)} older "
+            f"this chat needs {least} positions even with its {len(sizes)} older "
             f"message(s) merged at K={k} ({positions(0)} read plain), over its history budget "
             f"of {budget}: expected a budget of at least {least}, or a shorter chat (the system "
             "messages and the newest user message are always read plain)",
             param="ktm.history_budget")
-    lo, hi = 1, len(candidates)  # positions(hi) fits, positions(lo - 1) does not
+    ends = block_ends(sizes, budget)
+    lo, hi = 0, len(ends) - 1  # positions(ends[hi]) fits
     while lo < hi:
         mid = (lo + hi) // 2
-        if positions(mid) <= budget:
+        if positions(ends[mid]) <= budget:
             hi = mid
         else:
             lo = mid + 1
-    return lo
+    return ends[lo]

@@ -207,6 +207,7 @@ def _within_budget(model, segs: list[Segment], owners: list[int | None],
     """``segs`` with the oldest eligible messages' segments merged, as few as fit ``budget``."""
     candidates = [i for i in eligible_messages([m.role for m in messages], marked)
                   if i in owners]
+    sizes = [sum(len(s.ids) for s, o in zip(segs, owners) if o == i) for i in candidates]
 
     def merged(n: int) -> list[Segment]:
         chosen = set(candidates[:n])
@@ -216,7 +217,7 @@ def _within_budget(model, segs: list[Segment], owners: list[int | None],
     def positions(n: int) -> int:
         return model.measure_prompts([tuple(merged(n))])[0].tokens_out
 
-    return merged(plan_history(positions, candidates, budget, model.k))
+    return merged(plan_history(positions, sizes, budget, model.k))
 
 
 def join_whitespace(model, layout: list[str | int], contents: list[list[tuple[str, bool]]]

@@ -14,6 +14,7 @@ from ktm.errors import KTMError
 from ktm.model import KTMModel
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
+from ktm.serving.history import block_ends
 
 
 def chat(turns: int) -> list[dict]:
@@ -59,8 +60,11 @@ def test_past_the_budget_the_oldest_merge_first_and_as_few_as_fit(model):
         assert positions(model, segs) <= budget
         contents = [m["content"] for m in messages[1:-1]]  # eligible: not system, not newest
         assert merged == contents[:len(merged)]  # the oldest, in order, whole
-        # one message fewer merged would not fit: as few as fit
-        fewer = len(merged) - 1
+        # whole blocks (the last may be short), and a block fewer would not fit: as few as fit
+        sizes = [len(model.tokenize(" " + c)) for c in contents]
+        ends = block_ends(sizes, budget)
+        assert len(merged) in ends
+        fewer = ([0] + ends)[ends.index(len(merged))]
         with_fewer = [s if s.text.strip() not in merged[fewer:] else s.__class__(
             s.text, False, s.ids) for s in segs]
         assert positions(model, tuple(with_fewer)) > budget
@@ -131,13 +135,32 @@ def test_the_server_reads_a_chat_within_its_budget(server):
     assert off["usage"]["prompt_tokens_merged"] < over["usage"]["prompt_tokens_merged"]
 
 
-def test_the_next_turn_reads_the_merged_history_from_the_prefix_cache(server):
-    budget = 290
-    cached = []
-    for turns in (6, 7):  # turn 7 merges more than turn 6: its context is a new one
-        r = ask(server, chat(turns), history_budget=budget)
+def growing(turns: int) -> list[dict]:
+    """The chat a client sends at turn ``turns``: the one before, its answer and a new part
+    (its own system message: no other test's chat shares its rows)."""
+    msgs = chat(turns)
+    return [{"role": "system", "content": "You answer growing chats."}, *msgs[1:-3], msgs[-3]]
+
+
+def test_the_next_turn_reads_the_chat_before_it_from_the_prefix_cache(server):
+    """A turn that merges no new block starts from the whole turn before it; one that does,
+    from the merged history they share."""
+    budget = 400
+    merged, cached, rows = [], [], []
+    for turns in (5, 6, 7, 8, 9):
+        messages = growing(turns)
+        r = ask(server, messages, history_budget=budget)
+        merged.append(merged_contents(ktm.chat_prompt(server.model, messages,
+                                                      history_budget=budget)))
         cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
-    assert cached[1] > 0
+        rows.append(r["usage"]["prompt_tokens_merged"])
+    same = [i for i in range(1, 5) if merged[i] == merged[i - 1]]
+    grew = [i for i in range(1, 5) if merged[i] != merged[i - 1]]
+    assert same and grew  # both kinds of turn happen: the checks can fail
+    for i in same:  # all of the turn before but its generation prompt
+        assert rows[i - 1] - 10 < cached[i] < rows[i - 1]
+    for i in grew:
+        assert 0 < cached[i] < rows[i - 1] - 10
 
 
 def test_a_chat_over_its_budget_gets_a_400_naming_the_numbers(server):

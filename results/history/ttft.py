@@ -1,0 +1,92 @@
+"""A long chat turn by turn against ``ktm serve --history-budget``: time to first token, the
+positions read and the rows the prefix cache served, per turn, with the prefix cache on and off.
+
+One in-process server per setting (the reader, the torch runtime, one thread); an unchanged
+OpenAI client sends a growing chat: a system message, then per turn a user message holding a
+held-out stdlib file (``--filler-tokens``) and the assistant's streamed answer
+(``--answer-tokens``, greedy), ``--turns`` turns. Every turn's request is the whole chat so far,
+as chat clients send it. Rows (one per setting and turn) go to ``--out`` with the configuration,
+versions and revision.
+
+    python results/history/ttft.py --out results/history/ttft.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import openai
+import torch
+
+from ktm.evaluation.readability import heldout_sets, read_spec
+from ktm.model import KTMModel
+from ktm.serving.app import BackgroundServer, create_app
+from ktm.serving.config import ServeConfig
+from ktm.util.fileio import write_json_atomic
+from ktm.util.provenance import git_revision, versions
+
+SYSTEM = "You are a helpful coding assistant."
+
+
+def run_chat(model, cfg: ServeConfig, files: list[str], answer_tokens: int) -> list[dict]:
+    rows = []
+    with BackgroundServer(create_app(model, cfg)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=600)
+        msgs = [{"role": "system", "content": SYSTEM}]
+        for turn, text in enumerate(files, 1):
+            msgs.append({"role": "user", "content": "Here is a file:\n" + text})
+            t0 = time.perf_counter()
+            ttft, parts, usage = None, [], None
+            for chunk in client.chat.completions.create(
+                    model=cfg.served_name, messages=msgs, max_tokens=answer_tokens,
+                    temperature=0, stream=True, stream_options={"include_usage": True}):
+                if chunk.choices:  # the first comes when the first token is chosen
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    parts.append(chunk.choices[0].delta.content or "")
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            msgs.append({"role": "assistant", "content": "".join(parts) or "OK."})
+            extra = usage.model_extra or {}
+            rows.append({"turn": turn, "ttft_s": ttft, "e2e_s": time.perf_counter() - t0,
+                         "prompt_tokens": usage.prompt_tokens,
+                         "positions": extra.get("prompt_tokens_merged"),
+                         "cached_rows": usage.prompt_tokens_details.cached_tokens})
+            print(cfg.prefix_cache_mb, rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reader", default="smollm2-135m-k4-seq")
+    ap.add_argument("--turns", type=int, default=16)
+    ap.add_argument("--filler-tokens", type=int, default=128)
+    ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument("--history-budget", type=int, default=768)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = KTMModel.load(args.reader).requires_grad_(False).eval()
+    files = [model.tokenizer.decode(w.context) for w in heldout_sets(
+        model.tokenizer, ["stdlib"], args.turns, args.seed,
+        spec=read_spec(args.filler_tokens))["stdlib"]]
+    rows = []
+    for cache_mb in (512.0, 0.0):
+        cfg = ServeConfig(model=args.reader, served_name="chat", log_level="warning",
+                          history_budget=args.history_budget, prefix_cache_mb=cache_mb,
+                          max_tokens_limit=args.answer_tokens, batch_window_ms=0)
+        for row in run_chat(model, cfg, files, args.answer_tokens):
+            rows.append({"prefix_cache_mb": cache_mb, **row})
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    write_json_atomic(args.out, [{**row, "config": config, "command": " ".join(sys.argv),
+                                  "versions": versions(), "git": git_revision()}
+                                 for row in rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
