@@ -40,3 +40,13 @@ def git_revision(package_dir: Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return rev + ("-dirty" if dirty else "")
+
+
+def stamped(rows: list[dict], config: dict) -> list[dict]:
+    """Result rows with what made them: ``config``, the command line, the package versions and
+    the git revision (a results script's rows, as every result file carries them)."""
+    import sys
+
+    made = {"config": config, "command": " ".join(sys.argv), "versions": versions(),
+            "git": git_revision()}
+    return [{**row, **made} for row in rows]

@@ -44,7 +44,7 @@ from ktm.decode.press import kept_positions
 from ktm.evaluation.readability import context_ratio, heldout_sets, read_spec, recall_question
 from ktm.model import KTMModel
 from ktm.util.fileio import write_json_atomic
-from ktm.util.provenance import git_revision, versions
+from ktm.util.provenance import stamped
 
 SYSTEM = "You are a helpful coding assistant."
 OPEN = "Here is a file:\n"
@@ -181,10 +181,8 @@ def main() -> int:
         rows.append(row)
         print(r, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
               flush=True)
-    config = {k: v for k, v in vars(args).items() if k != "out"}
-    write_json_atomic(args.out, [{**row, "config": config, "command": " ".join(sys.argv),
-                                  "versions": versions(), "git": git_revision()}
-                                 for row in rows])
+    write_json_atomic(args.out, stamped(rows, {k: v for k, v in vars(args).items()
+                                               if k != "out"}))
     return 0
 
 

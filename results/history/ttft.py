@@ -25,7 +25,7 @@ from ktm.model import KTMModel
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
 from ktm.util.fileio import write_json_atomic
-from ktm.util.provenance import git_revision, versions
+from ktm.util.provenance import stamped
 
 SYSTEM = "You are a helpful coding assistant."
 
@@ -81,10 +81,8 @@ def main() -> int:
                           max_tokens_limit=args.answer_tokens, batch_window_ms=0)
         for row in run_chat(model, cfg, files, args.answer_tokens):
             rows.append({"prefix_cache_mb": cache_mb, **row})
-    config = {k: v for k, v in vars(args).items() if k != "out"}
-    write_json_atomic(args.out, [{**row, "config": config, "command": " ".join(sys.argv),
-                                  "versions": versions(), "git": git_revision()}
-                                 for row in rows])
+    write_json_atomic(args.out, stamped(rows, {k: v for k, v in vars(args).items()
+                                               if k != "out"}))
     return 0
 
 
