@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -36,7 +35,8 @@ from ktm.core.batch import CompressedPrompt, LossOutput, pack
 from ktm.core.config import DEFAULT_MODEL, KTMConfig, LoraSettings
 from ktm.core.encoder import EncoderConfig, KTokenEncoder, level_encoder
 from ktm.core.input_lookup import input_lookup
-from ktm.core.lora import adapted_modules, lora_config, peft_wrapping, resolve_targets
+from ktm.core.levels import merges
+from ktm.core.lora import lora_config, peft_wrapping, resolve_targets
 from ktm.core.lora_fold import FoldedLM
 from ktm.core.loss import check_fits, ids_tensor, loss
 from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
@@ -341,7 +341,6 @@ class KTMModel(nn.Module):
         self.pad_id = valid_pad(tokenizer.pad_token_id, self._embed.weight.shape[0])
         self.max_positions: int | None = getattr(lm.config, "max_position_embeddings", None)
         self._line_breaks: LineBreaks | None = None  # read from the tokenizer on first use
-        self._base_identity: dict | None = None  # hashed from the tokenizer on first use
         # a baseline checkpoint's compressor.json ({"name", "options"}; None: plain), and the
         # method ktm.compressors.apply.apply_compressor set this model up for
         self.compressor_record: dict | None = None
@@ -391,36 +390,6 @@ class KTMModel(nn.Module):
         """Tokens merged per block by the encoder in use."""
         return self.encoder.k
 
-    def encoder_at(self, k: int) -> nn.Module:
-        """The encoder that merges ``k`` tokens: the model's own, or an inner level of a
-        recursive one (``inner_k``), which is a whole encoder of that K."""
-        levels = self.config.levels  # the config follows the encoder in use
-        if k not in levels:
-            raise KTMError(f"K={k} is not one of this model's merge levels: expected one of "
-                           f"{sorted(levels)} (a recursive encoder, inner_k > 1, also merges at "
-                           "its inner K)")
-        return level_encoder(self.encoder, k)
-
-    @contextmanager
-    def merging_at(self, k: int) -> Iterator[KTMModel]:
-        """Merge ``k`` tokens per block inside the block (``encoder_at``); the LoRA is shared,
-        so one reader learns several K at once (``ktm pretrain --k-mix``)."""
-        level = self.encoder_at(k)
-        if level is self.encoder:
-            yield self
-            return
-        outer = self.encoder
-        self.encoder = level  # nn.Module re-registers it; the outer encoder comes back below
-        try:
-            yield self
-        finally:
-            self.encoder = outer
-
-    @property
-    def merges(self) -> bool:
-        """False for K=1 with nothing learnable: merging is the identity and is skipped."""
-        return not self.encoder.config.is_identity
-
     @property
     def device(self) -> torch.device:
         return self._embed.weight.device
@@ -433,25 +402,6 @@ class KTMModel(nn.Module):
     @property
     def lm_config(self):
         return self.peft.get_base_model().config
-
-    @property
-    def config_dict(self) -> dict:
-        """What the checkpoint's config file holds: the KTMConfig, sizes, LoRA'd modules."""
-        return {
-            "config": self.config.to_dict(),
-            "hidden_size": self.lm_config.hidden_size,
-            "vocab_size": self._embed.weight.shape[0],
-            "model_type": self.lm_config.model_type,
-            "lora_modules": adapted_modules(self.peft),
-            "base_identity": self.base_identity,
-        }
-
-    @property
-    def base_identity(self) -> dict:
-        """The base model's sizes and tokenizer vocabulary (``ktm.core.base_identity``)."""
-        if self._base_identity is None:
-            self._base_identity = base_identity(self.lm_config, self.tokenizer)
-        return self._base_identity
 
     # ---------------------------------------------------------------- prompts
     def tokenize(self, text: str, first: bool = False) -> list[int]:
@@ -480,23 +430,22 @@ class KTMModel(nn.Module):
         generation, the benchmark and the server share; ``cache`` reuses merged segments.
         """
         return self._prompt_encoder().encode([as_segments(p) for p in prompts],
-                                             merge and self.merges, cache)
+                                             merge and merges(self), cache)
 
     def measure_prompts(self, prompts: Sequence[PromptLike], merge: bool = True
                         ) -> list[CompressedPrompt]:
         """What ``encode_prompts`` gives, from tokenizing alone (``PromptEncoder.measure``):
         counts and positions, no embeddings; enough to check that prompts fit."""
         return self._prompt_encoder().measure([as_segments(p) for p in prompts],
-                                              merge and self.merges)
+                                              merge and merges(self))
 
     def _prompt_encoder(self) -> PromptEncoder:
         return PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
                              self._config.plain_prefix, self._config.spread_positions,
-                             self._config.plain_suffix, self.line_breaks,
+                             self._config.plain_suffix, self._breaks(),
                              self._config.allocator, self.scorer, self._config.ratio)
 
-    @property
-    def line_breaks(self) -> LineBreaks | None:
+    def _breaks(self) -> LineBreaks | None:
         """The tokenizer's line-break tokens if this model merges line by line (``align_lines``)."""
         if not self._config.align_lines:
             return None

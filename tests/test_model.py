@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from ktm import KTMError, Segment
 from ktm.core.loss import target_ids
+from ktm.core.prefix import line_break_ids
 from ktm.model import KTMModel
 
 
@@ -316,7 +317,7 @@ def test_align_lines_merges_each_line_on_its_own(tiny_model_dir):
     text = "Tree: AB\n+CD\n++EF"
     ids = model.tokenize(text, True)
     breaks = [i for i, t in enumerate(ids) if "\n" in model.tokenizer.decode([t])]
-    assert len(breaks) == 2 and model.line_breaks.ids == frozenset(
+    assert len(breaks) == 2 and line_break_ids(model.tokenizer).ids == frozenset(
         t for t in range(len(model.tokenizer)) if {"\n", "\r"} & set(model.tokenizer.decode([t])))
     # the lines after the plain first token: cut after each line break, merged one by one
     lines = [ids[1:breaks[0] + 1], ids[breaks[0] + 1:breaks[1] + 1], ids[breaks[1] + 1:]]
@@ -397,7 +398,6 @@ def test_a_checkpoint_reads_with_aligned_lines(tiny_model_dir, tmp_path):
     as_saved = KTMModel.load(tmp_path / "ck")
     read = KTMModel.load(tmp_path / "ck", align_lines=True)
     assert (as_saved.config.align_lines, read.config.align_lines) == (False, True)
-    assert as_saved.line_breaks is None
     assert as_saved.compress(prompt).tokens_out < read.compress(prompt).tokens_out
 
 

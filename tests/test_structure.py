@@ -197,3 +197,12 @@ def test_ruff_finds_nothing():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "ktm", "tests", "results"],
                          capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_model_class_keeps_to_what_a_user_calls():
+    """KTMModel's own public members stay few (25 at most): the rest of what the layers need
+    lives in their modules (``ktm.core.levels``, ``ktm.core.checkpoint.model_record``)."""
+    from ktm.model import KTMModel
+
+    own = [n for n in vars(KTMModel) if not n.startswith("_")]
+    assert len(own) <= 25, own

@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass, field
 
 from ktm.cli.args import TaskArgs, build_task, from_args, load_or_build, plain, task_settings
+from ktm.core.checkpoint import model_record
+from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import check_scoring
 from ktm.tasks.corpus import HELDOUT, is_heldout
@@ -89,7 +91,7 @@ def run_eval(args: argparse.Namespace) -> int:
             replace_encoder=not args.checkpoint, compress_train=False)
         if natural and comp.rewrites_prompts:
             natural, _ = compress_examples(comp, natural)
-    merge = args.merge and model.merges
+    merge = args.merge and merges(model)
     score = {}
     if task.kind == "classification":
         # calibration prompts come from the training side (a seed of their own), never the test
@@ -116,7 +118,7 @@ def run_eval(args: argparse.Namespace) -> int:
         result["natural_accuracy"] = nat["accuracy"]
         result["natural_balanced_accuracy"] = nat["balanced_accuracy"]
     method = args.method or method_name or (f"ktm-k{model.k}" if merge else "uncompressed")
-    config = {"model": model.config_dict, "task": task_settings(task),
+    config = {"model": model_record(model), "task": task_settings(task),
               "eval": {"n_eval": targs.n_eval, "seed": args.seed, "merge": merge,
                        "device": str(model.device), "scoring": args.scoring,
                        "backend": backend_record(model),
@@ -171,9 +173,9 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     sets = heldout_readability(model, args.readability, args.n_windows, seed=args.seed,
                                progress=True, context_tokens=args.context_tokens,
                                merge=args.merge)
-    method = args.method or name or (f"ktm-k{model.k}" if model.merges and args.merge
+    method = args.method or name or (f"ktm-k{model.k}" if merges(model) and args.merge
                                      else "uncompressed")
-    config = {"model": model.config_dict,
+    config = {"model": model_record(model),
               "readability": {"sets": list(args.readability), "n_windows": args.n_windows,
                               "context_tokens": args.context_tokens, "merge": args.merge,
                               "seed": args.seed, "device": str(model.device),

@@ -26,10 +26,10 @@ from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ktm.core.base_identity import check_same_base
+from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.config import KTMConfig
 from ktm.core.encoder import EncoderConfig, KTokenEncoder
-from ktm.core.lora import peft_wrapping
+from ktm.core.lora import adapted_modules, peft_wrapping
 from ktm.errors import KTMError
 from ktm.util.fileio import (
     WriteError,
@@ -56,6 +56,20 @@ FILE_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, Typ
 
 
 # ---------------------------------------------------------------- writing
+def model_record(model) -> dict:
+    """What a checkpoint's config file holds of ``model`` (also what result rows record): its
+    KTMConfig, sizes, LoRA'd modules and its base model's identity (``ktm.core.base_identity``)."""
+    lm_config = model.lm_config
+    return {
+        "config": model.config.to_dict(),
+        "hidden_size": lm_config.hidden_size,
+        "vocab_size": model.input_embedding.weight.shape[0],
+        "model_type": lm_config.model_type,
+        "lora_modules": adapted_modules(model.peft),
+        "base_identity": base_identity(lm_config, model.tokenizer),
+    }
+
+
 def write_model_files(model, directory: Path) -> None:
     """Write the model's checkpoint files into an existing folder (not atomic by itself)."""
     state = {k: v.detach().float().contiguous().cpu()
@@ -66,7 +80,7 @@ def write_model_files(model, directory: Path) -> None:
         model.scorer.table.save(directory / SURPRISAL)
     record_base_by_name(directory / ADAPTER / "adapter_config.json", model.config.base_model)
     write_json_atomic(directory / CONFIG, {"format": "ktm", "format_version": FORMAT_VERSION,
-                                           **model.config_dict, "versions": versions()})
+                                           **model_record(model), "versions": versions()})
 
 
 def save_atomic(directory: str | Path, write: Callable[[Path], None]) -> None:
@@ -168,7 +182,7 @@ def adapter_targets(directory: str | Path) -> tuple[str, ...] | None:
 
 
 def check_sizes(model, directory: str | Path, saved: dict) -> None:
-    mine = model.config_dict
+    mine = model_record(model)
     for key in ("hidden_size", "vocab_size"):
         if saved.get(key) != mine[key]:
             # most often the model was built on another base (--init-adapter without --model
@@ -178,7 +192,8 @@ def check_sizes(model, directory: str | Path, saved: dict) -> None:
                            f"model {theirs!r}), but the model has {key}={mine[key]} (base model "
                            f"{model.config.base_model!r}): expected the checkpoint's base model "
                            "(--model)")
-    check_same_base(directory, saved, model.config.base_model, lambda: model.base_identity)
+    check_same_base(directory, saved, model.config.base_model,
+                    lambda: base_identity(model.lm_config, model.tokenizer))
 
 
 def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, object, object]]:
@@ -262,7 +277,7 @@ def load_adapter_into(model, directory: str | Path) -> None:
                        f"model?): {str(e).splitlines()[0]}") from e
     if result.unexpected_keys:
         # same sizes, other module names: most often another model family (gpt2 vs opt)
-        kind, mine = saved.get("model_type"), model.config_dict["model_type"]
+        kind, mine = saved.get("model_type"), model_record(model)["model_type"]
         why = (f"it was trained on a {kind!r} model, this one is {mine!r}" if kind and kind != mine
                else "it was trained with other LoRA settings")
         raise KTMError(f"LoRA adapter {str(path)!r} has unexpected weights "

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from ktm.core.checkpoint import check_exportable as exportable
+from ktm.core.checkpoint import model_record
+from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.llamacpp.fold import fold_adapter
 from ktm.llamacpp.gguf_files import gguf_arch, gguf_module, read_adapter, write_adapter, write_base
@@ -118,8 +120,8 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
         check = embedding_check(model, tmp / MODEL_GGUF, None)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, **_layout(model.config),
-        "merges": model.merges, "encoder": model.encoder.config.to_dict(),
-        "model": model.config_dict["config"], "base_model": model.config.base_model,
+        "merges": merges(model), "encoder": model.encoder.config.to_dict(),
+        "model": model_record(model)["config"], "base_model": model.config.base_model,
         "architecture": arch,
         "base_gguf": {"file": BASE_GGUF if written else str(base),
                       "written": written, "sha256": sha256_files([base], names=False)},
@@ -127,7 +129,7 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
                          "sha256": sha256_files([tmp / ADAPTER_GGUF], names=False)},
         "model_gguf": folded,
         "sha256": {"encoder": sha256_files([tmp / "encoder.safetensors"], names=False),
-                   "tokenizer": model.base_identity["tokenizer"]["sha256"]},
+                   "tokenizer": model_record(model)["base_identity"]["tokenizer"]["sha256"]},
         "embedding_check": check,
         "versions": versions(), "git": git_revision(),
     }
@@ -241,7 +243,7 @@ def export_key(model) -> str:
     the cache folder ``KTMModel.load(..., backend="llamacpp")`` exports into once."""
     fold = GGUFOptions()  # the backend's cached export is a default one
     h = hashlib.sha256(json.dumps([FORMAT_VERSION, fold.fold_lora, fold.fold_type,
-                                   model.config_dict], sort_keys=True, default=str).encode())
+                                   model_record(model)], sort_keys=True, default=str).encode())
     for _, p in sorted(list(model.encoder.state_dict().items())
                        + [(n, p) for n, p in model.peft.named_parameters() if "lora_" in n]):
         h.update(p.detach().float().cpu().numpy().tobytes())

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.serving.config import ServeConfig
 from ktm.serving.engine import Engine, Event, Job
@@ -179,7 +180,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
 
     def model_card() -> dict:
         return {"id": cfg.served_name, "object": "model", "created": started, "owned_by": "ktm",
-                "root": cfg.model, "k": model.k, "merges": model.merges,
+                "root": cfg.model, "k": model.k, "merges": merges(model),
                 "base_model": model.config.base_model, "max_model_len": engine.context}
 
     @app.get("/health")

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ktm.core.checkpoint import model_record
 from ktm.errors import KTMError
 from ktm.evaluation.evaluate import evaluate_classification
 from ktm.tasks.tree import PASS_ACCURACY, TreeTask
@@ -66,7 +67,7 @@ def _rounds(model, cfg: CurriculumConfig, train_cfg: TrainConfig, prompt_mode: s
     rows: list[dict] = []
     # what made the rows, in each row of the file (as every result row of ktm has)
     made_by = {"config": {"curriculum": asdict(cfg), "train": asdict(train_cfg),
-                          "model": model.config_dict, "prompt_mode": prompt_mode},
+                          "model": model_record(model), "prompt_mode": prompt_mode},
                "versions": versions(), "git": git_revision()}
     for stage in stages:
         task = TreeTask(stage=stage, prompt_mode=prompt_mode)

@@ -44,6 +44,7 @@ from torch import nn
 from ktm.core.allocate import max_ratio, quiet_ratio
 from ktm.core.batch import LossOutput
 from ktm.core.config import ALLOCATORS, check_ratio
+from ktm.core.levels import encoder_at, merges, merging_at
 from ktm.core.loss import check_fits, target_ids, target_logits
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
@@ -313,7 +314,7 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
         n_target = (spec.ae_tokens + (model.eos_id is not None) if obj == "ae"
                     else spec.target_tokens)
         try:
-            with model.merging_at(k):
+            with merging_at(model, k):
                 for merge in ((True, False) if obj in ("distill", "align") or plain_too
                               else (True,)):
                     check_fits(model, model.encode_prompts([segments], merge), [n_target],
@@ -430,7 +431,7 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
         sub = [batch[i] for i in idx]
         deep = kind == "distill" and distill_hidden > 0
         # a short window read at a ratio its units cannot split to: that is the window's ratio
-        with model.merging_at(k), allocating(model, signal), quiet_ratio():
+        with merging_at(model, k), allocating(model, signal), quiet_ratio():
             prefixes = model.encode_prompts([e.segments for e in sub])
             if pressed:
                 from ktm.decode.press import pressed_targets
@@ -476,11 +477,11 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     if not (isinstance(config, PretrainConfig) and isinstance(train_config, TrainConfig)):
         raise KTMError(f"pretrain takes (model, PretrainConfig, TrainConfig), got "
                        f"({type(config).__name__}, {type(train_config).__name__})")
-    if not model.merges:
+    if not merges(model):
         raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
                        "to learn to read")
     for k in config.k_weights:
-        model.encoder_at(k)  # a clear error before any text is read
+        encoder_at(model, k)  # a clear error before any text is read
     if config.eval_sets:  # so is a model too short for R, which runs before the last save
         from ktm.evaluation.readability import check_read_positions
 
@@ -515,7 +516,7 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
         def evaluate(m) -> dict:
             r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)
             for k in sorted(set(config.k_weights) - {m.k}):  # the mix's other levels: "code@k2"
-                with m.merging_at(k):
+                with merging_at(m, k):
                     at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
                                              _cache=cache)
                 r.update({f"{name}@k{k}": v for name, v in at.items()})

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ktm.core.batch import LossOutput
+from ktm.core.checkpoint import model_record
 from ktm.core.loss import target_logits
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
@@ -48,7 +49,7 @@ def kl_per_token(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
 
 def check_teacher(student, teacher) -> None:
     """The KL compares distributions over one vocabulary, token for token."""
-    sv, tv = (m.config_dict["vocab_size"] for m in (student, teacher))
+    sv, tv = (model_record(m)["vocab_size"] for m in (student, teacher))
     if sv != tv:
         raise KTMError(f"teacher vocabulary has {tv} tokens, the student's {sv}: expected a "
                        "teacher on the same base model (or one with the same tokenizer)")

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
+from ktm.core.checkpoint import model_record
 from ktm.core.loss import target_ids
 from ktm.errors import KTMError
 from ktm.tasks.base import Example, check_examples
@@ -292,7 +293,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     order = range(len(examples)) if getattr(examples, "is_stream", False) else _Order(
         len(examples), config.seed)
     if main:
-        record_start(out, {"config": asdict(config), "model": model.config_dict,
+        record_start(out, {"config": asdict(config), "model": model_record(model),
                            "versions": versions(), "git": git_revision(), **data,
                            "processes": world.size, **(run_extra or {})}, step)
     metrics_file = (out / METRICS).open("a") if main else None

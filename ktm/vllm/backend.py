@@ -12,6 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from ktm.core.checkpoint import model_record
 from ktm.errors import KTMError
 from ktm.util.fileio import written_once
 from ktm.vllm.export import FORMAT_VERSION, MANIFEST, export_vllm, read_manifest
@@ -22,7 +23,7 @@ from ktm.vllm.runtime import VLLMConfig, VLLMEngine, VLLMRuntime, VLLMServer
 def export_key(model) -> str:
     """A fingerprint of what a vLLM export of ``model`` holds: its LoRA, encoder, layout, dtype
     and base (the cache folder it is exported into once)."""
-    h = hashlib.sha256(json.dumps([FORMAT_VERSION, model.config_dict, str(model.dtype)],
+    h = hashlib.sha256(json.dumps([FORMAT_VERSION, model_record(model), str(model.dtype)],
                                   sort_keys=True, default=str).encode())
     for _, p in sorted(list(model.encoder.state_dict().items())
                        + [(n, p) for n, p in model.peft.named_parameters() if "lora_" in n]):

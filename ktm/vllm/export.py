@@ -27,7 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ktm.core.checkpoint import check_exportable, save_atomic
+from ktm.core.checkpoint import check_exportable, model_record, save_atomic
+from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.util.fileio import check_apart, read_json_object, sha256_files, write_json_atomic
 from ktm.util.provenance import git_revision, versions
@@ -114,10 +115,10 @@ def _write(model, tmp: Path) -> None:
     lm_sha, enc_sha = sha256_files(lm_files(lm_dir)), sha256_files([tmp / ENCODER])
     context_lm = _write_context_lm(model, tmp) if model.config.context_layers else None
     fingerprint = hashlib.sha256((lm_sha + enc_sha).encode()).hexdigest()
-    cfg = model.config_dict
+    cfg = model_record(model)
     write_json_atomic(tmp / MANIFEST, {
         "format": "ktm-vllm", "format_version": FORMAT_VERSION, "k": model.k,
-        "encoder": model.encoder.config.to_dict(), "merges": model.merges,
+        "encoder": model.encoder.config.to_dict(), "merges": merges(model),
         "plain_prefix": model.config.plain_prefix, "plain_suffix": model.config.plain_suffix,
         "align_lines": model.config.align_lines,
         "model": cfg["config"],

@@ -23,6 +23,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ktm.core.checkpoint import model_record
+from ktm.core.levels import merging_at
 from ktm.evaluation.readability import BOOTSTRAP, heldout_readability
 from ktm.model import KTMModel
 from ktm.util.fileio import write_json_atomic
@@ -79,7 +81,7 @@ def main() -> int:
     for what, how in tqdm(todo, desc="readings"):
         t0 = time.process_time()
         if how[0] == "k":
-            with model.merging_at(how[1]):
+            with merging_at(model, how[1]):
                 sets = heldout_readability(model, args.sets, args.n, _cache=cache,
                                            plain_cache=plain)
         else:
@@ -93,7 +95,7 @@ def main() -> int:
                      "sets": {name: {k: v for k, v in r.items()} for name, r in sets.items()},
                      "cpu_s": time.process_time() - t0, "n_windows": args.n,
                      "ci_bootstrap": BOOTSTRAP, "surprisal_from": args.surprisal_from or None,
-                     "command": " ".join(sys.argv), "model": model.config_dict,
+                     "command": " ".join(sys.argv), "model": model_record(model),
                      "versions": versions(), "git": git_revision()})
         write_json_atomic(args.out, rows)  # what is done so far, at every reading
         print(what, {n: (round(r["R"] or 0, 3), round(r["R_recall"] or 0, 3),

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ktm.core.checkpoint import model_record
 from ktm.decode.press import PressConfig
 from ktm.evaluation.readability import BOOTSTRAP, heldout_readability
 from ktm.model import KTMModel
@@ -93,7 +94,7 @@ def main() -> int:
             rows.append({**what, "context_tokens": ctx, "sets": sets,
                          "cpu_s": time.process_time() - t0, "n_windows": args.n,
                          "ci_bootstrap": BOOTSTRAP, "reference": args.base,
-                         "model_config": model.config_dict, "command": " ".join(sys.argv),
+                         "model_config": model_record(model), "command": " ".join(sys.argv),
                          "versions": versions(), "git": git_revision()})
             write_json_atomic(args.out, rows)
             print(ctx, what["kind"], name, what["press"], what["ratio"],

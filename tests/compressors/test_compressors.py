@@ -21,6 +21,7 @@ from ktm.compressors.apply import (
 from ktm.compressors.base import compress_examples, count_tokens
 from ktm.compressors.ltsc import LTSC, add_meta_tokens, meta_rows, mine
 from ktm.compressors.selective_context import SelectiveContext
+from ktm.core.checkpoint import model_record
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 from ktm.model import KTMModel
@@ -289,7 +290,7 @@ def test_ltsc_meta_tokens_are_mean_initialised_and_trainable(tiny_model_dir):
     ids = add_meta_tokens(model, [[0, 1, 2], [1]])
     torch.testing.assert_close(model.input_embedding(torch.tensor(ids)),
                                torch.stack([vocab_rows.mean(0), vocab_rows[1]]))
-    assert model.config_dict["vocab_size"] == len(model.tokenizer)  # LM head untouched
+    assert model_record(model)["vocab_size"] == len(model.tokenizer)  # LM head untouched
     names = [n for n, _ in model.trainable_parameters()]
     assert "input_extension.meta" in names
     prompt = [Segment("x", ids=(ids[0], 5)), Segment(CUE, compress=False)]

@@ -19,6 +19,7 @@ from ktm.core.allocate import (
     spend,
     spread_order,
 )
+from ktm.core.levels import encoder_at, merging_at
 from ktm.core.loss import target_logits
 from ktm.decode.generate import advance, generate_ids, prefill
 from ktm.errors import KTMError
@@ -102,7 +103,8 @@ def test_segment_levels_read_each_unit_at_its_own_level(reader):
             if level == 1:
                 parts.append(reader.input_embedding(torch.tensor(unit)))
             else:
-                parts.append(reader.encoder_at(level)(reader.input_embedding(torch.tensor([unit])))[0][0])
+                unit_embeds = reader.input_embedding(torch.tensor([unit]))
+                parts.append(encoder_at(reader, level)(unit_embeds)[0][0])
         torch.testing.assert_close(mixed.embeds, torch.cat(parts), atol=1e-6, rtol=1e-5)
     assert mixed.tokens_out == sum(positions(len(ids[u * 8:(u + 1) * 8]), lv)
                                    for u, lv in enumerate(levels))
@@ -174,11 +176,11 @@ def test_a_nested_reader_saves_loads_and_reads_at_each_level(reader, tmp_path):
     assert again.config.inner_k == (4, 2)
     with torch.no_grad():
         for k in (8, 4, 2):
-            with reader.merging_at(k), again.merging_at(k):
+            with merging_at(reader, k), merging_at(again, k):
                 assert torch.equal(reader.compress(TEXT).embeds, again.compress(TEXT).embeds)
         at4 = KTMModel.load(tmp_path / "ck", k=4)
         assert at4.config.levels == (4, 2)
-        with reader.merging_at(4):
+        with merging_at(reader, 4):
             assert torch.equal(at4.compress(TEXT).embeds, reader.compress(TEXT).embeds)
 
 

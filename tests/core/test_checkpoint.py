@@ -9,7 +9,7 @@ import torch
 from helpers import TEXT, perturb
 
 from ktm import KTMError
-from ktm.core.checkpoint import load_weights_into
+from ktm.core.checkpoint import load_weights_into, model_record
 from ktm.model import KTMModel
 
 
@@ -265,7 +265,7 @@ def test_a_base_model_of_the_same_sizes_with_another_tokenizer_is_refused(
 
     model, path = saved
     other = KTMModel.from_base(tiny_bos_model_dir, k=4)
-    assert other.config_dict["vocab_size"] == model.config_dict["vocab_size"]
+    assert model_record(other)["vocab_size"] == model_record(model)["vocab_size"]
     with pytest.raises(KTMError, match=rf"checkpoint '{path}' was trained on base model "
                                        rf"'{model.config.base_model}', but base model "
                                        rf"'{other.config.base_model}' is another model of the "

@@ -10,6 +10,7 @@ import transformers as T
 from helpers import FAMILIES, build_tokenizer, save_tiny, tiny_config
 
 from ktm import KTMError
+from ktm.core.checkpoint import model_record
 from ktm.core.config import LoraSettings
 from ktm.core.loss import target_logits
 from ktm.decode.generate import generate_ids
@@ -36,7 +37,7 @@ def perturb_lora(model: KTMModel) -> None:
 def test_lora_covers_every_attention_and_mlp_projection(family):
     name, path, _, _ = family
     model = KTMModel.from_base(path, k=1)
-    assert model.config_dict["lora_modules"] == FAMILIES[name][2]
+    assert model_record(model)["lora_modules"] == FAMILIES[name][2]
     assert sorted(model.config.lora.target_modules) == sorted(FAMILIES[name][2])
 
 
@@ -122,7 +123,7 @@ def test_checkpoint_records_the_adapted_modules(tmp_path):
     model = KTMModel.from_base(base, k=2, tokenizer=tok)
     model.save(tmp_path / "ck")
     loaded = KTMModel.load(tmp_path / "ck")
-    assert loaded.config_dict["lora_modules"] == FAMILIES["phi3"][2]
+    assert model_record(loaded)["lora_modules"] == FAMILIES["phi3"][2]
     assert sorted(loaded.config.lora.target_modules) == sorted(FAMILIES["phi3"][2])
 
 

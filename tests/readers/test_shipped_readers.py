@@ -6,6 +6,7 @@ Slow: they run on the real embedded model.
 import pytest
 import torch
 
+from ktm.core.levels import merges
 from ktm.core.prompt import Segment
 from ktm.evaluation.readability import readability
 from ktm.model import KTMModel
@@ -40,7 +41,7 @@ def test_shipped_reader_loads_by_name_and_round_trips(name, k, tmp_path):
     info = reader_info(name)
     assert info["command"].startswith("ktm pretrain") and info["cpu_minutes"] > 0
     model = KTMModel.load(name)
-    assert model.k == k and model.merges
+    assert model.k == k and merges(model)
     prompt = [Segment(CODE), Segment("\n# Question: what does load_settings return?\n",
                                      compress=False)]
     want = model.prompt_logits(prompt)

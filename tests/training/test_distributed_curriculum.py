@@ -86,7 +86,9 @@ def test_a_curriculum_resume_leaves_rank_0_to_remove_a_restarted_rounds_metrics(
     from ktm.training.curriculum import CurriculumConfig, run_curriculum
 
     class Model:
-        device, config_dict = torch.device("cpu"), {}
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(curriculum, "model_record", lambda model: {})
 
     seen = []
     monkeypatch.setattr(distributed, "setup", lambda device: World(1, 2))
@@ -111,7 +113,9 @@ def test_a_curriculum_resume_continues_a_round_from_the_copy_a_crashed_swap_left
     from ktm.training.curriculum import CurriculumConfig, run_curriculum
 
     class Model:
-        device, config_dict = torch.device("cpu"), {}
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(curriculum, "model_record", lambda model: {})
 
     resumed = []
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -195,7 +199,9 @@ def test_curriculum_jsonl_is_written_by_rank_0_alone(rank, tmp_path, monkeypatch
     from ktm.training.curriculum import CurriculumConfig, run_curriculum
 
     class Model:  # what run_curriculum reads of a model; train and eval are faked below
-        device, config_dict = torch.device("cpu"), {}
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(curriculum, "model_record", lambda model: {})
 
     monkeypatch.setattr(distributed, "setup", lambda device: World(rank, 2))
     monkeypatch.setattr(distributed, "sum_numbers", lambda values, world, device: [0.0])

@@ -9,6 +9,7 @@ from helpers import fresh_model
 
 from ktm import KTMError
 from ktm.core.checkpoint import model_config
+from ktm.core.levels import merging_at
 from ktm.core.prompt import Segment
 from ktm.training.growth import changed, grow
 
@@ -59,7 +60,7 @@ def test_an_outer_level_reads_the_saved_levels_as_before(tiny_model_dir, tmp_pat
     grown.eval()
     with torch.no_grad():
         for k in (4, 2):
-            with grown.merging_at(k), reader.merging_at(k):
+            with merging_at(grown, k), merging_at(reader, k):
                 torch.testing.assert_close(grown.compress(TEXT).embeds,
                                            reader.compress(TEXT).embeds)
 

@@ -5,6 +5,7 @@ import torch
 
 from ktm import KTMError
 from ktm.cli.main import main
+from ktm.core.levels import encoder_at, merging_at
 from ktm.model import KTMModel
 from ktm.tasks.base import Example
 from ktm.training.config import TrainConfig
@@ -56,7 +57,7 @@ def test_a_recursive_checkpoint_loads_at_its_inner_k(tiny_model_dir, recursive, 
     want = k2_copy(tiny_model_dir, recursive)
     with torch.no_grad():
         got, ref = inner.prompt_logits(PROMPT), want.prompt_logits(PROMPT)
-        with recursive.merging_at(2):
+        with merging_at(recursive, 2):
             via_context = recursive.prompt_logits(PROMPT)
         k4 = recursive.prompt_logits(PROMPT)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -84,7 +85,7 @@ def test_other_ks_are_refused_clearly(tiny_model_dir, recursive, tmp_path, corpu
         recursive.config.at_level(3)
     flat = KTMModel.from_base(tiny_model_dir, k=4)
     with pytest.raises(KTMError, match=r"expected one of \[4\]"):
-        flat.encoder_at(2)
+        encoder_at(flat, 2)
     with pytest.raises(KTMError, match="'two' in the K mix is not an integer"):
         cfg(corpus, k_mix=("two",))
     with pytest.raises(KTMError, match="no K with a positive weight"):

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from ktm import KTMError
 from ktm.cli.main import main
+from ktm.core.levels import merging_at
 from ktm.core.loss import target_logits
 from ktm.core.prompt import Segment
 from ktm.model import KTMModel
@@ -780,7 +781,7 @@ def test_init_with_an_outer_level_reads_as_the_reader_at_its_own_levels(tiny_mod
     text = "The quick brown fox jumps over the lazy dog. Hello world, my name is"
     with torch.no_grad():
         for k in (4, 2):
-            with grown.merging_at(k), reader.merging_at(k):
+            with merging_at(grown, k), merging_at(reader, k):
                 torch.testing.assert_close(grown.compress(text).embeds,
                                            reader.compress(text).embeds)
         four = reader.compress(text).embeds

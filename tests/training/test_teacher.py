@@ -79,7 +79,9 @@ def test_config_and_vocabulary_errors(tiny_model_dir, monkeypatch):
             TeacherConfig(teacher="x", teacher_weight=w)
     student, teacher = model(tiny_model_dir, 2, 0), model(tiny_model_dir, 1, 0)
     check_teacher(student, teacher)
-    monkeypatch.setattr(KTMModel, "config_dict", property(lambda m: {"vocab_size": id(m)}))
+    import ktm.training.teacher as teaching
+
+    monkeypatch.setattr(teaching, "model_record", lambda m: {"vocab_size": id(m)})
     with pytest.raises(KTMError, match="teacher vocabulary has .* tokens, the student's"):
         check_teacher(student, teacher)
 
