@@ -274,13 +274,16 @@ def default_len(lm_config: dict, config: VLLMConfig) -> int:
 
 
 class VLLMEngine(VLLMRuntime):
-    """A vLLM engine in this process: ``vllm.LLM``'s engine, stepped here. The CPU build spawns
-    its engine and worker processes, so a script that makes one needs an ``if __name__ ==
-    "__main__":`` guard."""
+    """A vLLM engine in this process: ``vllm.LLM``'s engine, stepped here, its engine core in
+    this process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless the environment says
+    otherwise): ktm steps the engine itself, and a core in a spawned process would re-run a
+    script that has no ``if __name__ == "__main__":`` guard, which vLLM reports only as "Engine
+    core initialization failed"."""
 
     def __init__(self, export_dir, config: VLLMConfig, eos_ids, pad_id: int):
         super().__init__(export_dir, config, eos_ids, pad_id)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU build warns per start
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.config.kv_cache_gb:g}"
         import vllm
         from vllm.sampling_params import RequestOutputKind
