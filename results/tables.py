@@ -130,9 +130,9 @@ def press_task_rows() -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for path in sorted(PRESS_TASKS.glob("*/*.json")):
         row = json.loads(path.read_text())
-        row["press"] = row["config"]["eval"]["backend"]["press"]
-        row["file"] = path
-        out.setdefault(path.parent.name, []).append(row)
+        row["press"] = row["config"]["eval"]["backend"].get("press")
+        if row["press"] is not None:  # uncompressed.json: the pressed checkpoint read plain
+            out.setdefault(path.parent.name, []).append(row)
     return out
 
 
@@ -226,6 +226,9 @@ def press_tasks() -> str:
         found = {r["method"]: r for r in by_task.get(task, [])}
         metric = "perplexity" if "perplexity" in pressed[0] else "balanced acc."
         out += [f"### {task}", "", f"| reading | KV kept | {metric} |", "|---|---|---|"]
+        own = PRESS_TASKS / folder / "uncompressed.json"  # the checkpoint pressed, read plain
+        if own.exists():
+            found["uncompressed"] = json.loads(own.read_text())
         for m in ("uncompressed", "k2", "k4"):
             if m in found:
                 r = found[m]
