@@ -51,6 +51,8 @@ PRESS_TASK_NAMES = {"tree": "tree small", "amazon": "amazon", "commitpack": "com
 PRESS_SPEED = RESULTS / "presses" / "speed.json"
 # the headline's press rows: the press ratio, at the KV share of the ktm row it stands beside
 PRESS_HEADLINE = {0.5: "k2", 0.75: "k4"}
+# long chats at a bounded number of positions (results/history/chat_bench.py, ttft.py)
+HISTORY = RESULTS / "history"
 # the shipped readers and the pretraining run each was packed from (results/readers/)
 SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e",
                    "smollm2-135m-k2-seq": "k2s", "smollm2-135m-k4-seq": "k4s2"}
@@ -506,8 +508,44 @@ def demo() -> str:
     return "\n".join(lines)
 
 
+def history() -> str:
+    """What each way of bounding a chat keeps of its first turn (``chat.json``), and the time
+    to first token per turn with the history policy, prefix cache on and off (``ttft.json``)."""
+    rows = json.loads((HISTORY / "chat.json").read_text())
+    cfg = rows[0]["config"]
+    out = [f"{rows[0]['chats']} chats of {cfg['turns']} user turns (turn 1: a held-out code file "
+           f"of {cfg['doc_tokens']} tokens; then stdlib files of {cfg['filler_tokens']}), read "
+           f"within {cfg['budget_share']:.0%} of the full chat's positions or the fewest the "
+           f"policy reaches at the reader's K; reader `{cfg['reader']}`; revision "
+           f"{rows[0]['git'][:7]}.", "",
+           "| reading | positions read | KV kept | recall R (turn 1) | continuation R (turn 1) "
+           "| CPU s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['reading']} | {r['positions']:.0f} | {r['kv_kept']:.0%} | "
+                   f"{r['R_recall']:.2f} | {r['R_continuation']:.2f} | {r['cpu_s']:.0f} |")
+    path = HISTORY / "ttft.json"
+    if path.exists():
+        turns = json.loads(path.read_text())
+        cfg = turns[0]["config"]
+        out += ["", f"One chat turn by turn against `ktm serve --history-budget "
+                    f"{cfg['history_budget']}` ({cfg['turns']} turns, stdlib files of "
+                    f"{cfg['filler_tokens']} tokens, {cfg['answer_tokens']}-token answers; "
+                    f"revision {turns[0]['git'][:7]}): time to first token, positions read and "
+                    "rows the prefix cache served.", "",
+                "| turn | prompt tokens | positions | TTFT s, cache on | rows served | "
+                "TTFT s, cache off |", "|---|---|---|---|---|---|"]
+        on = [t for t in turns if t["prefix_cache_mb"] > 0]
+        off = {t["turn"]: t for t in turns if t["prefix_cache_mb"] == 0}
+        for t in on:
+            o = off.get(t["turn"])
+            out.append(f"| {t['turn']} | {t['prompt_tokens']} | {t['positions']} | "
+                       f"{t['ttft_s']:.2f} | {t['cached_rows']} | "
+                       f"{'–' if o is None else format(o['ttft_s'], '.2f')} |")
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
-                                        "press_tasks": press_tasks,
+                                        "press_tasks": press_tasks, "history": history,
                                         "readers": readers, "bench": bench, "demo": demo,
                                         "llamacpp": llamacpp, "llamacpp_r": llamacpp_r,
                                         "context": context, "serve_llamacpp": serve_llamacpp,

@@ -170,3 +170,38 @@ def test_a_chat_over_its_budget_gets_a_400_naming_the_numbers(server):
     with pytest.raises(openai.BadRequestError, match="history budget of 12"):
         client.chat.completions.create(model="tiny", messages=chat(3), max_tokens=4,
                                        extra_body={"ktm": {"history_budget": 12}})
+
+
+def test_chats_under_load_answer_as_one_by_one(server):
+    """Chats within and over their budgets, sent together with a dropped stream and a bad
+    request among them, answer as each alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai_client(server)
+    asks = [(growing(t), budget) for t in (3, 4, 6, 7) for budget in (350, 10**6)]
+
+    def one(i):
+        messages, budget = asks[i]
+        return ask(server, messages, history_budget=budget)["choices"][0]["message"]
+
+    alone = [one(i) for i in range(len(asks))]
+
+    def dropped():
+        stream = client.chat.completions.create(model="tiny", messages=chat(6), max_tokens=64,
+                                                stream=True, temperature=0)
+        next(iter(stream))
+        stream.close()
+
+    def bad():
+        import openai
+
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="tiny", messages=chat(3), max_tokens=4,
+                                           extra_body={"ktm": {"history_budget": 12}})
+
+    with ThreadPoolExecutor(10) as pool:
+        extra = [pool.submit(dropped), pool.submit(bad)]
+        together = list(pool.map(one, range(len(asks))))
+        for f in extra:
+            f.result()
+    assert together == alone
