@@ -20,7 +20,8 @@ OTHER_TOOLS = {"--cpu", "--enable-prompt-embeds", "--machine_rank", "--main_proc
                "--main_process_port", "--master_addr", "--master_port", "--multi_gpu",
                "--nnodes", "--no-deps", "--node_rank", "--nproc_per_node", "--num_machines",
                "--num_processes", "--served-model-name", "--standalone",
-               "--tensor-parallel-size", "--pipeline-parallel-size", "--runtimes"}
+               "--tensor-parallel-size", "--pipeline-parallel-size", "--runtimes",
+               "--turns"}  # results/history/chat_bench.py and ttft.py
 
 
 def shown_commands(text: str = README) -> list[str]:
