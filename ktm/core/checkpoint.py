@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +56,17 @@ READABLE_FORMATS = (1, 2)
 FILE_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError, KeyError, TypeError)
 
 
+# the base identity of each model, hashed once (its tokenizer's vocabulary: about 0.1 s)
+_IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def base_identity_of(model) -> dict:
+    """``model``'s base model identity (``ktm.core.base_identity``), hashed on first use."""
+    if model not in _IDENTITIES:
+        _IDENTITIES[model] = base_identity(model.lm_config, model.tokenizer)
+    return _IDENTITIES[model]
+
+
 # ---------------------------------------------------------------- writing
 def model_record(model) -> dict:
     """What a checkpoint's config file holds of ``model`` (also what result rows record): its
@@ -66,7 +78,7 @@ def model_record(model) -> dict:
         "vocab_size": model.input_embedding.weight.shape[0],
         "model_type": lm_config.model_type,
         "lora_modules": adapted_modules(model.peft),
-        "base_identity": base_identity(lm_config, model.tokenizer),
+        "base_identity": base_identity_of(model),
     }
 
 
@@ -192,8 +204,7 @@ def check_sizes(model, directory: str | Path, saved: dict) -> None:
                            f"model {theirs!r}), but the model has {key}={mine[key]} (base model "
                            f"{model.config.base_model!r}): expected the checkpoint's base model "
                            "(--model)")
-    check_same_base(directory, saved, model.config.base_model,
-                    lambda: base_identity(model.lm_config, model.tokenizer))
+    check_same_base(directory, saved, model.config.base_model, lambda: base_identity_of(model))
 
 
 def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, object, object]]:

@@ -69,7 +69,8 @@ def shared_rows(cp, embeds: torch.Tensor, positions: torch.Tensor | None) -> int
     """Leading rows the prefix ``cp`` shares with a stored one (``embeds`` (L, D) at
     ``positions``, None: 0 .. L-1): equal embeddings at equal positions."""
     n = min(cp.tokens_out, embeds.shape[0])
-    if n == 0 or embeds.dtype != cp.embeds.dtype or embeds.device != cp.embeds.device:
+    if (n == 0 or embeds.dtype != cp.embeds.dtype or embeds.device != cp.embeds.device
+            or not torch.equal(cp.embeds[0], embeds[0])):  # most stored contexts: one row read
         return 0
     same = (cp.embeds[:n] == embeds[:n]).all(-1)
     if positions is not None or cp.positions is not None:

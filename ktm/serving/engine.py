@@ -338,7 +338,7 @@ class Engine:
         context = context_of(job.segments) if job.context is None else job.context
         if not context or self.kv is None or not self.kv.max_bytes:
             return None
-        n = self.model.encode_prompts([context], cache=self.merged)[0].tokens_out
+        n = self.model.measure_prompts([context])[0].tokens_out  # counts: no encoder run
         return tuple((s.ids, s.compress) for s in context), n
 
     def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:
