@@ -152,14 +152,20 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def timed_rows(r: dict, speed: list[dict]) -> tuple[list[dict], dict | None]:
+    """The bench rows at a reading's context length and K, and the one timing it as it is (the
+    same press; None: not timed)."""
+    k = 1 if r["kind"] == "press" else r["model_config"]["config"]["k"]
+    press = None if r["kind"] == "reader" else f"{r['press']}={r['ratio']:g}"
+    rows = [b for b in speed if b["input_tokens"] == r["context_tokens"]
+            and (b["k"] if b["method"] != "uncompressed" else 1) == k]
+    return rows, next((b for b in rows if b.get("press") == press), None)
+
+
 def prefill_share(r: dict, speed: list[dict]) -> float | None:
     """A reading's prefill as a share of plain's in the same bench run, at its context length
     (None: the bench did not time it as it is)."""
-    k = 1 if r["kind"] == "press" else r["model_config"]["config"]["k"]
-    press = None if r["kind"] == "reader" else f"{r['press']}={r['ratio']:g}"
-    same = next((b for b in speed if b["input_tokens"] == r["context_tokens"]
-                 and (b["k"] if b["method"] != "uncompressed" else 1) == k
-                 and b.get("press") == press), None)
+    _, same = timed_rows(r, speed)
     return None if same is None else 1 / same["speedup_prefill"]
 
 
@@ -167,11 +173,7 @@ def prefill_of(r: dict, speed: list[dict]) -> tuple[float, bool] | None:
     """A reading's prefill seconds at its context length from the bench rows (the same press
     and K; a press the bench did not time: plain's, which it reads whole), and whether it was
     timed as it is."""
-    k = 1 if r["kind"] == "press" else r["model_config"]["config"]["k"]
-    press = None if r["kind"] == "reader" else f"{r['press']}={r['ratio']:g}"
-    rows = [b for b in speed if b["input_tokens"] == r["context_tokens"]
-            and (b["k"] if b["method"] != "uncompressed" else 1) == k]
-    same = next((b for b in rows if b.get("press") == press), None)
+    rows, same = timed_rows(r, speed)
     if same is not None:
         return same["prefill_s"], True
     unpressed = next((b for b in rows if b.get("press") is None), None)
