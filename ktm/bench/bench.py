@@ -21,7 +21,8 @@ import gc
 import math
 import statistics
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from ktm.bench.measure import (
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL, check_ratio
 from ktm.core.encoder import KTokenEncoder
+from ktm.decode.compiled import check_mode as check_compile
 from ktm.decode.press import PressConfig, pressed_as
 from ktm.errors import KTMError
 from ktm.model import BACKENDS
@@ -87,6 +89,10 @@ class BenchConfig:
         "help": "infer, torch: also read with these KV presses (NAME=RATIO, names as ktm "
                 "generate --press), each on the uncompressed prompt and stacked on each K; "
                 "their prefill and KV bytes as pressed"})
+    compile: tuple[str, ...] = field(default=("auto",), metadata={
+        "help": "infer, torch: the decode step compiled (on), eager (off) or where measured to "
+                "pay (auto, ktm.decode.compiled); several (off on) time each method both ways, "
+                "interleaved, with the graphs compiled in each row"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     plain_gguf: str | None = field(default=None, metadata={
@@ -158,6 +164,13 @@ class BenchConfig:
         if self.presses and (self.mode != "infer" or "torch" not in self.backends):
             raise KTMError("--presses is an option of --mode infer on the torch backend (a "
                            "press runs on the torch runtime only)")
+        self.compile = tuple(dict.fromkeys(self.compile))
+        for mode in self.compile:
+            check_compile(mode)
+        if not self.compile:
+            raise KTMError("compile is empty: expected at least one of auto, off, on")
+        if self.compile != ("auto",) and self.mode != "infer":
+            raise KTMError("--compile is an option of --mode infer (the decode step)")
         check_at_least(self, 1, "output_tokens", "target_tokens", "repeats")
         check_at_least(self, 0, "warmup", "threads")
         parse_dtype(self.dtype)
@@ -186,12 +199,14 @@ class Method:
     backend: str = "torch"
     ratio: float | None = None  # read at a ratio by the model's own levels (adaptive merging)
     press: str | None = None  # a KV press, NAME=RATIO (torch)
+    compile: str = "auto"  # the torch runtime's decode step (ktm.decode.compiled)
 
     @property
     def key(self) -> str:
         key = ("uncompressed" if self.name == "uncompressed" else f"ratio={self.ratio:g}"
                if self.ratio is not None else f"K={self.k},r={self.mlp_ratio}")
         key += f"+{self.press}" if self.press else ""
+        key += f"+compile={self.compile}" if self.compile != "auto" else ""
         return key if self.backend == "torch" else f"{key}@{self.backend}"
 
     @property
@@ -280,6 +295,10 @@ def methods_of(config: BenchConfig, top_k: int = 1) -> list[Method]:
     for spec in config.presses:  # the torch runtime's
         out += [Method("uncompressed", press=spec)]
         out += [Method("ktm", k, r, press=spec) for k in config.ks for r in config.mlp_ratios]
+    if config.compile != ("auto",):  # each torch method once per decode step
+        out = [replace(m, compile=c) if m.backend == "torch" else m
+               for m in out for c in config.compile
+               if m.backend == "torch" or c == config.compile[0]]
     return out
 
 
@@ -392,7 +411,8 @@ def memory_pass(run, methods: list[Method], stats: dict) -> None:
 
 
 def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[str],
-            targets: list[str], runtimes: dict):
+            targets: list[str], runtimes: dict, compiles: Counter):
+    """``compiles``: graphs the torch runtime's decode step compiled, counted per method."""
     ids = [model.tokenize(p, first=True) for p in prompts]  # tokenization stays untimed
 
     def run(m: Method) -> dict:
@@ -401,8 +421,13 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
         model.runtime = runtimes[m.backend, m.name]
         merge = m.name != "uncompressed"
         if config.mode == "infer":
+            if m.backend == "torch":
+                model.runtime.compile = m.compile
+            before = getattr(model.runtime, "compiles", 0)
             with pressed_as(model.runtime, press_of(m.press)):
-                return infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
+                res = infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
+            compiles[m.key] += getattr(model.runtime, "compiles", 0) - before
+            return res
         return train_once(model, opts[m.key], prompts, targets, merge, ratio=m.ratio)
 
     return run
@@ -450,7 +475,8 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                 prompts = [synthetic_text(model, length, s, pool) for s in seeds]
                 targets = [synthetic_text(model, config.target_tokens, s + 1, pool, first=False)
                            for s in seeds]
-                run = _runner(model, config, encs, opts, prompts, targets, runtimes)
+                compiles = Counter()
+                run = _runner(model, config, encs, opts, prompts, targets, runtimes, compiles)
                 runs = interleave(run, methods, config.warmup, config.repeats, bar.update)
                 stats = {}
                 for b in config.backends:  # speed-ups against the same runtime, uncompressed
@@ -472,6 +498,9 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                         **({"output_tokens": config.output_tokens} if config.mode == "infer"
                            else {"target_tokens": config.target_tokens + 1}),
                         "ratio": m.ratio, "press": m.press,
+                        # graphs compiled for this point, its untimed passes included
+                        **({"compile": m.compile, "compiles": compiles[m.key]}
+                           if m.backend == "torch" and config.mode == "infer" else {}),
                         # the model's own allocator lays out a ratio row (its config's)
                         "allocator": model.config.allocator if m.ratio is not None else None,
                         "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None

@@ -276,6 +276,11 @@ def load_or_build(args: argparse.Namespace):
     model = _saved(args, checkpoint, trainable=False) if checkpoint else _fresh(args)
     if getattr(args, "press", None):  # refused by name below on a backend without presses
         model.use_press(args.press, args.press_ratio)
+    if getattr(args, "compile", "auto") != "auto":
+        if getattr(args, "backend", "torch") != "torch":
+            raise KTMError(f"--compile {args.compile} is an option of the torch backend, not "
+                           f"--backend {args.backend} (llama.cpp and vLLM run their own graphs)")
+        model.runtime.compile = args.compile
     if getattr(args, "backend", "torch") != "torch":
         from ktm.readers import resolve_checkpoint
 
@@ -320,6 +325,11 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
                              "in this process")
     parser.add_argument("--vllm-kv-cache-gb", type=float, default=v.kv_cache_gb, metavar="GB",
                         help=f"--backend vllm: its CPU KV cache (default: {v.kv_cache_gb:g})")
+    parser.add_argument("--compile", choices=("auto", "off", "on"), default="auto",
+                        help="--backend torch: decode steps on a static KV cache, compiled "
+                             "(torch.compile; CUDA graphs on CUDA): on, off, or auto, where "
+                             "measured to pay (so far nowhere: docs/runtime.md) (default: "
+                             "'auto')")
     press_args(parser)
 
 

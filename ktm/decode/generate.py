@@ -191,6 +191,9 @@ class DecodeState:
     # (N, 4) [row, layer, head, position] of cached keys a head-wise KV press hid from
     # attention (``ktm.decode.press.hidden_keys``: kept in the cache, never attended); None: none
     hidden: torch.Tensor | None = None
+    # (B, C) the mask of a batch moved onto a static cache of C positions
+    # (``ktm.decode.compiled``): its steps run compiled; None: eager
+    static_mask: torch.Tensor | None = None
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from ktm.core.loss import target_logits
+from ktm.decode import compiled
 from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
 from ktm.decode.generate import DecodeState, advance, eval_mode, prefill
 from ktm.decode.press import PressConfig, pressed_row, pressed_targets
@@ -92,11 +93,41 @@ class TorchRuntime:
     context = None
     rereads = True  # use_cache=False re-reads the whole sequence each step (the test reference)
 
-    def __init__(self, model, press: PressConfig | None = None):
+    def __init__(self, model, press: PressConfig | None = None, compile: str = "auto"):
         self.model = model
         self.prefix_kv = LRUCache(0)
         # a KV press (``ktm.decode.press``) every prefill and score applies; None: none
         self.press = press
+        self.compile = compile
+        self._step: compiled.CompiledStep | None = None
+
+    @property
+    def compile(self) -> str:
+        """Whether decoding steps run compiled (``ktm.decode.compiled``): "on", "off" or
+        "auto" (where measured to pay). Batches rows join and leave (the server's) and batches
+        decoded without a cache stay eager."""
+        return self._compile
+
+    @compile.setter
+    def compile(self, mode: str) -> None:
+        self._compile = compiled.check_mode(mode)
+
+    @property
+    def compiles(self) -> int:
+        """Graphs the compiled decode step has compiled (0: it never ran)."""
+        return 0 if self._step is None else self._step.compiles
+
+    def _go_static(self, state: DecodeState, sampling) -> None:
+        """Move a prefilled batch onto the compiled step's static cache where ``compile``
+        says so: "on" always (a batch it cannot take is refused by name), "auto" where it
+        pays and the batch allows."""
+        if not sampling or not compiled.resolve(self._compile, self.model.device):
+            return
+        if self._compile == "auto" and compiled.refusal(state) is not None:
+            return
+        if self._step is None:
+            self._step = compiled.CompiledStep(self.model.lm_config, self.model.device)
+        self._step.start(state, max(cfg.max_new_tokens for cfg in sampling))
 
     @property
     def joinable(self) -> bool:
@@ -120,12 +151,19 @@ class TorchRuntime:
         leave (the server's): plain cache layers, and rows whose leading context
         (``contexts[i]``: its key and merged row count, or None) is cached read only the rest."""
         if self.press is not None:
-            return self._pressed(prefixes, sampling)
+            state = self._pressed(prefixes, sampling)
+            if not joinable:
+                self._go_static(state, sampling)
+            return state
         if not joinable:
             use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
-            room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling else 0
+            static = use_cache and compiled.resolve(self._compile, self.model.device)
+            # a batch that goes static is copied once: no room kept for it here
+            room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling and not static else 0
             state = prefill(self.model, prefixes, use_cache, room=room)
             state.reused = [0] * len(prefixes)
+            if use_cache:
+                self._go_static(state, sampling)
             return state
         contexts = contexts or [None] * len(prefixes)
         parts, order, reused, misses = [], [], [0] * len(prefixes), []
@@ -201,7 +239,14 @@ class TorchRuntime:
         return state
 
     def advance(self, state: DecodeState, tokens: torch.Tensor) -> None:
-        advance(self.model, state, tokens)
+        if state.static_mask is None:
+            advance(self.model, state, tokens)
+            return
+        state.pos = state.pos[:, -1:] + 1
+        lm = state.via if state.via is not None else self.model.peft
+        with torch.no_grad(), eval_mode(self.model):
+            step = self.model.input_embedding(tokens)[:, None]
+            state.logits = self._step.step(lm, state, step, state.pos)
 
     def join(self, a: DecodeState, b: DecodeState) -> DecodeState:
         out = join(a, b)
@@ -236,7 +281,10 @@ class TorchRuntime:
                    if t is not None)
 
     def record(self) -> dict:
-        return {} if self.press is None else {"press": self.press.to_dict()}
+        rec = {} if self.press is None else {"press": self.press.to_dict()}
+        if compiled.resolve(self._compile, self.model.device):
+            rec["compiled"] = {"mode": self._compile, "compiles": self.compiles}
+        return rec
 
     def close(self) -> None:
         self.prefix_kv.clear()

@@ -1,0 +1,79 @@
+"""The compiled decode step (``ktm.decode.compiled``): the same tokens and logits as eager
+decoding, one compile per shape, and the settings refused by name."""
+
+import pytest
+import torch
+from helpers import DEVICE, DTYPE, PROMPTS, close, fresh_model, perturb, require_device
+
+from ktm import KTMError
+from ktm.decode import compiled
+from ktm.decode.generate import GenerationConfig, decode_steps
+
+
+def _decode(model, prompts, n: int):
+    """(tokens per step, logits per step) of a greedy decode through the runtime."""
+    cfg = GenerationConfig(max_new_tokens=n, stop_at_eos=False)
+    runtime = model.runtime
+    with torch.no_grad():
+        state = runtime.prefill(model.encode_prompts(prompts), [cfg] * len(prompts))
+        logits, tokens = [state.logits.clone()], []
+        for i, tok in enumerate(decode_steps(model, None, cfg, state=state)):
+            tokens.append(tok)
+            if i + 1 < n:
+                logits.append(state.logits.clone())
+    return torch.stack(tokens, 1), logits, state
+
+
+@torch.no_grad()
+def test_compiled_decode_equals_eager_and_compiles_once_per_shape(tiny_model_dir):
+    require_device()
+    model = fresh_model(tiny_model_dir, device=DEVICE, dtype=DTYPE)
+    perturb(model)
+    model.requires_grad_(False)
+    eager_tokens, eager_logits, eager_state = _decode(model, PROMPTS, 10)
+    assert eager_state.static_mask is None  # auto: eager where compiling was not measured to pay
+    model.runtime.compile = "on"
+    tokens, logits, state = _decode(model, PROMPTS, 10)
+    assert state.static_mask is not None and state.static_mask.shape[1] == compiled.MIN_BUCKET
+    assert torch.equal(tokens, eager_tokens)  # greedy, the same tokens
+    for a, b in zip(logits, eager_logits):
+        close(a, b)
+    assert model.runtime.compiles >= 1
+    before = model.runtime.compiles
+    # other prompts of the same batch size and bucket: the step is not compiled again
+    again, _, _ = _decode(model, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], 6)
+    assert model.runtime.compiles == before
+    assert torch.equal(again, _decode_eager(model, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], 6))
+    assert model.runtime.record()["compiled"] == {"mode": "on", "compiles": before}
+    # a batch decoded without a cache stays eager under "on"
+    assert model.generate(PROMPTS[0], max_new_tokens=3, use_cache=False) == model.generate(
+        PROMPTS[0], max_new_tokens=3)
+
+
+def _decode_eager(model, prompts, n: int) -> torch.Tensor:
+    mode, model.runtime.compile = model.runtime.compile, "off"
+    try:
+        return _decode(model, prompts, n)[0]
+    finally:
+        model.runtime.compile = mode
+
+
+def test_compile_settings_are_checked(ktm_model):
+    with pytest.raises(KTMError, match="compile must be one of"):
+        ktm_model.runtime.compile = "fast"
+    assert not compiled.resolve("auto", torch.device("cpu"))
+    assert compiled.resolve("on", torch.device("cpu"))
+    assert [compiled.bucket(n) for n in (1, 256, 257, 2100)] == [256, 256, 512, 4096]
+
+
+@torch.no_grad()
+def test_batches_a_static_cache_cannot_hold_are_refused_by_name(ktm_model):
+    cfg = GenerationConfig(max_new_tokens=4)
+    state = ktm_model.runtime.prefill(ktm_model.encode_prompts(PROMPTS[:2]), [cfg, cfg])
+    assert compiled.refusal(state) is None
+    state.hidden = torch.zeros(1, 4, dtype=torch.long)  # a head-wise press's hidden keys
+    assert "head-wise" in compiled.refusal(state)
+    with pytest.raises(KTMError, match="head-wise.*compile='off'"):
+        compiled.CompiledStep(ktm_model.lm_config, ktm_model.device).start(state, 4)
+    state.cache = None
+    assert "without a KV cache" in compiled.refusal(state)
