@@ -128,7 +128,8 @@ def main() -> None:
                                                      == off[reading]["first_tokens"])
     record = {"reader": READER, "length": args.length, "output_tokens": args.output_tokens,
               "repeats": args.repeats, "threads": args.threads, "cpu": cpu_name(),
-              "machine": platform.machine(), "versions": versions(), "git": git_revision(),
+              "machine": platform.machine(), "versions": {**versions(), **llama_version()},
+              "git": git_revision(),
               "command": "python results/bench/llamacpp_layouts.py " + " ".join(sys.argv[1:]),
               "rows": rows}
     out = Path(args.out)
@@ -141,6 +142,14 @@ def main() -> None:
         print(row["weights"], row["layouts"], "crashed", row["crashed"],
               {k: {m: round(v, 3) for m, v in row[k].items() if isinstance(v, float)}
                for k in ("plain", "K=4") if k in row})
+
+
+def llama_version() -> dict:
+    try:
+        import llama_cpp
+    except ImportError:
+        return {}
+    return {"llama_cpp_python": llama_cpp.__version__}
 
 
 def cpu_name() -> str:

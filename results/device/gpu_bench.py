@@ -8,12 +8,14 @@ Each part is ``ktm.bench.bench.run_bench`` on one model built once, and writes i
     prefill   time to first token at 1k, 4k and 16k input tokens, batch 1
     e2e       4k in, 128 out, batch 1: end to end, and the share of decode
     batch16   16 prompts of 4k tokens, 16 out each: requests per second
+    compiled  4k in, 128 out, batch 1, each method decoded eager and compiled (ktm bench
+              --compile off on: a static cache and CUDA graphs), interleaved
     train     ktm bench --mode train at Qwen2.5-0.5B's shape: tokens/s and MFU, plain vs K=4
 
 and ``gpu-7b-kernel-time.json``: the wall time of a prefill against the GPU's time in kernels
 (the rest is the host launching them), with the top kernels in ``gpu-profile.txt``.
 
-    python results/device/gpu_bench.py OUT_DIR [--parts prefill e2e batch16 profile train]
+    python results/device/gpu_bench.py OUT_DIR [--parts prefill e2e batch16 compiled profile train]
 
 ``--shape``, ``--train-shape``, ``--device`` and ``--dtype`` run the same script at another scale
 (a dry run on the CPU with a small config.json checks it end to end before GPU time is spent).
@@ -40,6 +42,8 @@ PARTS = {
     "e2e": replace(SEVEN_B, lengths=(4096,), output_tokens=128, repeats=3),
     "batch16": replace(SEVEN_B, lengths=(4096,), batch_sizes=(16,), output_tokens=16,
                        repeats=3),
+    "compiled": replace(SEVEN_B, ks=(4,), lengths=(4096,), output_tokens=128, repeats=3,
+                        compile=("off", "on")),
 }
 TRAIN = BenchConfig(mode="train", shape="qwen2.5-0.5b", ks=(4,), lengths=(1024, 4096),
                     batch_sizes=(8,), device="cuda", dtype="bfloat16", repeats=5,
