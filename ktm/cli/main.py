@@ -68,6 +68,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        "(\"ktm\": {\"merge\": false}) or its history budget")
     if args.history_budget is not None and args.chat is None:
         raise KTMError("--history-budget reads a chat: expected --chat FILE.jsonl")
+    if args.history_press is not None and args.history_budget is None:
+        raise KTMError(f"--history-press {args.history_press} presses a chat's history to its "
+                       "budget: expected --chat FILE.jsonl and --history-budget N")
+    if args.history_press is not None and args.press is not None:
+        raise KTMError(f"--press {args.press} and --history-press {args.history_press}: "
+                       "expected one (both press the prompt's older part)")
     messages = read_chat_file(args.chat) if args.chat is not None else None
     segments = None if messages is not None else list(as_segments(
         [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]))
@@ -77,9 +83,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             parse_options(args.compressor_option))
     model = load_or_build(args)
     if messages is not None:
-        from ktm.serving.prompts import chat_prompt
+        from ktm.serving.prompts import chat_prompt, press_to_fit
+        from ktm.serving.protocol import RequestError
 
-        segments = list(chat_prompt(model, messages, args.history_budget, opts["merge"]))
+        pressed = args.history_press is not None and opts["merge"]
+        segments = list(chat_prompt(model, messages, args.history_budget, opts["merge"],
+                                    pressed))
+        if pressed:
+            try:
+                press = press_to_fit(model, tuple(segments), args.history_budget,
+                                     args.history_press)
+            except RequestError as e:
+                raise KTMError(str(e)) from None
+            if press is not None:
+                model.use_press(press)
     before = None
     if name:
         segments, before = _baseline_prompt(args, name, options, model, segments)
@@ -92,6 +109,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cp = model.compress(segments, merge=opts["merge"])
     how = "" if before is None else f" ({name}: {before} tokens rewritten to {cp.tokens_in})"
     n_in = cp.tokens_in if before is None else before
+    press = getattr(model.runtime, "press", None)
+    if press is not None:
+        from ktm.decode.press import kept_positions
+
+        how += f"; KV of {kept_positions(cp, press)} kept ({press.name} at {press.ratio:.3g})"
     print(f"[prompt tokens {n_in} -> {cp.tokens_out}{how}, K={model.k}]",
           file=sys.stderr)
     return 0
@@ -181,6 +203,7 @@ def _demo_parser(demo: argparse.ArgumentParser) -> None:
 
 def _generate_parser(gen: argparse.ArgumentParser) -> None:
     from ktm.decode.generate import GenerationConfig
+    from ktm.decode.press import press_names
 
     add_model_args(gen)
     gen.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
@@ -197,6 +220,10 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
                      help="--chat: read the chat within N positions, its unmarked messages "
                           "plain while it fits and the oldest merged (whole) past it; system "
                           "messages and the newest user message stay plain")
+    gen.add_argument("--history-press", metavar="NAME", choices=press_names(), default=None,
+                     help="--chat with --history-budget, torch backend: over the budget, read "
+                          "the older messages plain and press their KV to fit with this "
+                          "kvpress press (names as --press) instead of merging them")
     gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
     backend_args(gen)
     threads_arg(gen)

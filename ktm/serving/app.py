@@ -36,7 +36,7 @@ from ktm.errors import KTMError
 from ktm.serving.config import ServeConfig
 from ktm.serving.engine import Engine, Event, Job
 from ktm.serving.logprobs import chat_logprobs, completion_logprobs
-from ktm.serving.prompts import chat_segments, completion_segments
+from ktm.serving.prompts import chat_reading, completion_segments
 from ktm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -116,11 +116,24 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def request_press(runtime, ext: KtmOptions):
+def request_press(runtime, ext: KtmOptions, history=None):
     """The KV press a request is read with: its ``ktm`` field's (``press``, ``press_ratio``;
-    ``"none"``: none), else the server's ``--press``."""
+    ``"none"``: none), else the server's ``--press``; ``history``: the press a chat's history
+    is read with to fit its budget (``chat_reading``), which excludes another."""
     from ktm.decode.press import PressConfig, import_kvpress, press_refusal
 
+    if history is not None:
+        if ext.press is not None or ext.press_ratio is not None:
+            raise RequestError(f"ktm.press and the history press {history.name} both press this "
+                               "chat's older part: expected one (ktm.history_press \"none\" "
+                               "merges the history instead)", param="ktm.press")
+        try:
+            if not hasattr(runtime, "use_press"):
+                raise KTMError(press_refusal(runtime.name, history.name))
+            import_kvpress()
+        except KTMError as e:
+            raise RequestError(str(e), param="ktm.history_press") from None
+        return history
     server = getattr(runtime, "press", None)
     if ext.press is None and ext.press_ratio is None:
         return server
@@ -229,9 +242,13 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             raise RequestError(f"{name}={max_tokens} is over this server's limit of "
                                f"{cfg.max_tokens_limit}", param=name)
         stop = tuple(body.stop_list())
-        prompts = ([await run_in_threadpool(chat_segments, model, body, cfg.history_budget)]
-                   if chat
-                   else await run_in_threadpool(completion_segments, model, body))
+        history_press = None
+        if chat:
+            segments, history_press = await run_in_threadpool(
+                chat_reading, model, body, cfg.history_budget, cfg.history_press)
+            prompts = [segments]
+        else:
+            prompts = await run_in_threadpool(completion_segments, model, body)
         if len(prompts) * body.n > cfg.max_queue:
             raise RequestError(f"{len(prompts)} prompt(s) with n={body.n} make "
                                f"{len(prompts) * body.n} choices, over this server's max_queue "
@@ -239,7 +256,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
         ext = body.ktm or KtmOptions()
         job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs,
-               "press": request_press(model.runtime, ext)}
+               "press": request_press(model.runtime, ext, history_press)}
         # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
         # seed + i: n different answers, each reproducible alone
         # a chat's next turn begins with this whole prompt but its generation prompt

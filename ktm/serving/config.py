@@ -67,6 +67,11 @@ class ServeConfig:
                 "field is read plain while the chat fits, and the oldest are merged (whole, at "
                 "K) as it grows past it; system messages and the newest user message stay "
                 "plain (a request's ktm.history_budget overrides it; default: no budget)"})
+    history_press: str | None = field(default=None, metadata={
+        "help": "with --history-budget, on the torch backend: a chat over its budget reads its "
+                "older messages plain and presses their KV to fit with this kvpress press (names "
+                "as --press), instead of merging them; a request's ktm.history_press overrides "
+                "it ('none': merge) (default: merge)"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -87,6 +92,18 @@ class ServeConfig:
             from ktm.decode.press import PressConfig
 
             PressConfig(self.press, self.press_ratio)  # refused now, by name
+        if self.history_press is not None:
+            from ktm.decode.press import PressConfig, press_refusal
+
+            if self.history_budget is None:
+                raise KTMError(f"--history-press {self.history_press} presses a chat's history "
+                               "to its budget: expected --history-budget N too")
+            if self.press is not None:
+                raise KTMError(f"--press {self.press} and --history-press {self.history_press}: "
+                               "expected one (both press the prompt's older part)")
+            if self.backend != "torch":
+                raise KTMError(press_refusal(self.backend, self.history_press))
+            PressConfig(self.history_press)  # refused now, by name
         if self.served_name is None:
             self.served_name = Path(self.model.rstrip("/")).name or self.model
         if not self.served_name:

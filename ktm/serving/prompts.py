@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from ktm.core.prefix import embedding_rows
 from ktm.core.prompt import Segment
+from ktm.decode.press import PressConfig
 from ktm.errors import KTMError
 from ktm.serving.history import eligible_messages, plan_history
 from ktm.serving.protocol import (
@@ -123,18 +124,71 @@ def chat_segments(model, req: ChatRequest, history_budget: int | None = None
     """The request's chat as segments. ``history_budget``: the server's (``--history-budget``;
     the request's ``ktm.history_budget`` overrides it, 0 turning it off): the positions the
     chat is read within, its oldest unmarked messages merged to fit (``ktm.serving.history``)."""
+    return chat_reading(model, req, history_budget)[0]
+
+
+def chat_reading(model, req: ChatRequest, history_budget: int | None = None,
+                 history_press: str | None = None
+                 ) -> tuple[tuple[Segment, ...], PressConfig | None]:
+    """The request's chat as segments, and the KV press its history is read with (None: none).
+
+    ``history_press``: the server's (``--history-press``; the request's ``ktm.history_press``
+    overrides it, "none" turning it off). A chat over its budget then reads its older messages
+    (those the merging policy may merge: ``ktm.serving.history.eligible_messages``) plain, and
+    the press drops the share of their KV that brings the chat within the budget
+    (``press_to_fit``); the rows before the last of them are pressed with them (kvpress scores
+    the prompt's leading rows), the newest user message never. A chat within its budget reads as
+    without one."""
     ext_all = req.ktm or KtmOptions()
-    budget = history_budget if ext_all.history_budget is None else ext_all.history_budget
-    return read_chat(model, req.messages, ext_all, budget or None)
+    budget = (history_budget if ext_all.history_budget is None else ext_all.history_budget) or None
+    name = history_press if ext_all.history_press is None else ext_all.history_press
+    if name == "none" or budget is None or not ext_all.merge:
+        name = None
+    elif name is not None:
+        try:
+            PressConfig(name)  # an unknown name is refused whether or not the chat fits
+        except KTMError as e:
+            raise RequestError(str(e), param="ktm.history_press") from None
+    segs = read_chat(model, req.messages, ext_all, budget, pressed=name is not None)
+    return segs, None if name is None else press_to_fit(model, segs, budget, name)
+
+
+def press_to_fit(model, segs: tuple[Segment, ...], budget: int, name: str
+                 ) -> PressConfig | None:
+    """The press ``name`` at the least ratio whose kept positions bring ``segs`` within
+    ``budget`` (None: they fit already). Raises ``RequestError`` when the rows it may not press
+    (after the last pressable segment) already pass the budget, or for a press unknown."""
+    from ktm.decode.press import kept_positions
+
+    cp = model.measure_prompts([segs])[0]
+    if cp.tokens_out <= budget:
+        return None
+    split = min(cp.pressable, cp.tokens_out - 1)
+    room = budget - (cp.tokens_out - split)
+    if split < 1 or room < 1:
+        raise RequestError(
+            f"this chat needs {cp.tokens_out - split} positions outside its older messages (the "
+            f"newest user message and what follows the last older one), {cp.tokens_out} in all, "
+            f"over its history budget of {budget}: expected a budget of at least "
+            f"{cp.tokens_out - split + 1}, or a shorter chat", param="ktm.history_budget")
+    try:
+        press = PressConfig(name, 1 - room / split)
+        while kept_positions(cp, press) > budget:  # float rounding: one position less
+            press = PressConfig(name, press.ratio + 0.5 / split)
+    except KTMError as e:
+        raise RequestError(str(e), param="ktm.history_press") from None
+    return press
 
 
 def chat_prompt(model, messages: Sequence[dict | Message], history_budget: int | None = None,
-                merge: bool = True) -> tuple[Segment, ...]:
+                merge: bool = True, pressed: bool = False) -> tuple[Segment, ...]:
     """A chat (OpenAI-style messages: ``{"role": ..., "content": ..., "ktm": {...}}``) as the
     prompt ``ktm serve`` reads for it, through the model's chat template: each content merged
     unless its ``ktm`` says ``{"merge": false}``; with ``history_budget`` (positions), unmarked
     contents plain and the oldest merged only as the budget needs (``ktm.serving.history``).
-    ``merge`` False: every content plain. Raises ``KTMError`` for a bad message or a chat that
+    ``merge`` False: every content plain. ``pressed``: over the budget, the older messages are
+    read plain and marked for a KV press instead of merged (``press_to_fit`` then gives the
+    press; ``ktm serve --history-press``). Raises ``KTMError`` for a bad message or a chat that
     cannot fit its budget."""
     parsed = []
     for i, m in enumerate(messages):
@@ -150,15 +204,16 @@ def chat_prompt(model, messages: Sequence[dict | Message], history_budget: int |
         if not parsed:
             raise RequestError("messages are empty: expected at least one message",
                                param="messages")
-        return read_chat(model, parsed, KtmOptions(merge=merge), history_budget)
+        return read_chat(model, parsed, KtmOptions(merge=merge), history_budget, pressed)
     except RequestError as e:
         raise KTMError(str(e)) from None
 
 
 def read_chat(model, messages: Sequence[Message], ext_all: KtmOptions,
-              history_budget: int | None = None) -> tuple[Segment, ...]:
+              history_budget: int | None = None, pressed: bool = False) -> tuple[Segment, ...]:
     """``messages`` as segments, read with the request-wide ``ext_all`` and, when merging is
-    on, within ``history_budget`` positions (None: no budget)."""
+    on, within ``history_budget`` positions (None: no budget). ``pressed``: a chat over the
+    budget marks its older messages to be pressed (plain rows, pressable), not merged."""
     if ext_all.segments is not None:
         raise RequestError("ktm.segments is for /v1/completions; in a chat, give a message "
                            "\"ktm\": {\"segments\": [...]}", param="ktm.segments")
@@ -197,26 +252,30 @@ def read_chat(model, messages: Sequence[Message], ext_all: KtmOptions,
         owners.append(owner)
     if budgeted:
         segs = _within_budget(model, segs, owners, messages, marked, history_budget,
-                              ext_all.ratio)
+                              ext_all.ratio, pressed)
     return _non_empty(tuple(segs), "messages")
 
 
 def _within_budget(model, segs: list[Segment], owners: list[int | None],
                    messages: Sequence[Message], marked: list[bool], budget: int,
-                   ratio: float | None) -> list[Segment]:
-    """``segs`` with the oldest eligible messages' segments merged, as few as fit ``budget``."""
+                   ratio: float | None, pressed: bool = False) -> list[Segment]:
+    """``segs`` with the oldest eligible messages' segments merged, as few as fit ``budget``;
+    ``pressed``: over the budget, every eligible message's segments pressable and plain
+    (``Segment(ratio=1)``: one token per position), for a press to fit."""
     candidates = [i for i in eligible_messages([m.role for m in messages], marked)
                   if i in owners]
     sizes = [sum(len(s.ids) for s, o in zip(segs, owners) if o == i) for i in candidates]
 
-    def merged(n: int) -> list[Segment]:
+    def merged(n: int, at: float | None = ratio) -> list[Segment]:
         chosen = set(candidates[:n])
-        return [replace(s, compress=True, ratio=ratio) if o in chosen else s
+        return [replace(s, compress=True, ratio=at) if o in chosen else s
                 for s, o in zip(segs, owners, strict=True)]
 
     def positions(n: int) -> int:
         return model.measure_prompts([tuple(merged(n))])[0].tokens_out
 
+    if pressed:
+        return segs if positions(0) <= budget else merged(len(candidates), 1.0)
     return merged(plan_history(positions, sizes, budget, model.k))
 
 

@@ -79,6 +79,9 @@ class KtmOptions(Strict):
     # a chat read within this many positions, its oldest unmarked messages merged to fit
     # (ktm.serving.history); None: the server's --history-budget, 0: none
     history_budget: int | None = Field(None, ge=0, strict=True)
+    # over the budget, the history read plain and its KV pressed to fit by this press instead
+    # of merged (ktm.serving.prompts.chat_reading); None: the server's --history-press, "none"
+    history_press: str | None = None
 
 
 class MessageKtm(Strict):

@@ -22,12 +22,17 @@ tokens, the system message and the question stay plain, the rest merged at the r
                    runtime) to the budget: streaming_llm (sinks and a recent window) and the rest
     ktm            the history policy (``ktm.chat_prompt(..., history_budget=N)``): the oldest
                    messages merged, whole, by the reader (``--reader``)
+    ktm+PRESS      the history policy with a press (``ktm serve --history-press PRESS``,
+                   ``--history-presses``): the reader reads the older messages plain and presses
+                   their KV to the budget (``ktm.serving.prompts.press_to_fit``)
 
 Plain, truncated and pressed readings are the base model's (LoRA off), as in
 results/presses/; ktm's is the reader's. One JSON row per reading with both R, the mean positions
 and KV kept, the CPU seconds, the configuration, versions and revision.
 
     python results/history/chat_bench.py --out results/history/chat.json
+    python results/history/chat_bench.py --presses --history-presses kvzip knorm \
+        --out results/history/chat-press.json
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from ktm.core.prompt import Segment
 from ktm.decode.press import kept_positions
 from ktm.evaluation.readability import context_ratio, heldout_sets, read_spec, recall_question
 from ktm.model import KTMModel
+from ktm.serving.prompts import press_to_fit
 from ktm.util.fileio import write_json_atomic
 from ktm.util.provenance import stamped
 
@@ -119,6 +125,8 @@ def main() -> int:
     ap.add_argument("--budget-share", type=float, default=0.33)
     ap.add_argument("--presses", nargs="*",
                     default=["streaming_llm", "expected_attention", "knorm", "tova", "kvzip"])
+    ap.add_argument("--history-presses", nargs="*", default=[],
+                    help="also read with the history policy pressing instead of merging")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
@@ -128,7 +136,8 @@ def main() -> int:
     base.peft.disable_adapter_layers()
     reader = KTMModel.load(args.reader).requires_grad_(False).eval()
     data = chats(base.tokenizer, args)
-    readings = ["plain", "truncate", *args.presses, "ktm"]
+    readings = ["plain", "truncate", *args.presses, "ktm",
+                *(f"ktm+{p}" for p in args.history_presses)]
     sums = {r: {"recall": [], "continuation": [], "positions": [], "kv": [], "cpu_s": 0.0}
             for r in readings}
     refs = {"recall": [], "continuation": []}
@@ -151,6 +160,11 @@ def main() -> int:
                 elif r == "ktm":
                     segs = ktm.chat_prompt(reader, msgs, history_budget=budget)
                     model, merge, press = reader, True, None
+                elif r.startswith("ktm+"):
+                    segs = ktm.chat_prompt(reader, msgs, history_budget=budget, pressed=True)
+                    fit = press_to_fit(reader, segs, budget, r.removeprefix("ktm+"))
+                    model, merge = reader, True
+                    press = None if fit is None else (fit.name, fit.ratio)
                 else:
                     segs, model, merge = pressed_layout(base, msgs), base, False
                     cp = base.measure_prompts([segs], False)[0]

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -767,8 +768,22 @@ def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_d
     assert out.strip() == model.generate(segs, max_new_tokens=6).strip()
     shown = model.measure_prompts([segs])[0].tokens_out
     assert f"-> {shown}," in err and shown <= budget < plain
+    # --history-press: the older messages plain, pressed to the budget (kvpress)
+    if importlib.util.find_spec("kvpress") is not None:
+        from ktm.serving.prompts import press_to_fit
+
+        budget = plain // 3
+        code, out, err = run(capsys, "generate", "--model", tiny_model_dir, "--k", "4",
+                             "--no-mlp", "--chat", str(path), "--history-budget", str(budget),
+                             "--history-press", "knorm", "--max-new-tokens", "6")
+        segs = ktm.chat_prompt(model, messages, history_budget=budget, pressed=True)
+        press = press_to_fit(model, segs, budget, "knorm")
+        model.use_press(press)
+        assert code == 0 and out.strip() == model.generate(segs, max_new_tokens=6).strip()
+        assert f"-> {plain}; KV of {budget} kept (knorm" in err
     path.write_text('{"role": "user", "content": "hi"}\nnot json\n')
     for flags, said in ((["--chat", str(path)], "chat.jsonl:2: not JSON"),
+                        (["--chat", str(path), "--history-press", "knorm"], "--history-budget N"),
                         (["--chat", str(path), "--prompt", "x"], "one of them"),
                         (["--prompt", "x", "--history-budget", "9"], "reads a chat"),
                         ([], "one of them")):

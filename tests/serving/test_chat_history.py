@@ -205,3 +205,79 @@ def test_chats_under_load_answer_as_one_by_one(server):
         for f in extra:
             f.result()
     assert together == alone
+
+
+# ---------------------------------------------------------------- --history-press
+def reading(model, messages, budget, press, **ktm_field):
+    from ktm.serving.prompts import chat_reading
+    from ktm.serving.protocol import ChatRequest
+
+    req = ChatRequest(model="tiny", messages=messages, ktm=ktm_field or None)
+    return chat_reading(model, req, budget, press)
+
+
+def test_a_history_press_reads_old_messages_plain_and_presses_them_to_fit(model):
+    from ktm.decode.press import PressConfig, kept_positions
+    from ktm.serving.protocol import RequestError
+
+    messages = chat(5)
+    plain = ktm.chat_prompt(model, messages, merge=False)
+    full = positions(model, plain)
+    segs, press = reading(model, messages, full, "knorm")  # fits: read as without a press
+    assert press is None and segs == ktm.chat_prompt(model, messages, history_budget=full)
+    budget = full // 3
+    segs, press = reading(model, messages, budget, "knorm")
+    assert positions(model, segs) == full  # every row plain
+    old = [m["content"] for m in messages[1:-1]]
+    assert merged_contents(segs) == old and all(s.ratio == 1.0 for s in segs if s.compress)
+    cp = model.measure_prompts([segs])[0]
+    assert press.name == "knorm" and kept_positions(cp, press) <= budget
+    # the least ratio that fits: a press keeping one position more would not
+    assert kept_positions(cp, PressConfig("knorm", press.ratio - 1.5 / cp.pressable)) > budget
+    # a press reaches budgets merging cannot; a request may turn it off (merging instead) or
+    # name another
+    with pytest.raises(RequestError, match="even with its 10 older message"):
+        reading(model, messages, budget, "knorm", history_press="none")
+    segs, press = reading(model, messages, full * 3 // 4, "knorm", history_press="none")
+    assert press is None and positions(model, segs) <= full * 3 // 4
+    assert reading(model, messages, budget, None, history_press="tova")[1].name == "tova"
+
+
+def test_a_history_press_is_refused_by_name_and_with_the_numbers(model):
+    from ktm.serving.protocol import RequestError
+
+    with pytest.raises(RequestError, match="unknown press 'nope'"):
+        reading(model, chat(2), 10**6, "nope")
+    with pytest.raises(RequestError, match=r"needs \d+ positions outside its older messages.*"
+                                           r"history budget of 5"):
+        reading(model, chat(3), 5, "knorm")
+    for kw, match in (({}, "expected --history-budget"),
+                      ({"history_budget": 100, "press": "knorm"}, "expected one"),
+                      ({"history_budget": 100, "backend": "llamacpp"}, "llamacpp")):
+        with pytest.raises(KTMError, match=match):
+            ServeConfig(model="x", history_press="knorm", **kw)
+
+
+def test_the_server_presses_a_chat_over_its_budget_as_the_model_would(server):
+    from helpers import require_module
+
+    require_module("kvpress", "the [kvpress] extra and kvpress (the README's test command)")
+    messages = chat(5)
+    plain = ask(server, messages, merge=False)
+    budget = plain["usage"]["prompt_tokens"] // 3
+    r = ask(server, messages, history_budget=budget, history_press="knorm")
+    segs, press = reading(server.model, messages, budget, "knorm")
+    runtime = server.model.runtime
+    try:
+        runtime.use_press(press)
+        want = server.model.generate(segs, max_new_tokens=8)
+    finally:
+        runtime.use_press(None)
+    assert r["choices"][0]["message"]["content"] == want
+    assert r["usage"]["prompt_tokens_merged"] == plain["usage"]["prompt_tokens"]
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="both press"):
+        openai_client(server).chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, extra_body={"ktm": {
+                "history_budget": budget, "history_press": "knorm", "press": "tova"}})
