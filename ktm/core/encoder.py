@@ -24,6 +24,8 @@ own over the token embeddings, ``ktm.core.context_mixer``).
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -235,6 +237,28 @@ class KTokenEncoder(nn.Module):
         padded = nn.functional.pad(flat, (0, 0, w, 0))  # W zero blocks before the first
         n = flat.shape[1]
         return torch.cat([padded[:, w - j: w - j + n] for j in range(1, w + 1)], dim=-1)
+
+
+# an encoder's weights cast for inference, by encoder: (dtype and its weights' identity, copy)
+_CAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cast_for_inference(encoder: nn.Module, dtype: torch.dtype) -> nn.Module | None:
+    """``encoder`` with its weights in ``dtype`` (an LM's bf16), for a model that does not train
+    it; None where it trains (its weights stay fp32: a bf16 Adam step of 5e-5 rounds to nothing;
+    the caller autocasts) or where it is in ``dtype`` already. Autocast casts every weight on
+    every call (on a GPU, about a fifth of a merged prefill); the copy is made once, and again
+    after the weights change (replaced or written in place)."""
+    params = list(encoder.parameters())
+    if not params or any(p.requires_grad for p in params) or all(p.dtype == dtype
+                                                                 for p in params):
+        return None
+    key = (dtype, tuple((p.data_ptr(), p._version) for p in params))
+    got = _CAST.get(encoder)
+    if got is None or got[0] != key:
+        cast = copy.deepcopy(encoder).to(dtype)
+        _CAST[encoder] = got = (key, cast.train(False))
+    return got[1]
 
 
 def level_encoder(encoder: nn.Module, k: int) -> nn.Module:

@@ -21,7 +21,7 @@ from torch import nn
 from ktm.core.allocate import RATIO_TOLERANCE, RatioWarning, Units, allocate
 from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
-from ktm.core.encoder import level_encoder
+from ktm.core.encoder import cast_for_inference, level_encoder
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 
@@ -303,8 +303,12 @@ class PromptEncoder:
         mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
                             device=device, dtype=torch.bool)
         embeds = self.embed(ids)
+        cast = None if embeds.dtype == torch.float32 else cast_for_inference(encoder,
+                                                                              embeds.dtype)
         if embeds.dtype == torch.float32:
             merged, _ = encoder(embeds, mask)
+        elif cast is not None:  # an encoder that does not train, held in the LM's dtype
+            merged, _ = cast(embeds, mask)
         else:
             # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
             with torch.autocast(device.type, dtype=embeds.dtype):

@@ -163,3 +163,34 @@ def test_a_model_built_under_another_default_dtype_keeps_fp32_trainable_weights(
         torch.set_default_dtype(before)
     assert {p.dtype for _, p in model.trainable_parameters()} == {torch.float32}
     assert torch.isfinite(model(PROMPTS, TARGETS).loss)
+
+
+def test_a_frozen_encoder_merges_in_the_lm_dtype_from_one_cast_copy(tiny_model_dir):
+    """An encoder that does not train is read from a copy in the LM's dtype (no autocast cast
+    per call), made once and again after its weights change; a training one stays fp32."""
+    from helpers import perturb
+
+    from ktm.core.encoder import cast_for_inference
+
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4, dtype=torch.bfloat16)
+    perturb(model)
+    with torch.no_grad():
+        autocast = [cp.embeds for cp in model.encode_prompts(PROMPTS)]  # trainable: autocast
+    assert cast_for_inference(model.encoder, torch.bfloat16) is None
+    model.requires_grad_(False)
+    with torch.no_grad():
+        cast = [cp.embeds for cp in model.encode_prompts(PROMPTS)]
+    copy = cast_for_inference(model.encoder, torch.bfloat16)
+    assert copy is not None and {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.encoder.parameters()} == {torch.float32}
+    for a, b in zip(cast, autocast):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2)
+    assert cast_for_inference(model.encoder, torch.bfloat16) is copy  # made once
+    with torch.no_grad():
+        model.encoder.mlp[0].weight.mul_(2)  # written in place: a new copy
+    again = cast_for_inference(model.encoder, torch.bfloat16)
+    assert again is not copy
+    torch.testing.assert_close(again.mlp[0].weight.float(),
+                               model.encoder.mlp[0].weight.bfloat16().float())

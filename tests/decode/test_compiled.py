@@ -63,7 +63,8 @@ def test_compile_settings_are_checked(ktm_model):
         ktm_model.runtime.compile = "fast"
     assert not compiled.resolve("auto", torch.device("cpu"))
     assert compiled.resolve("on", torch.device("cpu"))
-    assert [compiled.bucket(n) for n in (1, 256, 257, 2100)] == [256, 256, 512, 4096]
+    assert [compiled.bucket(n) for n in (1, 256, 257, 320, 2048, 2049, 2100, 4000)] == [
+        256, 256, 320, 320, 2048, 2560, 2560, 4096]
 
 
 @torch.no_grad()
