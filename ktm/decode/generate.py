@@ -9,6 +9,7 @@ variants (e.g. merging generated tokens) hook in at one place.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -96,13 +97,76 @@ def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generato
     return torch.multinomial(sampling_probs(logits, cfg), 1, generator=gen).squeeze(-1)
 
 
-def select_rows(logits: torch.Tensor, cfg: GenerationConfig,
-                gens: list[torch.Generator] | None) -> torch.Tensor:
-    """(B, V) -> (B,): ``gens`` (seeded sampling) holds one generator per row, and each row
-    draws from its own, so its tokens do not depend on its batch-mates (as in the server)."""
-    if gens is None:
-        return select_next(logits, cfg, None)
-    return torch.cat([select_next(logits[i:i + 1], cfg, g) for i, g in enumerate(gens)])
+def pick(logits: torch.Tensor, cfgs: Sequence[GenerationConfig],
+         gens: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """(B, V) -> (B,) next tokens, row i by ``cfgs[i]`` drawing from ``gens[i]`` (None: torch's
+    global generator): the greedy rows at once, unseeded sampled rows of the same settings at
+    once, each seeded row alone, so its draws do not depend on its batch-mates. A row whose
+    choice fails (NaN logits cannot be sampled) is returned in the dict with its error, the
+    others unaffected."""
+    groups: dict = {}
+    for i, (cfg, gen) in enumerate(zip(cfgs, gens, strict=True)):
+        key = ("greedy" if not cfg.do_sample else i if gen is not None
+               else (cfg.temperature, cfg.top_p))
+        groups.setdefault(key, []).append(i)
+    out = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    failed: dict[int, Exception] = {}
+    queue = deque(groups.values())
+    while queue:
+        rows = queue.popleft()
+        try:
+            if len(rows) == logits.shape[0]:  # one group: every row, in order
+                out = select_next(logits, cfgs[rows[0]], gens[rows[0]])
+            else:
+                idx = torch.tensor(rows, device=logits.device)
+                out[idx] = select_next(logits[idx], cfgs[rows[0]], gens[rows[0]])
+        except Exception as e:  # noqa: BLE001 - one row's failure, found and returned
+            if len(rows) > 1:  # which row was it: each alone
+                queue.extend([i] for i in rows)
+            else:
+                failed[rows[0]] = e
+    return out, failed
+
+
+class Decoding:
+    """A batch decoding on a runtime (``ktm.decode.runtime``), each row with its own
+    ``GenerationConfig`` and generator: the one step loop. ``decode_steps`` steps one batch
+    through it to the end; the serving engine steps its running batch, rows joining and leaving
+    between steps."""
+
+    def __init__(self, runtime, state, cfgs: Sequence[GenerationConfig],
+                 gens: Sequence[torch.Generator | None]):
+        self.runtime, self.state = runtime, state
+        self.cfgs, self.gens = list(cfgs), list(gens)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(B, V) the rows' next-token logits."""
+        return self.state.logits
+
+    def pick(self) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """Each row's next token by its own settings (``pick``), and the rows that failed."""
+        return pick(self.state.logits, self.cfgs, self.gens)
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Read one (B,) token per row; ``logits`` become the next step's."""
+        self.runtime.advance(self.state, tokens)
+
+    def join(self, other: Decoding) -> None:
+        """``other``'s rows join after these (continuous batching)."""
+        self.state = self.runtime.join(self.state, other.state)
+        self.cfgs += other.cfgs
+        self.gens += other.gens
+
+    def keep(self, rows: list[int]) -> None:
+        """Only ``rows`` go on, in that order; the others are let go."""
+        self.runtime.keep(self.state, rows)
+        self.cfgs = [self.cfgs[i] for i in rows]
+        self.gens = [self.gens[i] for i in rows]
+
+    def release(self) -> None:
+        """Done, failed or abandoned: every row is let go."""
+        self.runtime.release(self.state)
 
 
 @contextmanager
@@ -254,28 +318,32 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
                            f"test reference); the {runtime.name} backend always keeps its KV "
                            "cache")
         state = runtime.prefill(prefixes, [cfg] * len(prefixes))
-    try:
-        yield from _steps(model, state, cfg, runtime)
-    finally:  # done, failed or abandoned: its rows are let go
-        runtime.release(state)
-
-
-def _steps(model, state, cfg: GenerationConfig, runtime) -> Iterator[torch.Tensor]:
-    gens = None
+    rows = state.logits.shape[0]
+    gens = [None] * rows
     if cfg.do_sample and cfg.seed is not None:
-        gens = [torch.Generator(device=model.device).manual_seed(cfg.seed)
-                for _ in range(state.logits.shape[0])]
+        gens = [torch.Generator(device=model.device).manual_seed(cfg.seed) for _ in range(rows)]
+    decoding = Decoding(runtime, state, [cfg] * rows, gens)
+    try:  # done, failed or abandoned: its rows are let go
+        yield from _steps(model, decoding, cfg)
+    finally:
+        decoding.release()
+
+
+def _steps(model, decoding: Decoding, cfg: GenerationConfig) -> Iterator[torch.Tensor]:
     eos = cfg.stop_ids(model.eos_ids, model.device)
-    finished = torch.zeros(state.logits.shape[0], dtype=torch.bool, device=model.device)
+    finished = torch.zeros(decoding.logits.shape[0], dtype=torch.bool, device=model.device)
     for i in range(cfg.max_new_tokens):
-        nxt = select_rows(state.logits, cfg, gens).masked_fill(finished, model.pad_id)
+        nxt, failed = decoding.pick()
+        if failed:
+            raise next(iter(failed.values()))
+        nxt = nxt.masked_fill(finished, model.pad_id)
         yield nxt
         if len(eos):
             finished |= torch.isin(nxt, eos)
             if bool(finished.all()):
                 return
         if i + 1 < cfg.max_new_tokens:
-            runtime.advance(state, nxt)
+            decoding.advance(nxt)
 
 
 def _trim(ids: list[int], eos: frozenset[int], cfg: GenerationConfig) -> list[int]:

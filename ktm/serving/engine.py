@@ -1,8 +1,9 @@
 """The serving engine: one thread that decodes all running requests together.
 
 Continuous batching on the model's runtime (``ktm.decode.runtime``: torch, llama.cpp or vLLM),
-through the calls ``decode_steps`` makes (``prefill``, ``advance``) plus ``join`` and ``keep``,
-with ``ktm.decode.generate.select_next`` picking each row's token:
+stepped through ``ktm.decode.generate.Decoding``, the step loop ``decode_steps`` runs on (each
+row's token picked by its own settings, one advance per step), with rows joining and leaving
+between steps:
 
     loop: admit waiting requests -> prefill them together -> join them to the running batch
           -> pick one token per row (each row with its own sampling settings and generator)
@@ -34,7 +35,7 @@ import torch
 
 from ktm.core.batch import CompressedPrompt
 from ktm.core.prompt import Segment
-from ktm.decode.generate import GenerationConfig, select_next
+from ktm.decode.generate import Decoding, GenerationConfig
 from ktm.decode.press import PressConfig, pressed_as
 from ktm.decode.text_stream import TextStream
 from ktm.serving.config import ServeConfig
@@ -142,7 +143,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._rows: list[Row] = []
-        self._batch = None  # the runtime's state of the running rows
+        self._batch: Decoding | None = None  # the running rows, stepped together
         # llama.cpp: requests wait for KV cells while this many rows or more run (None: no wait)
         self._cells_wait: int | None = None
         self._stopping = False
@@ -310,7 +311,10 @@ class Engine:
             return
         self._rows += rows  # first: a failed join (it grows the batch's cache) fails them too
         for part in parts:
-            self._batch = part if self._batch is None else self.runtime.join(self._batch, part)
+            if self._batch is None:
+                self._batch = part
+            else:
+                self._batch.join(part)
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
     def _prefill(self, jobs: list[Job]) -> tuple[list, list[Row]]:
@@ -327,9 +331,11 @@ class Engine:
                                              [sampling(job, limit) for job, _, limit in group],
                                              [self._context(job) for job, _, _ in group],
                                              joinable=True)
-            states.append(state)
-            rows += [Row(job, self.model, cp, n, limit)
-                     for (job, cp, limit), n in zip(group, state.reused)]
+            mine = [Row(job, self.model, cp, n, limit)
+                    for (job, cp, limit), n in zip(group, state.reused)]
+            states.append(Decoding(self.runtime, state, [r.cfg for r in mine],
+                                   [r.gen for r in mine]))
+            rows += mine
         return states, rows
 
     def _context(self, job: Job) -> tuple[tuple, int] | None:
@@ -341,28 +347,6 @@ class Engine:
         n = self.model.measure_prompts([context])[0].tokens_out  # counts: no encoder run
         return tuple((s.ids, s.compress) for s in context), n
 
-    def _select(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:
-        """(B, V) -> (B,) next tokens: greedy rows at once, sampled rows each with its own
-        generator, so a row's draws do not depend on its batch-mates. A row whose choice fails
-        (NaN logits cannot be sampled) is returned with its error; the others are unaffected."""
-        out = torch.zeros(len(self._rows), dtype=torch.long, device=logits.device)
-        failed: dict[int, Exception] = {}
-        greedy = [i for i, r in enumerate(self._rows) if not r.cfg.do_sample]
-        groups = deque([greedy] if greedy else [])
-        groups += [[i] for i, r in enumerate(self._rows) if r.cfg.do_sample]
-        while groups:
-            rows = groups.popleft()
-            row = self._rows[rows[0]]
-            try:
-                idx = torch.tensor(rows, device=logits.device)
-                out[idx] = select_next(logits[idx], row.cfg, row.gen)
-            except Exception as e:  # noqa: BLE001 - one request's failure
-                if len(rows) > 1:  # the greedy rows: find which one it was
-                    groups.extend([i] for i in rows)
-                else:
-                    failed[rows[0]] = e
-        return out, failed
-
     def _step(self) -> None:
         gone = [i for i, r in enumerate(self._rows) if r.job.cancelled.is_set()]
         if gone:
@@ -370,7 +354,7 @@ class Engine:
             self._keep([i for i in range(len(self._rows)) if i not in gone])
             if not self._rows:
                 return
-        tokens, failed = self._select(self._batch.logits)
+        tokens, failed = self._batch.pick()
         asked = [i for i, r in enumerate(self._rows) if r.trail is not None and i not in failed]
         lps = step_logprobs(self._batch.logits, tokens, asked,
                             [self._rows[i].job.logprobs for i in asked]) if asked else {}
@@ -397,7 +381,7 @@ class Engine:
         for job, ev in out:
             job.deliver(ev)
         if self._rows:
-            self.runtime.advance(self._batch, tokens)
+            self._batch.advance(tokens)
 
     def _row_failed(self, row: Row, e: Exception) -> Event:
         """One request failed while decoding: a 500 for it, its row dropped, the others go on."""
@@ -408,7 +392,7 @@ class Engine:
         return Event(error=_internal(e))
 
     def _keep(self, rows: list[int]) -> None:
-        self.runtime.keep(self._batch, rows)  # the dropped rows are let go
+        self._batch.keep(rows)  # the dropped rows are let go
         if not rows:
             self._batch, self._rows = None, []
             return
@@ -417,7 +401,8 @@ class Engine:
     def _fail(self, jobs: list[Job], e: Exception, running: bool = True) -> None:
         """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
         if running:
-            self.runtime.release(self._batch)
+            if self._batch is not None:
+                self._batch.release()
             self._batch, self._rows = None, []
         self.last_error = f"{type(e).__name__}: {e}"
         self.counts["failed"] += len(jobs)

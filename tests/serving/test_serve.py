@@ -582,8 +582,10 @@ def test_a_refused_request_is_not_failed_again_by_its_batch(server, monkeypatch)
 
 @pytest.mark.parametrize("where", ["sampling", "text"])
 def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeypatch, where):
+    import ktm.decode.generate as generate
+
     g = _slow_decoding(server, monkeypatch, 0.02)
-    select_next, push = g["select_next"], g["Row"].push
+    select_next, push = generate.select_next, g["Row"].push
 
     def failing_select(logits, cfg, gen):  # e.g. NaN logits of one row, which cannot be sampled
         if cfg.temperature == 0.625:
@@ -596,7 +598,7 @@ def test_a_decode_failure_of_one_request_fails_only_that_request(server, monkeyp
         return push(row, token)
 
     if where == "sampling":
-        monkeypatch.setitem(g, "select_next", failing_select)
+        monkeypatch.setattr(generate, "select_next", failing_select)
     else:
         monkeypatch.setattr(g["Row"], "push", failing_push)
     assert _wait_until(lambda: get(server, "/health")["running"] == 0)
