@@ -50,6 +50,10 @@ class GenerationConfig:
         "help": "KV cache (off re-runs the whole sequence each step: the test reference)"})
     merge: bool = field(default=True, metadata={
         "help": "merge the compressed segments (off: the uncompressed baseline)"})
+    merge_window: int = field(default=0, metadata={
+        "help": "merge the answer as it grows (torch): past this many generated tokens held "
+                "plain, the oldest are merged K to a position and read again, so a long "
+                "answer's KV grows K times slower (0: off; at least 2K)"})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +78,9 @@ class GenerationConfig:
             raise KTMError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise KTMError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.merge_window < 0:
+            raise KTMError(f"merge_window must be 0 (off) or a number of generated tokens, got "
+                           f"{self.merge_window}")
 
 
 def sampling_probs(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
@@ -138,6 +145,16 @@ class Decoding:
                  gens: Sequence[torch.Generator | None]):
         self.runtime, self.state = runtime, state
         self.cfgs, self.gens = list(cfgs), list(gens)
+        # merging the answer as it grows (``merge_window``, ``ktm.decode.merge_generated``):
+        # the generated tokens held plain at the cache's tail, oldest first
+        self.window = max((cfg.merge_window for cfg in self.cfgs), default=0)
+        self.plain: list[torch.Tensor] = []
+        if self.window and len({cfg.merge_window for cfg in self.cfgs}) > 1:
+            raise KTMError("rows merging their answers at different windows cannot decode "
+                           "together: expected one merge_window for the batch")
+        if self.window and not hasattr(runtime, "merge_generated"):
+            raise KTMError(f"merge_window={self.window} merges the answer in the KV cache of "
+                           f"the torch runtime; the {runtime.name} backend keeps its own")
 
     @property
     def logits(self) -> torch.Tensor:
@@ -149,11 +166,22 @@ class Decoding:
         return pick(self.state.logits, self.cfgs, self.gens)
 
     def advance(self, tokens: torch.Tensor) -> None:
-        """Read one (B,) token per row; ``logits`` become the next step's."""
+        """Read one (B,) token per row; ``logits`` become the next step's. With a merge
+        window, the oldest plain answer tokens are merged once the window is passed."""
         self.runtime.advance(self.state, tokens)
+        if not self.window:
+            return
+        self.plain.append(tokens)
+        n = self.runtime.merge_due(self.window, len(self.plain))
+        if n:
+            self.runtime.merge_generated(self.state, torch.stack(self.plain[:n], 1),
+                                         len(self.plain))
+            del self.plain[:n]
 
     def join(self, other: Decoding) -> None:
         """``other``'s rows join after these (continuous batching)."""
+        if self.window or other.window:
+            raise KTMError("rows merging their answers (merge_window) decode alone: none join")
         self.state = self.runtime.join(self.state, other.state)
         self.cfgs += other.cfgs
         self.gens += other.gens

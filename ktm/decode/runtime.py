@@ -31,6 +31,7 @@ from ktm.core.loss import target_logits
 from ktm.decode import compiled
 from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
 from ktm.decode.generate import DecodeState, advance, eval_mode, prefill
+from ktm.decode.merge_generated import check_window, due, merge_generated
 from ktm.decode.press import PressConfig, pressed_row, pressed_targets
 from ktm.errors import KTMError
 from ktm.util.lru import LRUCache
@@ -123,6 +124,8 @@ class TorchRuntime:
         pays and the batch allows."""
         if not sampling or not compiled.resolve(self._compile, self.model.device):
             return
+        if any(cfg.merge_window for cfg in sampling):  # the cache changes length: eager
+            return
         if self._compile == "auto" and compiled.refusal(state) is not None:
             return
         if self._step is None:
@@ -150,6 +153,12 @@ class TorchRuntime:
         tokens follow, for which the cache keeps room); ``joinable``: a batch rows will join and
         leave (the server's): plain cache layers, and rows whose leading context
         (``contexts[i]``: its key and merged row count, or None) is cached read only the rest."""
+        for cfg in sampling or ():
+            if cfg.merge_window:
+                check_window(self.model, cfg.merge_window)
+                if not cfg.use_cache:
+                    raise KTMError(f"merge_window={cfg.merge_window} merges the answer in the "
+                                   "KV cache: expected use_cache on")
         if self.press is not None:
             state = self._pressed(prefixes, sampling)
             if not joinable:
@@ -157,7 +166,8 @@ class TorchRuntime:
             return state
         if not joinable:
             use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
-            static = use_cache and compiled.resolve(self._compile, self.model.device)
+            static = (use_cache and compiled.resolve(self._compile, self.model.device)
+                      and not any(cfg.merge_window for cfg in sampling or ()))
             # a batch that goes static is copied once: no room kept for it here
             room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling and not static else 0
             state = prefill(self.model, prefixes, use_cache, room=room)
@@ -237,6 +247,16 @@ class TorchRuntime:
             state = row if state is None else join(state, row)
         state.reused = [0] * len(prefixes)
         return state
+
+    def merge_due(self, window: int, plain: int) -> int:
+        """Generated tokens to merge now, of ``plain`` held plain (``merge_window``)."""
+        return due(window, plain, self.model.k)
+
+    def merge_generated(self, state: DecodeState, ids: torch.Tensor, plain: int) -> None:
+        """Merge the oldest generated tokens ``ids`` (B, m) of the ``plain`` at the cache's
+        tail (``ktm.decode.merge_generated``)."""
+        with torch.no_grad(), eval_mode(self.model):
+            merge_generated(self.model, state, ids, plain)
 
     def advance(self, state: DecodeState, tokens: torch.Tensor) -> None:
         if state.static_mask is None:
