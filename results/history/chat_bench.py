@@ -33,6 +33,8 @@ and KV kept, the CPU seconds, the configuration, versions and revision.
     python results/history/chat_bench.py --out results/history/chat.json
     python results/history/chat_bench.py --presses --history-presses kvzip knorm \
         --out results/history/chat-press.json
+    python results/history/chat_bench.py --budget-share 0.25 --no-floor \
+        --history-presses kvzip knorm --out results/history/chat-quarter.json
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 import ktm
 from ktm.core.prompt import Segment
 from ktm.decode.press import kept_positions
+from ktm.errors import KTMError
 from ktm.evaluation.readability import context_ratio, heldout_sets, read_spec, recall_question
 from ktm.model import KTMModel
 from ktm.serving.prompts import press_to_fit
@@ -123,6 +126,10 @@ def main() -> int:
     ap.add_argument("--doc-tokens", type=int, default=256)
     ap.add_argument("--filler-tokens", type=int, default=128)
     ap.add_argument("--budget-share", type=float, default=0.33)
+    ap.add_argument("--no-floor", action="store_true",
+                    help="the budget is the share alone, even under what merging every older "
+                         "message reaches: the ktm reading then has no row where it cannot fit "
+                         "(counted in its row's 'refused')")
     ap.add_argument("--presses", nargs="*",
                     default=["streaming_llm", "expected_attention", "knorm", "tova", "kvzip"])
     ap.add_argument("--history-presses", nargs="*", default=[],
@@ -138,8 +145,8 @@ def main() -> int:
     data = chats(base.tokenizer, args)
     readings = ["plain", "truncate", *args.presses, "ktm",
                 *(f"ktm+{p}" for p in args.history_presses)]
-    sums = {r: {"recall": [], "continuation": [], "positions": [], "kv": [], "cpu_s": 0.0}
-            for r in readings}
+    sums = {r: {"recall": [], "continuation": [], "positions": [], "kv": [], "cpu_s": 0.0,
+                "refused": 0} for r in readings}
     refs = {"recall": [], "continuation": []}
     for c in data:
         for q, (question, target) in c["questions"].items():
@@ -148,7 +155,9 @@ def main() -> int:
             # the budget, or the fewest positions the policy reaches (every older message
             # merged at the reader's K) where that is more: every reading at equal positions
             floor = positions(reader, pressed_layout(reader, msgs), merge=True)
-            budget = max(int(positions(base, full) * args.budget_share), floor)
+            budget = int(positions(base, full) * args.budget_share)
+            if not args.no_floor:
+                budget = max(budget, floor)
             none = nll(base, plain(base, without_file(msgs)), target, False)
             refs[q].append(none)
             for r in readings:
@@ -158,7 +167,11 @@ def main() -> int:
                 elif r == "truncate":
                     segs, model, merge, press = truncated(base, msgs, budget), base, False, None
                 elif r == "ktm":
-                    segs = ktm.chat_prompt(reader, msgs, history_budget=budget)
+                    try:
+                        segs = ktm.chat_prompt(reader, msgs, history_budget=budget)
+                    except KTMError:  # under what merging reaches (--no-floor)
+                        sums[r]["refused"] += 1
+                        continue
                     model, merge, press = reader, True, None
                 elif r.startswith("ktm+"):
                     segs = ktm.chat_prompt(reader, msgs, history_budget=budget, pressed=True)
@@ -185,10 +198,15 @@ def main() -> int:
     rows = []
     for r in readings:
         s = sums[r]
-        row = {"reading": r, "chats": len(data), "cpu_s": s["cpu_s"],
+        if not s["positions"]:
+            rows.append({"reading": r, "chats": len(data), "refused": s["refused"]})
+            continue
+        row = {"reading": r, "chats": len(data), "cpu_s": s["cpu_s"], "refused": s["refused"],
                "positions": sum(s["positions"]) / len(s["positions"]),
                "kv_kept": sum(s["kv"]) / len(s["kv"])}
         for q in ("recall", "continuation"):
+            if len(s[q]) != len(refs[q]):  # some chats refused: no R over the same chats
+                continue
             mine, top, none = (sum(s[q]), sum(sums["plain"][q]), sum(refs[q]))
             row[f"R_{q}"] = context_ratio(none, mine, top)
             row[f"nll_{q}"] = mine / len(s[q])
