@@ -508,6 +508,12 @@ def demo() -> str:
     return "\n".join(lines)
 
 
+def _chat_rows(rows: list[dict], note: str = "") -> list[str]:
+    return [f"| {r['reading']}{note} | {r['positions']:.0f} | {r['kv_kept']:.0%} | "
+            f"{r['R_recall']:.2f} | {r['R_continuation']:.2f} | {r['cpu_s']:.0f} |"
+            for r in rows]
+
+
 def history() -> str:
     """What each way of bounding a chat keeps of its first turn (``chat.json``), and the time
     to first token per turn with the history policy, prefix cache on and off (``ttft.json``)."""
@@ -520,9 +526,23 @@ def history() -> str:
            f"{rows[0]['git'][:7]}.", "",
            "| reading | positions read | KV kept | recall R (turn 1) | continuation R (turn 1) "
            "| CPU s |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['reading']} | {r['positions']:.0f} | {r['kv_kept']:.0%} | "
-                   f"{r['R_recall']:.2f} | {r['R_continuation']:.2f} | {r['cpu_s']:.0f} |")
+    out += _chat_rows(rows)
+    pressed = HISTORY / "chat-press.json"
+    if pressed.exists():  # the history policy pressing instead of merging, at the same budgets
+        more = json.loads(pressed.read_text())
+        out += _chat_rows([r for r in more if r["reading"].startswith("ktm+")],
+                          f" (`chat-press.json`, revision {more[0]['git'][:7]})")
+    quarter = HISTORY / "chat-quarter.json"
+    if quarter.exists():
+        more = json.loads(quarter.read_text())
+        refused = next((r for r in more if r["reading"] == "ktm"), {}).get("refused", 0)
+        out += ["", f"The same chats within {more[0]['config']['budget_share']:.0%} of the full "
+                    f"chat's positions, under what merging reaches (it refuses {refused} of "
+                    f"{2 * more[0]['chats']} readings there; `chat-quarter.json`, revision "
+                    f"{more[0]['git'][:7]}):", "",
+                "| reading | positions read | KV kept | recall R (turn 1) | continuation R "
+                "(turn 1) | CPU s |", "|---|---|---|---|---|---|"]
+        out += _chat_rows([r for r in more if "positions" in r])
     path = HISTORY / "ttft.json"
     if path.exists():
         turns = json.loads(path.read_text())
