@@ -31,7 +31,9 @@ a newer transformers and installs kvpress beside it with ``--no-deps``, as vLLM'
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,6 +155,12 @@ class PressConfig:
     def to_dict(self) -> dict:
         return {"name": self.name, "ratio": self.ratio}
 
+    def fewest(self) -> int:
+        """The fewest pressable positions the press presses (more than SnapKV's window or
+        than the sinks StreamingLLM and ExpectedAttention keep, kvpress's own checks); a
+        prompt with fewer is read unpressed."""
+        return _fewest(self.name)
+
     def kept(self, n: int) -> int:
         """Positions of ``n`` pressable ones a press keeps (kvpress's own rounding)."""
         return int(n * (1 - self.ratio))
@@ -175,6 +183,16 @@ class PressConfig:
         if wrapper:
             press = getattr(kvpress, WRAPPERS[wrapper])(press=press)
         return press
+
+
+@functools.cache
+def _fewest(name: str) -> int:
+    if name in REPLAYS:
+        return 1
+    press = PressConfig(name).make()
+    inner = getattr(press, "press", press)  # a wrapper's own press
+    return 1 + max(int(getattr(inner, "window_size", 0) or 0),
+                   int(getattr(inner, "n_sink", 0) or 0))
 
 
 class Replay(NamedTuple):
@@ -385,6 +403,13 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
                        "presses full-attention caches; expected a model whose every layer "
                        "attends to the whole context, or no press")
     hidden = None
+    if 0 < split < press.fewest():
+        # too few rows for the press (an evaluation's shortest contexts, a server's short
+        # request): read whole, their KV kept (``kept_positions`` counts them so), said once
+        warnings.warn(f"press {press.name} leaves prompts of fewer than {press.fewest()} "
+                      "pressable positions unpressed (read whole, their KV kept)", UserWarning,
+                      stacklevel=2)
+        split = 0
     if split > 0:
         one = torch.ones(1, split, dtype=torch.long, device=embeds.device)
         replay = _replay(model, cp, split, cache, int(pos[split - 1]) + 1, via) if (
@@ -465,7 +490,7 @@ def pressed_targets(model, prefixes, targets: list[list[int]], press: PressConfi
 def kept_positions(cp, press: PressConfig | None) -> int:
     """Positions of a prefix (``CompressedPrompt``) whose KV a press leaves in the cache."""
     split = min(cp.pressable, cp.tokens_out - 1)
-    if press is None or split <= 0:
+    if press is None or split <= 0 or split < press.fewest():
         return cp.tokens_out
     return cp.tokens_out - split + press.kept(split)
 

@@ -169,10 +169,18 @@ def test_task_rows_count_the_kv_a_press_keeps(tiny_model_dir):
     assert want < plain[0]["tokens_after"] == pressed[0]["tokens_after"]
 
 
-def test_kvpress_refusals_are_named(tiny_model_dir):
+def test_a_prompt_too_short_for_a_press_is_read_whole_and_counted_so(tiny_model_dir):
+    """SnapKV presses more rows than its 64-row window, StreamingLLM more than its sinks: a
+    shorter prompt is read unpressed (said once), and its KV is counted as kept."""
     model = fresh_model(tiny_model_dir, k=1, press="snapkv", press_ratio=0.5)
-    with pytest.raises(KTMError, match="press snapkv cannot press .* window"):
-        model.generate([Segment("short text"), Segment("Q:", compress=False)])
+    prompt = [Segment("short text"), Segment("Q:", compress=False)]
+    with pytest.warns(UserWarning, match="snapkv leaves prompts of fewer than 65"):
+        pressed = model.generate(prompt, max_new_tokens=4)
+    cp = model.compress(prompt)
+    assert kept_positions(cp, model.runtime.press) == cp.tokens_out
+    model.use_press(None)
+    assert pressed == model.generate(prompt, max_new_tokens=4)
+    assert PressConfig("streaming_llm").fewest() == 5 and PressConfig("knorm").fewest() == 1
 
 
 def test_use_cache_off_is_refused_under_a_press(tiny_model_dir):
