@@ -97,9 +97,9 @@ def _plain(ids: list[int]):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--readers", nargs="+", default=["smollm2-135m-k4-seq", "smollm2-135m-k4"])
-    ap.add_argument("--n", type=int, default=6, help="windows of held-out code")
+    ap.add_argument("--n", type=int, default=3, help="windows of held-out code")
     ap.add_argument("--prompt-tokens", type=int, default=256)
-    ap.add_argument("--answer-tokens", type=int, default=384)
+    ap.add_argument("--answer-tokens", type=int, default=256)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--presses", nargs="*", default=["knorm", "streaming_llm"])
     ap.add_argument("--seed", type=int, default=0)
