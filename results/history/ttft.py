@@ -9,6 +9,8 @@ as chat clients send it. Rows (one per setting and turn) go to ``--out`` with th
 versions and revision.
 
     python results/history/ttft.py --out results/history/ttft.json
+    python results/history/ttft.py --history-press knorm --cache-mb 512 \
+        --out results/history/ttft-press.json
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def main() -> int:
     ap.add_argument("--filler-tokens", type=int, default=128)
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--history-budget", type=int, default=768)
+    ap.add_argument("--history-press", default=None,
+                    help="the server's --history-press (the older messages pressed, not merged)")
+    ap.add_argument("--cache-mb", type=float, nargs="+", default=[512.0, 0.0],
+                    help="prefix cache sizes, a server each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
@@ -75,10 +81,11 @@ def main() -> int:
         model.tokenizer, ["stdlib"], args.turns, args.seed,
         spec=read_spec(args.filler_tokens))["stdlib"]]
     rows = []
-    for cache_mb in (512.0, 0.0):
+    for cache_mb in args.cache_mb:
         cfg = ServeConfig(model=args.reader, served_name="chat", log_level="warning",
                           history_budget=args.history_budget, prefix_cache_mb=cache_mb,
-                          max_tokens_limit=args.answer_tokens, batch_window_ms=0)
+                          max_tokens_limit=args.answer_tokens, batch_window_ms=0,
+                          history_press=args.history_press)
         for row in run_chat(model, cfg, files, args.answer_tokens):
             rows.append({"prefix_cache_mb": cache_mb, **row})
     write_json_atomic(args.out, stamped(rows, {k: v for k, v in vars(args).items()
