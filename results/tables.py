@@ -53,6 +53,8 @@ PRESS_SPEED = RESULTS / "presses" / "speed.json"
 PRESS_HEADLINE = {0.5: "k2", 0.75: "k4"}
 # long chats at a bounded number of positions (results/history/chat_bench.py, ttft.py)
 HISTORY = RESULTS / "history"
+# long answers, merged as they grow (results/generation/long_answers.py)
+LONG_ANSWERS = RESULTS / "generation" / "long_answers.json"
 # the shipped readers and the pretraining run each was packed from (results/readers/)
 SHIPPED_READERS = {"smollm2-135m-k2": "k2", "smollm2-135m-k4": "k4e",
                    "smollm2-135m-k2-seq": "k2s", "smollm2-135m-k4-seq": "k4s2"}
@@ -564,13 +566,32 @@ def history() -> str:
     return "\n".join(out)
 
 
+def long_answers() -> str:
+    """Long answers at a bounded KV (``long_answers.json``): merging the answer as it grows
+    beside the full cache, truncation at the same KV and kvpress's DecodingPress."""
+    rows = json.loads(LONG_ANSWERS.read_text())
+    cfg = rows[0]["config"]
+    out = [f"{rows[0]['windows']} held-out code windows: a {cfg['prompt_tokens']}-token prompt "
+           f"read plain, then its next {cfg['answer_tokens']} tokens fed back one by one; "
+           f"merge window {cfg['window']}; NLL over the answer tokens after the first "
+           f"{cfg['window']}; revision {rows[0]['git'][:7]}.", "",
+           "| reader | reading | mean KV | final KV | NLL / token | R vs truncation | CPU s |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| `{r['reader']}` | {r['reading']} | {r['mean_kv']:.0f} | "
+                   f"{r['final_kv']:.0f} | {r['nll']:.3f} | {r['R_vs_truncate']:.2f} | "
+                   f"{r['cpu_s']:.0f} |")
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "press_tasks": press_tasks, "history": history,
                                         "readers": readers, "bench": bench, "demo": demo,
                                         "llamacpp": llamacpp, "llamacpp_r": llamacpp_r,
                                         "context": context, "serve_llamacpp": serve_llamacpp,
                                         "vllm": vllm, "serve_vllm": serve_vllm,
-                                        "determinism": determinism, "vllm_r": vllm_r}
+                                        "determinism": determinism, "vllm_r": vllm_r,
+                                        "long_answers": long_answers}
 
 
 def render(text: str, page: Path) -> str:
