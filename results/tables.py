@@ -557,6 +557,9 @@ def history() -> str:
                 "(turn 1) | CPU s |", "|---|---|---|---|---|---|"]
         out += _chat_rows([r for r in more if "positions" in r])
     path = HISTORY / "ttft.json"
+    pressed_path = HISTORY / "ttft-press.json"
+    pressed_ttft = ({t["turn"]: t for t in json.loads(pressed_path.read_text())}
+                    if pressed_path.exists() else {})
     if path.exists():
         turns = json.loads(path.read_text())
         cfg = turns[0]["config"]
@@ -566,14 +569,23 @@ def history() -> str:
                     f"revision {turns[0]['git'][:7]}): time to first token, positions read and "
                     "rows the prefix cache served.", "",
                 "| turn | prompt tokens | positions | TTFT s, cache on | rows served | "
-                "TTFT s, cache off |", "|---|---|---|---|---|---|"]
+                "TTFT s, cache off |" + (" TTFT s, pressed |" if pressed_ttft else ""),
+                "|---|---|---|---|---|---|" + ("---|" if pressed_ttft else "")]
         on = [t for t in turns if t["prefix_cache_mb"] > 0]
         off = {t["turn"]: t for t in turns if t["prefix_cache_mb"] == 0}
         for t in on:
-            o = off.get(t["turn"])
+            o, p = off.get(t["turn"]), pressed_ttft.get(t["turn"])
             out.append(f"| {t['turn']} | {t['prompt_tokens']} | {t['positions']} | "
                        f"{t['ttft_s']:.2f} | {t['cached_rows']} | "
-                       f"{'–' if o is None else format(o['ttft_s'], '.2f')} |")
+                       f"{'–' if o is None else format(o['ttft_s'], '.2f')} |"
+                       + (f" {'–' if p is None else format(p['ttft_s'], '.2f')} |"
+                          if pressed_ttft else ""))
+        if pressed_ttft:
+            first = next(iter(pressed_ttft.values()))
+            out += ["", f"Pressed: the same server with `--history-press "
+                        f"{first['config']['history_press']}` (the older messages read plain "
+                        f"and pressed to the budget, every turn read whole; `ttft-press.json`, "
+                        f"revision {first['git'][:7]})."]
     return "\n".join(out)
 
 
