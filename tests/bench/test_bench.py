@@ -69,10 +69,22 @@ def infer_rows(tiny_model_dir, tmp_path_factory):
     {"presses": ("knorm",)}, {"presses": ("nope=0.5",)}, {"presses": ("knorm=1.5",)},
     {"presses": ("knorm=0.5",), "mode": "train"},
     {"presses": ("knorm=0.5",), "backends": ("llamacpp",)},
+    {"compile": ("fast",)}, {"compile": ()}, {"compile": ("on",), "mode": "train"},
 ])
 def test_config_rejects_bad_values(kw):
     with pytest.raises(KTMError):
         BenchConfig(**kw)
+
+
+def test_compile_modes_time_each_torch_method_both_ways():
+    from ktm.bench.bench import methods_of
+
+    cfg = BenchConfig(ks=(4,), compile=("off", "on"), backends=("torch", "llamacpp"))
+    keys = [m.key for m in methods_of(cfg)]
+    assert keys == ["uncompressed+compile=off", "uncompressed+compile=on",
+                    "K=4,r=2.0+compile=off", "K=4,r=2.0+compile=on",
+                    "uncompressed@llamacpp", "K=4,r=2.0@llamacpp"]
+    assert [m.key for m in methods_of(BenchConfig(ks=(4,)))] == ["uncompressed", "K=4,r=2.0"]
 
 
 def test_quick_preset_only_fills_options_left_at_default():
