@@ -304,12 +304,19 @@ def prefill(model, prefixes, use_cache: bool = True, room: int = 0) -> DecodeSta
 
 
 @torch.no_grad()
-def advance(model, state: DecodeState, tokens: torch.Tensor) -> None:
-    """Feed one (B,) token per row; updates ``state`` in place (cached: one position each)."""
+def advance(model, state: DecodeState, tokens: torch.Tensor, compiled=None) -> None:
+    """Feed one (B,) token per row; updates ``state`` in place (cached: one position each).
+    ``compiled``: the runtime's ``ktm.decode.compiled.CompiledStep``, which steps a batch moved
+    onto its static cache (``state.static_mask``; that mask already spans every later step)."""
     step = model.input_embedding(tokens)[:, None]
-    state.mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], dim=1)
     last = state.pos[:, -1:] + 1
     with eval_mode(model):
+        if state.static_mask is not None:
+            state.pos = last
+            state.logits = compiled.step(state.via if state.via is not None else model.peft,
+                                         state, step, last)
+            return
+        state.mask = torch.cat([state.mask, state.mask.new_ones(state.mask.shape[0], 1)], dim=1)
         if state.cache is not None:
             state.pos = last
             with hiding(state.via if state.via is not None else model.peft.get_base_model(),

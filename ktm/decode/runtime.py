@@ -118,13 +118,18 @@ class TorchRuntime:
         """Graphs the compiled decode step has compiled (0: it never ran)."""
         return 0 if self._step is None else self._step.compiles
 
+    def _compiles(self, sampling) -> bool:
+        """Whether a batch decoding with ``sampling`` (its rows' ``GenerationConfig``s) moves
+        onto the compiled step: ``compile`` resolves on for this device, and no row merges its
+        answer (the cache then changes length)."""
+        return (bool(sampling) and compiled.resolve(self._compile, self.model.device)
+                and not any(cfg.merge_window for cfg in sampling))
+
     def _go_static(self, state: DecodeState, sampling) -> None:
         """Move a prefilled batch onto the compiled step's static cache where ``compile``
-        says so: "on" always (a batch it cannot take is refused by name), "auto" where it
-        pays and the batch allows."""
-        if not sampling or not compiled.resolve(self._compile, self.model.device):
-            return
-        if any(cfg.merge_window for cfg in sampling):  # the cache changes length: eager
+        says so (``_compiles``): "on" always (a batch it cannot take is refused by name),
+        "auto" where the batch allows."""
+        if not self._compiles(sampling):
             return
         if self._compile == "auto" and compiled.refusal(state) is not None:
             return
@@ -166,9 +171,8 @@ class TorchRuntime:
             return state
         if not joinable:
             use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
-            static = (use_cache and compiled.resolve(self._compile, self.model.device)
-                      and not any(cfg.merge_window for cfg in sampling or ()))
             # a batch that goes static is copied once: no room kept for it here
+            static = use_cache and self._compiles(sampling)
             room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling and not static else 0
             state = prefill(self.model, prefixes, use_cache, room=room)
             state.reused = [0] * len(prefixes)
@@ -259,14 +263,7 @@ class TorchRuntime:
             merge_generated(self.model, state, ids, plain)
 
     def advance(self, state: DecodeState, tokens: torch.Tensor) -> None:
-        if state.static_mask is None:
-            advance(self.model, state, tokens)
-            return
-        state.pos = state.pos[:, -1:] + 1
-        lm = state.via if state.via is not None else self.model.peft
-        with torch.no_grad(), eval_mode(self.model):
-            step = self.model.input_embedding(tokens)[:, None]
-            state.logits = self._step.step(lm, state, step, state.pos)
+        advance(self.model, state, tokens, self._step)
 
     def join(self, a: DecodeState, b: DecodeState) -> DecodeState:
         out = join(a, b)
