@@ -303,12 +303,10 @@ class PromptEncoder:
         mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
                             device=device, dtype=torch.bool)
         embeds = self.embed(ids)
-        cast = None if embeds.dtype == torch.float32 else cast_for_inference(encoder,
-                                                                              embeds.dtype)
         if embeds.dtype == torch.float32:
             merged, _ = encoder(embeds, mask)
-        elif cast is not None:  # an encoder that does not train, held in the LM's dtype
-            merged, _ = cast(embeds, mask)
+        elif (cast := cast_for_inference(encoder, embeds.dtype)) is not None:
+            merged, _ = cast(embeds, mask)  # an encoder that does not train, in the LM's dtype
         else:
             # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
             with torch.autocast(device.type, dtype=embeds.dtype):
