@@ -120,20 +120,14 @@ def request_press(runtime, ext: KtmOptions, history=None):
     """The KV press a request is read with: its ``ktm`` field's (``press``, ``press_ratio``;
     ``"none"``: none), else the server's ``--press``; ``history``: the press a chat's history
     is read with to fit its budget (``chat_reading``), which excludes another."""
-    from ktm.decode.press import PressConfig, import_kvpress, press_refusal
+    from ktm.decode.press import PressConfig
 
     if history is not None:
         if ext.press is not None or ext.press_ratio is not None:
             raise RequestError(f"ktm.press and the history press {history.name} both press this "
                                "chat's older part: expected one (ktm.history_press \"none\" "
                                "merges the history instead)", param="ktm.press")
-        try:
-            if not hasattr(runtime, "use_press"):
-                raise KTMError(press_refusal(runtime.name, history.name))
-            import_kvpress()
-        except KTMError as e:
-            raise RequestError(str(e), param="ktm.history_press") from None
-        return history
+        return _pressing(runtime, history.name, history.ratio, "ktm.history_press")
     server = getattr(runtime, "press", None)
     if ext.press is None and ext.press_ratio is None:
         return server
@@ -145,13 +139,21 @@ def request_press(runtime, ext: KtmOptions, history=None):
         return None
     ratio = ext.press_ratio if ext.press_ratio is not None else (
         server.ratio if server is not None else PressConfig.ratio)
+    return _pressing(runtime, name, ratio, "ktm.press")
+
+
+def _pressing(runtime, name: str, ratio: float, param: str):
+    """The press ``name`` at ``ratio``, once this server can read with it (a known press, a
+    runtime with presses, kvpress installed); a 400 naming ``param`` if not."""
+    from ktm.decode.press import PressConfig, import_kvpress, press_refusal
+
     try:
         cfg = PressConfig(name, ratio)
         if not hasattr(runtime, "use_press"):
-            raise KTMError(press_refusal(runtime.name, name))
+            raise KTMError(press_refusal(runtime.name, cfg.name))
         import_kvpress()
     except KTMError as e:
-        raise RequestError(str(e), param="ktm.press") from None
+        raise RequestError(str(e), param=param) from None
     return cfg
 
 
