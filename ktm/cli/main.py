@@ -58,6 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ktm.compressors.record import resolve
     from ktm.core.prompt import Segment, as_segments
     from ktm.decode.generate import GenerationConfig
+    from ktm.serving.history import check_history_press
 
     # the options and the prompt are checked before the model is loaded (seconds, or minutes)
     if (args.prompt is None) == (args.chat is None):
@@ -68,12 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        "(\"ktm\": {\"merge\": false}) or its history budget")
     if args.history_budget is not None and args.chat is None:
         raise KTMError("--history-budget reads a chat: expected --chat FILE.jsonl")
-    if args.history_press is not None and args.history_budget is None:
-        raise KTMError(f"--history-press {args.history_press} presses a chat's history to its "
-                       "budget: expected --chat FILE.jsonl and --history-budget N")
-    if args.history_press is not None and args.press is not None:
-        raise KTMError(f"--press {args.press} and --history-press {args.history_press}: "
-                       "expected one (both press the prompt's older part)")
+    check_history_press(args.history_press, args.history_budget, args.press)
     messages = read_chat_file(args.chat) if args.chat is not None else None
     segments = None if messages is not None else list(as_segments(
         [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]))

@@ -8,6 +8,7 @@ from pathlib import Path
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.errors import KTMError
+from ktm.serving.history import check_history_press
 from ktm.util.field_types import check_at_least
 
 
@@ -92,15 +93,10 @@ class ServeConfig:
             from ktm.decode.press import PressConfig
 
             PressConfig(self.press, self.press_ratio)  # refused now, by name
+        check_history_press(self.history_press, self.history_budget, self.press)
         if self.history_press is not None:
             from ktm.decode.press import PressConfig, press_refusal
 
-            if self.history_budget is None:
-                raise KTMError(f"--history-press {self.history_press} presses a chat's history "
-                               "to its budget: expected --history-budget N too")
-            if self.press is not None:
-                raise KTMError(f"--press {self.press} and --history-press {self.history_press}: "
-                               "expected one (both press the prompt's older part)")
             if self.backend != "torch":
                 raise KTMError(press_refusal(self.backend, self.history_press))
             PressConfig(self.history_press)  # refused now, by name

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ktm.errors import KTMError
 from ktm.serving.protocol import RequestError
 
 # roles whose messages the policy never merges: the instructions every turn reads
@@ -36,6 +37,20 @@ KEPT_ROLES = ("system", "developer")
 # with the one before (whose KV is kept); it merges at most this share of the budget more
 # than needed
 BLOCK_SHARE = 0.5
+
+
+def check_history_press(history_press: str | None, budget: int | None,
+                        press: str | None) -> None:
+    """Refuse a history press without a budget to press to, or beside a press of the whole
+    prompt (both would press its older part); ``ktm serve`` and ``ktm generate --chat`` alike."""
+    if history_press is None:
+        return
+    if budget is None:
+        raise KTMError(f"--history-press {history_press} presses a chat's history to its "
+                       "budget: expected --history-budget N too")
+    if press is not None:
+        raise KTMError(f"--press {press} and --history-press {history_press}: expected one "
+                       "(both press the prompt's older part)")
 
 
 def eligible_messages(roles: Sequence[str], marked: Sequence[bool]) -> list[int]:
