@@ -1,9 +1,10 @@
 """Generation: prefill the compressed prefix once, then decode token by token with the KV cache.
 
-``prefill`` and ``advance`` are the only places the LM is called while decoding, and
-``decode_steps`` is the single loop every entry point uses (generate, stream, the demo's and the
-benchmark's timings); it yields one token per row and step, so streaming, batching and future
-variants (e.g. merging generated tokens) hook in at one place.
+``prefill`` and ``advance`` (compiled or not) are the only places the LM is called while
+decoding, besides a merge window's re-read (``ktm.decode.merge_generated``), and ``Decoding`` is
+the one step loop: ``decode_steps``, which every entry point uses (generate, stream, the demo's
+and the benchmark's timings), and the server's continuous batching step through it, one token
+per row and step, so streaming, batching and merging generated tokens hook in at one place.
 """
 
 from __future__ import annotations
