@@ -29,8 +29,8 @@ import sys
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import DynamicLayer
 
+from ktm.decode.generate import windowed_layers
 from ktm.errors import KTMError
 
 COMPILE_MODES = ("auto", "off", "on")
@@ -66,10 +66,9 @@ def refusal(state) -> str | None:
     applied by patching attention, which a compiled step does not see."""
     if state.cache is None:
         return "the batch decodes without a KV cache (use_cache=False)"
-    kinds = {type(layer).__name__ for layer in state.cache.layers
-             if not isinstance(layer, DynamicLayer) or getattr(layer, "sliding_window", None)}
+    kinds = windowed_layers(state.cache)
     if kinds:
-        return f"its cache has layers other than full attention ({', '.join(sorted(kinds))})"
+        return f"its cache has layers other than full attention ({', '.join(kinds)})"
     if state.hidden is not None:
         return "a head-wise KV press hides keys per head"
     return None

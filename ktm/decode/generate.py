@@ -268,6 +268,15 @@ def kv_cache(model, room: int = 0) -> DynamicCache:
     return cache
 
 
+def windowed_layers(cache) -> list[str]:
+    """The kinds of ``cache``'s layers that do not hold every position read (sliding-window
+    and the like), by name; empty: full attention throughout, what a cache that changes
+    length or moves (a static copy, a merged answer) needs."""
+    return sorted({type(layer).__name__ for layer in cache.layers
+                   if not isinstance(layer, DynamicLayer)
+                   or getattr(layer, "sliding_window", None)})
+
+
 @dataclass
 class DecodeState:
     """A batch being decoded: what the LM has read so far and its next-token logits (B, V)."""

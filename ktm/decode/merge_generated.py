@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from ktm.decode.generate import windowed_layers
 from ktm.errors import KTMError
 
 
@@ -64,10 +64,10 @@ def merge_generated(model, state, ids: torch.Tensor, plain: int) -> None:
         raise KTMError("merging generated tokens needs the eager KV cache (use_cache on, no "
                        "head-wise press, compile off)")
     layers = state.cache.layers
-    if not all(isinstance(layer, DynamicLayer) and not getattr(layer, "sliding_window", None)
-               for layer in layers):
+    kinds = windowed_layers(state.cache)
+    if kinds:
         raise KTMError("merging generated tokens needs full-attention KV cache layers, this "
-                       f"model has {sorted({type(x).__name__ for x in layers})}")
+                       f"model's cache has {kinds}")
     total = state.mask.shape[1]
     start = total - plain  # the first plain generated token's column
     c = m // k
