@@ -535,7 +535,7 @@ def utilisation(model, encoder, batch: int, row: dict, config: BenchConfig) -> d
 # ---------------------------------------------------------------- entry points
 COLUMNS = {
     "infer": [("method", "{}"), ("backend", "{}"), ("k", "{}"), ("ratio", "{:g}"),
-              ("press", "{}"),
+              ("press", "{}"), ("compile", "{}"),
               ("mlp_ratio", "{}"),
               ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"),
               ("encoder_s", "{:.3f}"),

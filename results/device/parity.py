@@ -3,8 +3,9 @@
     python results/device/parity.py OUT.json [--device cuda] [-- PYTEST_ARGS]
 
 Each dtype runs in a process of its own (``KTM_TEST_DEVICE``, ``KTM_TEST_DTYPE``: tests/helpers.py)
-over the suites below; the record holds every case's outcome, the failures' messages, and the
-device, versions and source revision (``KTM_SOURCE_REVISION`` where the copy has no .git).
+over the suites below, the two at once; the record holds every case's outcome, the failures'
+messages, and the device, versions and source revision (``KTM_SOURCE_REVISION`` where the copy
+has no .git).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
 SUITES = ("tests/test_layout_parity.py", "tests/core/test_context_on_device.py",
-          "tests/test_on_device.py")
+          "tests/test_on_device.py", "tests/decode/test_compiled.py")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -75,7 +77,8 @@ def main() -> int:
         "transformers": transformers.__version__, "peft": peft.__version__,
         "git_revision": os.environ.get("KTM_SOURCE_REVISION"),
         "timestamp": datetime.now(UTC).isoformat(),
-        "by_dtype": {dt: run(args.device, dt, args.pytest_args) for dt in DTYPES},
+        "by_dtype": dict(zip(DTYPES, ThreadPoolExecutor(len(DTYPES)).map(
+            lambda dt: run(args.device, dt, args.pytest_args), DTYPES))),
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for dt, r in record["by_dtype"].items():

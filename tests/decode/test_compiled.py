@@ -16,11 +16,11 @@ def _decode(model, prompts, n: int):
     runtime = model.runtime
     with torch.no_grad():
         state = runtime.prefill(model.encode_prompts(prompts), [cfg] * len(prompts))
-        logits, tokens = [state.logits.clone()], []
-        for i, tok in enumerate(decode_steps(model, None, cfg, state=state)):
+        logits, tokens = [], []
+        # at each yield the state's logits are still those its token was picked from
+        for tok in decode_steps(model, None, cfg, state=state):
             tokens.append(tok)
-            if i + 1 < n:
-                logits.append(state.logits.clone())
+            logits.append(state.logits.clone())
     return torch.stack(tokens, 1), logits, state
 
 
@@ -35,15 +35,19 @@ def test_compiled_decode_equals_eager_and_compiles_once_per_shape(tiny_model_dir
     model.runtime.compile = "on"
     tokens, logits, state = _decode(model, PROMPTS, 10)
     assert state.static_mask is not None and state.static_mask.shape[1] == compiled.MIN_BUCKET
-    assert torch.equal(tokens, eager_tokens)  # greedy, the same tokens
-    for a, b in zip(logits, eager_logits):
-        close(a, b)
+    _same_up_to_a_near_tie(tokens, logits, eager_tokens, eager_logits)
     assert model.runtime.compiles >= 1
     before = model.runtime.compiles
     # other prompts of the same batch size and bucket: the step is not compiled again
-    again, _, _ = _decode(model, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], 6)
+    again, again_logits, again_state = _decode(model, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], 6)
     assert model.runtime.compiles == before
-    assert torch.equal(again, _decode_eager(model, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], 6))
+    # ... and reads the same static cache (CUDA graphs replay over the buffers they recorded),
+    # so the earlier batch, whose cache was taken over, is refused rather than read over it
+    assert again_state.cache is state.cache
+    with pytest.raises(KTMError, match="taken over by a later batch"):
+        model.runtime.advance(state, tokens[:, -1])
+    _same_up_to_a_near_tie(again, again_logits,
+                           *_decode_eager(model, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], 6))
     assert model.runtime.record()["compiled"] == {"mode": "on", "compiles": before}
     # a batch decoded without a cache stays eager under "on"
     assert model.generate(PROMPTS[0], max_new_tokens=3, use_cache=False) == model.generate(
@@ -53,9 +57,25 @@ def test_compiled_decode_equals_eager_and_compiles_once_per_shape(tiny_model_dir
 def _decode_eager(model, prompts, n: int) -> torch.Tensor:
     mode, model.runtime.compile = model.runtime.compile, "off"
     try:
-        return _decode(model, prompts, n)[0]
+        return _decode(model, prompts, n)[:2]
     finally:
         model.runtime.compile = mode
+
+
+def _same_up_to_a_near_tie(tokens, logits, want_tokens, want_logits) -> None:
+    """Row by row, greedy tokens equal and logits close (the dtype's tolerance) up to the first
+    step whose eager top-2 margin is within twice that step's largest logit difference, where a
+    rounding may tip the pick (in fp32 on the CPU: none, the tokens are equal throughout)."""
+    for r in range(tokens.shape[0]):
+        for i in range(tokens.shape[1]):
+            got, want = logits[i][r].double(), want_logits[i][r].double()
+            close(got, want)
+            if tokens[r, i] != want_tokens[r, i]:
+                top = want.topk(2).values
+                assert top[0] - top[1] <= 2 * (got - want).abs().max(), (
+                    f"row {r} step {i}: {int(tokens[r, i])} against eager's "
+                    f"{int(want_tokens[r, i])} with a margin of {float(top[0] - top[1]):.3g}")
+                break
 
 
 def test_compile_settings_are_checked(ktm_model):
