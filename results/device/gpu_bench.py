@@ -10,6 +10,7 @@ Each part is ``ktm.bench.bench.run_bench`` on one model built once, and writes i
     batch16   16 prompts of 4k tokens, 16 out each: requests per second
     compiled  4k in, 128 out, batch 1, each method decoded eager and compiled (ktm bench
               --compile off on: a static cache and CUDA graphs), interleaved
+    batch16-compiled  batch16, each method decoded eager and compiled
     train     ktm bench --mode train at Qwen2.5-0.5B's shape: tokens/s and MFU, plain vs K=4
 
 and ``gpu-7b-kernel-time.json``: the wall time of a prefill against the GPU's time in kernels
@@ -45,6 +46,7 @@ PARTS = {
     "compiled": replace(SEVEN_B, ks=(4,), lengths=(4096,), output_tokens=128, repeats=3,
                         compile=("off", "on")),
 }
+PARTS["batch16-compiled"] = replace(PARTS["batch16"], compile=("off", "on"))
 TRAIN = BenchConfig(mode="train", shape="qwen2.5-0.5b", ks=(4,), lengths=(1024, 4096),
                     batch_sizes=(8,), device="cuda", dtype="bfloat16", repeats=5,
                     progress=False)
