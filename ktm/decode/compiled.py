@@ -21,11 +21,16 @@ replay only over the buffers they were recorded with, so a fresh cache per reque
 the graph again each time. A batch whose cache a later batch of its shape took over is refused by
 name rather than decoded over another's KV.
 
-Where it pays (``resolve``): measured on the CPU here, it does not (SmolLM2-135M, fp32, one
-thread, 2,048 positions: 84.7 ms a step against eager's 79.7; a CPU step is bound by reading
-the weights and the cache, not by launches), so ``auto`` is eager there. On CUDA ``auto`` also
-stays eager until the GPU table (``results/device/gpu_run.sh``) has measured the compiled step
-beside eager; ``on`` compiles on either.
+Where it pays (``resolve``), measured (``results/bench/README.md``):
+- On the CPU, never: SmolLM2-135M, fp32, one thread, 2,048 positions: 84.7 ms a step against
+  eager's 79.7; a CPU step is bound by reading the weights and the cache, not by launches.
+- On CUDA, for a batch of up to 64k cache positions (batch × bucket). Qwen2.5-Coder-7B's shape,
+  bf16, one H200: at batch 1 and 4k positions a step takes 6.5 ms against eager's 32.6 (5.0x),
+  3.8x at 1k; at batch 16, 1.8x over 1,280 positions, 1.4x over 2,560, and 0.78x over 5,120
+  (the GPU is then busy, and a bucket reads up to a quarter more positions than it fills).
+  Each new shape compiles once per process, 30 to 40 s at that size: an answer of a few hundred
+  tokens run once is faster with ``off``.
+``on`` compiles on every device.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from ktm.errors import KTMError
 
 COMPILE_MODES = ("auto", "off", "on")
 MIN_BUCKET = 256
-# where ``auto`` compiles: measured to pay (the module docstring); a device type not listed: no
-PAYS = {"cpu": False, "cuda": False}
+# where ``auto`` compiles (the module docstring): per device type, the most cache positions
+# (batch × bucket) a compiled step was measured to pay for; a device type not listed: none
+PAYS = {"cpu": 0, "cuda": 65536}
 
 
 def check_mode(mode: str) -> str:
@@ -51,10 +57,20 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def resolve(mode: str, device: torch.device) -> bool:
-    """Whether decoding on ``device`` compiles under ``mode`` (auto: where ``PAYS`` says)."""
+def resolve(mode: str, device: torch.device, positions: int | None = None) -> bool:
+    """Whether a batch of ``positions`` cache positions (``positions``: batch × bucket; None:
+    not known) decodes compiled on ``device`` under ``mode`` (auto: where ``PAYS`` says)."""
     check_mode(mode)
-    return mode == "on" or (mode == "auto" and PAYS.get(torch.device(device).type, False))
+    if mode != "auto":
+        return mode == "on"
+    limit = PAYS.get(torch.device(device).type, 0)
+    return positions is not None and 0 < positions <= limit
+
+
+def positions(batch: int, filled: int, new_tokens: int) -> int:
+    """The cache positions a batch of ``batch`` rows, ``filled`` positions each, with room for
+    ``new_tokens`` more, holds on the compiled step (what ``PAYS`` bounds)."""
+    return batch * bucket(filled + new_tokens)
 
 
 def bucket(n: int) -> int:

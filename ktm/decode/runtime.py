@@ -118,20 +118,25 @@ class TorchRuntime:
         """Graphs the compiled decode step has compiled (0: it never ran)."""
         return 0 if self._step is None else self._step.compiles
 
-    def _compiles(self, sampling) -> bool:
-        """Whether a batch decoding with ``sampling`` (its rows' ``GenerationConfig``s) moves
-        onto the compiled step: ``compile`` resolves on for this device, and no row merges its
-        answer (the cache then changes length)."""
-        return (bool(sampling) and compiled.resolve(self._compile, self.model.device)
-                and not any(cfg.merge_window for cfg in sampling))
+    def _compiles(self, sampling, rows: int, filled: int) -> bool:
+        """Whether a batch of ``rows`` rows of ``filled`` positions decoding with ``sampling``
+        (its rows' ``GenerationConfig``s) moves onto the compiled step: ``compile`` resolves on
+        for this device and size, and no row merges its answer (the cache then changes
+        length)."""
+        if not sampling or any(cfg.merge_window for cfg in sampling):
+            return False
+        new = max(cfg.max_new_tokens for cfg in sampling)
+        return compiled.resolve(self._compile, self.model.device,
+                                compiled.positions(rows, filled, new))
 
     def _go_static(self, state: DecodeState, sampling) -> None:
         """Move a prefilled batch onto the compiled step's static cache where ``compile``
         says so (``_compiles``): "on" always (a batch it cannot take is refused by name),
         "auto" where the batch allows."""
-        if not self._compiles(sampling):
-            return
         if self._compile == "auto" and compiled.refusal(state) is not None:
+            return
+        # the batch's mask has a column per cache position
+        if not self._compiles(sampling, *state.mask.shape):
             return
         if self._step is None:
             self._step = compiled.CompiledStep(self.model.lm_config, self.model.device)
@@ -172,7 +177,8 @@ class TorchRuntime:
         if not joinable:
             use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
             # a batch that goes static is copied once: no room kept for it here
-            static = use_cache and self._compiles(sampling)
+            static = use_cache and self._compiles(
+                sampling, len(prefixes), max((cp.tokens_out for cp in prefixes), default=0))
             room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling and not static else 0
             state = prefill(self.model, prefixes, use_cache, room=room)
             state.reused = [0] * len(prefixes)

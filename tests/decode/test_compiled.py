@@ -30,8 +30,9 @@ def test_compiled_decode_equals_eager_and_compiles_once_per_shape(tiny_model_dir
     model = fresh_model(tiny_model_dir, device=DEVICE, dtype=DTYPE)
     perturb(model)
     model.requires_grad_(False)
+    model.runtime.compile = "off"
     eager_tokens, eager_logits, eager_state = _decode(model, PROMPTS, 10)
-    assert eager_state.static_mask is None  # auto: eager where compiling was not measured to pay
+    assert eager_state.static_mask is None
     model.runtime.compile = "on"
     tokens, logits, state = _decode(model, PROMPTS, 10)
     assert state.static_mask is not None and state.static_mask.shape[1] == compiled.MIN_BUCKET
@@ -81,8 +82,19 @@ def _same_up_to_a_near_tie(tokens, logits, want_tokens, want_logits) -> None:
 def test_compile_settings_are_checked(ktm_model):
     with pytest.raises(KTMError, match="compile must be one of"):
         ktm_model.runtime.compile = "fast"
-    assert not compiled.resolve("auto", torch.device("cpu"))
+    # auto: where measured to pay; on CUDA, for batches of up to 64k cache positions
+    assert not compiled.resolve("auto", torch.device("cpu"), 512)
     assert compiled.resolve("on", torch.device("cpu"))
+    assert not compiled.resolve("off", torch.device("cuda"), 512)
+    assert compiled.resolve("auto", torch.device("cuda"), compiled.positions(1, 4096, 128))
+    assert compiled.resolve("auto", torch.device("cuda"), compiled.positions(16, 2048, 16))
+    assert not compiled.resolve("auto", torch.device("cuda"), compiled.positions(16, 4096, 16))
+    assert not compiled.resolve("auto", torch.device("cuda"))  # size not known
+    assert not compiled.resolve("auto", torch.device("mps"), 512)  # never measured
+    ktm_model.runtime.compile = "auto"  # on the CPU: eager
+    state = ktm_model.runtime.prefill(ktm_model.encode_prompts(PROMPTS[:1]),
+                                      [GenerationConfig(max_new_tokens=4)])
+    assert state.static_mask is None
     assert [compiled.bucket(n) for n in (1, 256, 257, 320, 2048, 2049, 2100, 4000)] == [
         256, 256, 320, 320, 2048, 2560, 2560, 4096]
 
