@@ -145,6 +145,12 @@ class PretrainConfig:
         "help": "--press: the share of the merged context's KV dropped, in [0, 1)"})
     press_share: float = field(default=0.5, metadata={
         "help": "--press: the share of lm and ae windows read pressed"})
+    chat_share: float = field(default=0.0, metadata={
+        "help": "the share of lm and ae windows read as a chat, as ktm serve reads a long one "
+                "(--history-budget): the context split into 2 to 6 messages of alternating "
+                "roles in the model's chat template, the oldest merged and the rest plain, then "
+                "a plain request to continue the text (lm) or to repeat one merged message "
+                "(ae)"})
     text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
     eval_sets: tuple[str, ...] = field(default=("reviews", "code"), metadata={
         "help": "held-out sets for the periodic readability R (none: skip)"})
@@ -183,6 +189,8 @@ class PretrainConfig:
             PressConfig(self.press, self.press_ratio)  # an unknown name or a bad ratio, now
         if not 0.0 <= self.press_share <= 1.0:
             raise KTMError(f"press_share must be in [0, 1], got {self.press_share!r}")
+        if not 0.0 <= self.chat_share <= 1.0:
+            raise KTMError(f"chat_share must be in [0, 1], got {self.chat_share!r}")
         self.signal_weights = parse_weights(self.mixed_signals, "allocator", ALLOCATORS)
         for name in ("distill_hidden", "align_weight"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
@@ -216,8 +224,14 @@ class WindowStream(Sequence):
 
     def __init__(self, docs: dict[str, list], cfg: PretrainConfig, length: int, seed: int,
                  eos: int | None, lead: Sequence[int] = (), per_step: int = 1,
-                 top_k: int = 1, plain: int = 0):
+                 top_k: int = 1, plain: int = 0, chat: Callable | None = None):
         self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
+        # chat_share: (ids -> text, messages -> segments), the model's tokenizer and chat
+        # template (``chat_window``)
+        self.chat = chat
+        if cfg.chat_share > 0 and chat is None:
+            raise KTMError("chat_share > 0 needs the model's tokenizer and chat template: "
+                           "expected chat=(decode, chat_prompt)")
         # windows per optimizer step (all processes'): objective_mix="step" draws one objective
         # for each run of per_step consecutive windows
         self.per_step = per_step
@@ -247,6 +261,8 @@ class WindowStream(Sequence):
                                        dict(cfg.signal_weights)]
         if cfg.press is not None:  # likewise
             self.signature["press"] = [cfg.press, cfg.press_ratio, cfg.press_share]
+        if cfg.chat_share > 0:  # likewise
+            self.signature["chat"] = cfg.chat_share
 
     def __len__(self) -> int:
         return self.length
@@ -285,7 +301,44 @@ class WindowStream(Sequence):
         if (self.cfg.press is not None and objective in ("lm", "ae")  # drawn last: likewise
                 and rng.random() < self.cfg.press_share):
             meta["press"] = True
+        if (self.cfg.chat_share > 0 and objective in ("lm", "ae") and "signal" not in meta
+                and rng.random() < self.cfg.chat_share):  # likewise
+            segments, target = chat_window(w, objective, rng, *self.chat, self.eos)
+            meta["chat"] = True
         return Example(segments, target, meta=meta)
+
+
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth")
+
+
+def chat_window(w, objective: str, rng: random.Random, decode: Callable, chat: Callable,
+                eos: int | None) -> tuple[tuple[Segment, ...], tuple[int, ...]]:
+    """Window ``w``'s context as a chat (``PretrainConfig.chat_share``): split at random into 2
+    to 6 messages (at least 8 tokens each) of alternating roles, user first, read through the
+    model's chat template (``chat``: messages -> segments, ``ktm.chat_prompt``); the oldest 1 to
+    all of them merged, the rest plain, as ``ktm serve`` reads a chat over its history budget.
+    A last user message, plain, asks to continue the text (lm: the target is the window's
+    continuation) or to repeat one merged message word for word (ae: that message's tokens,
+    then EOS)."""
+    ids, units = list(w.context), len(w.context) // 8
+    most = max(1, min(len(ORDINALS), units))  # a context under 16 tokens: one message
+    n = rng.randint(min(2, most), most)
+    bounds = [0, *(8 * c for c in sorted(rng.sample(range(1, units), n - 1))), len(ids)]
+    parts = [ids[a:b] for a, b in zip(bounds, bounds[1:])]
+    merged = rng.randint(1, n)
+    messages = [{"role": ("user", "assistant")[i % 2], "content": decode(part),
+                 **({} if i < merged else {"ktm": {"merge": False}})}
+                for i, part in enumerate(parts)]
+    if objective == "ae":
+        j = rng.randrange(merged)
+        ask, target = (f"Repeat the {ORDINALS[j]} message of this chat word for word.",
+                       tuple(parts[j]) + ((eos,) if eos is not None else ()))
+    else:
+        ask, target = "Continue the text where the last message stops.", tuple(w.target)
+    if messages[-1]["role"] == "user":  # roles alternate: an assistant turn between
+        messages.append({"role": "assistant", "content": "Noted.", "ktm": {"merge": False}})
+    messages.append({"role": "user", "content": ask, "ktm": {"merge": False}})
+    return tuple(chat(messages)), target
 
 
 def check_window_positions(model, cfg: PretrainConfig) -> None:
@@ -498,9 +551,15 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     # the stream covers every process's shard of every step (ktm.training.distributed)
     world = distributed.setup(model.device)
     per_step = train_config.batch_size * train_config.grad_accum * world.size
+    chat = None
+    if config.chat_share > 0:
+        from ktm.serving.prompts import chat_prompt
+
+        chat = (model.tokenizer.decode, lambda messages: chat_prompt(model, messages))
     stream = WindowStream(docs, config, train_config.max_steps * per_step, train_config.seed,
                           model.eos_id, model.lead_ids, per_step=per_step, top_k=model.k,
-                          plain=model.config.plain_prefix + model.config.plain_suffix)
+                          plain=model.config.plain_prefix + model.config.plain_suffix,
+                          chat=chat)
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:

@@ -833,3 +833,67 @@ def test_press_settings_are_checked(corpus):
         small_cfg(corpus, press="nope")
     with pytest.raises(KTMError, match="press_share"):
         small_cfg(corpus, press="knorm", press_share=1.5)
+
+
+def test_chat_windows_read_merged_messages_between_plain_role_text(tiny_model_dir, corpus):
+    """chat_share: a window's context read as a chat (``chat_window``): some of its oldest
+    messages merged, everything after them plain; lm continues the window's text, ae repeats a
+    merged message then EOS. chat_share 0 leaves every window as it was."""
+    import random
+
+    from ktm.serving.prompts import chat_prompt
+    from ktm.tasks.corpus import Window
+    from ktm.training.pretrain import chat_window
+
+    model = fresh(tiny_model_dir)
+    chat = (model.tokenizer.decode, lambda messages: chat_prompt(model, messages))
+    ids = tuple(model.tokenizer("one two three four five six seven eight nine ten " * 8,
+                                add_special_tokens=False)["input_ids"][:96])
+    w = Window(ids, (7, 8, 9), "x")
+    seen = set()
+    for seed in range(12):
+        segs, target = chat_window(w, "lm", random.Random(seed), *chat, 1)
+        merged = [i for i, s in enumerate(segs) if s.compress]
+        assert merged and all(not s.compress for s in segs[merged[-1] + 1:])
+        assert merged == list(range(merged[0], merged[0] + 2 * len(merged), 2))  # role text
+        assert "Continue the text" in segs[-1].text + segs[-2].text and target == (7, 8, 9)
+        seen.add(len(merged))
+        segs, target = chat_window(w, "ae", random.Random(seed), *chat, 1)
+        repeated = model.tokenizer.decode(list(target[:-1])).strip()
+        assert target[-1] == 1 and repeated in {s.text.strip() for s in segs if s.compress}
+        assert "word for word" in "".join(s.text for s in segs if not s.compress)
+    assert len(seen) > 1  # how many are merged varies
+    cfg = small_cfg(corpus, ("lm", "ae"))
+    docs = load_docs(model.tokenizer, cfg)
+    chatty = small_cfg(corpus, ("lm", "ae"), chat_share=0.5)
+    with pytest.raises(KTMError, match="chat_share > 0 needs"):
+        WindowStream(docs, chatty, 40, 3, 1)
+    plain, mixed = WindowStream(docs, cfg, 40, 3, 1), WindowStream(docs, chatty, 40, 3, 1,
+                                                                   chat=chat)
+    flagged = [i for i in range(40) if mixed[i].meta.get("chat")]
+    assert 0 < len(flagged) < 40
+    assert all(mixed[i] == plain[i] for i in range(40) if i not in flagged)
+    assert plain.signature != mixed.signature
+    with pytest.raises(KTMError, match=r"chat_share must be in \[0, 1\], got 1.5"):
+        small_cfg(corpus, chat_share=1.5)
+
+
+def test_a_pretraining_step_on_chat_windows_lowers_the_loss(tiny_model_dir, corpus):
+    from ktm.serving.prompts import chat_prompt
+
+    model = fresh(tiny_model_dir)
+    cfg = PretrainConfig(sources=(corpus,), objectives=("lm", "ae"), context_tokens=48,
+                         target_tokens=8, ae_tokens=32, min_tokens=8, eval_sets=(),
+                         chat_share=1.0)
+    stream = WindowStream(load_docs(model.tokenizer, cfg), cfg, 8, 0, 1, chat=(
+        model.tokenizer.decode, lambda messages: chat_prompt(model, messages)))
+    batch = [stream[i] for i in range(8)]
+    assert all(e.meta["chat"] for e in batch)
+    model.train()
+    before = pretrain_loss(model, batch)
+    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    before.loss.backward()
+    opt.step()
+    with torch.no_grad():
+        after = pretrain_loss(model, batch)
+    assert after.loss.item() < before.loss.item() - 1e-3, (before.loss.item(), after.loss.item())
