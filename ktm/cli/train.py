@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 
 from ktm.cli.args import (
@@ -122,7 +123,12 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     pcfg, tcfg = from_args(PretrainConfig, args), from_args(TrainConfig, args)
     _check_plain_init(args, "pretrain")
     model = init_or_build(args)
-    last = pretrain(model, pcfg, tcfg, command=args.command_line)
+    chat = None
+    if pcfg.chat_share > 0:  # windows read as ktm serve reads a chat
+        from ktm.serving.prompts import chat_prompt
+
+        chat = partial(chat_prompt, model)
+    last = pretrain(model, pcfg, tcfg, command=args.command_line, chat=chat)
     if world.is_main:
         print(json.dumps(last, indent=2))
     return 0

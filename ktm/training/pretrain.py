@@ -226,8 +226,8 @@ class WindowStream(Sequence):
                  eos: int | None, lead: Sequence[int] = (), per_step: int = 1,
                  top_k: int = 1, plain: int = 0, chat: Callable | None = None):
         self.docs, self.cfg, self.length, self.seed, self.eos = docs, cfg, length, seed, eos
-        # chat_share: (ids -> text, messages -> segments), the model's tokenizer and chat
-        # template (``chat_window``)
+        # chat_share: (ids -> text, messages -> segments): the model's tokenizer, and how
+        # ``ktm serve`` reads a chat (``chat_window``)
         self.chat = chat
         if cfg.chat_share > 0 and chat is None:
             raise KTMError("chat_share > 0 needs the model's tokenizer and chat template: "
@@ -520,16 +520,22 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
 
 
 def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
-             command: str | None = None) -> dict:
+             command: str | None = None, chat: Callable | None = None) -> dict:
     """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row.
 
     An ordinary ``train`` run on the windows ``config`` describes, written to
     ``train_config.out_dir`` (raises as ``train`` does); ``command`` is recorded in ``run.json``.
-    Raises ``KTMError`` for a model that does not merge (K=1 without an encoder) or cannot
-    merge at a K of ``config.k_mix``."""
+    ``chat``: how a chat reads (messages -> segments) for ``config.chat_share`` > 0, the way
+    ``ktm serve`` reads one: ``functools.partial(ktm.chat_prompt, model)`` (``ktm pretrain``
+    passes it; it lives in the serving layer, above this one). Raises ``KTMError`` for a model
+    that does not merge (K=1 without an encoder) or cannot merge at a K of ``config.k_mix``,
+    or for a chat share without ``chat``."""
     if not (isinstance(config, PretrainConfig) and isinstance(train_config, TrainConfig)):
         raise KTMError(f"pretrain takes (model, PretrainConfig, TrainConfig), got "
                        f"({type(config).__name__}, {type(train_config).__name__})")
+    if config.chat_share > 0 and chat is None:
+        raise KTMError(f"chat_share={config.chat_share} reads windows as chats: expected "
+                       "chat=functools.partial(ktm.chat_prompt, model)")
     if not merges(model):
         raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
                        "to learn to read")
@@ -551,15 +557,10 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     # the stream covers every process's shard of every step (ktm.training.distributed)
     world = distributed.setup(model.device)
     per_step = train_config.batch_size * train_config.grad_accum * world.size
-    chat = None
-    if config.chat_share > 0:
-        from ktm.serving.prompts import chat_prompt
-
-        chat = (model.tokenizer.decode, lambda messages: chat_prompt(model, messages))
     stream = WindowStream(docs, config, train_config.max_steps * per_step, train_config.seed,
                           model.eos_id, model.lead_ids, per_step=per_step, top_k=model.k,
                           plain=model.config.plain_prefix + model.config.plain_suffix,
-                          chat=chat)
+                          chat=None if chat is None else (model.tokenizer.decode, chat))
     # n_examples in run.json is then the windows this run will see
     evaluate = None
     if config.eval_sets:

@@ -897,3 +897,26 @@ def test_a_pretraining_step_on_chat_windows_lowers_the_loss(tiny_model_dir, corp
     with torch.no_grad():
         after = pretrain_loss(model, batch)
     assert after.loss.item() < before.loss.item() - 1e-3, (before.loss.item(), after.loss.item())
+
+
+def test_a_chat_share_without_a_chat_reading_is_refused_before_training(tiny_model_dir, corpus,
+                                                                      tmp_path):
+    tc = TrainConfig(out_dir=str(tmp_path / "r"), max_steps=1, batch_size=2, progress=False)
+    with pytest.raises(KTMError, match=r"chat_share=0.5 reads windows as chats: expected "
+                                       r"chat=functools.partial\(ktm.chat_prompt, model\)"):
+        pretrain(fresh(tiny_model_dir), small_cfg(corpus, chat_share=0.5), tc)
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_pretrain_reads_a_chat_share_of_its_windows_as_chats(tiny_model_dir, corpus,
+                                                                 tmp_path):
+    out = tmp_path / "chat-reader"
+    code = main(["pretrain", "--model", tiny_model_dir, "--k", "2", "--sources", corpus,
+                 "--objectives", "lm", "ae", "--chat-share", "1", "--context-tokens", "32",
+                 "--target-tokens", "8", "--ae-tokens", "16", "--min-tokens", "8",
+                 "--eval-sets", "none", "--max-steps", "2", "--batch-size", "2",
+                 "--out-dir", str(out), "--no-progress"])
+    assert code == 0
+    assert json.loads((out / "run.json").read_text())["pretrain"]["chat_share"] == 1.0
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2 and all(json.loads(r)["loss"] > 0 for r in rows)
