@@ -328,8 +328,8 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=("auto", "off", "on"), default="auto",
                         help="--backend torch: decode steps on a static KV cache, compiled "
                              "(torch.compile; CUDA graphs on CUDA): on, off, or auto, where "
-                             "measured to pay (so far nowhere: docs/guide.md) (default: "
-                             "'auto')")
+                             "measured to pay (on CUDA, batches of up to 64k cache positions: "
+                             "docs/guide.md) (default: 'auto')")
     press_args(parser)
 
 

@@ -21,6 +21,11 @@ replay only over the buffers they were recorded with, so a fresh cache per reque
 the graph again each time. A batch whose cache a later batch of its shape took over is refused by
 name rather than decoded over another's KV.
 
+The server's batch, which rows join and leave between steps, goes back to a dynamic cache for
+each change (``back``: its filled positions copied out), is joined or cut there, and comes back
+onto a static cache with its rows padded to a power of two (copies of its first row, whose
+outputs are dropped), so its shapes stay few and a new request compiles nothing new.
+
 Where it pays (``resolve``), measured (``results/bench/README.md``):
 - On the CPU, never: SmolLM2-135M, fp32, one thread, 2,048 positions: 84.7 ms a step against
   eager's 79.7; a CPU step is bound by reading the weights and the cache, not by launches.
@@ -73,6 +78,11 @@ def positions(batch: int, filled: int, new_tokens: int) -> int:
     return batch * bucket(filled + new_tokens)
 
 
+def padded_rows(rows: int) -> int:
+    """The rows a rebatched batch of ``rows`` is padded to: the power of two that holds it."""
+    return 1 << (rows - 1).bit_length()
+
+
 def bucket(n: int) -> int:
     """The static cache length for ``n`` positions: at least ``MIN_BUCKET``, else the least
     multiple of a quarter of the power of two below ``n`` that holds it."""
@@ -110,18 +120,21 @@ class CompiledStep:
         # (batch, length, dtype, device) -> [StaticCache, weak reference to the state using it]
         self._caches: dict[tuple, list] = {}
 
-    def start(self, state, new_tokens: int) -> None:
+    def start(self, state, new_tokens: int, pad_rows: bool = False) -> None:
         """Copy ``state``'s KV into a static cache with room for ``new_tokens`` more positions
-        (rounded up to a bucket) and build the batch's fixed mask; ``state.cache`` becomes it."""
+        (rounded up to a bucket) and build the batch's fixed mask; ``state.cache`` becomes it.
+        ``pad_rows``: pad the rows to a power of two (``padded_rows``) with copies of the first
+        (a batch that rows join and leave)."""
         why = refusal(state)
         if why is not None:
             raise KTMError(f"the compiled decode step cannot run this batch: {why}; use "
                            "compile='off' (--compile off)")
         layers = state.cache.layers
-        filled = layers[0].keys.shape[-2]
-        length = bucket(filled + new_tokens)
         first = layers[0].keys
-        key = (first.shape[0], length, first.dtype, str(first.device))
+        rows, filled = first.shape[0], first.shape[-2]
+        total = padded_rows(rows) if pad_rows else rows
+        length = bucket(filled + new_tokens)
+        key = (total, length, first.dtype, str(first.device))
         if key in self._caches:
             static = self._caches[key][0]
             static.reset()
@@ -132,26 +145,43 @@ class CompiledStep:
                                f"{len(layers)}: expected one each")
         self._caches[key] = [static, weakref.ref(state)]
         for i, layer in enumerate(layers):
-            static.layers[i].update(layer.keys, layer.values)
+            static.layers[i].update(_pad(layer.keys, total), _pad(layer.values, total))
         if state.mask.shape[1] != filled:
             raise KTMError(f"a mask over {state.mask.shape[1]} positions for a cache of "
                            f"{filled}: expected one column each")
-        mask = state.mask.new_ones(state.mask.shape[0], length)
-        mask[:, :filled] = state.mask
+        mask = state.mask.new_ones(total, length)
+        mask[:, :filled] = _pad(state.mask, total)
         state.cache, state.static_mask = static, mask
+
+    def back(self, state) -> None:
+        """Move a batch on the static cache back to a dynamic one (its real rows' filled
+        positions, copied; the static cache stays for the next batch of its shape), to be
+        joined or cut; eager until ``start`` again."""
+        from transformers import DynamicCache
+
+        rows = state.logits.shape[0]
+        filled = int(state.cache.layers[0].cumulative_length)
+        cache = DynamicCache(config=self.lm_config)
+        for i, layer in enumerate(state.cache.layers):
+            cache.update(layer.keys[:rows, :, :filled].clone(),
+                         layer.values[:rows, :, :filled].clone(), i)
+        state.mask = state.static_mask[:rows, :filled].clone()
+        state.cache, state.static_mask = cache, None
 
     def step(self, lm, state, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, 1, D) embeddings at (B, 1) positions -> (B, V) next-token logits; the static
         cache grows by one position."""
-        held = self._caches.get((embeds.shape[0], state.static_mask.shape[1],
+        rows, total = embeds.shape[0], state.static_mask.shape[0]
+        held = self._caches.get((total, state.static_mask.shape[1],
                                  state.cache.layers[0].keys.dtype, str(embeds.device)))
         if held is None or held[0] is not state.cache or held[1]() is not state:
             raise KTMError("this batch's static cache was taken over by a later batch of the "
                            "same shape (one cache per shape is kept): finish a compiled batch "
                            "before starting the next of its shape, or use compile='off'")
+        embeds, positions = _pad(embeds, total), _pad(positions, total)
         shape = (*embeds.shape, state.static_mask.shape[1], embeds.dtype, str(embeds.device))
         if shape not in self.shapes:
-            print(f"ktm: compiling the decode step for a batch of {embeds.shape[0]} and "
+            print(f"ktm: compiling the decode step for a batch of {total} and "
                   f"{state.static_mask.shape[1]} cache positions (once per shape)",
                   file=sys.stderr, flush=True)
         before = _graphs()
@@ -159,7 +189,13 @@ class CompiledStep:
         self.compiles += _graphs() - before
         self.shapes.add(shape)
         # CUDA graphs hand out the same output buffer at every replay: keep a copy
-        return logits.clone()
+        return logits[:rows].clone()
+
+
+def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with rows (dim 0) added up to ``rows``, each a copy of its first."""
+    extra = rows - t.shape[0]
+    return t if extra == 0 else torch.cat([t, t[:1].expand(extra, *t.shape[1:])])
 
 
 def _forward(lm, embeds, mask, positions, cache):

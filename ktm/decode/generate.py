@@ -293,9 +293,13 @@ class DecodeState:
     # (N, 4) [row, layer, head, position] of cached keys a head-wise KV press hid from
     # attention (``ktm.decode.press.hidden_keys``: kept in the cache, never attended); None: none
     hidden: torch.Tensor | None = None
-    # (B, C) the mask of a batch moved onto a static cache of C positions
-    # (``ktm.decode.compiled``): its steps run compiled; None: eager
+    # (B', C) the mask of a batch moved onto a static cache of C positions, B' >= B rows (a
+    # rebatched one is padded to a power of two; ``ktm.decode.compiled``): its steps run
+    # compiled; None: eager
     static_mask: torch.Tensor | None = None
+    # the most tokens a row adds after its prefill (a static cache keeps room for them); None:
+    # the batch decodes eager (no settings given, or an answer merged as it grows)
+    new_tokens: int | None = None
 
 
 @torch.no_grad()

@@ -118,29 +118,36 @@ class TorchRuntime:
         """Graphs the compiled decode step has compiled (0: it never ran)."""
         return 0 if self._step is None else self._step.compiles
 
-    def _compiles(self, sampling, rows: int, filled: int) -> bool:
-        """Whether a batch of ``rows`` rows of ``filled`` positions decoding with ``sampling``
-        (its rows' ``GenerationConfig``s) moves onto the compiled step: ``compile`` resolves on
-        for this device and size, and no row merges its answer (the cache then changes
-        length)."""
-        if not sampling or any(cfg.merge_window for cfg in sampling):
-            return False
-        new = max(cfg.max_new_tokens for cfg in sampling)
-        return compiled.resolve(self._compile, self.model.device,
-                                compiled.positions(rows, filled, new))
+    def _compiles(self, new_tokens: int | None, rows: int, filled: int) -> bool:
+        """Whether a batch of ``rows`` rows of ``filled`` positions, each adding up to
+        ``new_tokens`` (None: it stays eager), moves onto the compiled step: ``compile``
+        resolves on for this device and size."""
+        return new_tokens is not None and compiled.resolve(
+            self._compile, self.model.device, compiled.positions(rows, filled, new_tokens))
 
-    def _go_static(self, state: DecodeState, sampling) -> None:
+    def _go_static(self, state: DecodeState, rebatched: bool = False) -> None:
         """Move a prefilled batch onto the compiled step's static cache where ``compile``
         says so (``_compiles``): "on" always (a batch it cannot take is refused by name),
-        "auto" where the batch allows."""
-        if self._compile == "auto" and compiled.refusal(state) is not None:
+        "auto" where the batch allows. ``rebatched``: a batch rows join and leave (the
+        server's), its rows padded to a power of two; one the static cache cannot take stays
+        eager under "on" too, so that a server never fails a request for it; under "auto" it
+        stays eager (rebatching onto static caches has not been measured on a GPU yet)."""
+        if rebatched and self._compile != "on":
             return
-        # the batch's mask has a column per cache position
-        if not self._compiles(sampling, *state.mask.shape):
+        if (self._compile == "auto" or rebatched) and compiled.refusal(state) is not None:
+            return
+        rows, filled = state.mask.shape  # the mask has a column per cache position
+        if not self._compiles(state.new_tokens,
+                              compiled.padded_rows(rows) if rebatched else rows, filled):
             return
         if self._step is None:
             self._step = compiled.CompiledStep(self.model.lm_config, self.model.device)
-        self._step.start(state, max(cfg.max_new_tokens for cfg in sampling))
+        self._step.start(state, state.new_tokens, pad_rows=rebatched)
+
+    def _go_dynamic(self, state: DecodeState) -> None:
+        """Back from the static cache (``CompiledStep.back``), to be joined or cut."""
+        if state.static_mask is not None:
+            self._step.back(state)
 
     @property
     def joinable(self) -> bool:
@@ -169,22 +176,32 @@ class TorchRuntime:
                 if not cfg.use_cache:
                     raise KTMError(f"merge_window={cfg.merge_window} merges the answer in the "
                                    "KV cache: expected use_cache on")
+        # how many tokens the rows add, for a static cache's room; a merged answer changes the
+        # cache's length, so such a batch stays eager
+        new = (max(cfg.max_new_tokens for cfg in sampling)
+               if sampling and not any(cfg.merge_window for cfg in sampling) else None)
         if self.press is not None:
             state = self._pressed(prefixes, sampling)
-            if not joinable:
-                self._go_static(state, sampling)
-            return state
-        if not joinable:
+        elif not joinable:
             use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
             # a batch that goes static is copied once: no room kept for it here
             static = use_cache and self._compiles(
-                sampling, len(prefixes), max((cp.tokens_out for cp in prefixes), default=0))
+                new, len(prefixes), max((cp.tokens_out for cp in prefixes), default=0))
             room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling and not static else 0
             state = prefill(self.model, prefixes, use_cache, room=room)
             state.reused = [0] * len(prefixes)
-            if use_cache:
-                self._go_static(state, sampling)
-            return state
+            if not use_cache:
+                return state
+        else:
+            state = self._joinable(prefixes, contexts)
+        state.new_tokens = new
+        self._go_static(state, rebatched=joinable)
+        return state
+
+    def _joinable(self, prefixes, contexts) -> DecodeState:
+        """A batch rows can join and leave: plain cache layers, and rows whose leading context
+        (``contexts[i]``: its key and merged row count, or None) is cached read only the
+        rest."""
         contexts = contexts or [None] * len(prefixes)
         parts, order, reused, misses = [], [], [0] * len(prefixes), []
         for i, (cp, ctx) in enumerate(zip(prefixes, contexts)):
@@ -272,14 +289,21 @@ class TorchRuntime:
         advance(self.model, state, tokens, self._step)
 
     def join(self, a: DecodeState, b: DecodeState) -> DecodeState:
+        for state in (a, b):
+            self._go_dynamic(state)
         out = join(a, b)
         out.reused = a.reused + b.reused
+        out.new_tokens = (None if a.new_tokens is None or b.new_tokens is None
+                          else max(a.new_tokens, b.new_tokens))
+        self._go_static(out, rebatched=True)
         return out
 
     def keep(self, state: DecodeState, rows: list[int]) -> None:
         if rows:
+            self._go_dynamic(state)
             keep_rows(state, rows)
             state.reused = [state.reused[j] for j in rows]
+            self._go_static(state, rebatched=True)
 
     def release(self, state) -> None:
         """Nothing to let go: the batch's cache goes with its state."""
@@ -305,7 +329,7 @@ class TorchRuntime:
 
     def record(self) -> dict:
         rec = {} if self.press is None else {"press": self.press.to_dict()}
-        if compiled.resolve(self._compile, self.model.device):
+        if self._compile == "on" or self.compiles:
             rec["compiled"] = {"mode": self._compile, "compiles": self.compiles}
         return rec
 

@@ -73,6 +73,12 @@ class ServeConfig:
                 "older messages plain and presses their KV to fit with this kvpress press (names "
                 "as --press), instead of merging them; a request's ktm.history_press overrides "
                 "it ('none': merge) (default: merge)"})
+    compile: str = field(default="auto", metadata={
+        "help": "--backend torch: the running batch decodes on a static KV cache, compiled "
+                "(torch.compile; CUDA graphs on CUDA), its rows padded to a power of two so "
+                "that requests joining and leaving compile nothing new: on or off; auto is "
+                "eager here (not yet timed on a GPU; docs/serving.md)",
+        "choices": ["auto", "off", "on"]})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -94,6 +100,12 @@ class ServeConfig:
 
             PressConfig(self.press, self.press_ratio)  # refused now, by name
         check_history_press(self.history_press, self.history_budget, self.press)
+        from ktm.decode.compiled import check_mode
+
+        check_mode(self.compile)
+        if self.compile != "auto" and self.backend != "torch":
+            raise KTMError(f"compile={self.compile!r} is an option of the torch backend, not "
+                           f"{self.backend} (llama.cpp and vLLM run their own graphs)")
         if self.history_press is not None:
             from ktm.decode.press import PressConfig, press_refusal
 

@@ -135,6 +135,8 @@ class Engine:
         self.context: int | None = model.max_positions
         budget = int(cfg.prefix_cache_mb * 2**20)
         self.runtime = model.runtime
+        if hasattr(self.runtime, "compile"):  # the torch runtime's decode step (--compile)
+            self.runtime.compile = cfg.compile
         # vLLM samples inside its own step and hands back tokens, not a distribution
         self.logits = self.runtime.gives_logits
         self.rebatch = self.runtime.joinable  # else: windowed batches

@@ -110,3 +110,21 @@ def test_batches_a_static_cache_cannot_hold_are_refused_by_name(ktm_model):
         compiled.CompiledStep(ktm_model.lm_config, ktm_model.device).start(state, 4)
     state.cache = None
     assert "without a KV cache" in compiled.refusal(state)
+
+
+@torch.no_grad()
+def test_auto_compiles_a_batch_alone_where_it_pays_but_not_the_servers(ktm_model, monkeypatch):
+    """Where ``auto`` pays (here: the CPU made to look like a measured GPU), a batch alone goes
+    onto the static cache and a rebatched one (the server's) stays eager; ``on`` takes both,
+    the server's padded to a power of two."""
+    monkeypatch.setitem(compiled.PAYS, "cpu", 1 << 16)
+    runtime, cfgs = ktm_model.runtime, [GenerationConfig(max_new_tokens=4)] * 3
+    prompts = ktm_model.encode_prompts(PROMPTS[:3])
+    runtime.compile = "auto"
+    assert runtime.prefill(prompts, cfgs).static_mask is not None
+    assert runtime.prefill(prompts, cfgs, joinable=True).static_mask is None
+    runtime.compile = "on"
+    served = runtime.prefill(prompts, cfgs, joinable=True)
+    assert served.static_mask.shape[0] == 4 and served.logits.shape[0] == 3
+    runtime.keep(served, [2, 0])
+    assert served.static_mask.shape[0] == 2 and served.mask.shape[0] == 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import perturb
 
-from ktm import Segment
+from ktm import KTMError, Segment
 from ktm.model import KTMModel
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
@@ -141,14 +141,7 @@ def _ask(url: str, kw: dict) -> tuple[str, str]:
 
 def _together(url: str, reqs: list[dict]) -> list[tuple[str, str]]:
     """``reqs`` sent at once, one thread each, released together by a barrier."""
-    start = threading.Barrier(len(reqs))
-
-    def one(kw):
-        start.wait()
-        return _ask(url, kw)
-
-    with ThreadPoolExecutor(len(reqs)) as pool:
-        return list(pool.map(one, reqs))
+    return _together_by(lambda kw: _ask(url, kw), reqs)
 
 
 def test_sixteen_concurrent_requests_equal_one_by_one(server):
@@ -808,3 +801,51 @@ def test_a_full_queue_answers_503_and_the_waiting_request_is_served_later(tiny_m
         error = json.loads(e.value.read())["error"]
         assert error["code"] == "server_busy" and "max_queue=1" in error["message"], error
         assert first.result(timeout=60)["usage"]["completion_tokens"] == 2
+
+
+def test_the_compiled_step_serves_as_eager_and_compiles_nothing_new_per_request(tiny_model_dir):
+    """--compile on: the running batch decodes on a static cache, its rows padded to a power
+    of two, so rows joining and leaving reuse a few compiled shapes. Answers equal eager
+    decoding's, and a second round of requests compiles nothing."""
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4)
+    perturb(model)
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=100,
+                      log_level="warning", compile="on")
+    app = create_app(model, cfg)
+    reqs = [{"doc": f"{DOC[:40 + 7 * i]} #{i}", "q": f" Q{i}?", "n": 4 + i} for i in range(8)]
+    with BackgroundServer(app) as srv:
+        assert model.runtime.compile == "on"
+
+        def ask(r):
+            return _ask(srv.url, {"model": "tiny", "prompt": None, "max_tokens": r["n"],
+                                  "temperature": 0, "extra_body": segs_body(r["doc"], r["q"])})[0]
+
+        first = _together_by(ask, reqs)
+        assert app.state.engine.counts["peak_running"] >= 4  # rows joined a running batch
+        compiles = model.runtime.compiles
+        assert 1 <= compiles <= 4  # batches of 1, 2, 4 and 8 rows, one cache length
+        second = _together_by(ask, reqs)
+        assert ask(reqs[3]) == first[3]
+        assert model.runtime.compiles == compiles  # nothing compiled for the later requests
+    assert first == second
+    model.runtime.compile = "off"
+    for r, text in zip(reqs, first):
+        assert text == model.generate([Segment(r["doc"]), Segment(r["q"], compress=False)],
+                                      max_new_tokens=r["n"])
+    with pytest.raises(KTMError, match="compile must be one of"):
+        ServeConfig(model=tiny_model_dir, compile="fast")
+    with pytest.raises(KTMError, match="compile='on' is an option of the torch backend"):
+        ServeConfig(model=tiny_model_dir, backend="llamacpp", compile="on")
+
+
+def _together_by(ask, reqs: list[dict]) -> list:
+    """``ask(r)`` for every request at once, one thread each, released together."""
+    start = threading.Barrier(len(reqs))
+
+    def one(r):
+        start.wait()
+        return ask(r)
+
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        return list(pool.map(one, reqs))
