@@ -556,6 +556,20 @@ def history() -> str:
                 "| reading | positions read | KV kept | recall R (turn 1) | continuation R "
                 "(turn 1) | CPU s |", "|---|---|---|---|---|---|"]
         out += _chat_rows([r for r in more if "positions" in r])
+    readers = [HISTORY / f for f in ("chat-shipped-reader.json", "chat-reader.json")]
+    if all(f.exists() for f in readers):  # the policy read by a reader trained on chats
+        both = [json.loads(f.read_text()) for f in readers]
+        out += ["", f"The same chats at {both[0][0]['config']['budget_share']:.0%}, the history "
+                    "policy read by the shipped reader and by a reader pretrained further on "
+                    "chat-shaped windows (`ktm pretrain --chat-share`; "
+                    f"`{readers[0].name}`, `{readers[1].name}`, revision "
+                    f"{both[1][0]['git'][:7]}):", "",
+                "| reader | reading | positions read | KV kept | recall R (turn 1) | "
+                "continuation R (turn 1) | CPU s |", "|---|---|---|---|---|---|---|"]
+        for rows in both:
+            name = rows[0]["config"]["reader"]
+            out += [f"| `{name}` " + line for line in
+                    _chat_rows([r for r in rows if r["reading"].startswith("ktm")])]
     path = HISTORY / "ttft.json"
     pressed_path = HISTORY / "ttft-press.json"
     pressed_ttft = ({t["turn"]: t for t in json.loads(pressed_path.read_text())}
