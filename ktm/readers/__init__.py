@@ -27,6 +27,10 @@ READERS: dict[str, str] = {
     # k2s, k4s)
     "smollm2-135m-k2-seq": "smollm2-135m-k2-seq",
     "smollm2-135m-k4-seq": "smollm2-135m-k4-seq",
+    # the K=4 consecutive-position reader pretrained further on chat-shaped windows (--chat-share
+    # 0.5): what ktm serve --history-budget reads a long chat with (results/README.md, long
+    # chats; results/readers/train_readers.sh k4chat)
+    "smollm2-135m-k4-chat": "smollm2-135m-k4-chat",
 }
 # a reader found for a model and K (``find_reader``: the demo's start) is replaced by its
 # consecutive-position twin, which llama.cpp and vLLM also run, where that twin reads as well:
