@@ -562,8 +562,8 @@ def history() -> str:
         out += ["", f"The same chats at {both[0][0]['config']['budget_share']:.0%}, the history "
                     "policy read by the shipped reader and by a reader pretrained further on "
                     "chat-shaped windows (`ktm pretrain --chat-share`; "
-                    f"`{readers[0].name}`, `{readers[1].name}`, revision "
-                    f"{both[1][0]['git'][:7]}):", "",
+                    f"`{readers[0].name}`, revision {both[0][0]['git'][:7]}, and "
+                    f"`{readers[1].name}`, revision {both[1][0]['git'][:7]}):", "",
                 "| reader | reading | positions read | KV kept | recall R (turn 1) | "
                 "continuation R (turn 1) | CPU s |", "|---|---|---|---|---|---|---|"]
         for rows in both:
