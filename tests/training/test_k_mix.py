@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import assert_one_step_lowers
 
 from ktm import KTMError
 from ktm.cli.main import main
@@ -10,7 +11,6 @@ from ktm.model import KTMModel
 from ktm.tasks.base import Example
 from ktm.training.config import TrainConfig
 from ktm.training.pretrain import PretrainConfig, WindowStream, load_docs, pretrain, pretrain_loss
-from ktm.training.train import adamw
 
 PROMPT = "def add(a, b):\n    return a + b\nThe quick brown fox jumps over the lazy dog."
 
@@ -124,14 +124,7 @@ def test_one_k_mix_step_lowers_the_loss(recursive, corpus):
     c = cfg(corpus, k_mix=("2", "4"))
     stream = WindowStream(load_docs(recursive.tokenizer, c), c, 8, 0, 1)
     batch = [stream[i] for i in range(8)]
-    recursive.train()
-    before = pretrain_loss(recursive, batch)
-    opt = adamw([p for _, p in recursive.trainable_parameters()], lr=2e-3)
-    before.loss.backward()
-    opt.step()
-    with torch.no_grad():
-        after = pretrain_loss(recursive, batch)
-    assert after.loss.item() < before.loss.item() - 1e-3
+    assert_one_step_lowers(recursive, lambda: pretrain_loss(recursive, batch).loss)
 
 
 def test_cli_pretrains_a_k_mix(tiny_model_dir, corpus, tmp_path, capsys):
