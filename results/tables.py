@@ -556,6 +556,12 @@ def history() -> str:
                 "| reading | positions read | KV kept | recall R (turn 1) | continuation R "
                 "(turn 1) | CPU s |", "|---|---|---|---|---|---|"]
         out += _chat_rows([r for r in more if "positions" in r])
+        chat_quarter = HISTORY / "chat-reader-quarter.json"
+        if chat_quarter.exists():  # the same, the policy pressing read by the chat reader
+            rows = json.loads(chat_quarter.read_text())
+            out += _chat_rows([r for r in rows if r["reading"].startswith("ktm+")],
+                              f" (`{rows[0]['config']['reader']}`, `{chat_quarter.name}`, "
+                              f"revision {rows[0]['git'][:7]})")
     readers = [HISTORY / f for f in ("chat-shipped-reader.json", "chat-reader.json")]
     if all(f.exists() for f in readers):  # the policy read by a reader trained on chats
         both = [json.loads(f.read_text()) for f in readers]
