@@ -21,7 +21,8 @@ OTHER_TOOLS = {"--cpu", "--enable-prompt-embeds", "--machine_rank", "--main_proc
                "--nnodes", "--no-deps", "--node_rank", "--nproc_per_node", "--num_machines",
                "--num_processes", "--served-model-name", "--standalone",
                "--tensor-parallel-size", "--pipeline-parallel-size", "--runtimes",
-               "--turns"}  # results/history/chat_bench.py and ttft.py
+               # results/history/chat_bench.py and ttft.py
+               "--turns", "--budget-share", "--no-floor", "--history-presses"}
 
 
 def shown_commands(text: str = README) -> list[str]:
