@@ -22,9 +22,10 @@ the graph again each time. A batch whose cache a later batch of its shape took o
 name rather than decoded over another's KV.
 
 The server's batch, which rows join and leave between steps, goes back to a dynamic cache for
-each change (``back``: its filled positions copied out), is joined or cut there, and comes back
-onto a static cache with its rows padded to a power of two (copies of its first row, whose
-outputs are dropped), so its shapes stay few and a new request compiles nothing new.
+each change (``back``: its filled positions copied out), is joined or cut there, and at its next
+step comes back onto a static cache with its rows padded to a power of two (copies of its first
+row, whose outputs are dropped), so its shapes stay few and a new request compiles nothing new.
+New rows waiting to join stay dynamic: they never take over the running batch's cache.
 
 Where it pays (``resolve``), measured (``results/bench/README.md``):
 - On the CPU, never: SmolLM2-135M, fp32, one thread, 2,048 positions: 84.7 ms a step against

@@ -300,6 +300,9 @@ class DecodeState:
     # the most tokens a row adds after its prefill (a static cache keeps room for them); None:
     # the batch decodes eager (no settings given, or an answer merged as it grows)
     new_tokens: int | None = None
+    # rows join and leave this batch (the server's): it goes onto the compiled step, if at all,
+    # at its next step, never while it waits to join another
+    joinable: bool = False
 
 
 @torch.no_grad()

@@ -194,8 +194,9 @@ class TorchRuntime:
                 return state
         else:
             state = self._joinable(prefixes, contexts)
-        state.new_tokens = new
-        self._go_static(state, rebatched=joinable)
+        state.new_tokens, state.joinable = new, joinable
+        if not joinable:  # a joinable batch goes static at its first step (``advance``)
+            self._go_static(state)
         return state
 
     def _joinable(self, prefixes, contexts) -> DecodeState:
@@ -286,6 +287,8 @@ class TorchRuntime:
             merge_generated(self.model, state, ids, plain)
 
     def advance(self, state: DecodeState, tokens: torch.Tensor) -> None:
+        if state.joinable and state.static_mask is None:
+            self._go_static(state, rebatched=True)
         advance(self.model, state, tokens, self._step)
 
     def join(self, a: DecodeState, b: DecodeState) -> DecodeState:
@@ -295,15 +298,14 @@ class TorchRuntime:
         out.reused = a.reused + b.reused
         out.new_tokens = (None if a.new_tokens is None or b.new_tokens is None
                           else max(a.new_tokens, b.new_tokens))
-        self._go_static(out, rebatched=True)
+        out.joinable = True
         return out
 
     def keep(self, state: DecodeState, rows: list[int]) -> None:
         if rows:
-            self._go_dynamic(state)
+            self._go_dynamic(state)  # static again at its next step
             keep_rows(state, rows)
             state.reused = [state.reused[j] for j in rows]
-            self._go_static(state, rebatched=True)
 
     def release(self, state) -> None:
         """Nothing to let go: the batch's cache goes with its state."""

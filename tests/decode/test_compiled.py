@@ -120,11 +120,52 @@ def test_auto_compiles_a_batch_alone_where_it_pays_but_not_the_servers(ktm_model
     monkeypatch.setitem(compiled.PAYS, "cpu", 1 << 16)
     runtime, cfgs = ktm_model.runtime, [GenerationConfig(max_new_tokens=4)] * 3
     prompts = ktm_model.encode_prompts(PROMPTS[:3])
+    step = torch.zeros(3, dtype=torch.long)
     runtime.compile = "auto"
     assert runtime.prefill(prompts, cfgs).static_mask is not None
-    assert runtime.prefill(prompts, cfgs, joinable=True).static_mask is None
+    served = runtime.prefill(prompts, cfgs, joinable=True)
+    runtime.advance(served, step)
+    assert served.static_mask is None
     runtime.compile = "on"
     served = runtime.prefill(prompts, cfgs, joinable=True)
+    assert served.static_mask is None  # static at its first step, not while it may join
+    runtime.advance(served, step)
     assert served.static_mask.shape[0] == 4 and served.logits.shape[0] == 3
     runtime.keep(served, [2, 0])
-    assert served.static_mask.shape[0] == 2 and served.mask.shape[0] == 2
+    assert served.static_mask is None and served.mask.shape[0] == 2
+    runtime.advance(served, step[:2])
+    assert served.static_mask.shape[0] == 2
+
+
+@torch.no_grad()
+def test_rows_joining_and_leaving_a_compiled_batch_decode_as_eager(ktm_model):
+    """The server's pattern: a batch of two, a row joining at step 2 (its prefill the same shape
+    as the running batch's), one leaving at step 4; greedy tokens equal eager decoding's."""
+    from ktm.decode.generate import Decoding
+
+    def run(mode: str) -> tuple[list[list[int]], list[int]]:
+        runtime, cfg = ktm_model.runtime, GenerationConfig(max_new_tokens=6, stop_at_eos=False)
+        runtime.compile = mode
+
+        def rows(prompts):
+            state = runtime.prefill(ktm_model.encode_prompts(prompts), [cfg] * len(prompts),
+                                    joinable=True)
+            return Decoding(runtime, state, [cfg] * len(prompts), [None] * len(prompts))
+
+        batch, out, static = rows(PROMPTS[:2]), [], []
+        for i in range(6):
+            if i == 2:
+                batch.join(rows([PROMPTS[2], PROMPTS[0]]))
+            if i == 4:
+                batch.keep([3, 0, 2])
+            tokens, _ = batch.pick()
+            out.append(tokens.tolist())
+            batch.advance(tokens)
+            mask = batch.state.static_mask
+            static.append(0 if mask is None else mask.shape[0])
+        return out, static
+
+    compiled_tokens, static = run("on")
+    assert static == [2, 2, 4, 4, 4, 4]  # each step on a static cache, rows padded
+    eager_tokens, static = run("off")
+    assert static == [0] * 6 and compiled_tokens == eager_tokens
