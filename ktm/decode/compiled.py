@@ -45,7 +45,7 @@ import sys
 import weakref
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from ktm.decode.generate import windowed_layers
 from ktm.errors import KTMError
@@ -158,8 +158,6 @@ class CompiledStep:
         """Move a batch on the static cache back to a dynamic one (its real rows' filled
         positions, copied; the static cache stays for the next batch of its shape), to be
         joined or cut; eager until ``start`` again."""
-        from transformers import DynamicCache
-
         rows = state.logits.shape[0]
         filled = int(state.cache.layers[0].cumulative_length)
         cache = DynamicCache(config=self.lm_config)
