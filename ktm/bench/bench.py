@@ -38,8 +38,9 @@ from ktm.bench.measure import (
 )
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL, check_ratio
-from ktm.core.encoder import KTokenEncoder
+from ktm.core.encoder import EncoderConfig, KTokenEncoder, RecursiveEncoder
 from ktm.decode.compiled import check_mode as check_compile
+from ktm.decode.compiled import graphs
 from ktm.decode.press import PressConfig, pressed_as
 from ktm.errors import KTMError
 from ktm.model import BACKENDS
@@ -76,6 +77,10 @@ class BenchConfig:
     ks: tuple[int, ...] = field(default=(1, 2, 3, 4, 8), metadata={"help": "merge factors K"})
     mlp_ratios: tuple[float, ...] = field(default=(2.0,), metadata={
         "help": "encoder MLP width = ratio * K * hidden (2.0 = paper width); several to compare"})
+    inner_k: int = field(default=1, metadata={
+        "help": "recursive encoders: each K that this divides (and exceeds) merges blocks of "
+                "inner_k first, as the shipped readers do (inner_k 2 at --mlp-ratios 0.5); "
+                "1: one level, the paper's"})
     ratios: tuple[float, ...] = field(default=(), metadata={
         "help": "adaptive merging: also read each prompt at these ratios (tokens per position), "
                 "with the model's own encoder levels and allocator, its time included"})
@@ -90,8 +95,9 @@ class BenchConfig:
                 "generate --press), each on the uncompressed prompt and stacked on each K; "
                 "their prefill and KV bytes as pressed"})
     compile: tuple[str, ...] = field(default=("auto",), metadata={
-        "help": "infer, torch: the decode step compiled (on), eager (off) or where measured to "
-                "pay (auto, ktm.decode.compiled); several (off on) time each method both ways, "
+        "help": "infer, torch: the prefill and decode step compiled (on), eager (off) or where "
+                "measured to pay (auto, ktm.decode.compiled); train: the LM body "
+                "(ktm.training.compiled); several (off on) time each method both ways, "
                 "interleaved, with the graphs compiled in each row"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
@@ -155,6 +161,11 @@ class BenchConfig:
             bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
             if bad:
                 raise KTMError(f"{name} must be integers >= 1, got {bad}")
+        check_at_least(self, 1, "inner_k")
+        if self.inner_k > 1 and not any(k > self.inner_k and k % self.inner_k == 0
+                                        for k in self.ks):
+            raise KTMError(f"inner_k {self.inner_k} divides none of ks {list(self.ks)} "
+                           "(expected a K that it divides and is smaller than)")
         if any(r <= 0 for r in self.mlp_ratios):
             raise KTMError(f"mlp_ratios must be > 0, got {list(self.mlp_ratios)}")
         self.ratios = tuple(check_ratio(r, "each of ratios") for r in self.ratios)
@@ -169,8 +180,9 @@ class BenchConfig:
             check_compile(mode)
         if not self.compile:
             raise KTMError("compile is empty: expected at least one of auto, off, on")
-        if self.compile != ("auto",) and self.mode != "infer":
-            raise KTMError("--compile is an option of --mode infer (the decode step)")
+        if self.compile != ("auto",) and self.mode not in ("infer", "train"):
+            raise KTMError("--compile is an option of --mode infer (the prefill and decode "
+                           "step) and train (the LM body)")
         check_at_least(self, 1, "output_tokens", "target_tokens", "repeats")
         check_at_least(self, 0, "warmup", "threads")
         parse_dtype(self.dtype)
@@ -199,7 +211,7 @@ class Method:
     backend: str = "torch"
     ratio: float | None = None  # read at a ratio by the model's own levels (adaptive merging)
     press: str | None = None  # a KV press, NAME=RATIO (torch)
-    compile: str = "auto"  # the torch runtime's decode step (ktm.decode.compiled)
+    compile: str = "auto"  # infer: the torch runtime's (ktm.decode.compiled); train: the body's
 
     @property
     def key(self) -> str:
@@ -211,8 +223,9 @@ class Method:
 
     @property
     def baseline(self) -> str:
-        """The key of the run its speed-ups are against: the same runtime, uncompressed."""
-        return Method("uncompressed", backend=self.backend).key
+        """The key of the run its speed-ups are against: the same runtime, uncompressed, compiled
+        the same way."""
+        return Method("uncompressed", backend=self.backend, compile=self.compile).key
 
 
 # ---------------------------------------------------------------- aggregation
@@ -266,20 +279,21 @@ def load_model(config: BenchConfig):
     from ktm.model import KTMModel
 
     dtype, train = parse_dtype(config.dtype), config.mode == "train"
+    k, inner_k = config.ks[0], config.inner_k
+    inner_k = inner_k if k > inner_k and k % inner_k == 0 else 1
     if config.shape is not None:
         from ktm.bench.shapes import random_model
 
         lm, tok = random_model(config.shape, config.device, dtype, config.seed)
-        model = KTMModel.from_base(lm, k=config.ks[0], tokenizer=tok,
-                                   mlp_ratio=config.mlp_ratios[0], device=config.device,
-                                   dtype=dtype)
+        model = KTMModel.from_base(lm, k=k, tokenizer=tok, mlp_ratio=config.mlp_ratios[0],
+                                   inner_k=inner_k, device=config.device, dtype=dtype)
         return model if train else model.requires_grad_(False)
     from ktm.readers import READERS
 
     if (Path(config.model) / "ktm_config.json").is_file() or config.model in READERS:
         return KTMModel.load(config.model, device=config.device, dtype=dtype, trainable=train)
-    model = KTMModel.from_base(config.model, k=config.ks[0], mlp_ratio=config.mlp_ratios[0],
-                               device=config.device, dtype=dtype)
+    model = KTMModel.from_base(config.model, k=k, mlp_ratio=config.mlp_ratios[0],
+                               inner_k=inner_k, device=config.device, dtype=dtype)
     # infer times a model as it is served: frozen, as a loaded checkpoint (its decoding then
     # reads the LoRA folded into the weights, ``KTMModel.fold_lora``)
     return model if train else model.requires_grad_(False)
@@ -359,8 +373,12 @@ def _llamacpp_runtimes(model, config: BenchConfig) -> dict:
     return runtimes
 
 
-def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncoder]:
-    """One encoder per merging method; a loaded checkpoint's own encoder is reused if it fits."""
+def _encoders(model, methods: list[Method], seed: int, inner_k: int = 1,
+              train: bool = False) -> dict[str, KTokenEncoder | RecursiveEncoder]:
+    """One encoder per merging method; a loaded checkpoint's own encoder is reused if its K and
+    MLP width fit. A new one at a K that ``inner_k`` divides (and exceeds) is recursive. Outside
+    ``train`` the encoders are frozen, as a served model's are: they then run in the LM's dtype
+    (``cast_for_inference``) instead of being autocast on every call."""
     own, encs = model.encoder, {}
     torch.manual_seed(seed)
     for m in methods:
@@ -375,6 +393,8 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
             encs[m.key] = own
             continue
         same = Method(m.name, m.k, m.mlp_ratio).key  # the torch twin's: one encoder for both
+        wanted = EncoderConfig(own.config.hidden_size, m.k, m.mlp_ratio,
+                               inner_k=inner_k if m.k > inner_k and m.k % inner_k == 0 else 1)
         if same in encs:
             encs[m.key] = encs[same]
         elif own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.config.use_mlp:
@@ -383,7 +403,7 @@ def _encoders(model, methods: list[Method], seed: int) -> dict[str, KTokenEncode
             # fp32 like every trainable weight (the model autocasts it to the LM's dtype); made
             # on the model's device (a 7B model's K=4 encoder has 1.3B weights)
             with torch.device(model.device):
-                encs[m.key] = KTokenEncoder(own.config.hidden_size, m.k, m.mlp_ratio)
+                encs[m.key] = KTokenEncoder.from_config(wanted).requires_grad_(train)
     return encs
 
 
@@ -412,7 +432,8 @@ def memory_pass(run, methods: list[Method], stats: dict) -> None:
 
 def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[str],
             targets: list[str], runtimes: dict, compiles: Counter):
-    """``compiles``: graphs the torch runtime's decode step compiled, counted per method."""
+    """``compiles``: graphs compiled per method (infer: the torch runtime's prefill and decode
+    step; train: the LM body, ``ktm.training.compiled``)."""
     ids = [model.tokenize(p, first=True) for p in prompts]  # tokenization stays untimed
 
     def run(m: Method) -> dict:
@@ -428,7 +449,11 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
                 res = infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
             compiles[m.key] += getattr(model.runtime, "compiles", 0) - before
             return res
-        return train_once(model, opts[m.key], prompts, targets, merge, ratio=m.ratio)
+        before = graphs()
+        res = train_once(model, opts[m.key], prompts, targets, merge, ratio=m.ratio,
+                         compile=m.compile)
+        compiles[m.key] += graphs() - before
+        return res
 
     return run
 
@@ -454,7 +479,7 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                        f"the model's context of {limit} positions")
     methods = methods_of(config, model.k)
     runtimes = bench_runtimes(model, config)
-    encs = _encoders(model, methods, config.seed)
+    encs = _encoders(model, methods, config.seed, config.inner_k, config.mode == "train")
     opts = _optimizers(model, methods, encs) if config.mode == "train" else {}
     pool = word_pool(model.tokenizer, config.seed)
     common = {"mode": config.mode, "model": config.model, "device": str(model.device),
@@ -500,7 +525,7 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                         "ratio": m.ratio, "press": m.press,
                         # graphs compiled for this point, its untimed passes included
                         **({"compile": m.compile, "compiles": compiles[m.key]}
-                           if m.backend == "torch" and config.mode == "infer" else {}),
+                           if m.backend == "torch" else {}),
                         # the model's own allocator lays out a ratio row (its config's)
                         "allocator": model.config.allocator if m.ratio is not None else None,
                         "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None
@@ -542,8 +567,9 @@ COLUMNS = {
               ("prefill_s", "{:.3f}"), ("encoder_share", "{:.0%}"), ("ttft_s", "{:.3f}"),
               ("decode_tokens_per_s", "{:.1f}"), ("e2e_s", "{:.2f}"),
               ("kv_ratio", "{:.3f}"), ("speedup_prefill", "{:.2f}x"), ("speedup_e2e", "{:.2f}x")],
-    "train": [("method", "{}"), ("k", "{}"), ("mlp_ratio", "{}"), ("input_tokens", "{}"),
-              ("compressed_tokens", "{}"), ("batch", "{}"), ("step_s", "{:.3f}"),
+    "train": [("method", "{}"), ("k", "{}"), ("compile", "{}"), ("mlp_ratio", "{}"),
+              ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"),
+              ("step_s", "{:.3f}"),
               ("input_tokens_per_s", "{:.0f}"), ("model_tflops_per_s", "{:.1f}"),
               ("mfu", "{:.1%}"), ("speedup_train", "{:.2f}x")],
     "serve": [("method", "{}"), ("backend", "{}"), ("k", "{}"),

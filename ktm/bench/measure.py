@@ -16,6 +16,8 @@ from ktm.core.prompt import Segment
 from ktm.decode.generate import GenerationConfig, decode_steps
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
+from ktm.training.compiled import compiled_body
+from ktm.training.compiled import resolve as resolve_compile
 from ktm.training.train import train_step
 from ktm.util.timing import clock
 
@@ -204,16 +206,18 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
 
 
 def train_once(model, opt, prompts: list[str], targets: list[str], merge: bool,
-               ratio: float | None = None) -> dict:
+               ratio: float | None = None, compile: str = "auto") -> dict:
     """Time one training step through ``ktm.training.train.train_step`` (forward, backward,
-    clip, AdamW), with the same definition of input tokens/s as ``ktm train``."""
+    clip, AdamW), with the same definition of input tokens/s as ``ktm train``; ``compile``:
+    through the compiled LM body where it resolves on (``ktm.training.compiled``)."""
     window = [Example((Segment(p, compress=merge, ratio=ratio if merge else None),), t)
               for p, t in zip(prompts, targets)]
     dev = model.device
     model.train()
     with PeakMemory(dev) as mem:
         t0 = clock(dev)
-        st = train_step(model, opt, window, len(window), clip_norm=1.0)
+        with compiled_body(model, resolve_compile(compile, dev)):
+            st = train_step(model, opt, window, len(window), clip_norm=1.0)
         t1 = clock(dev)
     model.eval()
     return {"step_s": t1 - t0, "input_tokens_per_s": st.input_tokens / (t1 - t0),

@@ -1,4 +1,5 @@
-"""The compiled decode step: a static KV cache and one ``torch.compile``d LM step per shape.
+"""The compiled runtime: a static KV cache and one ``torch.compile``d LM step per shape, and a
+prefill compiled over every length.
 
 Eager decoding calls the LM's Python modules once per token; on a GPU each step is then bound
 by kernel launches (a 7B model: 28 ms a step with the GPU busy for 7). Here a batch's prefilled
@@ -26,6 +27,14 @@ each change (``back``: its filled positions copied out), is joined or cut there,
 step comes back onto a static cache with its rows padded to a power of two (copies of its first
 row, whose outputs are dropped), so its shapes stay few and a new request compiles nothing new.
 New rows waiting to join stay dynamic: they never take over the running batch's cache.
+
+The prefill (``CompiledStep.prefill``) is the same forward compiled once with dynamic shapes
+(``torch.compile(dynamic=True)``: one graph for every prompt length and batch above one, one more
+for a batch of one) into the eager ``DynamicCache`` that decoding then reads, static or not. It
+has no CUDA graph: prompt lengths vary, and a prefill of a thousand positions or more keeps the GPU
+busy once its launches are fused (eager HF, 7B shape: a prefill of 1,024 positions takes 39 ms
+with its kernels busy for about 27). Length buckets would pad a prompt by up to a quarter of its
+positions; a dynamic graph reads exactly its own.
 
 Where it pays (``resolve``), measured (``results/bench/README.md``):
 - On the CPU, never: SmolLM2-135M, fp32, one thread, 2,048 positions: 84.7 ms a step against
@@ -55,6 +64,8 @@ MIN_BUCKET = 256
 # where ``auto`` compiles (the module docstring): per device type, the most cache positions
 # (batch × bucket) a compiled step was measured to pay for; a device type not listed: none
 PAYS = {"cpu": 0, "cuda": 65536}
+# the device types where ``auto`` compiles the prefill: none measured to pay yet
+PREFILL_PAYS: frozenset[str] = frozenset()
 
 
 def check_mode(mode: str) -> str:
@@ -71,6 +82,13 @@ def resolve(mode: str, device: torch.device, positions: int | None = None) -> bo
         return mode == "on"
     limit = PAYS.get(torch.device(device).type, 0)
     return positions is not None and 0 < positions <= limit
+
+
+def resolve_prefill(mode: str, device: torch.device) -> bool:
+    """Whether a prefill runs compiled (``CompiledStep.prefill``) on ``device`` under ``mode``
+    (auto: on the device types in ``PREFILL_PAYS``)."""
+    check_mode(mode)
+    return mode == "on" or (mode == "auto" and torch.device(device).type in PREFILL_PAYS)
 
 
 def positions(batch: int, filled: int, new_tokens: int) -> int:
@@ -116,6 +134,7 @@ class CompiledStep:
         cuda = torch.device(device).type == "cuda"
         self._fn = torch.compile(_forward, dynamic=False, fullgraph=False,
                                  mode="reduce-overhead" if cuda else None)
+        self._prefill_fn = None  # made on first use (``prefill``)
         self.shapes: set[tuple] = set()
         self.compiles = 0
         # (batch, length, dtype, device) -> [StaticCache, weak reference to the state using it]
@@ -154,6 +173,19 @@ class CompiledStep:
         mask[:, :filled] = _pad(state.mask, total)
         state.cache, state.static_mask = static, mask
 
+    def prefill(self, lm, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                cache) -> torch.Tensor:
+        """The compiled prefill: (B, L, D) embeddings, (B, L) mask and positions read into
+        ``cache`` (an empty ``DynamicCache``) -> (B, V) next-token logits."""
+        if self._prefill_fn is None:
+            print("ktm: compiling the prefill (once per process, for every prompt length)",
+                  file=sys.stderr, flush=True)
+            self._prefill_fn = torch.compile(_prefill_forward, dynamic=True)
+        before = graphs()
+        logits = self._prefill_fn(lm, embeds, mask, positions, cache)
+        self.compiles += graphs() - before
+        return logits
+
     def back(self, state) -> None:
         """Move a batch on the static cache back to a dynamic one (its real rows' filled
         positions, copied; the static cache stays for the next batch of its shape), to be
@@ -183,9 +215,9 @@ class CompiledStep:
             print(f"ktm: compiling the decode step for a batch of {total} and "
                   f"{state.static_mask.shape[1]} cache positions (once per shape)",
                   file=sys.stderr, flush=True)
-        before = _graphs()
+        before = graphs()
         logits = self._fn(lm, embeds, state.static_mask, positions, state.cache)
-        self.compiles += _graphs() - before
+        self.compiles += graphs() - before
         self.shapes.add(shape)
         # CUDA graphs hand out the same output buffer at every replay: keep a copy
         return logits[:rows].clone()
@@ -202,7 +234,14 @@ def _forward(lm, embeds, mask, positions, cache):
               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-def _graphs() -> int:
+def _prefill_forward(lm, embeds, mask, positions, cache):
+    # its own function, not ``_forward``: dynamo keeps compiled code per function, and this one
+    # compiles with dynamic shapes and no CUDA graph
+    return lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+def graphs() -> int:
     """Graphs torch.compile has made in this process (dynamo's own count; a recompile adds
     one)."""
     from torch._dynamo.utils import counters

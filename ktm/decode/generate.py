@@ -306,17 +306,23 @@ class DecodeState:
 
 
 @torch.no_grad()
-def prefill(model, prefixes, use_cache: bool = True, room: int = 0) -> DecodeState:
+def prefill(model, prefixes, use_cache: bool = True, room: int = 0,
+            compiled=None) -> DecodeState:
     """Read the prefixes (``CompressedPrompt``s) once; the cache then holds their keys/values.
 
     ``room``: positions the cache keeps free for the tokens decoded next (``kv_cache``), as
     ``decode_steps`` asks; 0 gives plain ``DynamicLayer``s, which rows can join or leave
-    (``ktm.decode.batched``)."""
+    (``ktm.decode.batched``). ``compiled``: the runtime's ``ktm.decode.compiled.CompiledStep``,
+    whose compiled prefill reads a cached batch; None: eager."""
     p = pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes])
     cache = kv_cache(model, room) if use_cache else None
     via = model.decode_lm()
     with eval_mode(model):
-        logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1, via=via)[:, -1]
+        if compiled is not None and cache is not None:
+            logits = compiled.prefill(via if via is not None else model.peft, p.embeds, p.mask,
+                                      p.position_ids, cache)
+        else:
+            logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1, via=via)[:, -1]
     return DecodeState(p.embeds, p.mask, p.position_ids, cache, logits, via)
 
 

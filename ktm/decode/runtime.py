@@ -104,9 +104,9 @@ class TorchRuntime:
 
     @property
     def compile(self) -> str:
-        """Whether decoding steps run compiled (``ktm.decode.compiled``): "on", "off" or
-        "auto" (where measured to pay). Batches rows join and leave (the server's) and batches
-        decoded without a cache stay eager."""
+        """Whether the prefill and decoding steps run compiled (``ktm.decode.compiled``): "on",
+        "off" or "auto" (where measured to pay). Batches rows join and leave (the server's) and
+        batches decoded without a cache stay eager; so do pressed prefills."""
         return self._compile
 
     @compile.setter
@@ -115,7 +115,7 @@ class TorchRuntime:
 
     @property
     def compiles(self) -> int:
-        """Graphs the compiled decode step has compiled (0: it never ran)."""
+        """Graphs the compiled prefill and decode step have compiled (0: they never ran)."""
         return 0 if self._step is None else self._step.compiles
 
     def _compiles(self, new_tokens: int | None, rows: int, filled: int) -> bool:
@@ -140,9 +140,19 @@ class TorchRuntime:
         if not self._compiles(state.new_tokens,
                               compiled.padded_rows(rows) if rebatched else rows, filled):
             return
+        self._compiled().start(state, state.new_tokens, pad_rows=rebatched)
+
+    def _prefill_step(self) -> compiled.CompiledStep | None:
+        """The compiled step whose prefill reads the next batch, where ``compile`` resolves on
+        for prefills on this device (``compiled.resolve_prefill``); None: eager."""
+        if not compiled.resolve_prefill(self._compile, self.model.device):
+            return None
+        return self._compiled()
+
+    def _compiled(self) -> compiled.CompiledStep:
         if self._step is None:
             self._step = compiled.CompiledStep(self.model.lm_config, self.model.device)
-        self._step.start(state, state.new_tokens, pad_rows=rebatched)
+        return self._step
 
     def _go_dynamic(self, state: DecodeState) -> None:
         """Back from the static cache (``CompiledStep.back``), to be joined or cut."""
@@ -188,7 +198,8 @@ class TorchRuntime:
             static = use_cache and self._compiles(
                 new, len(prefixes), max((cp.tokens_out for cp in prefixes), default=0))
             room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling and not static else 0
-            state = prefill(self.model, prefixes, use_cache, room=room)
+            state = prefill(self.model, prefixes, use_cache, room=room,
+                            compiled=self._prefill_step())
             state.reused = [0] * len(prefixes)
             if not use_cache:
                 return state

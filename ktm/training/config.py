@@ -75,6 +75,10 @@ class TrainConfig:
         "help": "continue the run in out-dir from its checkpoint (off: the folder must hold "
                 "no earlier run)"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    compile: str = field(default="auto", metadata={
+        "choices": ["auto", "off", "on"],
+        "help": "training steps through the LM body compiled (torch.compile, dynamic shapes; "
+                "ktm.training.compiled): on, off, or auto, where measured to pay"})
 
     def __post_init__(self) -> None:
         check_field_types(self)

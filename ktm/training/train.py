@@ -31,6 +31,8 @@ from ktm.errors import KTMError
 from ktm.tasks.base import Example, check_examples
 from ktm.tasks.fits import check_examples_fit
 from ktm.training import distributed
+from ktm.training.compiled import compiled_body
+from ktm.training.compiled import resolve as resolve_compile
 from ktm.training.config import TrainConfig, lr_factor
 from ktm.training.ema import WeightAverage
 from ktm.training.run_lock import main_holds
@@ -309,14 +311,16 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     # rank 0's count, read after its trim: every process returns the same metrics
     cpu_before = distributed.from_main([cpu_before], world, model.device)[0]
     per_step = config.batch_size * config.grad_accum * world.size  # the global window
+    compiled_on = resolve_compile(config.compile, model.device)
     try:
         while step < config.max_steps:
             t0 = clock(model.device)  # on CUDA: after the last step's kernels, AdamW's too
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_factor(step, config)
             window = [examples[order[step * per_step + j]] for j in world.shard(per_step)]
-            st = train_step(model, opt, window, config.batch_size, loss_fn, config.clip_norm,
-                            world, clip_apart)
+            with compiled_body(model, compiled_on):
+                st = train_step(model, opt, window, config.batch_size, loss_fn,
+                                config.clip_norm, world, clip_apart)
             step += 1
             if ema is not None:
                 ema.update()

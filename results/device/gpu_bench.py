@@ -11,7 +11,14 @@ Each part is ``ktm.bench.bench.run_bench`` on one model built once, and writes i
     compiled  4k in, 128 out, batch 1, each method decoded eager and compiled (ktm bench
               --compile off on: a static cache and CUDA graphs), interleaved
     batch16-compiled  batch16, each method decoded eager and compiled
+    prefill-compiled  prefill at 1k, 4k and 16k, eager and compiled (``--compile off on``: the
+              prefill compiled with dynamic shapes), K=4 as the shipped readers merge (two K=2
+              levels at mlp_ratio 0.5)
+    prefill-paper  the same at 4k and 16k with K=4 at the paper's width (one level, mlp_ratio
+              2.0), its encoder frozen as served
     train     ktm bench --mode train at Qwen2.5-0.5B's shape: tokens/s and MFU, plain vs K=4
+    train-compiled  train at 4k, eager and through the compiled LM body, K=4 as the shipped
+              readers merge
 
 and ``gpu-7b-kernel-time.json``: the wall time of a prefill against the GPU's time in kernels
 (the rest is the host launching them), with the top kernels in ``gpu-profile.txt``.
@@ -47,9 +54,16 @@ PARTS = {
                         compile=("off", "on")),
 }
 PARTS["batch16-compiled"] = replace(PARTS["batch16"], compile=("off", "on"))
+PARTS["prefill-compiled"] = replace(PARTS["prefill"], ks=(4,), mlp_ratios=(0.5,), inner_k=2,
+                                    compile=("off", "on"))
+PARTS["prefill-paper"] = replace(PARTS["prefill"], ks=(4,), lengths=(4096, 16384),
+                                 compile=("off", "on"))
 TRAIN = BenchConfig(mode="train", shape="qwen2.5-0.5b", ks=(4,), lengths=(1024, 4096),
                     batch_sizes=(8,), device="cuda", dtype="bfloat16", repeats=5,
                     progress=False)
+TRAINS = {"train": TRAIN,
+          "train-compiled": replace(TRAIN, lengths=(4096,), mlp_ratios=(0.5,), inner_k=2,
+                                    compile=("off", "on"))}
 
 
 def kernel_time(model, out: Path) -> list[dict]:
@@ -119,7 +133,6 @@ def main() -> int:
     where = dict(device=args.device, dtype=args.dtype)
     seven_b = replace(SEVEN_B, shape=args.shape, **where)
     parts = {n: replace(c, shape=args.shape, **where) for n, c in PARTS.items()}
-    train = replace(TRAIN, shape=args.train_shape, **where)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     seven = [p for p in args.parts if p in PARTS or p == "profile"]
@@ -143,10 +156,11 @@ def main() -> int:
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if "train" in args.parts:
-        rows = run_bench(train)
-        record(rows, args.out / "gpu-0.5b-train.json")
-        print(f"## train ({time.perf_counter() - t0:.0f} s)\n{format_table(rows)}", flush=True)
+    for name in (p for p in args.parts if p in TRAINS):
+        rows = run_bench(replace(TRAINS[name], shape=args.train_shape, **where))
+        record(rows, args.out / f"gpu-0.5b-{name}.json")
+        print(f"## {name} ({time.perf_counter() - t0:.0f} s)\n{format_table(rows)}",
+              flush=True)
     return 0
 
 

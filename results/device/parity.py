@@ -24,17 +24,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 SUITES = ("tests/test_layout_parity.py", "tests/core/test_context_on_device.py",
-          "tests/test_on_device.py", "tests/decode/test_compiled.py")
+          "tests/test_on_device.py", "tests/decode/test_compiled.py",
+          "tests/training/test_compiled_training.py")
 DTYPES = ("float32", "bfloat16")
 
 
-def run(device: str, dtype: str, extra: list[str]) -> dict:
+def run(device: str, dtype: str, extra: list[str], suites=SUITES) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         env = {**os.environ, "KTM_TEST_DEVICE": device, "KTM_TEST_DTYPE": dtype}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               f"--junitxml={xml}", *extra, *SUITES], env=env,
+                               f"--junitxml={xml}", *extra, *suites], env=env,
                               capture_output=True, text=True)
         seconds = time.perf_counter() - t0
         print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
@@ -60,6 +61,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--suites", nargs="+", default=list(SUITES),
+                    help="test files to run (default: every device-aware suite)")
     args, rest = ap.parse_known_args()
     args.pytest_args = [a for a in rest if a != "--"]
     import peft
@@ -68,9 +71,11 @@ def main() -> int:
 
     record = {
         "what": "the device-aware parity suites in fp32 and bf16 (results/device/parity.py)",
-        "command": f"python results/device/parity.py OUT.json --device {args.device}",
-        "suites": list(SUITES),
-        "suite_sha256": {s: hashlib.sha256(Path(s).read_bytes()).hexdigest() for s in SUITES},
+        "command": f"python results/device/parity.py OUT.json --device {args.device} "
+                   f"--suites {' '.join(args.suites)}",
+        "suites": args.suites,
+        "suite_sha256": {s: hashlib.sha256(Path(s).read_bytes()).hexdigest()
+                         for s in args.suites},
         "device": (torch.cuda.get_device_name() if args.device.startswith("cuda")
                    else args.device),
         "python": sys.version.split()[0], "torch": torch.__version__,
@@ -78,7 +83,7 @@ def main() -> int:
         "git_revision": os.environ.get("KTM_SOURCE_REVISION"),
         "timestamp": datetime.now(UTC).isoformat(),
         "by_dtype": dict(zip(DTYPES, ThreadPoolExecutor(len(DTYPES)).map(
-            lambda dt: run(args.device, dt, args.pytest_args), DTYPES))),
+            lambda dt: run(args.device, dt, args.pytest_args, args.suites), DTYPES))),
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     for dt, r in record["by_dtype"].items():

@@ -69,7 +69,7 @@ def infer_rows(tiny_model_dir, tmp_path_factory):
     {"presses": ("knorm",)}, {"presses": ("nope=0.5",)}, {"presses": ("knorm=1.5",)},
     {"presses": ("knorm=0.5",), "mode": "train"},
     {"presses": ("knorm=0.5",), "backends": ("llamacpp",)},
-    {"compile": ("fast",)}, {"compile": ()}, {"compile": ("on",), "mode": "train"},
+    {"compile": ("fast",)}, {"compile": ()}, {"compile": ("on",), "mode": "serve"},
 ])
 def test_config_rejects_bad_values(kw):
     with pytest.raises(KTMError):
@@ -497,3 +497,23 @@ def test_press_rows_keep_their_share_of_the_kv(tiny_model_dir, tmp_path):
         want = plain if r["press"] is None else int((plain - 1) * 0.5) + 1
         assert r["kv_ratio"] == pytest.approx(want / 41)
     assert {r["press"] for r in rows} == {None, "knorm=0.5"}
+
+
+def test_inner_k_builds_recursive_encoders_frozen_outside_training(tiny_model_dir, tmp_path):
+    """--inner-k 2: K=4 is timed with two K=2 merges (the shipped readers' encoder), K=2 with
+    one level; an infer run's encoders are frozen (held in the LM's dtype, as served)."""
+    from ktm.bench.bench import Method, _encoders, load_model, methods_of
+
+    config = small(tiny_model_dir, tmp_path, lengths=(16,), ks=(2, 4), mlp_ratios=(0.5,),
+                   inner_k=2, batch_sizes=(1,), repeats=1)
+    model = load_model(config)
+    encs = _encoders(model, methods_of(config, model.k), 0, config.inner_k)
+    four, two = encs[Method("ktm", 4, 0.5).key], encs[Method("ktm", 2, 0.5).key]
+    assert four.config.inner_k == 2 and four.inner.k == 2 and two.config.inner_k == 1
+    assert not any(p.requires_grad for e in (four, two) for p in e.parameters())
+    trained = _encoders(model, methods_of(config, model.k), 0, config.inner_k, train=True)
+    assert all(p.requires_grad for p in trained[Method("ktm", 4, 0.5).key].parameters())
+    rows = run_bench(config)
+    assert [r["compressed_tokens"] for r in rows] == [16, 8, 4]
+    with pytest.raises(KTMError, match="inner_k 3 divides none of ks"):
+        small(tiny_model_dir, tmp_path, ks=(2, 4), inner_k=3)

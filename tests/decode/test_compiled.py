@@ -55,6 +55,35 @@ def test_compiled_decode_equals_eager_and_compiles_once_per_shape(tiny_model_dir
         PROMPTS[0], max_new_tokens=3)
 
 
+@torch.no_grad()
+def test_compiled_prefill_fills_the_cache_as_eager_for_every_length(tiny_model_dir):
+    """The prefill compiled once with dynamic shapes: a left-padded batch and prompts of other
+    lengths read into the same keys, values and logits as the eager forward, and a second
+    batch of other lengths compiles nothing new."""
+    from ktm.core.batch import pack
+    from ktm.decode.generate import kv_cache
+
+    require_device()
+    ktm_model = fresh_model(tiny_model_dir, device=DEVICE, dtype=DTYPE)
+    perturb(ktm_model)
+    step = compiled.CompiledStep(ktm_model.lm_config, ktm_model.device)
+    lm = ktm_model.peft
+    for i, prompts in enumerate([PROMPTS, [PROMPTS[2] + " and a few more words", PROMPTS[0]]]):
+        cps = ktm_model.encode_prompts(prompts)
+        p = pack([cp.embeds for cp in cps], [cp.positions for cp in cps])
+        eager, comp = kv_cache(ktm_model), kv_cache(ktm_model)
+        want = ktm_model.lm(p.embeds, p.mask, p.position_ids, eager, keep=1)[:, -1]
+        got = step.prefill(lm, p.embeds, p.mask, p.position_ids, comp)
+        close(got, want)
+        for a, b in zip(comp.layers, eager.layers):
+            assert a.keys.shape == b.keys.shape
+            close(a.keys, b.keys)
+            close(a.values, b.values)
+        if i == 0:
+            first = step.compiles
+    assert step.compiles == first
+
+
 def _decode_eager(model, prompts, n: int) -> torch.Tensor:
     mode, model.runtime.compile = model.runtime.compile, "off"
     try:
@@ -91,6 +120,9 @@ def test_compile_settings_are_checked(ktm_model):
     assert not compiled.resolve("auto", torch.device("cuda"), compiled.positions(16, 4096, 16))
     assert not compiled.resolve("auto", torch.device("cuda"))  # size not known
     assert not compiled.resolve("auto", torch.device("mps"), 512)  # never measured
+    assert compiled.resolve_prefill("on", torch.device("cpu"))
+    assert not compiled.resolve_prefill("off", torch.device("cuda"))
+    assert not compiled.resolve_prefill("auto", torch.device("cpu"))
     ktm_model.runtime.compile = "auto"  # on the CPU: eager
     state = ktm_model.runtime.prefill(ktm_model.encode_prompts(PROMPTS[:1]),
                                       [GenerationConfig(max_new_tokens=4)])
