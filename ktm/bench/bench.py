@@ -504,10 +504,10 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                 run = _runner(model, config, encs, opts, prompts, targets, runtimes, compiles)
                 runs = interleave(run, methods, config.warmup, config.repeats, bar.update)
                 stats = {}
-                for b in config.backends:  # speed-ups against the same runtime, uncompressed
-                    base = Method("uncompressed", backend=b).key
+                # speed-ups against the same runtime, uncompressed, compiled the same way
+                for base in dict.fromkeys(m.baseline for m in methods):
                     stats.update(aggregate({m.key: runs[m.key] for m in methods
-                                            if m.backend == b},
+                                            if m.baseline == base},
                                            base if config.uncompressed else None))
                 memory_pass(run, methods, stats)
                 bar.update(len(methods))
