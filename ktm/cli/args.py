@@ -327,9 +327,10 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
                         help=f"--backend vllm: its CPU KV cache (default: {v.kv_cache_gb:g})")
     parser.add_argument("--compile", choices=("auto", "off", "on"), default="auto",
                         help="--backend torch: decode steps on a static KV cache, compiled "
-                             "(torch.compile; CUDA graphs on CUDA): on, off, or auto, where "
-                             "measured to pay (on CUDA, batches of up to 64k cache positions: "
-                             "docs/guide.md) (default: 'auto')")
+                             "(torch.compile; CUDA graphs on CUDA), and the prefill compiled "
+                             "for every length: on, off, or auto, where measured to pay (on "
+                             "CUDA, decode batches of up to 64k cache positions and prefills "
+                             "of up to 1,024: docs/guide.md) (default: 'auto')")
     press_args(parser)
 
 

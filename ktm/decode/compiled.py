@@ -31,10 +31,13 @@ New rows waiting to join stay dynamic: they never take over the running batch's 
 The prefill (``CompiledStep.prefill``) is the same forward compiled once with dynamic shapes
 (``torch.compile(dynamic=True)``: one graph for every prompt length and batch above one, one more
 for a batch of one) into the eager ``DynamicCache`` that decoding then reads, static or not. It
-has no CUDA graph: prompt lengths vary, and a prefill of a thousand positions or more keeps the GPU
-busy once its launches are fused (eager HF, 7B shape: a prefill of 1,024 positions takes 39 ms
-with its kernels busy for about 27). Length buckets would pad a prompt by up to a quarter of its
-positions; a dynamic graph reads exactly its own.
+has no CUDA graph: prompt lengths vary. Length buckets would pad a prompt by up to a quarter of
+its positions; a dynamic graph reads exactly its own. Where it pays (``resolve_prefill``),
+measured on one H200 at Qwen2.5-Coder-7B's shape, bf16, batch 1 (``results/bench/README.md``):
+a prefill of 256 positions takes 20.5 ms against eager's 40.5, of 1,024 31.9 against 36.6 (K=4
+over 4k tokens) or 30.1 against 38.2 (plain 1k), of 4,096 115.2 against 116.9, and of 16,384
+729.7 against 510.3. So ``auto`` compiles a prefill of up to 1,024 positions (batch x longest
+prompt) on CUDA, never on the CPU.
 
 Where it pays (``resolve``), measured (``results/bench/README.md``):
 - On the CPU, never: SmolLM2-135M, fp32, one thread, 2,048 positions: 84.7 ms a step against
@@ -64,8 +67,9 @@ MIN_BUCKET = 256
 # where ``auto`` compiles (the module docstring): per device type, the most cache positions
 # (batch × bucket) a compiled step was measured to pay for; a device type not listed: none
 PAYS = {"cpu": 0, "cuda": 65536}
-# the device types where ``auto`` compiles the prefill: none measured to pay yet
-PREFILL_PAYS: frozenset[str] = frozenset()
+# where ``auto`` compiles the prefill: per device type, the most positions (batch x longest
+# prompt) a compiled prefill was measured to pay for (the module docstring)
+PREFILL_PAYS = {"cpu": 0, "cuda": 1024}
 
 
 def check_mode(mode: str) -> str:
@@ -84,11 +88,14 @@ def resolve(mode: str, device: torch.device, positions: int | None = None) -> bo
     return positions is not None and 0 < positions <= limit
 
 
-def resolve_prefill(mode: str, device: torch.device) -> bool:
-    """Whether a prefill runs compiled (``CompiledStep.prefill``) on ``device`` under ``mode``
-    (auto: on the device types in ``PREFILL_PAYS``)."""
+def resolve_prefill(mode: str, device: torch.device, positions: int) -> bool:
+    """Whether a prefill of ``positions`` (batch x longest prompt) runs compiled
+    (``CompiledStep.prefill``) on ``device`` under ``mode`` (auto: where ``PREFILL_PAYS``
+    says)."""
     check_mode(mode)
-    return mode == "on" or (mode == "auto" and torch.device(device).type in PREFILL_PAYS)
+    if mode != "auto":
+        return mode == "on"
+    return 0 < positions <= PREFILL_PAYS.get(torch.device(device).type, 0)
 
 
 def positions(batch: int, filled: int, new_tokens: int) -> int:

@@ -142,10 +142,11 @@ class TorchRuntime:
             return
         self._compiled().start(state, state.new_tokens, pad_rows=rebatched)
 
-    def _prefill_step(self) -> compiled.CompiledStep | None:
-        """The compiled step whose prefill reads the next batch, where ``compile`` resolves on
-        for prefills on this device (``compiled.resolve_prefill``); None: eager."""
-        if not compiled.resolve_prefill(self._compile, self.model.device):
+    def _prefill_step(self, positions: int) -> compiled.CompiledStep | None:
+        """The compiled step whose prefill reads a batch of ``positions`` (rows x longest),
+        where ``compile`` resolves on for it on this device (``compiled.resolve_prefill``);
+        None: eager."""
+        if not compiled.resolve_prefill(self._compile, self.model.device, positions):
             return None
         return self._compiled()
 
@@ -194,12 +195,14 @@ class TorchRuntime:
             state = self._pressed(prefixes, sampling)
         elif not joinable:
             use_cache = all(cfg.use_cache for cfg in sampling) if sampling else True
-            # a batch that goes static is copied once: no room kept for it here
-            static = use_cache and self._compiles(
-                new, len(prefixes), max((cp.tokens_out for cp in prefixes), default=0))
-            room = max(cfg.max_new_tokens for cfg in sampling) - 1 if sampling and not static else 0
-            state = prefill(self.model, prefixes, use_cache, room=room,
-                            compiled=self._prefill_step())
+            longest = max((cp.tokens_out for cp in prefixes), default=0)
+            static = use_cache and self._compiles(new, len(prefixes), longest)
+            step = self._prefill_step(len(prefixes) * longest)
+            # no room kept in a batch that goes static (copied once), nor in one the compiled
+            # prefill reads (it fills plain ``DynamicLayer``s, which it was checked against)
+            room = (max(cfg.max_new_tokens for cfg in sampling) - 1
+                    if sampling and not static and step is None else 0)
+            state = prefill(self.model, prefixes, use_cache, room=room, compiled=step)
             state.reused = [0] * len(prefixes)
             if not use_cache:
                 return state

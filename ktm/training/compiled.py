@@ -13,8 +13,10 @@ The layers run compiled only inside ``compiled_body`` (a training step): evaluat
 decoding between steps read the eager modules. The compiled function is kept per layer class, so
 entering again compiles nothing new.
 
-Where it pays (``resolve``): ``auto`` compiles on the device types in ``PAYS``, none measured to
-pay yet (``results/bench/README.md``); ``on`` compiles on every device.
+Where it pays (``resolve``), measured on one H200 at Qwen2.5-0.5B's shape, bf16, batch 8 of 4,096
+tokens (``results/bench/README.md``): a step takes 0.402 s against eager's 0.657 plain (MFU
+22.2 % against 13.6 %), 0.201 against 0.353 with K=4. So ``auto`` compiles on CUDA, not on the
+CPU (not measured there at a real size); ``on`` compiles on every device.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import torch
 from ktm.decode.compiled import check_mode
 from ktm.errors import KTMError
 
-# device types where ``auto`` trains through the compiled body: none measured to pay yet
-PAYS: frozenset[str] = frozenset()
+# device types where ``auto`` trains through the compiled layers (the module docstring)
+PAYS = frozenset({"cuda"})
 # decoder layer class -> its forward compiled, shared by every layer of that class
 _COMPILED: dict[type, object] = {}
 

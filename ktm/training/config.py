@@ -77,8 +77,9 @@ class TrainConfig:
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     compile: str = field(default="auto", metadata={
         "choices": ["auto", "off", "on"],
-        "help": "training steps through the LM body compiled (torch.compile, dynamic shapes; "
-                "ktm.training.compiled): on, off, or auto, where measured to pay"})
+        "help": "training steps through the LM's decoder layers compiled (torch.compile, "
+                "dynamic shapes; ktm.training.compiled): on, off, or auto, where measured to "
+                "pay (on CUDA)"})
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -120,9 +120,12 @@ def test_compile_settings_are_checked(ktm_model):
     assert not compiled.resolve("auto", torch.device("cuda"), compiled.positions(16, 4096, 16))
     assert not compiled.resolve("auto", torch.device("cuda"))  # size not known
     assert not compiled.resolve("auto", torch.device("mps"), 512)  # never measured
-    assert compiled.resolve_prefill("on", torch.device("cpu"))
-    assert not compiled.resolve_prefill("off", torch.device("cuda"))
-    assert not compiled.resolve_prefill("auto", torch.device("cpu"))
+    # the prefill: on CUDA up to 1,024 positions (batch x longest prompt), never on the CPU
+    assert compiled.resolve_prefill("on", torch.device("cpu"), 4096)
+    assert not compiled.resolve_prefill("off", torch.device("cuda"), 256)
+    assert not compiled.resolve_prefill("auto", torch.device("cpu"), 256)
+    assert compiled.resolve_prefill("auto", torch.device("cuda"), 1024)
+    assert not compiled.resolve_prefill("auto", torch.device("cuda"), 4096)
     ktm_model.runtime.compile = "auto"  # on the CPU: eager
     state = ktm_model.runtime.prefill(ktm_model.encode_prompts(PROMPTS[:1]),
                                       [GenerationConfig(max_new_tokens=4)])

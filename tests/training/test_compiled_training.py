@@ -43,3 +43,4 @@ def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
         compiled.resolve("fast", model.device)
     assert compiled.resolve("on", model.device) and not compiled.resolve("off", model.device)
     assert not compiled.resolve("auto", torch.device("cpu"))
+    assert compiled.resolve("auto", torch.device("cuda"))  # measured to pay there
