@@ -15,8 +15,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__)"
-timeout "${PARITY_S:-200}" python3 results/device/parity.py "$OUT/parity-cuda.json" \
-    --device cuda ${PARITY_SUITES:+--suites $PARITY_SUITES} -- -n 6 > "$OUT/parity.log" 2>&1
+timeout "$(( ${PARITY_S:-200} + 20 ))" python3 results/device/parity.py "$OUT/parity-cuda.json" \
+    --device cuda --limit "${PARITY_S:-200}" ${PARITY_SUITES:+--suites $PARITY_SUITES} -- -n 6 \
+    > "$OUT/parity.log" 2>&1
 tail -12 "$OUT/parity.log"
 timeout "${SEVEN_S:-330}" python3 results/device/gpu_bench.py "$OUT" \
     --parts ${SEVEN_PARTS:-prefill batch16 compiled} 2>&1 | tee "$OUT/bench.log"

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,14 +29,23 @@ SUITES = ("tests/test_layout_parity.py", "tests/core/test_context_on_device.py",
 DTYPES = ("float32", "bfloat16")
 
 
-def run(device: str, dtype: str, extra: list[str], suites=SUITES) -> dict:
+def run(device: str, dtype: str, extra: list[str], suites=SUITES,
+        limit: float | None = None) -> dict:
+    """One dtype's pytest run; ``limit``: seconds before it is stopped, and recorded as
+    stopped with the tail of what it printed (a device's time is short: a run that overruns
+    still leaves a record)."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         env = {**os.environ, "KTM_TEST_DEVICE": device, "KTM_TEST_DTYPE": dtype}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               f"--junitxml={xml}", *extra, *suites], env=env,
-                              capture_output=True, text=True)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
+                                   "no:cacheprovider", f"--junitxml={xml}", *extra, *suites],
+                                  env=env, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            print(f"{dtype}: stopped after {limit} s\n{out[-2000:]}", flush=True)
+            return {"timed_out": True, "seconds": limit, "stdout_tail": out[-2000:]}
         seconds = time.perf_counter() - t0
         print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
         cases, failed = [], {}
@@ -63,6 +72,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--suites", nargs="+", default=list(SUITES),
                     help="test files to run (default: every device-aware suite)")
+    ap.add_argument("--limit", type=float, default=None,
+                    help="seconds each dtype's run may take before it is stopped and recorded "
+                         "as stopped (default: none)")
     args, rest = ap.parse_known_args()
     args.pytest_args = [a for a in rest if a != "--"]
     import peft
@@ -82,11 +94,20 @@ def main() -> int:
         "transformers": transformers.__version__, "peft": peft.__version__,
         "git_revision": os.environ.get("KTM_SOURCE_REVISION"),
         "timestamp": datetime.now(UTC).isoformat(),
-        "by_dtype": dict(zip(DTYPES, ThreadPoolExecutor(len(DTYPES)).map(
-            lambda dt: run(args.device, dt, args.pytest_args, args.suites), DTYPES))),
+        "by_dtype": {},
     }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    with ThreadPoolExecutor(len(DTYPES)) as pool:
+        runs = {pool.submit(run, args.device, dt, args.pytest_args, args.suites, args.limit): dt
+                for dt in DTYPES}
+        for done in as_completed(runs):  # the record is rewritten as each dtype ends
+            record["by_dtype"][runs[done]] = done.result()
+            tmp = args.out.with_name(args.out.name + ".tmp")
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            tmp.replace(args.out)
     for dt, r in record["by_dtype"].items():
+        if r.get("timed_out"):
+            print(f"{dt}: stopped after {r['seconds']} s")
+            continue
         print(f"{dt}: {r['passed']} of {r['tests']} passed, {len(r['failed'])} failed, "
               f"{r['seconds']} s")
         for name, msg in r["failed"].items():

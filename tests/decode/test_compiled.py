@@ -84,6 +84,21 @@ def test_compiled_prefill_fills_the_cache_as_eager_for_every_length(tiny_model_d
     assert step.compiles == first
 
 
+@torch.no_grad()
+def test_a_compiled_prefill_before_eager_steps_keeps_no_room(ktm_model, monkeypatch):
+    """Where ``auto`` compiles the prefill but not the decode step (here: the CPU made to look
+    like a device where only prefills pay), the prefill fills plain ``DynamicLayer``s, the
+    layers it was checked against, and the eager steps after it pick eager's tokens."""
+    from transformers.cache_utils import DynamicLayer
+
+    monkeypatch.setitem(compiled.PREFILL_PAYS, "cpu", 1 << 16)
+    ktm_model.runtime.compile = "auto"
+    tokens, logits, state = _decode(ktm_model, PROMPTS, 5)
+    assert state.static_mask is None
+    assert all(type(layer) is DynamicLayer for layer in state.cache.layers)
+    _same_up_to_a_near_tie(tokens, logits, *_decode_eager(ktm_model, PROMPTS, 5))
+
+
 def _decode_eager(model, prompts, n: int) -> torch.Tensor:
     mode, model.runtime.compile = model.runtime.compile, "off"
     try:
