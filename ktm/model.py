@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktm.core import checkpoint
-from ktm.core.allocate import Scorer
+from ktm.core.allocate import ATTENTION_WINDOW, Scorer
 from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
@@ -304,6 +304,36 @@ def lm_surprisal(model: KTMModel, ids: list[int]) -> list[float]:
     return [float(nll.mean())] + nll.tolist()
 
 
+@torch.no_grad()
+def lm_attention(model: KTMModel, ids: list[int]) -> list[float]:
+    """Each token's attention from the last ``ATTENTION_WINDOW`` tokens under the base LM
+    (adapter off) reading ``ids`` plain, averaged over layers, heads and those queries (a query
+    before a token pays it none). The ``attention`` allocator's signal (``KTMModel.scorer``):
+    attention weights need the LM's eager attention, switched to for this forward."""
+    if len(ids) < 2:
+        return [1.0] * len(ids)
+    p = pack([model.input_embedding(ids_tensor(ids, model.device))])
+    lm = model.peft.get_base_model()
+    was, implementation = model.training, lm.config._attn_implementation
+    model.eval()
+    lm.set_attn_implementation("eager")
+    try:
+        with model.peft.disable_adapter():
+            out = model.peft(inputs_embeds=p.embeds, attention_mask=p.mask,
+                             position_ids=p.position_ids, output_attentions=True,
+                             logits_to_keep=1)
+    finally:
+        lm.set_attn_implementation(implementation)
+        model.train(was)
+    if not out.attentions or any(a is None for a in out.attentions):
+        raise KTMError(f"{type(lm).__name__} returned no attention weights: the attention "
+                       "allocator needs them; expected another allocator")
+    window = min(ATTENTION_WINDOW, len(ids))
+    # (layers, heads, window, L) -> (L,)
+    weights = torch.stack([a[0, :, -window:].float() for a in out.attentions])
+    return weights.mean(dim=(0, 1, 2)).tolist()
+
+
 def warn_unapplied_compressor(model: KTMModel) -> None:
     """Once: a baseline checkpoint whose method rewrites prompts, read with prompts as given,
     answers as another model would."""
@@ -348,7 +378,8 @@ class KTMModel(nn.Module):
         self._compressor_warned = False
         # per-token scores for a segment read at a ratio (ktm.core.allocate); its surprisal
         # table is the reader's own (saved beside it), if it has one
-        self.scorer = Scorer(tokenizer, lm=partial(lm_surprisal, self))
+        self.scorer = Scorer(tokenizer, lm=partial(lm_surprisal, self),
+                             attention=partial(lm_attention, self))
         # what the decode loop prefills and decodes through, and eval-mode scoring reads
         # (ktm.decode.runtime: torch, llama.cpp or vLLM; picked by use_backend)
         self.runtime = TorchRuntime(self)

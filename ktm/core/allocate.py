@@ -24,6 +24,9 @@ The signal is what a unit is worth; ``ktm.core.config.ALLOCATORS`` names them:
     lm         a token's surprisal under the base LM itself reading the segment plain: the
                oracle the cheap signals are measured against (it costs a plain forward, more
                than the merged prefill it plans)
+    attention  the attention a token gets from the segment's last ``ATTENTION_WINDOW`` tokens
+               under the base LM reading it plain, averaged over layers, heads and those
+               queries: what SnapKV-like KV presses keep, as an oracle of the same cost
 
 Positions stay consecutive whatever the levels, so the result runs on llama.cpp and vLLM too.
 """
@@ -42,6 +45,8 @@ from ktm.errors import KTMError
 
 # how far the achieved ratio may land from the target before the layout says so
 RATIO_TOLERANCE = 0.05
+# the attention allocator's queries: a segment's last tokens (SnapKV's observation window)
+ATTENTION_WINDOW = 32
 
 
 class RatioWarning(UserWarning):
@@ -166,21 +171,22 @@ def token_kinds(tokenizer) -> Callable[[int], str]:
 
 class Scorer:
     """Per-token scores for the signals that read tokens: ``surprisal`` (from ``table``, a
-    ``ktm.core.surprisal.SurprisalTable``), ``rules`` (from the tokenizer's decoding) and
-    ``lm`` (``lm(ids)``, the model's own); None for the signals that need none. A model's own,
-    as ``scorer(signal, ids)``."""
+    ``ktm.core.surprisal.SurprisalTable``), ``rules`` (from the tokenizer's decoding), and
+    ``lm`` and ``attention`` (``lm(ids)``, ``attention(ids)``: the model's own plain reading);
+    None for the signals that need none. A model's own, as ``scorer(signal, ids)``."""
 
     def __init__(self, tokenizer, table=None, lm: Callable[[list[int]], list[float]] | None
-                 = None):
-        self.tokenizer, self.table, self.lm = tokenizer, table, lm
+                 = None, attention: Callable[[list[int]], list[float]] | None = None):
+        self.tokenizer, self.table = tokenizer, table
+        self.reads = {"lm": lm, "attention": attention}
         self._kinds = None
 
     def __call__(self, signal: str, ids: list[int]) -> list[float] | None:
-        if signal == "lm":
-            if self.lm is None:
-                raise KTMError("the lm allocator reads the segment with the model's own LM: "
-                               "expected a scorer made by a KTMModel")
-            return self.lm(ids)
+        if signal in self.reads:
+            if self.reads[signal] is None:
+                raise KTMError(f"the {signal} allocator reads the segment with the model's own "
+                               "LM: expected a scorer made by a KTMModel")
+            return self.reads[signal](ids)
         if signal == "surprisal":
             if self.table is None:
                 raise KTMError("the surprisal allocator needs the reader's surprisal table, and "

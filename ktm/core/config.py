@@ -25,7 +25,7 @@ def _is_int(v: Any) -> bool:
 
 # the signals that spend a ratio's positions (ktm.core.allocate.SIGNALS; its home, this module
 # being a leaf that the allocator imports)
-ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm")
+ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention")
 # how ``context_layers`` pools a block's states (ktm.core.context_states)
 CONTEXT_POOLS = ("mean", "query")
 
@@ -182,9 +182,11 @@ class KTMConfig:
     allocator: str = field(default="rules", metadata={
         "help": "how a segment read at a ratio (--ratio, Segment(ratio=...)) spends its "
                 "positions: surprisal (the reader's n-gram table), rules, recency, even, "
-                "random, or lm (the base LM's own surprisal: a plain forward first, the "
-                "oracle the cheap signals are measured against) (ktm.core.allocate; a prompt "
-                "layout: a checkpoint can be read with another)"})
+                "random, lm (the base LM's own surprisal: a plain forward first, the "
+                "oracle the cheap signals are measured against), or attention (the attention "
+                "the base LM's last tokens pay each token, read plain: an oracle of what a KV "
+                "press keeps) (ktm.core.allocate; a prompt layout: a checkpoint can be read "
+                "with another)"})
     lora: LoraSettings = field(default_factory=LoraSettings, metadata={"prefix": "lora"})
     add_eos: bool = field(default=True, metadata={"help": "training targets end with EOS"})
     dtype: str = field(default="float32", metadata={

@@ -6,6 +6,9 @@ are the base model's (``--base``, LoRA off), never pressed. Readings:
     press NAME at RATIO        the base model, the context read plain, its KV pressed
     reader READER              a ktm reader, the context merged (KV: 1/K of the positions)
     reader READER + press      stacked: the merged positions' KV pressed
+    reader READER at RATIO     allocated: each block of the context at its own level, the
+                               positions spent by an allocator (``--allocators``; ``lm`` and
+                               ``attention`` are oracles that read the context plain first)
 
 One JSON row per (reading, context length), with R, recall R, their intervals, the share of the
 plain prompt's positions whose KV the reading keeps (``kv_kept``), the CPU seconds it took, and
@@ -45,11 +48,14 @@ def readings(args) -> list[dict]:
             press = PressConfig.parse(spec)
             out.append({"kind": "stacked", "model": reader, "press": press.name,
                         "ratio": press.ratio})
+        out += [{"kind": "allocated", "model": reader, "press": None, "ratio": r,
+                 "allocator": a} for r in args.reader_ratios for a in args.allocators]
     return out
 
 
 def key(row: dict) -> tuple:
-    return (row["kind"], row["model"], row["press"], row["ratio"], row["context_tokens"])
+    return (row["kind"], row["model"], row["press"], row["ratio"], row["context_tokens"],
+            row.get("allocator"))
 
 
 def main() -> int:
@@ -62,6 +68,10 @@ def main() -> int:
     ap.add_argument("--ratios", nargs="*", type=float, default=[0.5, 0.75, 0.875])
     ap.add_argument("--readers", nargs="*", default=[])
     ap.add_argument("--stack", nargs="*", default=[], metavar="PRESS=RATIO")
+    ap.add_argument("--reader-ratios", nargs="*", type=float, default=[],
+                    help="also read each reader at these ratios (tokens per position)")
+    ap.add_argument("--allocators", nargs="*", default=["even"],
+                    help="the allocators of the --reader-ratios readings")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
@@ -80,15 +90,19 @@ def main() -> int:
         for what in readings(args):
             if key({**what, "context_tokens": ctx}) in done:
                 continue
-            name = what["model"]
-            if name not in models:
-                models[name] = KTMModel.load(name)
-            model = models[name]
-            model.use_press(what["press"], what["ratio"] or 0.0)
+            name, allocated = what["model"], what["kind"] == "allocated"
+            held = (name, what["ratio"], what["allocator"]) if allocated else name
+            if held not in models:
+                models[held] = (KTMModel.load(name, ratio=what["ratio"],
+                                              allocator=what["allocator"]) if allocated
+                                else KTMModel.load(name))
+            model = models[held]
+            model.use_press(what["press"], 0.0 if allocated else what["ratio"] or 0.0)
             t0 = time.process_time()
             sets = heldout_readability(model, args.sets, args.n, _cache=windows,
                                        plain_cache=plain, context_tokens=ctx,
-                                       merge=what["kind"] in ("reader", "stacked"),
+                                       merge=what["kind"] in ("reader", "stacked",
+                                                              "allocated"),
                                        reference=base)
             model.use_press(None)
             rows.append({**what, "context_tokens": ctx, "sets": sets,
@@ -97,7 +111,7 @@ def main() -> int:
                          "model_config": model_record(model), "command": " ".join(sys.argv),
                          "versions": versions(), "git": git_revision()})
             write_json_atomic(args.out, rows)
-            print(ctx, what["kind"], name, what["press"], what["ratio"],
+            print(ctx, what["kind"], name, what["press"], what["ratio"], what.get("allocator"),
                   {n: (round(r["R"] or 0, 3), round(r["R_recall"] or 0, 3),
                        round(r["kv_kept"], 3)) for n, r in sets.items()}, flush=True)
     return 0

@@ -135,7 +135,7 @@ def test_a_short_segment_says_the_ratio_it_was_read_at(reader):
     assert (cp.tokens_in, cp.tokens_out) == (10, 3)
 
 
-@pytest.mark.parametrize("allocator", ["even", "rules", "recency", "random", "lm"])
+@pytest.mark.parametrize("allocator", ["even", "rules", "recency", "random", "lm", "attention"])
 def test_a_ratio_prompt_reads_at_that_ratio(reader, allocator):
     reader._config = dataclasses.replace(reader._config, allocator=allocator)
     with warnings.catch_warnings():
@@ -192,3 +192,26 @@ def test_a_prompt_reports_the_ratio_its_compressed_segments_were_read_at(reader)
     assert abs(cp.ratio_read / 2.0 - 1) <= 0.05
     assert reader.compress([Segment(plain, compress=False)]).ratio_read is None
     assert reader.compress([Segment(TEXT)], merge=False).ratio_read == 1.0
+
+
+def test_the_attention_oracle_scores_what_the_last_tokens_attend(reader):
+    """The attention allocator's signal: per token, the base LM's attention from the last
+    tokens, read plain; the LM's own attention implementation is back afterwards, and a
+    layout planned with it differs from an even one."""
+    from ktm.model import lm_attention
+
+    lm = reader.peft.get_base_model()
+    before = lm.config._attn_implementation
+    ids = reader.tokenize(TEXT)
+    scores = lm_attention(reader, ids)
+    assert len(scores) == len(ids) and min(scores) >= 0
+    # each of the last queries spreads a weight of 1 over the tokens up to it
+    assert abs(sum(scores) - 1) < 1e-4
+    assert lm.config._attn_implementation == before
+    layouts = {}
+    for allocator in ("attention", "even"):
+        reader._config = dataclasses.replace(reader._config, allocator=allocator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RatioWarning)
+            layouts[allocator] = reader.compress([Segment(TEXT * 3, ratio=2.0)])
+    assert not torch.equal(layouts["attention"].embeds, layouts["even"].embeds)
