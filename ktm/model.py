@@ -308,30 +308,42 @@ def lm_surprisal(model: KTMModel, ids: list[int]) -> list[float]:
 def lm_attention(model: KTMModel, ids: list[int]) -> list[float]:
     """Each token's attention from the last ``ATTENTION_WINDOW`` tokens under the base LM
     (adapter off) reading ``ids`` plain, averaged over layers, heads and those queries (a query
-    before a token pays it none). The ``attention`` allocator's signal (``KTMModel.scorer``):
-    attention weights need the LM's eager attention, switched to for this forward."""
+    before a token pays it none). The ``attention`` allocator's signal (``KTMModel.scorer``).
+
+    Attention weights need the LM's eager attention, switched to for this forward; a hook on
+    each layer's attention keeps only the last queries' rows of its weights, so no more than
+    one layer's (heads, L, L) weights are held at a time."""
     if len(ids) < 2:
         return [1.0] * len(ids)
     p = pack([model.input_embedding(ids_tensor(ids, model.device))])
     lm = model.peft.get_base_model()
+    window = min(ATTENTION_WINDOW, len(ids))
+    rows: list[torch.Tensor] = []
+
+    def keep(module, args, output):
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if weights is not None:
+            rows.append(weights[0, :, -window:].float().mean(dim=(0, 1)))
+
+    hooks = [m.register_forward_hook(keep) for name, m in lm.named_modules()
+             if name.rsplit(".", 1)[-1] == "self_attn"]
     was, implementation = model.training, lm.config._attn_implementation
     model.eval()
     lm.set_attn_implementation("eager")
     try:
         with model.peft.disable_adapter():
-            out = model.peft(inputs_embeds=p.embeds, attention_mask=p.mask,
-                             position_ids=p.position_ids, output_attentions=True,
-                             logits_to_keep=1)
+            model.peft(inputs_embeds=p.embeds, attention_mask=p.mask,
+                       position_ids=p.position_ids, logits_to_keep=1)
     finally:
+        for h in hooks:
+            h.remove()
         lm.set_attn_implementation(implementation)
         model.train(was)
-    if not out.attentions or any(a is None for a in out.attentions):
-        raise KTMError(f"{type(lm).__name__} returned no attention weights: the attention "
-                       "allocator needs them; expected another allocator")
-    window = min(ATTENTION_WINDOW, len(ids))
-    # (layers, heads, window, L) -> (L,)
-    weights = torch.stack([a[0, :, -window:].float() for a in out.attentions])
-    return weights.mean(dim=(0, 1, 2)).tolist()
+    if not rows:
+        raise KTMError(f"{type(lm).__name__} gave no attention weights to read (no self_attn "
+                       "module returning them): the attention allocator needs them; expected "
+                       "another allocator")
+    return torch.stack(rows).mean(dim=0).tolist()
 
 
 def warn_unapplied_compressor(model: KTMModel) -> None:
