@@ -162,8 +162,7 @@ class BenchConfig:
             if bad:
                 raise KTMError(f"{name} must be integers >= 1, got {bad}")
         check_at_least(self, 1, "inner_k")
-        if self.inner_k > 1 and not any(k > self.inner_k and k % self.inner_k == 0
-                                        for k in self.ks):
+        if self.inner_k > 1 and all(inner_of(k, self.inner_k) == 1 for k in self.ks):
             raise KTMError(f"inner_k {self.inner_k} divides none of ks {list(self.ks)} "
                            "(expected a K that it divides and is smaller than)")
         if any(r <= 0 for r in self.mlp_ratios):
@@ -201,6 +200,12 @@ class BenchConfig:
             shape_config(self.shape)  # an unknown shape is refused now, not after loading
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise KTMError(f"device must be cpu or cuda[:i], got {self.device!r}")
+
+
+def inner_of(k: int, inner_k: int) -> int:
+    """The inner level ``--inner-k`` gives an encoder merging at ``k``: ``inner_k`` where it
+    divides ``k`` and is smaller, else 1 (one level)."""
+    return inner_k if k > inner_k and k % inner_k == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -279,8 +284,8 @@ def load_model(config: BenchConfig):
     from ktm.model import KTMModel
 
     dtype, train = parse_dtype(config.dtype), config.mode == "train"
-    k, inner_k = config.ks[0], config.inner_k
-    inner_k = inner_k if k > inner_k and k % inner_k == 0 else 1
+    k = config.ks[0]
+    inner_k = inner_of(k, config.inner_k)
     if config.shape is not None:
         from ktm.bench.shapes import random_model
 
@@ -393,13 +398,13 @@ def _encoders(model, methods: list[Method], seed: int, inner_k: int = 1,
             encs[m.key] = own
             continue
         same = Method(m.name, m.k, m.mlp_ratio).key  # the torch twin's: one encoder for both
-        wanted = EncoderConfig(own.config.hidden_size, m.k, m.mlp_ratio,
-                               inner_k=inner_k if m.k > inner_k and m.k % inner_k == 0 else 1)
         if same in encs:
             encs[m.key] = encs[same]
         elif own.k == m.k and own.config.mlp_ratio == m.mlp_ratio and own.config.use_mlp:
             encs[m.key] = own
         else:
+            wanted = EncoderConfig(own.config.hidden_size, m.k, m.mlp_ratio,
+                                   inner_k=inner_of(m.k, inner_k))
             # fp32 like every trainable weight (the model autocasts it to the LM's dtype); made
             # on the model's device (a 7B model's K=4 encoder has 1.3B weights)
             with torch.device(model.device):

@@ -78,13 +78,15 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def resolve(mode: str, device: torch.device, positions: int | None = None) -> bool:
+def resolve(mode: str, device: torch.device, positions: int | None = None,
+            limits: dict[str, int] = PAYS) -> bool:
     """Whether a batch of ``positions`` cache positions (``positions``: batch × bucket; None:
-    not known) decodes compiled on ``device`` under ``mode`` (auto: where ``PAYS`` says)."""
+    not known) decodes compiled on ``device`` under ``mode`` (auto: where ``limits``, per
+    device type the most positions measured to pay, says; ``PAYS`` for the decode step)."""
     check_mode(mode)
     if mode != "auto":
         return mode == "on"
-    limit = PAYS.get(torch.device(device).type, 0)
+    limit = limits.get(torch.device(device).type, 0)
     return positions is not None and 0 < positions <= limit
 
 
@@ -92,10 +94,7 @@ def resolve_prefill(mode: str, device: torch.device, positions: int) -> bool:
     """Whether a prefill of ``positions`` (batch x longest prompt) runs compiled
     (``CompiledStep.prefill``) on ``device`` under ``mode`` (auto: where ``PREFILL_PAYS``
     says)."""
-    check_mode(mode)
-    if mode != "auto":
-        return mode == "on"
-    return 0 < positions <= PREFILL_PAYS.get(torch.device(device).type, 0)
+    return resolve(mode, device, positions, PREFILL_PAYS)
 
 
 def positions(batch: int, filled: int, new_tokens: int) -> int:

@@ -99,6 +99,9 @@ class TrainConfig:
             raise KTMError(f"lr must be > 0, got {self.lr}")
         if self.schedule not in ("constant", "cosine"):
             raise KTMError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        from ktm.decode.compiled import check_mode  # torch and transformers: imported here
+
+        check_mode(self.compile)  # refused now, not when the loop starts
         if self.encoder_lr <= 0:
             raise KTMError(f"encoder_lr must be > 0, got {self.encoder_lr}")
         if self.slot_lr is not None and self.slot_lr <= 0:

@@ -41,6 +41,10 @@ def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
         assert not any("forward" in vars(layer) for layer in layers)  # eager outside
     with pytest.raises(KTMError, match="compile must be one of"):
         compiled.resolve("fast", model.device)
+    from ktm.training.config import TrainConfig
+
+    with pytest.raises(KTMError, match="compile must be one of"):
+        TrainConfig(compile="fast")  # refused on construction
     assert compiled.resolve("on", model.device) and not compiled.resolve("off", model.device)
     assert not compiled.resolve("auto", torch.device("cpu"))
     assert compiled.resolve("auto", torch.device("cuda"))  # measured to pay there
