@@ -9,6 +9,8 @@ are the base model's (``--base``, LoRA off), never pressed. Readings:
     reader READER at RATIO     allocated: each block of the context at its own level, the
                                positions spent by an allocator (``--allocators``; ``lm`` and
                                ``attention`` are oracles that read the context plain first)
+    reader READER at RATIO + press   the allocated reading's merged positions pressed
+                               (``--stack-allocated``)
 
 One JSON row per (reading, context length), with R, recall R, their intervals, the share of the
 plain prompt's positions whose KV the reading keeps (``kv_kept``), the CPU seconds it took, and
@@ -48,14 +50,20 @@ def readings(args) -> list[dict]:
             press = PressConfig.parse(spec)
             out.append({"kind": "stacked", "model": reader, "press": press.name,
                         "ratio": press.ratio})
-        out += [{"kind": "allocated", "model": reader, "press": None, "ratio": r,
-                 "allocator": a} for r in args.reader_ratios for a in args.allocators]
+        for r in args.reader_ratios:
+            for a in args.allocators:
+                out.append({"kind": "allocated", "model": reader, "press": None, "ratio": r,
+                            "allocator": a})
+                for spec in args.stack_allocated:  # stacked on the allocated reading
+                    press = PressConfig.parse(spec)
+                    out.append({"kind": "allocated", "model": reader, "press": press.name,
+                                "ratio": r, "allocator": a, "press_ratio": press.ratio})
     return out
 
 
 def key(row: dict) -> tuple:
     return (row["kind"], row["model"], row["press"], row["ratio"], row["context_tokens"],
-            row.get("allocator"))
+            row.get("allocator"), row.get("press_ratio"))
 
 
 def main() -> int:
@@ -72,6 +80,8 @@ def main() -> int:
                     help="also read each reader at these ratios (tokens per position)")
     ap.add_argument("--allocators", nargs="*", default=["even"],
                     help="the allocators of the --reader-ratios readings")
+    ap.add_argument("--stack-allocated", nargs="*", default=[], metavar="PRESS=RATIO",
+                    help="also press each --reader-ratios reading's merged positions")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
@@ -97,7 +107,8 @@ def main() -> int:
                                               allocator=what["allocator"]) if allocated
                                 else KTMModel.load(name))
             model = models[held]
-            model.use_press(what["press"], 0.0 if allocated else what["ratio"] or 0.0)
+            model.use_press(what["press"], what.get("press_ratio", 0.0) if allocated
+                            else what["ratio"] or 0.0)
             t0 = time.process_time()
             sets = heldout_readability(model, args.sets, args.n, _cache=windows,
                                        plain_cache=plain, context_tokens=ctx,
