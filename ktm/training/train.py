@@ -35,6 +35,7 @@ from ktm.training.compiled import compiled_body
 from ktm.training.compiled import resolve as resolve_compile
 from ktm.training.config import TrainConfig, lr_factor
 from ktm.training.ema import WeightAverage
+from ktm.training.precision import mixed_precision
 from ktm.training.run_lock import main_holds
 from ktm.training.state import (
     CHECKPOINT,
@@ -143,6 +144,7 @@ def train_step(model, opt, window: Sequence[Example], batch_size: int,
                clip_apart: Sequence[str] = ()) -> StepStats:
     """One optimizer step over ``window`` in micro-batches of ``batch_size``: the step's loss is
     the mean over every target token of the window; clip (0: off), AdamW, zero the grads.
+    Each forward runs in mixed precision where the LM is bf16 (``ktm.training.precision``).
     The parameter groups named in ``clip_apart`` are each clipped to ``clip_norm`` on their own;
     the rest together.
 
@@ -154,7 +156,8 @@ def train_step(model, opt, window: Sequence[Example], batch_size: int,
     window_tokens = distributed.sum_numbers(
         [sum(len(target_ids(model, e.target)) for e in window)], world, model.device)[0]
     for start in range(0, len(window), batch_size):
-        res = loss_fn(model, window[start:start + batch_size])
+        with mixed_precision(model):
+            res = loss_fn(model, window[start:start + batch_size])
         res.nll.sum().div(window_tokens).backward()
         for name, (v, n) in res.parts.items():
             acc = stats.parts.setdefault(name, [0.0, 0])

@@ -25,7 +25,7 @@ from pathlib import Path
 
 SUITES = ("tests/test_layout_parity.py", "tests/core/test_context_on_device.py",
           "tests/test_on_device.py", "tests/decode/test_compiled.py",
-          "tests/training/test_compiled_training.py")
+          "tests/training/test_compiled_training.py", "tests/training/test_precision.py")
 DTYPES = ("float32", "bfloat16")
 
 
