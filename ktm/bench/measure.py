@@ -16,6 +16,7 @@ from ktm.core.prompt import Segment
 from ktm.decode.generate import GenerationConfig, decode_steps
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
+from ktm.training.ahead import tokenized
 from ktm.training.compiled import compiled_body
 from ktm.training.compiled import resolve as resolve_compile
 from ktm.training.train import train_step
@@ -209,8 +210,11 @@ def train_once(model, opt, prompts: list[str], targets: list[str], merge: bool,
                ratio: float | None = None, compile: str = "auto") -> dict:
     """Time one training step through ``ktm.training.train.train_step`` (forward, backward,
     clip, AdamW), with the same definition of input tokens/s as ``ktm train``; ``compile``:
-    through the compiled LM body where it resolves on (``ktm.training.compiled``)."""
-    window = [Example((Segment(p, compress=merge, ratio=ratio if merge else None),), t)
+    through the compiled LM body where it resolves on (``ktm.training.compiled``). The window
+    is tokenized before the clock starts, as ``ktm train``'s loop tokenizes each window while
+    the step before it runs (``ktm.training.ahead``)."""
+    window = [tokenized(model, Example((Segment(p, compress=merge,
+                                                ratio=ratio if merge else None),), t))
               for p, t in zip(prompts, targets)]
     dev = model.device
     model.train()

@@ -10,7 +10,7 @@ states and ``target_logits`` stay on torch. ``KTMModel.forward`` is ``loss``.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -26,15 +26,16 @@ def ids_tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
-def target_ids(model, target: Target) -> list[int]:
+def target_ids(model, target: Target, tokenize: Callable | None = None) -> list[int]:
     """Token ids the loss covers: a string is tokenized and gets EOS (the config's
-    ``add_eos``); ids given directly (a window cut from a longer text) are used as they are."""
+    ``add_eos``); ids given directly (a window cut from a longer text) are used as they are.
+    ``tokenize``: in place of ``model.tokenize`` (the same tokenizer's copy on another thread)."""
     if not isinstance(target, str):
         ids = _id_list(model, target)
         if not ids:
             raise KTMError("target token ids are empty: expected at least one id")
         return ids
-    ids = model.tokenize(target)
+    ids = (tokenize or model.tokenize)(target)
     if model.config.add_eos and model.eos_id is not None:
         ids = ids + [model.eos_id]
     if not ids:

@@ -31,6 +31,7 @@ from ktm.errors import KTMError
 from ktm.tasks.base import Example, check_examples
 from ktm.tasks.fits import check_examples_fit
 from ktm.training import distributed
+from ktm.training.ahead import Ahead
 from ktm.training.compiled import compiled_body
 from ktm.training.compiled import resolve as resolve_compile
 from ktm.training.config import TrainConfig, lr_factor
@@ -315,12 +316,18 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     cpu_before = distributed.from_main([cpu_before], world, model.device)[0]
     per_step = config.batch_size * config.grad_accum * world.size  # the global window
     compiled_on = resolve_compile(config.compile, model.device)
+
+    def window_at(i: int) -> list[Example] | None:
+        return ([examples[order[i * per_step + j]] for j in world.shard(per_step)]
+                if i < config.max_steps else None)
+
+    ahead = Ahead(model)  # each window tokenized while the step before it runs
     try:
         while step < config.max_steps:
             t0 = clock(model.device)  # on CUDA: after the last step's kernels, AdamW's too
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * lr_factor(step, config)
-            window = [examples[order[step * per_step + j]] for j in world.shard(per_step)]
+            window = ahead.take(step, window_at)
             with compiled_body(model, compiled_on):
                 st = train_step(model, opt, window, config.batch_size, loss_fn,
                                 config.clip_norm, world, clip_apart)
@@ -365,6 +372,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             print(interrupted_note(out, step), file=sys.stderr)
         raise
     finally:
+        ahead.close()
         bar.close()
         if metrics_file:
             try:
