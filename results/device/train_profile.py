@@ -19,6 +19,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -120,6 +121,10 @@ def main() -> int:
     record = {"rows": rows, "config": {**vars(args), "out": str(args.out), "bench": str(config)},
               "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "versions": versions(), "git": git_revision(),
+              # the commit the tree was copied from, as gpu_bench.record names it: the device
+              # machine's copy may carry a stale .git
+              **({"git_as_recorded": git_revision(), "git": os.environ["KTM_SOURCE_REVISION"]}
+                 if os.environ.get("KTM_SOURCE_REVISION") else {}),
               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (args.out / "train-profile.json").write_text(json.dumps(record, indent=1))
     (args.out / "train-profile.txt").write_text("\n".join(text))
