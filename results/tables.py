@@ -580,6 +580,9 @@ def history() -> str:
     pressed_path = HISTORY / "ttft-press.json"
     pressed_ttft = ({t["turn"]: t for t in json.loads(pressed_path.read_text())}
                     if pressed_path.exists() else {})
+    ahead_path = HISTORY / "ttft-ahead.json"
+    ahead = ({t["turn"]: t for t in json.loads(ahead_path.read_text())}
+             if ahead_path.exists() else {})
     if path.exists():
         turns = json.loads(path.read_text())
         cfg = turns[0]["config"]
@@ -589,8 +592,10 @@ def history() -> str:
                     f"revision {turns[0]['git'][:7]}): time to first token, positions read and "
                     "rows the prefix cache served.", "",
                 "| turn | prompt tokens | positions | TTFT s, cache on | rows served | "
-                "TTFT s, cache off |" + (" TTFT s, pressed |" if pressed_ttft else ""),
-                "|---|---|---|---|---|---|" + ("---|" if pressed_ttft else "")]
+                "TTFT s, cache off |" + (" TTFT s, pressed |" if pressed_ttft else "")
+                + (" TTFT s, read ahead | rows served, read ahead |" if ahead else ""),
+                "|---|---|---|---|---|---|" + ("---|" if pressed_ttft else "")
+                + ("---|---|" if ahead else "")]
         on = [t for t in turns if t["prefix_cache_mb"] > 0]
         off = {t["turn"]: t for t in turns if t["prefix_cache_mb"] == 0}
         for t in on:
@@ -599,14 +604,26 @@ def history() -> str:
                        f"{t['ttft_s']:.2f} | {t['cached_rows']} | "
                        f"{'–' if o is None else format(o['ttft_s'], '.2f')} |"
                        + (f" {'–' if p is None else format(p['ttft_s'], '.2f')} |"
-                          if pressed_ttft else ""))
+                          if pressed_ttft else "")
+                       + (_ahead_cells(ahead.get(t["turn"])) if ahead else ""))
         if pressed_ttft:
             first = next(iter(pressed_ttft.values()))
             out += ["", f"Pressed: the same server with `--history-press "
                         f"{first['config']['history_press']}` (the older messages read plain "
                         f"and pressed to the budget, every turn read whole; `ttft-press.json`, "
                         f"revision {first['git'][:7]})."]
+        if ahead:
+            first = next(iter(ahead.values()))
+            out += ["", f"Read ahead: the same server with `--history-ahead` (after each "
+                        f"answer it reads the next turn as it guesses it), the client pausing "
+                        f"{first['config']['think_s']:g} s between an answer and its next "
+                        f"message as a user would (`ttft-ahead.json`, revision "
+                        f"{first['git'][:7]})."]
     return "\n".join(out)
+
+
+def _ahead_cells(t: dict | None) -> str:
+    return " – | – |" if t is None else f" {t['ttft_s']:.2f} | {t['cached_rows']} |"
 
 
 def long_answers() -> str:

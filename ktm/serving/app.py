@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
@@ -35,6 +35,7 @@ from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.serving.config import ServeConfig
 from ktm.serving.engine import Engine, Event, Job
+from ktm.serving.history import next_turn
 from ktm.serving.logprobs import chat_logprobs, completion_logprobs
 from ktm.serving.prompts import chat_reading, completion_segments
 from ktm.serving.protocol import (
@@ -305,6 +306,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                 entries[i] = entries[i] + ev.logprobs
             if ev.finish:
                 ends_of[i] = ev
+        if chat and ends_of[0].finish:
+            read_ahead(body, texts[0])
         return {**head, "object": "chat.completion" if chat else "text_completion",
                 "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
                                             if chat else {"text": text}),
@@ -312,15 +315,41 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                             for i, (text, end, lps) in enumerate(zip(texts, ends_of, entries))],
                 "usage": merged_usage([e.usage for e in ends_of], body.n)}
 
+    def read_ahead(body: ChatRequest, answer: str) -> None:
+        """``--history-ahead``: the chat's next turn (``next_turn``'s guess) read on a worker
+        thread and queued as a job of one token answered to no one. Its context's KV stays in
+        the prefix cache, and the real next turn starts from the rows it shares with it. A guess
+        that cannot be read, a chat with more than one choice or a pressed history (read whole
+        every turn) reads nothing ahead; a busy server drops it."""
+        if not cfg.history_ahead or body.n != 1:
+            return
+
+        def read() -> None:
+            guess = next_turn(body.messages, answer)
+            if guess is None:
+                return
+            try:
+                segments, press = chat_reading(model, body.model_copy(update={"messages": guess}),
+                                               cfg.history_budget, cfg.history_press)
+                if press is None:
+                    engine.submit(Job(segments=segments, max_tokens=1, deliver=lambda ev: None,
+                                      context=segments[:-1], ahead=True))
+            except (KTMError, RequestError) as e:  # the real turn reads it all itself
+                log.debug("nothing read ahead: %s", e)
+
+        asyncio.get_running_loop().run_in_executor(None, read)
+
     def shape(chat: bool, entries: list | None) -> dict | None:
         if entries is None:
             return None
         return (chat_logprobs if chat else completion_logprobs)(model.tokenizer, entries)
 
     async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
-                      usage: bool, per_prompt: int) -> AsyncIterator[str]:
+                      usage: bool, per_prompt: int,
+                      ahead: Callable[[str], None] | None = None) -> AsyncIterator[str]:
         """SSE chunks: the events read before the 200, then the rest as they come; a chunk
-        carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended."""
+        carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended.
+        ``ahead``: then given choice 0's whole text."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
@@ -336,7 +365,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             return _sse({**out, "usage": None} if usage else out)
 
         done, n, ends = False, len(handle.jobs), {}
-        early = iter(events)
+        early, answer = iter(events), []
         try:
             if chat:
                 for i in range(n):
@@ -351,6 +380,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                     yield chunk(i, None, ev.finish)
                 elif ev.text or ev.finish or ev.logprobs:
                     yield chunk(i, ev.text, ev.finish, logprobs=ev.logprobs)
+                if i == 0 and ev.text:
+                    answer.append(ev.text)
                 if ev.finish:
                     ends[i] = ev.usage
             else:
@@ -360,6 +391,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                                                       per_prompt)})
             yield _sse("[DONE]")
             done = True
+            if ahead is not None:
+                ahead("".join(answer))
         except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
             pass
         finally:

@@ -73,6 +73,12 @@ class ServeConfig:
                 "older messages plain and presses their KV to fit with this kvpress press (names "
                 "as --press), instead of merging them; a request's ktm.history_press overrides "
                 "it ('none': merge) (default: merge)"})
+    history_ahead: bool = field(default=False, metadata={
+        "help": "after each chat answer, read the chat's next turn up to its new message while "
+                "the client is idle (the answer, and the history as that turn will merge it, "
+                "guessing a next message as long as the last), so that turn reads little more "
+                "than its new message, also where --history-budget merges more of it: one "
+                "more prefill per answer"})
     compile: str = field(default="auto", metadata={
         "help": "--backend torch: the running batch decodes on a static KV cache, compiled "
                 "(torch.compile; CUDA graphs on CUDA), its rows padded to a power of two so "

@@ -75,6 +75,7 @@ class Job:
     context: tuple[Segment, ...] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
+    ahead: bool = False  # the server's own read of a chat's next turn (counted apart)
 
     @property
     def tokens_in(self) -> int:
@@ -151,7 +152,7 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ktm-engine", daemon=True)
         self.counts = {"finished": 0, "cancelled": 0, "rejected": 0, "failed": 0, "steps": 0,
-                       "peak_running": 0}
+                       "peak_running": 0, "read_ahead": 0}
         self.last_error: str | None = None
 
     # ---------------------------------------------------------------- called from the server
@@ -375,7 +376,8 @@ class Engine:
         # book-keeping first, then deliver: a client that has its last event never sees its row
         # still running or uncounted in /health
         self.counts["steps"] += 1
-        self.counts["finished"] += sum(1 for _, ev in out if ev.finish)
+        self.counts["finished"] += sum(1 for job, ev in out if ev.finish and not job.ahead)
+        self.counts["read_ahead"] += sum(1 for job, ev in out if ev.finish and job.ahead)
         if done:
             keep = [i for i in range(len(self._rows)) if i not in done]
             self._keep(keep)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ktm.errors import KTMError
-from ktm.serving.protocol import RequestError
+from ktm.serving.protocol import Message, RequestError
 
 # roles whose messages the policy never merges: the instructions every turn reads
 KEPT_ROLES = ("system", "developer")
@@ -106,3 +106,15 @@ def plan_history(positions: Callable[[int], int], sizes: Sequence[int], budget: 
         else:
             lo = mid + 1
     return ends[lo]
+
+
+def next_turn(messages: Sequence[Message], answer: str) -> list[Message] | None:
+    """A guess at a chat's next request once ``answer`` is given (``--history-ahead``): its
+    messages, the answer, and a user message as long as its last (the same message again).
+    What the policy merges depends on the next message's length only through the budget, and a
+    chat's turns are often alike: where the guess merges as the real turn does, the two share
+    every row up to the new message. None for a chat without a user message."""
+    users = [m for m in messages if m.role == "user"]
+    if not users:
+        return None
+    return [*messages, Message(role="assistant", content=answer), users[-1]]

@@ -32,7 +32,8 @@ from ktm.util.provenance import stamped
 SYSTEM = "You are a helpful coding assistant."
 
 
-def run_chat(model, cfg: ServeConfig, files: list[str], answer_tokens: int) -> list[dict]:
+def run_chat(model, cfg: ServeConfig, files: list[str], answer_tokens: int,
+             think_s: float = 0.0) -> list[dict]:
     rows = []
     with BackgroundServer(create_app(model, cfg)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0,
@@ -40,6 +41,8 @@ def run_chat(model, cfg: ServeConfig, files: list[str], answer_tokens: int) -> l
         msgs = [{"role": "system", "content": SYSTEM}]
         for turn, text in enumerate(files, 1):
             msgs.append({"role": "user", "content": "Here is a file:\n" + text})
+            if turn > 1:
+                time.sleep(think_s)  # the user reads the answer and types the next message
             t0 = time.perf_counter()
             ttft, parts, usage = None, [], None
             for chunk in client.chat.completions.create(
@@ -71,6 +74,10 @@ def main() -> int:
                     help="the server's --history-press (the older messages pressed, not merged)")
     ap.add_argument("--cache-mb", type=float, nargs="+", default=[512.0, 0.0],
                     help="prefix cache sizes, a server each")
+    ap.add_argument("--history-ahead", action="store_true",
+                    help="the server's --history-ahead (the next turn read ahead)")
+    ap.add_argument("--think-s", type=float, default=0.0,
+                    help="seconds between an answer and the next turn (a user reading and typing)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
@@ -85,8 +92,9 @@ def main() -> int:
         cfg = ServeConfig(model=args.reader, served_name="chat", log_level="warning",
                           history_budget=args.history_budget, prefix_cache_mb=cache_mb,
                           max_tokens_limit=args.answer_tokens, batch_window_ms=0,
-                          history_press=args.history_press)
-        for row in run_chat(model, cfg, files, args.answer_tokens):
+                          history_press=args.history_press,
+                          history_ahead=args.history_ahead)
+        for row in run_chat(model, cfg, files, args.answer_tokens, args.think_s):
             rows.append({"prefix_cache_mb": cache_mb, **row})
     write_json_atomic(args.out, stamped(rows, {k: v for k, v in vars(args).items()
                                                if k != "out"}))

@@ -281,3 +281,35 @@ def test_the_server_presses_a_chat_over_its_budget_as_the_model_would(server):
         openai_client(server).chat.completions.create(
             model="tiny", messages=messages, max_tokens=4, extra_body={"ktm": {
                 "history_budget": budget, "history_press": "knorm", "press": "tova"}})
+
+
+def test_reading_ahead_serves_each_next_turn_up_to_its_new_message(tiny_model_dir, model):
+    """``--history-ahead``: after each answer the server reads the chat's next turn as it
+    guesses it, so every next turn, those where a new block of history merges included, reads
+    little more than its new message, and answers as the model does without a server."""
+    from test_serve import _wait_until, get
+
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
+                      log_level="warning", history_budget=400, history_ahead=True)
+    messages = [{"role": "system", "content": "You answer chats read ahead."},
+                {"role": "user", "content": f"Part 0: {TEXT}"}]
+    merged, cached, rows, new = [], [], [], []
+    with BackgroundServer(create_app(model, cfg)) as srv:
+        for turn in range(1, 8):
+            r = ask(srv, messages)
+            answer = r["choices"][0]["message"]["content"]
+            assert answer == model.generate(ktm.chat_prompt(model, messages, history_budget=400),
+                                            max_new_tokens=8)
+            merged.append(merged_contents(ktm.chat_prompt(model, messages, history_budget=400)))
+            cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+            rows.append(r["usage"]["prompt_tokens_merged"])
+            new.append(len(model.tokenize(messages[-1]["content"])))
+            # the turn read ahead after it (counted apart from the requests)
+            assert _wait_until(lambda t=turn: get(srv, "/health")["read_ahead"] == t)
+            assert get(srv, "/health")["finished"] == turn
+            messages += [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": f"Part {turn}: {TEXT}"}]
+    grew = [i for i in range(1, len(rows)) if merged[i] != merged[i - 1]]
+    assert grew and merged[-1]  # turns that merge a new block happen: the check can fail
+    for i in range(1, len(rows)):  # all but the new message and the template around it
+        assert rows[i] - new[i] - 12 <= cached[i] < rows[i], (i, rows[i], cached[i], new[i])
