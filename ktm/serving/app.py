@@ -295,7 +295,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
         head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n),
+            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n,
+                                             partial(read_ahead, body) if chat else None),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         texts, ends_of = [""] * choices, [Event()] * choices
@@ -385,14 +386,14 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                 if ev.finish:
                     ends[i] = ev.usage
             else:
+                if ahead is not None:  # before the last chunks: a client may close on them
+                    ahead("".join(answer))
                 if usage:
                     yield _sse({**head, "object": kind, "choices": [],
                                 "usage": merged_usage([ends[i] for i in range(n)],
                                                       per_prompt)})
             yield _sse("[DONE]")
             done = True
-            if ahead is not None:
-                ahead("".join(answer))
         except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
             pass
         finally:

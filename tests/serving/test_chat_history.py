@@ -283,10 +283,27 @@ def test_the_server_presses_a_chat_over_its_budget_as_the_model_would(server):
                 "history_budget": budget, "history_press": "knorm", "press": "tova"}})
 
 
-def test_reading_ahead_serves_each_next_turn_up_to_its_new_message(tiny_model_dir, model):
+def _streamed(srv, messages) -> tuple[str, dict]:
+    """A chat turn streamed as chat clients do (the openai client, usage asked): its text and
+    usage."""
+    parts, usage = [], None
+    for chunk in openai_client(srv).chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+    return "".join(parts), usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reading_ahead_serves_each_next_turn_up_to_its_new_message(tiny_model_dir, model,
+                                                                    stream):
     """``--history-ahead``: after each answer the server reads the chat's next turn as it
     guesses it, so every next turn, those where a new block of history merges included, reads
-    little more than its new message, and answers as the model does without a server."""
+    little more than its new message, and answers as the model does without a server; streamed
+    or not."""
     from test_serve import _wait_until, get
 
     cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
@@ -296,13 +313,16 @@ def test_reading_ahead_serves_each_next_turn_up_to_its_new_message(tiny_model_di
     merged, cached, rows, new = [], [], [], []
     with BackgroundServer(create_app(model, cfg)) as srv:
         for turn in range(1, 8):
-            r = ask(srv, messages)
-            answer = r["choices"][0]["message"]["content"]
+            if stream:
+                answer, usage = _streamed(srv, messages)
+            else:
+                r = ask(srv, messages)
+                answer, usage = r["choices"][0]["message"]["content"], r["usage"]
             assert answer == model.generate(ktm.chat_prompt(model, messages, history_budget=400),
                                             max_new_tokens=8)
             merged.append(merged_contents(ktm.chat_prompt(model, messages, history_budget=400)))
-            cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
-            rows.append(r["usage"]["prompt_tokens_merged"])
+            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+            rows.append(usage["prompt_tokens_merged"])
             new.append(len(model.tokenize(messages[-1]["content"])))
             # the turn read ahead after it (counted apart from the requests)
             assert _wait_until(lambda t=turn: get(srv, "/health")["read_ahead"] == t)
