@@ -22,7 +22,8 @@ OTHER_TOOLS = {"--cpu", "--enable-prompt-embeds", "--machine_rank", "--main_proc
                "--num_processes", "--served-model-name", "--standalone",
                "--tensor-parallel-size", "--pipeline-parallel-size", "--runtimes",
                # results/history/chat_bench.py and ttft.py
-               "--turns", "--budget-share", "--no-floor", "--history-presses"}
+               "--turns", "--budget-share", "--no-floor", "--history-presses", "--cache-mb",
+               "--think-s"}
 
 
 def shown_commands(text: str = README) -> list[str]:
