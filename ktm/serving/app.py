@@ -320,8 +320,9 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
         """``--history-ahead``: the chat's next turn (``next_turn``'s guess) read on a worker
         thread and queued as a job of one token answered to no one. Its context's KV stays in
         the prefix cache, and the real next turn starts from the rows it shares with it. A guess
-        that cannot be read, a chat with more than one choice or a pressed history (read whole
-        every turn) reads nothing ahead; a busy server drops it."""
+        that cannot be read, a chat with more than one choice or one read with a KV press (its
+        history's or its prompt's: a pressed prompt is read whole every turn) reads nothing
+        ahead; a busy server drops it."""
         if not cfg.history_ahead or body.n != 1:
             return
 
@@ -330,8 +331,10 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             if guess is None:
                 return
             try:
-                segments, press = chat_reading(model, body.model_copy(update={"messages": guess}),
-                                               cfg.history_budget, cfg.history_press)
+                segments, history = chat_reading(model,
+                                                 body.model_copy(update={"messages": guess}),
+                                                 cfg.history_budget, cfg.history_press)
+                press = request_press(model.runtime, body.ktm or KtmOptions(), history)
                 if press is None:
                     engine.submit(Job(segments=segments, max_tokens=1, deliver=lambda ev: None,
                                       context=segments[:-1], ahead=True))

@@ -4,10 +4,12 @@ never the system messages or the newest user message; a longer chat merges a sup
 server serves the merged history's KV again on the next turn; a chat that cannot fit is refused
 with its numbers."""
 
+import time
+
 import pytest
 import torch
 from helpers import TEXT, perturb
-from test_serve import openai_client, post
+from test_serve import _wait_until, get, openai_client, post
 
 import ktm
 from ktm.errors import KTMError
@@ -304,8 +306,6 @@ def test_reading_ahead_serves_each_next_turn_up_to_its_new_message(tiny_model_di
     guesses it, so every next turn, those where a new block of history merges included, reads
     little more than its new message, and answers as the model does without a server; streamed
     or not."""
-    from test_serve import _wait_until, get
-
     cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
                       log_level="warning", history_budget=400, history_ahead=True)
     messages = [{"role": "system", "content": "You answer chats read ahead."},
@@ -333,3 +333,20 @@ def test_reading_ahead_serves_each_next_turn_up_to_its_new_message(tiny_model_di
     assert grew and merged[-1]  # turns that merge a new block happen: the check can fail
     for i in range(1, len(rows)):  # all but the new message and the template around it
         assert rows[i] - new[i] - 12 <= cached[i] < rows[i], (i, rows[i], cached[i], new[i])
+
+
+def test_a_chat_read_with_a_press_reads_nothing_ahead(tiny_model_dir, model):
+    """A pressed prompt is read whole every turn (no rows reused): ``--history-ahead`` reads
+    nothing for it, whether the request names the press or the server's history press would."""
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
+                      log_level="warning", history_budget=400, history_ahead=True)
+    messages = [{"role": "system", "content": "You answer chats read with a press."},
+                {"role": "user", "content": f"Part 0: {TEXT}"}]
+    with BackgroundServer(create_app(model, cfg)) as srv:
+        ask(srv, messages, press="knorm", press_ratio=0.5)
+        ask(srv, messages)  # the same chat without a press: read ahead
+        assert _wait_until(lambda: get(srv, "/health")["read_ahead"] == 1)
+        assert get(srv, "/health")["finished"] == 2
+        ask(srv, messages, press="knorm", press_ratio=0.5)
+        time.sleep(0.5)  # a read ahead would have been queued by now
+        assert get(srv, "/health")["read_ahead"] == 1
