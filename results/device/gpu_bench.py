@@ -112,12 +112,18 @@ def kernel_time(model, out: Path) -> list[dict]:
     return rows
 
 
+def revision(recorded: str | None) -> dict:
+    """A record's revision fields: ``KTM_SOURCE_REVISION``, where set, names the commit the tree
+    was copied from (the device machine's copy may carry no .git, or a stale one), and the
+    revision the copy itself gave is kept beside it."""
+    source = os.environ.get("KTM_SOURCE_REVISION")
+    return {"git": source, "git_as_recorded": recorded} if source else {"git": recorded}
+
+
 def record(rows: list[dict], path: Path) -> None:
-    """Write ``rows``; ``KTM_SOURCE_REVISION``, where set, names the commit the tree was copied
-    from: the device machine's copy may carry no .git, or a stale one."""
+    """Write ``rows``, each with its ``revision`` fields."""
     for r in rows:
-        if os.environ.get("KTM_SOURCE_REVISION"):
-            r["git_as_recorded"], r["git"] = r.get("git"), os.environ["KTM_SOURCE_REVISION"]
+        r.update(revision(r.get("git")))
     write_json_atomic(path, rows)
 
 

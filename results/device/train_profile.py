@@ -19,7 +19,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -28,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from gpu_bench import revision  # beside this script (results/device)
 from torch import nn
 
 from ktm.bench.bench import BenchConfig, Method, _encoders, _optimizers, load_model
@@ -120,11 +120,7 @@ def main() -> int:
         text += [f"## {m.key}: the host's step under cProfile", "", out.getvalue(), ""]
     record = {"rows": rows, "config": {**vars(args), "out": str(args.out), "bench": str(config)},
               "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "versions": versions(), "git": git_revision(),
-              # the commit the tree was copied from, as gpu_bench.record names it: the device
-              # machine's copy may carry a stale .git
-              **({"git_as_recorded": git_revision(), "git": os.environ["KTM_SOURCE_REVISION"]}
-                 if os.environ.get("KTM_SOURCE_REVISION") else {}),
+              "versions": versions(), **revision(git_revision()),
               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (args.out / "train-profile.json").write_text(json.dumps(record, indent=1))
     (args.out / "train-profile.txt").write_text("\n".join(text))

@@ -3,6 +3,8 @@ matmuls read the bf16 activations under autocast (not a fp32 copy), while its we
 gradients stay fp32 and match the fp32-LoRA step within bf16's tolerance; an fp32 LM's step is
 untouched."""
 
+from contextlib import nullcontext
+
 import torch
 from helpers import DEVICE, PROMPTS, close, fresh_model, perturb, require_device
 
@@ -27,7 +29,7 @@ def _lora_a_dtypes(model) -> tuple[list, list]:
 
 def _step(model, on: bool):
     model.zero_grad(set_to_none=True)
-    with mixed_precision(model) if on else torch.autocast("cpu", enabled=False):
+    with mixed_precision(model) if on else nullcontext():
         out = model(PROMPTS, TARGETS)
     out.loss.backward()
     return out.loss.detach().float(), {n: p.grad.clone() for n, p in model.trainable_parameters()
