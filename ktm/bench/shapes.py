@@ -81,18 +81,21 @@ def synthetic_tokenizer(seed: int = 0, words: int = WORDS) -> PreTrainedTokenize
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def random_model(shape: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0):
-    """(LM with random weights built directly on ``device`` in ``dtype``, synthetic tokenizer).
+def random_model(shape: str, device: torch.device | str, dtype: torch.dtype, seed: int = 0,
+                 tokenizer=None):
+    """(LM with random weights built directly on ``device`` in ``dtype``, its tokenizer): the
+    synthetic one, or ``tokenizer`` (a real one, for what needs its chat template).
 
     The tokenizer's ids are the first rows of the LM's vocabulary, so every id it writes is one
     the LM embeds; a vocabulary smaller than the tokenizer's is refused."""
     config = shape_config(shape)
-    tok = synthetic_tokenizer(seed)
+    tok = synthetic_tokenizer(seed) if tokenizer is None else tokenizer
     if config.vocab_size < len(tok):
+        which = "synthetic tokenizer's" if tokenizer is None else "tokenizer's"
         raise KTMError(f"shape {shape!r} has a vocabulary of {config.vocab_size} tokens, fewer "
-                       f"than the synthetic tokenizer's {len(tok)}: expected at least that many")
+                       f"than the {which} {len(tok)}: expected at least that many")
     config.pad_token_id, config.eos_token_id = tok.pad_token_id, tok.eos_token_id
-    config.bos_token_id = None
+    config.bos_token_id = tok.bos_token_id  # the synthetic tokenizer has none
     torch.manual_seed(seed)
     # built on the device itself: a 7B model's random init then takes seconds, not minutes
     with torch.device(device):

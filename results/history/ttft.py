@@ -11,6 +11,13 @@ versions and revision.
     python results/history/ttft.py --out results/history/ttft.json
     python results/history/ttft.py --history-press knorm --cache-mb 512 \
         --out results/history/ttft-press.json
+    python results/history/ttft.py --shape qwen2.5-0.5b --history-budget 1024 \
+        --out results/history/ttft-0.5b.json
+
+``--shape`` times the same chat at another model's size: an LM of that architecture
+(``ktm.bench.shapes``) with random weights, the reader's tokenizer and chat template (or
+``--tokenizer``'s, a folder), and a new K=4 encoder as the shipped readers are built (two K=2
+levels, MLP ratio 0.5). Its answers are noise, and the timings are those of the real size.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ import time
 
 import openai
 import torch
+from transformers import AutoTokenizer
 
+from ktm.bench.shapes import random_model
+from ktm.core.base_model import parse_dtype
 from ktm.evaluation.readability import heldout_sets, read_spec
 from ktm.model import KTMModel
 from ktm.serving.app import BackgroundServer, create_app
@@ -63,6 +73,17 @@ def run_chat(model, cfg: ServeConfig, files: list[str], answer_tokens: int,
     return rows
 
 
+def load(args) -> KTMModel:
+    """The reader, or with ``--shape`` a random LM of that shape read by a new K=4 encoder."""
+    if args.shape is None:
+        return KTMModel.load(args.reader, device=args.device, dtype=args.dtype)
+    tok = (AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer
+           else KTMModel.load(args.reader).tokenizer)
+    lm, tok = random_model(args.shape, args.device, parse_dtype(args.dtype), args.seed, tok)
+    return KTMModel.from_base(lm, k=4, tokenizer=tok, mlp_ratio=0.5, inner_k=2,
+                              device=args.device, dtype=args.dtype)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reader", default="smollm2-135m-k4-seq")
@@ -78,18 +99,26 @@ def main() -> int:
                     help="the server's --history-ahead (the next turn read ahead)")
     ap.add_argument("--think-s", type=float, default=0.0,
                     help="seconds between an answer and the next turn (a user reading and typing)")
+    ap.add_argument("--shape", default=None,
+                    help="time a random-weight LM of this architecture (a ktm.bench.shapes name "
+                         "or an HF config.json) with a new K=4 encoder, not the reader")
+    ap.add_argument("--tokenizer", default=None,
+                    help="with --shape: a tokenizer folder in place of the reader's")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = KTMModel.load(args.reader).requires_grad_(False).eval()
+    model = load(args).requires_grad_(False).eval()
     files = [model.tokenizer.decode(w.context) for w in heldout_sets(
         model.tokenizer, ["stdlib"], args.turns, args.seed,
         spec=read_spec(args.filler_tokens))["stdlib"]]
     rows = []
     for cache_mb in args.cache_mb:
-        cfg = ServeConfig(model=args.reader, served_name="chat", log_level="warning",
+        cfg = ServeConfig(model=args.shape or args.reader, served_name="chat",
+                          log_level="warning", device=args.device, dtype=args.dtype,
                           history_budget=args.history_budget, prefix_cache_mb=cache_mb,
                           max_tokens_limit=args.answer_tokens, batch_window_ms=0,
                           history_press=args.history_press,

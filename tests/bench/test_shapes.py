@@ -63,6 +63,19 @@ def test_a_random_model_is_built_on_the_device_in_the_dtype(tiny_shape, tmp_path
         random_model(str(small), "cpu", torch.float32)
 
 
+def test_a_random_model_reads_a_given_tokenizer(tiny_shape, tmp_path):
+    words = synthetic_tokenizer(seed=3, words=50)
+    words.bos_token = "<pad>"  # a tokenizer that names a first token: the LM's config takes it
+    lm, tok = random_model(tiny_shape, "cpu", torch.float32, tokenizer=words)
+    assert tok is words
+    assert (lm.config.eos_token_id, lm.config.bos_token_id) == (words.eos_token_id,
+                                                                words.bos_token_id)
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({**TINY, "vocab_size": len(words) - 1}))
+    with pytest.raises(KTMError, match=f"fewer than the tokenizer's {len(words)}"):
+        random_model(str(small), "cpu", torch.float32, tokenizer=words)
+
+
 def test_shape_options_are_checked_before_anything_runs(tiny_shape):
     with pytest.raises(KTMError, match="--shape .* and --model"):
         BenchConfig(shape=tiny_shape, model="some/folder")
