@@ -369,7 +369,9 @@ class Engine:
                 ev = self._row_failed(row, failed[i]) if i in failed else row.push(tok)
             except Exception as e:  # noqa: BLE001 - its text or stop strings: this request only
                 ev = self._row_failed(row, e)
-            if ev.text or ev.finish or ev.error or ev.logprobs:
+            # the first token is told even when its text is held back (part of a character,
+            # or of a stop string): the reply starts when the first token is chosen
+            if ev.text or ev.finish or ev.error or ev.logprobs or row.n == 1:
                 out.append((row.job, ev))
             if ev.finish or ev.error:
                 done.append(i)

@@ -849,3 +849,29 @@ def _together_by(ask, reqs: list[dict]) -> list:
 
     with ThreadPoolExecutor(len(reqs)) as pool:
         return list(pool.map(one, reqs))
+
+
+def test_the_first_token_is_told_even_when_its_text_is_held_back(tiny_model_dir):
+    # the reply starts (its headers and role chunk) when the first token is chosen, as time to
+    # first token is measured; here that token's text is held back as the start of a stop string
+    from helpers import fresh_model
+
+    from ktm.serving.engine import Engine, Job
+
+    model = fresh_model(tiny_model_dir)
+    ids = tuple(model.tokenize("The quick brown fox jumps over the lazy dog.", first=True))
+    prompt = (Segment("", ids=ids), Segment("", ids=ids[:2], compress=False))
+    first = model.generate([list(prompt)], max_new_tokens=1)[0]
+    assert first.strip(), "the test needs a first token with text"
+    engine = Engine(model, ServeConfig(model=tiny_model_dir, batch_window_ms=0))
+    told: dict[str, list] = {}
+    for stop in ((), (first + "\u2603",)):  # that stop string never ends: decoding goes on
+        events = told.setdefault(stop, [])
+        with torch.no_grad():
+            engine._admit([Job(prompt, 3, events.append, temperature=0.0, stop=stop)])
+            engine._step()
+            assert [(e.text, e.finish) for e in events] == [
+                (first if not stop else "", None)]
+            while engine._rows:
+                engine._step()
+    assert "".join(e.text for e in told[()]) == "".join(e.text for e in told[stop])
