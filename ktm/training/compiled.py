@@ -14,9 +14,9 @@ decoding between steps read the eager modules. The compiled function is kept per
 entering again compiles nothing new.
 
 Where it pays (``resolve``), measured on one H200 at Qwen2.5-0.5B's shape, bf16, batch 8 of 4,096
-tokens (``results/bench/README.md``): a step takes 0.402 s against eager's 0.657 plain (MFU
-22.2 % against 13.6 %), 0.201 against 0.353 with K=4. So ``auto`` compiles on CUDA, not on the
-CPU (not measured there at a real size); ``on`` compiles on every device.
+tokens, in mixed precision (``results/bench/README.md``): a step takes 0.291 s against eager's
+0.413 plain (MFU 30.7 % against 21.6 %), 0.169 against 0.214 with K=4. So ``auto`` compiles
+on CUDA, not on the CPU (not measured there at a real size); ``on`` compiles on every device.
 """
 
 from __future__ import annotations
