@@ -296,7 +296,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(handle, events, head, chat, usage, body.n,
-                                             partial(read_ahead, body) if chat else None),
+                                             partial(read_ahead, body)
+                                             if chat and cfg.history_ahead else None),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         texts, ends_of = [""] * choices, [Event()] * choices
@@ -384,7 +385,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                     yield chunk(i, None, ev.finish)
                 elif ev.text or ev.finish or ev.logprobs:
                     yield chunk(i, ev.text, ev.finish, logprobs=ev.logprobs)
-                if i == 0 and ev.text:
+                if i == 0 and ev.text and ahead is not None:
                     answer.append(ev.text)
                 if ev.finish:
                     ends[i] = ev.usage
