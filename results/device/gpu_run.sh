@@ -7,8 +7,10 @@
 #   train    the 0.5B training throughput (the parts named in TRAIN_PARTS) -> $OUT/gpu-0.5b-*.json
 #   profile  where a 0.5B training step's time goes (train_profile.py) -> $OUT/train-profile.*
 #   history  the long chat at the 7B shape (results/history/ttft.py --shape), with the tokenizer
-#            folder TOKENIZER (the device machine holds no embedded model), prefix cache on and
-#            off, then read ahead -> $OUT/ttft-7b*.json
+#            folder TOKENIZER (the device machine holds no embedded model; made here by
+#            KTMModel.load("smollm2-135m-k4-seq").tokenizer.save_pretrained(TOKENIZER), under
+#            an ignored folder the run carries), prefix cache on and off, then read ahead
+#            -> $OUT/ttft-7b*.json
 # Each step has its own time limit (PARITY_S, SEVEN_S, TRAIN_S, PROFILE_S, HISTORY_S seconds),
 # so one that runs long leaves the others their turn; each writes its rows as it ends, and its
 # log to $OUT/*.log. PARITY_SUITES names test files in place of every device-aware suite.
