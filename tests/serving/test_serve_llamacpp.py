@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 from helpers import perturb
+from test_chat_history import ask, chat
 from test_serve import _ask, _requests, _together
 
 from ktm.llamacpp.runtime import RuntimeConfig
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.llamacpp
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, backend: str, context: int | None = None):
+def serving(model_dir: str, backend: str, context: int | None = None, **settings):
     torch.manual_seed(0)
     model = KTMModel.from_base(model_dir, k=4)
     perturb(model)
@@ -25,7 +26,7 @@ def serving(model_dir: str, backend: str, context: int | None = None):
         model.use_backend("llamacpp", config=RuntimeConfig(kv_type="f32", sequences=16,
                                                            threads=1, context=context))
     cfg = ServeConfig(model=model_dir, served_name="tiny", max_tokens_limit=448,
-                      batch_window_ms=100, log_level="warning", backend=backend)
+                      batch_window_ms=100, log_level="warning", backend=backend, **settings)
     app = create_app(model, cfg)
     with BackgroundServer(app) as srv:
         srv.model, srv.engine = model, app.state.engine
@@ -68,3 +69,23 @@ def test_requests_wait_for_kv_cells_and_one_that_never_fits_is_refused(tiny_mode
             _ask(srv.url, dict(reqs[0], max_tokens=120))
         assert _ask(srv.url, reqs[0]) == want[0]  # and it serves on
     assert got == want
+
+
+def test_a_chat_within_a_history_budget_answers_on_llamacpp_as_on_torch(tiny_model_dir, tmp_path,
+                                                                        monkeypatch):
+    """--history-budget on llama.cpp: a chat under the budget answers as the plain chat (as
+    without the policy), and one over it, its oldest messages merged, as the torch server."""
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path))
+    messages, got = chat(5), {}
+    for backend in ("torch", "llamacpp"):
+        with serving(tiny_model_dir, backend, history_budget=10**6) as srv:
+            plain = ask(srv, messages, merge=False)
+            budget = plain["usage"]["prompt_tokens"] * 3 // 4
+            got[backend] = [ask(srv, messages), plain, ask(srv, messages, history_budget=budget)]
+    under, plain, over = got["llamacpp"]
+    assert under["choices"] == plain["choices"]
+    assert under["usage"]["prompt_tokens_merged"] == under["usage"]["prompt_tokens"]
+    assert over["usage"]["prompt_tokens_merged"] < over["usage"]["prompt_tokens"]
+    for mine, torch_s in zip(got["llamacpp"], got["torch"]):
+        assert mine["choices"] == torch_s["choices"]
+        assert mine["usage"]["prompt_tokens_merged"] == torch_s["usage"]["prompt_tokens_merged"]
