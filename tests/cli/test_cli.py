@@ -49,6 +49,8 @@ def test_train_then_generate_from_checkpoint(capsys, tiny_model_dir, tmp_path):
       "The quick brown fox jumps over the lazy dog."], "ratio 9 is more than this reader allows"),
     (["generate", "--model", "{tiny}", "--allocator", "best", "--prompt", "hi"],
      "allocator must be one of"),
+    (["generate", "--model", "{tiny}", "--backend", "llamacpp", "--compile", "on", "--prompt",
+      "hi"], "compile='on' is an option of the torch backend, not llamacpp"),
 ])
 def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, argv, match):
     argv = [a.format(tiny=tiny_model_dir, tmp=tmp_path) for a in argv]
