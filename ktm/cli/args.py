@@ -277,9 +277,9 @@ def load_or_build(args: argparse.Namespace):
     if getattr(args, "press", None):  # refused by name below on a backend without presses
         model.use_press(args.press, args.press_ratio)
     if getattr(args, "compile", "auto") != "auto":
-        from ktm.decode.compiled import check_mode
-
-        check_mode(args.compile, getattr(args, "backend", "torch"))
+        if getattr(args, "backend", "torch") != "torch":
+            raise KTMError(f"--compile {args.compile} is an option of the torch backend, not "
+                           f"--backend {args.backend} (llama.cpp and vLLM run their own graphs)")
         model.runtime.compile = args.compile
     if getattr(args, "backend", "torch") != "torch":
         from ktm.readers import resolve_checkpoint

@@ -72,14 +72,9 @@ PAYS = {"cpu": 0, "cuda": 65536}
 PREFILL_PAYS = {"cpu": 0, "cuda": 1024}
 
 
-def check_mode(mode: str, backend: str = "torch") -> str:
-    """``mode`` if it is one of ``COMPILE_MODES``; one but auto is refused on a backend other than
-    torch (llama.cpp and vLLM run their own graphs)."""
+def check_mode(mode: str) -> str:
     if mode not in COMPILE_MODES:
         raise KTMError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-    if mode != "auto" and backend != "torch":
-        raise KTMError(f"compile={mode!r} is an option of the torch backend, not {backend} "
-                       "(llama.cpp and vLLM run their own graphs)")
     return mode
 
 

@@ -108,7 +108,10 @@ class ServeConfig:
         check_history_press(self.history_press, self.history_budget, self.press)
         from ktm.decode.compiled import check_mode
 
-        check_mode(self.compile, self.backend)
+        check_mode(self.compile)
+        if self.compile != "auto" and self.backend != "torch":
+            raise KTMError(f"compile={self.compile!r} is an option of the torch backend, not "
+                           f"{self.backend} (llama.cpp and vLLM run their own graphs)")
         if self.history_press is not None:
             from ktm.decode.press import PressConfig, press_refusal
 
