@@ -293,11 +293,12 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
+        # --history-ahead: given the answer, the chat's next turn is read (one choice only)
+        ahead = (partial(read_ahead, body) if chat and cfg.history_ahead and body.n == 1
+                 else None)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n,
-                                             partial(read_ahead, body)
-                                             if chat and cfg.history_ahead else None),
+            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n, ahead),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         texts, ends_of = [""] * choices, [Event()] * choices
@@ -308,8 +309,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                 entries[i] = entries[i] + ev.logprobs
             if ev.finish:
                 ends_of[i] = ev
-        if chat and ends_of[0].finish:
-            read_ahead(body, texts[0])
+        if ahead is not None and ends_of[0].finish:
+            ahead(texts[0])
         return {**head, "object": "chat.completion" if chat else "text_completion",
                 "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
                                             if chat else {"text": text}),
@@ -321,11 +322,9 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
         """``--history-ahead``: the chat's next turn (``next_turn``'s guess) read on a worker
         thread and queued as a job of one token answered to no one. Its context's KV stays in
         the prefix cache, and the real next turn starts from the rows it shares with it. A guess
-        that cannot be read, a chat with more than one choice or one read with a KV press (its
-        history's or its prompt's: a pressed prompt is read whole every turn) reads nothing
-        ahead; a busy server drops it."""
-        if not cfg.history_ahead or body.n != 1:
-            return
+        that cannot be read, or one read with a KV press (its history's or its prompt's: a
+        pressed prompt is read whole every turn), reads nothing ahead; a busy server drops it.
+        Called only for a chat of one choice on a server with ``history_ahead``."""
 
         def read() -> None:
             guess = next_turn(body.messages, answer)
