@@ -526,16 +526,22 @@ class KTMModel(nn.Module):
 
     def decode_lm(self) -> nn.Module | None:
         """What decoding passes ``lm`` as ``via``: the LM with its LoRA folded into separate
-        weights (``ktm.core.lora_fold``) when ``fold_lora`` says so, else None (the PEFT model).
+        weights (``ktm.core.lora_fold``) when ``fold_lora`` says so, else None (the PEFT model);
+        its linear layers in int8 where the runtime's ``weights`` says so (``ktm.core.int8``).
         Made on first use and again after the weights change; freed when folding is off."""
         fold = self.fold_lora
         lm = self.peft.get_base_model()
+        weights = getattr(self.runtime, "weights", "native")
         if fold is None:
             fold = not self._folded.lora_trains(lm)
         if not fold:
+            if weights != "native":
+                raise KTMError(f"weights={weights!r} reads the LM with its LoRA folded in, and "
+                               "this model's LoRA trains (or fold_lora is False): load it with "
+                               "trainable=False, or use weights='native'")
             self._folded.clear()
             return None
-        return self._folded.get(lm)
+        return self._folded.get(lm, weights)
 
     def train(self, mode: bool = True) -> KTMModel:
         if mode:  # a model that trains changes its LoRA: a fold would be stale memory

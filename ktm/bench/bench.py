@@ -39,6 +39,7 @@ from ktm.bench.measure import (
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL, check_ratio
 from ktm.core.encoder import EncoderConfig, KTokenEncoder, RecursiveEncoder
+from ktm.core.int8 import check_weights
 from ktm.decode.compiled import check_mode as check_compile
 from ktm.decode.compiled import graphs
 from ktm.decode.press import PressConfig, pressed_as
@@ -99,6 +100,10 @@ class BenchConfig:
                 "measured to pay (auto, ktm.decode.compiled); train: the LM body "
                 "(ktm.training.compiled); several (off on) time each method both ways, "
                 "interleaved, with the graphs compiled in each row"})
+    weights: tuple[str, ...] = field(default=("native",), metadata={
+        "help": "infer, torch: the LM's linear layers as loaded (native) or in int8 "
+                "(ktm.core.int8); several (native int8) time each method both ways, "
+                "interleaved"})
     uncompressed: bool = field(default=True, metadata={
         "help": "include the uncompressed baseline (needed for speed-ups)"})
     plain_gguf: str | None = field(default=None, metadata={
@@ -182,6 +187,15 @@ class BenchConfig:
         if self.compile != ("auto",) and self.mode not in ("infer", "train"):
             raise KTMError("--compile is an option of --mode infer (the prefill and decode "
                            "step) and train (the LM body)")
+        self.weights = tuple(dict.fromkeys(self.weights))
+        for w in self.weights:
+            check_weights(w)
+        if not self.weights:
+            raise KTMError("weights is empty: expected at least one of native, int8")
+        if self.weights != ("native",) and (self.mode != "infer" or "torch" not in
+                                            self.backends):
+            raise KTMError("--weights is an option of --mode infer on the torch backend (the "
+                           "torch runtime's decoding)")
         check_at_least(self, 1, "output_tokens", "target_tokens", "repeats")
         check_at_least(self, 0, "warmup", "threads")
         parse_dtype(self.dtype)
@@ -217,6 +231,7 @@ class Method:
     ratio: float | None = None  # read at a ratio by the model's own levels (adaptive merging)
     press: str | None = None  # a KV press, NAME=RATIO (torch)
     compile: str = "auto"  # infer: the torch runtime's (ktm.decode.compiled); train: the body's
+    weights: str = "native"  # infer: the torch runtime's linear layers (ktm.core.int8)
 
     @property
     def key(self) -> str:
@@ -224,13 +239,15 @@ class Method:
                if self.ratio is not None else f"K={self.k},r={self.mlp_ratio}")
         key += f"+{self.press}" if self.press else ""
         key += f"+compile={self.compile}" if self.compile != "auto" else ""
+        key += f"+{self.weights}" if self.weights != "native" else ""
         return key if self.backend == "torch" else f"{key}@{self.backend}"
 
     @property
     def baseline(self) -> str:
         """The key of the run its speed-ups are against: the same runtime, uncompressed, compiled
-        the same way."""
-        return Method("uncompressed", backend=self.backend, compile=self.compile).key
+        the same way, with the same weights."""
+        return Method("uncompressed", backend=self.backend, compile=self.compile,
+                      weights=self.weights).key
 
 
 # ---------------------------------------------------------------- aggregation
@@ -318,6 +335,10 @@ def methods_of(config: BenchConfig, top_k: int = 1) -> list[Method]:
         out = [replace(m, compile=c) if m.backend == "torch" else m
                for m in out for c in config.compile
                if m.backend == "torch" or c == config.compile[0]]
+    if config.weights != ("native",):  # each torch method once per weights
+        out = [replace(m, weights=w) if m.backend == "torch" else m
+               for m in out for w in config.weights
+               if m.backend == "torch" or w == config.weights[0]]
     return out
 
 
@@ -448,7 +469,7 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
         merge = m.name != "uncompressed"
         if config.mode == "infer":
             if m.backend == "torch":
-                model.runtime.compile = m.compile
+                model.runtime.compile, model.runtime.weights = m.compile, m.weights
             before = getattr(model.runtime, "compiles", 0)
             with pressed_as(model.runtime, press_of(m.press)):
                 res = infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
@@ -529,8 +550,8 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                            else {"target_tokens": config.target_tokens + 1}),
                         "ratio": m.ratio, "press": m.press,
                         # graphs compiled for this point, its untimed passes included
-                        **({"compile": m.compile, "compiles": compiles[m.key]}
-                           if m.backend == "torch" else {}),
+                        **({"compile": m.compile, "compiles": compiles[m.key],
+                            "weights": m.weights} if m.backend == "torch" else {}),
                         # the model's own allocator lays out a ratio row (its config's)
                         "allocator": model.config.allocator if m.ratio is not None else None,
                         "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None

@@ -281,6 +281,11 @@ def load_or_build(args: argparse.Namespace):
             raise KTMError(f"--compile {args.compile} is an option of the torch backend, not "
                            f"--backend {args.backend} (llama.cpp and vLLM run their own graphs)")
         model.runtime.compile = args.compile
+    if getattr(args, "weights", "native") != "native":
+        if getattr(args, "backend", "torch") != "torch":
+            raise KTMError(f"--weights {args.weights} is an option of the torch backend, not "
+                           f"--backend {args.backend} (llama.cpp reads its GGUF's own types)")
+        model.runtime.weights = args.weights
     if getattr(args, "backend", "torch") != "torch":
         from ktm.readers import resolve_checkpoint
 
@@ -331,6 +336,11 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
                              "for every length: on, off, or auto, where measured to pay (on "
                              "CUDA, decode batches of up to 64k cache positions and prefills "
                              "of up to 1,024: docs/guide.md) (default: 'auto')")
+    parser.add_argument("--weights", choices=("native", "int8"), default="native",
+                        help="--backend torch: the LM's linear layers as loaded (native) or "
+                             "in int8, one scale per output row (a quarter of fp32's bytes "
+                             "read a decode step; logits within the bound docs/guide.md "
+                             "states) (default: 'native')")
     press_args(parser)
 
 

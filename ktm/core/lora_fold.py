@@ -28,6 +28,9 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from ktm.core.int8 import int8_swaps, linears
+from ktm.errors import KTMError
+
 
 def _foldable(layer: nn.Module) -> bool:
     """A plain PEFT LoRA linear layer (no DoRA or other variant, no LoRA bias), adapters on,
@@ -81,7 +84,13 @@ def fold_view(lm: nn.Module, tuners: dict[str, BaseTunerLayer] | None = None
     tuners = _tuners(lm) if tuners is None else tuners
     if not tuners or not all(_foldable(m) for m in tuners.values()):
         return None
-    swaps = {n: _folded_layer(m) for n, m in tuners.items()}
+    return swapped_view(lm, {n: _folded_layer(m) for n, m in tuners.items()})
+
+
+def swapped_view(root: nn.Module, swaps: dict[str, nn.Module]) -> nn.Module:
+    """``root`` with the modules named in ``swaps`` replaced: only the modules on the way to them
+    are copied (shallowly, each with a child table of its own, in eval mode); the rest are
+    ``root``'s, shared."""
     ancestors = _ancestor_names(swaps)
 
     def rebuild(module: nn.Module, prefix: str) -> nn.Module:
@@ -98,7 +107,7 @@ def fold_view(lm: nn.Module, tuners: dict[str, BaseTunerLayer] | None = None
         clone.training = False
         return clone
 
-    return rebuild(lm, "")
+    return rebuild(root, "")
 
 
 def _state(t: torch.Tensor) -> tuple:
@@ -114,14 +123,20 @@ class FoldedLM:
     identity, storage and in-place version of its base weight and LoRA factors (training steps,
     ``load_state_dict``, an EMA swap and ``.to()`` change them; a write through ``.data`` does
     not: autograd's version counter skips it), and the children of each module the view copied.
-    Other modules are the LM's own, so a change inside one is the view's too."""
+    Other modules are the LM's own, so a change inside one is the view's too.
+
+    ``weights="int8"`` (``ktm.core.int8``): a second view whose every linear layer is an int8
+    copy, kept beside the first (a quarter of its bytes in fp32), so that runs switching between
+    the two (``ktm bench --weights native int8``) quantize once; the check then covers the
+    weight of every linear layer of the LM as well."""
 
     def __init__(self) -> None:
-        self._view: nn.Module | None = None
+        self._views: dict[str, nn.Module | None] = {}  # by weights: "native", "int8"
         self._key: tuple | None = None
         self._lm: nn.Module | None = None
         self._tuners: list[tuple] = []  # (LoRA layer, its base module, [(adapter, A, B)])
         self._parents: list[nn.Module] = []
+        self._linears: list[nn.Module] = []  # every nn.Linear, checked while an int8 view lives
 
     def _scan(self, lm: nn.Module) -> dict[str, BaseTunerLayer]:
         """Find the LoRA layers and the modules on the way to them; hold the modules a check
@@ -143,7 +158,8 @@ class FoldedLM:
                      _state(lb._parameters["weight"])) for a, la, lb in factors]
             layers.append(tuple(row))
         children = tuple(tuple(map(id, m._modules.values())) for m in self._parents)
-        return tuple(layers), children
+        plain = tuple(_state(m._parameters["weight"]) for m in self._linears)
+        return tuple(layers), children, plain
 
     def lora_trains(self, lm: nn.Module) -> bool:
         """Whether a LoRA weight of ``lm`` requires a gradient."""
@@ -153,14 +169,27 @@ class FoldedLM:
         return any(m._parameters["weight"].requires_grad for _, _, factors in self._tuners
                    for _, la, lb in factors for m in (la, lb))
 
-    def get(self, lm: nn.Module) -> nn.Module | None:
-        """The folded view of ``lm`` as its weights are now; None when it cannot be folded."""
+    def get(self, lm: nn.Module, weights: str = "native") -> nn.Module | None:
+        """The folded view of ``lm`` as its weights are now; None when it cannot be folded and
+        ``weights`` is "native". ``weights="int8"``: its linear layers in int8
+        (``ktm.core.int8``); a LoRA that cannot be folded is then refused by name."""
         if lm is not self._lm or self._key is None or self._current() != self._key:
-            self.clear()  # the old copy goes before the new one is made: never two at once
+            self.clear()  # the old copies go before new ones are made: never two at once
+        if weights not in self._views:
             tuners = self._scan(lm)
-            self._view, self._key = fold_view(lm, tuners), self._current()
-        return self._view
+            view = self._views.get("native")
+            view = fold_view(lm, tuners) if view is None else view
+            if weights == "int8":
+                if view is None and tuners:
+                    raise KTMError("weights='int8' reads the LM with its LoRA folded in, and "
+                                   "this LoRA cannot be folded (a LoRA variant or bias, adapters "
+                                   "disabled, or merged in place): use weights='native'")
+                self._linears = list(linears(lm).values())
+                base = lm if view is None else view
+                view = swapped_view(base, int8_swaps(base))
+            self._views[weights], self._key = view, self._current()
+        return self._views[weights]
 
     def clear(self) -> None:
         """Free the folded weights."""
-        self._view, self._key = None, None
+        self._views, self._key, self._linears = {}, None, []

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -222,11 +223,68 @@ class CompiledStep:
                   f"{state.static_mask.shape[1]} cache positions (once per shape)",
                   file=sys.stderr, flush=True)
         before = graphs()
-        logits = self._fn(lm, embeds, state.static_mask, positions, state.cache)
+        with packed_attention(lm, embeds.device):
+            logits = self._fn(lm, embeds, state.static_mask, positions, state.cache)
         self.compiles += graphs() - before
         self.shapes.add(shape)
         # CUDA graphs hand out the same output buffer at every replay: keep a copy
         return logits[:rows].clone()
+
+
+def packed_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                         scaling: float | None = None, is_causal: bool | None = None,
+                         **kwargs):
+    """transformers' SDPA attention, with one query position over grouped KV heads read as the
+    group's queries of its one KV head: (B, H, 1, D) -> (B, H_kv, H / H_kv, D), the (B, 1, 1, L)
+    mask shared by them. What transformers' own eager path does for that case; under
+    ``torch.compile`` it copies each KV head out to its group instead (``repeat_kv``), which on a
+    CPU costs a decode step more than the attention itself (SmolLM2-135M, 2,048 positions: 318 MB
+    written a step). Any other case is transformers' own function, unchanged."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = all(kwargs.get(k) is None for k in ("position_bias", "softcap", "s_aux",
+                                                 "sliding_window"))
+    if (groups > 1 and query.shape[2] == 1 and not dropout and plain
+            and (attention_mask is None or attention_mask.shape[1] == 1)):
+        b, h, _, d = query.shape
+        mask = attention_mask if attention_mask is None else attention_mask[..., :key.shape[-2]]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(b, h // groups, groups, d), key, value, attn_mask=mask, scale=scaling)
+        return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+PACKED = "ktm_packed_gqa"  # its name in transformers' attention registry
+# where the compiled step reads through it (measured to pay): per device type; on CUDA it is
+# not measured yet, and the step keeps transformers' own path there
+PACKED_DEVICES = ("cpu",)
+
+
+def _register_packed() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED, packed_gqa_attention)
+    AttentionMaskInterface.register(PACKED, sdpa_mask)  # the masks SDPA reads
+
+
+@contextmanager
+def packed_attention(lm, device: torch.device):
+    """Run ``lm``'s SDPA attention as ``packed_gqa_attention`` inside the block, on the devices
+    of ``PACKED_DEVICES``; other attention implementations and devices are left as they are."""
+    config = getattr(lm, "config", None)
+    if (torch.device(device).type not in PACKED_DEVICES
+            or getattr(config, "_attn_implementation", None) != "sdpa"):
+        yield
+        return
+    _register_packed()
+    config._attn_implementation = PACKED
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:

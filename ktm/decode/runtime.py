@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from ktm.core.int8 import check_weights
 from ktm.core.loss import target_logits
 from ktm.decode import compiled
 from ktm.decode.batched import can_rebatch, join, keep_rows, prefill_from_kv, row_kv
@@ -94,13 +95,27 @@ class TorchRuntime:
     context = None
     rereads = True  # use_cache=False re-reads the whole sequence each step (the test reference)
 
-    def __init__(self, model, press: PressConfig | None = None, compile: str = "auto"):
+    def __init__(self, model, press: PressConfig | None = None, compile: str = "auto",
+                 weights: str = "native"):
         self.model = model
         self.prefix_kv = LRUCache(0)
         # a KV press (``ktm.decode.press``) every prefill and score applies; None: none
         self.press = press
         self.compile = compile
+        self.weights = weights
         self._step: compiled.CompiledStep | None = None
+
+    @property
+    def weights(self) -> str:
+        """What the LM's linear layers are read as while decoding and scoring: "native" (the
+        model's dtype) or "int8" (``ktm.core.int8``: a quarter of fp32's bytes a step, logits
+        within the bound its module states)."""
+        return self._weights
+
+    @weights.setter
+    def weights(self, weights: str) -> None:
+        self._weights = check_weights(weights)
+        self.prefix_kv.clear()  # kept KV was read with the other weights
 
     @property
     def compile(self) -> str:

@@ -85,6 +85,9 @@ class ServeConfig:
                 "that requests joining and leaving compile nothing new: on or off; auto is "
                 "eager here (not yet timed on a GPU; docs/serving.md)",
         "choices": ["auto", "off", "on"]})
+    weights: str = field(default="native", metadata={
+        "help": "--backend torch: the LM's linear layers as loaded (native) or in int8, one "
+                "scale per output row (ktm.core.int8)", "choices": ["native", "int8"]})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -112,6 +115,12 @@ class ServeConfig:
         if self.compile != "auto" and self.backend != "torch":
             raise KTMError(f"compile={self.compile!r} is an option of the torch backend, not "
                            f"{self.backend} (llama.cpp and vLLM run their own graphs)")
+        from ktm.core.int8 import check_weights
+
+        check_weights(self.weights)
+        if self.weights != "native" and self.backend != "torch":
+            raise KTMError(f"weights={self.weights!r} is an option of the torch backend, not "
+                           f"{self.backend} (llama.cpp reads its GGUF's own types)")
         if self.history_press is not None:
             from ktm.decode.press import PressConfig, press_refusal
 

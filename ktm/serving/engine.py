@@ -138,6 +138,8 @@ class Engine:
         self.runtime = model.runtime
         if hasattr(self.runtime, "compile"):  # the torch runtime's decode step (--compile)
             self.runtime.compile = cfg.compile
+        if hasattr(self.runtime, "weights"):  # the torch runtime's linear layers (--weights)
+            self.runtime.weights = cfg.weights
         # vLLM samples inside its own step and hands back tokens, not a distribution
         self.logits = self.runtime.gives_logits
         self.rebatch = self.runtime.joinable  # else: windowed batches

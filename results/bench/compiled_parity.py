@@ -1,5 +1,7 @@
 """The compiled decode step against eager on a real model: greedy tokens up to the first
-near-tie and the largest logit difference, per reading (plain and merged).
+near-tie and the largest logit difference, per reading (plain and merged); with
+``--weights int8``, the compiled step reads int8 linear layers (``ktm.core.int8``) against the
+eager run's own weights.
 
 A random-text prompt of ``--length`` tokens (``ktm bench``'s synthetic text), decoded greedily
 for ``--new-tokens`` with ``compile="off"`` and ``"on"``; the compiled run is fed the eager
@@ -7,6 +9,8 @@ run's tokens, so every step compares the same prefix. A near-tie: a step whose e
 logits are closer than ``--tie`` (there either token is a right answer of a kernel's rounding).
 
     python results/bench/compiled_parity.py --out results/bench/compiled_parity.json
+    python results/bench/compiled_parity.py --weights int8 \
+        --out results/bench/compiled_parity_int8.json
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--tie", type=float, default=0.05)
+    ap.add_argument("--weights", choices=("native", "int8"), default="native",
+                    help="the compiled run's linear layers (ktm.core.int8); the eager run's "
+                         "are always the model's own")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -56,9 +63,9 @@ def main() -> int:
     ids = model.tokenize(text, first=True)
     rows = []
     for reading, merge in (("plain", False), (f"K={model.k}", True)):
-        model.runtime.compile = "off"
+        model.runtime.compile, model.runtime.weights = "off", "native"
         eager, tokens = logits_run(model, ids, merge, None, args.new_tokens)
-        model.runtime.compile = "on"
+        model.runtime.compile, model.runtime.weights = "on", args.weights
         compiled, _ = logits_run(model, ids, merge, tokens, args.new_tokens)
         diffs = [float((a - b).abs().max()) for a, b in zip(eager, compiled)]
         same = [int(a.argmax()) == int(b.argmax()) for a, b in zip(eager, compiled)]
@@ -70,6 +77,10 @@ def main() -> int:
                                          for a, b in zip(compiled, eager)),
                "same_greedy_steps": sum(same), "first_differing_step": first,
                "first_differing_is_near_tie": None if first is None else gaps[first] < args.tie,
+               # the eager top-2 margin there, and that step's largest logit difference
+               "first_differing_margin": None if first is None else gaps[first],
+               "first_differing_diff": None if first is None else diffs[first],
+               "weights": args.weights,
                "compiles": model.runtime.compiles}
         rows.append(row)
         print(row, flush=True)

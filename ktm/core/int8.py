@@ -1,0 +1,90 @@
+"""Int8 weights for decoding: each linear layer of the LM held as int8 with one scale per output
+row, read through torch's weight-only int8 kernel (``torch.ops.aten._weight_int8pack_mm``).
+
+A decode step reads every weight once for one token per row, so on a CPU it is bound by memory,
+not arithmetic: SmolLM2-135M's 538 MB of fp32 weights take 44 ms a token on one core
+(``results/bench/cpu_matvec_layouts.json``), the same 211 matrices in int8 take 19. Held in int8
+they are a quarter of the bytes, which is what llama.cpp's Q8_0 files buy it.
+
+What it costs in accuracy: each weight is rounded to one of 255 steps of its row's largest
+magnitude, and the kernel reads its input and writes its output in bf16 (its fp32 path is scalar
+code, 15x slower on a CPU). ``results/bench/compiled_parity_int8.json`` gives the largest logit
+difference against the model's own weights on a real model; greedy tokens agree up to the first
+near-tie. Held in int8: every ``nn.Linear`` of the LM (projections and the output head); the
+input embeddings and norms stay in the model's dtype.
+
+Why not torchao's ``Int8WeightOnlyConfig``: it calls this same kernel, and would bring a
+dependency whose compiled extension is built against one torch release at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ktm.errors import KTMError
+
+WEIGHTS = ("native", "int8")
+COMPUTE = torch.bfloat16  # what the kernel reads and writes (its fp32 path is scalar code)
+
+
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise KTMError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    return weights
+
+
+class Int8Linear(nn.Module):
+    """A frozen ``nn.Linear`` in int8: ``y = (x @ q^T) * scale + bias``, ``q`` the weight rounded
+    to int8 per output row, ``scale`` that row's largest magnitude / 127 (in bf16, and the
+    rounding made against the bf16 scale, so that it is the scale applied)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(COMPUTE).tiny).to(COMPUTE)
+        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias  # shared, in the model's dtype
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(COMPUTE)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def linears(lm: nn.Module) -> dict[str, nn.Linear]:
+    """The plain ``nn.Linear`` layers of ``lm`` (subclasses, PEFT's wrappers included, are not:
+    a view to quantize has its LoRA folded first)."""
+    return {n: m for n, m in lm.named_modules() if type(m) is nn.Linear}
+
+
+def check_kernel(device: torch.device) -> None:
+    """Refuse by name a device where this torch has no weight-only int8 kernel."""
+    x = torch.zeros(1, 32, dtype=COMPUTE, device=device)
+    q = torch.zeros(8, 32, dtype=torch.int8, device=device)
+    try:
+        torch.ops.aten._weight_int8pack_mm(x, q, torch.ones(8, dtype=COMPUTE, device=device))
+    except (NotImplementedError, RuntimeError) as e:
+        raise KTMError(f"weights='int8' needs torch's weight-only int8 kernel "
+                       f"(aten._weight_int8pack_mm) on {device}, which torch {torch.__version__} "
+                       f"does not have there ({str(e).splitlines()[0]}); use weights='native'"
+                       ) from None
+
+
+@torch.no_grad()
+def int8_swaps(lm: nn.Module) -> dict[str, Int8Linear]:
+    """An ``Int8Linear`` copy of each ``nn.Linear`` of ``lm``, by name (what
+    ``ktm.core.lora_fold.swapped_view`` puts in their place)."""
+    found = linears(lm)
+    if not found:
+        raise KTMError(f"weights='int8': {type(lm).__name__} has no nn.Linear layer to hold in "
+                       "int8")
+    check_kernel(next(iter(found.values())).weight.device)
+    return {n: Int8Linear(m) for n, m in found.items()}
