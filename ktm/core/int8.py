@@ -1,19 +1,24 @@
 """Int8 weights for decoding: each linear layer of the LM held as int8 with one scale per output
-row, read through torch's weight-only int8 kernel (``torch.ops.aten._weight_int8pack_mm``).
+row, a quarter of fp32's bytes (what llama.cpp's Q8_0 files buy it).
 
-A decode step reads every weight once for one token per row, so on a CPU it is bound by memory,
-not arithmetic: SmolLM2-135M's 538 MB of fp32 weights take 44 ms a token on one core
-(``results/bench/cpu_matvec_layouts.json``), the same 211 matrices in int8 take 19. Held in int8
-they are a quarter of the bytes, which is what llama.cpp's Q8_0 files buy it.
+A decode step reads every weight once for one token per row. On a CPU SmolLM2-135M's 211
+matrices take 44 ms a token in fp32 on one core, 19 ms in int8 through torch's weight-only int8
+kernel (``results/bench/cpu_matvec_layouts.json``). How a call is computed:
+- one row inside a compiled CPU step (``ktm.decode.compiled``): the int8 -> float conversion
+  written into the dot products, which inductor fuses, in the input's own dtype;
+- a few rows (eager decoding, a batch): ``torch.ops.aten._weight_int8pack_mm``, which reads its
+  input and writes its output in bf16 (its fp32 path is scalar code, 15x slower on a CPU);
+- ``GEMM_ROWS`` rows or more (a prefill): the weight dequantized once into the input's dtype and
+  the dtype's own GEMM (the int8 kernel is slower than it there).
 
 What it costs in accuracy: each weight is rounded to one of 255 steps of its row's largest
-magnitude, and the kernel reads its input and writes its output in bf16 (its fp32 path is scalar
-code, 15x slower on a CPU). ``results/bench/compiled_parity_int8.json`` gives the largest logit
-difference against the model's own weights on a real model; greedy tokens agree up to the first
-near-tie. Held in int8: every ``nn.Linear`` of the LM (projections and the output head); the
-input embeddings and norms stay in the model's dtype.
+magnitude (at most half a step off), and the bf16 kernel rounds its input and output.
+``results/bench/compiled_parity_int8.json`` gives the largest logit difference against the
+model's own weights on a real model, and where greedy tokens first differ. Held in int8: every
+``nn.Linear`` of the LM (projections and the output head); the input embeddings and norms stay
+in the model's dtype.
 
-Why not torchao's ``Int8WeightOnlyConfig``: it calls this same kernel, and would bring a
+Why not torchao's ``Int8WeightOnlyConfig``: it calls the same kernel, and would bring a
 dependency whose compiled extension is built against one torch release at a time.
 """
 
@@ -26,6 +31,7 @@ from ktm.errors import KTMError
 
 WEIGHTS = ("native", "int8")
 COMPUTE = torch.bfloat16  # what the kernel reads and writes (its fp32 path is scalar code)
+GEMM_ROWS = 64  # rows from which a call dequantizes the weight and runs a GEMM (a prefill)
 
 
 def check_weights(weights: str) -> str:
@@ -36,13 +42,17 @@ def check_weights(weights: str) -> str:
 
 class Int8Linear(nn.Module):
     """A frozen ``nn.Linear`` in int8: ``y = (x @ q^T) * scale + bias``, ``q`` the weight rounded
-    to int8 per output row, ``scale`` that row's largest magnitude / 127 (in bf16, and the
-    rounding made against the bf16 scale, so that it is the scale applied)."""
+    to int8 per output row, ``scale`` that row's largest magnitude / 127 in bf16, rounded up
+    where bf16 rounded it down (so no weight is clipped, and each is off by at most half a
+    step), the weights rounded against that bf16 scale, the one applied."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(COMPUTE).tiny).to(COMPUTE)
+        top = w.abs().amax(dim=1).clamp(min=127 * torch.finfo(COMPUTE).tiny)
+        scale = (top / 127).to(COMPUTE)
+        scale = torch.where(scale.float() * 127 < top,
+                            torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
         q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
@@ -50,9 +60,20 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(COMPUTE)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        rows = x.numel() // self.in_features
+        if rows >= GEMM_ROWS:  # a prefill: one dequantized copy, then the dtype's own GEMM
+            w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+            return nn.functional.linear(x, w, self.bias)
+        if rows == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
+            # a compiled step of one row: inductor fuses the int8 -> float conversion into the
+            # dot products, in the input's own dtype (measured on the CPU: SmolLM2-135M's
+            # step at 2,048 positions 30 ms against the kernel's 35; from two rows on, each
+            # row reads the weights again and the kernel is faster)
+            y = (x.unsqueeze(-2) * self.qweight.to(x.dtype)).sum(-1) * self.scale.to(x.dtype)
+        else:
+            flat = x.reshape(-1, self.in_features).to(COMPUTE)
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

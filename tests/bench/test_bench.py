@@ -70,6 +70,8 @@ def infer_rows(tiny_model_dir, tmp_path_factory):
     {"presses": ("knorm=0.5",), "mode": "train"},
     {"presses": ("knorm=0.5",), "backends": ("llamacpp",)},
     {"compile": ("fast",)}, {"compile": ()}, {"compile": ("on",), "mode": "serve"},
+    {"weights": ("int4",)}, {"weights": ()}, {"weights": ("int8",), "mode": "train"},
+    {"weights": ("int8",), "backends": ("llamacpp",)},
 ])
 def test_config_rejects_bad_values(kw):
     with pytest.raises(KTMError):
@@ -85,6 +87,13 @@ def test_compile_modes_time_each_torch_method_both_ways():
                     "K=4,r=2.0+compile=off", "K=4,r=2.0+compile=on",
                     "uncompressed@llamacpp", "K=4,r=2.0@llamacpp"]
     assert [m.key for m in methods_of(BenchConfig(ks=(4,)))] == ["uncompressed", "K=4,r=2.0"]
+    # weights: each torch method once per weights, its speed-ups against the same weights
+    cfg = BenchConfig(ks=(4,), weights=("native", "int8"), backends=("torch", "llamacpp"))
+    methods = methods_of(cfg)
+    assert [m.key for m in methods] == ["uncompressed", "uncompressed+int8", "K=4,r=2.0",
+                                        "K=4,r=2.0+int8", "uncompressed@llamacpp",
+                                        "K=4,r=2.0@llamacpp"]
+    assert methods[3].baseline == "uncompressed+int8"
 
 
 def test_quick_preset_only_fills_options_left_at_default():

@@ -51,6 +51,9 @@ def test_train_then_generate_from_checkpoint(capsys, tiny_model_dir, tmp_path):
      "allocator must be one of"),
     (["generate", "--model", "{tiny}", "--backend", "llamacpp", "--compile", "on", "--prompt",
       "hi"], "--compile on is an option of the torch backend, not --backend llamacpp"),
+    (["generate", "--model", "{tiny}", "--backend", "llamacpp", "--weights", "int8",
+      "--prompt", "hi"], "--weights int8 is an option of the torch backend, not --backend "
+     "llamacpp"),
 ])
 def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, argv, match):
     argv = [a.format(tiny=tiny_model_dir, tmp=tmp_path) for a in argv]

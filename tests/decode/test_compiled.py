@@ -9,6 +9,11 @@ from ktm import KTMError
 from ktm.decode import compiled
 from ktm.decode.generate import GenerationConfig, decode_steps
 
+# int8 weights' logits against the native ones, as a share of their largest magnitude: each
+# weight is off by up to half of 1/127 of its row's largest, and the kernel rounds its input
+# and output to bf16 (measured on the 2-layer test model, perturbed, in fp32: at most 0.029)
+INT8_BOUND = 0.06
+
 
 def _decode(model, prompts, n: int):
     """(tokens per step, logits per step) of a greedy decode through the runtime."""
@@ -219,3 +224,75 @@ def test_rows_joining_and_leaving_a_compiled_batch_decode_as_eager(ktm_model):
     assert static == [2, 2, 4, 4, 4, 4]  # each step on a static cache, rows padded
     eager_tokens, static = run("off")
     assert static == [0] * 6 and compiled_tokens == eager_tokens
+
+
+@torch.no_grad()
+def test_int8_weights_follow_native_up_to_a_near_tie_eager_and_compiled(tiny_model_dir):
+    """Int8 linear layers (``ktm.core.int8``): logits within INT8_BOUND of the native ones'
+    largest magnitude and greedy tokens equal up to a near-tie of that size, eager (the bf16
+    kernel) and compiled (a batch: the same kernel, so eager's logits to the dtype's rounding;
+    one row: the fused fp32 dot products)."""
+    from ktm.core.int8 import Int8Linear
+
+    require_device()
+    model = fresh_model(tiny_model_dir, device=DEVICE, dtype=DTYPE)
+    perturb(model)
+    model.requires_grad_(False)
+    model.runtime.compile = "off"
+    native = _decode(model, PROMPTS, 10)[:2]
+    one = _decode(model, PROMPTS[:1], 10)[:2]
+    model.runtime.weights = "int8"
+    tokens, logits, _ = _decode(model, PROMPTS, 10)
+    assert type(model.decode_lm().lm_head) is Int8Linear
+    _within_int8_bound(tokens, logits, *native)
+    model.runtime.compile = "on"
+    _same_up_to_a_near_tie(*_decode(model, PROMPTS, 10)[:2], tokens, logits)
+    _within_int8_bound(*_decode(model, PROMPTS[:1], 10)[:2], *one)
+
+
+def _within_int8_bound(tokens, logits, want_tokens, want_logits) -> None:
+    scale = max(float(x.abs().max()) for x in want_logits)
+    for r in range(tokens.shape[0]):
+        for i in range(tokens.shape[1]):
+            got, want = logits[i][r].double(), want_logits[i][r].double()
+            assert float((got - want).abs().max()) <= INT8_BOUND * scale
+            if tokens[r, i] != want_tokens[r, i]:
+                top = want.topk(2).values
+                assert top[0] - top[1] <= 2 * (got - want).abs().max()
+                break
+
+
+def test_packed_gqa_attention_equals_transformers_sdpa():
+    """One query over grouped KV heads read as the group's queries (bool and float masks, a
+    mask longer than the keys); any other case is transformers' own function."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    k, v = (torch.randn(2, 2, 10, 8, generator=g) for _ in range(2))
+    keep = torch.rand(2, 1, 1, 12, generator=g) > 0.3
+    keep[..., 0] = True
+    masks = [keep, torch.zeros(2, 1, 1, 12).masked_fill(~keep, float("-inf")), None]
+    for q_len in (1, 4):
+        q = torch.randn(2, 6, q_len, 8, generator=g)
+        for mask in masks if q_len == 1 else [None]:
+            got, _ = compiled.packed_gqa_attention(module, q, k, v, mask, scaling=0.3)
+            want, _ = sdpa_attention_forward(module, q, k, v,
+                                             None if mask is None else mask[..., :10],
+                                             scaling=0.3)
+            assert got.shape == want.shape == (2, q_len, 6, 8)
+            close(got, want)
+
+
+def test_packed_attention_is_set_for_the_block_only(ktm_model):
+    lm = ktm_model.peft.get_base_model()
+    assert lm.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="inside"):
+        with compiled.packed_attention(lm, torch.device("cpu")):
+            assert lm.config._attn_implementation == compiled.PACKED
+            raise RuntimeError("inside")
+    assert lm.config._attn_implementation == "sdpa"
+    with compiled.packed_attention(lm, torch.device("cuda")):  # not measured there: unchanged
+        assert lm.config._attn_implementation == "sdpa"

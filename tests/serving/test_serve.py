@@ -803,6 +803,28 @@ def test_a_full_queue_answers_503_and_the_waiting_request_is_served_later(tiny_m
         assert first.result(timeout=60)["usage"]["completion_tokens"] == 2
 
 
+def test_int8_weights_serve_what_the_model_generates_with_them(tiny_model_dir):
+    """--weights int8: the server decodes through the int8 view (``ktm.core.int8``), and its
+    answers are the model's own int8 generation's."""
+    torch.manual_seed(0)
+    model = KTMModel.from_base(tiny_model_dir, k=4)
+    perturb(model)
+    model.requires_grad_(False)  # as ktm serve loads a model: its LoRA folded, then in int8
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
+                      log_level="warning", weights="int8")
+    app = create_app(model, cfg)
+    reqs = [{"doc": f"{DOC[:40 + 9 * i]} #{i}", "q": f" Q{i}?", "n": 5} for i in range(3)]
+    with BackgroundServer(app) as srv:
+        assert model.runtime.weights == "int8"
+        got = [_ask(srv.url, {"model": "tiny", "prompt": None, "max_tokens": r["n"],
+                              "temperature": 0, "extra_body": segs_body(r["doc"], r["q"])})[0]
+               for r in reqs]
+    assert type(model.decode_lm().lm_head).__name__ == "Int8Linear"
+    for r, text in zip(reqs, got):
+        assert text == model.generate([Segment(r["doc"]), Segment(r["q"], compress=False)],
+                                      max_new_tokens=r["n"])
+
+
 def test_the_compiled_step_serves_as_eager_and_compiles_nothing_new_per_request(tiny_model_dir):
     """--compile on: the running batch decodes on a static cache, its rows padded to a power
     of two, so rows joining and leaving reuse a few compiled shapes. Answers equal eager
@@ -837,6 +859,10 @@ def test_the_compiled_step_serves_as_eager_and_compiles_nothing_new_per_request(
         ServeConfig(model=tiny_model_dir, compile="fast")
     with pytest.raises(KTMError, match="compile='on' is an option of the torch backend"):
         ServeConfig(model=tiny_model_dir, backend="llamacpp", compile="on")
+    with pytest.raises(KTMError, match="weights must be one of"):
+        ServeConfig(model=tiny_model_dir, weights="int4")
+    with pytest.raises(KTMError, match="weights='int8' is an option of the torch backend"):
+        ServeConfig(model=tiny_model_dir, backend="llamacpp", weights="int8")
 
 
 def _together_by(ask, reqs: list[dict]) -> list:
