@@ -40,8 +40,12 @@ over 4k tokens) or 30.1 against 38.2 (plain 1k), of 4,096 115.2 against 116.9, a
 prompt) on CUDA, never on the CPU.
 
 Where it pays (``resolve``), measured (``results/bench/README.md``):
-- On the CPU, never: SmolLM2-135M, fp32, one thread, 2,048 positions: 84.7 ms a step against
-  eager's 79.7; a CPU step is bound by reading the weights and the cache, not by launches.
+- On the CPU, never: the K=4 reader (SmolLM2-135M), fp32, one thread, 2,048 tokens in, 64 out:
+  15.8 tokens/s against eager's 14.3 plain, 18.6 against 16.6 at K=4
+  (``results/bench/compiled_cpu_int8.json``); a CPU step is bound by reading the weights and the
+  cache, not by launches, and a tenth does not earn back a compile in most answers. With int8
+  weights (``ktm.core.int8``, ``--weights int8``) the compiled step reads them through fused
+  dot products: 33.8 tokens/s plain (2.36x eager fp32) and 49.5 at K=4 (2.98x).
 - On CUDA, for a batch of up to 64k cache positions (batch × bucket). Qwen2.5-Coder-7B's shape,
   bf16, one H200: at batch 1 and 4k positions a step takes 6.5 ms against eager's 32.6 (5.0x),
   3.8x at 1k; at batch 16, 1.8x over 1,280 positions, 1.4x over 2,560, and 0.78x over 5,120
@@ -237,9 +241,10 @@ def packed_gqa_attention(module, query, key, value, attention_mask, dropout: flo
     """transformers' SDPA attention, with one query position over grouped KV heads read as the
     group's queries of its one KV head: (B, H, 1, D) -> (B, H_kv, H / H_kv, D), the (B, 1, 1, L)
     mask shared by them. What transformers' own eager path does for that case; under
-    ``torch.compile`` it copies each KV head out to its group instead (``repeat_kv``), which on a
-    CPU costs a decode step more than the attention itself (SmolLM2-135M, 2,048 positions: 318 MB
-    written a step). Any other case is transformers' own function, unchanged."""
+    ``torch.compile`` it copies each KV head out to its group instead (``repeat_kv``), every
+    step, which on a CPU made the compiled step slower than eager (7.4 tokens/s against 9.4 at
+    2,048 tokens, ``results/bench/compiled_cpu.json``). Any other case is transformers' own
+    function, unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
