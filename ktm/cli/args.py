@@ -284,7 +284,8 @@ def load_or_build(args: argparse.Namespace):
     if getattr(args, "weights", "native") != "native":
         if getattr(args, "backend", "torch") != "torch":
             raise KTMError(f"--weights {args.weights} is an option of the torch backend, not "
-                           f"--backend {args.backend} (llama.cpp reads its GGUF's own types)")
+                           f"--backend {args.backend} (llama.cpp and vLLM read their own "
+                           "weight types)")
         model.runtime.weights = args.weights
     if getattr(args, "backend", "torch") != "torch":
         from ktm.readers import resolve_checkpoint

@@ -15,8 +15,8 @@ What it costs in accuracy: each weight is rounded to one of 255 steps of its row
 magnitude (at most half a step off), and the bf16 kernel rounds its input and output.
 ``results/bench/compiled_parity_int8.json`` gives the largest logit difference against the
 model's own weights on a real model, and where greedy tokens first differ. Held in int8: every
-``nn.Linear`` of the LM (projections and the output head); the input embeddings and norms stay
-in the model's dtype.
+``nn.Linear`` (and GPT-2's ``Conv1D``) of the LM, projections and the output head; the input
+embeddings, norms and other weights (fused MoE experts) stay in the model's dtype.
 
 Why not torchao's ``Int8WeightOnlyConfig``: it calls the same kernel, and would bring a
 dependency whose compiled extension is built against one torch release at a time.
@@ -46,9 +46,11 @@ class Int8Linear(nn.Module):
     where bf16 rounded it down (so no weight is clipped, and each is off by at most half a
     step), the weights rounded against that bf16 scale, the one applied."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
+        if not isinstance(linear, nn.Linear):  # transformers' Conv1D (GPT-2): [in, out]
+            w = w.T.contiguous()
         top = w.abs().amax(dim=1).clamp(min=127 * torch.finfo(COMPUTE).tiny)
         scale = (top / 127).to(COMPUTE)
         scale = torch.where(scale.float() * 127 < top,
@@ -57,7 +59,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.bias = linear.bias  # shared, in the model's dtype
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = w.shape
+        self._conv1d = not isinstance(linear, nn.Linear)
+        self._dtype = linear.weight.dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight it holds, dequantized, in the layer's own dtype and layout: for a model
+        that reads a layer's weight itself (Jamba's Mamba reads ``dt_proj.weight``)."""
+        w = (self.qweight.float() * self.scale.float()[:, None]).to(self._dtype)
+        return w.T if self._conv1d else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -80,10 +91,13 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def linears(lm: nn.Module) -> dict[str, nn.Linear]:
-    """The plain ``nn.Linear`` layers of ``lm`` (subclasses, PEFT's wrappers included, are not:
-    a view to quantize has its LoRA folded first)."""
-    return {n: m for n, m in lm.named_modules() if type(m) is nn.Linear}
+def linears(lm: nn.Module) -> dict[str, nn.Module]:
+    """The plain ``nn.Linear`` layers of ``lm`` and transformers' ``Conv1D`` (GPT-2's, a linear
+    layer with its weight stored [in, out]); subclasses, PEFT's wrappers included, are not (a
+    view to quantize has its LoRA folded first)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {n: m for n, m in lm.named_modules() if type(m) in (nn.Linear, Conv1D)}
 
 
 def check_kernel(device: torch.device) -> None:
@@ -101,11 +115,11 @@ def check_kernel(device: torch.device) -> None:
 
 @torch.no_grad()
 def int8_swaps(lm: nn.Module) -> dict[str, Int8Linear]:
-    """An ``Int8Linear`` copy of each ``nn.Linear`` of ``lm``, by name (what
+    """An ``Int8Linear`` copy of each linear layer of ``lm`` (``linears``), by name (what
     ``ktm.core.lora_fold.swapped_view`` puts in their place)."""
     found = linears(lm)
     if not found:
-        raise KTMError(f"weights='int8': {type(lm).__name__} has no nn.Linear layer to hold in "
-                       "int8")
+        raise KTMError(f"weights='int8': {type(lm).__name__} has no linear layer (nn.Linear or "
+                       "Conv1D) to hold in int8")
     check_kernel(next(iter(found.values())).weight.device)
     return {n: Int8Linear(m) for n, m in found.items()}

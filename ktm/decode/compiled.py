@@ -57,6 +57,7 @@ Where it pays (``resolve``), measured (``results/bench/README.md``):
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from contextlib import contextmanager
@@ -267,6 +268,7 @@ PACKED = "ktm_packed_gqa"  # its name in transformers' attention registry
 PACKED_DEVICES = ("cpu",)
 
 
+@functools.cache
 def _register_packed() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

@@ -120,7 +120,7 @@ class ServeConfig:
         check_weights(self.weights)
         if self.weights != "native" and self.backend != "torch":
             raise KTMError(f"weights={self.weights!r} is an option of the torch backend, not "
-                           f"{self.backend} (llama.cpp reads its GGUF's own types)")
+                           f"{self.backend} (llama.cpp and vLLM read their own weight types)")
         if self.history_press is not None:
             from ktm.decode.press import PressConfig, press_refusal
 

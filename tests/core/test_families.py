@@ -17,6 +17,7 @@ from ktm.decode.generate import generate_ids
 from ktm.model import KTMModel
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world"
+INT8_BOUND = 0.06  # tests/decode/test_compiled.py's
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -81,6 +82,29 @@ def test_folded_lora_decodes_as_peft_lora(family):
     folded = generate_ids(model, prompts, max_new_tokens=6)
     model.fold_lora = False
     assert folded == generate_ids(model, prompts, max_new_tokens=6)
+
+
+def test_int8_weights_hold_every_linear_layer_and_stay_near_the_native_logits(family):
+    """Every family's linear layers (GPT-2's Conv1D too) are held in int8 once its LoRA is
+    folded, and its first-token logits stay within a few int8 steps (INT8_BOUND of their
+    largest magnitude, the bound tests/decode/test_compiled.py gives the reason for)."""
+    from ktm.core.int8 import Int8Linear, linears
+    from ktm.decode.generate import prefill
+
+    _, path, _, _ = family
+    torch.manual_seed(0)
+    model = KTMModel.from_base(path, k=4)
+    perturb_lora(model)
+    model.requires_grad_(False)
+    cps = model.encode_prompts([TEXT, "Hello world"])
+    with torch.no_grad():
+        native = prefill(model, cps).logits
+        model.runtime.weights = "int8"
+        state = prefill(model, cps)
+    assert not linears(state.via)  # none left in its dtype
+    assert any(type(m) is Int8Linear for m in state.via.modules())
+    scale = float(native.abs().max())
+    assert float((state.logits - native).abs().max()) <= INT8_BOUND * scale
 
 
 def test_a_left_padded_batch_equals_its_rows_one_by_one(family):

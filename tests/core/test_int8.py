@@ -50,11 +50,27 @@ def test_a_prefill_reads_the_same_int8_weights_through_a_gemm():
     torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_gpt2s_conv1d_is_held_as_the_linear_layer_it_is():
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(40, 96)  # weight [in, out]
+    nn.init.normal_(conv.weight, std=0.1)
+    nn.init.normal_(conv.bias, std=0.1)
+    q = Int8Linear(conv)
+    assert (q.in_features, q.out_features) == (96, 40)
+    x = torch.randn(3, 96)
+    want = conv(x).double()
+    step = q.scale.double()  # each output off by at most half a step per input, plus bf16's
+    bound = (x.abs().double().sum(-1, keepdim=True) * step / 2 + BF16_STEP * want.abs()) * 1.01
+    assert bool(((q(x).double() - want).abs() <= bound + 1e-6).all())
+
+
 def test_int8_swaps_cover_every_plain_linear_layer_and_refuse_a_model_without_one():
     lm = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     swaps = int8_swaps(lm)
     assert sorted(swaps) == ["0", "2.0"] and all(type(m) is Int8Linear for m in swaps.values())
-    with pytest.raises(KTMError, match="no nn.Linear layer"):
+    with pytest.raises(KTMError, match="no linear layer"):
         int8_swaps(nn.Sequential(nn.ReLU()))
 
 
