@@ -586,7 +586,7 @@ def utilisation(model, encoder, batch: int, row: dict, config: BenchConfig) -> d
 # ---------------------------------------------------------------- entry points
 COLUMNS = {
     "infer": [("method", "{}"), ("backend", "{}"), ("k", "{}"), ("ratio", "{:g}"),
-              ("press", "{}"), ("compile", "{}"),
+              ("press", "{}"), ("compile", "{}"), ("weights", "{}"),
               ("mlp_ratio", "{}"),
               ("input_tokens", "{}"), ("compressed_tokens", "{}"), ("batch", "{}"),
               ("encoder_s", "{:.3f}"),

@@ -11,6 +11,11 @@ Each part is ``ktm.bench.bench.run_bench`` on one model built once, and writes i
     compiled  4k in, 128 out, batch 1, each method decoded eager and compiled (ktm bench
               --compile off on: a static cache and CUDA graphs), interleaved
     batch16-compiled  batch16, each method decoded eager and compiled
+    compiled-int8  compiled, decoded compiled with the model's own weights and with int8 ones
+              (``--weights native int8``, ``ktm.core.int8``)
+    compiled-packed  compiled, decoded compiled, one query reading its grouped KV heads in place
+              on CUDA too (``ktm.decode.compiled.packed_gqa_attention``): against ``compiled``'s
+              compiled rows, whether it pays there
     prefill-compiled  prefill at 1k, 4k and 16k, eager and compiled (``--compile off on``: the
               prefill compiled with dynamic shapes), K=4 as the shipped readers merge (two K=2
               levels at mlp_ratio 0.5)
@@ -42,6 +47,7 @@ from pathlib import Path
 import torch
 
 from ktm.bench.bench import BenchConfig, format_table, load_model, run_bench
+from ktm.decode import compiled
 from ktm.util.fileio import write_json_atomic
 
 SEVEN_B = BenchConfig(shape="qwen2.5-coder-7b", ks=(2, 4), device="cuda", dtype="bfloat16",
@@ -55,6 +61,11 @@ PARTS = {
                         compile=("off", "on")),
 }
 PARTS["batch16-compiled"] = replace(PARTS["batch16"], compile=("off", "on"))
+PARTS["compiled-int8"] = replace(PARTS["compiled"], compile=("on",), weights=("native", "int8"))
+PARTS["compiled-packed"] = replace(PARTS["compiled"], compile=("on",))
+# parts whose compiled step reads grouped KV heads in place on CUDA too
+# (``ktm.decode.compiled.PACKED_DEVICES``; by default the CPU only, where it was measured)
+PACKED_ON_CUDA = {"compiled-packed"}
 PARTS["prefill-compiled"] = replace(PARTS["prefill"], ks=(4,), mlp_ratios=(0.5,), inner_k=2,
                                     compile=("off", "on"))
 PARTS["prefill-paper"] = replace(PARTS["prefill"], ks=(4,), lengths=(4096, 16384),
@@ -160,7 +171,15 @@ def main() -> int:
                     f"kernels {r['kernel_s']:.4f} s ({r['gpu_busy']:.0%})" for r in rows),
                     flush=True)
                 continue
-            rows = run_bench(parts[name], model)
+            devices = compiled.PACKED_DEVICES
+            if name in PACKED_ON_CUDA:
+                compiled.PACKED_DEVICES = (*devices, "cuda")
+            try:
+                rows = run_bench(parts[name], model)
+            finally:
+                packed, compiled.PACKED_DEVICES = compiled.PACKED_DEVICES, devices
+            for r in rows:
+                r["packed_gqa_devices"] = list(packed)
             record(rows, args.out / f"gpu-7b-{name}.json")
             print(f"## {name} ({time.perf_counter() - t0:.0f} s)\n{format_table(rows)}",
                   flush=True)

@@ -3,7 +3,9 @@
 # transformers / peft / tokenizers, the server's packages and the OpenAI client carried as wheels
 # in .whl/). Steps, in the order STEPS names them (default: parity seven train):
 #   parity   the device-aware parity suites on CUDA in fp32 and bf16 -> $OUT/parity-cuda.json
-#   seven    the 7B efficiency table (the parts named in SEVEN_PARTS) -> $OUT/gpu-7b-*.json
+#   seven    the 7B efficiency table (the parts named in SEVEN_PARTS, gpu_bench.py's: e.g.
+#            compiled-int8 and compiled-packed, int8 weights and the packed GQA attention on
+#            CUDA) -> $OUT/gpu-7b-*.json
 #   train    the 0.5B training throughput (the parts named in TRAIN_PARTS) -> $OUT/gpu-0.5b-*.json
 #   profile  where a 0.5B training step's time goes (train_profile.py) -> $OUT/train-profile.*
 #   history  the long chat at the 7B shape (results/history/ttft.py --shape), with the tokenizer
