@@ -297,6 +297,7 @@ def load_or_build(args: argparse.Namespace):
 
 def backend_args(parser: argparse.ArgumentParser) -> None:
     """``--backend torch|llamacpp|vllm``, the llama.cpp context's settings and where vLLM runs."""
+    from ktm.core.int8 import WEIGHTS
     from ktm.llamacpp.runtime import KV_TYPES, RuntimeConfig
     from ktm.model import BACKENDS
     from ktm.vllm.runtime import VLLMConfig
@@ -337,7 +338,7 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
                              "for every length: on, off, or auto, where measured to pay (on "
                              "CUDA, decode batches of up to 64k cache positions and prefills "
                              "of up to 1,024: docs/guide.md) (default: 'auto')")
-    parser.add_argument("--weights", choices=("native", "int8"), default="native",
+    parser.add_argument("--weights", choices=WEIGHTS, default="native",
                         help="--backend torch: the LM's linear layers as loaded (native) or "
                              "in int8, one scale per output row (a quarter of fp32's bytes "
                              "read a decode step; logits within the bound docs/guide.md "

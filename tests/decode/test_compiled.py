@@ -112,14 +112,20 @@ def _decode_eager(model, prompts, n: int) -> torch.Tensor:
         model.runtime.compile = mode
 
 
-def _same_up_to_a_near_tie(tokens, logits, want_tokens, want_logits) -> None:
-    """Row by row, greedy tokens equal and logits close (the dtype's tolerance) up to the first
-    step whose eager top-2 margin is within twice that step's largest logit difference, where a
-    rounding may tip the pick (in fp32 on the CPU: none, the tokens are equal throughout)."""
+def _same_up_to_a_near_tie(tokens, logits, want_tokens, want_logits,
+                           bound: float | None = None) -> None:
+    """Row by row, greedy tokens equal and logits close (the dtype's tolerance; ``bound``: within
+    that share of the wanted logits' largest magnitude) up to the first step whose eager top-2
+    margin is within twice that step's largest logit difference, where a rounding may tip the
+    pick (in fp32 on the CPU: none, the tokens are equal throughout)."""
+    scale = max(float(x.abs().max()) for x in want_logits)
     for r in range(tokens.shape[0]):
         for i in range(tokens.shape[1]):
             got, want = logits[i][r].double(), want_logits[i][r].double()
-            close(got, want)
+            if bound is None:
+                close(got, want)
+            else:
+                assert float((got - want).abs().max()) <= bound * scale
             if tokens[r, i] != want_tokens[r, i]:
                 top = want.topk(2).values
                 assert top[0] - top[1] <= 2 * (got - want).abs().max(), (
@@ -244,22 +250,10 @@ def test_int8_weights_follow_native_up_to_a_near_tie_eager_and_compiled(tiny_mod
     model.runtime.weights = "int8"
     tokens, logits, _ = _decode(model, PROMPTS, 10)
     assert type(model.decode_lm().lm_head) is Int8Linear
-    _within_int8_bound(tokens, logits, *native)
+    _same_up_to_a_near_tie(tokens, logits, *native, bound=INT8_BOUND)
     model.runtime.compile = "on"
     _same_up_to_a_near_tie(*_decode(model, PROMPTS, 10)[:2], tokens, logits)
-    _within_int8_bound(*_decode(model, PROMPTS[:1], 10)[:2], *one)
-
-
-def _within_int8_bound(tokens, logits, want_tokens, want_logits) -> None:
-    scale = max(float(x.abs().max()) for x in want_logits)
-    for r in range(tokens.shape[0]):
-        for i in range(tokens.shape[1]):
-            got, want = logits[i][r].double(), want_logits[i][r].double()
-            assert float((got - want).abs().max()) <= INT8_BOUND * scale
-            if tokens[r, i] != want_tokens[r, i]:
-                top = want.topk(2).values
-                assert top[0] - top[1] <= 2 * (got - want).abs().max()
-                break
+    _same_up_to_a_near_tie(*_decode(model, PROMPTS[:1], 10)[:2], *one, bound=INT8_BOUND)
 
 
 def test_packed_gqa_attention_equals_transformers_sdpa():
