@@ -15,7 +15,10 @@ least ``MIN_BUCKET`` positions, four to an octave (1,024, 1,280, 1,536, 1,792, 2
 prompts of many lengths share one compiled step and a step attends over at most a quarter more
 positions than it fills; the (B, length) attention mask is built once per batch (the prompt's
 padding off, every later slot on: causality hides the slots not yet written). Compiles are counted
-(``CompiledStep.compiles``) and each new shape says so in one progress line.
+(``CompiledStep.compiles``) and each new shape says so in one progress line. A server makes many
+shapes (rows × buckets), more than torch's default limit of 8 graphs per function, past which
+torch would run a new shape eagerly without a word: our compiled calls raise that limit to
+``SHAPES`` (``room_for_shapes``).
 
 One static cache is kept per shape and reused, zeroed, by the next batch of that shape: CUDA graphs
 replay only over the buffers they were recorded with, so a fresh cache per request would record
@@ -76,6 +79,10 @@ PAYS = {"cpu": 0, "cuda": 65536}
 # where ``auto`` compiles the prefill: per device type, the most positions (batch x longest
 # prompt) a compiled prefill was measured to pay for (the module docstring)
 PREFILL_PAYS = {"cpu": 0, "cuda": 1024}
+# graphs the compiled step and prefill may make in a process (torch's recompile limit while they
+# run; its default is 8): a server pads its rows to 7 powers of two up to 64, times 4 buckets an
+# octave from 256 to 128k positions (37), in one dtype
+SHAPES = 512
 
 
 def check_mode(mode: str) -> str:
@@ -194,7 +201,8 @@ class CompiledStep:
                   file=sys.stderr, flush=True)
             self._prefill_fn = torch.compile(_prefill_forward, dynamic=True)
         before = graphs()
-        logits = self._prefill_fn(lm, embeds, mask, positions, cache)
+        with room_for_shapes():
+            logits = self._prefill_fn(lm, embeds, mask, positions, cache)
         self.compiles += graphs() - before
         return logits
 
@@ -228,7 +236,7 @@ class CompiledStep:
                   f"{state.static_mask.shape[1]} cache positions (once per shape)",
                   file=sys.stderr, flush=True)
         before = graphs()
-        with packed_attention(lm, embeds.device):
+        with packed_attention(lm, embeds.device), room_for_shapes():
             logits = self._fn(lm, embeds, state.static_mask, positions, state.cache)
         self.compiles += graphs() - before
         self.shapes.add(shape)
@@ -280,10 +288,15 @@ def _register_packed() -> None:
 @contextmanager
 def packed_attention(lm, device: torch.device):
     """Run ``lm``'s SDPA attention as ``packed_gqa_attention`` inside the block, on the devices
-    of ``PACKED_DEVICES``; other attention implementations and devices are left as they are."""
+    of ``PACKED_DEVICES``; other attention implementations and devices are left as they are,
+    and so are models whose attention does not call transformers' attention registry (Falcon,
+    StableLM, Jamba: they test the implementation's name, and under another name take their
+    eager path, which reads a float mask, not SDPA's boolean one)."""
     config = getattr(lm, "config", None)
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # PEFT's wrapper
     if (torch.device(device).type not in PACKED_DEVICES
-            or getattr(config, "_attn_implementation", None) != "sdpa"):
+            or getattr(config, "_attn_implementation", None) != "sdpa"
+            or not getattr(type(base), "_supports_attention_backend", False)):
         yield
         return
     _register_packed()
@@ -292,6 +305,18 @@ def packed_attention(lm, device: torch.device):
         yield
     finally:
         config._attn_implementation = "sdpa"
+
+
+def room_for_shapes():
+    """torch's recompile limits raised to ``SHAPES`` graphs while a compiled call runs (a
+    function's own, and the process's across functions where that is lower): past its default
+    of 8 graphs per function torch runs a new shape eagerly, without a word (the module
+    docstring); other compiled code in the process keeps its own settings."""
+    import torch._dynamo.config as dynamo
+
+    return dynamo.patch(recompile_limit=max(dynamo.recompile_limit, SHAPES),
+                        accumulated_recompile_limit=max(dynamo.accumulated_recompile_limit,
+                                                        SHAPES))
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ktm.decode.compiled import check_mode
+from ktm.decode.compiled import check_mode, room_for_shapes
 from ktm.errors import KTMError
 
 # device types where ``auto`` trains through the compiled layers (the module docstring)
@@ -57,7 +57,8 @@ def compiled_body(model, on: bool = True):
             fn = _COMPILED[type(layer)] = torch.compile(type(layer).forward, dynamic=True)
         layer.forward = functools.partial(fn, layer)
     try:
-        yield
+        with room_for_shapes():  # past torch's 8 graphs a function, it would go eager unsaid
+            yield
     finally:
         for layer in layers:
             del layer.forward

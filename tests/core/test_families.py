@@ -107,6 +107,32 @@ def test_int8_weights_hold_every_linear_layer_and_stay_near_the_native_logits(fa
     assert float((state.logits - native).abs().max()) <= INT8_BOUND * scale
 
 
+# families whose caches hold layers other than full attention (sliding windows, Mamba's state):
+# a static cache cannot hold them, and compile="on" refuses them by name
+NOT_STATIC = {"cohere2", "exaone4", "gemma2", "gemma3_text", "jamba", "llama4_text", "mistral"}
+
+
+@torch.no_grad()
+def test_compiled_decoding_equals_eager_or_is_refused_by_name(family):
+    """The compiled step (static cache, the packed attention on the CPU) on every family: the
+    same greedy tokens as eager, or, for a cache a static one cannot hold, a refusal naming
+    the layers."""
+    name, path, _, _ = family
+    torch.manual_seed(0)
+    model = KTMModel.from_base(path, k=4)
+    perturb_lora(model)
+    model.requires_grad_(False)
+    prompts = [TEXT, "Hello world"]
+    eager = generate_ids(model, prompts, max_new_tokens=6, stop_at_eos=False)
+    model.runtime.compile = "on"
+    if name in NOT_STATIC:
+        with pytest.raises(KTMError, match="layers other than full attention"):
+            generate_ids(model, prompts, max_new_tokens=6, stop_at_eos=False)
+        return
+    assert generate_ids(model, prompts, max_new_tokens=6, stop_at_eos=False) == eager
+    assert model.runtime.compiles > 0
+
+
 def test_a_left_padded_batch_equals_its_rows_one_by_one(family):
     """Rows of different lengths are left-padded and position ids count real positions only, so
     each row reads as it would alone (the family's own positions, ALiBi's from the mask)."""

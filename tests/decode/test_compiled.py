@@ -290,3 +290,42 @@ def test_packed_attention_is_set_for_the_block_only(ktm_model):
     assert lm.config._attn_implementation == "sdpa"
     with compiled.packed_attention(lm, torch.device("cuda")):  # not measured there: unchanged
         assert lm.config._attn_implementation == "sdpa"
+
+
+def test_packed_attention_leaves_a_model_that_tests_the_attention_name_alone(ktm_model):
+    """Falcon's attention does not call transformers' attention registry: it tests the name
+    and under another takes its eager path, which reads a float mask, not SDPA's boolean one
+    (decoded through the packed attention, a tiny Falcon's greedy tokens differed from eager's).
+    Such a model keeps SDPA; one behind PEFT's wrapper is judged by its base model."""
+    import transformers as T
+    from helpers import tiny_config
+
+    falcon = T.FalconForCausalLM(tiny_config("falcon", 64)).eval()
+    falcon.config._attn_implementation = "sdpa"
+    with compiled.packed_attention(falcon, torch.device("cpu")):
+        assert falcon.config._attn_implementation == "sdpa"
+    lm = ktm_model.peft.get_base_model()
+    with compiled.packed_attention(ktm_model.peft, torch.device("cpu")):
+        assert lm.config._attn_implementation == compiled.PACKED
+    assert lm.config._attn_implementation == "sdpa"
+
+
+@torch.no_grad()
+def test_every_new_shape_compiles_past_torchs_own_limit(tiny_model_dir, monkeypatch):
+    """torch runs a function's new shape eagerly, without a word, once it has compiled 8 graphs
+    of it (a server makes more: rows x buckets). Made to fail instead, at a limit of 1: each
+    new shape of the step and the prefill still compiles, and decodes as eager."""
+    import torch._dynamo.config as dynamo
+
+    require_device()
+    torch._dynamo.reset()  # graphs other tests made would be reused, not compiled
+    monkeypatch.setattr(dynamo, "recompile_limit", 1)
+    monkeypatch.setattr(dynamo, "fail_on_recompile_limit_hit", True)
+    model = fresh_model(tiny_model_dir, device=DEVICE, dtype=DTYPE)
+    model.requires_grad_(False)
+    model.runtime.compile = "on"
+    for rows in (1, 2, 3):
+        before = model.runtime.compiles
+        tokens, logits, _ = _decode(model, PROMPTS[:rows], 3)
+        assert model.runtime.compiles > before
+        _same_up_to_a_near_tie(tokens, logits, *_decode_eager(model, PROMPTS[:rows], 3))
