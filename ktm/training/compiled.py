@@ -32,7 +32,8 @@ from ktm.errors import KTMError
 
 # device types where ``auto`` trains through the compiled layers (the module docstring)
 PAYS = frozenset({"cuda"})
-# decoder layer class -> its forward compiled, shared by every layer of that class
+# decoder layer class -> its forward as training steps run it (compiled, or the class's own where
+# the compile failed), shared by every layer of that class
 _COMPILED: dict[type, object] = {}
 
 
@@ -50,18 +51,40 @@ def compiled_body(model, on: bool = True):
         return
     layers = decoder_layers(model)
     for layer in layers:
-        fn = _COMPILED.get(type(layer))
-        if fn is None:
-            print(f"ktm: compiling {type(layer).__name__} for training (once per process)",
+        cls = type(layer)
+        if cls not in _COMPILED:
+            print(f"ktm: compiling {cls.__name__} for training (once per process)",
                   file=sys.stderr, flush=True)
-            fn = _COMPILED[type(layer)] = torch.compile(type(layer).forward, dynamic=True)
-        layer.forward = functools.partial(fn, layer)
+            _COMPILED[cls] = _compiled_forward(cls)
+        layer.forward = functools.partial(_COMPILED[cls], layer)
     try:
         with room_for_shapes():  # past torch's 8 graphs a function, it would go eager unsaid
             yield
     finally:
         for layer in layers:
             del layer.forward
+
+
+def _compiled_forward(cls: type):
+    """``cls.forward`` compiled with dynamic shapes. Where inductor cannot compile it (Jamba's
+    Mamba layers: their scan tests a length that is symbolic under dynamic shapes), that call
+    and every later one run the class's own forward, and one line says so. A layer in training
+    writes no state (no KV cache), so the failed call is simply made again."""
+    fn = torch.compile(cls.forward, dynamic=True)
+
+    def forward(layer, *args, **kwargs):
+        if _COMPILED[cls] is not forward:  # eager since a failed compile
+            return cls.forward(layer, *args, **kwargs)
+        try:
+            return fn(layer, *args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"ktm: {cls.__name__} did not compile for training ({why[:200]}); its layers "
+                  "train eager", file=sys.stderr, flush=True)
+            _COMPILED[cls] = cls.forward
+            return cls.forward(layer, *args, **kwargs)
+
+    return forward
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

@@ -48,3 +48,32 @@ def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
     assert compiled.resolve("on", model.device) and not compiled.resolve("off", model.device)
     assert not compiled.resolve("auto", torch.device("cpu"))
     assert compiled.resolve("auto", torch.device("cuda"))  # measured to pay there
+
+
+def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path, capfd):
+    """Jamba's Mamba layers fail to compile with dynamic shapes (their scan tests a symbolic
+    length): those layers train eager from then on, with a line saying so, and the step's loss
+    and gradients are eager's; the attention layers stay compiled."""
+    from helpers import save_tiny
+
+    from ktm.model import KTMModel
+
+    save_tiny("jamba", tmp_path)
+    torch.manual_seed(0)
+    model = KTMModel.from_base(str(tmp_path), k=4, lora=LoraSettings(dropout=0.0))
+    perturb(model)
+    model.train()
+    kinds = {type(layer) for layer in compiled.decoder_layers(model)}
+    assert len(kinds) == 2  # attention and Mamba layers
+    prompts, targets = [PROMPTS[0], PROMPTS[1]], [" yes", " no"]
+    want, want_grads = _loss_and_grads(model, prompts, targets, False)
+    got, grads = _loss_and_grads(model, prompts, targets, True)
+    assert "did not compile for training" in capfd.readouterr().err
+    close(got, want)
+    assert grads.keys() == want_grads.keys() and grads
+    for name, g in grads.items():
+        close(g, want_grads[name])
+    eager = {cls for cls in kinds if compiled._COMPILED[cls] is cls.forward}
+    assert [cls.__name__ for cls in eager] == ["JambaMambaDecoderLayer"]
+    again, _ = _loss_and_grads(model, prompts, targets, True)  # eager at once, no new attempt
+    close(again, want)
