@@ -356,3 +356,16 @@ def assert_one_step_lowers(model, loss_of) -> None:
     with torch.no_grad():
         after = loss_of()
     assert after.item() < before.item() - 1e-3, (before.item(), after.item())
+
+
+def loss_and_grads(model: KTMModel, prompts, targets, compiled: bool):
+    """A training step's loss and LoRA / encoder gradients, through the compiled decoder layers
+    (``ktm.training.compiled.compiled_body``) or eager."""
+    from ktm.training.compiled import compiled_body
+
+    model.zero_grad(set_to_none=True)
+    with compiled_body(model, compiled):
+        out = model(prompts, targets)
+        out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.trainable_parameters()
+                               if p.grad is not None}

@@ -2,20 +2,20 @@
 gradients as eager, one compile for windows of every length, the body eager again outside."""
 
 import torch
-from helpers import DEVICE, DTYPE, PROMPTS, close, fresh_model, perturb, require_device
+from helpers import (
+    DEVICE,
+    DTYPE,
+    PROMPTS,
+    close,
+    fresh_model,
+    loss_and_grads,
+    perturb,
+    require_device,
+)
 
 from ktm import KTMError
 from ktm.core.config import LoraSettings
 from ktm.training import compiled
-
-
-def _loss_and_grads(model, prompts, targets, on: bool):
-    model.zero_grad(set_to_none=True)
-    with compiled.compiled_body(model, on):
-        out = model(prompts, targets)
-        out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.trainable_parameters()
-                               if p.grad is not None}
 
 
 def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
@@ -31,8 +31,8 @@ def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
     assert len(layers) == model.lm_config.num_hidden_layers
     for prompts, targets in [(PROMPTS, [" yes", " no", " EF"]),
                              ([PROMPTS[2] + " and a few more words here"], [" maybe not"])]:
-        want, want_grads = _loss_and_grads(model, prompts, targets, False)
-        got, grads = _loss_and_grads(model, prompts, targets, True)
+        want, want_grads = loss_and_grads(model, prompts, targets, False)
+        got, grads = loss_and_grads(model, prompts, targets, True)
         close(got, want)
         assert grads.keys() == want_grads.keys() and grads
         for name, g in grads.items():
@@ -66,8 +66,8 @@ def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path
     kinds = {type(layer) for layer in compiled.decoder_layers(model)}
     assert len(kinds) == 2  # attention and Mamba layers
     prompts, targets = [PROMPTS[0], PROMPTS[1]], [" yes", " no"]
-    want, want_grads = _loss_and_grads(model, prompts, targets, False)
-    got, grads = _loss_and_grads(model, prompts, targets, True)
+    want, want_grads = loss_and_grads(model, prompts, targets, False)
+    got, grads = loss_and_grads(model, prompts, targets, True)
     assert "did not compile for training" in capfd.readouterr().err
     close(got, want)
     assert grads.keys() == want_grads.keys() and grads
@@ -75,5 +75,5 @@ def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path
         close(g, want_grads[name])
     eager = {cls for cls in kinds if compiled._COMPILED[cls] is cls.forward}
     assert [cls.__name__ for cls in eager] == ["JambaMambaDecoderLayer"]
-    again, _ = _loss_and_grads(model, prompts, targets, True)  # eager at once, no new attempt
+    again, _ = loss_and_grads(model, prompts, targets, True)  # eager at once, no new attempt
     close(again, want)
