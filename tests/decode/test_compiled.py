@@ -311,7 +311,7 @@ def test_packed_attention_leaves_a_model_that_tests_the_attention_name_alone(ktm
 
 
 @torch.no_grad()
-def test_every_new_shape_compiles_past_torchs_own_limit(tiny_model_dir, monkeypatch):
+def test_every_new_shape_compiles_past_torchs_own_limit(tiny_model_dir):
     """torch runs a function's new shape eagerly, without a word, once it has compiled 8 graphs
     of it (a server makes more: rows x buckets). Made to fail instead, at a limit of 1: each
     new shape of the step and the prefill still compiles, and decodes as eager."""
@@ -319,13 +319,16 @@ def test_every_new_shape_compiles_past_torchs_own_limit(tiny_model_dir, monkeypa
 
     require_device()
     torch._dynamo.reset()  # graphs other tests made would be reused, not compiled
-    monkeypatch.setattr(dynamo, "recompile_limit", 1)
-    monkeypatch.setattr(dynamo, "fail_on_recompile_limit_hit", True)
     model = fresh_model(tiny_model_dir, device=DEVICE, dtype=DTYPE)
     model.requires_grad_(False)
     model.runtime.compile = "on"
-    for rows in (1, 2, 3):
-        before = model.runtime.compiles
-        tokens, logits, _ = _decode(model, PROMPTS[:rows], 3)
-        assert model.runtime.compiles > before
-        _same_up_to_a_near_tie(tokens, logits, *_decode_eager(model, PROMPTS[:rows], 3))
+    # torch's own patch, not pytest's monkeypatch: torch's settings are not module attributes,
+    # and monkeypatch would delete them on undo
+    limit = dynamo.recompile_limit
+    with dynamo.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        for rows in (1, 2, 3):
+            before = model.runtime.compiles
+            tokens, logits, _ = _decode(model, PROMPTS[:rows], 3)
+            assert model.runtime.compiles > before
+            _same_up_to_a_near_tie(tokens, logits, *_decode_eager(model, PROMPTS[:rows], 3))
+    assert dynamo.recompile_limit == limit and not dynamo.fail_on_recompile_limit_hit
