@@ -50,7 +50,8 @@ def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
     assert compiled.resolve("auto", torch.device("cuda"))  # measured to pay there
 
 
-def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path, capfd):
+def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path, capfd,
+                                                                       monkeypatch):
     """Jamba's Mamba layers fail to compile with dynamic shapes (their scan tests a symbolic
     length): those layers train eager from then on, with a line saying so, and the step's loss
     and gradients are eager's; the attention layers stay compiled."""
@@ -58,6 +59,7 @@ def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path
 
     from ktm.model import KTMModel
 
+    monkeypatch.setattr(compiled, "_COMPILED", {})  # as if no Jamba had trained compiled yet
     save_tiny("jamba", tmp_path)
     torch.manual_seed(0)
     model = KTMModel.from_base(str(tmp_path), k=4, lora=LoraSettings(dropout=0.0))
