@@ -369,3 +369,13 @@ def loss_and_grads(model: KTMModel, prompts, targets, compiled: bool):
         out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.trainable_parameters()
                                if p.grad is not None}
+
+
+def trains_compiled_as_eager(model: KTMModel, prompts, targets) -> None:
+    """A training step through the compiled decoder layers gives eager's loss and gradients."""
+    want, want_grads = loss_and_grads(model, prompts, targets, False)
+    got, grads = loss_and_grads(model, prompts, targets, True)
+    close(got, want)
+    assert grads.keys() == want_grads.keys() and grads
+    for name, g in grads.items():
+        close(g, want_grads[name])

@@ -6,11 +6,10 @@ from helpers import (
     DEVICE,
     DTYPE,
     PROMPTS,
-    close,
     fresh_model,
-    loss_and_grads,
     perturb,
     require_device,
+    trains_compiled_as_eager,
 )
 
 from ktm import KTMError
@@ -31,12 +30,7 @@ def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
     assert len(layers) == model.lm_config.num_hidden_layers
     for prompts, targets in [(PROMPTS, [" yes", " no", " EF"]),
                              ([PROMPTS[2] + " and a few more words here"], [" maybe not"])]:
-        want, want_grads = loss_and_grads(model, prompts, targets, False)
-        got, grads = loss_and_grads(model, prompts, targets, True)
-        close(got, want)
-        assert grads.keys() == want_grads.keys() and grads
-        for name, g in grads.items():
-            close(g, want_grads[name])
+        trains_compiled_as_eager(model, prompts, targets)
         assert type(layers[0]) in compiled._COMPILED
         assert not any("forward" in vars(layer) for layer in layers)  # eager outside
     with pytest.raises(KTMError, match="compile must be one of"):
@@ -68,14 +62,9 @@ def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path
     kinds = {type(layer) for layer in compiled.decoder_layers(model)}
     assert len(kinds) == 2  # attention and Mamba layers
     prompts, targets = [PROMPTS[0], PROMPTS[1]], [" yes", " no"]
-    want, want_grads = loss_and_grads(model, prompts, targets, False)
-    got, grads = loss_and_grads(model, prompts, targets, True)
+    trains_compiled_as_eager(model, prompts, targets)
     assert "did not compile for training" in capfd.readouterr().err
-    close(got, want)
-    assert grads.keys() == want_grads.keys() and grads
-    for name, g in grads.items():
-        close(g, want_grads[name])
     eager = {cls for cls in kinds if compiled._COMPILED[cls] is cls.forward}
     assert [cls.__name__ for cls in eager] == ["JambaMambaDecoderLayer"]
-    again, _ = loss_and_grads(model, prompts, targets, True)  # eager at once, no new attempt
-    close(again, want)
+    trains_compiled_as_eager(model, prompts, targets)  # eager at once, no new attempt
+    assert "did not compile" not in capfd.readouterr().err
