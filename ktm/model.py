@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -38,6 +39,7 @@ from ktm.core.input_lookup import input_lookup
 from ktm.core.levels import merges
 from ktm.core.lora import lora_config, peft_wrapping, resolve_targets
 from ktm.core.lora_fold import FoldedLM
+from ktm.core.lora_scope import gate_lora, gated
 from ktm.core.loss import check_fits, ids_tensor, loss
 from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
 from ktm.core.prompt import PromptLike, as_segments, split_prompts
@@ -400,6 +402,8 @@ class KTMModel(nn.Module):
         # when no LoRA weight trains (a model loaded with trainable=False)
         self.fold_lora: bool | None = None
         object.__setattr__(self, "_folded", FoldedLM())  # not a module: never saved or trained
+        if config.lora.scope == "merged":
+            gate_lora(peft_model)
         layers = getattr(getattr(encoder, "config", None), "context_layers", 0)
         if layers:  # the encoder reads the base LM's first layers, by reference
             from ktm.core.context_states import LayerStates
@@ -510,19 +514,36 @@ class KTMModel(nn.Module):
     # ---------------------------------------------------------------- the LM
     def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
            cache=None, keep: int | torch.Tensor = 0, hidden: bool = False,
-           via: nn.Module | None = None):
+           via: nn.Module | None = None, gate: torch.Tensor | None = None):
         """The causal LM's own forward on (B, L, D) embeddings; extends ``cache`` if given.
 
         ``keep``: an int keeps logits at the last positions (0: all) -> (B, keep, V); a (B, L)
         bool mask keeps exactly those positions, flattened row by row -> (N, V).
         ``hidden``: also return every layer's hidden states (B, L, D), as (logits, states).
-        ``via``: the LM to run (``decode_lm``'s folded view); None: the PEFT-wrapped LM.
+        ``via``: the LM to run (``decode_lm``'s view); None: the PEFT-wrapped LM.
+        ``gate``: (B, L) bool, the merged rows (``Packed.gate``; None: none). A LoRA of scope
+        "merged" adapts those rows only (``ktm.core.lora_scope``): a forward with a merged row
+        runs the PEFT model, whatever ``via`` says; one without reads through ``via``, the
+        base LM's view.
         """
-        out = (via or self.peft)(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep,
-            output_hidden_states=hidden)
+        run, rows = via or self.peft, nullcontext()
+        if self.lora_scope == "merged":
+            if gate is not None and bool(gate.any()):
+                run = self.peft
+            if run is self.peft:
+                rows = gated(gate if gate is not None else torch.zeros(
+                    embeds.shape[:2], dtype=torch.bool, device=embeds.device))
+        with rows:
+            out = run(
+                inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep,
+                output_hidden_states=hidden)
         return (out.logits, out.hidden_states) if hidden else out.logits
+
+    @property
+    def lora_scope(self) -> str:
+        """The rows the LoRA adapts: "all", or "merged" (``ktm.core.lora_scope``)."""
+        return self._config.lora.scope
 
     def decode_lm(self) -> nn.Module | None:
         """What decoding passes ``lm`` as ``via``: the LM with its LoRA folded into separate
@@ -532,6 +553,8 @@ class KTMModel(nn.Module):
         fold = self.fold_lora
         lm = self.peft.get_base_model()
         weights = getattr(self.runtime, "weights", "native")
+        if self.lora_scope == "merged":  # decoding reads plain rows: the base LM, unfolded
+            return self._folded.get(lm, weights, fold=False)
         if fold is None:
             fold = not self._folded.lora_trains(lm)
         if not fold:
@@ -552,8 +575,8 @@ class KTMModel(nn.Module):
         """(L, V) logits at every prefix position of one prompt."""
         cp = self.encode_prompts([prompt], merge)[0]
         check_fits(self, [cp], [0], "more tokens")
-        p = pack([cp.embeds], [cp.positions])
-        return self.lm(p.embeds, p.mask, p.position_ids)[0]
+        p = pack([cp.embeds], [cp.positions], [cp.merged_rows])
+        return self.lm(p.embeds, p.mask, p.position_ids, gate=p.gate)[0]
 
     # ---------------------------------------------------------------- the loss
     def forward(
@@ -578,6 +601,11 @@ class KTMModel(nn.Module):
         settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
         perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
         check_backend(backend)
+        if self.lora_scope == "merged" and backend != "torch":
+            raise KTMError(f"this model's LoRA adapts its merged rows only (lora scope "
+                           f"'merged'), and the {backend} backend applies an adapter to every "
+                           "row of a request: expected backend 'torch', or a reader whose LoRA "
+                           "adapts every row")
         press = getattr(self.runtime, "press", None)
         if press is not None and backend != "torch":  # before an engine starts
             raise KTMError(press_refusal(backend, press.name))

@@ -44,6 +44,9 @@ class CompressedPrompt:
     pressable: int = 0
     # the plain prompt's token ids (what a query-agnostic press re-reads: ``ktm.decode.press``)
     ids: tuple[int, ...] = ()
+    # (L,) bool: the rows the encoder wrote (merged blocks), the rest plain token embeddings;
+    # where a LoRA of scope "merged" adapts (``ktm.core.lora_scope``). None: no row merged
+    merged_rows: torch.Tensor | None = None
 
     @property
     def length_reduction(self) -> float:
@@ -99,18 +102,21 @@ class TargetLogits:
 
 @dataclass
 class Packed:
-    """Left-padded batch: embeds (B, L, D), mask (B, L), position_ids (B, L)."""
+    """Left-padded batch: embeds (B, L, D), mask (B, L), position_ids (B, L); gate (B, L) bool
+    the merged rows (``CompressedPrompt.merged_rows``; None: none)."""
 
     embeds: torch.Tensor
     mask: torch.Tensor
     position_ids: torch.Tensor
     lengths: list[int] = field(default_factory=list)
+    gate: torch.Tensor | None = None
 
 
-def pack(seqs: list[torch.Tensor], positions: list[torch.Tensor | None] | None = None
-         ) -> Packed:
+def pack(seqs: list[torch.Tensor], positions: list[torch.Tensor | None] | None = None,
+         merged: list[torch.Tensor | None] | None = None) -> Packed:
     """Left-pad a list of (L_i, D) sequences into one batch; ``positions[i]`` (L_i,) gives row
-    i's position ids (None: consecutive from 0)."""
+    i's position ids (None: consecutive from 0); ``merged[i]`` (M_i,) bool its first M_i rows'
+    merged flags (``CompressedPrompt.merged_rows``; the rows after them, and a None, plain)."""
     lengths = [s.shape[0] for s in seqs]
     longest = max(lengths)
     b, d = len(seqs), seqs[0].shape[-1]
@@ -123,7 +129,14 @@ def pack(seqs: list[torch.Tensor], positions: list[torch.Tensor | None] | None =
     for i, pos in enumerate(positions or []):
         if pos is not None:
             position_ids[i, longest - lengths[i]:] = pos
-    return Packed(embeds, mask, position_ids, lengths)
+    gate = None
+    if merged and any(m is not None for m in merged):
+        gate = torch.zeros(b, longest, dtype=torch.bool, device=mask.device)
+        for i, m in enumerate(merged):
+            if m is not None:
+                start = longest - lengths[i]
+                gate[i, start:start + m.shape[0]] = m
+    return Packed(embeds, mask, position_ids, lengths, gate)
 
 
 def check_positions(prefixes: list[CompressedPrompt], extra: list[int], limit: int | None,

@@ -26,6 +26,8 @@ def _is_int(v: Any) -> bool:
 # the signals that spend a ratio's positions (ktm.core.allocate.SIGNALS; its home, this module
 # being a leaf that the allocator imports)
 ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention")
+# the rows a LoRA adapts (``LoraSettings.scope``; ktm.core.lora_scope)
+LORA_SCOPES = ("all", "merged")
 # how ``context_layers`` pools a block's states (ktm.core.context_states)
 CONTEXT_POOLS = ("mean", "query")
 
@@ -105,6 +107,10 @@ class LoraSettings:
     target_modules: tuple[str, ...] | None = field(default=None, metadata={
         "help": "module names to adapt (None: the family's attention and MLP projections, "
                 "see ktm.core.lora)"})
+    scope: str = field(default="all", metadata={
+        "help": "the rows the LoRA adapts: all (every position the LM reads), or merged (only "
+                "the merged blocks: every plain token, a question, a part of a document read "
+                "plain, an answer, is read by the base LM as it is; ktm.core.lora_scope)"})
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -114,6 +120,9 @@ class LoraSettings:
             raise KTMError(f"LoRA alpha must be > 0, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise KTMError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if self.scope not in LORA_SCOPES:
+            raise KTMError(f"LoRA scope must be one of {', '.join(LORA_SCOPES)}, got "
+                           f"{self.scope!r}")
         if self.target_modules is not None:
             if isinstance(self.target_modules, str):
                 self.target_modules = (self.target_modules,)

@@ -87,6 +87,14 @@ def fold_view(lm: nn.Module, tuners: dict[str, BaseTunerLayer] | None = None
     return swapped_view(lm, {n: _folded_layer(m) for n, m in tuners.items()})
 
 
+def base_view(lm: nn.Module) -> nn.Module:
+    """``lm`` with each LoRA layer replaced by its base module: the base LM, sharing every
+    weight; what a LoRA of scope "merged" reads a forward of plain rows with
+    (``ktm.core.lora_scope``)."""
+    swaps = {n: m.get_base_layer() for n, m in _tuners(lm).items()}
+    return swapped_view(lm, swaps) if swaps else lm
+
+
 def swapped_view(root: nn.Module, swaps: dict[str, nn.Module]) -> nn.Module:
     """``root`` with the modules named in ``swaps`` replaced: only the modules on the way to them
     are copied (shallowly, each with a child table of its own, in eval mode); the rest are
@@ -132,6 +140,7 @@ class FoldedLM:
 
     def __init__(self) -> None:
         self._views: dict[str, nn.Module | None] = {}  # by weights: "native", "int8"
+        self._fold = True  # whether the views fold the LoRA in (False: the base LM's)
         self._key: tuple | None = None
         self._lm: nn.Module | None = None
         self._tuners: list[tuple] = []  # (LoRA layer, its base module, [(adapter, A, B)])
@@ -169,16 +178,22 @@ class FoldedLM:
         return any(m._parameters["weight"].requires_grad for _, _, factors in self._tuners
                    for _, la, lb in factors for m in (la, lb))
 
-    def get(self, lm: nn.Module, weights: str = "native") -> nn.Module | None:
+    def get(self, lm: nn.Module, weights: str = "native", fold: bool = True
+            ) -> nn.Module | None:
         """The folded view of ``lm`` as its weights are now; None when it cannot be folded and
         ``weights`` is "native". ``weights="int8"``: its linear layers in int8
-        (``ktm.core.int8``); a LoRA that cannot be folded is then refused by name."""
-        if lm is not self._lm or self._key is None or self._current() != self._key:
+        (``ktm.core.int8``); a LoRA that cannot be folded is then refused by name. ``fold``
+        False: the base LM's view instead, every LoRA layer's base module in its place
+        (``base_view``: what a LoRA of scope "merged" decodes through)."""
+        if (lm is not self._lm or self._key is None or self._current() != self._key
+                or fold != self._fold):
             self.clear()  # the old copies go before new ones are made: never two at once
         if weights not in self._views:
             tuners = self._scan(lm)
+            self._fold = fold
             view = self._views.get("native")
-            view = fold_view(lm, tuners) if view is None else view
+            if view is None:
+                view = fold_view(lm, tuners) if fold else base_view(lm)
             if weights == "int8":
                 if view is None and tuners:
                     raise KTMError("weights='int8' reads the LM with its LoRA folded in, and "

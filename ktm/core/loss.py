@@ -98,7 +98,8 @@ def target_logits(model, prompts: Sequence[PromptLike], targets: Sequence[Target
     prefixes, tgt = pairs(model, prompts, targets, merge, prefixes)
     device, embed = model.device, model.input_embedding
     seqs = [torch.cat([cp.embeds, embed(ids_tensor(t, device))]) for cp, t in zip(prefixes, tgt)]
-    p = pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)])
+    p = pack(seqs, [cp.row_positions(len(t)) for cp, t in zip(prefixes, tgt)],
+             [cp.merged_rows for cp in prefixes])
     longest = p.embeds.shape[1]
     keep = torch.zeros(len(seqs), longest, dtype=torch.bool, device=device)
     in_prompt = torch.zeros_like(keep)
@@ -111,7 +112,7 @@ def target_logits(model, prompts: Sequence[PromptLike], targets: Sequence[Target
         rows += [i] * len(t)
         labels += t
     deep = hidden or prompt_hidden
-    out = model.lm(p.embeds, p.mask, p.position_ids, keep=keep, hidden=deep)
+    out = model.lm(p.embeds, p.mask, p.position_ids, keep=keep, hidden=deep, gate=p.gate)
     logits, states = out if deep else (out, None)
     return TargetLogits(logits.float(), ids_tensor(labels, device), ids_tensor(rows, device),
                         [len(t) for t in tgt], sum(cp.tokens_in for cp in prefixes),

@@ -233,9 +233,14 @@ class PromptEncoder:
         pos = sources if merge and self.spread_positions else None
         rows = [-(-len(ids) // level) if merge and level else len(ids) for ids, level, _ in row]
         pressable = max((sum(rows[:i + 1]) for i, (_, _, c) in enumerate(row) if c), default=0)
+        flags = [bool(merge and level) for ids, level, _ in row for _ in range(
+            -(-len(ids) // level) if merge and level else len(ids))]
+        merged_rows = (torch.tensor(flags, dtype=torch.bool, device=embeds.device)
+                       if any(flags) else None)
         return CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos, sources,
                                 merged=merge, squeezed=squeezed, pressable=pressable,
-                                ids=tuple(i for ids, _, _ in row for i in ids))
+                                ids=tuple(i for ids, _, _ in row for i in ids),
+                                merged_rows=merged_rows)
 
     def _check_ids(self, prompts: list[tuple[Segment, ...]]) -> None:
         """Ids given directly must be rows of the embedding table (the LM's, plus any extra rows

@@ -49,10 +49,12 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 @torch.no_grad()
 def prefill_from_kv(model, past: KV, embeds: torch.Tensor,
-                    positions: torch.Tensor | None = None) -> DecodeState:
+                    positions: torch.Tensor | None = None,
+                    merged: torch.Tensor | None = None) -> DecodeState:
     """One row whose first P positions are already in ``past`` ((1, H, P, Dh) per layer):
     read only the rest of its prefix, ``embeds`` (S, D), at ``positions`` (S,), by default
-    P .. P+S-1 (a spread-positions prefix passes its own)."""
+    P .. P+S-1 (a spread-positions prefix passes its own); ``merged`` (S,) its merged rows
+    (None: none)."""
     p, s = past[0][0].shape[-2], embeds.shape[0]
     cache = DynamicCache(config=model.lm_config)
     if len(cache.layers) != len(past):
@@ -63,7 +65,8 @@ def prefill_from_kv(model, past: KV, embeds: torch.Tensor,
     pos = (torch.arange(p, p + s, device=model.device) if positions is None else positions)[None]
     via = model.decode_lm()
     with eval_mode(model):
-        logits = model.lm(embeds[None], mask, pos, cache, keep=1, via=via)[:, -1]
+        logits = model.lm(embeds[None], mask, pos, cache, keep=1, via=via,
+                          gate=None if merged is None else merged[None])[:, -1]
     return DecodeState(embeds[None], mask, pos, cache, logits, via)
 
 

@@ -297,6 +297,9 @@ class DecodeState:
     # rebatched one is padded to a power of two; ``ktm.decode.compiled``): its steps run
     # compiled; None: eager
     static_mask: torch.Tensor | None = None
+    # (B, L) the merged rows of what the batch read (``Packed.gate``), for the reference path
+    # that re-reads everything; None: none (or a cache holds them)
+    gate: torch.Tensor | None = None
     # the most tokens a row adds after its prefill (a static cache keeps room for them); None:
     # the batch decodes eager (no settings given, or an answer merged as it grows)
     new_tokens: int | None = None
@@ -314,7 +317,8 @@ def prefill(model, prefixes, use_cache: bool = True, room: int = 0,
     ``decode_steps`` asks; 0 gives plain ``DynamicLayer``s, which rows can join or leave
     (``ktm.decode.batched``). ``compiled``: the runtime's ``ktm.decode.compiled.CompiledStep``,
     whose compiled prefill reads a cached batch; None: eager."""
-    p = pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes])
+    p = pack([cp.embeds for cp in prefixes], [cp.positions for cp in prefixes],
+             [cp.merged_rows for cp in prefixes])
     cache = kv_cache(model, room) if use_cache else None
     via = model.decode_lm()
     with eval_mode(model):
@@ -322,8 +326,9 @@ def prefill(model, prefixes, use_cache: bool = True, room: int = 0,
             logits = compiled.prefill(via if via is not None else model.peft, p.embeds, p.mask,
                                       p.position_ids, cache)
         else:
-            logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1, via=via)[:, -1]
-    return DecodeState(p.embeds, p.mask, p.position_ids, cache, logits, via)
+            logits = model.lm(p.embeds, p.mask, p.position_ids, cache, keep=1, via=via,
+                              gate=p.gate)[:, -1]
+    return DecodeState(p.embeds, p.mask, p.position_ids, cache, logits, via, gate=p.gate)
 
 
 @torch.no_grad()
@@ -349,8 +354,10 @@ def advance(model, state: DecodeState, tokens: torch.Tensor, compiled=None) -> N
         else:  # the reference path: re-read everything
             state.embeds = torch.cat([state.embeds, step], dim=1)
             state.pos = torch.cat([state.pos, last], dim=1)
+            if state.gate is not None:  # a generated token is plain
+                state.gate = torch.cat([state.gate, torch.zeros_like(state.gate[:, :1])], 1)
             state.logits = model.lm(state.embeds, state.mask, state.pos, keep=1,
-                                    via=state.via)[:, -1]
+                                    via=state.via, gate=state.gate)[:, -1]
 
 
 def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: GenerationConfig,

@@ -81,7 +81,8 @@ def merge_generated(model, state, ids: torch.Tensor, plain: int) -> None:
     for i, layer in enumerate(layers):
         before.update(layer.keys[:, :, :start], layer.values[:, :, :start], i)
     mask = torch.cat([state.mask[:, :start], state.mask.new_ones(state.mask.shape[0], c)], 1)
-    model.lm(embeds, mask, pos, before, keep=1, via=state.via)
+    model.lm(embeds, mask, pos, before, keep=1, via=state.via,
+             gate=torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device))
     for layer, read in zip(layers, before.layers, strict=True):
         keys = torch.cat([read.keys, layer.keys[:, :, start + m:]], 2)
         values = torch.cat([read.values, layer.values[:, :, start + m:]], 2)

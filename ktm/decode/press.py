@@ -392,6 +392,12 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
     extra = 0 if after is None else after.shape[0]
     embeds = cp.embeds if after is None else torch.cat([cp.embeds, after.to(cp.embeds.dtype)])
     pos = _row_positions(cp, extra)
+    gate = None
+    if cp.merged_rows is not None:
+        gate = torch.cat([cp.merged_rows, cp.merged_rows.new_zeros(extra)])
+        if model.lora_scope == "merged":
+            # its merged rows read through the PEFT model, whose layers the press hooks
+            via = None
     # the last prefix row is read after the press when nothing plain follows it
     split = min(cp.pressable, cp.tokens_out - 1)
     lm = via if via is not None else model.peft.get_base_model()
@@ -416,7 +422,8 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
             press.replays) else None
         try:
             with pressing(lm, press, split, replay):
-                model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via)
+                model.lm(embeds[None, :split], one, pos[None, :split], cache, keep=1, via=via,
+                         gate=None if gate is None else gate[None, :split])
         finally:
             hidden = hidden_keys(lm)
     kv = cache.get_seq_length()
@@ -427,7 +434,8 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
     rest = embeds[split:]
     mask = torch.ones(1, kv + rest.shape[0], dtype=torch.long, device=embeds.device)
     with hiding(lm, hidden):
-        logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via)
+        logits = model.lm(rest[None], mask, pos[None, split:], cache, keep=keep, via=via,
+                          gate=None if gate is None else gate[None, split:])
     return PressedRow(cache, logits, kv + rest.shape[0], pos[None, split:], via, hidden)
 
 

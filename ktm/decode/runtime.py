@@ -68,9 +68,12 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-def shared_rows(cp, embeds: torch.Tensor, positions: torch.Tensor | None) -> int:
+def shared_rows(cp, embeds: torch.Tensor, positions: torch.Tensor | None,
+                merged: torch.Tensor | None = None) -> int:
     """Leading rows the prefix ``cp`` shares with a stored one (``embeds`` (L, D) at
-    ``positions``, None: 0 .. L-1): equal embeddings at equal positions."""
+    ``positions``, None: 0 .. L-1; ``merged``: its merged rows, None: none): equal embeddings
+    at equal positions, merged alike (a LoRA of scope "merged" reads a merged row otherwise
+    than a plain one of the same embedding)."""
     n = min(cp.tokens_out, embeds.shape[0])
     if (n == 0 or embeds.dtype != cp.embeds.dtype or embeds.device != cp.embeds.device
             or not torch.equal(cp.embeds[0], embeds[0])):  # most stored contexts: one row read
@@ -81,8 +84,15 @@ def shared_rows(cp, embeds: torch.Tensor, positions: torch.Tensor | None) -> int
         mine = torch.arange(n, device=same.device) if mine is None else mine[:n]
         theirs = torch.arange(n, device=same.device) if positions is None else positions[:n]
         same &= mine == theirs
+    if merged is not None or cp.merged_rows is not None:
+        same &= _flags(cp.merged_rows, n, same) == _flags(merged, n, same)
     differ = (~same).nonzero()
     return int(differ[0, 0]) if len(differ) else n
+
+
+def _flags(merged: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
+    """The first ``n`` merged flags (None: all false)."""
+    return torch.zeros_like(like) if merged is None else merged[:n]
 
 
 class TorchRuntime:
@@ -161,7 +171,8 @@ class TorchRuntime:
         """The compiled step whose prefill reads a batch of ``positions`` (rows x longest),
         where ``compile`` resolves on for it on this device (``compiled.resolve_prefill``);
         None: eager."""
-        if not compiled.resolve_prefill(self._compile, self.model.device, positions):
+        if (self.model.lora_scope == "merged"  # its merged rows read through PEFT's layers
+                or not compiled.resolve_prefill(self._compile, self.model.device, positions)):
             return None
         return self._compiled()
 
@@ -242,7 +253,8 @@ class TorchRuntime:
                 continue
             past = [(k[:, :, :n], v[:, :, :n]) for k, v in stored]
             rest = None if cp.positions is None else cp.positions[n:]
-            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:], rest))
+            gate = None if cp.merged_rows is None else cp.merged_rows[n:]
+            parts.append(prefill_from_kv(self.model, past, cp.embeds[n:], rest, gate))
             if ctx[0] not in self.prefix_kv:  # started from another's rows: keep its own
                 self._keep_context(cp, ctx, parts[-1], 0)
             order.append(i)
@@ -270,7 +282,8 @@ class TorchRuntime:
             return
         n = ctx[1]
         pos = None if cp.positions is None else cp.positions[:n].clone()
-        self.prefix_kv[ctx[0]] = (row_kv(state, row, n), cp.embeds[:n].clone(), pos)
+        merged = None if cp.merged_rows is None else cp.merged_rows[:n].clone()
+        self.prefix_kv[ctx[0]] = (row_kv(state, row, n), cp.embeds[:n].clone(), pos, merged)
 
     def _reusable(self, cp, ctx) -> tuple[list | None, int]:
         """Stored KV the prefix ``cp`` can start from, and how many of its leading rows: its
@@ -280,12 +293,11 @@ class TorchRuntime:
         if ctx is None or not self.prefix_kv.max_bytes:
             return None, 0
         if ctx[0] in self.prefix_kv:
-            kv, _, _ = self.prefix_kv[ctx[0]]
-            return kv, ctx[1]
+            return self.prefix_kv[ctx[0]][0], ctx[1]
         best, most = None, 0
         for key in list(self.prefix_kv):
-            _, embeds, positions = self.prefix_kv.peek(key)
-            n = shared_rows(cp, embeds, positions)
+            _, embeds, positions, merged = self.prefix_kv.peek(key)
+            n = shared_rows(cp, embeds, positions, merged)
             if n > most:
                 best, most = key, n
         return (None, 0) if best is None else (self.prefix_kv[best][0], most)
