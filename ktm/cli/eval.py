@@ -12,6 +12,7 @@ from ktm.core.checkpoint import model_record
 from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import check_scoring
+from ktm.tasks.base import bind
 from ktm.tasks.corpus import HELDOUT, is_heldout
 
 
@@ -75,6 +76,7 @@ def run_eval(args: argparse.Namespace) -> int:
     targs = from_args(TaskArgs, args)
     task = build_task(targs, args.task_option)
     model = load_or_build(args)
+    bind(task, model)  # a question task counts its documents in the model's tokens
     t0 = time.perf_counter()
     examples = task.eval_examples(targs.n_eval, seed=args.seed)
     natural = (task.natural_eval_examples(targs.n_eval, args.seed)
@@ -102,9 +104,9 @@ def run_eval(args: argparse.Namespace) -> int:
         for flag, value, default in (("--predictions", args.predictions, None),
                                      ("--scoring", args.scoring, "generate"),
                                      ("--n-calibrate", args.n_calibrate, 0)):
-            if value != default:
+            if value != default and not (task.kind == "qa" and flag == "--predictions"):
                 raise KTMError(f"{flag} is for classification tasks; {task.name!r} is scored "
-                               "by perplexity")
+                               f"by {'perplexity' if task.kind == 'perplexity' else 'its answers'}")
     result = evaluate_task(model, task, examples, merge=merge, progress=True, **score)
     preds, answers = result.pop("predictions", None), result.pop("answers", None)
     if args.predictions:
@@ -143,8 +145,11 @@ def backend_record(model) -> dict:
 def _write_predictions(path: str, examples, preds, answers) -> None:
     from ktm.util.fileio import write_text_atomic
 
+    # a question task's prediction is whether the answer holds the wanted values
     rows = [{"i": i, "prompt": [{"text": s.text, "compress": s.compress} for s in e.segments],
-             "gold": e.label, "prediction": p, "answer": a, "correct": p == e.label}
+             "gold": e.label if e.label is not None else e.meta.get("answers"),
+             "prediction": p, "answer": a,
+             "correct": p if e.label is None and "answers" in e.meta else p == e.label}
             for i, (e, p, a) in enumerate(zip(examples, preds, answers))]
     write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 

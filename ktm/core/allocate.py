@@ -27,6 +27,11 @@ The signal is what a unit is worth; ``ktm.core.config.ALLOCATORS`` names them:
     attention  the attention a token gets from the segment's last ``ATTENTION_WINDOW`` tokens
                under the base LM reading it plain, averaged over layers, heads and those
                queries: what SnapKV-like KV presses keep, as an oracle of the same cost
+    question   how much a token matters to the prompt's question, its plain segments after
+               the last compressed one (``ktm.core.relevance``: the question's words in each
+               line of the segment): the lines a question asks about are read plain. To pay
+               for them where the ratio leaves no room, it may leave the least relevant units
+               out (``spend``'s drop), so its ratio may exceed the largest level
 
 Positions stay consecutive whatever the levels, so the result runs on llama.cpp and vLLM too.
 """
@@ -47,6 +52,8 @@ from ktm.errors import KTMError
 RATIO_TOLERANCE = 0.05
 # the attention allocator's queries: a segment's last tokens (SnapKV's observation window)
 ATTENTION_WINDOW = 32
+# the signals that may leave units out to pay for the ones they read plain (``spend``'s drop)
+DROPS = ("question",)
 
 
 class RatioWarning(UserWarning):
@@ -88,26 +95,33 @@ def spread_order(n: int) -> list[int]:
 
 
 def spend(scores: Sequence[float], lengths: Sequence[int], levels: Sequence[int],
-          budget: int) -> list[int]:
+          budget: int, drop: bool = False) -> list[int]:
     """Each unit's level: all start at the largest of ``levels`` (which include 1), then the
     unit whose positions carry the most signal each is refined one level, while its extra
     positions fit in ``budget`` positions for all units together. Raises ``KTMError`` when even
-    the largest level exceeds the budget."""
+    the largest level exceeds the budget.
+
+    ``drop``: units may be left out (level 0) to pay for the budget: where the largest level
+    leaves no room to read the *wanted* units plain (those scoring at least ``TOP`` of the
+    best, their extra positions at most ``PLAIN_CAP`` of the budget), the least-scoring others
+    are left out, evenly spread among equals, until it does (``left_out``)."""
     ladder = sorted(set(levels), reverse=True)
     if ladder[-1] != 1:
         ladder.append(1)
     step = [0] * len(lengths)  # index into ladder
     used = sum(positions(n, ladder[0]) for n in lengths)
+    rank = spread_order(len(lengths))
+    out = left_out(scores, lengths, ladder[0], budget, rank) if drop else set()
+    used -= sum(positions(lengths[u], ladder[0]) for u in out)
     if used > budget:
         raise KTMError(f"{budget} positions cannot hold {len(lengths)} units at the largest "
                        f"level {ladder[0]} ({used} positions)")
-    rank = spread_order(len(lengths))
 
     def entry(u: int) -> tuple[float, int, int]:
         per = scores[u] / positions(lengths[u], ladder[step[u]])
         return (-per, rank[u], u)
 
-    heap = [entry(u) for u in range(len(lengths)) if len(ladder) > 1]
+    heap = [entry(u) for u in range(len(lengths)) if len(ladder) > 1 and u not in out]
     heapq.heapify(heap)
     while heap:
         _, _, u = heapq.heappop(heap)
@@ -119,7 +133,33 @@ def spend(scores: Sequence[float], lengths: Sequence[int], levels: Sequence[int]
         step[u] += 1
         if step[u] + 1 < len(ladder):
             heapq.heappush(heap, entry(u))
-    return [ladder[s] for s in step]
+    return [0 if u in out else ladder[s] for u, s in enumerate(step)]
+
+
+# ``spend(drop=True)``: the units worth reading plain score at least this share of the best
+TOP = 0.5
+# ... and their plain reading takes at most this share of the budget's positions
+PLAIN_CAP = 0.25
+
+
+def left_out(scores: Sequence[float], lengths: Sequence[int], unit: int, budget: int,
+             rank: Sequence[int]) -> set[int]:
+    """The units ``spend(drop=True)`` leaves out: the fewest least-scoring ones (among equal
+    scores, those the spread order refines last) whose positions at the largest level
+    ``unit`` pay for the rest at that level plus the wanted units' plain reading; a wanted
+    unit only while the rest cannot pay for the others at the largest level."""
+    best = max(scores, default=0.0)
+    wanted = {u for u, s in enumerate(scores) if best > FLOOR and s >= TOP * best}
+    cost = [positions(n, unit) for n in lengths]
+    used = sum(cost)
+    extra = min(sum(lengths[u] - cost[u] for u in wanted), int(PLAIN_CAP * budget))
+    out: set[int] = set()
+    for u in sorted(range(len(lengths)), key=lambda u: (u in wanted, scores[u], -rank[u])):
+        if used <= budget - (0 if u in wanted else extra) or len(out) == len(lengths) - 1:
+            break
+        out.add(u)
+        used -= cost[u]
+    return out
 
 
 @dataclass(frozen=True)
@@ -179,9 +219,10 @@ class Scorer:
                  = None, attention: Callable[[list[int]], list[float]] | None = None):
         self.tokenizer, self.table = tokenizer, table
         self.reads = {"lm": lm, "attention": attention}
-        self._kinds = None
+        self._kinds = self._word = self._breaks = None
 
-    def __call__(self, signal: str, ids: list[int]) -> list[float] | None:
+    def __call__(self, signal: str, ids: list[int], question: Sequence[int] = ()
+                 ) -> list[float] | None:
         if signal in self.reads:
             if self.reads[signal] is None:
                 raise KTMError(f"the {signal} allocator reads the segment with the model's own "
@@ -200,7 +241,20 @@ class Scorer:
             if self._kinds is None:
                 self._kinds = token_kinds(self.tokenizer)
             return rule_scores(ids, self._kinds)
+        if signal == "question":
+            return self.question_scores(ids, question)
         return None
+
+    def question_scores(self, ids: list[int], question: Sequence[int]) -> list[float]:
+        """Per token of ``ids``: how much it matters to ``question`` (``ktm.core.relevance``);
+        all equal without a question, so that a prompt without one is read evenly."""
+        from ktm.core.prefix import line_break_ids
+        from ktm.core.relevance import lexical_scores, word_of
+
+        if self._word is None:
+            self._word, self._breaks = word_of(self.tokenizer), line_break_ids(self.tokenizer)
+        breaks = self._breaks
+        return lexical_scores(ids, question, self._word, lambda i: breaks.ends_line(ids, i))
 
 
 def unit_scores(signal: str, token_scores: Sequence[float] | None, units: Units,
@@ -220,9 +274,12 @@ def unit_scores(signal: str, token_scores: Sequence[float] | None, units: Units,
     out, i = [], 0
     for _, _, length in units.cuts:
         # a small floor: a unit of zero signal still ranks by the spread order
-        out.append(sum(token_scores[i:i + length]) + 1e-6)
+        out.append(sum(token_scores[i:i + length]) + FLOOR)
         i += length
     return out
+
+
+FLOOR = 1e-6  # every unit's signal floor (``unit_scores``)
 
 
 def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: Sequence[int],
@@ -233,21 +290,26 @@ def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: 
     against its positions. Returns per piece its (units' token count, level) runs, consecutive
     units of one level joined. ``token_scores``: per token of the pieces, concatenated.
 
-    Raises ``KTMError`` for a ratio above the largest level; a segment too short for its ratio
-    is read with every unit at the largest level."""
+    The ``question`` signal may leave units out (level 0 in the runs: ``spend(drop=True)``), so
+    its ratio may exceed the largest level. Raises ``KTMError`` for another signal's ratio above
+    the largest level; a segment too short for its ratio is read with every unit at the largest
+    level."""
     unit = max(levels)
     units = Units.of(pieces, unit)
     total = sum(len(p) for p in pieces) + plain
     budget = round(total / ratio) - plain
-    if ratio > unit:
+    drop = signal in DROPS
+    if ratio > unit and not drop:
         raise KTMError(f"ratio {ratio:g} is more than this reader allows: its largest level "
-                       f"merges K={unit} tokens per position; expected a ratio <= {unit}, or a "
-                       "reader with a larger K")
+                       f"merges K={unit} tokens per position; expected a ratio <= {unit}, a "
+                       f"reader with a larger K, or an allocator that leaves text out "
+                       f"({', '.join(DROPS)})")
     # a segment too short for the ratio (a partial unit, its plain tokens) is read with every
     # unit at the largest level: the closest it comes, which the layout then reports
-    budget = max(budget, sum(positions(n, unit) for n in units.lengths))
+    fewest = 1 if drop else sum(positions(n, unit) for n in units.lengths)
+    budget = max(budget, fewest)
     chosen = spend(unit_scores(signal, token_scores, units, seed), units.lengths, levels,
-                   budget)
+                   budget, drop)
     runs: list[list[tuple[int, int]]] = [[] for _ in pieces]
     for (p, _, n), level in zip(units.cuts, chosen):
         if runs[p] and runs[p][-1][1] == level:

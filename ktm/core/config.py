@@ -25,7 +25,7 @@ def _is_int(v: Any) -> bool:
 
 # the signals that spend a ratio's positions (ktm.core.allocate.SIGNALS; its home, this module
 # being a leaf that the allocator imports)
-ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention")
+ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention", "question")
 # the rows a LoRA adapts (``LoraSettings.scope``; ktm.core.lora_scope)
 LORA_SCOPES = ("all", "merged")
 # how ``context_layers`` pools a block's states (ktm.core.context_states)
@@ -194,8 +194,9 @@ class KTMConfig:
                 "random, lm (the base LM's own surprisal: a plain forward first, the "
                 "oracle the cheap signals are measured against), or attention (the attention "
                 "the base LM's last tokens pay each token, read plain: an oracle of what a KV "
-                "press keeps) (ktm.core.allocate; a prompt layout: a checkpoint can be read "
-                "with another)"})
+                "press keeps), or question (the lines the prompt's question asks about read "
+                "plain, the least relevant left out where the ratio needs it) "
+                "(ktm.core.allocate; a prompt layout: a checkpoint can be read with another)"})
     lora: LoraSettings = field(default_factory=LoraSettings, metadata={"prefix": "lora"})
     add_eos: bool = field(default=True, metadata={"help": "training targets end with EOS"})
     dtype: str = field(default="float32", metadata={

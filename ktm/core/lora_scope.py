@@ -12,8 +12,8 @@ How: one forward hook on each LoRA layer's ``B`` multiplies its output, (B, L, F
 batch's gate, (B, L, 1): 1 at a merged row, 0 at a plain one, held in a context variable while
 ``KTMModel.lm`` runs the forward (``gated``). PEFT offers per-sample adapters
 (``adapter_names``), not per-position ones, hence the hook. A forward of plain rows only (a
-decode step, a plain prompt) skips the adapter altogether: ``ktm.core.lora_fold.base_view`` is the LM with
-each LoRA layer's base module in its place (no weight copied).
+decode step, a plain prompt) skips the adapter altogether: ``ktm.core.lora_fold.base_view`` is
+the LM with each LoRA layer's base module in its place (no weight copied).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def gate_lora(peft_model: nn.Module) -> None:
     for module in peft_model.modules():
         if not isinstance(module, BaseTunerLayer):
             continue
-        for name, b in module.lora_B.items():
+        for b in module.lora_B.values():
             if getattr(b, _HOOKED, None) is None:
                 setattr(b, _HOOKED, b.register_forward_hook(_apply_gate))
 

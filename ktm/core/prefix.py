@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ktm.core.allocate import RATIO_TOLERANCE, RatioWarning, Units, allocate
+from ktm.core.allocate import RATIO_TOLERANCE, RatioWarning, Units, allocate, positions
 from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
 from ktm.core.encoder import cast_for_inference, level_encoder
@@ -27,6 +27,17 @@ from ktm.errors import KTMError
 
 # merged embeddings of a compressed segment, keyed by its token ids (the server's prefix cache)
 MergeCache = MutableMapping[tuple[int, ...], torch.Tensor]
+# a layout piece's level for tokens left out (``ktm.core.allocate``'s question signal: read
+# neither plain nor merged, they take no position)
+LEFT_OUT = -1
+
+
+def rows_of(ids: list[int], level: int, merge: bool = True) -> int:
+    """Rows a layout piece takes: plain (level 0) a row a token, merged a row per block of
+    ``level`` tokens, none when left out."""
+    if level == LEFT_OUT:
+        return 0
+    return -(-len(ids) // level) if merge and level else len(ids)
 
 
 @dataclass(frozen=True)
@@ -90,9 +101,10 @@ class PromptEncoder:
     plain_suffix: int = 0
     line_breaks: LineBreaks | None = None
     # a segment read at a ratio: the signal that spends its positions (ktm.core.allocate), and
-    # per-token scores for a signal that reads tokens, as scores(signal, ids) (None: none)
+    # per-token scores for a signal that reads tokens, as scores(signal, ids, question) (None:
+    # none), ``question`` the prompt's plain segments after its last compressed one
     allocator: str = "even"
-    scores: Callable[[str, list[int]], list[float] | None] | None = None
+    scores: Callable[[str, list[int], list[int]], list[float] | None] | None = None
     ratio: float | None = None  # the ratio of a compressed segment without its own (None: K)
 
     def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
@@ -104,14 +116,14 @@ class PromptEncoder:
         """
         pieces = self.layout(prompts, merge)
         to_merge = [(ids, level) for row in pieces for ids, level, _ in row
-                    if merge and level and ids]
+                    if merge and level > 0 and ids]
         merged = iter(self.merge_segments(to_merge, cache))
         device = self.embed.weight.device
         results = []
         for row in pieces:
-            parts = [next(merged) if merge and level else
+            parts = [next(merged) if merge and level > 0 else
                      self.embed(torch.tensor(ids, dtype=torch.long, device=device))
-                     for ids, level, _ in row if ids]
+                     for ids, level, _ in row if ids and level != LEFT_OUT]
             embeds = torch.cat(parts, dim=0) if parts else None
             results.append(self._prompt(row, embeds, merge))
         return results
@@ -123,15 +135,15 @@ class PromptEncoder:
         encoder: checking that many prompts fit the model's positions is cheap."""
         out = []
         for row in self.layout(prompts, merge):
-            n_out = sum(-(-len(ids) // level) if merge and level else len(ids)
-                        for ids, level, _ in row)
+            n_out = sum(rows_of(ids, level, merge) for ids, level, _ in row)
             out.append(self._prompt(row, torch.empty(n_out, 0, device="meta"), merge))
         return out
 
     def layout(self, prompts: list[tuple[Segment, ...]], merge: bool = True
                ) -> list[list[tuple[list[int], int, bool]]]:
         """Each prompt's pieces as (token ids, level, from a compressed segment?); level 0 for
-        plain tokens, else the K they are merged at. Its segments are tokenized, cut by
+        plain tokens, ``LEFT_OUT`` for tokens not read (the question allocator's), else the K
+        they are merged at. Its segments are tokenized, cut by
         ``plain_prefix``, ``plain_suffix`` and ``line_breaks`` (class docstring), and a segment
         with a ratio or levels is cut into runs of units at their levels
         (``ktm.core.allocate``; with ``merge`` off nothing is merged, so nothing allocated)."""
@@ -167,6 +179,9 @@ class PromptEncoder:
         with a ratio or levels, its merged pieces cut into runs of one level each (not when
         ``allocate`` is off: a prompt read unmerged needs no plan)."""
         runs: dict[int, list[list[tuple[int, int]]]] = {}
+        # the prompt's question: its plain segments after the last compressed one
+        last = max((i for i, s in enumerate(segs) if s.compress), default=len(segs))
+        question = [t for ids, c, i in row if i > last and not c for t in ids]
         for seg, s in enumerate(segs if allocate else ()):
             if s.compress and s.ratio is None and s.levels is None and self.ratio is not None:
                 s = replace(s, ratio=self.ratio)
@@ -174,7 +189,7 @@ class PromptEncoder:
                 continue
             merged = [ids for ids, c, i in row if i == seg and c and ids]
             plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
-            runs[seg] = self._segment_runs(s, merged, plain)
+            runs[seg] = self._segment_runs(s, merged, plain, question)
         out = []
         for ids, c, seg in row:
             if not c:
@@ -184,13 +199,15 @@ class PromptEncoder:
             elif ids:
                 start = 0
                 for n, level in runs[seg].pop(0):
-                    out.append((ids[start:start + n], 0 if level == 1 else level, True))
+                    out.append((ids[start:start + n],
+                                {1: 0, 0: LEFT_OUT}.get(level, level), True))
                     start += n
         return out
 
-    def _segment_runs(self, seg: Segment, merged: list[list[int]], plain: int
-                      ) -> list[list[tuple[int, int]]]:
-        """Per merged piece of a segment, its (tokens, level) runs (level 1: plain)."""
+    def _segment_runs(self, seg: Segment, merged: list[list[int]], plain: int,
+                      question: list[int]) -> list[list[tuple[int, int]]]:
+        """Per merged piece of a segment, its (tokens, level) runs (level 1: plain, 0: left
+        out); ``question``: the prompt's question (``_levels``), for the question signal."""
         levels, unit = self.merge_levels, self.encoder.k
         if seg.levels is not None:
             units = Units.of(merged, unit)
@@ -207,11 +224,13 @@ class PromptEncoder:
                 runs[p].append((n, level))
             return runs
         ids = [i for piece in merged for i in piece]
-        scores = self.scores(self.allocator, ids) if self.scores is not None else None
+        scores = (self.scores(self.allocator, ids, question) if self.scores is not None
+                  else None)
         seed = zlib.crc32(bytes(str(ids), "ascii"))  # the random signal: fixed per text
         runs = allocate(merged, plain, seg.ratio, levels, self.allocator, scores, seed)
         total = len(ids) + plain
-        got = total / max(1, plain + sum(-(-n // lv) for piece in runs for n, lv in piece))
+        got = total / max(1, plain + sum(positions(n, lv) for piece in runs for n, lv in piece
+                                         if lv))
         if abs(got / seg.ratio - 1) > RATIO_TOLERANCE:
             warnings.warn(f"a segment of {total} tokens was read at ratio {got:.2f}, not "
                           f"{seg.ratio:g}: its units of up to {unit} tokens allow no closer "
@@ -224,17 +243,16 @@ class PromptEncoder:
         n_in = sum(len(ids) for ids, _, _ in row)
         if n_in == 0 or embeds is None:
             raise KTMError("prompt tokenizes to no tokens: expected a non-empty prompt")
-        mergeable = tuple(len(ids) for ids, level, _ in row if level and ids)
+        mergeable = tuple(len(ids) for ids, level, _ in row if level > 0 and ids)
+        rows = [rows_of(ids, level, merge) for ids, level, _ in row]
         # the compressed segments' tokens and positions: the ratio they were read at
         squeezed = (sum(len(ids) for ids, _, c in row if c),
-                    sum(-(-len(ids) // level) if merge and level else len(ids)
-                        for ids, level, c in row if c))
+                    sum(n for n, (_, _, c) in zip(rows, row) if c))
         sources = self._positions(row, merge)
         pos = sources if merge and self.spread_positions else None
-        rows = [-(-len(ids) // level) if merge and level else len(ids) for ids, level, _ in row]
         pressable = max((sum(rows[:i + 1]) for i, (_, _, c) in enumerate(row) if c), default=0)
-        flags = [bool(merge and level) for ids, level, _ in row for _ in range(
-            -(-len(ids) // level) if merge and level else len(ids))]
+        flags = [bool(merge and level > 0) for n, (_, level, _) in zip(rows, row)
+                 for _ in range(n)]
         merged_rows = (torch.tensor(flags, dtype=torch.bool, device=embeds.device)
                        if any(flags) else None)
         return CompressedPrompt(embeds, n_in, embeds.shape[0], mergeable, pos, sources,
@@ -270,9 +288,9 @@ class PromptEncoder:
         start, out = 0, []
         for ids, level, _ in row:
             n = len(ids)
-            if level and merge:
+            if level > 0 and merge:
                 out += [start + min(j + level, n) - 1 for j in range(0, n, level)]
-            else:
+            elif level != LEFT_OUT:
                 out += range(start, start + n)
             start += n
         return torch.tensor(out, dtype=torch.long, device=self.embed.weight.device)

@@ -26,6 +26,7 @@ from ktm.decode.hidden import hiding
 from ktm.decode.text_stream import TextStream, anchor_ids, decode_continuation
 from ktm.errors import KTMError
 from ktm.util.field_types import check_field_types
+from ktm.util.timing import timed
 
 
 @dataclass(frozen=True)
@@ -361,11 +362,13 @@ def advance(model, state: DecodeState, tokens: torch.Tensor, compiled=None) -> N
 
 
 def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: GenerationConfig,
-                 prefixes=None, state: DecodeState | None = None) -> Iterator[torch.Tensor]:
+                 prefixes=None, state: DecodeState | None = None,
+                 timing: dict | None = None) -> Iterator[torch.Tensor]:
     """Yield (B,) token ids per step; rows that have finished repeat the pad id.
 
     ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them;
     ``state``: a batch the runtime has already prefilled (the benchmark times the prefill apart).
+    ``timing``: a dict that gets ``prefill_s``, the seconds of this call's prefill.
     The model's runtime (``ktm.decode.runtime``: torch, llama.cpp or vLLM) prefills and advances.
     """
     runtime = model.runtime
@@ -382,7 +385,9 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
             raise KTMError(f"use_cache=False re-runs the whole sequence on the torch path (the "
                            f"test reference); the {runtime.name} backend always keeps its KV "
                            "cache")
-        state = runtime.prefill(prefixes, [cfg] * len(prefixes))
+        state, seconds = timed(model.device, runtime.prefill, prefixes, [cfg] * len(prefixes))
+        if timing is not None:
+            timing["prefill_s"] = seconds
     rows = state.logits.shape[0]
     gens = [None] * rows
     if cfg.do_sample and cfg.seed is not None:
@@ -415,22 +420,26 @@ def _trim(ids: list[int], eos: frozenset[int], cfg: GenerationConfig) -> list[in
     return next((ids[:i] for i, t in enumerate(ids) if cfg.ends_at(t, eos)), ids)
 
 
-def generate_ids(model, prompts, prefixes=None, **kwargs) -> list[list[int]]:
-    """Generated token ids per prompt, EOS and anything after it removed."""
+def generate_ids(model, prompts, prefixes=None, timing: dict | None = None, **kwargs
+                 ) -> list[list[int]]:
+    """Generated token ids per prompt, EOS and anything after it removed (``timing``: as
+    ``decode_steps``'s)."""
     cfg = GenerationConfig(**kwargs)
     segs, _ = split_prompts(prompts)
     with eval_mode(model):  # once for the whole loop, not twice a step (nothing is yielded)
-        steps = list(decode_steps(model, segs, cfg, prefixes))
+        steps = list(decode_steps(model, segs, cfg, prefixes, timing=timing))
     if not steps:
         return [[] for _ in segs]
     ids = torch.stack(steps, dim=1).tolist()
     return [_trim(row, model.eos_ids, cfg) for row in ids]
 
 
-def generate(model, prompts: PromptLike | Sequence[PromptLike], **kwargs) -> str | list[str]:
-    """Text for one prompt (returns str) or a list of prompts (returns list[str])."""
+def generate(model, prompts: PromptLike | Sequence[PromptLike], prefixes=None,
+             timing: dict | None = None, **kwargs) -> str | list[str]:
+    """Text for one prompt (returns str) or a list of prompts (returns list[str]);
+    ``prefixes`` and ``timing`` as ``decode_steps``'s."""
     segs, single = split_prompts(prompts)  # read once: an iterator of prompts is spent after
-    rows = generate_ids(model, segs, **kwargs)
+    rows = generate_ids(model, segs, prefixes, timing, **kwargs)
     anchor = anchor_ids(model.tokenizer)
     texts = [decode_continuation(model.tokenizer, r, anchor) for r in rows]
     return texts[0] if single else texts

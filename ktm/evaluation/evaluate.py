@@ -195,6 +195,62 @@ def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = Tru
     }
 
 
+def hit(answer: str, wanted: Sequence[str]) -> bool:
+    """Whether a generated answer holds every wanted value (spaces aside: ``f(a, b)`` and
+    ``f(a,b)`` are one expression)."""
+    flat = "".join(answer.split())
+    return all("".join(w.split()) in flat for w in wanted)
+
+
+@torch.no_grad()
+@eval_mode_call
+def evaluate_qa(model, examples: Sequence[Example], *, merge: bool = True, batch_size: int = 1,
+                max_new_tokens: int = 16, progress: bool = False) -> dict:
+    """Accuracy of open answers: a hit is a greedy answer holding every value of the example's
+    ``meta["answers"]`` (``hit``). Also by depth (``meta["depth"]``, where the task sets one,
+    to two decimals), and the seconds spent encoding (merging and allocating, the question
+    allocator's scoring included) and prefilling, per example (``prefill_s``: the runtime's
+    prefill alone; their sum is the time to the first token but for one step)."""
+    before = after = kept = 0
+    squeezed = (0, 0)
+    compress_s = prefill_s = 0.0
+    answers: list[str] = []
+    t0 = time.perf_counter()
+    for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
+        prompts = [e.segments for e in batch]
+        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
+        compress_s += seconds
+        before += sum(cp.tokens_in for cp in prefixes)
+        after += sum(cp.tokens_out for cp in prefixes)
+        kept += kv_kept(model, prefixes)
+        squeezed = squeezed_sum(prefixes, squeezed)
+        timing: dict = {}
+        answers += model.generate(prompts, prefixes=prefixes, timing=timing,
+                                  max_new_tokens=max_new_tokens, merge=merge)
+        prefill_s += timing["prefill_s"]
+    hits = [hit(a, e.meta["answers"]) for a, e in zip(answers, examples)]
+    by_depth: dict[str, list[int]] = {}
+    for e, h in zip(examples, hits):
+        if e.meta.get("depth") is not None:
+            by_depth.setdefault(f"{e.meta['depth']:.2f}", []).append(h)
+    n = len(examples)
+    return {
+        "n": n,
+        "accuracy": sum(hits) / n,
+        "accuracy_by_depth": {d: sum(v) / len(v) for d, v in sorted(by_depth.items())},
+        "tokens_before": before / n,
+        "tokens_after": after / n,
+        "length_reduction": length_reduction(before, after),
+        "kv_after": kept / n,
+        "ratio_read": ratio_of(squeezed),
+        "compression_s": compress_s / n,
+        "prefill_s": prefill_s / n,
+        "wall_s": time.perf_counter() - t0,
+        "predictions": hits,
+        "answers": answers,
+    }
+
+
 @quiet_ratio()  # the row reports the ratio read
 def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
     """``kwargs`` go to the task kind's scorer; for classification, likelihood scoring reads
@@ -210,6 +266,12 @@ def evaluate_task(model, task, examples: Sequence[Example], **kwargs) -> dict:
         for name in ("max_new_tokens", "scoring", "calibration"):
             kwargs.pop(name, None)
         row = evaluate_perplexity(model, examples, **kwargs)
+    elif task.kind == "qa":
+        for name in ("scoring", "calibration"):
+            kwargs.pop(name, None)
+        kwargs["batch_size"] = 1  # long documents of different lengths: one at a time
+        kwargs.setdefault("max_new_tokens", task.answer_tokens)
+        row = evaluate_qa(model, examples, **kwargs)
     else:
         targets = [task.label_target(lab) for lab in task.labels]
         kwargs.setdefault("max_new_tokens", answer_room(model, targets))
@@ -231,6 +293,10 @@ def check_task_fits(model, task, examples: Sequence[Example], merge: bool = True
     (perplexity), or each label's answer text and the generated answer (classification)."""
     if task.kind == "perplexity":
         check_examples_fit(model, examples, "evaluation", merge=merge)
+        return
+    if task.kind == "qa":
+        check_examples_fit(model, examples, "evaluation", merge=merge, answer_tokens=0,
+                           new_tokens=max_new_tokens or task.answer_tokens)
         return
     targets = [task.label_target(lab) for lab in task.labels]
     longest = max(len(target_ids(model, t)) for t in targets)

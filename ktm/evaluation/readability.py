@@ -20,6 +20,7 @@ held-out sets lie far above it (docs/readers.md#readability-r).
 
 That is *continuation* R, and it rewards keeping the last tokens plain: a continuation reads
 the recent text most closely. *Recall* R is recency-neutral. Its question is ``RECALL_CUE``
+(``ktm.tasks.corpus.recall_question``)
 tokens copied from a random place in the context, given plain after it, and its target the
 ``RECALL_TARGET`` tokens that followed them there (a context shorter than both keeps a third
 for the question); the same three readings, the same ratio.
@@ -39,8 +40,6 @@ over the resamples that have one.
 
 from __future__ import annotations
 
-import random
-import zlib
 from collections.abc import Sequence
 
 import torch
@@ -50,7 +49,7 @@ from ktm.core.allocate import quiet_ratio
 from ktm.core.prompt import Segment
 from ktm.decode.press import kv_kept, pressed_as
 from ktm.errors import KTMError
-from ktm.tasks.corpus import Window, WindowSpec, heldout_windows
+from ktm.tasks.corpus import Window, WindowSpec, heldout_windows, recall_question
 
 # held-out windows: reviews are short, so a window needs 64 tokens (48 context + 16 target)
 READ_SPEC = WindowSpec(context_tokens=256, target_tokens=64, min_tokens=64)
@@ -117,24 +116,6 @@ def r_interval(per_window: torch.Tensor, n_boot: int = BOOTSTRAP["resamples"],
     lo, hi = torch.quantile(r, torch.tensor([tail, 1 - tail], dtype=r.dtype,
                                             device=r.device)).tolist()
     return [lo, hi]
-
-
-RECALL_CUE, RECALL_TARGET = 8, 16  # recall R: the copied question and what follows it
-
-
-def recall_question(window: Window, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(question, target) of a window's recall reading: ``RECALL_CUE`` tokens from a place in
-    its context drawn uniformly (seeded by ``seed`` and the context), and the ``RECALL_TARGET``
-    tokens after them; the place never depends on the reader or the layout."""
-    ctx = window.context
-    if len(ctx) < 2:
-        raise KTMError(f"a recall question needs a context of at least 2 tokens, got {len(ctx)}")
-    # a context shorter than the whole span keeps a third of it for the question
-    cue = min(RECALL_CUE, max(1, len(ctx) // 3))
-    span = cue + min(RECALL_TARGET, len(ctx) - cue)
-    start = random.Random(f"{seed}:{zlib.crc32(bytes(str(ctx), 'ascii'))}").randrange(
-        len(ctx) - span + 1)
-    return ctx[start:start + cue], ctx[start + cue:start + span]
 
 
 def _pooled(rows: list[torch.Tensor]) -> dict:

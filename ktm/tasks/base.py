@@ -12,7 +12,9 @@ from typing import Any, Literal, Protocol
 from ktm.core.prompt import Segment, as_segments
 from ktm.errors import KTMError
 
-TaskKind = Literal["classification", "perplexity"]
+# qa: an open question about a long document, scored by whether the greedy answer holds every
+# asked value (``Example.meta["answers"]``)
+TaskKind = Literal["classification", "perplexity", "qa"]
 PromptMode = Literal["paper", "context"]  # paper: whole prompt compressed; context: question plain
 
 
@@ -53,6 +55,21 @@ def check_examples(examples: Any) -> None:
         except (KTMError, TypeError) as err:
             raise KTMError(f"examples[{i}] is malformed: {err} (expected segments making a "
                            "prompt and a str target or token ids)") from None
+
+
+def qa_prompt(document: str, question: str, mode: PromptMode) -> tuple[Segment, ...]:
+    """A question task's prompt: the document merged, the question after it plain ("paper":
+    both merged, as one segment)."""
+    if mode == "paper":
+        return (Segment(document + question),)
+    return (Segment(document), Segment(question, compress=False))
+
+
+def bind(task, model) -> None:
+    """Give a task that counts lengths in tokens (``qa`` tasks: needles of 1,024 tokens) the
+    model's tokenizer, before it draws examples; other tasks need none."""
+    if hasattr(task, "bind"):
+        task.bind(model.tokenizer)
 
 
 class Task(Protocol):

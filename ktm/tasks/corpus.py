@@ -240,6 +240,24 @@ def continuation_window(doc: np.ndarray, spec: WindowSpec, rng: random.Random, s
     return Window(tuple(ids[:span - n_target]), tuple(ids[span - n_target:]), source)
 
 
+RECALL_CUE, RECALL_TARGET = 8, 16  # recall R: the copied question and what follows it
+
+
+def recall_question(window: Window, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(question, target) of a window's recall reading: ``RECALL_CUE`` tokens from a place in
+    its context drawn uniformly (seeded by ``seed`` and the context), and the ``RECALL_TARGET``
+    tokens after them; the place never depends on the reader or the layout."""
+    ctx = window.context
+    if len(ctx) < 2:
+        raise KTMError(f"a recall question needs a context of at least 2 tokens, got {len(ctx)}")
+    # a context shorter than the whole span keeps a third of it for the question
+    cue = min(RECALL_CUE, max(1, len(ctx) // 3))
+    span = cue + min(RECALL_TARGET, len(ctx) - cue)
+    start = random.Random(f"{seed}:{zlib.crc32(bytes(str(ctx), 'ascii'))}").randrange(
+        len(ctx) - span + 1)
+    return ctx[start:start + cue], ctx[start + cue:start + span]
+
+
 def autoencode_window(doc: np.ndarray, spec: WindowSpec, rng: random.Random, source: str
                       ) -> Window:
     """A span of ``doc`` that is both the merged context and the target to regenerate."""

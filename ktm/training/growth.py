@@ -28,9 +28,10 @@ from ktm.errors import KTMError
 from ktm.model import KTMModel
 from ktm.readers import resolve_checkpoint
 
-# the settings a capacity growth may change (LoRA as lora_r / lora_alpha)
+# the settings a capacity growth may change (LoRA as lora_r / lora_alpha), and the rows the
+# LoRA adapts (the same weights trained on at other rows: ``ktm.core.lora_scope``)
 GROWABLE = ("lora_r", "lora_alpha", "mlp_ratio", "context_blocks", "context_layers",
-            "context_transformer", "context_pool")
+            "context_transformer", "context_pool", "lora_scope")
 # settings of the run, not of the saved function: free to differ in either kind
 FREE = ("base_model", "dtype", "plain_suffix", "align_lines", "spread_positions", "ratio",
         "allocator")

@@ -13,6 +13,12 @@ with one of these objectives (alone or mixed by weight):
              is far more signal per token than the output distribution alone
     ae       autoencoding (ICAE): after the merged context and a plain cue, regenerate the
              context itself. This is the objective that forces every token to survive.
+    recall   a question drawn from the context: ``RECALL_CUE`` of its tokens from a random
+             place, given plain after the merged context, and the tokens that followed them
+             there as the target (recall R's reading, ``ktm.tasks.corpus.recall_question``). A
+             mixed window (``mixed_share``) laid out by the ``question`` signal reads the
+             cue's lines plain: a reader learns to answer from a plain island in a merged
+             document, as the question allocator reads one
     align    ``lm`` plus context alignment: at every position of the merged context, each
              layer's hidden state is pulled (squared distance relative to the teacher's norm,
              weight ``align_weight``) towards the base LM's (adapter disabled) reading the
@@ -56,6 +62,7 @@ from ktm.tasks.corpus import (
     check_docs,
     continuation_window,
     is_source,
+    recall_question,
     source_texts,
     tokenize_docs,
 )
@@ -65,7 +72,7 @@ from ktm.training.teacher import kl_per_token
 from ktm.training.train import train
 from ktm.util.field_types import check_field_types
 
-OBJECTIVES = ("lm", "distill", "ae", "align")
+OBJECTIVES = ("lm", "distill", "ae", "align", "recall")
 
 
 def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None,
@@ -105,7 +112,7 @@ class PretrainConfig:
         "help": "text sources, each NAME or NAME=WEIGHT: code, reviews, trees[:STAGE,...], "
                 "or a text/JSONL file or folder"})
     objectives: tuple[str, ...] = field(default=("lm",), metadata={
-        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae, align"})
+        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae, align, recall"})
     objective_mix: str = field(default="example", metadata={
         "help": "how objectives mix: example (each window draws one by weight) or step (every "
                 "window of an optimizer step shares one drawn by weight: ARC-Encoder's "
@@ -283,6 +290,11 @@ class WindowStream(Sequence):
             target = w.target + ((self.eos,) if self.eos is not None else ())
             segments = (Segment("", ids=self.lead + w.context),
                         Segment(self.cfg.ae_cue, compress=False))
+        elif objective == "recall":
+            w = continuation_window(doc, spec, rng, source)
+            cue, target = recall_question(w, rng.randrange(2 ** 31))
+            segments = (Segment("", ids=self.lead + w.context),
+                        Segment("", compress=False, ids=cue))
         else:
             w = continuation_window(doc, spec, rng, source)
             target = w.target

@@ -49,9 +49,10 @@ import ktm
 from ktm.core.prompt import Segment
 from ktm.decode.press import kept_positions
 from ktm.errors import KTMError
-from ktm.evaluation.readability import context_ratio, heldout_sets, read_spec, recall_question
+from ktm.evaluation.readability import context_ratio, heldout_sets, read_spec
 from ktm.model import KTMModel
 from ktm.serving.prompts import press_to_fit
+from ktm.tasks.corpus import recall_question
 from ktm.util.fileio import write_json_atomic
 from ktm.util.provenance import stamped
 

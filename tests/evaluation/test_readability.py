@@ -129,8 +129,8 @@ def test_recall_r_asks_for_what_followed_a_copied_question(tiny_model_dir):
     ratio the contexts were read at."""
     from helpers import fresh_model
 
-    from ktm.evaluation.readability import readability, recall_question
-    from ktm.tasks.corpus import Window
+    from ktm.evaluation.readability import readability
+    from ktm.tasks.corpus import Window, recall_question
 
     w = Window(tuple(range(10, 90)), tuple(range(90, 100)), "code")
     q, t = recall_question(w, seed=0)

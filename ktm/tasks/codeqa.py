@@ -1,0 +1,172 @@
+"""Questions about code in a long document: what a named function returns, which methods a named
+class defines.
+
+    [a stretch of Python modules of `length` tokens holding the function at `depth`, merged]
+    [ "\\nQuestion: what does the function format_exception return? Answer:
+       format_exception returns", plain ] -> " list(te.format(chain=chain))"
+
+The functions and classes are real ones, found by parsing the source's modules (``ast``):
+
+    returns   a function whose body ends in its only ``return``, of a one-line expression of at
+              most ``RETURN_CHARS`` characters; a hit holds the expression (spaces aside)
+    methods   a class of 2 to 6 methods (``__dunder__`` ones aside), at most 80 lines long; a
+              hit names every method
+
+A name defined twice in the source is never asked about. The document is the lines around it in
+the source, the function or class starting at ``depth`` of the document. Sources and tokens as
+``ktm.tasks.needle``'s; a source must be Python (``stdlib``, ``code``, or a folder of .py
+files).
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal
+
+from ktm.errors import KTMError
+from ktm.tasks import haystack
+from ktm.tasks.base import Example, PromptMode, TaskKind, qa_prompt
+
+RETURN_CHARS = 40
+
+
+@dataclass(frozen=True)
+class Target:
+    """A function or class asked about: its lines in the source, the question's name, the
+    answers."""
+
+    first: int  # index of its first line in ``haystack.lines_of(source)``
+    last: int  # index after its last line
+    name: str
+    answers: tuple[str, ...]
+
+
+@lru_cache(maxsize=8)
+def targets(source: str, variant: str, train: bool) -> tuple[Target, ...]:
+    """Every function (``returns``) or class (``methods``) of the source's modules that a
+    question can be asked about (module docstring), in source order."""
+    found, names, offset = [], Counter(), 0
+    for text in haystack.texts(source, train):
+        lines = text.splitlines(keepends=True)
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):  # not Python (or not this Python's): nothing to ask
+            offset += len(lines) + 1
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names[node.name] += 1
+            got = _answers(node, text, variant)
+            if got:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+                found.append(Target(offset + first, offset + node.end_lineno, node.name, got))
+        offset += len(lines) + 1  # lines_of puts a blank line after every text
+    return tuple(t for t in found if names[t.name] == 1 and not t.name.startswith("_"))
+
+
+def _answers(node, text: str, variant: str) -> tuple[str, ...]:
+    if variant == "returns" and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        returns = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
+        last = node.body[-1]
+        if len(returns) == 1 and returns[0] is last and last.value is not None:
+            expr = ast.get_source_segment(text, last.value) or ""
+            if 0 < len(expr) <= RETURN_CHARS and "\n" not in expr:
+                return (expr,)
+    if variant == "methods" and isinstance(node, ast.ClassDef):
+        methods = [n.name for n in node.body
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   and not (n.name.startswith("__") and n.name.endswith("__"))]
+        if 2 <= len(methods) <= 6 and node.end_lineno - node.lineno < 80:
+            return tuple(methods)
+    return ()
+
+
+@dataclass
+class CodeQATask:
+    """Questions about a function or class in a long stretch of code (module docstring)."""
+
+    prompt_mode: PromptMode = "context"
+    length: int = 1024
+    variant: Literal["returns", "methods"] = "returns"
+    depth: float | None = None  # None: spread evenly over [0, 1] across the examples
+    source: str = "stdlib"
+    train_source: str = "code"
+    name: str = field(default="codeqa", init=False)
+    kind: TaskKind = field(default="qa", init=False)
+    labels: tuple[str, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        if self.length < 64:
+            raise KTMError(f"codeqa length must be >= 64 tokens, got {self.length}")
+        self._tokens: haystack.Tokens | None = None
+
+    def bind(self, tokenizer) -> None:
+        self._tokens = haystack.Tokens(tokenizer)
+
+    @property
+    def answer_tokens(self) -> int:
+        return 24 if self.variant == "returns" else 40
+
+    def label_target(self, label: str) -> str:
+        raise KTMError("the codeqa task asks open questions: it has no labels")
+
+    def train_examples(self, n: int, seed: int) -> list[Example]:
+        return self._examples(n, seed, train=True)
+
+    def eval_examples(self, n: int, seed: int) -> list[Example]:
+        return self._examples(n, seed, train=False)
+
+    def _examples(self, n: int, seed: int, train: bool) -> list[Example]:
+        if self._tokens is None:
+            raise KTMError("the codeqa task counts lengths in the model's tokens: bind it to "
+                           "the model's tokenizer first (ktm.tasks.base.bind)")
+        source = self.train_source if train else self.source
+        lines = haystack.lines_of(source, train)
+        rng = random.Random(f"codeqa:{seed}:{train}:{self.variant}")
+        pool = [t for t in targets(source, self.variant, train)
+                if self._tokens.count("".join(lines[t.first:t.last])) <= self.length // 2]
+        if not pool:
+            raise KTMError(f"source {source!r} has no {self.variant} question to ask in "
+                           f"{self.length} tokens: expected Python code (stdlib, code or a "
+                           "folder of .py files) or a longer length")
+        picks = [pool[i % len(pool)] for i in rng.sample(range(len(pool)), min(n, len(pool)))]
+        picks += [rng.choice(pool) for _ in range(n - len(picks))]
+        return [self._example(lines, t, d) for t, d in zip(picks, haystack.depths(n, self.depth))]
+
+    def _example(self, lines, target: Target, depth: float) -> Example:
+        count = self._tokens.count
+        body = count("".join(lines[target.first:target.last]))
+        want = round(depth * (self.length - body))  # tokens before the target
+        # lines around it, by the lines' own counts (at least their joined count), then the
+        # joined text counted once at every line boundary
+        a, got = target.first, 0
+        while a > 0 and got < want + want // 4 + 8:
+            a, got = a - 1, got + count(lines[a - 1])
+        b, got = target.last, 0
+        while b < len(lines) and got < self.length + self.length // 4 + 8:
+            b, got = b + 1, got + count(lines[b])
+        ends = [0]
+        for line in lines[a:b]:
+            ends.append(ends[-1] + len(line))
+        at = self._tokens.before("".join(lines[a:b]), ends)
+        head, tail = target.first - a, target.last - a  # the target's boundaries
+        start = min(i for i in range(head + 1) if at[head] - at[i] <= want)
+        end = max(j for j in range(tail, len(at)) if j == tail or at[j] - at[start] <= self.length)
+        first, last = a + start, a + end
+        used, total = at[head] - at[start], at[end] - at[start]
+        doc = "".join(lines[first:last])
+        if self.variant == "returns":
+            question = (f"\nQuestion: what does the function {target.name} return? Answer: "
+                        f"{target.name} returns")
+            target_text = f" {target.answers[0]}"
+        else:
+            question = (f"\nQuestion: which methods does the class {target.name} define? "
+                        f"Answer: The class {target.name} defines")
+            target_text = " " + ", ".join(target.answers) + "."
+        return Example(qa_prompt(doc, question, self.prompt_mode), target_text,
+                       meta={"answers": list(target.answers), "depth": used / max(1, total),
+                             "tokens": total, "variant": self.variant})

@@ -1,0 +1,119 @@
+"""The question allocator: a document's lines read plain where the question after it asks
+about them (``ktm.core.relevance``), the least relevant left out where the ratio needs it."""
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+from helpers import fresh_model, perturb
+
+from ktm import Segment
+from ktm.core.allocate import RatioWarning, allocate, positions, spend
+from ktm.core.prefix import LEFT_OUT
+from ktm.core.relevance import lexical_scores, passages, word_of
+from ktm.errors import KTMError
+
+WORDS = {1: "alpha", 2: "beta", 3: "gamma", 4: None, 5: "delta", 9: "code"}
+
+
+def word(t):
+    return WORDS.get(t, f"w{t}")
+
+
+def test_a_line_holding_the_questions_rare_words_scores_highest():
+    nl = 4  # a line-break token (no word)
+    doc = [10, 11, 12, nl, 13, 9, 14, nl, 15, 1, 2, nl, 16, 17, 18, nl, 19, 9, 20, nl]
+    ends = {i for i, t in enumerate(doc) if t == nl}
+    scores = lexical_scores(doc, [9, 1, 2], word, lambda i: i in ends)
+    by_line = [scores[a] for a, _ in passages(doc, lambda i: i in ends)]
+    # line 2 holds "alpha beta", side by side as asked: the best; the lines next to it get
+    # half of it, those two away a quarter; line 4 holds only "code", in two lines of five
+    assert by_line[2] == max(by_line)
+    assert by_line[1] == pytest.approx(0.5 * by_line[2]) == by_line[3]
+    assert by_line[0] == pytest.approx(0.25 * by_line[2])
+    assert by_line[4] == pytest.approx(math.log(1 + 5 / 2))  # idf of "code"
+    # two words and the pair they make: (1 + 1 + PHRASE) idf, each in one line of five
+    assert by_line[2] == pytest.approx(2.5 * math.log(1 + 5 / 1))
+    assert lexical_scores(doc, [4, 4], word, lambda i: i in ends) == [0.0] * len(doc)
+    assert passages(list(range(70)), lambda i: False, longest=32) == [(0, 32), (32, 64),
+                                                                       (64, 70)]
+
+
+def test_word_of_reads_tokens_as_lowercase_words(tiny_model_dir):
+    model = fresh_model(tiny_model_dir)
+    w = word_of(model.tokenizer)
+    ids = model.tokenize("The quick, brown fox.\n")
+    words = [w(t) for t in ids]
+    assert "".join(x for x in words if x) == "thequickbrownfox"
+    assert None in words  # the comma, full stop and line break are no words
+
+
+def test_spend_leaves_out_the_least_relevant_to_read_the_wanted_plain():
+    scores = [1e-6] * 14 + [5.0, 1e-6]  # 16 units of 4 tokens, unit 14 asked about
+    levels = spend(scores, [4] * 16, (4, 2), budget=16, drop=True)
+    assert levels[14] == 1  # read plain: 3 positions more than at K=4 ...
+    assert levels.count(0) == 3  # ... paid for by three units left out
+    assert sum(positions(4, lv) for lv in levels if lv) <= 16
+    assert spend(scores, [4] * 16, (4, 2), budget=16) == [4] * 16  # no drop: as before
+    # every unit at K fits with room for the wanted one: nothing left out
+    assert 0 not in spend(scores, [4] * 16, (4, 2), budget=19, drop=True)
+
+
+def test_the_question_signal_may_go_past_the_largest_level():
+    ids = list(range(100, 356))
+    scores = [0.0] * 256
+    scores[100:108] = [3.0] * 8
+    runs = allocate([ids], 0, 6.0, (4, 2), "question", scores)
+    assert sum(n for n, _ in runs[0]) == 256
+    read = sum(positions(n, lv) for n, lv in runs[0] if lv)
+    assert read <= round(256 / 6)
+    with pytest.raises(KTMError, match="ratio 6 is more than this reader allows"):
+        allocate([ids], 0, 6.0, (4, 2), "even")
+
+
+@pytest.fixture
+def reader(tiny_model_dir):
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2, allocator="question")
+    perturb(model)
+    return model.eval()
+
+
+DOC = "".join(f"line {i} says nothing much here\n" for i in range(12)) + \
+    "the secret code is fox\n" + "".join(f"line {i} says nothing much\n" for i in range(12))
+
+
+def _plain_tokens(model, prompt) -> list[str]:
+    rows = model._prompt_encoder().layout([tuple(prompt)])[0]
+    return [model.tokenizer.decode(ids) for ids, level, c in rows if c and level == 0 and ids]
+
+
+def test_the_line_the_question_asks_about_is_read_plain(reader):
+    asked = [Segment(DOC, ratio=3.0), Segment("\nWhat is the secret code? It is", compress=False)]
+    assert "secret code is fox" in "".join(_plain_tokens(reader, asked))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RatioWarning)
+        cp = reader.compress(asked)
+    plain = len(reader.tokenize("\nWhat is the secret code? It is"))
+    assert abs((cp.tokens_in - plain) / (cp.tokens_out - plain) / 3.0 - 1) <= 0.05
+    # without a question the same segment is read evenly, as the even allocator reads it
+    even = dataclasses.replace(reader._config, allocator="even")
+    alone = reader.compress([Segment(DOC, ratio=3.0)])
+    reader._config = even
+    assert torch.equal(alone.embeds, reader.compress([Segment(DOC, ratio=3.0)]).embeds)
+
+
+def test_past_the_largest_level_units_are_left_out_and_take_no_position(reader):
+    asked = [Segment(DOC, ratio=6.0), Segment("\nWhat is the secret code?", compress=False)]
+    rows = reader._prompt_encoder().layout([tuple(asked)])[0]
+    out = sum(len(ids) for ids, level, _ in rows if level == LEFT_OUT)
+    assert out > 0
+    cp = reader.compress(asked)
+    n_doc = len(reader.tokenize(DOC, True))
+    plain = cp.tokens_in - n_doc
+    assert cp.tokens_out - plain <= round(n_doc / 6.0) + 1
+    assert cp.embeds.shape[0] == cp.tokens_out == cp.sources.shape[0]
+    assert cp.merged_rows.shape[0] == cp.tokens_out
+    # generation reads the shorter prompt like any other
+    assert isinstance(reader.generate(asked, max_new_tokens=3), str)
