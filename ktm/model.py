@@ -601,11 +601,11 @@ class KTMModel(nn.Module):
         settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
         perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
         check_backend(backend)
-        if self.lora_scope == "merged" and backend != "torch":
-            raise KTMError(f"this model's LoRA adapts its merged rows only (lora scope "
-                           f"'merged'), and the {backend} backend applies an adapter to every "
-                           "row of a request: expected backend 'torch', or a reader whose LoRA "
-                           "adapts every row")
+        if self.lora_scope == "merged" and backend == "vllm":
+            raise KTMError("this model's LoRA adapts its merged rows only (lora scope "
+                           "'merged'), and the vllm backend applies an adapter to every row of "
+                           "a request: expected backend 'torch' or 'llamacpp', or a reader whose "
+                           "LoRA adapts every row")
         press = getattr(self.runtime, "press", None)
         if press is not None and backend != "torch":  # before an engine starts
             raise KTMError(press_refusal(backend, press.name))

@@ -54,6 +54,13 @@ RATIO_TOLERANCE = 0.05
 ATTENTION_WINDOW = 32
 # the signals that may leave units out to pay for the ones they read plain (``spend``'s drop)
 DROPS = ("question",)
+# the signals whose plain lines, where they lie more than ``QUOTE_BEYOND`` positions before the
+# end of the prompt, are quoted after the last compressed segment instead, next to the question:
+# a small LM finds a fact in a plain line among a thousand merged positions before its question
+# (a needle in 4,096 tokens read at K=4: 12 in 12), not among four thousand (16,384 tokens: 0 in
+# 3 in place, 3 in 3 quoted; results/question/README.md)
+QUOTES = ("question",)
+QUOTE_BEYOND = 1024
 
 
 class RatioWarning(UserWarning):

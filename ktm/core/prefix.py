@@ -18,7 +18,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ktm.core.allocate import RATIO_TOLERANCE, RatioWarning, Units, allocate, positions
+from ktm.core.allocate import (
+    QUOTE_BEYOND,
+    QUOTES,
+    RATIO_TOLERANCE,
+    RatioWarning,
+    Units,
+    allocate,
+    positions,
+)
 from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
 from ktm.core.encoder import cast_for_inference, level_encoder
@@ -190,19 +198,42 @@ class PromptEncoder:
             merged = [ids for ids, c, i in row if i == seg and c and ids]
             plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
             runs[seg] = self._segment_runs(s, merged, plain, question)
-        out = []
+        out, where, chosen = [], [], []  # pieces, their segments, the plain ones allocated
         for ids, c, seg in row:
             if not c:
                 out.append((ids, 0, segs[seg].compress))
+                where.append(seg)
             elif seg not in runs:
                 out.append((ids, self.encoder.k, True))
+                where.append(seg)
             elif ids:
                 start = 0
                 for n, level in runs[seg].pop(0):
+                    if level == 1 and segs[seg].levels is None:
+                        chosen.append(len(out))
                     out.append((ids[start:start + n],
                                 {1: 0, 0: LEFT_OUT}.get(level, level), True))
+                    where.append(seg)
                     start += n
+        if chosen and self.allocator in QUOTES:
+            out = self._quoted(out, where, chosen, last)
         return out
+
+    @staticmethod
+    def _quoted(out: list[tuple[list[int], int, bool]], where: list[int], chosen: list[int],
+                last: int) -> list[tuple[list[int], int, bool]]:
+        """``out`` with each allocated plain piece that ends more than ``QUOTE_BEYOND`` rows
+        before the prompt does moved after the last compressed segment (segment ``last``),
+        in its order: a question reads it there, next to it (``ktm.core.allocate``)."""
+        after = [0] * (len(out) + 1)  # rows after each piece
+        for j in range(len(out) - 1, -1, -1):
+            after[j] = after[j + 1] + rows_of(out[j][0], out[j][1])
+        far = {j for j in chosen if after[j + 1] > QUOTE_BEYOND}
+        if not far:
+            return out
+        end = max(j for j, seg in enumerate(where) if seg == last)
+        kept = [p for j, p in enumerate(out[:end + 1]) if j not in far]
+        return kept + [out[j] for j in sorted(far)] + out[end + 1:]
 
     def _segment_runs(self, seg: Segment, merged: list[list[int]], plain: int,
                       question: list[int]) -> list[list[tuple[int, int]]]:

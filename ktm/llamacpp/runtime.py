@@ -97,6 +97,7 @@ class Held:
     embeds: torch.Tensor | None = None  # (L, D) float32, on the CPU
     positions: torch.Tensor | None = None  # (L,)
     decoded: int = 0
+    merged: torch.Tensor | None = None  # (L,) bool: the rows read with the adapter (gated)
 
 
 @dataclass
@@ -131,8 +132,13 @@ class LlamaCppRuntime:
     prefix_kv = None  # cached prefixes live in its own KV cache
 
     def __init__(self, base_gguf: str | Path, adapter_gguf: str | Path | None,
-                 config: RuntimeConfig = RuntimeConfig()):
+                 config: RuntimeConfig = RuntimeConfig(), gated: bool = False):
+        """``gated``: the adapter reads the merged rows only (a LoRA of scope "merged",
+        ``ktm.core.lora_scope``): a prefix is decoded in runs of merged and plain rows, the
+        adapter set for the first and cleared for the second, and every token without it."""
         self.lib = lib = import_llama_cpp()
+        self.gated = gated and adapter_gguf is not None
+        self._adapting: bool | None = None  # whether the adapter is set now (None: unknown)
         self.files = {"model_gguf": str(base_gguf),
                       "adapter_gguf": None if adapter_gguf is None else str(adapter_gguf)}
         _silence(lib)
@@ -177,11 +183,11 @@ class LlamaCppRuntime:
             raise KTMError(f"llama.cpp could not make a context of {self.context} cells for "
                            f"{str(base_gguf)!r} (out of memory?): expected a smaller context")
         if self.adapter is not None:
-            adapters = (lib.llama_adapter_lora_p_ctypes * 1)(self.adapter)
-            scales = (ctypes.c_float * 1)(1.0)
-            if lib.llama_set_adapters_lora(self.ctx, adapters, 1, scales) != 0:
+            try:
+                self._adapt(not self.gated)
+            except KTMError:
                 self.close()
-                raise KTMError(f"llama.cpp refused the LoRA adapter {str(adapter_gguf)!r}")
+                raise
         self.memory = lib.llama_get_memory(self.ctx)
         self.width = lib.llama_model_n_embd_inp(self.model)
         self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
@@ -189,6 +195,22 @@ class LlamaCppRuntime:
         self.busy: set[int] = set()  # sequences a running batch decodes
         self.used = [0] * config.sequences  # when each sequence was last prefilled (eviction)
         self._clock = 0
+
+    def _adapt(self, on: bool) -> None:
+        """Set the adapter (at scale 1) or clear it, unless it is so already."""
+        if self.adapter is None or on == self._adapting:
+            return
+        lib = self.lib
+        if on:
+            adapters = (lib.llama_adapter_lora_p_ctypes * 1)(self.adapter)
+            rc = lib.llama_set_adapters_lora(self.ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+        else:
+            rc = lib.llama_set_adapters_lora(self.ctx, None, 0, None)
+        if rc != 0:
+            raise KTMError(f"llama.cpp refused to {'set' if on else 'clear'} the LoRA adapter "
+                           f"{self.files['adapter_gguf']!r} (llama_set_adapters_lora returned "
+                           f"{rc})")
+        self._adapting = on
 
     # ---- the two calls of ktm's decode loop --------------------------------------------------
 
@@ -208,23 +230,23 @@ class LlamaCppRuntime:
         own = self.context // self.config.sequences  # a sequence's cells when not shared
         try:
             for cp, cfg in zip(prefixes, sampling or [None] * len(prefixes)):
-                embeds, positions = self._rows(cp)
+                embeds, positions, merged = self._rows(cp)
                 need = embeds.shape[0] + (cfg.max_new_tokens if cfg is not None else 1)
                 if self.config.deterministic and need > own:
                     raise KTMError(f"a prompt of {embeds.shape[0]} rows and its answer need "
                                    f"{need} KV cells, but a deterministic llama.cpp context "
                                    f"gives each of its {self.config.sequences} sequences "
                                    f"{own}: expected a larger --llamacpp-context")
-                seq = max(free, key=lambda s: self._shared(s, embeds, positions))
+                seq = max(free, key=lambda s: self._shared(s, embeds, positions, merged))
                 free.remove(seq)
                 self.busy.add(seq)
                 self._clock += 1
                 self.used[seq] = self._clock
                 seqs.append(seq)
-                start = self._cut(seq, embeds, positions)
+                start = self._cut(seq, embeds, positions, merged)
                 self.held[seq] = Held()  # unknown until the rows are in
-                logits.append(self._feed_embeds(seq, embeds, start))
-                self.held[seq] = Held(embeds.clone(), positions.clone())
+                logits.append(self._feed_embeds(seq, embeds, start, merged))
+                self.held[seq] = Held(embeds.clone(), positions.clone(), merged=merged.clone())
                 next_pos.append(embeds.shape[0])
                 reused.append(start)
         except BaseException:
@@ -245,6 +267,7 @@ class LlamaCppRuntime:
             return
         lib = self.lib
         ids = tokens.tolist()
+        self._adapt(not self.gated)  # a decoded token is plain
         batch = lib.llama_batch_init(len(ids), 0, 1)
         try:
             batch.n_tokens = len(ids)
@@ -288,6 +311,7 @@ class LlamaCppRuntime:
     def _feed_tokens(self, seq: int, ids: list[int], start: int) -> torch.Tensor:
         """Token ids at positions ``start..`` of one sequence, in batches; (len, V) logits."""
         lib, size, out = self.lib, self.config.batch, []
+        self._adapt(not self.gated)  # target tokens are plain
         for lo in range(0, len(ids), size):
             chunk = ids[lo:lo + size]
             batch = lib.llama_batch_init(len(chunk), 0, 1)
@@ -327,8 +351,9 @@ class LlamaCppRuntime:
 
     # ---- the cache ---------------------------------------------------------------------------
 
-    def _rows(self, cp) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prefix's rows (float32, CPU) and positions, checked for what llama.cpp reads."""
+    def _rows(self, cp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prefix's rows (float32, CPU), positions and merged flags, checked for what
+        llama.cpp reads."""
         embeds = cp.embeds.detach().to(device="cpu", dtype=torch.float32)
         if embeds.shape[1] != self.width:
             raise KTMError(f"prefix rows are {embeds.shape[1]} wide, but the llama.cpp model "
@@ -340,21 +365,27 @@ class LlamaCppRuntime:
             raise KTMError("llama.cpp reads a sequence only at consecutive positions, but this "
                            "prompt's are spread (a spread-position model): expected a model "
                            "with consecutive positions (e.g. the reader smollm2-135m-k4-seq)")
-        return embeds, positions
+        merged = (torch.zeros(embeds.shape[0], dtype=torch.bool) if cp.merged_rows is None
+                  else cp.merged_rows.detach().cpu())
+        return embeds, positions, merged
 
-    def _shared(self, seq: int, embeds: torch.Tensor, positions: torch.Tensor) -> int:
-        """Leading rows of a prefix that sequence ``seq`` already holds, at most all but the
-        last (whose logits the decode starts from)."""
+    def _shared(self, seq: int, embeds: torch.Tensor, positions: torch.Tensor,
+                merged: torch.Tensor) -> int:
+        """Leading rows of a prefix that sequence ``seq`` already holds (the same rows at the
+        same positions, merged alike), at most all but the last (whose logits the decode starts
+        from)."""
         held = self.held[seq]
         if held.embeds is None or self.config.deterministic:
             return 0
         m = min(held.embeds.shape[0], embeds.shape[0] - 1)
-        same = (held.embeds[:m] == embeds[:m]).all(-1) & (held.positions[:m] == positions[:m])
+        same = ((held.embeds[:m] == embeds[:m]).all(-1) & (held.positions[:m] == positions[:m])
+                & (held.merged[:m] == merged[:m]))
         return m if bool(same.all()) else int((~same).int().argmax())
 
-    def _cut(self, seq: int, embeds: torch.Tensor, positions: torch.Tensor) -> int:
+    def _cut(self, seq: int, embeds: torch.Tensor, positions: torch.Tensor,
+             merged: torch.Tensor) -> int:
         """Keep the rows of ``seq`` this prefix shares, drop the rest; returns how many stay."""
-        n = self._shared(seq, embeds, positions)
+        n = self._shared(seq, embeds, positions, merged)
         if not self.lib.llama_memory_seq_rm(self.memory, seq, n, -1):
             self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)  # a whole sequence always goes
             n = 0
@@ -379,12 +410,14 @@ class LlamaCppRuntime:
 
     # ---- llama.cpp calls ---------------------------------------------------------------------
 
-    def _feed_embeds(self, seq: int, embeds: torch.Tensor, start: int) -> torch.Tensor:
-        """Rows ``start:`` of one sequence's prefix, in batches; the last row's logits."""
-        lib, size = self.lib, self.config.batch
-        total = embeds.shape[0]
-        for lo in range(start, total, size):
-            hi = min(lo + size, total)
+    def _feed_embeds(self, seq: int, embeds: torch.Tensor, start: int,
+                     merged: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:`` of one sequence's prefix, in batches (gated: in runs of merged and
+        plain rows, ``merged`` (L,), each with the adapter set or cleared); the last row's
+        logits."""
+        lib, total = self.lib, embeds.shape[0]
+        for lo, hi, adapted in self._chunks(start, total, merged):
+            self._adapt(adapted)
             chunk = embeds[lo:hi].contiguous()
             batch = lib.llama_batch_init(hi - lo, self.width, 1)
             try:
@@ -399,6 +432,18 @@ class LlamaCppRuntime:
             finally:
                 lib.llama_batch_free(batch)
         return self._logits(-1)
+
+    def _chunks(self, start: int, total: int, merged: torch.Tensor | None
+                ) -> list[tuple[int, int, bool]]:
+        """(lo, hi, adapter on?) of the batches rows ``start:total`` are decoded in: at most
+        ``config.batch`` rows each, and, gated, none mixing merged and plain rows."""
+        cuts = [start, total]
+        if self.gated and merged is not None and total > start:
+            flags = merged[start:total]
+            cuts += [start + int(i) + 1 for i in (flags[1:] != flags[:-1]).nonzero()]
+        cuts = sorted(set(cuts) | set(range(start, total, self.config.batch)))
+        return [(lo, hi, bool(merged[lo]) if self.gated and merged is not None
+                 else not self.gated) for lo, hi in zip(cuts, cuts[1:])]
 
     def _decode(self, batch, what: str) -> None:
         rc = self.lib.llama_decode(self.ctx, batch)
@@ -432,7 +477,9 @@ class LlamaCppRuntime:
         return self._fresh(len(ids), fill, 0)
 
     def _fresh(self, n: int, fill, width: int) -> torch.Tensor:
+        """Rows read afresh, every one plain (gated: without the adapter)."""
         lib = self.lib
+        self._adapt(not self.gated)
         if not 0 < n <= self.config.batch:
             raise KTMError(f"a fresh read takes 1 to {self.config.batch} rows, got {n}")
         seq = next((s for s in range(self.config.sequences) if s not in self.busy), None)

@@ -232,6 +232,14 @@ def read_chat(model, messages: Sequence[Message], ext_all: KtmOptions,
             unmarked = not budgeted
             parts = [(m.text(), unmarked if ext is None or ext.merge is None else ext.merge)]
         contents.append([(t, merge and merge_all) for t, merge in parts if t])
+    last = messages[-1]
+    if (merge_all and not budgeted and not marked[-1] and last.role == "user"
+            and len(contents[-1]) == 1):
+        # the newest user message holds the question: its end read plain (``split_question``)
+        _check_text(contents[-1][0][0], "messages")
+        lead, body, question = split_question(model, contents[-1][0][0])
+        contents[-1] = [(t, merge) for t, merge in ((lead, False), (body, True),
+                                                    (question, False)) if t]
     if not any(contents):
         raise RequestError("messages are empty: expected at least one message with content",
                            param="messages")
@@ -254,6 +262,46 @@ def read_chat(model, messages: Sequence[Message], ext_all: KtmOptions,
         segs = _within_budget(model, segs, owners, messages, marked, history_budget,
                               ext_all.ratio, pressed)
     return _non_empty(tuple(segs), "messages")
+
+
+# the end of a chat's newest user message read plain as its question: up to this many tokens
+QUESTION_TOKENS = 96
+
+
+def split_question(model, text: str) -> tuple[str, str, str]:
+    """A newest user message as (lead, body, question), each read as ``ktm serve`` reads it:
+    the body merged, the lead and the question plain, as a prompt ``[Segment(document),
+    Segment(question, compress=False)]`` reads. A message that pastes a document and asks about
+    it then has its question read as one (the question allocator reads the lines it asks about
+    plain), and an instruction before the document stays as written.
+
+    The question is the message's last paragraph when it holds at most ``QUESTION_TOKENS``
+    tokens, else its last line when that does, else its last sentence; the whole message when
+    it is that short. The lead is its first line when that is as short and a body remains. A last
+    sentence of more than four times as many tokens is no question: the message is then
+    merged whole, as it was before questions were read."""
+    body, question = _question_tail(model, text)
+    newline = body.find("\n") + 1
+    if newline and body[newline:].strip() and (
+            len(model.tokenize(body[:newline])) <= QUESTION_TOKENS):
+        return body[:newline], body[newline:], question
+    return "", body, question
+
+
+def _question_tail(model, text: str) -> tuple[str, str]:
+    """(the rest, the question) of ``split_question``."""
+    if len(model.tokenize(text)) <= QUESTION_TOKENS:
+        return "", text
+    body = text.rstrip()
+    for start in (body.rfind("\n\n") + 2, body.rfind("\n") + 1):  # a paragraph, a line
+        if 0 < start < len(body) and len(model.tokenize(body[start:])) <= QUESTION_TOKENS:
+            return text[:start], text[start:]
+    line = body.rfind("\n") + 1  # the last line alone is longer: its last sentence
+    ends = [m.end() for m in re.finditer(r"[.!?]\s+", body[line:])]
+    cut = line + (ends[-1] if ends else 0)
+    if len(model.tokenize(body[cut:])) > 4 * QUESTION_TOKENS:
+        return text, ""
+    return text[:cut], text[cut:]
 
 
 def _within_budget(model, segs: list[Segment], owners: list[int | None],

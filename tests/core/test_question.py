@@ -117,3 +117,22 @@ def test_past_the_largest_level_units_are_left_out_and_take_no_position(reader):
     assert cp.merged_rows.shape[0] == cp.tokens_out
     # generation reads the shorter prompt like any other
     assert isinstance(reader.generate(asked, max_new_tokens=3), str)
+
+
+def test_a_far_plain_line_is_quoted_after_the_document(reader, monkeypatch):
+    import ktm.core.prefix as prefix
+
+    asked = [Segment(DOC, ratio=3.0), Segment("\nWhat is the secret code? It is", compress=False)]
+    near = reader._prompt_encoder().layout([tuple(asked)])[0]
+    monkeypatch.setattr(prefix, "QUOTE_BEYOND", 8)  # every allocated plain line is far
+    far = reader._prompt_encoder().layout([tuple(asked)])[0]
+    assert sorted(map(str, near)) == sorted(map(str, far))  # the same pieces, moved
+    doc = [p for p in far if p[2]]
+    quoted = [j for j, (ids, level, _) in enumerate(doc) if level == 0 and ids]
+    # the plain lines come last in the document, after every merged piece, in their order
+    assert quoted == list(range(len(doc) - len(quoted), len(doc)))
+    assert "secret code is fox" in reader.tokenizer.decode(
+        [t for ids, _, _ in doc[quoted[0]:] for t in ids])
+    assert far[-1] == near[-1]  # the question stays last
+    cp = reader.compress(asked)
+    assert cp.tokens_out == reader.measure_prompts([asked])[0].tokens_out

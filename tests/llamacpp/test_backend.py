@@ -224,3 +224,36 @@ def test_a_prompt_read_at_a_ratio_runs_on_llama_cpp(tiny_model_dir, tmp_path):
     assert {0, 2} <= levels  # a real mix: plain tokens and merges in one segment
     want = torch_model.generate(prompts, max_new_tokens=16, stop_at_eos=False)
     assert llama.generate(prompts, max_new_tokens=16, stop_at_eos=False) == want
+
+
+def test_a_lora_of_merged_rows_reads_on_llama_cpp_as_on_torch(tiny_model_dir, tmp_path):
+    """Scope "merged": llama.cpp decodes the merged rows with the adapter and every plain row
+    (a plain island, the question, each answer token) without it, as the torch path does."""
+    from dataclasses import replace
+
+    from ktm.core.config import LoraSettings
+
+    model = fresh_model(tiny_model_dir, k=2, lora=LoraSettings(scope="merged"), plain_prefix=1)
+    perturb(model)
+    model.save(tmp_path / "ckpt")
+    torch_model = KTMModel.load(tmp_path / "ckpt")
+    export_gguf(torch_model, tmp_path / "export", source=tmp_path / "ckpt")
+    assert read_manifest(tmp_path / "export")["model_gguf"] is None  # nothing folded
+    llama = KTMModel.load(tmp_path / "ckpt", backend="llamacpp", gguf=tmp_path / "export",
+                          llamacpp=EXACT)
+    units = -(-(len(torch_model.tokenize(DOC, True)) - 1) // 2)  # after the plain sink
+    island = tuple(1 if 3 <= u < 6 else 2 for u in range(units))
+    prompts = [[Segment(DOC), Segment(" Answer:", compress=False)],
+               [Segment(DOC, levels=island), Segment(" Answer:", compress=False)]]
+    want = torch_model.generate(prompts, max_new_tokens=16, stop_at_eos=False)
+    assert llama.generate(prompts, max_new_tokens=16, stop_at_eos=False) == want
+    with torch.no_grad():
+        got = llama(prompts, [" the fox", " the dog"]).nll
+        ref = torch_model(prompts, [" the fox", " the dog"]).nll
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    # the same export read by a model whose LoRA adapts every row is refused by name
+    model._config = replace(model._config, lora=replace(model._config.lora, scope="all"))
+    model.save(tmp_path / "all-rows")
+    with pytest.raises(KTMError, match="lora_scope: export 'merged', model 'all'"):
+        KTMModel.load(tmp_path / "all-rows", backend="llamacpp", gguf=tmp_path / "export",
+                      llamacpp=EXACT)

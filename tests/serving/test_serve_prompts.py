@@ -238,3 +238,27 @@ def test_a_ratio_reads_the_merged_parts_of_a_request_at_it():
     for bad in (0.5, float("nan"), float("inf")):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt="x", ktm={"ratio": bad})
+
+
+def test_the_newest_user_messages_question_is_read_plain():
+    from ktm.serving.prompts import QUESTION_TOKENS, split_question
+
+    model = Model(TEMPLATE)
+    body = "".join(f"def f{i}(a, b):\n    return a + b\n" for i in range(40))
+    asked = "Here is some code:\n" + body + "What does f7 return?"
+    lead, merged, question = split_question(model, asked)
+    assert (lead, question) == ("Here is some code:\n", "What does f7 return?")
+    assert lead + merged + question == asked
+    segs = chat_segments(model, chat(messages=[{"role": "user", "content": asked}]))
+    assert [(s.text, s.compress) for s in segs if s.text in (lead, merged, question)] == [
+        (lead, False), (merged, True), (question, False)]
+    # a short message is its own question, read whole plain; an older one stays merged
+    short = [{"role": "user", "content": "The quick brown fox."},
+             {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Who?"}]
+    segs = chat_segments(model, chat(messages=short))
+    assert [(s.text, s.compress) for s in segs if s.text in ("Who?", "Yes.")] == [
+        ("Yes.", True), ("Who?", False)]
+    # a last line longer than the question's tokens: its last sentence
+    line = "the quick brown fox jumps over the lazy dog " * (QUESTION_TOKENS // 4)
+    _, merged, question = split_question(model, body + line + ". Who jumps?")
+    assert question == "Who jumps?" and merged.endswith(". ")
