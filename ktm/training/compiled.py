@@ -32,6 +32,15 @@ from ktm.errors import KTMError
 
 # device types where ``auto`` trains through the compiled layers (the module docstring)
 PAYS = frozenset({"cuda"})
+# Inductor's C++ kernels (the CPU; CUDA's Triton kernels read nothing here) run on one thread.
+# torch 2.13 miscompiles a scatter-add inside a 2-D tiled (transposing) kernel when it writes
+# for several threads: the atomic add offsets its index by the inner tile variable twice, so it
+# adds into the wrong elements, or past the buffer (pytorch/pytorch#191837, proposed fix #191861).
+# Falcon's multi-query attention meets it: the backward of picking K and V out of the fused QKV
+# by a list index is such a scatter, and its LoRA gradients came out 0.6 off eager's (2 threads,
+# AMD EPYC), the loss unchanged. One thread takes inductor's plain ``+=`` store, which is right;
+# the matmuls still run on every thread.
+INDUCTOR_OPTIONS = {"cpp.threads": 1}
 # decoder layer class -> its forward as training steps run it (compiled, or the class's own where
 # the compile failed), shared by every layer of that class
 _COMPILED: dict[type, object] = {}
@@ -70,7 +79,7 @@ def _compiled_forward(cls: type):
     Mamba layers: their scan tests a length that is symbolic under dynamic shapes), that call
     and every later one run the class's own forward, and one line says so. A layer in training
     writes no state (no KV cache), so the failed call is simply made again."""
-    fn = torch.compile(cls.forward, dynamic=True)
+    fn = torch.compile(cls.forward, dynamic=True, options=INDUCTOR_OPTIONS)
 
     def forward(layer, *args, **kwargs):
         if _COMPILED[cls] is not forward:  # eager since a failed compile

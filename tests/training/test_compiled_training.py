@@ -68,3 +68,26 @@ def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path
     assert [cls.__name__ for cls in eager] == ["JambaMambaDecoderLayer"]
     trains_compiled_as_eager(model, prompts, targets)  # eager at once, no new attempt
     assert "did not compile" not in capfd.readouterr().err
+
+
+def test_a_multi_query_layer_trains_compiled_as_eager_on_several_threads(tmp_path, monkeypatch):
+    """Inductor's C++ code for several threads scatter-adds into the wrong elements in torch 2.13
+    (pytorch/pytorch#191837), and Falcon's multi-query attention meets it in its backward: its
+    LoRA gradients came out 0.6 off eager's. The code is made for the thread count torch has when
+    it compiles, so two threads here, whatever the machine gives the suite."""
+    from helpers import save_tiny
+
+    from ktm.model import KTMModel
+
+    monkeypatch.setattr(compiled, "_COMPILED", {})  # compiled anew, under two threads
+    save_tiny("falcon", tmp_path)
+    torch.manual_seed(0)
+    model = KTMModel.from_base(str(tmp_path), k=4, lora=LoraSettings(dropout=0.0))
+    perturb(model)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        trains_compiled_as_eager(model, [PROMPTS[0], PROMPTS[2]], [" yes", " no"])
+    finally:
+        torch.set_num_threads(threads)
