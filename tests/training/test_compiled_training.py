@@ -91,3 +91,16 @@ def test_a_multi_query_layer_trains_compiled_as_eager_on_several_threads(tmp_pat
         trains_compiled_as_eager(model, [PROMPTS[0], PROMPTS[2]], [" yes", " no"])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_lora_of_merged_rows_trains_compiled_as_eager(tiny_model_dir):
+    """The gate that keeps the LoRA off the plain rows (``ktm.core.lora_scope``) holds inside
+    the compiled layers too."""
+    from ktm import Segment
+
+    model = fresh_model(tiny_model_dir, lora=LoraSettings(scope="merged", dropout=0.0),
+                        plain_prefix=1)
+    perturb(model)
+    model.train()
+    trains_compiled_as_eager(model, [[Segment(PROMPTS[0]), Segment(" Answer:", compress=False)],
+                                     PROMPTS[2]], [" yes", " no"])
