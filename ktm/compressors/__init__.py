@@ -9,6 +9,7 @@ from ktm.compressors.llmlingua import LLMLingua
 from ktm.compressors.ltsc import LTSC
 from ktm.compressors.mean_pool import MeanPool
 from ktm.compressors.selective_context import SelectiveContext
+from ktm.compressors.truncate import Truncate
 from ktm.errors import KTMError
 
 COMPRESSORS: dict[str, type[Compressor]] = {
@@ -16,6 +17,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
     "selective_context": SelectiveContext,
     "llmlingua": LLMLingua,
     "ltsc": LTSC,
+    "truncate": Truncate,
 }
 
 

@@ -40,6 +40,12 @@ def check_ratio(ratio: float) -> float:
     return float(ratio)
 
 
+def question_of(segments: Sequence[Segment]) -> str:
+    """A prompt's question: its plain segments after the last compressed one, as text."""
+    last = max((i for i, s in enumerate(segments) if s.compress), default=len(segments))
+    return "".join(s.text for s in segments[last + 1:])
+
+
 class Compressor:
     """Base class: subclasses implement ``rewrite`` (or override ``compress_batch``).
 
@@ -51,6 +57,9 @@ class Compressor:
     name: ClassVar[str] = "base"
     model_kwargs: ClassVar[dict[str, Any]] = PLAIN_LM
     rewrites_prompts: ClassVar[bool] = True
+    # a method that reads the question: ``rewrite`` then gets ``questions``, each compressed
+    # text's, the text of its prompt's plain segments after the last compressed one
+    question_aware: bool = False
 
     def __init__(self) -> None:
         self.model = None
@@ -74,7 +83,11 @@ class Compressor:
             raise KTMError(f"compressor {self.name!r} is not fitted: call fit(examples, model)")
         prompts = [as_segments(e.segments) for e in examples]
         where = [(r, i) for r, segs in enumerate(prompts) for i, s in enumerate(segs) if s.compress]
-        new = self.rewrite([prompts[r][i].text for r, i in where], [i == 0 for _, i in where])
+        asked = {}
+        if self.question_aware:
+            asked["questions"] = [question_of(prompts[r]) for r, _ in where]
+        new = self.rewrite([prompts[r][i].text for r, i in where], [i == 0 for _, i in where],
+                           **asked)
         rows = [list(segs) for segs in prompts]
         for (r, i), seg in zip(where, new, strict=True):
             rows[r][i] = seg

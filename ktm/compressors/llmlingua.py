@@ -20,6 +20,18 @@ Offline shims, each as small as it can be:
 
 LLMLingua-2 needs a token-classification checkpoint that cannot be downloaded here: it runs only
 with ``llmlingua2_model=PATH`` (a local folder), else a KTMError says so.
+
+``question_aware=True`` is LongLLMLingua (llmlingua's ``rank_method="longllmlingua"``): the
+segment is cut into chunks of whole lines (about ``CHUNK_TOKENS`` tokens each), which
+llmlingua ranks by how well each predicts the prompt's question (its plain segments after the
+last compressed one), keeps the best at the coarse level and compresses the kept ones token by
+token, each chunk's rate set by its rank (``dynamic_context_compression_ratio`` 0.3); the
+chunks stay in their order. The token level reads perplexities without the question before
+the chunks (``condition_in_question="after"`` and no ``condition_compare``, not the paper's
+``"after_condition"`` with the contrastive perplexity): with the question written first,
+llmlingua 0.2.2 asserts that it and the first chunk tokenize apart, which fails wherever a chunk
+starts with whitespace the tokenizer joins to the question's line break (indented code). The
+same single window as above.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from ktm.errors import KTMError
 from ktm.tasks.base import Example
 
 INSTALL = "pip install --no-deps llmlingua==0.2.2 tiktoken==0.14.0 nltk==3.10.4"
+CHUNK_TOKENS = 128  # LongLLMLingua: the chunks a segment is cut into, each one of its contexts
 
 
 class _TokenCounter:
@@ -68,9 +81,14 @@ class LLMLingua(Compressor):
     name: ClassVar[str] = "llmlingua"
 
     def __init__(self, ratio: float = 0.5, model_name: str | None = None,
-                 llmlingua2_model: str | None = None, llmlingua2: bool = False):
+                 llmlingua2_model: str | None = None, llmlingua2: bool = False,
+                 question_aware: bool = False):
         super().__init__()
         self.ratio = check_ratio(ratio)
+        if question_aware and (llmlingua2 or llmlingua2_model):
+            raise KTMError("question_aware (LongLLMLingua) ranks with a causal LM: expected it "
+                           "without llmlingua2")
+        self.question_aware = question_aware
         if llmlingua2 and not llmlingua2_model:
             raise KTMError("LLMLingua-2 needs its token-classification weights, which cannot be "
                            "downloaded here: pass llmlingua2_model=PATH (a local HF folder)")
@@ -82,7 +100,8 @@ class LLMLingua(Compressor):
 
     def options(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "model_name": self.model_name,
-                "llmlingua2_model": self.llmlingua2_model}
+                "llmlingua2_model": self.llmlingua2_model,
+                "question_aware": self.question_aware}
 
     def fit(self, examples: Sequence[Example], model) -> None:
         from ktm.core.base_model import resolve_model_path
@@ -96,8 +115,19 @@ class LLMLingua(Compressor):
                 resolve_model_path(self.model_name or model.config.base_model),
                 device=str(model.device))
 
-    def compress_text(self, text: str) -> str:
+    def compress_text(self, text: str, question: str = "") -> str:
         rate = 1.0 - self.ratio
+        if self.question_aware:
+            chunks = self._chunks(text)
+            n = sum(len(self._pc.tokenizer(c, add_special_tokens=False)["input_ids"])
+                    for c in chunks)
+            out = self._pc.compress_prompt(
+                chunks, question=question, rate=rate, iterative_size=n,
+                rank_method="longllmlingua", condition_in_question="after",
+                condition_compare=False, reorder_context="original",
+                dynamic_context_compression_ratio=0.3, context_budget="+100",
+                use_sentence_level_filter=False, concate_question=False)
+            return out["compressed_prompt"]
         if self.llmlingua2_model:
             out = self._pc.compress_prompt_llmlingua2([text], rate=rate)
         else:
@@ -109,5 +139,19 @@ class LLMLingua(Compressor):
                 use_sentence_level_filter=False, concate_question=False)
         return out["compressed_prompt"]
 
-    def rewrite(self, texts: list[str], first: list[bool]) -> list[Segment]:
-        return [Segment(self.compress_text(t) if t.strip() else t) for t in texts]
+    def _chunks(self, text: str) -> list[str]:
+        """``text`` as chunks of whole lines of about ``CHUNK_TOKENS`` tokens each."""
+        out, now, size = [], "", 0
+        for line in text.splitlines(keepends=True):
+            n = len(self._pc.tokenizer(line, add_special_tokens=False)["input_ids"])
+            if now and size + n > CHUNK_TOKENS:
+                out.append(now)
+                now, size = "", 0
+            now, size = now + line, size + n
+        return out + ([now] if now else [])
+
+    def rewrite(self, texts: list[str], first: list[bool],
+                questions: list[str] | None = None) -> list[Segment]:
+        questions = questions or [""] * len(texts)
+        return [Segment(self.compress_text(t, q) if t.strip() else t)
+                for t, q in zip(texts, questions)]

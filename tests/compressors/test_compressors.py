@@ -338,3 +338,39 @@ def test_llmlingua_offline_on_the_embedded_model():
     e = applied.eval_examples[0]
     assert 0.3 < 1 - e.meta["tokens_after"] / e.meta["tokens_before"] < 0.8
     assert applied.info["eval"]["ms_per_1k_tokens"] > 0
+
+
+def test_truncation_keeps_the_last_tokens_of_each_compressed_segment(tiny_model_dir):
+    model = fresh(tiny_model_dir)
+    data = examples(2)
+    for opts, kept in (({"keep": 5}, lambda n: 5), ({"ratio": 0.75}, lambda n: n - round(.75 * n))):
+        comp = get_compressor("truncate", **opts)
+        comp.fit([], model)
+        for e, out in zip(data, comp.compress_batch(data)):
+            ids = model.tokenize(e.segments[0].text, True)
+            assert out.segments[0].ids == tuple(ids[-kept(len(ids)):])
+            assert out.segments[-1] == e.segments[-1]  # the plain cue as it was
+    with pytest.raises(KTMError, match="keep must be an integer >= 0"):
+        get_compressor("truncate", keep=-1)
+
+
+@needs_llmlingua
+def test_longllmlingua_ranks_with_the_prompts_question(tiny_model_dir, monkeypatch):
+    model, data = fresh(tiny_model_dir), examples(1)
+    comp = get_compressor("llmlingua", ratio=0.5, question_aware=True)
+    comp.fit([], model)
+    seen = []
+    real = comp._pc.compress_prompt
+
+    def spy(context, **kw):
+        seen.append((context, kw))
+        return real(context, **kw)
+
+    monkeypatch.setattr(comp._pc, "compress_prompt", spy)
+    out = comp.compress_batch(data)[0]
+    (chunks, kw), = seen
+    assert kw["question"] == CUE and kw["rank_method"] == "longllmlingua"
+    assert "".join(chunks) == data[0].segments[0].text  # whole lines, in order
+    assert 0.2 < 1 - out.meta["tokens_after"] / out.meta["tokens_before"] < 0.9
+    with pytest.raises(KTMError, match="without llmlingua2"):
+        get_compressor("llmlingua", question_aware=True, llmlingua2=True)
