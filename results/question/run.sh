@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Question-aware reading, measured: question tasks over held-out documents (the Python standard
+# library's modules no project file imports, ktm.tasks.haystack), each reading side by side on
+# the same documents and questions, every row a `ktm eval` result
+# (results/question/TASK/LENGTH/METHOD.json: accuracy, by depth, positions, prefill seconds).
+#
+# Lengths in the model's tokens; 8,000 stands for 8k (a document of 8,192 tokens leaves the
+# 8,192-position model no room for its question read plain).
+# Methods (the budget: 30 % of the document's positions):
+#   plain            the base model reading everything
+#   truncate         the base model reading the document's last 30 % of tokens
+#   k4, k2           the shipped consecutive-position readers, every block at K
+#   k4-question      the shipped K=4 reader at ratio 3.33, the question allocator
+#   qa-k4            the question reader (LoRA on merged rows only) at K=4
+#   qa-question      the question reader at ratio 3.33, the question allocator
+#   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
+#   PRESS            the base model reading everything, then PRESS keeping 30 % of the KV
+#                    (the question read after the press, as kvpress's pipeline reads it)
+#   snapkv-question  SnapKV with the question in its window (the prompt read as one segment)
+# Beyond the model's 8,192 positions (16,384 and 32,768 tokens) only truncation to the window
+# and the question reader (ratio 4.03: at most 8,192 positions with its question and answer) run.
+#
+# Usage: bash results/question/run.sh [TASK:LENGTH:N ...]
+#   (default: needle at 1,024 / 4,096 tokens, then the other tasks, then past the window)
+#   METHODS="plain truncate" to run some methods only; a finished row is never run again.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export OMP_NUM_THREADS=1
+READER=${READER:-smollm2-135m-k4-qa}
+RATIO=${RATIO:-3.33}
+presses="expected_attention snapkv tova streaming_llm kvzip"
+all="plain truncate k4 k2 k4-question qa-k4 qa-question llmlingua longllmlingua $presses snapkv-question"
+runs=${*:-"needle:1024:20 needle:4096:12 needle:2048:11 needle:8000:11
+           needle:1024:20:variant=multikey needle:1024:20:variant=multivalue vartrack:1024:20
+           codeqa:1024:20 codeqa:1024:20:variant=methods needle:4096:12:variant=multikey
+           vartrack:4096:12 codeqa:4096:12 needle:16384:8 needle:32768:8"}
+
+flags() {  # the ktm eval flags of one method
+  case $1 in
+    plain)           echo "--model smollm2-135m --no-merge" ;;
+    truncate)        echo "--compressor truncate --compressor-option ratio=0.7" ;;
+    truncate-window) echo "--compressor truncate --compressor-option keep=8000" ;;
+    k4)              echo "--checkpoint smollm2-135m-k4-seq" ;;
+    k2)              echo "--checkpoint smollm2-135m-k2-seq" ;;
+    k4-question)     echo "--checkpoint smollm2-135m-k4-seq --ratio $RATIO --allocator question" ;;
+    qa-k4)           echo "--checkpoint $READER" ;;
+    qa-question)     echo "--checkpoint $READER --ratio $RATIO --allocator question" ;;
+    qa-window)       echo "--checkpoint $READER --ratio 4.03 --allocator question" ;;
+    llmlingua)       echo "--compressor llmlingua --compressor-option ratio=0.7" ;;
+    longllmlingua)   echo "--compressor llmlingua --compressor-option ratio=0.7
+                           --compressor-option question_aware=true" ;;
+    snapkv-question) echo "--model smollm2-135m --no-merge --prompt-mode paper --press snapkv
+                           --press-ratio 0.7" ;;
+    *)               echo "--model smollm2-135m --no-merge --press $1 --press-ratio 0.7" ;;
+  esac
+}
+
+for run in $runs; do
+  IFS=: read -r task length n option <<< "$run"
+  name=$task${option:+-${option#*=}}
+  methods=${METHODS:-$all}
+  if [ "$length" -gt 8192 ]; then methods=${METHODS:-"truncate-window qa-window"}; fi
+  mkdir -p "results/question/$name/$length"
+  for method in $methods; do
+    out=results/question/$name/$length/$method.json
+    [ -f "$out" ] && continue
+    echo "== $name $length $method"
+    # shellcheck disable=SC2046
+    ktm eval $(flags "$method") --task "$task" --task-option "length=$length" \
+      ${option:+--task-option "$option"} --n-eval "$n" --seed 1 --threads 1 --method "$method" \
+      --json "$out.tmp" && mv "$out.tmp" "$out" || { rm -f "$out.tmp"; echo "$name $length $method failed"; }
+  done
+done
