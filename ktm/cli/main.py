@@ -45,7 +45,9 @@ def cmd_pack_reader(args: argparse.Namespace) -> int:
 
     check_finished(args.run_dir)
     info = lineage_info(args.after, run_info(args.run_dir))
-    path = pack_reader(Path(args.run_dir) / "checkpoint", args.name, info)
+    layout = {k: v for k, v in (("ratio", args.ratio), ("allocator", args.allocator))
+              if v is not None}
+    path = pack_reader(Path(args.run_dir) / "checkpoint", args.name, info, layout)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(f"reader {args.name!r}: {path} ({size / 2**20:.1f} MiB), "
           f"{info['steps']} steps, {info['cpu_minutes']:.0f} CPU-minutes "
@@ -247,6 +249,12 @@ def _pack_parser(pack: argparse.ArgumentParser) -> None:
     pack.add_argument("--after", nargs="+", default=[], metavar="RUN_DIR",
                       help="the earlier stages this run continues, oldest first (their run "
                            "folders: run.json + metrics.jsonl), recorded as the reader's lineage")
+    pack.add_argument("--ratio", type=float, default=None,
+                      help="the ratio the reader reads compressed segments at by default "
+                           "(None: as trained)")
+    pack.add_argument("--allocator", default=None,
+                      help="the allocator that spends a ratio's positions by default (None: as "
+                           "trained)")
     pack.set_defaults(run=cmd_pack_reader)
 
 

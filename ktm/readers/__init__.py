@@ -39,6 +39,8 @@ READERS: dict[str, str] = {
 # 0.03 below (0.562 / 0.628 against 0.591 / 0.656, k4s2_readability.json), so K=4 keeps the
 # spread-position reader.
 PREFERRED: dict[str, str] = {"smollm2-135m-k2": "smollm2-135m-k2-seq"}
+# the settings a packed reader may be given as its default prompt layout (``pack_reader``)
+LAYOUT = ("ratio", "allocator")
 STORAGE_DTYPE = torch.float16  # weights are small (|w| << 65504); fp16 keeps 3 more bits than bf16
 
 
@@ -127,10 +129,14 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
                    f"name: expected a checkpoint folder or one of {', '.join(sorted(READERS))}")
 
 
-def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
+def pack_reader(checkpoint: str | Path, name: str, info: dict,
+                layout: dict | None = None) -> Path:
     """Copy a trained checkpoint into the package as reader ``name``, weights cast to fp16.
 
-    ``info`` (the training command, data, CPU minutes, readability) goes to ``reader.json``.
+    ``info`` (the training command, data, CPU minutes, readability) goes to ``reader.json``;
+    ``layout``: prompt-layout settings the reader is read with by default (``ratio``,
+    ``allocator``: ``KTMConfig`` fields a checkpoint can be read with another of), recorded
+    there too.
     """
     from ktm.core.checkpoint import (
         ADAPTER,
@@ -142,10 +148,18 @@ def pack_reader(checkpoint: str | Path, name: str, info: dict) -> Path:
         read_surprisal,
         save_atomic,
     )
+    from ktm.core.config import KTMConfig
     from ktm.util.fileio import write_json_atomic, write_text_atomic
 
     src = Path(checkpoint)
     cfg = read_config(src)
+    layout = dict(layout or {})
+    unknown = sorted(set(layout) - set(LAYOUT))
+    if unknown:
+        raise KTMError(f"a reader's default layout takes {', '.join(LAYOUT)}, got {unknown}")
+    cfg["config"] = KTMConfig.from_dict({**cfg["config"], **layout}).to_dict()  # checked
+    if layout:
+        info = {**info, "layout": layout}
     if name not in READERS:
         raise KTMError(f"reader name {name!r} is not registered: expected one of "
                        f"{', '.join(sorted(READERS))} (add it to ktm.readers.READERS)")

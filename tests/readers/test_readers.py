@@ -253,3 +253,25 @@ def test_auto_falls_back_to_the_shipped_recursive_reader_by_name(monkeypatch):
     monkeypatch.setattr(readers, "READERS", {"smollm2-135m-k4": "smollm2-135m-k4"})
     assert readers.find_reader("smollm2-135m", 2) == "smollm2-135m-k4"
     assert readers.find_reader("smollm2-135m", 3) is None
+
+
+def test_a_packed_reader_may_carry_a_default_layout(tiny_model_dir, tmp_path, monkeypatch):
+    """``ktm pack-reader --ratio R --allocator A``: the reader reads at R with A unless told
+    otherwise; a field that is not a layout setting is refused."""
+    from helpers import fresh_model
+
+    import ktm.readers as readers
+    from ktm.errors import KTMError
+    from ktm.model import KTMModel
+
+    monkeypatch.setattr(readers, "HERE", tmp_path / "pkg")
+    monkeypatch.setattr(readers, "READERS", {"tiny-k4": "tiny-k4"})
+    (tmp_path / "pkg").mkdir()
+    fresh_model(tiny_model_dir, k=4).save(tmp_path / "run")
+    readers.pack_reader(tmp_path / "run", "tiny-k4", {"command": "x"},
+                        {"ratio": 4.0, "allocator": "question"})
+    model = KTMModel.load("tiny-k4")
+    assert (model.config.ratio, model.config.allocator) == (4.0, "question")
+    assert readers.reader_info("tiny-k4")["layout"] == {"ratio": 4.0, "allocator": "question"}
+    with pytest.raises(KTMError, match="default layout takes ratio, allocator, got \\['k'\\]"):
+        readers.pack_reader(tmp_path / "run", "tiny-k4", {}, {"k": 2})
