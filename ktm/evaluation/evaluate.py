@@ -208,9 +208,10 @@ def evaluate_qa(model, examples: Sequence[Example], *, merge: bool = True, batch
                 max_new_tokens: int = 16, progress: bool = False) -> dict:
     """Accuracy of open answers: a hit is a greedy answer holding every value of the example's
     ``meta["answers"]`` (``hit``). Also by depth (``meta["depth"]``, where the task sets one,
-    to two decimals), and the seconds spent encoding (merging and allocating, the question
-    allocator's scoring included) and prefilling, per example (``prefill_s``: the runtime's
-    prefill alone; their sum is the time to the first token but for one step)."""
+    to two decimals), and the seconds spent encoding (``compression_s``: merging and
+    allocating, the question allocator's scoring included) and prefilling (``prefill_s``: the
+    runtime's prefill alone, a KV press included), over all examples as the other kinds' rows
+    count them; per example, their sum is the time to the first token but for one step."""
     before = after = kept = 0
     squeezed = (0, 0)
     compress_s = prefill_s = 0.0
@@ -243,8 +244,9 @@ def evaluate_qa(model, examples: Sequence[Example], *, merge: bool = True, batch
         "length_reduction": length_reduction(before, after),
         "kv_after": kept / n,
         "ratio_read": ratio_of(squeezed),
-        "compression_s": compress_s / n,
-        "prefill_s": prefill_s / n,
+        "compression_s": compress_s,
+        "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
+        "prefill_s": prefill_s,
         "wall_s": time.perf_counter() - t0,
         "predictions": hits,
         "answers": answers,
