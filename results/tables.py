@@ -644,6 +644,100 @@ def long_answers() -> str:
     return "\n".join(out)
 
 
+# questions about long documents (results/question/run.sh): TASK/LENGTH/METHOD.json
+QUESTION = RESULTS / "question"
+QUESTION_NAMES = {
+    "plain": "plain (the base model)", "truncate": "truncation (its last 30 %)",
+    "truncate-window": "truncation to the window (last 8,000 tokens)",
+    "k2": "ktm K=2 (k2-seq)", "k4": "ktm K=4 (k4-seq)",
+    "k4-question": "ktm K=4 reader (k4-seq), question allocator",
+    "qa-k4": "question reader (k4-qa), K=4",
+    "qa-question": "**question reader (k4-qa), question allocator**",
+    "qa-window": "**question reader (k4-qa), question allocator, ≤ 8,192 positions**",
+    "llmlingua": "LLMLingua (30 % kept)", "longllmlingua": "LongLLMLingua (30 % kept)",
+    "expected_attention": "ExpectedAttention (30 % of KV)", "snapkv": "SnapKV (30 % of KV)",
+    "tova": "TOVA (30 % of KV)", "streaming_llm": "StreamingLLM (30 % of KV)",
+    "kvzip": "KVzip (30 % of KV)",
+    "snapkv-question": "SnapKV, the question in its window (30 % of KV)"}
+
+
+def question_rows(task: str, length: int) -> dict[str, dict]:
+    """The rows of one task and document length, by method."""
+    folder = QUESTION / task / str(length)
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def _question_cells(r: dict | None) -> list[str]:
+    """Hits, the KV kept (of the prompt's tokens) and the seconds to the first token."""
+    if r is None:
+        return ["–"] * 3
+    first = (r["compression_s"] + r["prefill_s"]) / r["n"]
+    return [f"{r['accuracy']:.2f}", f"{r['kv_after'] / r['tokens_before']:.0%}",
+            f"{first:.2f}"]
+
+
+def question_table(task: str, lengths: tuple[int, ...], methods: tuple[str, ...]) -> str:
+    rows = {n: question_rows(task, n) for n in lengths}
+    out = ["| reading | " + " | ".join(f"{n:,} tokens: found | KV kept | first token (s)"
+                                      for n in lengths) + " |",
+           "|---" * (1 + 3 * len(lengths)) + "|"]
+    for m in methods:
+        if not any(m in rows[n] for n in lengths):
+            continue
+        cells = [c for n in lengths for c in _question_cells(rows[n].get(m))]
+        out.append(f"| {QUESTION_NAMES[m]} | " + " | ".join(cells) + " |")
+    ns = sorted({r["n"] for n in lengths for r in rows[n].values()})
+    out.append("")
+    out.append(f"Questions: {', '.join(map(str, ns))} per length, the same documents for every "
+               "reading; found: the share answered with every asked value; KV kept: the "
+               "positions whose keys and values the LM holds after the prompt, over its tokens "
+               "(the question included); first token: merging, allocating, compressing and "
+               "prefilling, one thread, per question.")
+    return "\n".join(out)
+
+
+def question() -> str:
+    """A needle at 1,024 and 4,096 tokens: every reading side by side."""
+    return question_table("needle", (1024, 4096), tuple(QUESTION_NAMES))
+
+
+def question_tasks() -> str:
+    """The other question tasks at 1,024 tokens (and 4,096 where run): the main readings."""
+    main = ("plain", "truncate", "k4", "qa-k4", "qa-question", "longllmlingua",
+            "expected_attention", "kvzip")
+    out = []
+    for task, title in (("needle-multikey", "needle, 4 keys (one asked)"),
+                        ("needle-multivalue", "needle, 4 values (all asked)"),
+                        ("vartrack", "variable tracking (4 hops)"),
+                        ("codeqa", "code: what a function returns"),
+                        ("codeqa-methods", "code: the methods a class defines")):
+        lengths = tuple(n for n in (1024, 4096) if question_rows(task, n))
+        if lengths:
+            out += [f"**{title}**", "", question_table(task, lengths, main), ""]
+    return "\n".join(out) or "(no rows yet)"
+
+
+def question_depth() -> str:
+    """The needle found at each depth and length (the picture needle results are read by):
+    the question reader against plain, and past the window against truncation."""
+    lengths = sorted(int(p.name) for p in (QUESTION / "needle").glob("*") if p.name.isdigit())
+    out = ["| reading | length | " + " | ".join(f"depth {d:.2f}" for d in (0, .25, .5, .75, 1))
+           + " | all |", "|---" * 8 + "|"]
+    for m in ("plain", "qa-question", "truncate-window", "qa-window"):
+        for n in lengths:
+            r = question_rows("needle", n).get(m)
+            if r is None:
+                continue
+            by = {float(d): v for d, v in r["accuracy_by_depth"].items()}
+            cells = []
+            for lo in (0, .25, .5, .75, 1):  # the depths nearest each fifth of the document
+                near = [v for d, v in by.items() if abs(d - lo) <= 0.125 + 1e-9]
+                cells.append(f"{sum(near) / len(near):.2f}" if near else "–")
+            out.append(f"| {QUESTION_NAMES[m]} | {n:,} | " + " | ".join(cells)
+                       + f" | {r['accuracy']:.2f} |")
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "press_tasks": press_tasks, "history": history,
                                         "readers": readers, "bench": bench, "demo": demo,
@@ -651,7 +745,9 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "context": context, "serve_llamacpp": serve_llamacpp,
                                         "vllm": vllm, "serve_vllm": serve_vllm,
                                         "determinism": determinism, "vllm_r": vllm_r,
-                                        "long_answers": long_answers}
+                                        "long_answers": long_answers, "question": question,
+                                        "question_tasks": question_tasks,
+                                        "question_depth": question_depth}
 
 
 def render(text: str, page: Path) -> str:

@@ -25,7 +25,8 @@ def _is_int(v: Any) -> bool:
 
 # the signals that spend a ratio's positions (ktm.core.allocate.SIGNALS; its home, this module
 # being a leaf that the allocator imports)
-ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention", "question")
+ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention", "question",
+              "question_attention")
 # the rows a LoRA adapts (``LoraSettings.scope``; ktm.core.lora_scope)
 LORA_SCOPES = ("all", "merged")
 # how ``context_layers`` pools a block's states (ktm.core.context_states)

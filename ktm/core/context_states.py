@@ -44,8 +44,8 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     return found[0]
 
 
-class _Stop(Exception):
-    """Raised by the hook on layer L: the rest of the LM need not run."""
+class StopForward(Exception):
+    """Raised by a hook on layer L: the rest of the LM need not run."""
 
 
 class LayerStates:
@@ -72,7 +72,7 @@ class LayerStates:
 
         def stop(_module, _args, out):
             got["h"] = out[0] if isinstance(out, tuple) else out
-            raise _Stop
+            raise StopForward
 
         b = embeds.shape[0]
         table = self.lm.get_input_embeddings()
@@ -83,7 +83,7 @@ class LayerStates:
         try:
             with torch.no_grad(), self.adapter_off():
                 self.lm(inputs_embeds=x, attention_mask=m, use_cache=False)
-        except _Stop:
+        except StopForward:
             pass
         finally:
             hook.remove()

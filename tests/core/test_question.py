@@ -136,3 +136,19 @@ def test_a_far_plain_line_is_quoted_after_the_document(reader, monkeypatch):
     assert far[-1] == near[-1]  # the question stays last
     cp = reader.compress(asked)
     assert cp.tokens_out == reader.measure_prompts([asked])[0].tokens_out
+
+
+def test_the_question_attention_signal_reads_the_questions_attention_in_early_layers(reader):
+    from ktm.model import lm_attention
+
+    ids = reader.tokenize(DOC, True)[:60]
+    question = reader.tokenize("\nWhat is the secret code?")
+    one, two = (lm_attention(reader, ids, question, layers=n) for n in (1, 2))
+    assert len(one) == len(ids) and one != two  # the first layer alone, then both
+    assert reader.scorer("question_attention", ids, question) == pytest.approx(
+        lm_attention(reader, ids, question, layers=min(2, 4)))
+    assert reader.scorer("question_attention", ids, ()) == [0.0] * len(ids)  # no question
+    reader._config = dataclasses.replace(reader._config, allocator="question_attention")
+    cp = reader.compress([Segment(DOC, ratio=3.0), Segment("\nWhat is the code?",
+                                                             compress=False)])
+    assert cp.tokens_out < cp.tokens_in
