@@ -385,9 +385,11 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
             raise KTMError(f"use_cache=False re-runs the whole sequence on the torch path (the "
                            f"test reference); the {runtime.name} backend always keeps its KV "
                            "cache")
-        state, seconds = timed(model.device, runtime.prefill, prefixes, [cfg] * len(prefixes))
-        if timing is not None:
-            timing["prefill_s"] = seconds
+        if timing is None:
+            state = runtime.prefill(prefixes, [cfg] * len(prefixes))
+        else:
+            state, timing["prefill_s"] = timed(model.device, runtime.prefill, prefixes,
+                                               [cfg] * len(prefixes))
     rows = state.logits.shape[0]
     gens = [None] * rows
     if cfg.do_sample and cfg.seed is not None:

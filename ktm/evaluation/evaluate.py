@@ -16,10 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ktm.core.allocate import quiet_ratio
-from ktm.core.batch import ratio_of, squeezed_sum
 from ktm.core.loss import target_ids
 from ktm.decode.generate import eval_mode
-from ktm.decode.press import kv_kept
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import (
     check_scoring,
@@ -28,11 +26,11 @@ from ktm.evaluation.label_scoring import (
     label_prior,
     prior_dict,
 )
-from ktm.evaluation.metrics import accuracy, balanced_accuracy, length_reduction, perplexity
+from ktm.evaluation.metrics import accuracy, balanced_accuracy, perplexity
+from ktm.evaluation.tally import Tally
 from ktm.tasks.base import Example
 from ktm.tasks.fits import check_examples_fit
 from ktm.tasks.labels import parse_label
-from ktm.util.timing import timed
 
 
 def eval_mode_call(fn):
@@ -80,25 +78,16 @@ def evaluate_classification(model, examples: Sequence[Example], labels: Sequence
                               merge=merge, batch_size=batch_size, progress=progress)
     preds: list[str | None] = []
     answers: list[str] = []
-    before = after = kept = 0
-    squeezed = (0, 0)
-    compress_s = 0.0
+    tally = Tally()
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
-        # the encoder's kernels, not only their launch, on CUDA
-        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
-        compress_s += seconds
-        before += sum(cp.tokens_in for cp in prefixes)
-        after += sum(cp.tokens_out for cp in prefixes)
-        kept += kv_kept(model, prefixes)
-        squeezed = squeezed_sum(prefixes, squeezed)
+        prefixes = tally.encode(model, prompts, merge)
         texts = model.generate(prompts, prefixes=prefixes, max_new_tokens=max_new_tokens,
                                merge=merge)
         answers += texts
         preds += [parse(t) if parse else parse_label(t, labels) for t in texts]
-    return _class_row(examples, labels, preds, answers, before, after, kept, compress_s, t0,
-                      squeezed)
+    return _class_row(examples, labels, preds, answers, tally, t0)
 
 
 def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batch_size,
@@ -118,9 +107,7 @@ def _by_likelihood(model, examples, labels, targets, calibration, *, merge, batc
     # the per-example record: each label's log-probability, rounded for the predictions file
     answers = [{lab: round(v, 4) for lab, v in zip(labels, row, strict=True)}
                for row in logp.tolist()]
-    row = _class_row(examples, labels, preds, answers, counts["tokens_in"],
-                     counts["tokens_out"], counts["kv_kept"], counts["compress_s"], t1,
-                     counts["squeezed"])
+    row = _class_row(examples, labels, preds, answers, counts, t1)
     uncorrected = row["balanced_accuracy"] if prior is None else balanced_accuracy(
         decide(logp, labels), _golds(examples), labels)
     row["scoring"] = {"method": "likelihood", "targets": list(targets),
@@ -135,23 +122,14 @@ def _golds(examples: Sequence[Example]) -> list[str]:
     return [e.label or e.target.strip() for e in examples]
 
 
-def _class_row(examples, labels, preds, answers, before, after, kept, compress_s, t0,
-               squeezed) -> dict:
+def _class_row(examples, labels, preds, answers, tally: Tally, t0: float) -> dict:
     golds = _golds(examples)
     return {
         "n": len(examples),
         "accuracy": accuracy(preds, golds),
         "balanced_accuracy": balanced_accuracy(preds, golds, labels),
         "unparsed": sum(p is None for p in preds),
-        "tokens_before": before / len(examples),
-        "tokens_after": after / len(examples),
-        "length_reduction": length_reduction(before, after),
-        # positions whose KV the reading keeps: tokens_after less what a KV press drops
-        "kv_after": kept / len(examples),
-        # the compressed segments' tokens per position (a ratio's target, or about K)
-        "ratio_read": ratio_of(squeezed),
-        "compression_s": compress_s,
-        "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
+        **tally.fields(len(examples)),
         "wall_s": time.perf_counter() - t0,
         # the parsed label (None: unparsed) and the generated text (likelihood: label log-probs)
         "predictions": preds,
@@ -164,33 +142,20 @@ def _class_row(examples, labels, preds, answers, before, after, kept, compress_s
 def evaluate_perplexity(model, examples: Sequence[Example], *, merge: bool = True,
                         batch_size: int = 4, progress: bool = False) -> dict:
     """Perplexity of the targets given the (merged) prompts, pooled over all target tokens."""
-    nll, n_tok, before, after, kept = 0.0, 0, 0, 0, 0
-    squeezed = (0, 0)
-    compress_s = 0.0
+    nll, n_tok = 0.0, 0
+    tally = Tally()
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
-        # the encoder's kernels, not only their launch, on CUDA
-        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
-        compress_s += seconds
+        prefixes = tally.encode(model, prompts, merge)
         out = model(prompts, [e.target for e in batch], merge=merge, prefixes=prefixes)
         nll += float(out.nll.sum())
         n_tok += int(out.n_tokens.sum())
-        before += out.tokens_in
-        after += out.tokens_out
-        kept += kv_kept(model, prefixes)
-        squeezed = squeezed_sum(prefixes, squeezed)
     return {
         "n": len(examples),
         "perplexity": perplexity(nll, n_tok),
         "target_tokens": n_tok,
-        "tokens_before": before / len(examples),
-        "tokens_after": after / len(examples),
-        "length_reduction": length_reduction(before, after),
-        "kv_after": kept / len(examples),
-        "ratio_read": ratio_of(squeezed),
-        "compression_s": compress_s,
-        "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
+        **tally.fields(len(examples)),
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -212,19 +177,12 @@ def evaluate_qa(model, examples: Sequence[Example], *, merge: bool = True, batch
     allocating, the question allocator's scoring included) and prefilling (``prefill_s``: the
     runtime's prefill alone, a KV press included), over all examples as the other kinds' rows
     count them; per example, their sum is the time to the first token but for one step."""
-    before = after = kept = 0
-    squeezed = (0, 0)
-    compress_s = prefill_s = 0.0
+    tally, prefill_s = Tally(), 0.0
     answers: list[str] = []
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
-        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
-        compress_s += seconds
-        before += sum(cp.tokens_in for cp in prefixes)
-        after += sum(cp.tokens_out for cp in prefixes)
-        kept += kv_kept(model, prefixes)
-        squeezed = squeezed_sum(prefixes, squeezed)
+        prefixes = tally.encode(model, prompts, merge)
         timing: dict = {}
         answers += model.generate(prompts, prefixes=prefixes, timing=timing,
                                   max_new_tokens=max_new_tokens, merge=merge)
@@ -239,13 +197,7 @@ def evaluate_qa(model, examples: Sequence[Example], *, merge: bool = True, batch
         "n": n,
         "accuracy": sum(hits) / n,
         "accuracy_by_depth": {d: sum(v) / len(v) for d, v in sorted(by_depth.items())},
-        "tokens_before": before / n,
-        "tokens_after": after / n,
-        "length_reduction": length_reduction(before, after),
-        "kv_after": kept / n,
-        "ratio_read": ratio_of(squeezed),
-        "compression_s": compress_s,
-        "compression_ms_per_1k_tokens": 1e6 * compress_s / before,
+        **tally.fields(n),
         "prefill_s": prefill_s,
         "wall_s": time.perf_counter() - t0,
         "predictions": hits,

@@ -22,11 +22,9 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ktm.core.batch import squeezed_sum
-from ktm.decode.press import kv_kept
 from ktm.errors import KTMError
+from ktm.evaluation.tally import Tally
 from ktm.tasks.base import Example
-from ktm.util.timing import timed
 
 SCORINGS = ("generate", "likelihood")
 
@@ -34,9 +32,9 @@ SCORINGS = ("generate", "likelihood")
 @torch.no_grad()
 def label_logprobs(model, examples: Sequence[Example], targets: Sequence[str], *,
                    merge: bool = True, batch_size: int = 16, progress: bool = False,
-                   desc: str = "score") -> tuple[torch.Tensor, dict]:
+                   desc: str = "score") -> tuple[torch.Tensor, Tally]:
     """(N, L) ``log p(targets[l] | prompt)`` per example; the prompts' token counts and the
-    seconds spent merging them.
+    seconds spent merging them (``Tally``).
 
     Each batch's prompts are encoded (merged) once and read once per label. Runs in the
     model's current mode: callers put it in eval mode.
@@ -45,21 +43,14 @@ def label_logprobs(model, examples: Sequence[Example], targets: Sequence[str], *
         raise KTMError("no label targets to score: expected at least one")
     if not examples:
         raise KTMError("no examples to score: expected at least one")
-    rows, before, after, kept, compress_s, squeezed = [], 0, 0, 0, 0.0, (0, 0)
+    rows, tally = [], Tally()
     for i in tqdm(range(0, len(examples), batch_size), desc=desc, disable=not progress):
         prompts = [e.segments for e in examples[i:i + batch_size]]
-        # the encoder's kernels, not only their launch, on CUDA
-        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
-        compress_s += seconds
-        before += sum(cp.tokens_in for cp in prefixes)
-        after += sum(cp.tokens_out for cp in prefixes)
-        kept += kv_kept(model, prefixes)
-        squeezed = squeezed_sum(prefixes, squeezed)
+        prefixes = tally.encode(model, prompts, merge)
         cols = [model(prompts, [t] * len(prompts), merge=merge, prefixes=prefixes).nll
                 for t in targets]
         rows.append(-torch.stack(cols, dim=1).float().cpu())
-    return torch.cat(rows), {"tokens_in": before, "tokens_out": after, "kv_kept": kept,
-                             "compress_s": compress_s, "squeezed": squeezed}
+    return torch.cat(rows), tally
 
 
 def label_prior(logprobs: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ def test_label_logprobs_match_the_base_model_by_hand(tiny_model_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     model = KTMModel.from_base(tiny_model_dir, k=1).eval()
     got, counts = label_logprobs(model, _examples()[:2], TARGETS)
-    assert got.shape == (2, 2) and counts["tokens_in"] == counts["tokens_out"]
+    assert got.shape == (2, 2) and counts.tokens_in == counts.tokens_out
     for i, prompt in enumerate(PROMPTS[:2]):
         for j, target in enumerate(TARGETS):
             p = model.tokenizer(prompt)["input_ids"]
