@@ -31,7 +31,7 @@ from ktm.util.fileio import write_text_atomic
 RESULTS = Path(__file__).resolve().parent
 REPO = RESULTS.parent
 PAGES = (REPO / "README.md", RESULTS / "README.md", REPO / "docs" / "vllm.md",
-         REPO / "docs" / "llamacpp.md")
+         REPO / "docs" / "llamacpp.md", RESULTS / "question" / "README.md")
 START = re.compile(r"^<!-- generated: ([\w-]+) \(python results/tables\.py\) -->$", re.M)
 END = "<!-- /generated -->"
 

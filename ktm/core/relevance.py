@@ -14,11 +14,17 @@ order (a name with its title, "secret code"):
     idf(w) = log(1 + passages / passages holding w)
 
 BM25's weighting without its length normalisation: a passage is a line, and lines are about as
-long as each other. Words are tokens read as text, lowercased, with their spaces and punctuation
-stripped; whitespace and punctuation tokens are no words. Each token gets its passage's score,
-and the passages next to a scored one get ``CONTEXT`` of it each step away (the lines around a
-fact, which a question about it often needs too). Costs one pass over the tokens: 1024 tokens
-in about a millisecond, nothing next to the prefill it plans.
+long as each other. Then relevance flows along rare words (in at most ``RARE`` passages), up
+to ``FEEDBACK`` steps from the best passages (scoring at least ``TOP`` of the best): a passage
+sharing a rare word with a relevant one scores at least ``DECAY`` of it (pseudo-relevance
+feedback). A question about a chain (``b = a``, ``c = b``, asked about ``a``'s value) so
+reaches each link through the one before, and a fact's name leads to the lines that use it.
+
+Words are tokens read as text, lowercased, with their spaces and punctuation stripped;
+whitespace and punctuation tokens are no words. Each token gets its passage's score, and the
+passages next to a scored one get ``CONTEXT`` of it each step away (the lines around a fact,
+which a question about it often needs too). It reads the tokens a few times over, nothing next
+to the prefill it plans (``compression_s`` in a result row holds it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ from collections.abc import Callable, Sequence
 PASSAGE = 32  # the longest passage, in tokens: a longer line is cut into pieces of this length
 PHRASE = 0.5  # the weight of an adjacent pair of question words, against one word's
 CONTEXT = (0.5, 0.25)  # a scored passage's share given to the passages 1 and 2 away
+FEEDBACK = 3  # steps relevance flows from the best passages along their rare words
+RARE = 2  # a word in at most this many passages is rare
+TOP = 0.5  # a passage scoring at least this share of the best is among the best
+DECAY = 0.8  # the share of a passage's score a passage sharing a rare word with it gets
 
 
 def word_of(tokenizer) -> Callable[[int], str | None]:
@@ -70,21 +80,38 @@ def lexical_scores(ids: Sequence[int], question: Sequence[int],
     asked = [w for w in map(word, question) if w is not None]
     if not ids or not asked:
         return [0.0] * len(ids)
-    pairs = set(zip(asked, asked[1:]))
     cuts = passages(ids, ends_line)
     words = [[w for w in map(word, ids[a:b]) if w is not None] for a, b in cuts]
-    wanted = set(asked)
-    held = [set(ws) & wanted for ws in words]
     df: dict[str, int] = {}
-    for h in held:
-        for w in h:
+    for ws in words:
+        for w in set(ws):
             df[w] = df.get(w, 0) + 1
     idf = {w: math.log(1 + len(cuts) / n) for w, n in df.items()}
+    pairs = set(zip(asked, asked[1:]))
     score = []
-    for ws, h in zip(words, held):
-        s = sum(idf[w] for w in h)
+    for ws in words:
+        held = set(ws)
+        s = sum(idf[w] for w in set(asked) & held)
         s += PHRASE * sum((idf[a] + idf[b]) / 2 for a, b in set(zip(ws, ws[1:])) & pairs)
         score.append(s)
+    best = max(score)
+    holding: dict[str, list[int]] = {}
+    for i, ws in enumerate(words):
+        for w in set(ws):
+            if df[w] <= RARE:
+                holding.setdefault(w, []).append(i)
+    sources = [i for i, s in enumerate(score) if best > 0 and s >= TOP * best]
+    used: set[str] = set()
+    for _ in range(FEEDBACK):
+        reached = []
+        for i in sources:
+            for w in set(words[i]) - used:
+                for j in holding.get(w, ()):
+                    if j != i and DECAY * score[i] > score[j]:
+                        score[j] = DECAY * score[i]
+                        reached.append(j)
+            used |= set(words[i])
+        sources = reached
     spread = list(score)
     for i, s in enumerate(score):
         for d, share in enumerate(CONTEXT, start=1):

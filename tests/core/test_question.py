@@ -30,15 +30,34 @@ def test_a_line_holding_the_questions_rare_words_scores_highest():
     by_line = [scores[a] for a, _ in passages(doc, lambda i: i in ends)]
     # line 2 holds "alpha beta", side by side as asked: the best; the lines next to it get
     # half of it, those two away a quarter; line 4 holds only "code", in two lines of five
-    assert by_line[2] == max(by_line)
-    assert by_line[1] == pytest.approx(0.5 * by_line[2]) == by_line[3]
-    assert by_line[0] == pytest.approx(0.25 * by_line[2])
+    # (its rare words are in line 2 alone: nothing flows from it)
+    best = (1 + 1 + 0.5) * math.log(1 + 5 / 1)  # two words and the pair they make
+    assert by_line[2] == pytest.approx(best) == max(by_line)
+    assert by_line[1] == pytest.approx(0.5 * best) == by_line[3]
+    assert by_line[0] == pytest.approx(0.25 * best)
     assert by_line[4] == pytest.approx(math.log(1 + 5 / 2))  # idf of "code"
-    # two words and the pair they make: (1 + 1 + PHRASE) idf, each in one line of five
-    assert by_line[2] == pytest.approx(2.5 * math.log(1 + 5 / 1))
     assert lexical_scores(doc, [4, 4], word, lambda i: i in ends) == [0.0] * len(doc)
     assert passages(list(range(70)), lambda i: False, longest=32) == [(0, 32), (32, 64),
                                                                        (64, 70)]
+
+
+def test_feedback_follows_a_chain_of_assignments():
+    lines = [["x", "=", "5", "7"], ["y", "=", "x"], ["q", "r", "s"], ["z", "=", "y"],
+             ["t", "u", "v"], ["w", "o", "p"], ["k", "l", "m"]]
+    vocab = {w: i + 10 for i, w in enumerate(sorted({w for ln in lines for w in ln} | {"nl"}))}
+    doc = [t for ln in lines for t in [vocab[w] for w in ln] + [vocab["nl"]]]
+    names = {i: w for w, i in vocab.items()}
+    ends = {i for i, t in enumerate(doc) if names[t] == "nl"}
+    scores = lexical_scores(doc, [vocab["5"], vocab["7"]],
+                            lambda t: None if names[t] in ("nl", "=") else names[t],
+                            lambda i: i in ends)
+    by_line = [scores[a] for a, _ in passages(doc, lambda i: i in ends)]
+    # "x" (from the line holding the value) finds "y = x", whose "y" finds "z = y"
+    from ktm.core.relevance import DECAY
+
+    assert by_line[1] == pytest.approx(DECAY * by_line[0])
+    assert by_line[3] == pytest.approx(DECAY ** 2 * by_line[0])
+    assert by_line[6] == 0  # three lines past the chain's last link
 
 
 def test_word_of_reads_tokens_as_lowercase_words(tiny_model_dir):
