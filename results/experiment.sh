@@ -12,7 +12,11 @@
 #   i.e. K=2's length), ltsc; and adaptive merging (ktm train --ratio R): ada-rR (e.g. ada-r4) fine-tunes
 #   the mixed-level reader $ADAPTIVE_READER (default runs/adaptive/k8mix/checkpoint, made by
 #   results/adaptive/train_reader.sh) reading each task's context at ratio R, its positions spent by
-#   --allocator ${ALLOCATOR:-surprisal}; ada-kK reads it uniformly at K (the same reader's control).
+#   --allocator ${ALLOCATOR:-surprisal}; ada-kK reads it uniformly at K (the same reader's control);
+#   and the question reader: qa-question fine-tunes smollm2-135m-k4-qa ($QA_READER for another)
+#   reading each context at ratio 4 (K=4's positions) by the question allocator (the lines the
+#   question names plain, the least relevant left out to pay), qa-k4 the same reader uniformly
+#   at K=4 (its control).
 # LR=RATE (environment) fine-tunes at another LoRA rate (the encoder's is a tenth of it) and
 # writes to results/tasks/budgets/TASK-lrRATE/ and runs/exp/TASK-lrRATE-METHOD instead. SLOT_LR=RATE gives
 # the encoder's slot weights their own rate (ktm train --slot-lr), into results/tasks/probes/TASK-slotRATE/.
@@ -124,6 +128,9 @@ for m in $methods; do
     ada-r*) model=(--k 8 --init "${ADAPTIVE_READER:-runs/adaptive/k8mix/checkpoint}"
                    --ratio "${m#ada-r}" --allocator "${ALLOCATOR:-surprisal}") ;;
     ada-k*) model=(--k "${m#ada-k}" --init "${ADAPTIVE_READER:-runs/adaptive/k8mix/checkpoint}") ;;
+    qa-question) model=(--k 4 --init "${QA_READER:-smollm2-135m-k4-qa}" --ratio 4
+                        --allocator question) ;;
+    qa-k4) model=(--k 4 --init "${QA_READER:-smollm2-135m-k4-qa}" --ratio 4 --allocator even) ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
   [[ $m == k[0-9]* && -n ${SUFFIX:-} ]] && model+=(--plain-suffix "$SUFFIX")
