@@ -21,7 +21,7 @@ from torch import nn
 from ktm.core.allocate import RATIO_TOLERANCE, RatioWarning, Units, allocate
 from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
-from ktm.core.encoder import cast_for_inference, level_encoder
+from ktm.core.encoder import cast_for_inference, deeper_level, level_encoder
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
 
@@ -167,12 +167,16 @@ class PromptEncoder:
         with a ratio or levels, its merged pieces cut into runs of one level each (not when
         ``allocate`` is off: a prompt read unmerged needs no plan)."""
         runs: dict[int, list[list[tuple[int, int]]]] = {}
+        deep = deeper_level(self.encoder)
         for seg, s in enumerate(segs if allocate else ()):
             if s.compress and s.ratio is None and s.levels is None and self.ratio is not None:
                 s = replace(s, ratio=self.ratio)
             if s.ratio is None and s.levels is None:
                 continue
             merged = [ids for ids, c, i in row if i == seg and c and ids]
+            if deep is not None and s.ratio == deep[0]:  # read whole a level past the largest
+                runs[seg] = [[(len(ids), deep[0])] for ids in merged]
+                continue
             plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
             runs[seg] = self._segment_runs(s, merged, plain)
         out = []
@@ -301,20 +305,30 @@ class PromptEncoder:
 
     def _merge(self, segments: list[tuple[int, ...]], level: int) -> list[torch.Tensor]:
         device = self.embed.weight.device
-        encoder = level_encoder(self.encoder, level)
+        deep = deeper_level(self.encoder)
+        # the level past the largest: the encoder's merges merged again (``deeper_level``)
+        again = deep[1] if deep is not None and level == deep[0] else None
+        encoder = self.encoder if again is not None else level_encoder(self.encoder, level)
         longest = max(len(s) for s in segments)
         ids = torch.tensor([list(s) + [self.pad_id] * (longest - len(s)) for s in segments],
                            device=device)
         mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
                             device=device, dtype=torch.bool)
-        embeds = self.embed(ids)
-        if embeds.dtype == torch.float32:
-            merged, _ = encoder(embeds, mask)
-        elif (cast := cast_for_inference(encoder, embeds.dtype)) is not None:
-            merged, _ = cast(embeds, mask)  # an encoder that does not train, in the LM's dtype
-        else:
-            # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
-            with torch.autocast(device.type, dtype=embeds.dtype):
-                merged, _ = encoder(embeds, mask)
-        merged = merged.to(embeds.dtype)
+        merged, mask = _run(encoder, self.embed(ids), mask)
+        if again is not None:
+            merged, _ = _run(again, merged, mask)
         return [merged[i, : -(-len(s) // level)] for i, s in enumerate(segments)]
+
+
+def _run(encoder: nn.Module, embeds: torch.Tensor, mask: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encoder`` over (B, T, D) ``embeds`` in their dtype -> (B, ceil(T/k), D) and its mask."""
+    if embeds.dtype == torch.float32:
+        merged, out_mask = encoder(embeds, mask)
+    elif (cast := cast_for_inference(encoder, embeds.dtype)) is not None:
+        merged, out_mask = cast(embeds, mask)  # an encoder that does not train, in the LM's dtype
+    else:
+        # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
+        with torch.autocast(embeds.device.type, dtype=embeds.dtype):
+            merged, out_mask = encoder(embeds, mask)
+    return merged.to(embeds.dtype), out_mask
