@@ -346,9 +346,13 @@ class Engine:
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
     def _prefill(self, jobs: list[Job]) -> tuple[list, list[Row]]:
-        cps = self.model.encode_prompts([j.segments for j in jobs], cache=self.merged)
-        keep = [(job, cp, self._limit(job, cp)) for job, cp in zip(jobs, cps)]
-        keep = self._fit_cells([(job, cp, limit) for job, cp, limit in keep if limit is not None])
+        # a prompt too long is refused from its counts (``measure_prompts``), before the encoder
+        # reads it: one many times the context costs its tokens' ids, never their embeddings
+        measured = self.model.measure_prompts([j.segments for j in jobs])
+        fits = [(job, limit) for job, cp in zip(jobs, measured)
+                if (limit := self._limit(job, cp)) is not None]
+        cps = self.model.encode_prompts([j.segments for j, _ in fits], cache=self.merged)
+        keep = self._fit_cells([(job, cp, limit) for (job, limit), cp in zip(fits, cps)])
         if not keep:
             return [], []
         states, rows = [], []

@@ -453,3 +453,62 @@ def _up(srv) -> bool:
         return get(srv, "/health")["status"] == "ok"
     except OSError:
         return False
+
+
+@pytest.mark.slow  # starts ktm serve and the vLLM server it starts (a minute or more)
+@pytest.mark.vllm
+def test_sigterm_on_a_started_vllm_server_ends_the_streams_and_stops_it(tmp_path):
+    """``--backend vllm --vllm-server``: the streams in flight end with their answer or an error
+    event, ktm serve exits 0, and the vLLM server it started is gone with it."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ktm.cli", "serve", "--model", "smollm2-135m-k4-seq",
+           "--port", str(port), "--served-name", "k4", "--backend", "vllm", "--vllm-server",
+           "--vllm-kv-cache-gb", "1", "--shutdown-timeout", "3", "--max-batch", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KTM_CACHE": str(tmp_path)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    srv = type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port})
+    try:
+        assert _wait_until(lambda: proc.poll() is not None or _up(srv), 900), proc.poll()
+        assert proc.poll() is None
+        children = _children(proc.pid)
+        assert children  # the vLLM server
+        streams = []
+        for i in range(4):
+            body = {"model": "k4", "prompt": f"{DOC} #{i}", "stream": True,
+                    "max_tokens": 400 if i % 2 == 0 else 4, "ktm": {"ignore_eos": True}}
+            conn, r = _sse(port, body)
+            streams.append((conn, r, [r.readline()]))
+        proc.send_signal(signal.SIGTERM)
+        ends = [_rest_of(conn, r, lines) for conn, r, lines in streams]
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert {how for how, _ in ends} <= {"answer", "error"} and len(ends) == 4
+    assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in children)
+    assert "Traceback" not in err
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
