@@ -124,7 +124,7 @@ def send(port: int, head: bytes, chunks) -> dict:
     status = int(header.split()[1]) if header else None
     error = json.loads(rest).get("error", {}) if status and status >= 400 else {}
     return {"status": status, "code": error.get("code"), "param": error.get("param"),
-            "seconds": seconds, "bytes_sent": sent}
+            "message": error.get("message"), "seconds": seconds, "bytes_sent": sent}
 
 
 def body_of(obj: dict) -> bytes:
