@@ -42,9 +42,9 @@ from ktm.core.lora import lora_config, peft_wrapping, resolve_targets
 from ktm.core.lora_fold import FoldedLM
 from ktm.core.lora_scope import gate_lora, gated
 from ktm.core.loss import check_fits, ids_tensor, loss
-from ktm.core.prefix import LineBreaks, MergeCache, PromptEncoder, line_break_ids
+from ktm.core.prefix import MergeCache, PromptEncoder
 from ktm.core.prompt import PromptLike, as_segments, split_prompts
-from ktm.core.tokens import SegmentTokenizer
+from ktm.core.tokens import LineBreaks, SegmentTokenizer, line_break_ids
 from ktm.decode.press import PressConfig, import_kvpress, press_refusal
 from ktm.decode.runtime import TorchRuntime
 from ktm.errors import KTMError
@@ -544,7 +544,7 @@ class KTMModel(nn.Module):
         base LM's view.
         """
         run, rows = via or self.peft, nullcontext()
-        if self.lora_scope == "merged":
+        if self._config.lora.scope == "merged":
             if gate is not None and bool(gate.any()):
                 run = self.peft
             if run is self.peft:
@@ -557,11 +557,6 @@ class KTMModel(nn.Module):
                 output_hidden_states=hidden)
         return (out.logits, out.hidden_states) if hidden else out.logits
 
-    @property
-    def lora_scope(self) -> str:
-        """The rows the LoRA adapts: "all", or "merged" (``ktm.core.lora_scope``)."""
-        return self._config.lora.scope
-
     def decode_lm(self) -> nn.Module | None:
         """What decoding passes ``lm`` as ``via``: the LM with its LoRA folded into separate
         weights (``ktm.core.lora_fold``) when ``fold_lora`` says so, else None (the PEFT model);
@@ -570,7 +565,7 @@ class KTMModel(nn.Module):
         fold = self.fold_lora
         lm = self.peft.get_base_model()
         weights = getattr(self.runtime, "weights", "native")
-        if self.lora_scope == "merged":  # decoding reads plain rows: the base LM, unfolded
+        if self._config.lora.scope == "merged":  # decoding reads plain rows: the base LM, unfolded
             return self._folded.get(lm, weights, fold=False)
         if fold is None:
             fold = not self._folded.lora_trains(lm)
@@ -618,7 +613,7 @@ class KTMModel(nn.Module):
         settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
         perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
         check_backend(backend)
-        if self.lora_scope == "merged" and backend == "vllm":
+        if self._config.lora.scope == "merged" and backend == "vllm":
             raise KTMError("this model's LoRA adapts its merged rows only (lora scope "
                            "'merged'), and the vllm backend applies an adapter to every row of "
                            "a request: expected backend 'torch' or 'llamacpp', or a reader whose "

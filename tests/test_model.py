@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from ktm import KTMError, Segment
 from ktm.core.loss import target_ids
-from ktm.core.prefix import line_break_ids
+from ktm.core.tokens import line_break_ids
 from ktm.model import KTMModel
 
 

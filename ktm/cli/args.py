@@ -77,6 +77,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *,
         flags = [flag, *f.metadata.get("aliases", ())]
         if kind is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+        elif f.metadata.get("repeat"):  # --flag A --flag B (a copy of the default is extended)
+            if not suppress:
+                kw["default"] = list(default)
+            parser.add_argument(*flags, type=typing.get_args(kind)[0], action="append", **kw)
         elif typing.get_origin(kind) in (list, tuple):
             parser.add_argument(*flags, type=typing.get_args(kind)[0], nargs="+", **kw)
         else:

@@ -267,8 +267,8 @@ class Scorer:
     def question_scores(self, ids: list[int], question: Sequence[int]) -> list[float]:
         """Per token of ``ids``: how much it matters to ``question`` (``ktm.core.relevance``);
         all equal without a question, so that a prompt without one is read evenly."""
-        from ktm.core.prefix import line_break_ids
         from ktm.core.relevance import lexical_scores, word_of
+        from ktm.core.tokens import line_break_ids
 
         if self._word is None:
             self._word, self._breaks = word_of(self.tokenizer), line_break_ids(self.tokenizer)

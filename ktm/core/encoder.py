@@ -273,6 +273,21 @@ def level_encoder(encoder: nn.Module, k: int) -> nn.Module:
     return level
 
 
+def deeper_level(encoder: nn.Module) -> tuple[int, nn.Module] | None:
+    """The level past ``encoder``'s K that merging its own merges again reaches, and the module
+    that merges them: a recursive encoder's outer level once more (K=4 over inner K=2: two K=4
+    merges -> one of K=8), else the encoder itself over K of its merges (K*K). Recursive merging
+    of what the encoder has, untrained at that level: a chat's oldest messages read deeper
+    before they are left out (``ktm serve --history-budget``). None where merges cannot be
+    merged again: K=1, or an encoder that reads its tokens' context (``context_layers``,
+    ``context_transformer``), which merged vectors do not have."""
+    if isinstance(encoder, RecursiveEncoder):
+        return encoder.k * encoder.outer.k, encoder.outer
+    if encoder.k == 1 or encoder.states is not None or encoder.mixer is not None:
+        return None
+    return encoder.k * encoder.k, encoder
+
+
 class RecursiveEncoder(nn.Module):
     """K = inner_k * outer_k: merge blocks of inner_k tokens, then blocks of outer_k merges.
 

@@ -29,8 +29,9 @@ from ktm.core.allocate import (
 )
 from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
-from ktm.core.encoder import cast_for_inference, level_encoder
+from ktm.core.encoder import cast_for_inference, deeper_level, level_encoder
 from ktm.core.prompt import Segment
+from ktm.core.tokens import LineBreaks
 from ktm.errors import KTMError
 
 # merged embeddings of a compressed segment, keyed by its token ids (the server's prefix cache)
@@ -46,39 +47,6 @@ def rows_of(ids: list[int], level: int, merge: bool = True) -> int:
     if level == LEFT_OUT:
         return 0
     return -(-len(ids) // level) if merge and level else len(ids)
-
-
-@dataclass(frozen=True)
-class LineBreaks:
-    """The tokens that end a line, read from a vocabulary (``line_break_ids``). ``ids``: every
-    token whose text holds a line break, "\\n" or "\\r" (``"\\n"``, ``"\\r\\n"``, ``"\\n    "``,
-    a classic Mac "\\r"). Of these, one that holds no "\\n" and ends in "\\r" (``cr_end``) ends
-    no line when the next token starts with "\\n" (``lf_start``): a "\\r\\n" written as two
-    tokens is one line break, after its "\\n"."""
-
-    ids: frozenset[int]
-    cr_end: frozenset[int] = frozenset()
-    lf_start: frozenset[int] = frozenset()
-
-    def ends_line(self, ids: list[int], i: int) -> bool:
-        """Whether a line ends after ``ids[i]``."""
-        return ids[i] in self.ids and not (
-            ids[i] in self.cr_end and i + 1 < len(ids) and ids[i + 1] in self.lf_start)
-
-
-def line_break_ids(tokenizer) -> LineBreaks:
-    """The tokenizer's line-break tokens (``LineBreaks``), read from its own decoding, so any
-    family's vocabulary works (about 0.5 s for 50k ids). A tokenizer without one (its line
-    breaks normalized to spaces or unknown) is an error: a model asked to align lines would
-    silently merge across them."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    ids = frozenset(i for i, text in enumerate(texts) if "\n" in text or "\r" in text)
-    if not ids:  # its line breaks become spaces or unknown tokens: there are no lines to align
-        raise KTMError(f"align_lines: no token of this tokenizer ({type(tokenizer).__name__}, "
-                       f"{len(texts)} tokens) holds a line break, so it cannot find a prompt's "
-                       "lines; expected a tokenizer that writes '\\n', or align_lines off")
-    cr_end = frozenset(i for i in ids if texts[i].endswith("\r") and "\n" not in texts[i])
-    return LineBreaks(ids, cr_end, frozenset(i for i in ids if texts[i].startswith("\n")))
 
 
 def embedding_rows(embed: nn.Module) -> int:
@@ -190,12 +158,16 @@ class PromptEncoder:
         # the prompt's question: its plain segments after the last compressed one
         last = max((i for i, s in enumerate(segs) if s.compress), default=len(segs))
         question = [t for ids, c, i in row if i > last and not c for t in ids]
+        deep = deeper_level(self.encoder)
         for seg, s in enumerate(segs if allocate else ()):
             if s.compress and s.ratio is None and s.levels is None and self.ratio is not None:
                 s = replace(s, ratio=self.ratio)
             if s.ratio is None and s.levels is None:
                 continue
             merged = [ids for ids, c, i in row if i == seg and c and ids]
+            if deep is not None and s.ratio == deep[0]:  # read whole a level past the largest
+                runs[seg] = [[(len(ids), deep[0])] for ids in merged]
+                continue
             plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
             runs[seg] = self._segment_runs(s, merged, plain, question)
         out, where, chosen = [], [], []  # pieces, their segments, the plain ones allocated
@@ -350,20 +322,30 @@ class PromptEncoder:
 
     def _merge(self, segments: list[tuple[int, ...]], level: int) -> list[torch.Tensor]:
         device = self.embed.weight.device
-        encoder = level_encoder(self.encoder, level)
+        deep = deeper_level(self.encoder)
+        # the level past the largest: the encoder's merges merged again (``deeper_level``)
+        again = deep[1] if deep is not None and level == deep[0] else None
+        encoder = self.encoder if again is not None else level_encoder(self.encoder, level)
         longest = max(len(s) for s in segments)
         ids = torch.tensor([list(s) + [self.pad_id] * (longest - len(s)) for s in segments],
                            device=device)
         mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
                             device=device, dtype=torch.bool)
-        embeds = self.embed(ids)
-        if embeds.dtype == torch.float32:
-            merged, _ = encoder(embeds, mask)
-        elif (cast := cast_for_inference(encoder, embeds.dtype)) is not None:
-            merged, _ = cast(embeds, mask)  # an encoder that does not train, in the LM's dtype
-        else:
-            # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
-            with torch.autocast(device.type, dtype=embeds.dtype):
-                merged, _ = encoder(embeds, mask)
-        merged = merged.to(embeds.dtype)
+        merged, mask = _run(encoder, self.embed(ids), mask)
+        if again is not None:
+            merged, _ = _run(again, merged, mask)
         return [merged[i, : -(-len(s) // level)] for i, s in enumerate(segments)]
+
+
+def _run(encoder: nn.Module, embeds: torch.Tensor, mask: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``encoder`` over (B, T, D) ``embeds`` in their dtype -> (B, ceil(T/k), D) and its mask."""
+    if embeds.dtype == torch.float32:
+        merged, out_mask = encoder(embeds, mask)
+    elif (cast := cast_for_inference(encoder, embeds.dtype)) is not None:
+        merged, out_mask = cast(embeds, mask)  # an encoder that does not train, in the LM's dtype
+    else:
+        # fp32 weights (a bf16 Adam step of 5e-5 rounds to nothing), matmuls in the LM dtype
+        with torch.autocast(embeds.device.type, dtype=embeds.dtype):
+            merged, out_mask = encoder(embeds, mask)
+    return merged.to(embeds.dtype), out_mask

@@ -395,7 +395,7 @@ def read_pressed(model, cp, press: PressConfig, after: torch.Tensor | None = Non
     gate = None
     if cp.merged_rows is not None:
         gate = torch.cat([cp.merged_rows, cp.merged_rows.new_zeros(extra)])
-        if model.lora_scope == "merged":
+        if model.config.lora.scope == "merged":
             # its merged rows read through the PEFT model, whose layers the press hooks
             via = None
     # the last prefix row is read after the press when nothing plain follows it

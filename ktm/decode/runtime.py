@@ -171,7 +171,7 @@ class TorchRuntime:
         """The compiled step whose prefill reads a batch of ``positions`` (rows x longest),
         where ``compile`` resolves on for it on this device (``compiled.resolve_prefill``);
         None: eager."""
-        if (self.model.lora_scope == "merged"  # its merged rows read through PEFT's layers
+        if (self.model.config.lora.scope == "merged"  # its merged rows read through PEFT's layers
                 or not compiled.resolve_prefill(self._compile, self.model.device, positions)):
             return None
         return self._compiled()

@@ -42,7 +42,7 @@ def attach(model, source: str | Path | None = None, gguf: str | Path | None = No
     base, adapter = export_files(where, model)
     folded = read_manifest(where).get("model_gguf")
     runtime = LlamaCppRuntime(base, adapter, config or RuntimeConfig(),
-                              gated=model.lora_scope == "merged")
+                              gated=model.config.lora.scope == "merged")
     # what a result row records of the runtime: whether the LoRA is folded in, and into what
     runtime.files["folded_types"] = None if folded is None else folded["types"]
     return runtime

@@ -109,7 +109,7 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
                        "model's base")
     folded = None
     # a LoRA of scope "merged" reads the merged rows only: no weight every row reads holds it
-    if opts.fold_lora and model.lora_scope == "all":
+    if opts.fold_lora and model.config.lora.scope == "all":
         tensors, meta = read_adapter(tmp / ADAPTER_GGUF)
         kinds = fold_adapter(base, tmp / MODEL_GGUF, tensors,
                              float(meta[gguf_module().Keys.Adapter.LORA_ALPHA]), opts.fold_type)
@@ -121,7 +121,7 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
         check = embedding_check(model, tmp / MODEL_GGUF, None)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, **_layout(model.config),
-        "lora_scope": model.lora_scope,
+        "lora_scope": model.config.lora.scope,
         "merges": merges(model), "encoder": model.encoder.config.to_dict(),
         "model": model_record(model)["config"], "base_model": model.config.base_model,
         "architecture": arch,
@@ -215,7 +215,7 @@ def export_files(directory: str | Path, model, plain: bool = False
     benchmark's baseline). A clear error for a missing or mismatched file."""
     directory = Path(directory)
     m = read_manifest(directory)
-    mine = {**_layout(model.config), "lora_scope": model.lora_scope}
+    mine = {**_layout(model.config), "lora_scope": model.config.lora.scope}
     m = {"lora_scope": "all", **m}  # an export made before scopes: every row adapted
     differ = {k: (m[k], mine[k]) for k in mine if m[k] != mine[k]}
     if differ:

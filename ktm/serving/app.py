@@ -4,6 +4,13 @@
     POST /v1/chat/completions   messages through the chat template -> assistant message
     GET  /v1/models             the served model, its K and base model (/v1/models/{id}: its card)
     GET  /health                engine state: running / waiting requests, cache statistics
+    GET  /metrics               Prometheus' text format (``ktm.serving.metrics``)
+
+Every request first passes ``ktm.serving.gate`` (its key, its body's size and nesting). On
+SIGTERM or Ctrl-C the server stops taking requests and gives those in flight
+``--shutdown-timeout`` seconds; the engine then ends the rest with an error (a stream with an
+error event, then ``[DONE]``), the model's runtime is closed (a vLLM server ktm started is
+stopped), and ``ktm serve`` exits 0.
 
 Why FastAPI + uvicorn: it is the most used and best kept ASGI stack in Python (vLLM's and
 SGLang's OpenAI servers run on it); its pydantic models give the request schema, type checks and
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -25,9 +33,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -35,8 +44,10 @@ from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.serving.config import ServeConfig
 from ktm.serving.engine import Engine, Event, Job
+from ktm.serving.gate import Gate, is_loopback
 from ktm.serving.history import next_turn
 from ktm.serving.logprobs import chat_logprobs, completion_logprobs
+from ktm.serving.metrics import CONTENT_TYPE
 from ktm.serving.prompts import chat_reading, completion_segments
 from ktm.serving.protocol import (
     ChatRequest,
@@ -49,6 +60,11 @@ from ktm.serving.protocol import (
 
 log = logging.getLogger("ktm.serving")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# the routes /metrics counts by name (any other path: "other")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+# bytes of request body per prompt token the default --max-request-mb leaves room for (a token
+# is a few characters of text, six bytes each where JSON escapes them as \uXXXX)
+BYTES_PER_TOKEN = 64
 
 
 class ClientGone(Exception):
@@ -158,22 +174,60 @@ def _pressing(runtime, name: str, ratio: float, param: str):
     return cfg
 
 
+def request_bytes(cfg: ServeConfig, model) -> int:
+    """The largest request body: ``--max-request-mb``, else room for the longest prompt the
+    model reads (its context of positions, each K tokens merged, ``BYTES_PER_TOKEN`` each), at
+    least 1 MiB; 16 MiB for a model without a known context."""
+    if cfg.max_request_mb is not None:
+        return int(cfg.max_request_mb * 2**20)
+    context = model.max_positions
+    if context is None:
+        return 16 * 2**20
+    return max(2**20, context * model.k * BYTES_PER_TOKEN)
+
+
 def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
     """``owns_model``: the server's end is the model's (``ktm serve``), so its runtime is
     closed then: a vLLM engine's processes end with the server."""
     engine = Engine(model, cfg)
+    metrics = engine.metrics
     started = int(time.time())
+    stopping = asyncio.Event()  # set once a signal asks the server to stop (``drain``)
+    loop: list[asyncio.AbstractEventLoop] = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        loop.append(asyncio.get_running_loop())
+        if not cfg.api_key and not is_loopback(cfg.host):
+            log.warning("listening on %s without an API key: anyone who reaches this port may "
+                        "generate (--api-key or KTM_API_KEY)", cfg.host)
         engine.start()
         yield
         engine.shutdown()
         if owns_model:  # here, not after uvicorn.run: on SIGTERM uvicorn re-raises the signal
             model.runtime.close()
 
+    def begin_draining() -> None:  # on the event loop
+        if stopping.is_set():
+            return
+        stopping.set()
+        log.info("shutting down: the requests in flight get %g s to finish", cfg.shutdown_timeout)
+        loop[0].call_later(cfg.shutdown_timeout, engine.abort, RequestError(
+            f"the server is shutting down: this request did not finish within its "
+            f"--shutdown-timeout of {cfg.shutdown_timeout:g} s", status=503, kind="server_error",
+            code="server_shutdown"))
+
+    def drain() -> None:
+        """Stop taking requests and give those in flight ``shutdown_timeout`` seconds; safe
+        from any thread and from a signal handler."""
+        if loop:
+            loop[0].call_soon_threadsafe(begin_draining)
+
     app = FastAPI(title="ktm serve", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.engine, app.state.drain = engine, drain
+    app.state.shutdown_timeout = cfg.shutdown_timeout
+    app.add_middleware(Gate, keys=cfg.api_key, max_bytes=request_bytes(cfg, model),
+                       stopping=stopping, count=metrics.count_http, routes=ROUTES)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -182,7 +236,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def _refused(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
@@ -201,10 +255,15 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = engine.alive
-        body = {"status": "ok" if ok else "engine stopped", "model": cfg.served_name,
+        ok = engine.alive and not stopping.is_set()  # a load balancer stops sending requests
+        status = "ok" if ok else "shutting down" if stopping.is_set() else "engine stopped"
+        body = {"status": status, "model": cfg.served_name,
                 "k": model.k, "base_model": model.config.base_model, **engine.stats()}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -227,6 +286,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
         return await _generate(body, request, chat=True)
 
     async def _generate(body, request: Request, chat: bool):
+        arrived = time.monotonic()
         if body.model != cfg.served_name:
             raise RequestError(f"model {body.model!r} is not served here: this server serves "
                                f"{cfg.served_name!r}", param="model", code="model_not_found",
@@ -245,17 +305,20 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             raise RequestError(f"{name}={max_tokens} is over this server's limit of "
                                f"{cfg.max_tokens_limit}", param=name)
         stop = tuple(body.stop_list())
-        history_press = None
+        count = 1 if chat else len(body.prompt_values())  # checked before any is tokenized
+        if count * body.n > cfg.max_queue:
+            raise RequestError(f"{count} prompt(s) with n={body.n} make {count * body.n} "
+                               f"choices, over this server's max_queue of {cfg.max_queue}",
+                               param="n")
+        history_press, history = None, None
         if chat:
-            segments, history_press = await run_in_threadpool(
+            segments, history_press, history = await run_in_threadpool(
                 chat_reading, model, body, cfg.history_budget, cfg.history_press)
             prompts = [segments]
+            if history is not None:
+                metrics.count_history(history)
         else:
             prompts = await run_in_threadpool(completion_segments, model, body)
-        if len(prompts) * body.n > cfg.max_queue:
-            raise RequestError(f"{len(prompts)} prompt(s) with n={body.n} make "
-                               f"{len(prompts) * body.n} choices, over this server's max_queue "
-                               f"of {cfg.max_queue}", param="n")
         ext = body.ktm or KtmOptions()
         job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
                "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs,
@@ -278,6 +341,8 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                 i, ev = await handle.next()
                 if ev.error:
                     raise ev.error
+                if not events:
+                    metrics.ttft.observe(time.monotonic() - arrived)
                 started.add(i)
                 ends += ev.finish is not None
                 events.append((i, ev))
@@ -293,12 +358,15 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
+        # how a chat was read within its budget: merged, read deeper, its oldest left out
+        ext_out = None if history is None else {"ktm": {"history": history.to_dict()}}
         # --history-ahead: given the answer, the chat's next turn is read (one choice only)
         ahead = (partial(read_ahead, body) if chat and cfg.history_ahead and body.n == 1
                  else None)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n, ahead),
+            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n, arrived,
+                                             ext_out, ahead),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         texts, ends_of = [""] * choices, [Event()] * choices
@@ -311,7 +379,9 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                 ends_of[i] = ev
         if ahead is not None and ends_of[0].finish:
             ahead(texts[0])
-        return {**head, "object": "chat.completion" if chat else "text_completion",
+        metrics.e2e.observe(time.monotonic() - arrived)
+        return {**head, **(ext_out or {}),
+                "object": "chat.completion" if chat else "text_completion",
                 "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
                                             if chat else {"text": text}),
                              "logprobs": shape(chat, lps), "finish_reason": end.finish}
@@ -331,9 +401,9 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
             if guess is None:
                 return
             try:
-                segments, history = chat_reading(model,
-                                                 body.model_copy(update={"messages": guess}),
-                                                 cfg.history_budget, cfg.history_press)
+                segments, history, _ = chat_reading(model,
+                                                    body.model_copy(update={"messages": guess}),
+                                                    cfg.history_budget, cfg.history_press)
                 press = request_press(model.runtime, body.ktm or KtmOptions(), history)
                 if press is None:
                     engine.submit(Job(segments=segments, max_tokens=1, deliver=lambda ev: None,
@@ -349,11 +419,12 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
         return (chat_logprobs if chat else completion_logprobs)(model.tokenizer, entries)
 
     async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
-                      usage: bool, per_prompt: int,
+                      usage: bool, per_prompt: int, arrived: float, ext: dict | None = None,
                       ahead: Callable[[str], None] | None = None) -> AsyncIterator[str]:
         """SSE chunks: the events read before the 200, then the rest as they come; a chunk
         carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended.
-        ``ahead``: then given choice 0's whole text."""
+        ``ext``: the response's ``ktm`` field, in the first chunk. ``ahead``: then given choice
+        0's whole text. An error ends it with an error event, then ``[DONE]``."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
@@ -366,10 +437,13 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                 choice = {"index": i, "text": text or ""}
             out = {**head, "object": kind, "choices": [
                 {**choice, "logprobs": shape(chat, logprobs), "finish_reason": finish}]}
+            if first:
+                out.update(ext or {})
+                first.clear()
             return _sse({**out, "usage": None} if usage else out)
 
         done, n, ends = False, len(handle.jobs), {}
-        early, answer = iter(events), []
+        early, answer, first = iter(events), [], [True]
         try:
             if chat:
                 for i in range(n):
@@ -389,6 +463,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
                 if ev.finish:
                     ends[i] = ev.usage
             else:
+                metrics.e2e.observe(time.monotonic() - arrived)
                 if ahead is not None:  # before the last chunks: a client may close on them
                     ahead("".join(answer))
                 if usage:
@@ -407,22 +482,41 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
     return app
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, which tells the app (``app.state.drain``) when a signal asks it to
+    stop, so that the requests in flight get ``--shutdown-timeout`` seconds before uvicorn's
+    own grace time (a little longer) would cut them."""
+
+    def __init__(self, app: FastAPI, **config):
+        grace = app.state.shutdown_timeout + SHUTDOWN_MARGIN_S
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace, **config))
+        self.drain = app.state.drain
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.drain()
+        super().handle_exit(sig, frame)
+
+
+# how much longer than --shutdown-timeout uvicorn waits for the answers the engine has just
+# ended: their last chunks are written within it
+SHUTDOWN_MARGIN_S = 10.0
+
+
 class BackgroundServer:
     """uvicorn serving ``app`` on a loopback socket in a thread (tests and the benchmark).
 
     The socket is bound before the thread starts, so ``url`` is valid at once (port 0: any free
     port); ``with`` waits until the server accepts requests and stops it afterwards.
+    ``stop()`` stops it as SIGTERM stops ``ktm serve`` (``join`` waits for the end).
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning"):
-        import uvicorn
-
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self.server = Server(app, log_level=log_level)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True, name="ktm-serve")
 
@@ -439,6 +533,9 @@ class BackgroundServer:
             time.sleep(0.01)
         return self
 
+    def stop(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)
+
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
@@ -446,19 +543,28 @@ class BackgroundServer:
 
 
 def serve(cfg: ServeConfig) -> None:
-    """``ktm serve``: load the model and serve it until interrupted."""
+    """``ktm serve``: load the model and serve it until SIGTERM or Ctrl-C, then stop as the
+    module docstring says and return."""
     import torch
-    import uvicorn
 
     from ktm.serving.config import load_served_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model = load_served_model(cfg)
+    keyed = f", {len(cfg.api_key)} API key(s) asked" if cfg.api_key else ""
     print(f"ktm serve: {cfg.served_name} (K={model.k}, base {model.config.base_model}) on "
-          f"http://{cfg.host}:{cfg.port}/v1", flush=True)
-    uvicorn.run(create_app(model, cfg, owns_model=True), host=cfg.host, port=cfg.port,
-                log_level=cfg.log_level, log_config=log_config(cfg.log_level))
+          f"http://{cfg.host}:{cfg.port}/v1{keyed}", flush=True)
+    server = Server(create_app(model, cfg, owns_model=True), host=cfg.host, port=cfg.port,
+                    log_level=cfg.log_level, log_config=log_config(cfg.log_level))
+    # uvicorn handles the signal, then raises it again to the handler it found: here one that
+    # does nothing, as the server has stopped cleanly, so the command exits 0
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def log_config(level: str) -> dict:

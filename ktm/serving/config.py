@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,19 @@ class ServeConfig:
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
     log_level: str = field(default="info", metadata={
         "help": "uvicorn log level", "choices": ["critical", "error", "warning", "info", "debug"]})
+    # what a server others can reach needs (docs/serving.md, Deploying)
+    api_key: tuple[str, ...] = field(default=(), repr=False, metadata={
+        "repeat": True,
+        "help": "a key every /v1 request must carry as 'Authorization: Bearer KEY' (401 "
+                "without it; /health and /metrics stay open); repeat for several; default: "
+                "$KTM_API_KEY if set, which keeps the key out of the process list, else none"})
+    max_request_mb: float | None = field(default=None, metadata={
+        "help": "request bodies over this many MiB get 413 before they are read (default: "
+                "room for the longest prompt the model reads: its context x K x 64 bytes, at "
+                "least 1 MiB)"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "on SIGTERM or Ctrl-C: seconds the requests in flight get to finish before "
+                "they end with an error (a stream with an error event); new ones get 503"})
 
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 1:
@@ -100,7 +114,18 @@ class ServeConfig:
         if not 0 <= self.port <= 65535:
             raise KTMError(f"port must be in 0..65535, got {self.port}")
         check_at_least(self, 1, "max_batch", "max_tokens_limit", "max_queue")
-        check_at_least(self, 0, "batch_window_ms", "prefix_cache_mb", "threads")
+        check_at_least(self, 0, "batch_window_ms", "prefix_cache_mb", "threads",
+                       "shutdown_timeout")
+        if self.max_request_mb is not None and not self.max_request_mb > 0:
+            raise KTMError(f"max_request_mb must be a number of MiB > 0, got "
+                           f"{self.max_request_mb!r}")
+        self.api_key = tuple(self.api_key or ()) or tuple(
+            k for k in [os.environ.get("KTM_API_KEY", "")] if k)
+        for i, key in enumerate(self.api_key):  # the key itself is never written out
+            if not key or not key.isprintable() or key != key.strip() or not key.isascii():
+                raise KTMError(f"api key #{i + 1} is empty or holds whitespace, control or "
+                               "non-ASCII characters: expected printable ASCII, as an HTTP "
+                               "header carries it")
         if self.history_budget is not None:
             check_at_least(self, 1, "history_budget")
         parse_dtype(self.dtype)

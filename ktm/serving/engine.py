@@ -20,6 +20,10 @@ segment; torch within this budget, llama.cpp and vLLM in their own caches). A re
 context was seen before prefills only what follows it.
 
 Torch work runs on this thread; the asyncio server only queues requests and relays text.
+
+Its metrics (``ktm.serving.metrics``) are counted here, each before the event that ends a step
+is delivered, so a client that has its answer finds it counted in ``/metrics``. ``abort`` ends
+every request, waiting or running, with an error: the end of a shutdown's grace time.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from ktm.decode.press import PressConfig, pressed_as
 from ktm.decode.text_stream import TextStream
 from ktm.serving.config import ServeConfig
 from ktm.serving.logprobs import TokenLogprob, Trail, step_logprobs
+from ktm.serving.metrics import Metrics
 from ktm.serving.prompts import context_of
 from ktm.serving.protocol import RequestError
 from ktm.util.lru import LRUCache
 
 log = logging.getLogger("ktm.serving")
+RETRY_AFTER_S = 1  # a full queue's Retry-After: a decode step frees rows within it
 
 
 @dataclass
@@ -152,10 +158,12 @@ class Engine:
         # llama.cpp: requests wait for KV cells while this many rows or more run (None: no wait)
         self._cells_wait: int | None = None
         self._stopping = False
+        self._abort: RequestError | None = None  # once set, every request ends with it
         self._thread = threading.Thread(target=self._run, name="ktm-engine", daemon=True)
-        self.counts = {"finished": 0, "cancelled": 0, "rejected": 0, "failed": 0, "steps": 0,
-                       "peak_running": 0, "read_ahead": 0}
+        self.counts = {"finished": 0, "cancelled": 0, "rejected": 0, "failed": 0, "aborted": 0,
+                       "steps": 0, "peak_running": 0, "read_ahead": 0}
         self.last_error: str | None = None
+        self.metrics = Metrics(running=lambda: len(self._rows), waiting=lambda: len(self._waiting))
 
     # ---------------------------------------------------------------- called from the server
     def start(self) -> None:
@@ -180,11 +188,21 @@ class Engine:
     def submit(self, *jobs: Job) -> None:
         """Queue ``jobs`` (the choices of one request): all of them, or none if they do not fit."""
         with self._cond:
+            if self._abort is not None:
+                raise self._abort
             if len(self._waiting) + len(jobs) > self.cfg.max_queue:
                 raise RequestError(f"server busy: {len(self._waiting)} requests are waiting "
                                    f"(max_queue={self.cfg.max_queue}); retry later",
-                                   code="server_busy", status=503, kind="server_error")
+                                   code="server_busy", status=503, kind="server_error",
+                                   headers={"Retry-After": str(RETRY_AFTER_S)})
             self._waiting.extend(jobs)
+            self._cond.notify_all()
+
+    def abort(self, error: RequestError) -> None:
+        """End every request, waiting or running, with ``error`` before the next step, and
+        refuse later ones with it (a shutdown's grace time is over)."""
+        with self._cond:
+            self._abort = error
             self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:
@@ -206,6 +224,9 @@ class Engine:
         with torch.no_grad():
             while (jobs := self._take()) is not None:
                 try:
+                    if self._abort is not None:
+                        self._end_all(jobs)
+                        continue
                     if jobs:
                         self._admit(jobs)
                     if self._rows:
@@ -225,6 +246,8 @@ class Engine:
                 self._cond.wait()
             if self._stopping:
                 return None
+            if self._abort is not None:
+                return []
             if not self._rows and self._waiting:  # idle: let requests arriving together gather
                 deadline = self._waiting[0].arrived + self.cfg.batch_window_ms / 1000
                 while (not self._stopping and len(self._waiting) < self.cfg.max_batch
@@ -240,7 +263,7 @@ class Engine:
             while self._waiting and len(jobs) < free:
                 job = self._waiting.popleft()
                 if job.cancelled.is_set():
-                    self.counts["cancelled"] += 1
+                    self._ended("cancelled")
                 else:
                     jobs.append(job)
             return jobs
@@ -265,7 +288,7 @@ class Engine:
                    f"positions (the last new token is not read back), more than the model's "
                    f"context of {self.context}")
         if err:
-            self.counts["rejected"] += 1
+            self._ended("rejected")
             job.deliver(Event(error=RequestError(err, param="max_tokens" if room and room > 0
                                                  else "prompt", code="context_length_exceeded")))
             job.cancelled.set()  # answered: a failure of its batch-mates must not answer it again
@@ -287,7 +310,7 @@ class Engine:
         for job, cp, limit in keep:
             need = cp.tokens_out + limit
             if need > total:
-                self.counts["rejected"] += 1
+                self._ended("rejected")
                 job.deliver(Event(error=RequestError(
                     f"the prompt's {cp.tokens_out} rows after merging and max_tokens={limit} "
                     f"need {need} KV-cache cells, more than the llama.cpp context's {total} "
@@ -323,9 +346,13 @@ class Engine:
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
     def _prefill(self, jobs: list[Job]) -> tuple[list, list[Row]]:
-        cps = self.model.encode_prompts([j.segments for j in jobs], cache=self.merged)
-        keep = [(job, cp, self._limit(job, cp)) for job, cp in zip(jobs, cps)]
-        keep = self._fit_cells([(job, cp, limit) for job, cp, limit in keep if limit is not None])
+        # a prompt too long is refused from its counts (``measure_prompts``), before the encoder
+        # reads it: one many times the context costs its tokens' ids, never their embeddings
+        measured = self.model.measure_prompts([j.segments for j in jobs])
+        fits = [(job, limit) for job, cp in zip(jobs, measured)
+                if (limit := self._limit(job, cp)) is not None]
+        cps = self.model.encode_prompts([j.segments for j, _ in fits], cache=self.merged)
+        keep = self._fit_cells([(job, cp, limit) for (job, limit), cp in zip(fits, cps)])
         if not keep:
             return [], []
         states, rows = [], []
@@ -338,6 +365,13 @@ class Engine:
                                              joinable=True)
             mine = [Row(job, self.model, cp, n, limit)
                     for (job, cp, limit), n in zip(group, state.reused)]
+            for (job, cp, _), n in zip(group, state.reused):
+                if not job.ahead:  # the server's own reads are counted apart
+                    m = self.metrics
+                    m.prompt_tokens.inc(cp.tokens_in)
+                    m.prompt_positions.inc(cp.tokens_out)
+                    m.cache_queries.inc(cp.tokens_out)
+                    m.cache_hits.inc(n)
             states.append(Decoding(self.runtime, state, [r.cfg for r in mine],
                                    [r.gen for r in mine]))
             rows += mine
@@ -355,7 +389,7 @@ class Engine:
     def _step(self) -> None:
         gone = [i for i, r in enumerate(self._rows) if r.job.cancelled.is_set()]
         if gone:
-            self.counts["cancelled"] += len(gone)
+            self._ended("cancelled", len(gone))
             self._keep([i for i in range(len(self._rows)) if i not in gone])
             if not self._rows:
                 return
@@ -363,8 +397,9 @@ class Engine:
         asked = [i for i, r in enumerate(self._rows) if r.trail is not None and i not in failed]
         lps = step_logprobs(self._batch.logits, tokens, asked,
                             [self._rows[i].job.logprobs for i in asked]) if asked else {}
-        done, out = [], []
+        done, out, generated = [], [], 0
         for i, (row, tok) in enumerate(zip(self._rows, tokens.tolist())):
+            generated += i not in failed and not row.job.ahead
             try:
                 if i in lps:
                     row.trail.add(tok, *lps[i])
@@ -382,6 +417,12 @@ class Engine:
         self.counts["steps"] += 1
         self.counts["finished"] += sum(1 for job, ev in out if ev.finish and not job.ahead)
         self.counts["read_ahead"] += sum(1 for job, ev in out if ev.finish and job.ahead)
+        self.metrics.generation_tokens.inc(generated)
+        for job, ev in out:
+            if ev.finish and job.ahead:
+                self.metrics.ahead.inc()
+            elif ev.finish:
+                self.metrics.success.labels(ev.finish).inc()
         if done:
             keep = [i for i in range(len(self._rows)) if i not in done]
             self._keep(keep)
@@ -396,7 +437,7 @@ class Engine:
         log.error("a request failed while decoding (the others go on): %s: %s",
                   type(e).__name__, e, exc_info=e)
         self.last_error = f"{type(e).__name__}: {e}"
-        self.counts["failed"] += 1
+        self._ended("failed")
         return Event(error=_internal(e))
 
     def _keep(self, rows: list[int]) -> None:
@@ -413,9 +454,30 @@ class Engine:
                 self._batch.release()
             self._batch, self._rows = None, []
         self.last_error = f"{type(e).__name__}: {e}"
-        self.counts["failed"] += len(jobs)
+        self._ended("failed", len(jobs))
         for job in jobs:
             job.deliver(Event(error=_internal(e)))
+
+    def _end_all(self, taken: list[Job]) -> None:
+        """``abort``: the running rows, the jobs just taken and every waiting one end with its
+        error."""
+        with self._cond:
+            jobs = [r.job for r in self._rows] + taken + list(self._waiting)
+            self._waiting.clear()
+        if self._batch is not None:
+            self._batch.release()
+        self._batch, self._rows = None, []
+        jobs = [j for j in jobs if not j.cancelled.is_set()]
+        self._ended("aborted", len(jobs))
+        for job in jobs:
+            job.cancelled.set()
+            job.deliver(Event(error=self._abort))
+
+    def _ended(self, how: str, n: int = 1) -> None:
+        """``n`` requests ended otherwise than by stop or length: cancelled (the client went),
+        rejected (too long), failed or aborted (the shutdown)."""
+        self.counts[how] += n
+        self.metrics.failure.labels("shutdown" if how == "aborted" else how).inc(n)
 
 
 def _internal(e: Exception) -> RequestError:

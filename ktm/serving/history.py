@@ -19,12 +19,25 @@ a longer chat merges at least as many, so turn t's merged messages are the first
 whole messages merge, nothing straddles a turn, and between the turns where a block is added
 each turn's prompt begins with the whole prompt before it, whose KV the server keeps
 (``ktm.serving.engine``): the time to first token stays that of reading one turn.
-A chat that cannot fit even with every eligible message merged is refused, naming the numbers.
+
+A chat that outgrows even that keeps being served, as a chat front end keeps answering: the
+oldest merged messages are read deeper, at the level merging the reader's own merges again
+reaches (``ktm.core.encoder.deeper_level``: K=8 for a K=4 reader over inner K=2), a block at a
+time, as few as fit; past that the oldest are left out, as truncation does (a block at a time,
+never leaving an assistant message first), the rest read deeper. Each step goes only as far as
+the chat needs, oldest first:
+
+    [system][user 1 ≈][assistant 1 ≈][user 2 ~] ... [user 30]          the oldest read deeper
+    [system][user 9 ≈][assistant 9 ≈] ... [user 40 ~] ... [user 60]    the oldest left out
+
+Only a chat whose newest user message (with the system messages and the template's text) does
+not fit alone is refused, naming the numbers. ``HistoryReading`` says what a chat read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 
 from ktm.errors import KTMError
 from ktm.serving.protocol import Message, RequestError
@@ -78,27 +91,68 @@ def block_ends(sizes: Sequence[int], budget: int) -> list[int]:
     return ends
 
 
-def plan_history(positions: Callable[[int], int], sizes: Sequence[int], budget: int,
-                 k: int) -> int:
-    """How many of the older messages (oldest first, of ``sizes`` tokens) to merge: the fewest
-    whole blocks (``block_ends``) that bring the chat within ``budget`` positions,
-    ``positions(n)`` being the chat's positions with the first n merged (never more for a
-    larger n). Raises ``RequestError`` when even all of them leave it over."""
+@dataclass(frozen=True)
+class HistoryReading:
+    """How a chat was read within its budget: of its older messages (``eligible_messages``,
+    oldest first) the first ``dropped`` left out, the next ``deeper`` read at ``level`` (None:
+    none read deeper), the next ``merged`` at K, the rest plain; ``positions`` of ``budget``.
+    A response's ``ktm.history`` and ``/metrics`` say it."""
+
+    budget: int
+    positions: int
+    merged: int = 0
+    deeper: int = 0
+    dropped: int = 0
+    level: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class OverBudget(RequestError):
+    """Even every older message read as deep as the reader reads them leaves the chat over its
+    budget: ``least`` positions. ``candidates`` and ``sizes``: those messages (indices, tokens),
+    oldest first, for leaving the oldest out (``ktm.serving.prompts``)."""
+
+    def __init__(self, message: str, least: int):
+        super().__init__(message, param="ktm.history_budget")
+        self.least = least
+        self.candidates: list[int] = []
+        self.sizes: list[int] = []
+
+
+def plan_history(positions: Callable[[int, int], int], sizes: Sequence[int], budget: int,
+                 k: int, deep: int | None = None) -> tuple[int, int]:
+    """(deeper, merged): how many of the older messages (oldest first, of ``sizes`` tokens) to
+    read at the deeper level ``deep``, and how many to read merged, those included; ``positions
+    (d, m)`` is the chat's positions with the first d read deeper and the first m (m >= d) merged
+    (never more for a larger d or m). The fewest whole blocks (``block_ends``) merged at K that
+    bring the chat within ``budget``; where all of them merged do not, the fewest blocks read
+    deeper beside the others merged, then the fewest merged beside those. Raises ``OverBudget``
+    when every one read deeper (merged, without a deeper level) leaves it over."""
     if budget < 1:
         raise RequestError(f"history budget must be at least 1 position, got {budget}",
                            param="ktm.history_budget")
-    if positions(0) <= budget:
-        return 0
-    least = positions(len(sizes))
-    if least > budget:
-        raise RequestError(
-            f"this chat needs {least} positions even with its {len(sizes)} older "
-            f"message(s) merged at K={k} ({positions(0)} read plain), over its history budget "
-            f"of {budget}: expected a budget of at least {least}, or a shorter chat (the system "
-            "messages and the newest user message are always read plain)",
-            param="ktm.history_budget")
+    n = len(sizes)
+    if positions(0, 0) <= budget:
+        return 0, 0
     ends = block_ends(sizes, budget)
-    lo, hi = 0, len(ends) - 1  # positions(ends[hi]) fits
+    if positions(0, n) <= budget:
+        return 0, _fewest(ends, lambda m: positions(0, m), budget)
+    least = positions(n, n) if deep is not None else positions(0, n)
+    if least > budget:
+        how = f"read at K={deep}" if deep is not None else f"merged at K={k}"
+        raise OverBudget(f"this chat needs {least} positions even with its {n} older "
+                         f"message(s) {how} ({positions(0, 0)} read plain), over its history "
+                         f"budget of {budget}", least)
+    d = _fewest(ends, lambda d: positions(d, n), budget)
+    return d, _fewest([e for e in ends if e >= d], lambda m: positions(d, m), budget)
+
+
+def _fewest(ends: Sequence[int], positions: Callable[[int], int], budget: int) -> int:
+    """The first of ``ends`` whose ``positions`` fit ``budget`` (the last one does; fewer
+    positions for a later end)."""
+    lo, hi = 0, len(ends) - 1
     while lo < hi:
         mid = (lo + hi) // 2
         if positions(ends[mid]) <= budget:
@@ -106,6 +160,20 @@ def plan_history(positions: Callable[[int], int], sizes: Sequence[int], budget: 
         else:
             lo = mid + 1
     return ends[lo]
+
+
+def drop_ends(sizes: Sequence[int], budget: int, roles: Sequence[str]) -> list[int]:
+    """How many of the older messages (of ``sizes`` tokens and ``roles``, oldest first) may be
+    left out together: whole blocks (``block_ends``), each taking the assistant messages that
+    would otherwise come first after it (a chat goes on from a user message, as truncation
+    leaves it)."""
+    out: list[int] = []
+    for end in block_ends(sizes, budget):
+        while end < len(roles) and roles[end] == "assistant":
+            end += 1
+        if not out or end > out[-1]:
+            out.append(end)
+    return out
 
 
 def next_turn(messages: Sequence[Message], answer: str) -> list[Message] | None:

@@ -23,11 +23,18 @@ from dataclasses import replace
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
+from ktm.core.encoder import deeper_level
 from ktm.core.prefix import embedding_rows
 from ktm.core.prompt import Segment
 from ktm.decode.press import PressConfig
 from ktm.errors import KTMError
-from ktm.serving.history import eligible_messages, plan_history
+from ktm.serving.history import (
+    HistoryReading,
+    OverBudget,
+    drop_ends,
+    eligible_messages,
+    plan_history,
+)
 from ktm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -129,8 +136,9 @@ def chat_segments(model, req: ChatRequest, history_budget: int | None = None
 
 def chat_reading(model, req: ChatRequest, history_budget: int | None = None,
                  history_press: str | None = None
-                 ) -> tuple[tuple[Segment, ...], PressConfig | None]:
-    """The request's chat as segments, and the KV press its history is read with (None: none).
+                 ) -> tuple[tuple[Segment, ...], PressConfig | None, HistoryReading | None]:
+    """The request's chat as segments, the KV press its history is read with (None: none), and
+    how it was read within its budget (None: no budget).
 
     ``history_press``: the server's (``--history-press``; the request's ``ktm.history_press``
     overrides it, "none" turning it off). A chat over its budget then reads its older messages
@@ -149,8 +157,8 @@ def chat_reading(model, req: ChatRequest, history_budget: int | None = None,
             PressConfig(name)  # an unknown name is refused whether or not the chat fits
         except KTMError as e:
             raise RequestError(str(e), param="ktm.history_press") from None
-    segs = read_chat(model, req.messages, ext_all, budget, pressed=name is not None)
-    return segs, None if name is None else press_to_fit(model, segs, budget, name)
+    segs, how = _read(model, req.messages, ext_all, budget, pressed=name is not None)
+    return segs, None if name is None else press_to_fit(model, segs, budget, name), how
 
 
 def press_to_fit(model, segs: tuple[Segment, ...], budget: int, name: str
@@ -214,6 +222,14 @@ def read_chat(model, messages: Sequence[Message], ext_all: KtmOptions,
     """``messages`` as segments, read with the request-wide ``ext_all`` and, when merging is
     on, within ``history_budget`` positions (None: no budget). ``pressed``: a chat over the
     budget marks its older messages to be pressed (plain rows, pressable), not merged."""
+    return _read(model, messages, ext_all, history_budget, pressed)[0]
+
+
+def _read(model, messages: Sequence[Message], ext_all: KtmOptions,
+          history_budget: int | None = None, pressed: bool = False, leave_out: bool = True
+          ) -> tuple[tuple[Segment, ...], HistoryReading | None]:
+    """``read_chat``, and how the chat was read within its budget (None: no budget);
+    ``leave_out`` False: ``OverBudget`` where it does not fit with every message kept."""
     if ext_all.segments is not None:
         raise RequestError("ktm.segments is for /v1/completions; in a chat, give a message "
                            "\"ktm\": {\"segments\": [...]}", param="ktm.segments")
@@ -258,10 +274,54 @@ def read_chat(model, messages: Sequence[Message], ext_all: KtmOptions,
         ids = model.tokenize(text, first=not segs) if lead else read(text)
         segs.append(Segment(text, merge, tuple(ids), ratio=ext_all.ratio if merge else None))
         owners.append(owner)
+    how = None
     if budgeted:
-        segs = _within_budget(model, segs, owners, messages, marked, history_budget,
-                              ext_all.ratio, pressed)
-    return _non_empty(tuple(segs), "messages")
+        try:
+            segs, how = _within_budget(model, segs, owners, messages, marked, history_budget,
+                                       ext_all.ratio, pressed)
+        except OverBudget as e:
+            if not leave_out:
+                raise
+            return _leave_out(model, messages, ext_all, history_budget, e)
+    return _non_empty(tuple(segs), "messages"), how
+
+
+def _leave_out(model, messages: Sequence[Message], ext_all: KtmOptions, budget: int,
+               over: OverBudget) -> tuple[tuple[Segment, ...], HistoryReading]:
+    """The chat with its oldest older messages left out, as truncation leaves a chat: the
+    fewest whole blocks (``drop_ends``) after which the rest, read as the policy reads them,
+    fit. A 400 naming the numbers when even leaving out every one does not: its newest user
+    message, with the system messages and the template's text, is over the budget alone."""
+    roles = [messages[i].role for i in over.candidates]
+    ends = drop_ends(over.sizes, budget, roles)
+    tried: dict[int, tuple | OverBudget] = {}
+
+    def attempt(n: int) -> bool:
+        gone = set(over.candidates[:n])
+        try:
+            segs, how = _read(model, [m for i, m in enumerate(messages) if i not in gone],
+                              ext_all, budget, leave_out=False)
+            tried[n] = segs, replace(how, dropped=n)
+        except OverBudget as e:
+            tried[n] = e
+        return not isinstance(tried[n], OverBudget)
+
+    if not ends or not attempt(ends[-1]):
+        least = tried[ends[-1]].least if ends else over.least
+        raise RequestError(
+            f"this chat needs {least} positions with every one of its {len(over.candidates)} "
+            f"older message(s) left out, over its history budget of {budget}: expected a "
+            f"budget of at least {least}, or a shorter newest message (the system messages, "
+            "the newest user message and the template's text are always read)",
+            param="ktm.history_budget")
+    lo, hi = 0, len(ends) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if attempt(ends[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return tried[ends[lo]]
 
 
 # the end of a chat's newest user message read plain as its question: up to this many tokens
@@ -306,25 +366,37 @@ def _question_tail(model, text: str) -> tuple[str, str]:
 
 def _within_budget(model, segs: list[Segment], owners: list[int | None],
                    messages: Sequence[Message], marked: list[bool], budget: int,
-                   ratio: float | None, pressed: bool = False) -> list[Segment]:
-    """``segs`` with the oldest eligible messages' segments merged, as few as fit ``budget``;
+                   ratio: float | None, pressed: bool = False
+                   ) -> tuple[list[Segment], HistoryReading]:
+    """``segs`` with the oldest eligible messages' segments merged, as few as fit ``budget``,
+    the oldest of those read deeper where merging all does not fit (``plan_history``), and how;
     ``pressed``: over the budget, every eligible message's segments pressable and plain
-    (``Segment(ratio=1)``: one token per position), for a press to fit."""
+    (``Segment(ratio=1)``: one token per position), for a press to fit. Raises ``OverBudget``
+    where every one read deeper leaves it over."""
     candidates = [i for i in eligible_messages([m.role for m in messages], marked)
                   if i in owners]
     sizes = [sum(len(s.ids) for s, o in zip(segs, owners) if o == i) for i in candidates]
+    deep = deeper_level(model.encoder)
+    level = None if deep is None else deep[0]
 
-    def merged(n: int, at: float | None = ratio) -> list[Segment]:
-        chosen = set(candidates[:n])
-        return [replace(s, compress=True, ratio=at) if o in chosen else s
-                for s, o in zip(segs, owners, strict=True)]
+    def merged(d: int, n: int, at: float | None = ratio) -> list[Segment]:
+        deeper, chosen = set(candidates[:d]), set(candidates[:n])
+        return [replace(s, compress=True, ratio=level if o in deeper else at)
+                if o in chosen else s for s, o in zip(segs, owners, strict=True)]
 
-    def positions(n: int) -> int:
-        return model.measure_prompts([tuple(merged(n))])[0].tokens_out
+    def positions(d: int, n: int) -> int:
+        return model.measure_prompts([tuple(merged(d, n))])[0].tokens_out
 
     if pressed:
-        return segs if positions(0) <= budget else merged(len(candidates), 1.0)
-    return merged(plan_history(positions, sizes, budget, model.k))
+        n = 0 if positions(0, 0) <= budget else len(candidates)
+        return merged(0, n, 1.0), HistoryReading(budget, positions(0, 0))
+    try:
+        d, n = plan_history(positions, sizes, budget, model.k, level)
+    except OverBudget as e:
+        e.candidates, e.sizes = candidates, sizes
+        raise
+    return merged(d, n), HistoryReading(budget, positions(d, n), merged=n - d, deeper=d,
+                                        level=level if d else None)
 
 
 def join_whitespace(model, layout: list[str | int], contents: list[list[tuple[str, bool]]]

@@ -40,6 +40,8 @@ WHY = {"echo": "the prompt is merged before the model reads it (K tokens to one 
 
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 128  # OpenAI's limit on choices
+MAX_MESSAGES = 2048  # messages in a chat (a 64-turn chat has 129)
 
 
 def _is(value, neutral) -> bool:
@@ -118,7 +120,7 @@ class Sampling(Strict):
     top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: greedy, as OpenAI takes it
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1, strict=True)  # int64, as OpenAI's
-    n: int = Field(1, ge=1, le=128, strict=True)  # choices, as OpenAI's (up to 128)
+    n: int = Field(1, ge=1, le=MAX_N, strict=True)  # choices, as OpenAI's
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -182,14 +184,14 @@ class CompletionRequest(Sampling):
 def _token_ids(values: list, where: str) -> tuple[int, ...]:
     for i, v in enumerate(values):
         if not isinstance(v, int) or isinstance(v, bool):
-            raise RequestError(f"{where}[{i}] is {json.dumps(v)}: expected a token id (an "
+            raise RequestError(f"{where}[{i}] is {shown(v)}: expected a token id (an "
                                "integer); a prompt is a string, a list of strings, a list of "
                                "token ids or a list of token-id lists", param="prompt")
     return tuple(values)
 
 
 class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)  # OpenAI's 0..20
@@ -208,10 +210,12 @@ class RequestError(Exception):
     """A bad request: answered with ``status`` and OpenAI's error object, the server goes on."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, kind: str = "invalid_request_error"):
+                 status: int = 400, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = (
             message, param, code, status, kind)
+        self.headers = headers  # of the answer (a 503's Retry-After)
 
     def body(self) -> dict:
         return error_body(self.message, self.kind, self.param, self.code)
@@ -241,7 +245,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if e.get("type") == "extra_forbidden" and where in NEUTRAL:
         ok = " or ".join(json.dumps(n) for n in NEUTRAL[where])
         why = f": {WHY[where]}" if where in WHY else ""
-        return (f"{where}={json.dumps(e.get('input'))} is not supported by this server{why}; it "
+        return (f"{where}={shown(e.get('input'))} is not supported by this server{why}; it "
                 f"accepts only {ok} or null (or the field left out)", where)
     if e.get("type") == "extra_forbidden":
         return f"unknown field {where!r}: this server does not accept it", where
@@ -249,5 +253,14 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return f"missing required field {where!r}", where
     msg = str(e.get("msg"))
     if isinstance(e.get("input"), (str, int, float, bool)):
-        msg += f", got {json.dumps(e['input'])}"
+        msg += f", got {shown(e['input'])}"
     return (f"{where}: {msg}" if where else msg), where
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A value a client sent, as an error message quotes it: JSON, cut to ``limit`` characters,
+    a long list or object by its size (an error never echoes megabytes back)."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"<{'an object' if isinstance(value, dict) else 'a list'} of {len(value)} entries>"
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

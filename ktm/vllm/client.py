@@ -40,9 +40,9 @@ from transformers import AutoConfig, AutoTokenizer
 from ktm.core.base_model import parse_dtype
 from ktm.core.batch import CompressedPrompt
 from ktm.core.encoder import EncoderConfig, KTokenEncoder
-from ktm.core.prefix import PromptEncoder, line_break_ids
+from ktm.core.prefix import PromptEncoder
 from ktm.core.prompt import PromptLike, as_segments
-from ktm.core.tokens import SegmentTokenizer
+from ktm.core.tokens import SegmentTokenizer, line_break_ids
 from ktm.errors import KTMError
 from ktm.util.fileio import sha256_files
 from ktm.vllm.export import (

@@ -21,7 +21,9 @@ tokens, the system message and the question stay plain, the rest merged at the r
     PRESS          the full chat prefilled, then its history's KV pressed (kvpress, on the torch
                    runtime) to the budget: streaming_llm (sinks and a recent window) and the rest
     ktm            the history policy (``ktm.chat_prompt(..., history_budget=N)``): the oldest
-                   messages merged, whole, by the reader (``--reader``)
+                   messages merged, whole, by the reader (``--reader``); under what merging
+                   them all reaches (``--no-floor``), the oldest read deeper, then left out
+                   (its row gives the mean messages merged, read deeper and left out)
     ktm+PRESS      the history policy with a press (``ktm serve --history-press PRESS``,
                    ``--history-presses``): the reader reads the older messages plain and presses
                    their KV to the budget (``ktm.serving.prompts.press_to_fit``)
@@ -35,6 +37,12 @@ and KV kept, the CPU seconds, the configuration, versions and revision.
         --out results/history/chat-press.json
     python results/history/chat_bench.py --budget-share 0.25 --no-floor \
         --history-presses kvzip knorm --out results/history/chat-quarter.json
+    python results/history/chat_bench.py --budget-share 0.25 --no-floor --presses \
+        --out results/history/chat-outgrown-25.json
+    python results/history/chat_bench.py --budget-share 0.18 --no-floor --presses \
+        --out results/history/chat-outgrown-18.json
+    python results/history/chat_bench.py --budget-share 0.1 --no-floor --presses \
+        --out results/history/chat-outgrown-10.json
 """
 
 from __future__ import annotations
@@ -48,10 +56,10 @@ import torch
 import ktm
 from ktm.core.prompt import Segment
 from ktm.decode.press import kept_positions
-from ktm.errors import KTMError
 from ktm.evaluation.readability import context_ratio, heldout_sets, read_spec
 from ktm.model import KTMModel
-from ktm.serving.prompts import press_to_fit
+from ktm.serving.prompts import chat_reading, press_to_fit
+from ktm.serving.protocol import ChatRequest, RequestError
 from ktm.tasks.corpus import recall_question
 from ktm.util.fileio import write_json_atomic
 from ktm.util.provenance import stamped
@@ -169,10 +177,13 @@ def main() -> int:
                     segs, model, merge, press = truncated(base, msgs, budget), base, False, None
                 elif r == "ktm":
                     try:
-                        segs = ktm.chat_prompt(reader, msgs, history_budget=budget)
-                    except KTMError:  # under what merging reaches (--no-floor)
+                        segs, _, how = chat_reading(
+                            reader, ChatRequest(model="reader", messages=msgs), budget)
+                    except RequestError:  # the question alone over the budget (--no-floor)
                         sums[r]["refused"] += 1
                         continue
+                    for step in ("merged", "deeper", "dropped"):
+                        sums[r].setdefault(step, []).append(getattr(how, step))
                     model, merge, press = reader, True, None
                 elif r.startswith("ktm+"):
                     segs = ktm.chat_prompt(reader, msgs, history_budget=budget, pressed=True)
@@ -204,7 +215,9 @@ def main() -> int:
             continue
         row = {"reading": r, "chats": len(data), "cpu_s": s["cpu_s"], "refused": s["refused"],
                "positions": sum(s["positions"]) / len(s["positions"]),
-               "kv_kept": sum(s["kv"]) / len(s["kv"])}
+               "kv_kept": sum(s["kv"]) / len(s["kv"]),
+               **{f"messages_{step}": sum(s[step]) / len(s[step])
+                  for step in ("merged", "deeper", "dropped") if s.get(step)}}
         for q in ("recall", "continuation"):
             if len(s[q]) != len(refs[q]):  # some chats refused: no R over the same chats
                 continue

@@ -13,6 +13,11 @@ versions and revision.
         --out results/history/ttft-press.json
     python results/history/ttft.py --shape qwen2.5-0.5b --history-budget 1024 \
         --out results/history/ttft-0.5b.json
+    python results/history/ttft.py --turns 64 --filler-tokens 200 --history-budget 1024 \
+        --cache-mb 512 --out results/history/ttft-64.json
+
+Each row also says how the server read the chat's history (the response's ``ktm.history``:
+messages merged, read deeper, left out) and the KV rows the turn ends with.
 
 ``--shape`` times the same chat at another model's size: an LM of that architecture
 (``ktm.bench.shapes``) with random weights, the reader's tokenizer and chat template (or
@@ -54,13 +59,15 @@ def run_chat(model, cfg: ServeConfig, files: list[str], answer_tokens: int,
             if turn > 1:
                 time.sleep(think_s)  # the user reads the answer and types the next message
             t0 = time.perf_counter()
-            ttft, parts, usage = None, [], None
+            ttft, parts, usage, history = None, [], None, None
             for chunk in client.chat.completions.create(
                     model=cfg.served_name, messages=msgs, max_tokens=answer_tokens,
                     temperature=0, stream=True, stream_options={"include_usage": True}):
                 if chunk.choices:  # the first comes when the first token is chosen
                     ttft = ttft if ttft is not None else time.perf_counter() - t0
                     parts.append(chunk.choices[0].delta.content or "")
+                if history is None:  # how the history was read: the first chunk says
+                    history = (chunk.model_extra or {}).get("ktm", {}).get("history")
                 if chunk.usage is not None:
                     usage = chunk.usage
             msgs.append({"role": "assistant", "content": "".join(parts) or "OK."})
@@ -68,7 +75,10 @@ def run_chat(model, cfg: ServeConfig, files: list[str], answer_tokens: int,
             rows.append({"turn": turn, "ttft_s": ttft, "e2e_s": time.perf_counter() - t0,
                          "prompt_tokens": usage.prompt_tokens,
                          "positions": extra.get("prompt_tokens_merged"),
-                         "cached_rows": usage.prompt_tokens_details.cached_tokens})
+                         "cached_rows": usage.prompt_tokens_details.cached_tokens,
+                         # the KV the turn ends with: its prompt's rows and the answer's
+                         "kv_rows": extra.get("prompt_tokens_merged") + usage.completion_tokens,
+                         "history": history})
             print(cfg.prefix_cache_mb, rows[-1], flush=True)
     return rows
 

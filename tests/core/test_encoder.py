@@ -163,3 +163,31 @@ def test_grow_encoder_refuses_another_layout():
     two = KTokenEncoder.from_config(EncoderConfig(16, k=2, mlp_ratio=0.5))
     with pytest.raises(KTMError, match="'mlp.0.weight' has shape \\(16, 32\\)"):  # K=2 -> K=4
         grow_encoder(two.state_dict(), KTokenEncoder(16, k=4, mlp_ratio=1.0).state_dict())
+
+
+@pytest.mark.parametrize("layout,deep", [(dict(k=4, inner_k=2, slot_weights=True), 8),
+                                         (dict(k=2, slot_weights=True), 4)])
+def test_a_segment_read_a_level_past_the_largest_merges_the_merges_again(tiny_model_dir, layout,
+                                                                         deep):
+    # ratio = deeper_level: the whole segment read at K*outer (a recursive encoder's outer level
+    # once more) or K*K (the encoder over its own merges), its positions counted as read
+    from helpers import TEXT, close, fresh_model, perturb
+
+    from ktm.core.encoder import deeper_level
+    from ktm.core.prompt import Segment
+
+    model = fresh_model(tiny_model_dir, **layout)
+    perturb(model)
+    level, again = deeper_level(model.encoder)
+    assert level == deep
+    ids = tuple(model.tokenize(TEXT, first=True))
+    prompt = [Segment("", ids=ids, ratio=deep), Segment(" Answer:", compress=False)]
+    with torch.no_grad():
+        cp = model.compress(prompt)
+        merged, mask = model.encoder(model.input_embedding(torch.tensor([ids])))
+        want, _ = again(merged, mask)
+    n = -(-len(ids) // deep)
+    assert cp.tokens_out == n + len(model.tokenize(" Answer:"))
+    assert model.measure_prompts([tuple(prompt)])[0].tokens_out == cp.tokens_out
+    close(cp.embeds[:n], want[0])
+    assert deeper_level(fresh_model(tiny_model_dir, k=1, use_mlp=False).encoder) is None

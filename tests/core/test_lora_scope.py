@@ -94,7 +94,7 @@ def test_a_short_training_run_lowers_the_loss_and_trains_the_lora(gated):
 def test_save_and_load_keep_the_scope(gated, tmp_path):
     gated.save(tmp_path / "ckpt")
     back = KTMModel.load(tmp_path / "ckpt")
-    assert back.lora_scope == "merged"
+    assert back.config.lora.scope == "merged"
     with torch.no_grad():
         close(back.prompt_logits(PROMPT), gated.prompt_logits(PROMPT))
 

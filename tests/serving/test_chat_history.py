@@ -1,8 +1,9 @@
 """A chat read within a budget of positions (``--history-budget``, ``ktm.chat_prompt``): under
 the budget every unmarked message is plain; past it the oldest are merged, whole, as few as fit,
 never the system messages or the newest user message; a longer chat merges a superset, and the
-server serves the merged history's KV again on the next turn; a chat that cannot fit is refused
-with its numbers."""
+server serves the merged history's KV again on the next turn; past merging them all, the oldest
+are read deeper, then left out, and the chat keeps being answered; only a chat whose newest
+message does not fit alone is refused, with its numbers."""
 
 import time
 
@@ -12,11 +13,13 @@ from helpers import TEXT, perturb
 from test_serve import _wait_until, get, openai_client, post
 
 import ktm
+from ktm.core.encoder import deeper_level
 from ktm.errors import KTMError
 from ktm.model import KTMModel
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
-from ktm.serving.history import block_ends
+from ktm.serving.history import HistoryReading, block_ends, drop_ends, plan_history
+from ktm.serving.protocol import RequestError
 
 
 def chat(turns: int) -> list[dict]:
@@ -94,15 +97,77 @@ def test_marked_messages_keep_their_marks(model):
     assert messages[2]["content"] in merged
 
 
-def test_a_chat_that_cannot_fit_is_refused_with_its_numbers(model):
+def test_a_chat_whose_newest_message_alone_does_not_fit_is_refused_with_its_numbers(model):
     messages = chat(4)
-    old = [m["content"] for m in messages[1:-1]]  # all but the system and the newest
-    least = positions(model, tuple(s.__class__(s.text, s.text.strip() in old, s.ids)
-                                   for s in ktm.chat_prompt(model, messages, merge=False)))
-    with pytest.raises(KTMError, match=rf"needs {least} positions .* history budget of 10"):
+    alone = [messages[0], messages[-1]]  # what is always read: the system message, the newest
+    least = positions(model, ktm.chat_prompt(model, alone, merge=False))
+    with pytest.raises(KTMError, match=rf"needs {least} positions with every one of its 8 older "
+                                       r"message\(s\) left out, over its history budget of 10"):
         ktm.chat_prompt(model, messages, history_budget=10)
+    assert positions(model, ktm.chat_prompt(model, messages, history_budget=least)) == least
     with pytest.raises(KTMError, match="bad chat message at 0.role"):
         ktm.chat_prompt(model, [{"role": "robot", "content": "hi"}])
+
+
+def test_the_plan_reads_deeper_then_leaves_out_only_as_far_as_it_must():
+    """``plan_history`` on made-up costs: the template 5 positions, a message ``plain``
+    positions plain, 4 merged, 1 read deeper; messages of 10 tokens, so a budget up to 21
+    makes blocks of one message."""
+    def cost(d: int, m: int, plain: int = 10) -> int:
+        return 5 + d + 4 * (m - d) + plain * (6 - m)
+
+    sizes = [10] * 6
+    assert plan_history(cost, sizes, 65, 4, 16) == (0, 0)  # fits plain
+    assert plan_history(cost, sizes, 50, 4, 16) == (0, 3)  # blocks of 3 here: 5 + 12 + 30
+    assert plan_history(cost, sizes, 21, 4, 16) == (3, 6)  # all merged is 29; 3 deeper: 20
+    # with the oldest read deeper, fewer need merging: 3 deeper, 2 merged, 1 plain is 21
+    assert plan_history(lambda d, m: cost(d, m, plain=5), sizes, 21, 4, 16) == (3, 5)
+    with pytest.raises(RequestError, match="needs 11 positions even with its 6 older message"
+                                           r"\(s\) read at K=16"):
+        plan_history(cost, sizes, 10, 4, 16)
+    with pytest.raises(RequestError, match="merged at K=4"):
+        plan_history(cost, sizes, 25, 4, None)  # no deeper level: merging is as far as it goes
+    # leaving out never leaves an assistant message first
+    assert drop_ends([10] * 6, 20, ["user", "assistant"] * 3) == [2, 4, 6]
+    assert drop_ends([30, 1, 1, 30], 20, ["user", "assistant", "user", "assistant"]) == [2, 4]
+
+
+def _history(model, messages, budget) -> tuple[tuple, HistoryReading]:
+    from ktm.serving.prompts import chat_reading
+    from ktm.serving.protocol import ChatRequest
+
+    segs, press, how = chat_reading(model, ChatRequest(model="tiny", messages=messages), budget)
+    assert press is None
+    return segs, how
+
+
+def test_past_merging_the_oldest_are_read_deeper_then_left_out(model):
+    messages = chat(8)
+    older = [m["content"] for m in messages[1:-1]]
+    level = deeper_level(model.encoder)[0]
+    assert level == 16  # the tiny model's K=4 encoder over four of its merges
+    segs = ktm.chat_prompt(model, messages, merge=False)
+    plain = positions(model, segs)
+    merged = positions(model, tuple(s.__class__(s.text, s.text.strip() in older, s.ids)
+                                    for s in segs))
+    deep = positions(model, tuple(s.__class__(s.text, True, s.ids, ratio=level)
+                                  if s.text.strip() in older else s for s in segs))
+    assert deep < merged < plain
+    # under what merging all reaches: the oldest read deeper, the rest merged or plain
+    segs, how = _history(model, messages, merged - 1)
+    assert positions(model, segs) == how.positions <= merged - 1
+    assert how.deeper > 0 and how.dropped == 0 and how.level == level
+    read = [(s.text.strip(), s.ratio) for s in segs if s.text.strip() in older]
+    assert [r for _, r in read[:how.deeper]] == [level] * how.deeper  # the oldest
+    assert [r for _, r in read[how.deeper:how.deeper + how.merged]] == [None] * how.merged
+    assert [t for t, _ in read] == older  # every one still read
+    # under what reading them all deeper reaches: the oldest left out, as truncation does
+    segs, how = _history(model, messages, deep - 1)
+    assert positions(model, segs) <= deep - 1 and how.dropped > 0
+    kept = [s.text.strip() for s in segs if s.text.strip() in older]
+    assert kept == older[how.dropped:] and messages[1 + how.dropped]["role"] == "user"
+    assert ktm.chat_prompt(model, messages, history_budget=deep - 1) == segs  # the library's
+    assert _history(model, messages, plain)[1] == HistoryReading(plain, plain)
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +280,11 @@ def reading(model, messages, budget, press, **ktm_field):
     from ktm.serving.protocol import ChatRequest
 
     req = ChatRequest(model="tiny", messages=messages, ktm=ktm_field or None)
-    return chat_reading(model, req, budget, press)
+    return chat_reading(model, req, budget, press)[:2]
 
 
 def test_a_history_press_reads_old_messages_plain_and_presses_them_to_fit(model):
     from ktm.decode.press import PressConfig, kept_positions
-    from ktm.serving.protocol import RequestError
 
     messages = chat(5)
     plain = ktm.chat_prompt(model, messages, merge=False)
@@ -236,18 +300,17 @@ def test_a_history_press_reads_old_messages_plain_and_presses_them_to_fit(model)
     assert press.name == "knorm" and kept_positions(cp, press) <= budget
     # the least ratio that fits: a press keeping one position more would not
     assert kept_positions(cp, PressConfig("knorm", press.ratio - 1.5 / cp.pressable)) > budget
-    # a press reaches budgets merging cannot; a request may turn it off (merging instead) or
-    # name another
-    with pytest.raises(RequestError, match="even with its 10 older message"):
-        reading(model, messages, budget, "knorm", history_press="none")
+    # a press reaches budgets merging cannot (merging instead reads the oldest deeper or
+    # leaves them out); a request may turn it off or name another
+    segs, press = reading(model, messages, budget, "knorm", history_press="none")
+    assert press is None and positions(model, segs) <= budget < positions(model, tuple(
+        s.__class__(s.text, s.text.strip() in old, s.ids) for s in plain))
     segs, press = reading(model, messages, full * 3 // 4, "knorm", history_press="none")
     assert press is None and positions(model, segs) <= full * 3 // 4
     assert reading(model, messages, budget, None, history_press="tova")[1].name == "tova"
 
 
 def test_a_history_press_is_refused_by_name_and_with_the_numbers(model):
-    from ktm.serving.protocol import RequestError
-
     with pytest.raises(RequestError, match="unknown press 'nope'"):
         reading(model, chat(2), 10**6, "nope")
     with pytest.raises(RequestError, match=r"needs \d+ positions outside its older messages.*"
@@ -350,3 +413,48 @@ def test_a_chat_read_with_a_press_reads_nothing_ahead(tiny_model_dir, model):
         ask(srv, messages, press="knorm", press_ratio=0.5)
         time.sleep(0.5)  # a read ahead would have been queued by now
         assert get(srv, "/health")["read_ahead"] == 1
+
+
+def test_a_chat_that_outgrows_its_budget_keeps_being_answered(tiny_model_dir, model):
+    """64 turns under a budget of 300 positions (the tiny model's context is 512): every turn is
+    answered as the model answers that chat, its prompt within the budget; its ``ktm`` field
+    (streamed: in the first chunk) says how the history was read, and ``/metrics`` counts it."""
+    from test_serve_exposed import metrics
+
+    budget = 300
+    cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
+                      log_level="warning", history_budget=budget)
+    messages = [{"role": "system", "content": "You answer a chat that never ends."},
+                {"role": "user", "content": f"Part 0: {TEXT}"}]
+    readings = []
+    with BackgroundServer(create_app(model, cfg)) as srv:
+        client = openai_client(srv)
+        for turn in range(1, 65):
+            kw = dict(model="tiny", messages=messages, max_tokens=6, temperature=0)
+            if turn % 2:
+                r = client.chat.completions.create(**kw)
+                answer, usage, ext = r.choices[0].message.content, r.usage, r.model_extra["ktm"]
+            else:
+                chunks = list(client.chat.completions.create(
+                    stream=True, stream_options={"include_usage": True}, **kw))
+                answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                usage, ext = chunks[-1].usage, chunks[0].model_extra["ktm"]
+                assert all("ktm" not in c.model_extra for c in chunks[1:])
+            how = HistoryReading(**ext["history"])
+            assert usage.prompt_tokens_merged == how.positions <= budget
+            if turn % 16 == 0:
+                segs = ktm.chat_prompt(model, messages, history_budget=budget)
+                assert answer == model.generate(segs, max_new_tokens=6)
+            readings.append(how)
+            messages += [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": f"Part {turn}: {TEXT}"}]
+        after = metrics(srv)
+    assert readings[0].merged == 0 and readings[-1].dropped > 0
+    assert any(r.deeper and not r.dropped for r in readings)  # read deeper before leaving out
+    for step in ("merged", "deeper", "dropped"):
+        assert after[("ktm:history_messages_total", (("reading", step),))] == sum(
+            getattr(r, step) for r in readings)
+    furthest = [next((s for s in ("dropped", "deeper", "merged") if getattr(r, s)), "plain")
+                for r in readings]
+    for step in set(furthest):
+        assert after[("ktm:history_requests_total", (("reading", step),))] == furthest.count(step)

@@ -776,7 +776,8 @@ def test_a_prompt_exactly_at_the_context_still_gets_one_token(server):
 
 def test_a_full_queue_answers_503_and_the_waiting_request_is_served_later(tiny_model_dir,
                                                                           monkeypatch):
-    # README: 503 when --max-queue is full, in OpenAI's error shape. The engine is held back
+    # README: 503 when --max-queue is full, in OpenAI's error shape, saying when to retry
+    # (Retry-After). The engine is held back
     # until the check, so the first request is surely still waiting when the second arrives.
     model = KTMModel.from_base(tiny_model_dir, k=4)
     cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", max_queue=1, max_batch=1,
@@ -797,7 +798,7 @@ def test_a_full_queue_answers_503_and_the_waiting_request_is_served_later(tiny_m
                 urllib.request.urlopen(req, timeout=10)  # a queued request would time out
         finally:
             start()
-        assert e.value.code == 503
+        assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
         error = json.loads(e.value.read())["error"]
         assert error["code"] == "server_busy" and "max_queue=1" in error["message"], error
         assert first.result(timeout=60)["usage"]["completion_tokens"] == 2

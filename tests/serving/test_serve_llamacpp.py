@@ -29,7 +29,7 @@ def serving(model_dir: str, backend: str, context: int | None = None, **settings
                       batch_window_ms=100, log_level="warning", backend=backend, **settings)
     app = create_app(model, cfg)
     with BackgroundServer(app) as srv:
-        srv.model, srv.engine = model, app.state.engine
+        srv.model, srv.engine, srv.app = model, app.state.engine, app
         yield srv
 
 
@@ -89,3 +89,31 @@ def test_a_chat_within_a_history_budget_answers_on_llamacpp_as_on_torch(tiny_mod
     for mine, torch_s in zip(got["llamacpp"], got["torch"]):
         assert mine["choices"] == torch_s["choices"]
         assert mine["usage"]["prompt_tokens_merged"] == torch_s["usage"]["prompt_tokens_merged"]
+
+
+def test_a_stop_ends_the_streams_in_flight_cleanly_and_frees_their_sequences(tiny_model_dir,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    """Draining on llama.cpp, as on torch: short streams finish within the grace time, long
+    ones end with an error event then [DONE], and every sequence is free again."""
+    import json
+
+    from test_serve import DOC, _slow_decoding
+    from test_serve_exposed import _rest_of, _sse
+
+    monkeypatch.setenv("KTM_CACHE", str(tmp_path))
+    # 4096 cells: the eight rows fit together (448 tokens each may come)
+    with serving(tiny_model_dir, "llamacpp", context=4096, shutdown_timeout=1.0) as srv:
+        _slow_decoding(srv, monkeypatch, 0.02)  # a long stream's 448 steps take 9 s or more
+        streams = []
+        for i in range(8):
+            long = i % 2 == 0
+            conn, r = _sse(srv.port, {"model": "tiny", "prompt": f"{DOC[:20 + 5 * i]} #{i}",
+                                      "stream": True, "max_tokens": 448 if long else 3,
+                                      "ktm": {"ignore_eos": True}})
+            streams.append((long, conn, r, [r.readline()]))
+        srv.app.state.drain()
+        ends = [(long, *_rest_of(conn, r, lines)) for long, conn, r, lines in streams]
+        assert not srv.model.runtime.busy  # the ended rows' sequences are free
+    assert [how for long, how, _ in ends] == ["error" if long else "answer" for long, *_ in ends]
+    assert all(json.dumps(e).count("server_shutdown") for _, how, e in ends if how == "error")
