@@ -6,13 +6,14 @@
 #
 # Lengths in the model's tokens; 8,000 stands for 8k (a document of 8,192 tokens leaves the
 # 8,192-position model no room for its question read plain).
-# Methods (the budget: 30 % of the document's positions):
+# Methods (the budget: at most 30 % of the document: the readers at ratio 4 read a quarter of
+# its positions, every other reading keeps 30 % of its tokens or KV):
 #   plain            the base model reading everything
 #   truncate         the base model reading the document's last 30 % of tokens
 #   k4, k2           the shipped consecutive-position readers, every block at K
-#   k4-question      the shipped K=4 reader at ratio 3.33, the question allocator
+#   k4-question      the shipped K=4 reader at ratio 4, the question allocator
 #   qa-k4            the question reader (LoRA on merged rows only) at K=4
-#   qa-question      the question reader at ratio 3.33, the question allocator
+#   qa-question      the question reader as it loads: ratio 4, the question allocator
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
 #   PRESS            the base model reading everything, then PRESS keeping 30 % of the KV
 #                    (the question read after the press, as kvpress's pipeline reads it)
@@ -20,20 +21,25 @@
 # Beyond the model's 8,192 positions (16,384 and 32,768 tokens) only truncation to the window
 # and the question reader (ratio 4.03: at most 8,192 positions with its question and answer) run.
 #
-# Usage: bash results/question/run.sh [TASK:LENGTH:N ...]
-#   (default: needle at 1,024 / 4,096 tokens, then the other tasks, then past the window)
-#   METHODS="plain truncate" to run some methods only; a finished row is never run again.
+# Usage: bash results/question/run.sh [TASK:LENGTH:N[:OPTION][@METHOD,...] ...]
+#   (default: the runs below); METHODS="plain truncate" to run only those methods of each run.
+#   A finished row is never run again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
 READER=${READER:-smollm2-135m-k4-qa}
-RATIO=${RATIO:-3.33}
+RATIO=${RATIO:-4}
 presses="expected_attention snapkv tova streaming_llm kvzip"
 all="plain truncate k4 k2 k4-question qa-k4 qa-question llmlingua longllmlingua $presses snapkv-question"
-runs=${*:-"needle:1024:20 needle:4096:12 needle:2048:11 needle:8000:11
-           needle:1024:20:variant=multikey needle:1024:20:variant=multivalue vartrack:1024:20
-           codeqa:1024:20 codeqa:1024:20:variant=methods needle:4096:12:variant=multikey
-           vartrack:4096:12 codeqa:4096:12 needle:16384:8 needle:32768:8"}
+main="plain,truncate,k4,qa-k4,qa-question,longllmlingua,expected_attention,kvzip"
+depth="plain,k4,qa-question"
+# the side by side at 1,024 and 4,096 tokens; the depth picture at 2,048 and 8,000; the other
+# questions; past the window (16,384 and 32,768 tokens: truncation to the window, and the
+# question reader in at most 8,192 positions)
+runs=${*:-"needle:1024:20 needle:4096:12 needle:2048:11@$depth needle:8000:11@$depth
+           needle:1024:20:variant=multikey@$main needle:1024:20:variant=multivalue@$main
+           vartrack:1024:20@$depth codeqa:1024:20@$depth codeqa:1024:20:variant=methods@$depth
+           needle:16384:8@truncate-window,qa-window needle:32768:8@truncate-window,qa-window"}
 
 flags() {  # the ktm eval flags of one method
   case $1 in
@@ -43,8 +49,8 @@ flags() {  # the ktm eval flags of one method
     k4)              echo "--checkpoint smollm2-135m-k4-seq" ;;
     k2)              echo "--checkpoint smollm2-135m-k2-seq" ;;
     k4-question)     echo "--checkpoint smollm2-135m-k4-seq --ratio $RATIO --allocator question" ;;
-    qa-k4)           echo "--checkpoint $READER" ;;
-    qa-question)     echo "--checkpoint $READER --ratio $RATIO --allocator question" ;;
+    qa-k4)           echo "--checkpoint $READER --allocator even" ;;
+    qa-question)     echo "--checkpoint $READER" ;;
     qa-window)       echo "--checkpoint $READER --ratio 4.03 --allocator question" ;;
     llmlingua)       echo "--compressor llmlingua --compressor-option ratio=0.7" ;;
     longllmlingua)   echo "--compressor llmlingua --compressor-option ratio=0.7
@@ -56,12 +62,13 @@ flags() {  # the ktm eval flags of one method
 }
 
 for run in $runs; do
-  IFS=: read -r task length n option <<< "$run"
+  spec=${run%%@*}
+  listed=$([ "$spec" = "$run" ] && echo "$all" || echo "${run#*@}" | tr , ' ')
+  IFS=: read -r task length n option <<< "$spec"
   name=$task${option:+-${option#*=}}
-  methods=${METHODS:-$all}
-  if [ "$length" -gt 8192 ]; then methods=${METHODS:-"truncate-window qa-window"}; fi
   mkdir -p "results/question/$name/$length"
-  for method in $methods; do
+  for method in ${METHODS:-$listed}; do
+    case " $listed " in *" $method "*) ;; *) continue ;; esac
     out=results/question/$name/$length/$method.json
     [ -f "$out" ] && continue
     echo "== $name $length $method"
