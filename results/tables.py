@@ -696,6 +696,43 @@ def question_table(task: str, lengths: tuple[int, ...], methods: tuple[str, ...]
     return "\n".join(out)
 
 
+def question_headline() -> str:
+    """The front page's needle: found by plain, uniform K=4, the best press and the question
+    reader at 1,024 and 4,096 tokens, and past the model's window."""
+    near = {n: question_rows("needle", n) for n in (1024, 4096)}
+    far = question_rows("needle", 32768)
+    cols = ["1,024 tokens", "4,096 tokens", "32,768 tokens (window: 8,192)"]
+    lines = ["| reading | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "–"
+        first = (r["compression_s"] + r["prefill_s"]) / r["n"]
+        return f"{r['accuracy']:.2f} ({r['kv_after'] / r['tokens_before']:.0%} KV, {first:.1f} s)"
+
+    presses = ("expected_attention", "snapkv", "tova", "streaming_llm", "kvzip",
+               "snapkv-question")
+    for m, far_m in (("plain", "truncate-window"), ("k4", None), ("best press", None),
+                     ("qa-question", "qa-window")):
+        cells = []
+        for n in (1024, 4096):
+            if m == "best press":
+                found = [near[n][p] for p in presses if p in near[n]]
+                best = max(found, key=lambda r: r["accuracy"], default=None)
+                cells.append("–" if best is None else cell(best)[:-1] + f"; {best['method']})")
+            else:
+                cells.append(cell(near[n].get(m)))
+        cells.append(cell(far.get(far_m)) if far_m else "–")
+        name = {"plain": "plain (past the window: its last 8,000 tokens)",
+                "best press": "the best KV press (30 % of KV)"}.get(m) or QUESTION_NAMES[m]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "A needle (a line of a fact) at every depth of held-out code, then its question "
+              "plain: the share found, the KV kept and the seconds to the first token on one "
+              "thread. Files and every other reading: [results/question/README.md]"
+              "(results/question/README.md)."]
+    return "\n".join(lines)
+
+
 def question() -> str:
     """A needle at 1,024 and 4,096 tokens: every reading side by side."""
     return question_table("needle", (1024, 4096), tuple(QUESTION_NAMES))
@@ -746,6 +783,7 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "vllm": vllm, "serve_vllm": serve_vllm,
                                         "determinism": determinism, "vllm_r": vllm_r,
                                         "long_answers": long_answers, "question": question,
+                                        "question_headline": question_headline,
                                         "question_tasks": question_tasks,
                                         "question_depth": question_depth}
 
