@@ -18,8 +18,9 @@ The ktm extension is one optional field named ``ktm``; with the official client 
     both:         "ktm": {"merge": false} at the top level feeds everything plain (the
                   uncompressed baseline); "ktm": {"ignore_eos": true} always generates max_tokens
 
-Without it, a completion prompt and every chat message's content are merged; the chat template's
-own text (role markers, the generation prompt) is always plain.
+Without it, a completion prompt and every chat message's content are merged but for the end of the
+newest user message, its question, read plain (``ktm.serving.prompts.split_question``); the chat
+template's own text (role markers, the generation prompt) is always plain.
 """
 
 from __future__ import annotations
