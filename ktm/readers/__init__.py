@@ -31,6 +31,11 @@ READERS: dict[str, str] = {
     # 0.5): what ktm serve --history-budget reads a long chat with (results/README.md, long
     # chats; results/readers/train_readers.sh k4chat)
     "smollm2-135m-k4-chat": "smollm2-135m-k4-chat",
+    # the K=4 consecutive-position reader pretrained further with its LoRA on the merged rows
+    # only (ktm.core.lora_scope), on recall questions read by the question allocator; read by
+    # default at ratio 4 with it: a question's lines plain, the least relevant text left out to
+    # pay (results/question/README.md; results/readers/train_readers.sh k4qa)
+    "smollm2-135m-k4-qa": "smollm2-135m-k4-qa",
 }
 # a reader found for a model and K (``find_reader``: the demo's start) is replaced by its
 # consecutive-position twin, which llama.cpp and vLLM also run, where that twin reads as well:
