@@ -82,3 +82,27 @@ def test_a_local_copy_of_the_embedded_model_gets_its_readers():
     assert find_reader(folder, 2) == "smollm2-135m-k2-seq"
     assert find_reader("smollm2-135m", 2) == "smollm2-135m-k2-seq"
     assert find_reader(folder, 3) is None
+
+
+def test_the_question_reader_reads_the_line_a_question_asks_about():
+    """smollm2-135m-k4-qa, as it loads (ratio 4, the question allocator, its LoRA on the merged
+    rows only), answers a needle in held-out code at K=4's positions that a uniform K=4 reading
+    of the same reader misses; and reads the needle's line plain."""
+    from ktm.tasks import get_task
+    from ktm.tasks.base import bind
+
+    reader = KTMModel.load("smollm2-135m-k4-qa")
+    assert (reader.config.ratio, reader.config.allocator) == (4.0, "question")
+    assert reader.config.lora.scope == "merged"
+    task = get_task("needle", length=768)
+    bind(task, reader)
+    e = task.eval_examples(3, seed=1)[1]  # the needle in the middle
+    value = e.meta["answers"][0]
+    cp = reader.compress(e.segments)
+    assert cp.tokens_out <= cp.tokens_in / 4 + 40  # K=4's positions, the question plain
+    rows = reader._prompt_encoder().layout([tuple(e.segments)])[0]
+    plain = "".join(reader.tokenizer.decode(ids) for ids, level, c in rows if c and level == 0)
+    assert value in plain
+    assert value in reader.generate(e.segments, max_new_tokens=task.answer_tokens)
+    uniform = KTMModel.load("smollm2-135m-k4-qa", allocator="even")
+    assert value not in uniform.generate(e.segments, max_new_tokens=task.answer_tokens)
