@@ -14,6 +14,8 @@
 #   k4-question      the shipped K=4 reader at ratio 4, the question allocator
 #   qa-k4            the question reader (LoRA on merged rows only) at K=4
 #   qa-question      the question reader as it loads: ratio 4, the question allocator
+#   qa-llamacpp      the same on llama.cpp (the embedded Q4_1 GGUF and the LoRA as an adapter
+#                    set for the merged rows and cleared for the plain ones)
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
 #   PRESS            the base model reading everything, then PRESS keeping 30 % of the KV
 #                    (the question read after the press, as kvpress's pipeline reads it)
@@ -52,6 +54,7 @@ flags() {  # the ktm eval flags of one method
     qa-k4)           echo "--checkpoint $READER --allocator even" ;;
     qa-question)     echo "--checkpoint $READER" ;;
     qa-window)       echo "--checkpoint $READER --ratio 4.03 --allocator question" ;;
+    qa-llamacpp)     echo "--checkpoint $READER --backend llamacpp" ;;
     llmlingua)       echo "--compressor llmlingua --compressor-option ratio=0.7" ;;
     longllmlingua)   echo "--compressor llmlingua --compressor-option ratio=0.7
                            --compressor-option question_aware=true" ;;
