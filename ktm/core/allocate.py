@@ -324,8 +324,10 @@ def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: 
                        f"reader with a larger K, or an allocator that leaves text out "
                        f"({', '.join(DROPS)})")
     # a segment too short for the ratio (a partial unit, its plain tokens) is read with every
-    # unit at the largest level: the closest it comes, which the layout then reports
-    fewest = 1 if drop else sum(positions(n, unit) for n in units.lengths)
+    # unit at the largest level: the closest it comes, which the layout then reports; a signal
+    # that leaves units out does so below that only for a ratio past the largest level (not
+    # for a ratio's rounding), or to pay for the units it reads plain
+    fewest = 1 if ratio > unit else sum(positions(n, unit) for n in units.lengths)
     budget = max(budget, fewest)
     chosen = spend(unit_scores(signal, token_scores, units, seed), units.lengths, levels,
                    budget, drop)

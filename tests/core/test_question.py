@@ -171,3 +171,18 @@ def test_the_question_attention_signal_reads_the_questions_attention_in_early_la
     cp = reader.compress([Segment(DOC, ratio=3.0), Segment("\nWhat is the code?",
                                                              compress=False)])
     assert cp.tokens_out < cp.tokens_in
+
+
+def test_without_a_question_the_question_allocator_at_k_reads_as_even_does(reader):
+    """At ratio K (the question reader's default) a prompt without a question is read as the
+    even allocator reads it, in uniform K's positions: nothing left out to a ratio's
+    rounding."""
+    ids = tuple(range(10, 10 + 4 * 12 + 1))  # 49 tokens: 13 units at K=4, round(49 / 4) = 12
+    reader._config = dataclasses.replace(reader._config, ratio=4.0)
+    alone = reader.compress([Segment("", ids=ids)])
+    reader._config = dataclasses.replace(reader._config, allocator="even")
+    even = reader.compress([Segment("", ids=ids)])
+    reader._config = dataclasses.replace(reader._config, ratio=None)
+    assert alone.tokens_out == even.tokens_out == reader.compress(
+        [Segment("", ids=ids)]).tokens_out == 13
+    assert torch.equal(alone.embeds, even.embeds)
