@@ -117,27 +117,30 @@ def spend(scores: Sequence[float], lengths: Sequence[int], levels: Sequence[int]
     ``drop``: units may be left out (level 0) to pay for the budget: where the largest level
     leaves no room to read the *wanted* units plain (those scoring at least ``TOP`` of the
     best, their extra positions at most ``PLAIN_CAP`` of the budget), the least-scoring others
-    are left out, evenly spread among equals, until it does (``left_out``)."""
+    are left out, evenly spread among equals, until it does (``left_out``); and the wanted
+    units are refined before any other (a line's last, shorter unit too, whose positions carry
+    less signal each than a full unit's next to it)."""
     ladder = sorted(set(levels), reverse=True)
     if ladder[-1] != 1:
         ladder.append(1)
     step = [0] * len(lengths)  # index into ladder
     used = sum(positions(n, ladder[0]) for n in lengths)
     rank = spread_order(len(lengths))
-    out = left_out(scores, lengths, ladder[0], budget, rank) if drop else set()
+    want = wanted(scores) if drop else set()
+    out = left_out(scores, lengths, ladder[0], budget, rank, want) if drop else set()
     used -= sum(positions(lengths[u], ladder[0]) for u in out)
     if used > budget:
         raise KTMError(f"{budget} positions cannot hold {len(lengths)} units at the largest "
                        f"level {ladder[0]} ({used} positions)")
 
-    def entry(u: int) -> tuple[float, int, int]:
+    def entry(u: int) -> tuple[int, float, int, int]:
         per = scores[u] / positions(lengths[u], ladder[step[u]])
-        return (-per, rank[u], u)
+        return (u not in want, -per, rank[u], u)
 
     heap = [entry(u) for u in range(len(lengths)) if len(ladder) > 1 and u not in out]
     heapq.heapify(heap)
     while heap:
-        _, _, u = heapq.heappop(heap)
+        u = heapq.heappop(heap)[-1]
         n, now = lengths[u], ladder[step[u]]
         extra = positions(n, ladder[step[u] + 1]) - positions(n, now)
         if used + extra > budget:
@@ -155,14 +158,19 @@ TOP = 0.5
 PLAIN_CAP = 0.25
 
 
+def wanted(scores: Sequence[float]) -> set[int]:
+    """The units worth reading plain: scoring at least ``TOP`` of the best (none when no unit
+    scores above the floor)."""
+    best = max(scores, default=0.0)
+    return {u for u, s in enumerate(scores) if best > FLOOR and s >= TOP * best}
+
+
 def left_out(scores: Sequence[float], lengths: Sequence[int], unit: int, budget: int,
-             rank: Sequence[int]) -> set[int]:
+             rank: Sequence[int], wanted: set[int]) -> set[int]:
     """The units ``spend(drop=True)`` leaves out: the fewest least-scoring ones (among equal
     scores, those the spread order refines last) whose positions at the largest level
-    ``unit`` pay for the rest at that level plus the wanted units' plain reading; a wanted
+    ``unit`` pay for the rest at that level plus the ``wanted`` units' plain reading; a wanted
     unit only while the rest cannot pay for the others at the largest level."""
-    best = max(scores, default=0.0)
-    wanted = {u for u, s in enumerate(scores) if best > FLOOR and s >= TOP * best}
     cost = [positions(n, unit) for n in lengths]
     used = sum(cost)
     extra = min(sum(lengths[u] - cost[u] for u in wanted), int(PLAIN_CAP * budget))

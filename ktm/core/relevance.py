@@ -14,10 +14,11 @@ order (a name with its title, "secret code"):
     idf(w) = log(1 + passages / passages holding w)
 
 BM25's weighting without its length normalisation: a passage is a line, and lines are about as
-long as each other. Then relevance flows along rare words (in at most ``RARE`` passages), up
-to ``FEEDBACK`` steps from the best passages (scoring at least ``TOP`` of the best): a passage
-sharing a rare word with a relevant one scores at least ``DECAY`` of it (pseudo-relevance
-feedback). A question about a chain (``b = a``, ``c = b``, asked about ``a``'s value) so
+long as each other. Then relevance flows along rare words (in at most ``RARE`` passages) that
+the question does not hold, up to ``FEEDBACK`` steps from the best passages (scoring at least
+``TOP`` of the best): a passage sharing such a word with a relevant one scores at least
+``DECAY`` of it (pseudo-relevance feedback; a question word scored every passage holding it
+already). A question about a chain (``b = a``, ``c = b``, asked about ``a``'s value) so
 reaches each link through the one before, and a fact's name leads to the lines that use it.
 
 Words are tokens read as text, lowercased, with their spaces and punctuation stripped;
@@ -101,7 +102,7 @@ def lexical_scores(ids: Sequence[int], question: Sequence[int],
             if df[w] <= RARE:
                 holding.setdefault(w, []).append(i)
     sources = [i for i, s in enumerate(score) if best > 0 and s >= TOP * best]
-    used: set[str] = set()
+    used: set[str] = set(asked)
     for _ in range(FEEDBACK):
         reached = []
         for i in sources:

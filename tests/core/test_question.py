@@ -186,3 +186,20 @@ def test_without_a_question_the_question_allocator_at_k_reads_as_even_does(reade
     assert alone.tokens_out == even.tokens_out == reader.compress(
         [Segment("", ids=ids)]).tokens_out == 13
     assert torch.equal(alone.embeds, even.embeds)
+
+
+def test_the_wanted_units_are_refined_first_a_lines_short_last_unit_too():
+    # a wanted line of 4 + 4 + 3 tokens, then a context line worth half of it per token
+    scores, lengths = [4.0, 4.0, 3.0, 1.8, 1.8], [4, 4, 3, 4, 4]
+    levels = spend(scores, lengths, (4, 2), budget=5 + 8, drop=True)
+    assert levels[:3] == [1, 1, 1] and levels[3:] == [4, 4]
+
+
+def test_relevance_does_not_flow_along_the_questions_own_words():
+    nl = 4
+    # "code" (asked) is rare, in lines 0 and 2; line 0 also holds the rare asked name "alpha"
+    doc = [1, 9, nl, 11, 12, nl, 9, 13, nl, 14, 15, nl]
+    ends = {i for i, t in enumerate(doc) if t == nl}
+    scores = lexical_scores(doc, [1, 9], word, lambda i: i in ends)
+    by_line = [scores[a] for a, _ in passages(doc, lambda i: i in ends)]
+    assert by_line[2] == pytest.approx(math.log(1 + 4 / 2))  # its own "code", nothing flowed
