@@ -9,6 +9,8 @@ Readings (the same messages for each):
                       every message before it read a question)
     question plain    ktm serve's default: the message's end read plain as its question, the
                       rest merged (``ktm.serving.prompts.split_question``)
+    plain             merging off: the base model reading the whole chat (the question
+                      reader's LoRA adapts merged rows only, so this is the base model)
     with each reader: smollm2-135m-k4-chat (the reader for long chats, uniform K=4) and
     smollm2-135m-k4-qa (the question reader: ratio 4, the question allocator)
 
@@ -46,18 +48,21 @@ def main() -> None:
         task = get_task("needle", length=LENGTH)
         bind(task, model)
         examples = task.eval_examples(N, seed=1)
-        for reading, marked in (("merged whole", {"ktm": {"merge": True}}),
-                                ("question plain", {})):
+        readings = [("merged whole", {"ktm": {"merge": True}}), ("question plain", {})]
+        if model.config.lora.scope == "merged":
+            readings.append(("plain", {}))
+        for reading, marked in readings:
             hits, positions = 0, 0
             for e in examples:
                 doc, question = (s.text for s in e.segments)
                 # the question as a user writes it: after a blank line, no answer cue
                 asked = question.split("? Answer:")[0].strip() + "?"
+                merge = reading != "plain"
                 prompt = chat_prompt(model, [{"role": "user", "content": f"{doc}\n{asked}",
-                                              **marked}])
-                answer = model.generate(prompt, max_new_tokens=24)
+                                              **marked}], merge=merge)
+                answer = model.generate(prompt, max_new_tokens=24, merge=merge)
                 hits += hit(answer, e.meta["answers"])
-                positions += model.measure_prompts([prompt])[0].tokens_out
+                positions += model.measure_prompts([prompt], merge)[0].tokens_out
             rows.append({"reader": name, "reading": reading, "n": N, "length": LENGTH,
                          "hits": hits, "positions": positions / N,
                          "config": {"model": model_record(model)["config"], "seed": 1},
