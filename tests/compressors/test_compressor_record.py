@@ -102,9 +102,9 @@ def test_generate_refuses_a_contradicting_compressor(capsys, sc_checkpoint):
 
 def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, monkeypatch,
                                                                        tiny_model_dir, tmp_path):
-    import uvicorn
+    from ktm.serving.app import Server
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)  # never served for long
+    monkeypatch.setattr(Server, "run", lambda self, **kw: None)  # never served for long
     ckpt = train_baseline(capsys, tiny_model_dir, tmp_path / "r", "ltsc", "max_meta_tokens=8")
     code, err, row = eval_row(capsys, ckpt, tmp_path)
     assert code == 0, err
@@ -130,13 +130,13 @@ def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, m
 def test_serve_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(capsys, monkeypatch,
                                                                       tiny_model_dir, tmp_path,
                                                                       sc_checkpoint):
-    import uvicorn
+    from ktm.serving.app import Server
 
     from ktm.compressors.record import write_record
     from ktm.model import KTMModel
 
     served = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr(Server, "run", lambda self, **kw: served.append(self.config.app))
     code, _, err = run(capsys, "serve", "--model", sc_checkpoint)
     assert code == 2 and not served
     assert "--compressor selective_context (its compressor.json)" in err
