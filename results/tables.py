@@ -775,6 +775,32 @@ def question_depth() -> str:
     return "\n".join(out)
 
 
+def question_ablations() -> str:
+    """Each lever of question-aware reading switched off on the same needles
+    (results/question/ablations.py)."""
+    path = QUESTION / "ablations.json"
+    if not path.exists():
+        return "(no rows yet)"
+    out = ["| lever | setting | reader | length | found | KV kept |", "|---" * 6 + "|"]
+    for r in json.loads(path.read_text()):
+        out.append(f"| {r['lever']} | {r['setting']} | `{r['reader']}` | {r['length']:,} | "
+                   f"{r['accuracy']:.2f} ({r['n']}) | {r['kv_after'] / r['tokens_before']:.0%} |")
+    return "\n".join(out)
+
+
+def question_chat() -> str:
+    """A chat that pastes a document and asks about it, read as ktm serve reads a chat
+    (results/question/chat.py)."""
+    path = QUESTION / "chat.json"
+    if not path.exists():
+        return "(no rows yet)"
+    out = ["| reader | reading | found | positions |", "|---" * 4 + "|"]
+    for r in json.loads(path.read_text()):
+        out.append(f"| `{r['reader']}` | {r['reading']} | {r['hits']} / {r['n']} | "
+                   f"{r['positions']:.0f} |")
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "press_tasks": press_tasks, "history": history,
                                         "readers": readers, "bench": bench, "demo": demo,
@@ -785,7 +811,9 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "long_answers": long_answers, "question": question,
                                         "question_headline": question_headline,
                                         "question_tasks": question_tasks,
-                                        "question_depth": question_depth}
+                                        "question_depth": question_depth,
+                                        "question_ablations": question_ablations,
+                                        "question_chat": question_chat}
 
 
 def render(text: str, page: Path) -> str:

@@ -2,12 +2,13 @@
 with the others on the same documents in one process (the rows of run.sh time each reading in
 its own run, beside whatever else the machine ran then).
 
-    python results/question/speed.py --out results/question/speed.json
+    python results/question/speed.py --docs 3 --repeats 1 --out results/question/speed.json
 
 Readings: plain (the base model), the question reader as it loads (ratio 4, the question
 allocator: its scoring included), and KVzip at 30 % of the KV (it re-reads the document to score
 it), each a greedy first token: encoding, allocating, prefilling and pressing. Per length, the
-median over documents and repeats, one thread.
+median over documents and repeats, one thread (each reading is warmed once per length on its
+first document: the first call pays setup).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def first_token(model, prompt, merge: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--docs", type=int, default=DOCS, help="documents per length")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="timings per document")
     args = ap.parse_args()
     torch.set_num_threads(1)
     plain = load_any("smollm2-135m")
@@ -51,12 +54,12 @@ def main() -> None:
     for length in LENGTHS:
         task = get_task("needle", length=length)
         bind(task, reader)
-        examples = task.eval_examples(DOCS, seed=1)
+        examples = task.eval_examples(args.docs, seed=1)
         seconds: dict[str, list[float]] = {name: [] for name in readings}
+        for model, merge in readings.values():  # warm: the first call pays setup
+            first_token(model, examples[0].segments, merge)
         for e in examples:
-            for model, merge in readings.values():  # warm: the first call pays setup
-                first_token(model, e.segments, merge)
-            for _ in range(REPEATS):
+            for _ in range(args.repeats):
                 for name, (model, merge) in readings.items():
                     seconds[name].append(first_token(model, e.segments, merge))
         base = statistics.median(seconds["plain"])
@@ -65,7 +68,7 @@ def main() -> None:
                          "of_plain": statistics.median(times) / base, "times_s": times})
             print(length, name, round(statistics.median(times), 3), flush=True)
     write_json_atomic(args.out, {"rows": rows, "config": {
-        "docs": DOCS, "repeats": REPEATS, "lengths": list(LENGTHS), "threads": 1,
+        "docs": args.docs, "repeats": args.repeats, "lengths": list(LENGTHS), "threads": 1,
         "press": {"name": "kvzip", "ratio": 0.7}, "reader": "smollm2-135m-k4-qa",
         "task": "needle", "seed": 1}, "versions": versions(), "git": git_revision()})
 
