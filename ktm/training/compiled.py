@@ -67,7 +67,12 @@ def compiled_body(model, on: bool = True):
             _COMPILED[cls] = _compiled_forward(cls)
         layer.forward = functools.partial(_COMPILED[cls], layer)
     try:
-        with room_for_shapes():  # past torch's 8 graphs a function, it would go eager unsaid
+        # past torch's 8 graphs a function, it would go eager unsaid; and dynamo guards on the
+        # layers' hooks, which it skips by default (skip_nnmodule_hook_guards): the compiled
+        # forward is shared by every model of the process, and a LoRA of the merged rows only
+        # (``ktm.core.lora_scope``) is a forward hook, so a graph traced for a model without it
+        # would otherwise run for one with it, its LoRA on every row
+        with room_for_shapes(), torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
             yield
     finally:
         for layer in layers:

@@ -130,10 +130,9 @@ def test_ltsc_checkpoint_eval_and_generate_use_it_old_ones_are_refused(capsys, m
 def test_serve_refuses_a_checkpoint_whose_prompts_a_baseline_rewrote(capsys, monkeypatch,
                                                                       tiny_model_dir, tmp_path,
                                                                       sc_checkpoint):
-    from ktm.serving.app import Server
-
     from ktm.compressors.record import write_record
     from ktm.model import KTMModel
+    from ktm.serving.app import Server
 
     served = []
     monkeypatch.setattr(Server, "run", lambda self, **kw: served.append(self.config.app))

@@ -49,6 +49,17 @@ def _own_rows(n: int = 40) -> list[dict]:
              "target": ("even", "odd")[i % 2]} for i in range(n)]
 
 
+def _modules(folder: Path, n: int = 6) -> Path:
+    """A folder of small Python modules: functions that return, classes of methods."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for m in range(n):
+        body = "".join(f"def f{m}_{i}(x):\n    y = x + {i}\n    return y * {m + 2}\n\n\n"
+                       f"class C{m}_{i}:\n    def a{i}(self):\n        return {i}\n\n"
+                       f"    def b{i}(self):\n        return {m}\n\n\n" for i in range(12))
+        (folder / f"mod{m}.py").write_text(body)
+    return folder
+
+
 @pytest.fixture
 def fixture_kwargs(tmp_path: Path) -> dict[str, dict]:
     trees = [
@@ -60,14 +71,28 @@ def fixture_kwargs(tmp_path: Path) -> dict[str, dict]:
         "amazon": {"data_path": _write(tmp_path / "reviews.jsonl.gz", _reviews()), "test_size": 8},
         "commitpack": {"data_path": _write(tmp_path / "commits.jsonl", _commits()), "test_size": 8},
         "custom": {"data_path": _write(tmp_path / "own.jsonl", _own_rows()), "test_size": 8},
+        **{name: {"source": str(_modules(tmp_path / "src")),
+                  "train_source": str(_modules(tmp_path / "train")), "length": 128}
+           for name in ("needle", "vartrack", "codeqa")},
     }
 
 
+def _built(name: str, kwargs: dict, tiny_model_dir: str, **more):
+    """The task, bound to the tiny model's tokenizer where it counts lengths in tokens."""
+    task = get_task(name, **kwargs, **more)
+    if task.kind == "qa":
+        from helpers import fresh_model
+
+        task.bind(fresh_model(tiny_model_dir).tokenizer)
+    return task
+
+
 @pytest.mark.parametrize("name", sorted(TASKS))
-def test_registry_builds_every_task_with_the_contract(name: str, fixture_kwargs) -> None:
-    task = get_task(name, **fixture_kwargs[name])
+def test_registry_builds_every_task_with_the_contract(name: str, fixture_kwargs,
+                                                     tiny_model_dir) -> None:
+    task = _built(name, fixture_kwargs[name], tiny_model_dir)
     assert isinstance(task, TASKS[name]) and task.name == name
-    assert task.kind in ("classification", "perplexity")
+    assert task.kind in ("classification", "perplexity", "qa")
     assert (task.kind == "classification") == bool(task.labels)
     train, evals = task.train_examples(12, seed=0), task.eval_examples(6, seed=0)
     assert len(train) == 12 and len(evals) == 6
@@ -82,14 +107,15 @@ def test_registry_builds_every_task_with_the_contract(name: str, fixture_kwargs)
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
-def test_paper_mode_is_one_compressed_segment(name: str, fixture_kwargs) -> None:
-    task = get_task(name, prompt_mode="paper", **fixture_kwargs[name])
+def test_paper_mode_is_one_compressed_segment(name: str, fixture_kwargs, tiny_model_dir) -> None:
+    task = _built(name, fixture_kwargs[name], tiny_model_dir, prompt_mode="paper")
     for ex in task.eval_examples(4, seed=1):
         assert len(ex.segments) == 1 and ex.segments[0].compress
 
 
 def test_get_task_errors_name_the_bad_value() -> None:
-    with pytest.raises(KTMError, match="unknown task 'trees'.*amazon, commitpack, custom, tree"):
+    names = "amazon, codeqa, commitpack, custom, needle, tree, vartrack"
+    with pytest.raises(KTMError, match=f"unknown task 'trees'.*{names}"):
         get_task("trees")
     with pytest.raises(KTMError, match="has no option stages.*stage"):
         get_task("tree", stages="small")
