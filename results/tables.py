@@ -788,6 +788,24 @@ def question_ablations() -> str:
     return "\n".join(out)
 
 
+def question_speed() -> str:
+    """Seconds to the first token, the readings interleaved (results/question/speed.py)."""
+    path = QUESTION / "speed.json"
+    if not path.exists():
+        return "(no rows yet)"
+    data = json.loads(path.read_text())
+    cfg = data["config"]
+    out = ["| length | reading | first token (s, median) | of plain's |", "|---" * 4 + "|"]
+    for r in data["rows"]:
+        out.append(f"| {r['length']:,} | {r['reading']} | {r['median_s']:.2f} | "
+                   f"{r['of_plain']:.2f}× |")
+    out += ["", f"{cfg['docs']} documents a length, {cfg['repeats']} timing(s) each, the readings "
+            f"interleaved in one process, {cfg['threads']} thread; KVzip keeps "
+            f"{1 - cfg['press']['ratio']:.0%} of the KV; the question reader's scoring and "
+            "merging included."]
+    return "\n".join(out)
+
+
 def question_chat() -> str:
     """A chat that pastes a document and asks about it, read as ktm serve reads a chat
     (results/question/chat.py)."""
@@ -813,7 +831,8 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "question_tasks": question_tasks,
                                         "question_depth": question_depth,
                                         "question_ablations": question_ablations,
-                                        "question_chat": question_chat}
+                                        "question_chat": question_chat,
+                                        "question_speed": question_speed}
 
 
 def render(text: str, page: Path) -> str:
