@@ -775,17 +775,24 @@ def question_depth() -> str:
     return "\n".join(out)
 
 
+def _rows_table(name: str, header: list[str], cells: Callable[[dict], list[str]]) -> str:
+    """A table of the rows of results/question/NAME: one line of ``cells`` a row."""
+    path = QUESTION / name
+    if not path.exists():
+        return "(no rows yet)"
+    out = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    out += ["| " + " | ".join(cells(r)) + " |" for r in json.loads(path.read_text())]
+    return "\n".join(out)
+
+
 def question_ablations() -> str:
     """Each lever of question-aware reading switched off on the same needles
     (results/question/ablations.py)."""
-    path = QUESTION / "ablations.json"
-    if not path.exists():
-        return "(no rows yet)"
-    out = ["| lever | setting | reader | length | found | KV kept |", "|---" * 6 + "|"]
-    for r in json.loads(path.read_text()):
-        out.append(f"| {r['lever']} | {r['setting']} | `{r['reader']}` | {r['length']:,} | "
-                   f"{r['accuracy']:.2f} ({r['n']}) | {r['kv_after'] / r['tokens_before']:.0%} |")
-    return "\n".join(out)
+    return _rows_table("ablations.json", ["lever", "setting", "reader", "length", "found",
+                                          "KV kept"],
+                       lambda r: [r["lever"], r["setting"], f"`{r['reader']}`",
+                                  f"{r['length']:,}", f"{r['accuracy']:.2f} ({r['n']})",
+                                  f"{r['kv_after'] / r['tokens_before']:.0%}"])
 
 
 def question_speed() -> str:
@@ -809,14 +816,9 @@ def question_speed() -> str:
 def question_chat() -> str:
     """A chat that pastes a document and asks about it, read as ktm serve reads a chat
     (results/question/chat.py)."""
-    path = QUESTION / "chat.json"
-    if not path.exists():
-        return "(no rows yet)"
-    out = ["| reader | reading | found | positions |", "|---" * 4 + "|"]
-    for r in json.loads(path.read_text()):
-        out.append(f"| `{r['reader']}` | {r['reading']} | {r['hits']} / {r['n']} | "
-                   f"{r['positions']:.0f} |")
-    return "\n".join(out)
+    return _rows_table("chat.json", ["reader", "reading", "found", "positions"],
+                       lambda r: [f"`{r['reader']}`", r["reading"], f"{r['hits']} / {r['n']}",
+                                  f"{r['positions']:.0f}"])
 
 
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,

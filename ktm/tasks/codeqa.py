@@ -30,6 +30,7 @@ from typing import Literal
 from ktm.errors import KTMError
 from ktm.tasks import haystack
 from ktm.tasks.base import Example, PromptMode, TaskKind, qa_prompt
+from ktm.tasks.questions import QuestionTask
 
 RETURN_CHARS = 40
 
@@ -86,7 +87,7 @@ def _answers(node, text: str, variant: str) -> tuple[str, ...]:
 
 
 @dataclass
-class CodeQATask:
+class CodeQATask(QuestionTask):
     """Questions about a function or class in a long stretch of code (module docstring)."""
 
     prompt_mode: PromptMode = "context"
@@ -102,28 +103,13 @@ class CodeQATask:
     def __post_init__(self) -> None:
         if self.length < 64:
             raise KTMError(f"codeqa length must be >= 64 tokens, got {self.length}")
-        self._tokens: haystack.Tokens | None = None
-
-    def bind(self, tokenizer) -> None:
-        self._tokens = haystack.Tokens(tokenizer)
 
     @property
     def answer_tokens(self) -> int:
         return 24 if self.variant == "returns" else 40
 
-    def label_target(self, label: str) -> str:
-        raise KTMError("the codeqa task asks open questions: it has no labels")
-
-    def train_examples(self, n: int, seed: int) -> list[Example]:
-        return self._examples(n, seed, train=True)
-
-    def eval_examples(self, n: int, seed: int) -> list[Example]:
-        return self._examples(n, seed, train=False)
-
     def _examples(self, n: int, seed: int, train: bool) -> list[Example]:
-        if self._tokens is None:
-            raise KTMError("the codeqa task counts lengths in the model's tokens: bind it to "
-                           "the model's tokenizer first (ktm.tasks.base.bind)")
+        self.tokens()  # bound, or an error saying so
         source = self.train_source if train else self.source
         lines = haystack.lines_of(source, train)
         rng = random.Random(f"codeqa:{seed}:{train}:{self.variant}")

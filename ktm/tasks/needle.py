@@ -30,6 +30,7 @@ from typing import Literal
 from ktm.errors import KTMError
 from ktm.tasks import haystack
 from ktm.tasks.base import Example, PromptMode, TaskKind, qa_prompt
+from ktm.tasks.questions import QuestionTask
 
 # keys: names, each one token of common tokenizers' vocabularies in most cases, none a Python
 # word (so that code holds none of them)
@@ -39,7 +40,7 @@ NAMES = ("Alice", "Boris", "Chen", "Dmitri", "Elena", "Farid", "Greta", "Hiro", 
 
 
 @dataclass
-class NeedleTask:
+class NeedleTask(QuestionTask):
     """Needle questions over long documents (module docstring)."""
 
     prompt_mode: PromptMode = "context"
@@ -65,30 +66,14 @@ class NeedleTask:
         if "{key}" not in self.needle or "{value}" not in self.needle or "\n" in self.needle:
             raise KTMError(f"needle {self.needle!r} must be one line holding {{key}} and "
                            "{value}")
-        self._tokens: haystack.Tokens | None = None
-
-    def bind(self, tokenizer) -> None:
-        """Count lengths in this tokenizer's tokens (the model's: ``ktm.tasks.base.bind``)."""
-        self._tokens = haystack.Tokens(tokenizer)
 
     @property
     def answer_tokens(self) -> int:
         """New tokens an answer gets: room for every asked value."""
         return 12 * (self.values if self.variant == "multivalue" else 1)
 
-    def label_target(self, label: str) -> str:
-        raise KTMError("the needle task asks open questions: it has no labels")
-
-    def train_examples(self, n: int, seed: int) -> list[Example]:
-        return self._examples(n, seed, train=True)
-
-    def eval_examples(self, n: int, seed: int) -> list[Example]:
-        return self._examples(n, seed, train=False)
-
     def _examples(self, n: int, seed: int, train: bool) -> list[Example]:
-        if self._tokens is None:
-            raise KTMError("the needle task counts lengths in the model's tokens: bind it to "
-                           "the model's tokenizer first (ktm.tasks.base.bind)")
+        self.tokens()  # bound, or an error saying so
         lines = haystack.lines_of(self.train_source if train else self.source, train)
         rng = random.Random(f"needle:{seed}:{train}")
         return [self._example(lines, d, rng)

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from ktm.errors import KTMError
 from ktm.tasks import haystack
 from ktm.tasks.base import Example, PromptMode, TaskKind, qa_prompt
+from ktm.tasks.questions import QuestionTask
 
 
 @dataclass
-class VarTrackTask:
+class VarTrackTask(QuestionTask):
     """Which names hold a value, through a chain of assignments (module docstring)."""
 
     prompt_mode: PromptMode = "context"
@@ -42,28 +43,13 @@ class VarTrackTask:
                            f"chains={self.chains}")
         if self.length < 16:
             raise KTMError(f"vartrack length must be >= 16 tokens, got {self.length}")
-        self._tokens: haystack.Tokens | None = None
-
-    def bind(self, tokenizer) -> None:
-        self._tokens = haystack.Tokens(tokenizer)
 
     @property
     def answer_tokens(self) -> int:
         return 5 * self.hops + 4
 
-    def label_target(self, label: str) -> str:
-        raise KTMError("the vartrack task asks open questions: it has no labels")
-
-    def train_examples(self, n: int, seed: int) -> list[Example]:
-        return self._examples(n, seed, train=True)
-
-    def eval_examples(self, n: int, seed: int) -> list[Example]:
-        return self._examples(n, seed, train=False)
-
     def _examples(self, n: int, seed: int, train: bool) -> list[Example]:
-        if self._tokens is None:
-            raise KTMError("the vartrack task counts lengths in the model's tokens: bind it "
-                           "to the model's tokenizer first (ktm.tasks.base.bind)")
+        self.tokens()  # bound, or an error saying so
         lines = haystack.lines_of(self.train_source if train else self.source, train)
         rng = random.Random(f"vartrack:{seed}:{train}")
         return [self._example(lines, rng) for _ in range(n)]
