@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=DOCS, help="documents per length")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timings per document")
     args = ap.parse_args()
+    if args.docs < 1 or args.repeats < 1:
+        ap.error(f"--docs and --repeats must be >= 1, got {args.docs} and {args.repeats}")
     torch.set_num_threads(1)
     plain = load_any("smollm2-135m")
     pressed = load_any("smollm2-135m")

@@ -66,14 +66,14 @@ def fixture_kwargs(tmp_path: Path) -> dict[str, dict]:
         {"indent_tree": t.text, "edges": [list(e) for e in t.edges]}
         for t in generate_trees(stage_config("medium"), 30)
     ]
+    questions = {"source": str(_modules(tmp_path / "src")),
+                 "train_source": str(_modules(tmp_path / "train")), "length": 128}
     return {
         "tree": {"data_path": _write(tmp_path / "trees.jsonl", trees), "stage": "medium"},
         "amazon": {"data_path": _write(tmp_path / "reviews.jsonl.gz", _reviews()), "test_size": 8},
         "commitpack": {"data_path": _write(tmp_path / "commits.jsonl", _commits()), "test_size": 8},
         "custom": {"data_path": _write(tmp_path / "own.jsonl", _own_rows()), "test_size": 8},
-        **{name: {"source": str(_modules(tmp_path / "src")),
-                  "train_source": str(_modules(tmp_path / "train")), "length": 128}
-           for name in ("needle", "vartrack", "codeqa")},
+        **dict.fromkeys(("needle", "vartrack", "codeqa"), questions),
     }
 
 
