@@ -20,6 +20,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -212,22 +213,28 @@ def headline() -> str:
                          + f" | {press_prefill()} |")
     n = {t: next((r["n"] for r in by_task.get(t, [])), "–") for t, _ in TASK_COLUMNS}
     ratios = sorted({r["mlp_ratio"] for r in bench if r.get("mlp_ratio")})
-    return "\n".join(lines) + (
-        "\n\nEmbedded SmolLM2-135M, fp32, 2 CPU cores; every method fine-tuned with the same LoRA "
-        "and budget, ktm from the shipped readers. Balanced accuracy: higher is better (0.5 is "
-        f"chance); perplexity: lower is better. Eval examples: tree small {n['tree small']}, "
-        f"amazon {n['amazon']}, commitpack {n['commitpack']}. Shorter: the share of prompt "
-        "tokens the LM no longer reads. Prefill (`ktm bench`): encoder included (MLP ratio "
-        f"{', '.join(f'{x:g}' for x in ratios)}), batch 1, median of paired repeats. "
-        "A KV press (kvpress, on the uncompressed fine-tune) reads the whole prompt and keeps "
-        "part of its context's KV: its cell names the press that scored best at that ratio, "
-        "among those that pressed every prompt (SnapKV leaves prompts under its window whole), "
-        "and the share of the prompt's KV dropped (for ktm, shorter is also the KV dropped); "
-        "its prefill is the presses' range in the press benchmark at 2,048 tokens (KVzip "
-        "re-reads the context: the low end). "
-        f"Files: `{rel(TASKS)}/*/*.json`, `{rel(BENCH)}`"
-        + (f", `{rel(PRESS_TASKS)}/*/*.json`, `{rel(PRESS_SPEED)}`, `{rel(PRESS_SPEED_MORE)}`."
-           if pressed else "."))
+    files = [f"{rel(TASKS)}/*/*.json", rel(BENCH)]
+    if pressed:
+        files += [f"{rel(PRESS_TASKS)}/*/*.json", rel(PRESS_SPEED), rel(PRESS_SPEED_MORE)]
+    notes = [
+        "Embedded SmolLM2-135M, fp32, 2 CPU cores; every method fine-tuned with the same LoRA and "
+        "budget, ktm from the shipped readers. Eval examples: tree small "
+        f"{n['tree small']}, amazon {n['amazon']}, commitpack {n['commitpack']}.",
+        "Balanced accuracy: higher is better (0.5 is chance); perplexity: lower is better.",
+        "Shorter: the share of prompt tokens the LM no longer reads (for ktm, also the KV "
+        "dropped).",
+        f"Prefill (`ktm bench`): encoder included (MLP ratio {', '.join(f'{x:g}' for x in ratios)}"
+        "), batch 1, median of paired repeats."]
+    if pressed:
+        notes.append("A KV press (kvpress) reads the whole prompt of the uncompressed fine-tune, "
+                     "then keeps part of its context's KV. Its cell: the best press at that ratio "
+                     "among those that pressed every prompt (SnapKV leaves prompts under its "
+                     "window whole), and the KV dropped; its prefill: the presses' range in the "
+                     "press benchmark at 2,048 tokens (KVzip re-reads the context: the low end).")
+    notes.append("Files: " + ", ".join(f"`{f}`" for f in files) + ".")
+    return "\n".join(lines) + "\n\n" + "\n".join(
+        textwrap.fill(note, 99, initial_indent="- ", subsequent_indent="  ",
+                      break_long_words=False, break_on_hyphens=False) for note in notes)
 
 
 def press_tasks() -> str:
