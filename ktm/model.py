@@ -17,7 +17,7 @@ import dataclasses
 import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import field, replace
 from functools import partial
 from pathlib import Path
 
@@ -33,10 +33,11 @@ from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
 from ktm.core.batch import CompressedPrompt, LossOutput, pack
-from ktm.core.config import DEFAULT_MODEL, KTMConfig, LoraSettings
+from ktm.core.config import DEFAULT_MODEL, KTMConfig, Layout, LoraSettings
 from ktm.core.context_states import StopForward, decoder_layers
 from ktm.core.encoder import EncoderConfig, KTokenEncoder, level_encoder
 from ktm.core.input_lookup import input_lookup
+from ktm.core.int8 import WEIGHTS, check_weights
 from ktm.core.levels import merges
 from ktm.core.lora import lora_config, peft_wrapping, resolve_targets
 from ktm.core.lora_fold import FoldedLM
@@ -45,7 +46,15 @@ from ktm.core.loss import check_fits, ids_tensor, loss
 from ktm.core.prefix import MergeCache, PromptEncoder
 from ktm.core.prompt import PromptLike, as_segments, split_prompts
 from ktm.core.tokens import LineBreaks, SegmentTokenizer, line_break_ids
-from ktm.decode.press import PressConfig, import_kvpress, press_refusal
+from ktm.decode.compiled import COMPILE_MODES, check_mode
+from ktm.decode.press import (
+    SCORERS,
+    WRAPPERS,
+    PressConfig,
+    import_kvpress,
+    press_names,
+    press_refusal,
+)
 from ktm.decode.runtime import TorchRuntime
 from ktm.errors import KTMError
 from ktm.llamacpp.backend import attach
@@ -95,25 +104,7 @@ def from_base(
         raise KTMError(f"tokenizer= goes with a model object; base {base!r} is loaded with "
                        "its own tokenizer: expected no tokenizer, or base as a loaded model")
     name = base if isinstance(base, str) else (base.name_or_path or type(base).__name__)
-    if config is None:
-        known = {f.name for f in dataclasses.fields(KTMConfig)} - {"base_model", "k", "lora",
-                                                                   "dtype"}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise KTMError(f"from_base got unknown options {unknown}: expected KTMConfig "
-                           f"fields such as {sorted(known)}")
-        config = KTMConfig(base_model=name, k=k, lora=lora or LoraSettings(),
-                           dtype=dtype_name(dtype), **fields)
-    elif fields:
-        raise KTMError(f"give config= or options {sorted(fields)}, not both")
-    elif isinstance(base, str) and base != DEFAULT_MODEL:
-        # a base named beside a config: the config's own base must be that one (or the
-        # default, i.e. not set), never silently another
-        if config.base_model not in (DEFAULT_MODEL, base):
-            raise KTMError(f"from_base got base {base!r} and a config whose base_model is "
-                           f"{config.base_model!r}: expected one base model (name it in "
-                           "one place, or give the same in both)")
-        config = replace(config, base_model=base)
+    config = _base_config(base, name, config, k=k, lora=lora, dtype=dtype, fields=fields)
     torch_dtype = parse_dtype(config.dtype)
     device = check_device(device)
     if isinstance(base, str):
@@ -147,6 +138,32 @@ def from_base(
     return model
 
 
+def _base_config(base: str | PreTrainedModel, name: str, config: KTMConfig | None, *, k: int,
+                 lora: LoraSettings | None, dtype: str | torch.dtype, fields: dict) -> KTMConfig:
+    """``from_base``'s config: ``config`` as given (its base the one named beside it), else one
+    built from ``k``, ``lora``, ``dtype`` and the other ``KTMConfig`` fields by keyword."""
+    if config is None:
+        known = {f.name for f in dataclasses.fields(KTMConfig)} - {"base_model", "k", "lora",
+                                                                   "dtype"}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise KTMError(f"from_base got unknown options {unknown}: expected KTMConfig "
+                           f"fields such as {sorted(known)}")
+        return KTMConfig(base_model=name, k=k, lora=lora or LoraSettings(),
+                         dtype=dtype_name(dtype), **fields)
+    if fields:
+        raise KTMError(f"give config= or options {sorted(fields)}, not both")
+    if isinstance(base, str) and base != DEFAULT_MODEL:
+        # a base named beside a config: the config's own base must be that one (or the
+        # default, i.e. not set), never silently another
+        if config.base_model not in (DEFAULT_MODEL, base):
+            raise KTMError(f"from_base got base {base!r} and a config whose base_model is "
+                           f"{config.base_model!r}: expected one base model (name it in "
+                           "one place, or give the same in both)")
+        return replace(config, base_model=base)
+    return config
+
+
 def cast_as_loaded(lm: PreTrainedModel, device: torch.device, dtype: torch.dtype
                    ) -> PreTrainedModel:
     """``lm`` on ``device`` in ``dtype`` as ``from_pretrained(dtype=...)`` (so ``load``) gives
@@ -178,66 +195,160 @@ def encoder_config(config: KTMConfig, lm: PreTrainedModel) -> EncoderConfig:
     return EncoderConfig(width, **config.encoder_kwargs())
 
 
+@dataclasses.dataclass(frozen=True)
+class RuntimeSpec:
+    """Where a model runs while decoding and scoring, declared once: ``backend`` (``BACKENDS``),
+    the llama.cpp GGUF export and context settings (``gguf``, ``llamacpp``), where vLLM runs
+    (``vllm``), and the torch runtime's options: a KV press at ``press_ratio``, ``compile``
+    and ``weights`` (``ktm.decode.runtime.TorchRuntime``). Checked when built, before any
+    engine starts; ``apply`` puts it on a model."""
+
+    # the metadata makes each command's flags (``ktm.cli.args.add_dataclass_args``); the
+    # llama.cpp and vLLM settings' flags are their configs' own, prefixed --llamacpp-, --vllm-
+    backend: str = field(default="torch", metadata={
+        "choices": BACKENDS,
+        "help": "what prefills and decodes: torch; llama.cpp (the [llamacpp] extra; the model "
+                "is exported to GGUF once, into the cache, unless --gguf names an export); or "
+                "vLLM (installed as docs/serving.md says; exported once into the cache)"})
+    gguf: str | Path | None = field(default=None, metadata={
+        "metavar": "DIR",
+        "help": "a GGUF export of this model (ktm export --format gguf) for --backend llamacpp"})
+    llamacpp: RuntimeConfig | None = None
+    vllm: VLLMConfig | None = None
+    press: str | None = field(default=None, metadata={
+        "choices": press_names(), "metavar": "NAME",
+        "help": "press the KV cache of the prompt's compressed segments after prefill (merged "
+                "or plain; the plain segments after them never) with a kvpress press (the "
+                "[kvpress] extra; torch backend only): " + ", ".join(SCORERS) + ", or "
+                "WRAPPER:PRESS with a wrapper of " + ", ".join(WRAPPERS)})
+    press_ratio: float = field(default=0.5, metadata={
+        "metavar": "R", "help": "--press: the share of the pressed segments' KV dropped, in "
+                                "[0, 1)"})
+    compile: str = field(default="auto", metadata={
+        "choices": COMPILE_MODES,
+        "help": "--backend torch: decode steps on a static KV cache, compiled (torch.compile; "
+                "CUDA graphs on CUDA), and the prefill compiled for every length: on, off, or "
+                "auto, where measured to pay (on CUDA, decode batches of up to 64k cache "
+                "positions and prefills of up to 1,024: docs/guide.md)"})
+    weights: str = field(default="native", metadata={
+        "choices": WEIGHTS,
+        "help": "--backend torch: the LM's linear layers as loaded (native) or in int8, one "
+                "scale per output row (a quarter of fp32's bytes read a decode step; logits "
+                "within the bound docs/guide.md states)"})
+
+    def __post_init__(self) -> None:
+        check_backend(self.backend)
+        check_mode(self.compile)
+        check_weights(self.weights)
+        for name, default in (("compile", "auto"), ("weights", "native")):
+            value = getattr(self, name)
+            if value != default and self.backend != "torch":
+                raise KTMError(f"--{name} {value} is an option of the torch backend, not "
+                               f"--backend {self.backend} (llama.cpp and vLLM run their own "
+                               f"{'graphs' if name == 'compile' else 'weight types'})")
+
+    def apply(self, model: KTMModel, source: str | Path | None = None) -> KTMModel:
+        """``model`` running here (``source``: the checkpoint folder it was loaded from, which a
+        llama.cpp GGUF export is read from)."""
+        if self.press is not None:
+            model.use_press(self.press, self.press_ratio)  # checked before a backend starts
+        if self.compile != "auto":
+            model.runtime.compile = self.compile
+        if self.weights != "native":
+            model.runtime.weights = self.weights
+        if self.backend != "torch":
+            model.use_backend(self.backend, source=source, gguf=self.gguf,
+                              config=self.vllm if self.backend == "vllm" else self.llamacpp)
+        return model
+
+
+LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(Layout))
+RUNTIME_FIELDS = frozenset(f.name for f in dataclasses.fields(RuntimeSpec))
+
+
+def layout_and_runtime(layout: Layout | None, runtime: RuntimeSpec | None,
+                       options: dict) -> tuple[Layout, RuntimeSpec]:
+    """``layout`` and ``runtime`` with ``options``, their fields given by keyword
+    (``ratio=4``, ``backend="vllm"``, ``press="snapkv"``, ...), filled in."""
+    unknown = sorted(set(options) - LAYOUT_FIELDS - RUNTIME_FIELDS)
+    if unknown:
+        raise KTMError(f"unknown options {unknown}: expected Layout fields "
+                       f"{sorted(LAYOUT_FIELDS)} or RuntimeSpec fields {sorted(RUNTIME_FIELDS)}")
+    layout = replace(layout or Layout(), **{n: v for n, v in options.items() if n in LAYOUT_FIELDS})
+    runtime = replace(runtime or RuntimeSpec(),
+                      **{n: v for n, v in options.items() if n in RUNTIME_FIELDS})
+    return layout, runtime
+
+
 def load(
     cls: type[KTMModel],
-    directory: str | Path,
+    directory: str | Path | checkpoint.Checkpoint,
     *,
     base: str | None = None,
     k: int | None = None,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = torch.float32,
     trainable: bool = False,
-    plain_suffix: int | None = None,
-    align_lines: bool | None = None,
-    spread_positions: bool | None = None,
-    ratio: float | None = None,
-    allocator: str | None = None,
-    backend: str = "torch",
-    gguf: str | Path | None = None,
-    llamacpp: RuntimeConfig | None = None,
-    vllm: VLLMConfig | None = None,
-    press: str | None = None,
-    press_ratio: float = 0.5,
+    layout: Layout | None = None,
+    runtime: RuntimeSpec | None = None,
+    **options,
 ) -> KTMModel:
-    """Load a checkpoint folder or a shipped reader's name (e.g. ``"smollm2-135m-k4"``).
+    """Load a checkpoint folder, a shipped reader's name (e.g. ``"smollm2-135m-k4"``) or an
+    opened ``Checkpoint`` (``ktm.readers.open_checkpoint``).
 
     ``base``: another folder of the checkpoint's base model (same sizes and tokenizer; None: the
     saved one). ``k``: None for the saved K, or a recursive checkpoint's inner K. ``trainable``:
     False freezes everything (inference); True lets ``train`` continue the encoder and LoRA.
-    ``plain_suffix`` / ``align_lines`` / ``spread_positions`` / ``ratio`` / ``allocator`` read
-    it with another prompt layout than it was saved with (None: its own; e.g. a spread-position
-    reader continued with consecutive positions, which llama.cpp and vLLM accept, or a reader of
-    several levels read at a ratio). ``backend="llamacpp"``: prefill and
-    decode through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from the GGUF export
-    ``gguf`` (None: the checkpoint folder if it is one, else an export written once into the
-    cache); ``llamacpp``: its context settings. ``backend="vllm"``: through vLLM (``ktm.vllm``;
-    its install step in docs/serving.md), from an export written once into the cache;
-    ``vllm``: where vLLM runs (in this process, a server started here, or ``url``).
-    ``press``: a KV press (``ktm.decode.press``, the ``[kvpress]`` extra) on the torch runtime
-    at ``press_ratio`` (the share of the pressable KV dropped), as ``use_press``. Raises
-    ``KTMError`` for a folder that is not a checkpoint, a K it cannot merge at, or a base model
-    whose sizes or tokenizer disagree with the saved ones."""
-    from ktm.readers import resolve_checkpoint
+    ``layout`` (``ktm.core.config.Layout``: ``plain_suffix``, ``align_lines``,
+    ``spread_positions``, ``ratio``, ``allocator``) reads it with another prompt layout than it
+    was saved with. ``runtime`` (``RuntimeSpec``) says where it runs: ``backend="llamacpp"``
+    prefills and decodes through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from
+    the GGUF export ``gguf`` (None: the checkpoint folder if it is one, else an export written
+    once into the cache) with the ``llamacpp`` context settings; ``backend="vllm"`` through vLLM
+    (``ktm.vllm``; its install step in docs/serving.md), where ``vllm`` says; ``press``: a KV
+    press (``ktm.decode.press``, the ``[kvpress]`` extra) on the torch runtime at
+    ``press_ratio`` (the share of the pressable KV dropped), as ``use_press``. The fields of
+    either are also taken by keyword (``ratio=4``, ``backend="vllm"``). Raises ``KTMError``
+    for a folder that is not a checkpoint, a K it cannot merge at, or a base model whose sizes
+    or tokenizer disagree with the saved ones."""
+    from ktm.readers import open_checkpoint
 
-    if not isinstance(directory, (str, Path)):
+    if not isinstance(directory, (str, Path, checkpoint.Checkpoint)):
         raise KTMError(f"load needs a checkpoint folder or a reader name, got "
                        f"{type(directory).__name__} {directory!r:.60}")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
         raise KTMError(f"k must be an integer (or None: the checkpoint's own), got {k!r}")
     if not isinstance(trainable, bool):
         raise KTMError(f"trainable must be a bool (True or False), got {trainable!r}")
-    directory = resolve_checkpoint(directory)
-    saved = checkpoint.read_config(directory)
-    config = checkpoint.model_config(directory)
-    checkpoint.check_level(config, k, directory)  # a recursive one also reads at inner K
-    config = replace(config, base_model=base or config.base_model, dtype=dtype_name(dtype),
-                     plain_suffix=config.plain_suffix if plain_suffix is None else plain_suffix,
-                     align_lines=config.align_lines if align_lines is None else align_lines,
-                     spread_positions=(config.spread_positions if spread_positions is None
-                                       else spread_positions),
-                     ratio=config.ratio if ratio is None else ratio,
-                     allocator=config.allocator if allocator is None else allocator)
+    layout, runtime = layout_and_runtime(layout, runtime, options)
+    ckpt = open_checkpoint(directory)
+    ckpt.check_level(k)  # a recursive one also reads at inner K
+    config = layout.apply(replace(ckpt.config, base_model=base or ckpt.config.base_model,
+                                  dtype=dtype_name(dtype)))
     device = check_device(device)
+    lm, tok, config = _checkpoint_base(ckpt, config, device, base)
+    enc_cfg = encoder_config(config, lm)
+    encoder = KTokenEncoder.from_config(enc_cfg)
+    encoder.load_state_dict(ckpt.encoder_state(enc_cfg))
+    if k is not None and k != config.k:
+        encoder, config = level_encoder(encoder, k), config.at_level(k)
+    encoder.to(device).requires_grad_(trainable)
+    peft_model = ckpt.load_peft(lm, trainable)
+    config = replace(config, lora=replace(config.lora,
+                                          target_modules=ckpt.adapter_targets or None))
+    model = cls(peft_model, tok, encoder, config)
+    model.compressor_record = ckpt.compressor
+    model.scorer.table = ckpt.surprisal
+    model = model.train(trainable) if trainable else model.eval()
+    return runtime.apply(model, source=ckpt.path)
+
+
+def _checkpoint_base(ckpt: checkpoint.Checkpoint, config: KTMConfig, device: torch.device,
+                     base: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase,
+                                                KTMConfig]:
+    """The base LM and tokenizer a checkpoint reads with (``config.base_model``), checked to be
+    the one it was trained on or a copy of it; ``config`` with its location."""
+    directory, saved = ckpt.path, ckpt.saved
     try:
         lm, tok = load_base(config.base_model, device, parse_dtype(config.dtype))
     except KTMError as e:
@@ -259,25 +370,7 @@ def load(
             f"has hidden_size={hidden}, vocab_size={vocab}: expected the checkpoint's base "
             f"model {recorded!r} or a local copy of it")
     check_same_base(directory, saved, config.base_model, lambda: base_identity(lm.config, tok))
-    enc_cfg = encoder_config(config, lm)
-    encoder = KTokenEncoder.from_config(enc_cfg)
-    encoder.load_state_dict(checkpoint.encoder_state(directory, enc_cfg))
-    if k is not None and k != config.k:
-        encoder, config = level_encoder(encoder, k), config.at_level(k)
-    encoder.to(device).requires_grad_(trainable)
-    peft_model = checkpoint.load_peft(lm, directory, trainable)
-    targets = tuple(sorted(checkpoint.adapter_targets(directory) or ())) or None
-    config = replace(config, lora=replace(config.lora, target_modules=targets))
-    model = cls(peft_model, tok, encoder, config)
-    model.compressor_record = checkpoint.read_compressor_record(directory)
-    model.scorer.table = checkpoint.read_surprisal(directory)
-    model = model.train(trainable) if trainable else model.eval()
-    if press is not None:
-        model.use_press(press, press_ratio)  # checked before a backend starts
-    if backend != "torch":
-        model.use_backend(backend, source=directory, gguf=gguf,
-                          config=vllm if backend == "vllm" else llamacpp)
-    return model
+    return lm, tok, config
 
 
 def valid_pad(pad: int | None, rows: int) -> int:
@@ -680,26 +773,24 @@ DEFAULT_K = 4
 
 
 def load_any(model: str, k: int | None = None, device: str = "cpu",
-             dtype: str | torch.dtype = "float32", backend: str = "torch",
-             llamacpp: RuntimeConfig | None = None, vllm: VLLMConfig | None = None,
-             press: str | None = None, press_ratio: float = 0.5):
+             dtype: str | torch.dtype = "float32", runtime: RuntimeSpec | None = None,
+             **options):
     """``k``: a base model's K (default 4); for a checkpoint, if given, it must match.
-    ``press`` / ``press_ratio``: a KV press on the torch runtime (``KTMModel.use_press``)."""
+    ``runtime`` (or its fields by keyword: ``backend``, ``press``, ...): where it runs, as
+    ``KTMModel.load``'s."""
     from ktm.readers import READERS
 
-    check_backend(backend)
+    unknown = sorted(set(options) - RUNTIME_FIELDS)
+    if unknown:
+        raise KTMError(f"unknown options {unknown}: expected RuntimeSpec fields "
+                       f"{sorted(RUNTIME_FIELDS)}")
+    runtime = replace(runtime or RuntimeSpec(), **options)
     dt = parse_dtype(dtype)
     if (Path(model) / "ktm_config.json").is_file() or model in READERS:
-        return KTMModel.load(model, k=k, device=device, dtype=dt, backend=backend,
-                             llamacpp=llamacpp, vllm=vllm, press=press,
-                             press_ratio=press_ratio)
+        return KTMModel.load(model, k=k, device=device, dtype=dt, runtime=runtime)
     k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
     # frozen like a loaded checkpoint: served or exported, never trained (decoding then folds
     # the LoRA, ``KTMModel.fold_lora``)
     out = KTMModel.from_base(model, k=k, use_mlp=False, device=device,
                              dtype=dt).requires_grad_(False)
-    if press is not None:
-        out.use_press(press, press_ratio)
-    if backend != "torch":
-        out.use_backend(backend, config=vllm if backend == "vllm" else llamacpp)
-    return out
+    return runtime.apply(out)

@@ -56,6 +56,19 @@ def corpus(tmp_path) -> str:
     return str(folder)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (the README's test command runs one worker per core), each worker
+    gets its share of the cores, for torch and for the processes its tests start: workers that
+    each used every core would only slow one another down."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """``@pytest.mark.data("textualized_tree", ...)``: the test reads these folders of the data
     root. A user's fresh clone has no data folder, so there the test is skipped, naming what it

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections import Counter
+from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 import torch
@@ -379,3 +383,35 @@ def trains_compiled_as_eager(model: KTMModel, prompts, targets) -> None:
     assert grads.keys() == want_grads.keys() and grads
     for name, g in grads.items():
         close(g, want_grads[name])
+
+
+@contextmanager
+def opens_under(folder):
+    """Counts, per file under ``folder`` (relative name), the opens within the block: Python's
+    ``open`` (JSON), seen by an audit hook (hooks cannot be removed: this one goes quiet when
+    the block ends), and safetensors' (its Rust reader opens no Python file: its one Python
+    entry, ``safetensors.torch.safe_open``, is counted)."""
+    import safetensors.torch
+
+    root = os.path.realpath(folder)
+    counts: Counter[str] = Counter()
+    live = True
+
+    def note(path) -> None:
+        path = os.path.realpath(os.fspath(path))
+        if live and path.startswith(root + os.sep):
+            counts[os.path.relpath(path, root)] += 1
+
+    sys.addaudithook(lambda event, args: event == "open" and isinstance(args[0], (str, bytes,
+                     os.PathLike)) and note(args[0]))
+    real = safetensors.torch.safe_open
+
+    def counted(filename, *args, **kwargs):
+        note(filename)
+        return real(filename, *args, **kwargs)
+
+    try:
+        with mock.patch.object(safetensors.torch, "safe_open", counted):
+            yield counts
+    finally:
+        live = False

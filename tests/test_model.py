@@ -549,3 +549,31 @@ def test_segment_ids_are_a_tuple_of_token_ids():
         Segment("x", ids=5)
     seg = Segment("x", ids=[1, 2])  # a list was kept, and the frozen Segment was unhashable
     assert seg.ids == (1, 2) and hash(seg) == hash(Segment("x", ids=(1, 2)))
+
+
+def test_a_runtime_spec_is_checked_when_declared():
+    from ktm.model import RuntimeSpec
+
+    with pytest.raises(KTMError, match="backend must be one of"):
+        RuntimeSpec(backend="onnx")
+    with pytest.raises(KTMError, match="--compile on is an option of the torch backend, not "
+                                       "--backend vllm"):
+        RuntimeSpec(backend="vllm", compile="on")
+    with pytest.raises(KTMError, match="weights must be one of"):
+        RuntimeSpec(weights="int4")
+
+
+def test_load_takes_layout_and_runtime_fields_by_keyword_or_as_objects(ktm_model, tmp_path):
+    """``load(ratio=2, compile="off")`` is ``load(layout=Layout(ratio=2),
+    runtime=RuntimeSpec(compile="off"))``; an unknown keyword names both kinds' fields."""
+    from ktm.core.config import Layout
+    from ktm.model import RuntimeSpec
+
+    ktm_model.save(tmp_path / "ck")
+    a = KTMModel.load(tmp_path / "ck", plain_suffix=3, compile="off")
+    b = KTMModel.load(tmp_path / "ck", layout=Layout(plain_suffix=3),
+                      runtime=RuntimeSpec(compile="off"))
+    assert a.config == b.config and a.config.plain_suffix == 3 != ktm_model.config.plain_suffix
+    assert a.runtime.compile == b.runtime.compile == "off"
+    with pytest.raises(KTMError, match=r"unknown options \['ratoi'\]: expected Layout fields"):
+        KTMModel.load(tmp_path / "ck", ratoi=2)

@@ -131,6 +131,19 @@ class BenchConfig:
         "help": "serve: requests per (method, clients) point"})
 
     def __post_init__(self) -> None:
+        self._preset()
+        self._check_sizes()
+        self._check_backends()
+        self._check_runtime_options()
+        check_at_least(self, 1, "output_tokens", "target_tokens", "repeats")
+        check_at_least(self, 0, "warmup", "threads")
+        parse_dtype(self.dtype)
+        self._check_shape()
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise KTMError(f"device must be cpu or cuda[:i], got {self.device!r}")
+
+    def _preset(self) -> None:
+        """Options left at their defaults take the mode's preset (serve, hf, --quick)."""
         if self.mode == "serve":
             preset = {**SERVE, **(SERVE_QUICK if self.quick else {})}
         elif self.mode == "hf":
@@ -142,6 +155,8 @@ class BenchConfig:
         for f in fields(self):
             if f.name in preset and getattr(self, f.name) == f.default:
                 setattr(self, f.name, preset[f.name])
+
+    def _check_sizes(self) -> None:
         self.clients = tuple(self.clients)
         if not self.clients or any(not isinstance(c, int) or c < 1 for c in self.clients):
             raise KTMError(f"clients must be integers >= 1, got {list(self.clients)}")
@@ -152,16 +167,6 @@ class BenchConfig:
                 raise KTMError(f"{name} is empty: expected at least one value")
         if self.mode not in MODES:
             raise KTMError(f"mode must be one of {MODES}, got {self.mode!r}")
-        self.backends = tuple(dict.fromkeys(self.backends))
-        bad = [b for b in self.backends if b not in BACKENDS]
-        if bad or not self.backends:
-            raise KTMError(f"backends must be some of {BACKENDS}, got {list(self.backends)}")
-        if self.backends != ("torch",) and self.mode == "train":
-            raise KTMError("--backends is an option of --mode infer and serve (training runs "
-                           "on torch)")
-        if self.plain_gguf is not None and (self.mode != "infer"
-                                            or "llamacpp" not in self.backends):
-            raise KTMError("--plain-gguf is an option of --mode infer with --backends llamacpp")
         for name in ("lengths", "batch_sizes", "ks"):
             bad = [v for v in getattr(self, name) if not isinstance(v, int) or v < 1]
             if bad:
@@ -173,6 +178,21 @@ class BenchConfig:
         if any(r <= 0 for r in self.mlp_ratios):
             raise KTMError(f"mlp_ratios must be > 0, got {list(self.mlp_ratios)}")
         self.ratios = tuple(check_ratio(r, "each of ratios") for r in self.ratios)
+
+    def _check_backends(self) -> None:
+        self.backends = tuple(dict.fromkeys(self.backends))
+        bad = [b for b in self.backends if b not in BACKENDS]
+        if bad or not self.backends:
+            raise KTMError(f"backends must be some of {BACKENDS}, got {list(self.backends)}")
+        if self.backends != ("torch",) and self.mode == "train":
+            raise KTMError("--backends is an option of --mode infer and serve (training runs "
+                           "on torch)")
+        if self.plain_gguf is not None and (self.mode != "infer"
+                                            or "llamacpp" not in self.backends):
+            raise KTMError("--plain-gguf is an option of --mode infer with --backends llamacpp")
+
+    def _check_runtime_options(self) -> None:
+        """Presses, compile modes and weight types: each refused where it does not run."""
         self.presses = tuple(self.presses)
         for spec in self.presses:
             press_of(spec)  # an unknown name or a bad ratio is refused now
@@ -196,9 +216,8 @@ class BenchConfig:
                                             self.backends):
             raise KTMError("--weights is an option of --mode infer on the torch backend (the "
                            "torch runtime's decoding)")
-        check_at_least(self, 1, "output_tokens", "target_tokens", "repeats")
-        check_at_least(self, 0, "warmup", "threads")
-        parse_dtype(self.dtype)
+
+    def _check_shape(self) -> None:
         if self.shape is not None:
             from ktm.bench.shapes import shape_config
 
@@ -212,8 +231,6 @@ class BenchConfig:
                 raise KTMError(f"--shape is an option of --mode infer and train, got "
                                f"{self.mode!r}")
             shape_config(self.shape)  # an unknown shape is refused now, not after loading
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise KTMError(f"device must be cpu or cuda[:i], got {self.device!r}")
 
 
 def inner_of(k: int, inner_k: int) -> int:
@@ -484,25 +501,52 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
     return run
 
 
+def _fit_lengths(config: BenchConfig, model) -> None:
+    """Lengths beyond the model's context: left out (said so) where nobody chose them (a local
+    model of a shorter context than the embedded one's), refused where given (--lengths)."""
+    extra = config.output_tokens if config.mode == "infer" else config.target_tokens + 1
+    limit = getattr(model.peft.get_base_model().config, "max_position_embeddings", None)
+    fit = tuple(n for n in config.lengths if not limit or n + extra <= limit)
+    if getattr(config, "lengths_unchosen", False) and fit and fit != config.lengths:
+        warnings.warn(f"bench: lengths {[n for n in config.lengths if n not in fit]} left out: "
+                      f"beyond the model's context of {limit} positions", UserWarning,
+                      stacklevel=3)
+        config.lengths = fit
+    if limit and max(config.lengths) + extra > limit:
+        raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "
+                       f"the model's context of {limit} positions")
+
+
+def _row(model, config: BenchConfig, m: Method, enc, runtimes: dict, length: int, batch: int,
+         compiles: int, stats: dict, common: dict) -> dict:
+    """One method's result row at (``length``, ``batch``)."""
+    return {
+        "method": m.name, "k": m.k, "mlp_ratio": m.mlp_ratio, "backend": m.backend,
+        **({m.backend: runtimes[m.backend, m.name].record()} if m.backend != "torch" else {}),
+        "encoder_params": sum(p.numel() for p in enc.parameters()) if enc else 0,
+        "input_tokens": length, "batch": batch, "repeats": config.repeats,
+        **({"output_tokens": config.output_tokens} if config.mode == "infer"
+           else {"target_tokens": config.target_tokens + 1}),
+        "ratio": m.ratio, "press": m.press,
+        # graphs compiled for this point, its untimed passes included
+        **({"compile": m.compile, "compiles": compiles, "weights": m.weights}
+           if m.backend == "torch" else {}),
+        # the model's own allocator lays out a ratio row (its config's)
+        "allocator": model.config.allocator if m.ratio is not None else None,
+        "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None
+                                       else round(length / m.ratio)),
+        **stats,
+        **(utilisation(model, enc, batch, stats, config) if config.mode == "train" else {}),
+        **common}
+
+
 def run_bench(config: BenchConfig, model=None) -> list[dict]:
     """Run every (length, batch) with all methods interleaved; one result row per method.
     ``model``: one ``load_model(config)`` made before (several runs of one large model)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     model = load_model(config) if model is None else model
-    extra = config.output_tokens if config.mode == "infer" else config.target_tokens + 1
-    limit = getattr(model.peft.get_base_model().config, "max_position_embeddings", None)
-    fit = tuple(n for n in config.lengths if not limit or n + extra <= limit)
-    if getattr(config, "lengths_unchosen", False) and fit and fit != config.lengths:
-        # a local model of a shorter context than the embedded one's: the preset's longest
-        # lengths are left out, said so; lengths given (--lengths) are refused below
-        warnings.warn(f"bench: lengths {[n for n in config.lengths if n not in fit]} left out: "
-                      f"beyond the model's context of {limit} positions", UserWarning,
-                      stacklevel=2)
-        config.lengths = fit
-    if limit and max(config.lengths) + extra > limit:
-        raise KTMError(f"length {max(config.lengths)} + {extra} generated/target tokens exceeds "
-                       f"the model's context of {limit} positions")
+    _fit_lengths(config, model)
     methods = methods_of(config, model.k)
     runtimes = bench_runtimes(model, config)
     encs = _encoders(model, methods, config.seed, config.inner_k, config.mode == "train")
@@ -537,29 +581,8 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
                                            base if config.uncompressed else None))
                 memory_pass(run, methods, stats)
                 bar.update(len(methods))
-                for m in methods:
-                    enc = encs.get(m.key)
-                    rows.append({
-                        "method": m.name, "k": m.k, "mlp_ratio": m.mlp_ratio,
-                        "backend": m.backend,
-                        **({m.backend: runtimes[m.backend, m.name].record()}
-                           if m.backend != "torch" else {}),
-                        "encoder_params": sum(p.numel() for p in enc.parameters()) if enc else 0,
-                        "input_tokens": length, "batch": batch, "repeats": config.repeats,
-                        **({"output_tokens": config.output_tokens} if config.mode == "infer"
-                           else {"target_tokens": config.target_tokens + 1}),
-                        "ratio": m.ratio, "press": m.press,
-                        # graphs compiled for this point, its untimed passes included
-                        **({"compile": m.compile, "compiles": compiles[m.key],
-                            "weights": m.weights} if m.backend == "torch" else {}),
-                        # the model's own allocator lays out a ratio row (its config's)
-                        "allocator": model.config.allocator if m.ratio is not None else None,
-                        "expected_compressed_tokens": (math.ceil(length / m.k) if m.ratio is None
-                                                       else round(length / m.ratio)),
-                        **stats[m.key],
-                        **(utilisation(model, enc, batch, stats[m.key], config)
-                           if config.mode == "train" else {}),
-                        **common})
+                rows += [_row(model, config, m, encs.get(m.key), runtimes, length, batch,
+                              compiles[m.key], stats[m.key], common) for m in methods]
     finally:
         bar.close()
         own = runtimes["torch", "ktm"]

@@ -25,11 +25,11 @@ import types
 import typing
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ktm.core.config import KTMConfig
+from ktm.core.config import KTMConfig, Layout
 from ktm.errors import KTMError
 from ktm.tasks import TASKS
 from ktm.tasks.tree_gen import STAGES
@@ -44,14 +44,22 @@ def _unwrap(kind: Any) -> Any:
     return kind
 
 
+def _nested_prefix(prefix: str, f: dataclasses.Field) -> str:
+    """A nested dataclass's flags: the field's name (or ``metadata["prefix"]``; "": none) and
+    an underscore before each of its own."""
+    own = f.metadata.get("prefix", f.name)
+    return prefix + own + "_" if own else prefix
+
+
 def _fields(cls: type, prefix: str = ""):
-    """(dest, field, type) for every field, nested dataclasses flattened with their prefix."""
+    """(dest, field, type) for every field that has a flag (``metadata["flag"]`` None: none),
+    nested dataclasses flattened with their prefix."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _unwrap(hints[f.name])
         if dataclasses.is_dataclass(kind):
-            yield from _fields(kind, prefix + f.metadata.get("prefix", f.name) + "_")
-        else:
+            yield from _fields(kind, _nested_prefix(prefix, f))
+        elif f.metadata.get("flag", f.name) is not None:
             yield prefix + f.metadata.get("flag", f.name), f, kind
 
 
@@ -71,8 +79,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *,
         text = f.metadata.get("help", "") + f" (default: {default!r})"
         kw: dict[str, Any] = {"dest": dest, "help": text.replace("%", "%%"),
                               "default": argparse.SUPPRESS if suppress else default}
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
+        for key in ("choices", "metavar"):
+            if key in f.metadata:
+                kw[key] = f.metadata[key]
         # another command's name for the same setting (``metadata["aliases"]``)
         flags = [flag, *f.metadata.get("aliases", ())]
         if kind is bool:
@@ -101,10 +110,11 @@ def from_args(cls: type, args: argparse.Namespace, base: Any = None, prefix: str
         kind = _unwrap(hints[f.name])
         if dataclasses.is_dataclass(kind):
             values[f.name] = from_args(kind, args, getattr(base, f.name, None),
-                                       prefix + f.metadata.get("prefix", f.name) + "_")
+                                       _nested_prefix(prefix, f))
             continue
-        dest = prefix + f.metadata.get("flag", f.name)
-        if hasattr(args, dest):
+        flag = f.metadata.get("flag", f.name)
+        dest = None if flag is None else prefix + flag
+        if dest is not None and hasattr(args, dest):
             v = getattr(args, dest)
             if typing.get_origin(kind) is tuple and isinstance(v, list):
                 v = tuple(v)
@@ -143,7 +153,7 @@ def threads_arg(parser: argparse.ArgumentParser) -> None:
 
 RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
 # how prompts are laid out, not weights: may differ from a checkpoint's
-LAYOUT = ("plain_suffix", "align_lines", "spread_positions", "ratio", "allocator")
+LAYOUT = tuple(f.name for f in fields(Layout))
 
 
 @dataclass
@@ -177,42 +187,40 @@ def _fresh(args: argparse.Namespace):
     return KTMModel.from_base(config=from_args(KTMConfig, args), device=args.device)
 
 
-def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool):
+def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool, runtime=None):
     """A checkpoint or shipped reader; given model flags must agree with its config, except
-    those a trainable start grows (``ktm.training.growth``)."""
-    from ktm.core.checkpoint import check_level, model_config
+    those a trainable start grows (``ktm.training.growth``); running where ``runtime`` (a
+    ``RuntimeSpec``; None: torch) says."""
     from ktm.model import KTMModel
-    from ktm.readers import resolve_checkpoint
+    from ktm.readers import open_checkpoint
     from ktm.training.growth import GROWABLE, grow
 
-    path = resolve_checkpoint(checkpoint)
-    own = model_config(path)
+    ckpt = open_checkpoint(checkpoint)  # read once: the name or folder, or already opened
+    checkpoint, own = ckpt.name, ckpt.config
     flags = given(KTMConfig, args)
     seed, dtype = getattr(args, "seed", 0) or 0, flags.get("dtype", "float32")
     if trainable and "inner_k" in flags and flags.get("k", own.k) > own.k:
         # a reader gaining an outer level (--k 8 --inner-k 4 2 on a K=4 reader of inner K 2)
         return grow(checkpoint, replace(from_args(KTMConfig, args, base=own), dtype=dtype),
-                    device=args.device, seed=seed)
+                    device=args.device, seed=seed, opened=ckpt)
     # K first, as KTMModel.load checks it: a recursive checkpoint also reads at its inner K
-    check_level(own, flags.get("k"), path)
+    ckpt.check_level(flags.get("k"))
     saved = own.at_level(flags["k"]) if "k" in flags else own
     want = from_args(KTMConfig, args, base=saved)
     clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
              and _value(want, d) != _value(saved, d)]
     if trainable and clash and set(clash) <= set(GROWABLE):
-        return grow(checkpoint, replace(want, dtype=dtype), device=args.device, seed=seed)
+        return grow(checkpoint, replace(want, dtype=dtype), device=args.device, seed=seed,
+                    opened=ckpt)
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
         theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
         raise KTMError(f"{ours} contradicts checkpoint {checkpoint!r}, which has {theirs}: "
                        "drop the flag or pick a matching checkpoint")
     # the dtype is a choice of this run (default float32), not the one the checkpoint trained in
-    return KTMModel.load(path, base=flags.get("model"), k=flags.get("k"), device=args.device,
+    return KTMModel.load(ckpt, base=flags.get("model"), k=flags.get("k"), device=args.device,
                          dtype=dtype, trainable=trainable,
-                         plain_suffix=flags.get("plain_suffix"),
-                         align_lines=flags.get("align_lines"),
-                         spread_positions=flags.get("spread_positions"),
-                         ratio=flags.get("ratio"), allocator=flags.get("allocator"))
+                         layout=Layout(**{n: flags.get(n) for n in LAYOUT}), runtime=runtime)
 
 
 def _value(cfg: KTMConfig, dest: str) -> Any:
@@ -273,112 +281,32 @@ def warn_adapter_source(path: Path, name: str) -> None:
                   "unless that is what you meant", UserWarning, stacklevel=2)
 
 
-def load_or_build(args: argparse.Namespace):
-    """An inference model: ``--checkpoint``, else a fresh one from the model flags; on the
+def load_or_build(args: argparse.Namespace, opened=None):
+    """An inference model: ``--checkpoint`` (``opened``: it, already read by
+    ``ktm.readers.open_checkpoint``), else a fresh one from the model flags; on the
     ``--backend`` the command was given (``backend_args``)."""
-    checkpoint = getattr(args, "checkpoint", None)
-    model = _saved(args, checkpoint, trainable=False) if checkpoint else _fresh(args)
-    if getattr(args, "press", None):  # refused by name below on a backend without presses
-        model.use_press(args.press, args.press_ratio)
-    if getattr(args, "compile", "auto") != "auto":
-        if getattr(args, "backend", "torch") != "torch":
-            raise KTMError(f"--compile {args.compile} is an option of the torch backend, not "
-                           f"--backend {args.backend} (llama.cpp and vLLM run their own graphs)")
-        model.runtime.compile = args.compile
-    if getattr(args, "weights", "native") != "native":
-        if getattr(args, "backend", "torch") != "torch":
-            raise KTMError(f"--weights {args.weights} is an option of the torch backend, not "
-                           f"--backend {args.backend} (llama.cpp and vLLM read their own "
-                           "weight types)")
-        model.runtime.weights = args.weights
-    if getattr(args, "backend", "torch") != "torch":
-        from ktm.readers import resolve_checkpoint
+    checkpoint = opened or getattr(args, "checkpoint", None)
+    spec = runtime_spec(args)  # checked before the model loads
+    if checkpoint:
+        return _saved(args, checkpoint, trainable=False, runtime=spec)
+    return spec.apply(_fresh(args))
 
-        model.use_backend(args.backend, source=resolve_checkpoint(checkpoint) if checkpoint
-                          else None, gguf=args.gguf, config=runtime_config(args))
-    return model
+
+def runtime_spec(args: argparse.Namespace):
+    """The ``RuntimeSpec`` of a command's runtime flags (``backend_args``; a command without
+    them: torch)."""
+    from ktm.model import RuntimeSpec
+
+    return from_args(RuntimeSpec, args) if hasattr(args, "backend") else RuntimeSpec()
 
 
 def backend_args(parser: argparse.ArgumentParser) -> None:
-    """``--backend torch|llamacpp|vllm``, the llama.cpp context's settings and where vLLM runs."""
-    from ktm.core.int8 import WEIGHTS
-    from ktm.llamacpp.runtime import KV_TYPES, RuntimeConfig
-    from ktm.model import BACKENDS
-    from ktm.vllm.runtime import VLLMConfig
+    """Where the model runs: ``RuntimeSpec``'s flags (``--backend``, the llama.cpp and vLLM
+    settings, ``--press``, ``--compile``, ``--weights``), in a group of their own."""
+    from ktm.model import RuntimeSpec
 
-    d, v = RuntimeConfig(), VLLMConfig()
-    parser.add_argument("--backend", choices=BACKENDS, default="torch",
-                        help="what prefills and decodes: torch; llama.cpp (the [llamacpp] "
-                             "extra; the model is exported to GGUF once, into the cache, unless "
-                             "--gguf names an export); or vLLM (installed as docs/serving.md "
-                             "says; exported once into the cache) (default: 'torch')")
-    parser.add_argument("--gguf", metavar="DIR", default=None,
-                        help="a GGUF export of this model (ktm export --format gguf) for "
-                             "--backend llamacpp")
-    parser.add_argument("--llamacpp-context", type=int, default=d.context, metavar="N",
-                        help="llama.cpp KV-cache cells, shared by all prompts decoding at once "
-                             "(default: the model's trained context, at most 16384)")
-    parser.add_argument("--llamacpp-sequences", type=int, default=d.sequences, metavar="N",
-                        help=f"prompts llama.cpp decodes at once at most (default: {d.sequences})")
-    parser.add_argument("--llamacpp-kv-type", choices=sorted(KV_TYPES), default=d.kv_type,
-                        help="llama.cpp KV-cache type: f16 (its default) or f32 (the torch "
-                             f"path's precision exactly, no flash attention) (default: "
-                             f"{d.kv_type!r})")
-    parser.add_argument("--llamacpp-deterministic", action="store_true",
-                        help="llama.cpp: greedy output independent of other requests and of "
-                             "what ran before (cells per sequence, no reused rows, a decode "
-                             "batch per row; slower under load)")
-    parser.add_argument("--vllm-url", default=None, metavar="URL",
-                        help="--backend vllm: a running vLLM server's /v1 address serving this "
-                             "model's export (default: vLLM runs in this process)")
-    parser.add_argument("--vllm-server", action="store_true",
-                        help="--backend vllm: start a vLLM server process instead of an engine "
-                             "in this process")
-    parser.add_argument("--vllm-kv-cache-gb", type=float, default=v.kv_cache_gb, metavar="GB",
-                        help=f"--backend vllm: its CPU KV cache (default: {v.kv_cache_gb:g})")
-    parser.add_argument("--compile", choices=("auto", "off", "on"), default="auto",
-                        help="--backend torch: decode steps on a static KV cache, compiled "
-                             "(torch.compile; CUDA graphs on CUDA), and the prefill compiled "
-                             "for every length: on, off, or auto, where measured to pay (on "
-                             "CUDA, decode batches of up to 64k cache positions and prefills "
-                             "of up to 1,024: docs/guide.md) (default: 'auto')")
-    parser.add_argument("--weights", choices=WEIGHTS, default="native",
-                        help="--backend torch: the LM's linear layers as loaded (native) or "
-                             "in int8, one scale per output row (a quarter of fp32's bytes "
-                             "read a decode step; logits within the bound docs/guide.md "
-                             "states) (default: 'native')")
-    press_args(parser)
-
-
-def press_args(parser: argparse.ArgumentParser) -> None:
-    """``--press NAME --press-ratio R``: a kvpress press on the torch runtime."""
-    from ktm.decode.press import SCORERS, WRAPPERS, press_names
-
-    parser.add_argument("--press", choices=press_names(), default=None, metavar="NAME",
-                        help="press the KV cache of the prompt's compressed segments after "
-                             "prefill (merged or plain; the plain segments after them never) "
-                             "with a kvpress press (the [kvpress] extra; torch backend only): "
-                             f"{', '.join(SCORERS)}, or WRAPPER:PRESS with a wrapper of "
-                             f"{', '.join(WRAPPERS)} (default: none)")
-    parser.add_argument("--press-ratio", type=float, default=0.5, metavar="R",
-                        help="--press: the share of the pressed segments' KV dropped, in "
-                             "[0, 1) (default: 0.5)")
-
-
-def runtime_config(args: argparse.Namespace):
-    """The settings of the ``--backend`` the command was given (None for torch)."""
-    if args.backend == "vllm":
-        from ktm.vllm.runtime import VLLMConfig
-
-        return VLLMConfig(url=args.vllm_url, server=args.vllm_server,
-                          kv_cache_gb=args.vllm_kv_cache_gb)
-    if args.backend == "llamacpp":
-        from ktm.llamacpp.runtime import RuntimeConfig
-
-        return RuntimeConfig(context=args.llamacpp_context, sequences=args.llamacpp_sequences,
-                             kv_type=args.llamacpp_kv_type,
-                             deterministic=args.llamacpp_deterministic)
-    return None
+    group = parser.add_argument_group("runtime", "where the model runs (ktm.model.RuntimeSpec)")
+    add_dataclass_args(group, RuntimeSpec)
 
 
 def build_task(t: TaskArgs, options: Sequence[str] = ()):

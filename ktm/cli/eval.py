@@ -12,6 +12,7 @@ from ktm.core.checkpoint import model_record
 from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.evaluation.label_scoring import check_scoring
+from ktm.readers import open_checkpoint
 from ktm.tasks.base import bind
 from ktm.tasks.corpus import HELDOUT, is_heldout
 
@@ -70,12 +71,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from ktm.compressors.apply import parse_options
     from ktm.compressors.record import resolve
 
-    # a baseline's checkpoint is read with the method it records (compressor.json)
-    method_name, options = resolve(args.checkpoint, args.compressor,
-                                   parse_options(args.compressor_option))
+    # read once; a baseline's checkpoint is read with the method it records (compressor.json)
+    ckpt = open_checkpoint(args.checkpoint) if args.checkpoint else None
+    method_name, options = resolve(ckpt, args.compressor, parse_options(args.compressor_option))
     targs = from_args(TaskArgs, args)
     task = build_task(targs, args.task_option)
-    model = load_or_build(args)
+    model = load_or_build(args, ckpt)
     bind(task, model)  # a question task counts its documents in the model's tokens
     t0 = time.perf_counter()
     examples = task.eval_examples(targs.n_eval, seed=args.seed)
@@ -94,19 +95,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if natural and comp.rewrites_prompts:
             natural, _ = compress_examples(comp, natural)
     merge = args.merge and merges(model)
-    score = {}
-    if task.kind == "classification":
-        # calibration prompts come from the training side (a seed of their own), never the test
-        n_cal = args.n_calibrate
-        cal = task.train_examples(n_cal, seed=args.seed + 7919) if n_cal else []
-        score = {"scoring": args.scoring, "calibration": cal}
-    else:
-        for flag, value, default in (("--predictions", args.predictions, None),
-                                     ("--scoring", args.scoring, "generate"),
-                                     ("--n-calibrate", args.n_calibrate, 0)):
-            if value != default and not (task.kind == "qa" and flag == "--predictions"):
-                raise KTMError(f"{flag} is for classification tasks; {task.name!r} is scored "
-                               f"by {'perplexity' if task.kind == 'perplexity' else 'its answers'}")
+    score = _scoring(args, task)
     result = evaluate_task(model, task, examples, merge=merge, progress=True, **score)
     preds, answers = result.pop("predictions", None), result.pop("answers", None)
     if args.predictions:
@@ -137,6 +126,23 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scoring(args: argparse.Namespace, task) -> dict:
+    """``evaluate_task``'s scoring options: a classification task's scoring and calibration
+    prompts; the classification flags refused for another kind of task."""
+    if task.kind == "classification":
+        # calibration prompts come from the training side (a seed of their own), never the test
+        n_cal = args.n_calibrate
+        cal = task.train_examples(n_cal, seed=args.seed + 7919) if n_cal else []
+        return {"scoring": args.scoring, "calibration": cal}
+    for flag, value, default in (("--predictions", args.predictions, None),
+                                 ("--scoring", args.scoring, "generate"),
+                                 ("--n-calibrate", args.n_calibrate, 0)):
+        if value != default and not (task.kind == "qa" and flag == "--predictions"):
+            raise KTMError(f"{flag} is for classification tasks; {task.name!r} is scored "
+                           f"by {'perplexity' if task.kind == 'perplexity' else 'its answers'}")
+    return {}
+
+
 def backend_record(model) -> dict:
     """The backend a row was measured on (llama.cpp, vLLM: their files and settings)."""
     return {"name": model.runtime.name, **model.runtime.record()}
@@ -161,12 +167,14 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     from ktm.evaluation.readability import BOOTSTRAP, heldout_readability
     from ktm.util.fileio import write_json_atomic
 
-    name, options = _readability_method(args)
+
+    ckpt = open_checkpoint(args.checkpoint) if args.checkpoint else None  # read once
+    name, options = _readability_method(args, ckpt)
     for spec in args.readability:  # refused before the model loads
         if not is_heldout(spec):
             raise KTMError(f"--readability {spec!r} is neither a held-out set "
                            f"({', '.join(HELDOUT)}) nor an existing file or folder of text")
-    model = load_or_build(args)
+    model = load_or_build(args, ckpt)
     comp = None
     if name:  # mean pooling: only the encoder setting, which R reads like any merger's
         from ktm.compressors.apply import apply_compressor
@@ -197,7 +205,7 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     return 0
 
 
-def _readability_method(args: argparse.Namespace) -> tuple[str | None, dict]:
+def _readability_method(args: argparse.Namespace, ckpt) -> tuple[str | None, dict]:
     """The baseline R is read with (the checkpoint's record, or --compressor); refused when it
     rewrites prompts: R reads held-out text as given, merged and plain, so for a model trained on
     rewritten prompts it would measure another model under the baseline's name."""
@@ -205,8 +213,7 @@ def _readability_method(args: argparse.Namespace) -> tuple[str | None, dict]:
     from ktm.compressors.apply import parse_options
     from ktm.compressors.record import RECORD, resolve
 
-    name, options = resolve(args.checkpoint, args.compressor,
-                            parse_options(args.compressor_option))
+    name, options = resolve(ckpt, args.compressor, parse_options(args.compressor_option))
     if name and COMPRESSORS[name].rewrites_prompts:
         source = (f"checkpoint {args.checkpoint!r} was trained with it ({RECORD})"
                   if args.compressor is None else f"--compressor {name}")

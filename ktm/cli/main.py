@@ -60,6 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ktm.compressors.record import resolve
     from ktm.core.prompt import Segment, as_segments
     from ktm.decode.generate import GenerationConfig
+    from ktm.readers import open_checkpoint
     from ktm.serving.history import check_history_press
 
     # the options and the prompt are checked before the model is loaded (seconds, or minutes)
@@ -76,10 +77,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     segments = None if messages is not None else list(as_segments(
         [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]))
     opts = from_args(GenerationConfig, args).to_dict()
-    # a baseline's checkpoint reads its prompts as the method it records rewrote them
-    name, options = resolve(args.checkpoint, args.compressor,
-                            parse_options(args.compressor_option))
-    model = load_or_build(args)
+    # read once; a baseline's checkpoint reads its prompts as the method it records rewrote
+    ckpt = open_checkpoint(args.checkpoint) if args.checkpoint else None
+    name, options = resolve(ckpt, args.compressor, parse_options(args.compressor_option))
+    model = load_or_build(args, ckpt)
     if messages is not None:
         from ktm.serving.prompts import chat_prompt, press_to_fit
         from ktm.serving.protocol import RequestError
@@ -233,14 +234,19 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
 def _eval_parser(ev: argparse.ArgumentParser) -> None:
     from ktm.cli.eval import EvalArgs
 
-    add_model_args(ev)
-    add_dataclass_args(ev, TaskArgs)
-    add_dataclass_args(ev, EvalArgs)
-    ev.set_defaults(run=cmd_eval)
-    compressor_args(ev)
+    # grouped in --help: the evaluation's own flags first, then the task, the model, where it
+    # runs, and the machine
+    add_dataclass_args(ev.add_argument_group("evaluation"), EvalArgs)
+    task = ev.add_argument_group("task")
+    add_dataclass_args(task, TaskArgs)
+    compressor_args(task)
+    add_model_args(ev.add_argument_group("model", "a fresh model's settings (with "
+                                         "--checkpoint: given ones must agree with its own)"))
     backend_args(ev)
-    data_args(ev)
-    threads_arg(ev)
+    other = ev.add_argument_group("machine")
+    data_args(other)
+    threads_arg(other)
+    ev.set_defaults(run=cmd_eval)
 
 
 def _pack_parser(pack: argparse.ArgumentParser) -> None:

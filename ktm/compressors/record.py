@@ -22,7 +22,7 @@ from typing import Any
 from ktm.compressors import COMPRESSORS, get_compressor
 from ktm.compressors.base import Compressor
 from ktm.compressors.ltsc import STATE_JSON
-from ktm.core.checkpoint import COMPRESSOR_RECORD, read_compressor_record
+from ktm.core.checkpoint import COMPRESSOR_RECORD, Checkpoint, read_compressor_record
 from ktm.errors import KTMError
 from ktm.util.fileio import write_json_atomic
 
@@ -42,9 +42,12 @@ def checkpoint_saver(compressor: Compressor, options: dict[str, Any]) -> Callabl
     return save
 
 
-def read_record(checkpoint: str | Path | None) -> dict[str, Any] | None:
+def read_record(checkpoint: str | Path | Checkpoint | None) -> dict[str, Any] | None:
     """``{"name", "options"}`` the checkpoint was trained with; None when it has no record."""
-    rec = read_compressor_record(checkpoint) if checkpoint else None
+    if isinstance(checkpoint, Checkpoint):
+        rec, checkpoint = checkpoint.compressor, checkpoint.path
+    else:
+        rec = read_compressor_record(checkpoint) if checkpoint else None
     if rec is not None and rec["name"] not in COMPRESSORS:
         raise KTMError(f"compressor record {str(Path(checkpoint) / RECORD)!r} is corrupt: "
                        f"expected {{'name': one of {', '.join(COMPRESSORS)}, 'options': "
@@ -52,11 +55,14 @@ def read_record(checkpoint: str | Path | None) -> dict[str, Any] | None:
     return rec
 
 
-def resolve(checkpoint: str | None, name: str | None,
+def resolve(checkpoint: str | Checkpoint | None, name: str | None,
             options: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """The method and options to read ``checkpoint`` with: its recorded ones by default; a
-    given ``--compressor`` or ``--compressor-option`` must agree with them."""
+    """The method and options to read ``checkpoint`` (a folder, or one opened:
+    ``ktm.readers.open_checkpoint``) with: its recorded ones by default; a given
+    ``--compressor`` or ``--compressor-option`` must agree with them."""
     rec = read_record(checkpoint)
+    if isinstance(checkpoint, Checkpoint):
+        checkpoint = checkpoint.name
     if rec is None:
         _check_unrecorded_ltsc(checkpoint, name)
         return name, options

@@ -16,14 +16,16 @@ the model from what it returns. ``ktm_config.json`` format 2 keeps the ``KTMConf
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import PeftConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -174,6 +176,58 @@ def read_surprisal(directory: str | Path):
     return SurprisalTable.load(path) if path.is_file() else None
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder's records, each file read once (``Checkpoint.open``): what
+    ``KTMModel.load`` and the commands take instead of the folder, so nothing parses
+    ``ktm_config.json`` or ``compressor.json`` again. The weights stay on disk until asked for
+    (``encoder_state``, ``load_peft``): a command that only checks flags against the config
+    reads no tensor."""
+
+    path: Path
+    name: str  # what it was opened by (a reader's name, a folder as given): for messages
+    saved: dict  # ktm_config.json as written (sizes, base identity, versions, config)
+    config: KTMConfig  # the KTMConfig it was saved with
+    compressor: dict | None  # compressor.json: a baseline's method and options, if any
+    surprisal: object | None  # its n-gram table (``ktm.core.surprisal``), if any
+    adapter: PeftConfig  # adapter/adapter_config.json, as PEFT reads it
+
+    @property
+    def adapter_targets(self) -> tuple[str, ...] | None:
+        """The module names the saved adapter covers (the truth for any format)."""
+        targets = self.adapter.target_modules
+        return tuple(sorted(targets)) if isinstance(targets, (list, set, tuple)) else None
+
+    @classmethod
+    def open(cls, directory: str | Path, name: str | None = None) -> Checkpoint:
+        """Read a checkpoint folder's records (``ktm.readers.open_checkpoint`` also takes a
+        shipped reader's name); ``name``: what the user called it (None: the folder)."""
+        name = str(directory) if name is None else name
+        directory = Path(directory)
+        saved = read_config(directory)
+        try:
+            config = KTMConfig.from_checkpoint(saved)
+        except KTMError as e:
+            raise KTMError(f"checkpoint {str(directory)!r}: {e}") from e
+        return cls(directory, name, saved, config, read_compressor_record(directory),
+                   read_surprisal(directory), read_adapter_config(directory))
+
+    def check_level(self, k: int | None) -> None:
+        check_level(self.config, k, self.path)
+
+    def encoder_state(self, enc_cfg: EncoderConfig) -> dict[str, torch.Tensor]:
+        return encoder_state(self.path, enc_cfg)
+
+    def load_peft(self, lm, trainable: bool) -> PeftModel:
+        # a copy: PEFT sets the config's inference mode, and this record is read again
+        return load_peft(lm, self.path, trainable, copy.deepcopy(self.adapter))
+
+
+def as_checkpoint(checkpoint: str | Path | Checkpoint) -> Checkpoint:
+    """``checkpoint`` opened, unless it already is (a folder; names: ``ktm.readers``)."""
+    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+
+
 def check_level(config: KTMConfig, k: int | None, directory: str | Path) -> None:
     """Refuse a K the checkpoint cannot merge at: its own, or a recursive one's inner K."""
     if k is not None and k not in config.levels:
@@ -181,16 +235,6 @@ def check_level(config: KTMConfig, k: int | None, directory: str | Path) -> None
         inner = f" (or its inner K={'/'.join(map(str, inner))})" if inner else ""
         raise KTMError(f"checkpoint {str(directory)!r} was trained with K={config.k}{inner}, "
                        f"but K={k} was requested")
-
-
-def adapter_targets(directory: str | Path) -> tuple[str, ...] | None:
-    """The module names the saved adapter covers (the truth for any format), if readable."""
-    try:
-        saved = json.loads((Path(directory) / ADAPTER / "adapter_config.json").read_text())
-        targets = saved["target_modules"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return tuple(sorted(targets)) if isinstance(targets, list) else None
 
 
 def check_sizes(model, directory: str | Path, saved: dict) -> None:
@@ -217,12 +261,13 @@ def config_differences(saved: KTMConfig, mine: KTMConfig) -> list[tuple[str, obj
     return [d for d in out if d[1] != d[2]]
 
 
-def check_compatible(model, directory: str | Path) -> dict:
+def check_compatible(model, directory: str | Path | Checkpoint) -> dict:
     """Refuse a checkpoint whose K, encoder, LoRA settings or sizes differ from ``model``'s."""
-    saved = read_config(directory)
+    ckpt = as_checkpoint(directory)
+    directory, saved = ckpt.path, ckpt.saved
     check_sizes(model, directory, saved)
-    diffs = config_differences(model_config(directory), model.config)
-    targets = adapter_targets(directory)
+    diffs = config_differences(ckpt.config, model.config)
+    targets = ckpt.adapter_targets
     mine = tuple(sorted(model.config.lora.target_modules or ()))
     if targets is not None and targets != mine:
         diffs.append(("lora.target_modules", list(targets), list(mine)))
@@ -252,23 +297,22 @@ def encoder_state(directory: str | Path, enc_cfg: EncoderConfig) -> dict[str, to
     return state
 
 
-def load_adapter_into(model, directory: str | Path) -> None:
+def load_adapter_into(model, directory: str | Path | Checkpoint) -> None:
     """Load only a checkpoint's LoRA weights (any K: the K curriculum starts K=4 from the K=2
     reader's adapter); the model's sizes must match. A recursive encoder
     whose inner level has the checkpoint's encoder config also gets that encoder's weights.
 
     A model whose LoRA rank is larger than the checkpoint's *grows* it: see ``grow_lora``.
     """
-    directory = Path(directory)
-    saved = read_config(directory)
+    ckpt = as_checkpoint(directory)
+    directory, saved = ckpt.path, ckpt.saved
     check_sizes(model, directory, saved)
     inner = getattr(model.encoder, "inner", None)
     if inner is not None:
-        theirs = EncoderConfig(inner.config.hidden_size,
-                               **model_config(directory).encoder_kwargs())
+        theirs = EncoderConfig(inner.config.hidden_size, **ckpt.config.encoder_kwargs())
         if theirs == inner.config:
             inner.load_state_dict(encoder_state(directory, theirs))
-    theirs, mine = model_config(directory).lora, model.config.lora
+    theirs, mine = ckpt.config.lora, model.config.lora
     if theirs.r > mine.r:
         raise KTMError(f"checkpoint {str(directory)!r} has LoRA r={theirs.r}, but the model has "
                        f"r={mine.r}: expected a rank at least the checkpoint's (a larger one "
@@ -325,12 +369,12 @@ def grow_lora(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
     return out
 
 
-def load_weights_into(model, directory: str | Path) -> None:
+def load_weights_into(model, directory: str | Path | Checkpoint) -> None:
     """Load a checkpoint's encoder and LoRA weights into an existing, compatible model."""
-    directory = Path(directory)
-    check_compatible(model, directory)
-    model.encoder.load_state_dict(encoder_state(directory, model.encoder.config))
-    load_adapter_into(model, directory)
+    ckpt = as_checkpoint(directory)
+    check_compatible(model, ckpt)
+    model.encoder.load_state_dict(ckpt.encoder_state(model.encoder.config))
+    load_adapter_into(model, ckpt)
 
 
 def record_base_by_name(adapter_config: Path, base_model: str) -> None:
@@ -342,12 +386,29 @@ def record_base_by_name(adapter_config: Path, base_model: str) -> None:
     write_json_atomic(adapter_config, cfg)
 
 
-def load_peft(lm, directory: str | Path, trainable: bool) -> PeftModel:
-    """The base LM with the checkpoint's LoRA adapter (trainable adapter weights stay fp32)."""
+def read_adapter_config(directory: str | Path) -> PeftConfig:
+    """The saved adapter's ``adapter_config.json`` as PEFT reads it (read here, and given to
+    PEFT, which otherwise reads it twice)."""
+    path = Path(directory) / ADAPTER
+    if not (path / "adapter_config.json").is_file():  # PEFT would look for it on the Hub
+        raise KTMError(f"LoRA adapter in {str(path)!r} is missing or corrupt: "
+                       "adapter_config.json is missing")
+    try:
+        return PeftConfig.from_pretrained(str(path))
+    except (*FILE_ERRORS, UnicodeDecodeError) as e:
+        raise KTMError(f"LoRA adapter in {str(path)!r} is missing or corrupt: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def load_peft(lm, directory: str | Path, trainable: bool,
+              config: PeftConfig | None = None) -> PeftModel:
+    """The base LM with the checkpoint's LoRA adapter (trainable adapter weights stay fp32);
+    ``config``: its adapter config already read (None: PEFT reads it)."""
     path = Path(directory) / ADAPTER
     try:
         with peft_wrapping():
-            peft = PeftModel.from_pretrained(lm, str(path), is_trainable=trainable)
+            peft = PeftModel.from_pretrained(lm, str(path), is_trainable=trainable,
+                                             config=config)
     except FILE_ERRORS as e:
         raise KTMError(f"LoRA adapter in {str(path)!r} is missing or corrupt, or does not fit the "
                        f"base model: {str(e).splitlines()[0] if str(e) else type(e).__name__}"

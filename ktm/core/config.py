@@ -289,3 +289,22 @@ class KTMConfig:
                        plain_prefix=saved.get("plain_prefix", 0))
         except (KeyError, TypeError) as e:
             raise KTMError(f"checkpoint config is incomplete: {e}") from e
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a saved model's prompts are laid out when it is read, where that may differ from how
+    it was saved (``KTMModel.load(..., layout=Layout(ratio=4))``); each None keeps the
+    checkpoint's own. E.g. a spread-position reader continued with consecutive positions, which
+    llama.cpp and vLLM accept, or a reader of several levels read at a ratio."""
+
+    plain_suffix: int | None = None
+    align_lines: bool | None = None
+    spread_positions: bool | None = None
+    ratio: float | None = None
+    allocator: str | None = None
+
+    def apply(self, config: KTMConfig) -> KTMConfig:
+        """``config`` with this layout's given fields."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(config, **{n: v for n, v in given.items() if v is not None})

@@ -59,17 +59,28 @@ class RuntimeConfig:
     reused from an earlier request), and each row is decoded in a llama.cpp batch of its own;
     it costs the batched decode's throughput (docs/llamacpp.md)."""
 
-    context: int | None = None
-    sequences: int = 16
-    batch: int = 512
-    threads: int | None = None
-    gpu_layers: int = 0
-    kv_type: str = "f16"  # the KV cache's type: f16 (llama.cpp's default, half the memory) | f32
-    deterministic: bool = False
+    # ("flag": None: a setting of the library only, no command-line flag)
+    context: int | None = field(default=None, metadata={
+        "metavar": "N", "help": "llama.cpp KV-cache cells, shared by all prompts decoding at "
+                                "once (None: the model's trained context, at most 16384)"})
+    sequences: int = field(default=16, metadata={
+        "metavar": "N", "help": "prompts llama.cpp decodes at once at most"})
+    batch: int = field(default=512, metadata={"flag": None})
+    threads: int | None = field(default=None, metadata={"flag": None})
+    gpu_layers: int = field(default=0, metadata={"flag": None})
+    # the KV cache's type: f16 (llama.cpp's default, half the memory) | f32
+    kv_type: str = field(default="f16", metadata={
+        "choices": sorted(KV_TYPES), "help": "llama.cpp KV-cache type: f16 (its default) or f32 "
+                                             "(the torch path's precision exactly, no flash "
+                                             "attention)"})
+    deterministic: bool = field(default=False, metadata={
+        "help": "llama.cpp: greedy output independent of other requests and of what ran before "
+                "(cells per sequence, no reused rows, a decode batch per row; slower under "
+                "load)"})
     # llama.cpp's weight layouts repacked for this CPU (its "extra buffer types"): off, as on a
     # Xeon with AMX and AVX-512 llama-cpp-python 0.3.36's decode of the Q4_1 GGUF crashes with
     # them (a segmentation fault at the first llama_decode)
-    extra_buffers: bool = False
+    extra_buffers: bool = field(default=False, metadata={"flag": None})
 
     def __post_init__(self) -> None:
         if self.kv_type not in KV_TYPES:

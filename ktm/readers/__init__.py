@@ -134,6 +134,16 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
                    f"name: expected a checkpoint folder or one of {', '.join(sorted(READERS))}")
 
 
+def open_checkpoint(name_or_path):
+    """A checkpoint's records read once (``ktm.core.checkpoint.Checkpoint``), from its folder or
+    a shipped reader's name; an opened one is returned as it is."""
+    from ktm.core.checkpoint import Checkpoint
+
+    if isinstance(name_or_path, Checkpoint):
+        return name_or_path
+    return Checkpoint.open(resolve_checkpoint(name_or_path), name=str(name_or_path))
+
+
 def pack_reader(checkpoint: str | Path, name: str, info: dict,
                 layout: dict | None = None) -> Path:
     """Copy a trained checkpoint into the package as reader ``name``, weights cast to fp16.

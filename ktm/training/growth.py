@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from ktm.core.checkpoint import encoder_state, load_adapter_into, model_config
+from ktm.core.checkpoint import Checkpoint, load_adapter_into
 from ktm.core.config import KTMConfig
 from ktm.core.encoder import EncoderConfig, grow_encoder
 from ktm.errors import KTMError
 from ktm.model import KTMModel
-from ktm.readers import resolve_checkpoint
+from ktm.readers import open_checkpoint
 
 # the settings a capacity growth may change (LoRA as lora_r / lora_alpha), and the rows the
 # LoRA adapts (the same weights trained on at other rows: ``ktm.core.lora_scope``)
@@ -48,15 +48,16 @@ def changed(own: KTMConfig, want: KTMConfig) -> list[str]:
 
 
 def grow(checkpoint: str | Path, want: KTMConfig, *, device: str = "cpu",
-         seed: int = 0) -> KTMModel:
+         seed: int = 0, opened: Checkpoint | None = None) -> KTMModel:
     """A trainable model from ``checkpoint`` (a folder or a shipped reader's name) grown to
     ``want``: an outer level when ``want.k`` is above the checkpoint's K, else capacity (see the
     module). The new units' initial weights come from ``seed``; the global RNG is left as it
-    was. A change neither kind allows raises ``KTMError`` naming it."""
-    path = resolve_checkpoint(checkpoint)
-    own = model_config(path)
+    was. A change neither kind allows raises ``KTMError`` naming it. ``opened``: the
+    checkpoint already read (``ktm.readers.open_checkpoint``)."""
+    ckpt = opened or open_checkpoint(checkpoint)
+    own = ckpt.config
     if want.k > own.k:
-        return _outer(path, own, want, device, seed)
+        return _outer(ckpt, want, device, seed)
     diff = changed(own, want)
     if want.k != own.k:
         raise KTMError(f"growing {str(checkpoint)!r} needs its own K={own.k}, not "
@@ -82,15 +83,16 @@ def grow(checkpoint: str | Path, want: KTMConfig, *, device: str = "cpu",
     model = _built(want, device, seed)
     enc = model.encoder.config
     theirs = EncoderConfig(enc.hidden_size, **own.encoder_kwargs())
-    state = encoder_state(path, theirs)
+    state = ckpt.encoder_state(theirs)
     if theirs != enc:
         state = grow_encoder(state, model.encoder.state_dict())
     model.encoder.load_state_dict(state)
-    load_adapter_into(model, path)
+    load_adapter_into(model, ckpt)
     return model.train()
 
 
-def _outer(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int) -> KTMModel:
+def _outer(ckpt: Checkpoint, want: KTMConfig, device: str, seed: int) -> KTMModel:
+    path, own = ckpt.path, ckpt.config
     if want.levels[1:] != own.levels:
         raise KTMError(f"K={want.k} with inner K {list(want.levels[1:])}: growing reader "
                        f"{str(path)!r} (K={own.k}, levels {list(own.levels)}) by an outer level "
@@ -106,12 +108,12 @@ def _outer(path: Path, own: KTMConfig, want: KTMConfig, device: str, seed: int) 
                        f"settings: expected only k and inner K to change, got "
                        f"{', '.join(other)}")
     model = _built(want, device, seed)
-    saved = encoder_state(path, EncoderConfig(model.encoder.config.hidden_size,
-                                              **own.encoder_kwargs()))
+    saved = ckpt.encoder_state(EncoderConfig(model.encoder.config.hidden_size,
+                                             **own.encoder_kwargs()))
     state = model.encoder.state_dict()
     state.update({f"inner.{key}": value for key, value in saved.items()})
     model.encoder.load_state_dict(state)
-    load_adapter_into(model, path)
+    load_adapter_into(model, ckpt)
     return model.train()
 
 

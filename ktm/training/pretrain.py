@@ -531,6 +531,42 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
     return LossOutput(nll.sum() / n_tok.sum(), nll, n_tok, tokens_in, tokens_out, parts)
 
 
+def _readability_eval(model, config: PretrainConfig, world, press) -> Callable[[object], dict]:
+    """``train``'s ``evaluate``: readability R on ``config.eval_sets`` at the model's K, at the
+    mix's other levels ("code@k2"), at each of ``config.eval_ratios`` ("code@r4") and, with a
+    press, read stacked as it learns to be ("code@press")."""
+    from ktm.evaluation.readability import heldout_readability, heldout_sets
+
+    # read now, so that a missing data folder fails before training, not after it; by rank 0
+    # alone, the one process that evaluates (its failure stops the others too)
+    cache: dict = {}
+    distributed.on_main(lambda: heldout_sets(model.tokenizer, config.eval_sets,
+                                             config.n_eval_windows, cache=cache),
+                        world, model.device)
+
+    def evaluate(m) -> dict:
+        r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)
+        for k in sorted(set(config.k_weights) - {m.k}):  # the mix's other levels
+            with merging_at(m, k):
+                at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
+                                         _cache=cache)
+            r.update({f"{name}@k{k}": v for name, v in at.items()})
+        for ratio in config.eval_ratios:
+            at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
+                                     _cache=cache, ratio=ratio)
+            r.update({f"{name}@r{ratio:g}": v for name, v in at.items()})
+        if press is not None:
+            from ktm.decode.press import pressed_as
+
+            with pressed_as(m.runtime, press):
+                at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
+                                         _cache=cache)
+            r.update({f"{name}@press": v for name, v in at.items()})
+        return r
+
+    return evaluate
+
+
 def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
              command: str | None = None, chat: Callable | None = None) -> dict:
     """Train ``model``'s encoder and LoRA to read merged text; returns the last metrics row.
@@ -574,41 +610,13 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
                           plain=model.config.plain_prefix + model.config.plain_suffix,
                           chat=None if chat is None else (model.tokenizer.decode, chat))
     # n_examples in run.json is then the windows this run will see
-    evaluate = None
-    if config.eval_sets:
-        from ktm.evaluation.readability import heldout_readability, heldout_sets
-
-        # read now, so that a missing data folder fails before training, not after it; by
-        # rank 0 alone, the one process that evaluates (its failure stops the others too)
-        cache: dict = {}
-        distributed.on_main(lambda: heldout_sets(model.tokenizer, config.eval_sets,
-                                                 config.n_eval_windows, cache=cache),
-                            world, model.device)
-
-        def evaluate(m) -> dict:
-            r = heldout_readability(m, config.eval_sets, config.n_eval_windows, _cache=cache)
-            for k in sorted(set(config.k_weights) - {m.k}):  # the mix's other levels: "code@k2"
-                with merging_at(m, k):
-                    at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
-                                             _cache=cache)
-                r.update({f"{name}@k{k}": v for name, v in at.items()})
-            for ratio in config.eval_ratios:  # at a ratio: "code@r4"
-                at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
-                                         _cache=cache, ratio=ratio)
-                r.update({f"{name}@r{ratio:g}": v for name, v in at.items()})
-            if press is not None:  # read stacked, as it learns to be: "code@press"
-                with pressed_as(m.runtime, press):
-                    at = heldout_readability(m, config.eval_sets, config.n_eval_windows,
-                                             _cache=cache)
-                r.update({f"{name}@press": v for name, v in at.items()})
-            return r
-
     press = None
     if config.press is not None:
-        from ktm.decode.press import PressConfig, import_kvpress, pressed_as
+        from ktm.decode.press import PressConfig, import_kvpress
 
         import_kvpress()  # a missing kvpress fails before training
         press = PressConfig(config.press, config.press_ratio)
+    evaluate = _readability_eval(model, config, world, press) if config.eval_sets else None
 
     def loss_fn(m, batch):
         return pretrain_loss(m, batch, config.distill_hidden, config.align_weight, press)

@@ -267,9 +267,9 @@ def _complete(model, out: Path, step: int, config: TrainConfig, ema, world) -> d
     return last
 
 
-def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
-         world) -> dict:
-    out = Path(config.out_dir)
+def _optimizer(model, config, world) -> tuple[torch.optim.Optimizer, tuple[str, ...]]:
+    """AdamW over the model's parameter groups, the same weights in every process; the groups
+    whose gradient norm is clipped apart."""
     groups = param_groups(model, config)
     clip_apart = ("encoder_context",) if config.clip_context_apart else ()
     if clip_apart and not any(g["name"] in clip_apart for g in groups):
@@ -278,6 +278,61 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
                        "--context-transformer (or no --clip-context-apart)")
     opt = adamw(groups, lr=config.lr, weight_decay=config.weight_decay)
     distributed.broadcast_params([p for g in opt.param_groups for p in g["params"]], world)
+    return opt, clip_apart
+
+
+def _step_row(st, step: int, opt, dt: float, elapsed: float, cpu_s: float) -> dict:
+    """A step's metrics row (``metrics.jsonl``)."""
+    return {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
+            "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm,
+            **{f"grad_norm_{k}": v for k, v in st.apart_norms.items()}, "step_s": dt,
+            "input_tokens_per_s": st.input_tokens / dt, "lm_tokens_per_s": st.lm_tokens / dt,
+            "elapsed_s": elapsed, "cpu_s": cpu_s,
+            **{f"loss_{k}": v / max(1, n) for k, (v, n) in st.parts.items()}}
+
+
+def _evaluate_during(model, evaluate, ema):
+    """``evaluate(model)`` in eval mode (the weight average's weights where there is one), on a
+    forked random state: evaluation may draw random numbers (sampling, a shuffled subset), so
+    a run with --eval-every trains exactly as one without it."""
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)), \
+                (ema.applied() if ema is not None else nullcontext()):
+            return evaluate(model)
+    finally:
+        model.train()
+
+
+def _windows(examples, order, config, world) -> Callable[[int], list[Example] | None]:
+    """Step i's window of examples in this process (None past the last step)."""
+    per_step = config.batch_size * config.grad_accum * world.size  # the global window
+
+    def window_at(i: int) -> list[Example] | None:
+        return ([examples[order[i * per_step + j]] for j in world.shard(per_step)]
+                if i < config.max_steps else None)
+
+    return window_at
+
+
+def _start_files(model, out: Path, config, data: dict, run_extra, world, step: int) -> None:
+    """The run folder once every process has checked it: temp files of a killed save gone,
+    the metrics of steps past a resumed checkpoint trimmed, the run's start recorded."""
+    distributed.barrier(world)  # every process has checked the folder before rank 0 writes
+    if not world.is_main:
+        return
+    remove_temps(out)
+    if config.resume:
+        trim_metrics(out / METRICS, step)
+    record_start(out, {"config": asdict(config), "model": model_record(model),
+                       "versions": versions(), "git": git_revision(), **data,
+                       "processes": world.size, **(run_extra or {})}, step)
+
+
+def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_extra,
+         world) -> dict:
+    out = Path(config.out_dir)
+    opt, clip_apart = _optimizer(model, config, world)
     data = data_signature(examples)
     ema = (WeightAverage([p for _, p in model.trainable_parameters()], config.ema_decay)
            if config.ema_decay else None)
@@ -288,20 +343,12 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             return _complete(model, out, step, config, ema, world)
     else:
         check_fresh(out)
-    distributed.barrier(world)  # every process has checked the folder before rank 0 writes
     main = world.is_main  # the one process that writes
-    if main:
-        remove_temps(out)
-    if config.resume and main:
-        trim_metrics(out / METRICS, step)
+    _start_files(model, out, config, data, run_extra, world, step)
     # a stream (reader pretraining) is random per index already: read it in order, so its
     # length, which is open-ended, never changes the data a step sees
     order = range(len(examples)) if getattr(examples, "is_stream", False) else _Order(
         len(examples), config.seed)
-    if main:
-        record_start(out, {"config": asdict(config), "model": model_record(model),
-                           "versions": versions(), "git": git_revision(), **data,
-                           "processes": world.size, **(run_extra or {})}, step)
     metrics_file = (out / METRICS).open("a") if main else None
     last: dict = {}
     bar = tqdm(total=config.max_steps, initial=step, desc="train",
@@ -309,17 +356,13 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     model.train()
     t_start = time.perf_counter()
     # process CPU seconds (all threads, summed over processes): the cost axis of recipe
-    # comparisons, robust to other jobs on the machine; carried across a resume
-    cpu_start, cpu_before = time.process_time(), last_cpu(out / METRICS) if (
-        config.resume and main) else 0.0
-    # rank 0's count, read after its trim: every process returns the same metrics
-    cpu_before = distributed.from_main([cpu_before], world, model.device)[0]
-    per_step = config.batch_size * config.grad_accum * world.size  # the global window
+    # comparisons, robust to other jobs on the machine; carried across a resume (rank 0's
+    # count, read after its trim: every process returns the same metrics)
+    cpu_start = time.process_time()
+    cpu_before = distributed.from_main([last_cpu(out / METRICS) if config.resume and main
+                                        else 0.0], world, model.device)[0]
     compiled_on = resolve_compile(config.compile, model.device)
-
-    def window_at(i: int) -> list[Example] | None:
-        return ([examples[order[i * per_step + j]] for j in world.shard(per_step)]
-                if i < config.max_steps else None)
+    window_at = _windows(examples, order, config, world)
 
     ahead = Ahead(model)  # each window tokenized while the step before it runs
     try:
@@ -337,27 +380,14 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
             dt = clock(model.device) - t0
             cpu = distributed.sum_numbers([time.process_time() - cpu_start], world,
                                           model.device)[0]
-            last = {"step": step, "loss": st.loss_sum / max(1, st.target_tokens),
-                    "lr": opt.param_groups[0]["lr"], "grad_norm": st.grad_norm,
-                    **{f"grad_norm_{k}": v for k, v in st.apart_norms.items()}, "step_s": dt,
-                    "input_tokens_per_s": st.input_tokens / dt,
-                    "lm_tokens_per_s": st.lm_tokens / dt,
-                    "elapsed_s": time.perf_counter() - t_start,
-                    "cpu_s": cpu_before + cpu,
-                    **{f"loss_{k}": v / max(1, n) for k, (v, n) in st.parts.items()}}
+            last = _step_row(st, step, opt, dt, time.perf_counter() - t_start, cpu_before + cpu)
             if main and (step % config.log_every == 0 or step == config.max_steps):
                 _log(metrics_file, last)
             bar.update(1)
             bar.set_postfix(loss=f"{last['loss']:.4f}")
             if main and evaluate and ((config.eval_every and step % config.eval_every == 0)
                                       or step == config.max_steps):
-                model.eval()
-                # evaluation may draw random numbers (sampling, a shuffled subset): on a forked
-                # state, so a run with --eval-every trains exactly as one without it
-                with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices(model)), \
-                        (ema.applied() if ema is not None else nullcontext()):
-                    result = evaluate(model)
-                model.train()
+                result = _evaluate_during(model, evaluate, ema)
                 last = {**last, "eval": result}
                 _log(metrics_file, {"step": step, "cpu_s": last["cpu_s"], "eval": result})
             if (config.save_every and step % config.save_every == 0) or step == config.max_steps:
@@ -374,10 +404,14 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     finally:
         ahead.close()
         bar.close()
-        if metrics_file:
-            try:
-                metrics_file.close()
-            except OSError:  # the failed write is already being reported
-                pass
+        _close_quietly(metrics_file)
         model.eval()
     return last
+
+
+def _close_quietly(file) -> None:
+    if file:
+        try:
+            file.close()
+        except OSError:  # the failed write is already being reported
+            pass

@@ -53,13 +53,19 @@ class VLLMConfig:
     ``eager``: no ``torch.compile`` (starts in about 24 s instead of 70 on a CPU); ``timeout``:
     seconds a server may take to answer a step (and to start)."""
 
-    url: str | None = None
-    server: bool = False
-    kv_cache_gb: float = 1.0
-    max_num_seqs: int = 16
-    max_model_len: int | None = None
-    eager: bool = True
-    timeout: float = 300.0
+    # ("flag": None: a setting of the library only, no command-line flag)
+    url: str | None = field(default=None, metadata={
+        "metavar": "URL", "help": "--backend vllm: a running vLLM server's /v1 address serving "
+                                  "this model's export (None: vLLM runs in this process)"})
+    server: bool = field(default=False, metadata={
+        "help": "--backend vllm: start a vLLM server process instead of an engine in this "
+                "process"})
+    kv_cache_gb: float = field(default=1.0, metadata={
+        "metavar": "GB", "help": "--backend vllm: its CPU KV cache"})
+    max_num_seqs: int = field(default=16, metadata={"flag": None})
+    max_model_len: int | None = field(default=None, metadata={"flag": None})
+    eager: bool = field(default=True, metadata={"flag": None})
+    timeout: float = field(default=300.0, metadata={"flag": None})
 
     def __post_init__(self) -> None:
         if self.url is not None and self.server:

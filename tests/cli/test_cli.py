@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import opens_under
 
 from ktm.cli.main import main
 
@@ -376,10 +377,12 @@ def test_eval_rows_record_what_was_really_used(capsys, tiny_model_dir, tmp_path)
     ckpt = tmp_path / "ck"
     KTMModel.from_base(tiny_model_dir, k=2, use_mlp=False).save(str(ckpt))
     out = tmp_path / "r.json"
-    code, _, err = run(capsys, "eval", "--checkpoint", str(ckpt), "--task", "tree", "--stage",
-                       "small", "--n-eval", "4", "--task-option", "positive_fraction=0.25",
-                       "--json", str(out))
+    with opens_under(ckpt) as opens:
+        code, _, err = run(capsys, "eval", "--checkpoint", str(ckpt), "--task", "tree",
+                           "--stage", "small", "--n-eval", "4", "--task-option",
+                           "positive_fraction=0.25", "--json", str(out))
     assert code == 0, err
+    assert max(opens.values()) == 1 and len(opens) >= 4, opens  # each file read once
     cfg = json.loads(out.read_text())["config"]
     assert (cfg["model"]["config"]["k"], cfg["model"]["config"]["use_mlp"]) == (2, False)
     assert "k" not in cfg and "mlp" not in cfg  # no unused CLI defaults (they said 4, True)

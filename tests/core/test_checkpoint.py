@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TEXT, perturb
+from helpers import TEXT, opens_under, perturb
 
 from ktm import KTMError
 from ktm.core.checkpoint import load_weights_into, model_record
@@ -299,3 +299,17 @@ def test_a_save_removes_the_temp_folders_of_killed_saves_only(ktm_model, tmp_pat
         (tmp_path / name).mkdir()
     ktm_model.save(str(tmp_path / "ckpt"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", *left[1:]])
+
+
+
+def test_a_load_reads_each_checkpoint_file_once(saved):
+    """``KTMModel.load`` reads the checkpoint's records once (``Checkpoint.open``) and each
+    weight file once: no file of the folder is opened twice."""
+    model, path = saved
+    with opens_under(path) as counts:
+        loaded = KTMModel.load(str(path))
+    assert {"ktm_config.json", "encoder.safetensors", "adapter/adapter_config.json",
+            "adapter/adapter_model.safetensors"} <= set(counts), counts
+    assert max(counts.values()) == 1, counts
+    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+                               atol=0, rtol=0)

@@ -18,7 +18,8 @@ from ktm.model import KTMModel
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# one worker runs these under pytest-xdist (--dist loadgroup): the engine starts once
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.xdist_group("vllm-engine")]
 
 SOURCE = (Path(__file__).parents[2] / "ktm" / "decode" / "generate.py").read_text()
 PROMPTS = [
