@@ -657,7 +657,7 @@ class KTMModel(nn.Module):
         Made on first use and again after the weights change; freed when folding is off."""
         fold = self.fold_lora
         lm = self.peft.get_base_model()
-        weights = getattr(self.runtime, "weights", "native")
+        weights = self.runtime.weights
         if self._config.lora.scope == "merged":  # decoding reads plain rows: the base LM, unfolded
             return self._folded.get(lm, weights, fold=False)
         if fold is None:
@@ -711,7 +711,7 @@ class KTMModel(nn.Module):
                            "'merged'), and the vllm backend applies an adapter to every row of "
                            "a request: expected backend 'torch' or 'llamacpp', or a reader whose "
                            "LoRA adapts every row")
-        press = getattr(self.runtime, "press", None)
+        press = self.runtime.press
         if press is not None and backend != "torch":  # before an engine starts
             raise KTMError(press_refusal(backend, press.name))
         if backend == "llamacpp":
@@ -735,9 +735,7 @@ class KTMModel(nn.Module):
                else PressConfig(press, ratio))
         if cfg is not None:
             import_kvpress()
-        if not hasattr(self.runtime, "use_press"):
-            if cfg is None:
-                return
+        if cfg is not None and not self.runtime.presses:
             raise KTMError(press_refusal(self.backend, cfg.name))
         self.runtime.use_press(cfg)
 

@@ -2,9 +2,11 @@
 from its home, a design page that lists every module, and tests that mirror the package."""
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,58 @@ def test_only_the_runtimes_and_the_one_picker_ask_which_backend_runs(module):
     """The decode loop, the serving engine, scoring and the rest call the model's runtime and
     never ask which it is; what differs is said by the runtime's attributes."""
     assert backend_checks(module) == []
+
+
+def runtime_probes(module: str) -> list[str]:
+    """``hasattr`` / ``getattr`` calls whose object is a runtime, as 'line: code'."""
+    return [f"{node.lineno}: {ast.unparse(node)}"
+            for node in ast.walk(ast.parse(MODULES[module].read_text()))
+            if isinstance(node, ast.Call) and node.args
+            and getattr(node.func, "id", None) in ("hasattr", "getattr")
+            and "runtime" in ast.unparse(node.args[0])]
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_no_caller_probes_a_runtime_for_a_feature(module):
+    """What a runtime offers is declared by the contract (``ktm.decode.runtime.Runtime``) and read
+    as it is: a feature one runtime lacks is a flag or a value there, not a missing attribute."""
+    assert runtime_probes(module) == []
+
+
+def set_on_self(cls) -> set[str]:
+    """The attributes the ``__init__`` of ``cls`` and of its ktm ancestors assign on ``self``."""
+    names = set()
+    for c in cls.__mro__:
+        init = vars(c).get("__init__")
+        if init is None or not c.__module__.startswith("ktm."):
+            continue
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(init)))):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            names |= {n.attr for t in targets for n in ast.walk(t)
+                      if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "self"}
+    return names
+
+
+def test_every_runtime_has_what_the_contract_declares():
+    from ktm.decode.runtime import Runtime, TorchRuntime
+    from ktm.llamacpp.runtime import LlamaCppRuntime
+    from ktm.vllm.runtime import VLLMRuntime
+
+    members = {n for n in vars(Runtime) if not n.startswith("_")} | set(Runtime.__annotations__)
+    for runtime in (TorchRuntime, LlamaCppRuntime, VLLMRuntime):
+        missing = {n for n in members if not hasattr(runtime, n)} - set_on_self(runtime)
+        assert missing == set(), runtime.__name__
+
+
+def test_no_serving_function_is_over_80_lines():
+    """A route is a handler of its own and a handler does one job: none grows past a screen."""
+    long = [f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for name, path in MODULES.items() if name.startswith("ktm.serving")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > 80]
+    assert long == []
 
 
 @pytest.mark.slow  # starts a process

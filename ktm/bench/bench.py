@@ -487,10 +487,10 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
         if config.mode == "infer":
             if m.backend == "torch":
                 model.runtime.compile, model.runtime.weights = m.compile, m.weights
-            before = getattr(model.runtime, "compiles", 0)
+            before = model.runtime.compiles
             with pressed_as(model.runtime, press_of(m.press)):
                 res = infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
-            compiles[m.key] += getattr(model.runtime, "compiles", 0) - before
+            compiles[m.key] += model.runtime.compiles - before
             return res
         before = graphs()
         res = train_once(model, opts[m.key], prompts, targets, merge, ratio=m.ratio,

@@ -108,7 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cp = model.compress(segments, merge=opts["merge"])
     how = "" if before is None else f" ({name}: {before} tokens rewritten to {cp.tokens_in})"
     n_in = cp.tokens_in if before is None else before
-    press = getattr(model.runtime, "press", None)
+    press = model.runtime.press
     if press is not None:
         from ktm.decode.press import kept_positions
 

@@ -154,7 +154,7 @@ class Decoding:
         if self.window and len({cfg.merge_window for cfg in self.cfgs}) > 1:
             raise KTMError("rows merging their answers at different windows cannot decode "
                            "together: expected one merge_window for the batch")
-        if self.window and not hasattr(runtime, "merge_generated"):
+        if self.window and not runtime.merges:
             raise KTMError(f"merge_window={self.window} merges the answer in the KV cache of "
                            f"the torch runtime; the {runtime.name} backend keeps its own")
 

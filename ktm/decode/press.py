@@ -297,11 +297,11 @@ def press_refusal(backend: str, name: str) -> str:
 def pressed_as(runtime, press: PressConfig | None) -> Iterator[None]:
     """``runtime`` reads with ``press`` (None: no press) inside, then as before; its prefix
     cache is left as it is. A runtime without presses takes None only."""
-    before = getattr(runtime, "press", None)
+    before = runtime.press
     if press == before:
         yield
         return
-    if not hasattr(runtime, "use_press"):
+    if not runtime.presses:
         raise KTMError(press_refusal(runtime.name, press.name))
     runtime.press = press
     try:
@@ -506,5 +506,5 @@ def kept_positions(cp, press: PressConfig | None) -> int:
 def kv_kept(model, prefixes) -> int:
     """Positions of ``prefixes`` whose KV ``model``'s reading keeps: every position read, less
     what its runtime's press drops (the torch runtime's; other runtimes keep them all)."""
-    press = getattr(model.runtime, "press", None)
+    press = model.runtime.press
     return sum(kept_positions(cp, press) for cp in prefixes)

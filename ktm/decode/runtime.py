@@ -15,10 +15,17 @@ benchmark and eval-mode scoring call it and never ask which it is:
 
 Implementations: ``TorchRuntime`` here, ``ktm.llamacpp.runtime.LlamaCppRuntime``,
 ``ktm.vllm.runtime.VLLMRuntime``. What differs between them is said by attributes, not by
-names: ``gives_logits`` (False: the logits only single out the engine's own choice, as vLLM
-samples inside its step), ``context`` (KV cells every running row shares, which the serving
-engine admits requests by; None: no such bound), ``joinable`` (rows can join a running batch),
-``rereads`` (``use_cache=False``, the whole sequence re-read each step, is possible).
+names, and every caller reads them as they are, never probing for one: ``gives_logits`` (False:
+the logits only single out the engine's own choice, as vLLM samples inside its step),
+``context`` (KV cells every running row shares, which the serving engine admits requests by;
+None: no such bound), ``joinable`` (rows can join a running batch), ``rereads``
+(``use_cache=False``, the whole sequence re-read each step, is possible), ``prefix_kv`` (the
+prompts' leading contexts it keeps itself; None: its engine's cache does), ``presses`` (a KV
+press can read with it: ``press``, ``use_press``), ``merges`` (``merge_window`` can merge the
+answer into its cache: ``merge_due``, ``merge_generated``), ``compile`` and ``compiles`` (ktm's
+compiled step), ``weights`` (how the LM's linear layers are read). A runtime whose engine keeps
+its own cache, graphs and weights holds those at none, off and native
+(``ktm.util.own_engine.OwnEngine``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,18 @@ class Runtime(Protocol):
     context: int | None
     joinable: bool
     rereads: bool
+    # the KV of prompts' leading contexts kept here (``keep_prefixes``: the server's prefix
+    # cache); None: the engine's own cache keeps them
+    prefix_kv: LRUCache | None
+    # a KV press (``ktm.decode.press``) can read with this runtime; False: ``press`` stays None
+    # and a caller refuses a press by name (``press_refusal``)
+    presses: bool
+    press: PressConfig | None  # the press every prefill and score applies; None: none
+    # the answer can be merged into the KV cache as it grows (``merge_window``)
+    merges: bool
+    compile: str  # ktm's compiled step (``ktm.decode.compiled``): "on", "off" or "auto"
+    compiles: int  # graphs that step has compiled (0: it never ran)
+    weights: str  # the LM's linear layers as read: "native" or "int8" (``ktm.core.int8``)
 
     def prefill(self, prefixes, sampling=None, contexts=None, joinable: bool = False): ...
 
@@ -56,6 +75,12 @@ class Runtime(Protocol):
     def release(self, state) -> None: ...
 
     def score(self, prefixes, targets: list[list[int]]) -> list[torch.Tensor]: ...
+
+    def use_press(self, press: PressConfig | None) -> None: ...
+
+    def merge_due(self, window: int, plain: int) -> int: ...
+
+    def merge_generated(self, state, ids: torch.Tensor, plain: int) -> None: ...
 
     def keep_prefixes(self, max_bytes: int) -> None: ...
 
@@ -104,6 +129,8 @@ class TorchRuntime:
     gives_logits = True
     context = None
     rereads = True  # use_cache=False re-reads the whole sequence each step (the test reference)
+    presses = True
+    merges = True
 
     def __init__(self, model, press: PressConfig | None = None, compile: str = "auto",
                  weights: str = "native"):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ktm.errors import KTMError
+from ktm.util.own_engine import OwnEngine
 
 INSTALL = "pip install 'ktm[llamacpp]'  (builds llama.cpp from source: about 12 minutes on 2 cores)"
 
@@ -133,8 +134,10 @@ def _silence(llama_cpp):
 _LOG_CALLBACK = None
 
 
-class LlamaCppRuntime:
-    """A llama.cpp model (base GGUF + LoRA adapter GGUF) and one context over it."""
+class LlamaCppRuntime(OwnEngine):
+    """A llama.cpp model (base GGUF + LoRA adapter GGUF) and one context over it. Its KV cache,
+    graphs and weight types are llama.cpp's (``OwnEngine``: no press, nothing of ktm's
+    compiled)."""
 
     name = "llamacpp"
     gives_logits = True

@@ -6,11 +6,12 @@
     GET  /health                engine state: running / waiting requests, cache statistics
     GET  /metrics               Prometheus' text format (``ktm.serving.metrics``)
 
-Every request first passes ``ktm.serving.gate`` (its key, its body's size and nesting). On
-SIGTERM or Ctrl-C the server stops taking requests and gives those in flight
-``--shutdown-timeout`` seconds; the engine then ends the rest with an error (a stream with an
-error event, then ``[DONE]``), the model's runtime is closed (a vLLM server ktm started is
-stopped), and ``ktm serve`` exits 0.
+Each route is a handler of this module (``router``) that reads the engine, the model and the
+settings ``create_app`` keeps on ``app.state``. Every request first passes ``ktm.serving.gate``
+(its key, its body's size and nesting). On SIGTERM or Ctrl-C the server stops taking requests
+and gives those in flight ``--shutdown-timeout`` seconds; the engine then ends the rest with an
+error (a stream with an error event, then ``[DONE]``), the model's runtime is closed (a vLLM
+server ktm started is stopped), and ``ktm serve`` exits 0.
 
 Why FastAPI + uvicorn: it is the most used and best kept ASGI stack in Python (vLLM's and
 SGLang's OpenAI servers run on it); its pydantic models give the request schema, type checks and
@@ -31,10 +32,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -47,7 +49,7 @@ from ktm.serving.engine import Engine, Event, Job
 from ktm.serving.gate import Gate, is_loopback
 from ktm.serving.history import next_turn
 from ktm.serving.logprobs import chat_logprobs, completion_logprobs
-from ktm.serving.metrics import CONTENT_TYPE
+from ktm.serving.metrics import CONTENT_TYPE, Metrics
 from ktm.serving.prompts import chat_reading, completion_segments
 from ktm.serving.protocol import (
     ChatRequest,
@@ -145,7 +147,7 @@ def request_press(runtime, ext: KtmOptions, history=None):
                                "chat's older part: expected one (ktm.history_press \"none\" "
                                "merges the history instead)", param="ktm.press")
         return _pressing(runtime, history.name, history.ratio, "ktm.history_press")
-    server = getattr(runtime, "press", None)
+    server = runtime.press
     if ext.press is None and ext.press_ratio is None:
         return server
     name = ext.press or (server.name if server is not None else None)
@@ -166,7 +168,7 @@ def _pressing(runtime, name: str, ratio: float, param: str):
 
     try:
         cfg = PressConfig(name, ratio)
-        if not hasattr(runtime, "use_press"):
+        if not runtime.presses:
             raise KTMError(press_refusal(runtime.name, cfg.name))
         import_kvpress()
     except KTMError as e:
@@ -187,299 +189,406 @@ def request_bytes(cfg: ServeConfig, model) -> int:
 
 
 def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
-    """``owns_model``: the server's end is the model's (``ktm serve``), so its runtime is
-    closed then: a vLLM engine's processes end with the server."""
+    """The server's app: the engine, the model and the settings its routes read on
+    ``app.state``, every request through the ``Gate``, the routes of ``router``. ``owns_model``:
+    the server's end is the model's (``ktm serve``), so its runtime is closed then: a vLLM
+    engine's processes end with the server."""
     engine = Engine(model, cfg)
-    metrics = engine.metrics
-    started = int(time.time())
-    stopping = asyncio.Event()  # set once a signal asks the server to stop (``drain``)
-    loop: list[asyncio.AbstractEventLoop] = []
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        loop.append(asyncio.get_running_loop())
-        if not cfg.api_key and not is_loopback(cfg.host):
-            log.warning("listening on %s without an API key: anyone who reaches this port may "
-                        "generate (--api-key or KTM_API_KEY)", cfg.host)
-        engine.start()
-        yield
-        engine.shutdown()
-        if owns_model:  # here, not after uvicorn.run: on SIGTERM uvicorn re-raises the signal
-            model.runtime.close()
-
-    def begin_draining() -> None:  # on the event loop
-        if stopping.is_set():
-            return
-        stopping.set()
-        log.info("shutting down: the requests in flight get %g s to finish", cfg.shutdown_timeout)
-        loop[0].call_later(cfg.shutdown_timeout, engine.abort, RequestError(
-            f"the server is shutting down: this request did not finish within its "
-            f"--shutdown-timeout of {cfg.shutdown_timeout:g} s", status=503, kind="server_error",
-            code="server_shutdown"))
-
-    def drain() -> None:
-        """Stop taking requests and give those in flight ``shutdown_timeout`` seconds; safe
-        from any thread and from a signal handler."""
-        if loop:
-            loop[0].call_soon_threadsafe(begin_draining)
-
     app = FastAPI(title="ktm serve", lifespan=lifespan)
-    app.state.engine, app.state.drain = engine, drain
-    app.state.shutdown_timeout = cfg.shutdown_timeout
+    state = app.state
+    state.engine, state.model, state.cfg, state.metrics = engine, model, cfg, engine.metrics
+    state.owns_model, state.started = owns_model, int(time.time())
+    state.stopping = asyncio.Event()  # set once a signal asks the server to stop (``drain``)
+    state.loop = None  # the event loop serving the app, once it runs (``lifespan``)
+    state.drain, state.shutdown_timeout = partial(drain, app), cfg.shutdown_timeout
     app.add_middleware(Gate, keys=cfg.api_key, max_bytes=request_bytes(cfg, model),
-                       stopping=stopping, count=metrics.count_http, routes=ROUTES)
+                       stopping=state.stopping, count=engine.metrics.count_http, routes=ROUTES)
+    for kind, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(kind, handler)
+    app.include_router(router)
+    return app
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(exc.errors()))
-        return JSONResponse(error_body(message, param=param), status_code=400)
 
-    @app.exception_handler(RequestError)
-    async def _refused(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    """The engine's thread runs while the app is served; after it, the model's runtime is closed
+    where the server owns the model."""
+    state = app.state
+    state.loop = asyncio.get_running_loop()
+    if not state.cfg.api_key and not is_loopback(state.cfg.host):
+        log.warning("listening on %s without an API key: anyone who reaches this port may "
+                    "generate (--api-key or KTM_API_KEY)", state.cfg.host)
+    state.engine.start()
+    yield
+    state.engine.shutdown()
+    if state.owns_model:  # here, not after uvicorn.run: on SIGTERM uvicorn re-raises the signal
+        state.model.runtime.close()
 
-    @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _crashed(_: Request, exc: Exception) -> JSONResponse:  # a bug: OpenAI's shape too
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
-                                       "server_error"), status_code=500)
+def drain(app: FastAPI) -> None:
+    """Stop taking requests and give those in flight ``shutdown_timeout`` seconds; safe from any
+    thread and from a signal handler (``app.state.drain``)."""
+    if app.state.loop is not None:
+        app.state.loop.call_soon_threadsafe(begin_draining, app.state)
 
-    def model_card() -> dict:
-        return {"id": cfg.served_name, "object": "model", "created": started, "owned_by": "ktm",
-                "root": cfg.model, "k": model.k, "merges": merges(model),
-                "base_model": model.config.base_model, "max_model_len": engine.context}
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ok = engine.alive and not stopping.is_set()  # a load balancer stops sending requests
-        status = "ok" if ok else "shutting down" if stopping.is_set() else "engine stopped"
-        body = {"status": status, "model": cfg.served_name,
-                "k": model.k, "base_model": model.config.base_model, **engine.stats()}
-        return JSONResponse(body, status_code=200 if ok else 503)
+def begin_draining(state) -> None:
+    """``drain``'s work, on the event loop: the ``Gate`` refuses new requests from now on, and
+    the engine ends those still running once ``shutdown_timeout`` has passed."""
+    if state.stopping.is_set():
+        return
+    state.stopping.set()
+    timeout = state.cfg.shutdown_timeout
+    log.info("shutting down: the requests in flight get %g s to finish", timeout)
+    state.loop.call_later(timeout, state.engine.abort, RequestError(
+        f"the server is shutting down: this request did not finish within its "
+        f"--shutdown-timeout of {timeout:g} s", status=503, kind="server_error",
+        code="server_shutdown"))
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+# ---- errors, each in OpenAI's shape -----------------------------------------------------------
 
-    @app.get("/v1/models/{model_id:path}")
-    async def one_model(model_id: str) -> dict:
-        if model_id != cfg.served_name:
-            raise RequestError(f"model {model_id!r} is not served here: this server serves "
-                               f"{cfg.served_name!r}", param="model", code="model_not_found",
-                               status=404)
-        return model_card()
+async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_message(list(exc.errors()))
+    return JSONResponse(error_body(message, param=param), status_code=400)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await _generate(body, request, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        return await _generate(body, request, chat=True)
+async def refused(_: Request, exc: RequestError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def _generate(body, request: Request, chat: bool):
-        arrived = time.monotonic()
-        if body.model != cfg.served_name:
-            raise RequestError(f"model {body.model!r} is not served here: this server serves "
-                               f"{cfg.served_name!r}", param="model", code="model_not_found",
-                               status=404)
-        body.check_stream_options()
-        logprobs = body.logprobs_asked()
-        if logprobs is not None and not engine.logits:
-            raise RequestError(f"logprobs are not available on the {model.backend} backend: it "
-                               "samples inside its own engine and returns tokens only",
-                               param="logprobs")
-        max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
-                      else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
-        if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
-            name = ("max_completion_tokens" if chat and body.max_completion_tokens
-                    else "max_tokens")
-            raise RequestError(f"{name}={max_tokens} is over this server's limit of "
-                               f"{cfg.max_tokens_limit}", param=name)
-        stop = tuple(body.stop_list())
-        count = 1 if chat else len(body.prompt_values())  # checked before any is tokenized
-        if count * body.n > cfg.max_queue:
-            raise RequestError(f"{count} prompt(s) with n={body.n} make {count * body.n} "
-                               f"choices, over this server's max_queue of {cfg.max_queue}",
-                               param="n")
-        history_press, history = None, None
-        if chat:
-            segments, history_press, history = await run_in_threadpool(
-                chat_reading, model, body, cfg.history_budget, cfg.history_press)
-            prompts = [segments]
-            if history is not None:
-                metrics.count_history(history)
-        else:
-            prompts = await run_in_threadpool(completion_segments, model, body)
-        ext = body.ktm or KtmOptions()
-        job = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-               "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs,
-               "press": request_press(model.runtime, ext, history_press)}
-        # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
-        # seed + i: n different answers, each reproducible alone
-        # a chat's next turn begins with this whole prompt but its generation prompt
-        handle = Handle(engine, [{**job, "segments": segments,
-                                  "context": segments[:-1] if chat else None,
-                                  "seed": None if body.seed is None else body.seed + i}
-                                 for segments in prompts for i in range(body.n)])
-        choices = len(handle.jobs)
-        engine.submit(*handle.jobs)
-        handle.watch(request)
-        events: list[tuple[int, Event]] = []
-        try:
-            # a prompt too long is refused here, before the 200: every choice has started
-            started, ends = set(), 0
-            while len(started) < choices or (not body.stream and ends < choices):
-                i, ev = await handle.next()
-                if ev.error:
-                    raise ev.error
-                if not events:
-                    metrics.ttft.observe(time.monotonic() - arrived)
-                started.add(i)
-                ends += ev.finish is not None
-                events.append((i, ev))
-        except ClientGone:
-            handle.cancel()
-            log.info("the client of a %s request went away; its rows are freed",
-                     "chat" if chat else "completion")
-            return JSONResponse(error_body("client disconnected"), status_code=499)
-        except BaseException:
-            handle.cancel()  # one choice refused or failed: the others end too
-            raise
-        finally:
-            handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
+
+async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+
+async def crashed(_: Request, exc: Exception) -> JSONResponse:  # a bug: OpenAI's shape too
+    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                   "server_error"), status_code=500)
+
+
+ERROR_HANDLERS = {RequestValidationError: invalid_body, RequestError: refused,
+                  HTTPException: http_error, Exception: crashed}
+
+
+# ---- the routes -------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+def not_served(cfg: ServeConfig, name: str) -> RequestError:
+    return RequestError(f"model {name!r} is not served here: this server serves "
+                        f"{cfg.served_name!r}", param="model", code="model_not_found", status=404)
+
+
+def model_card(state) -> dict:
+    cfg, model = state.cfg, state.model
+    return {"id": cfg.served_name, "object": "model", "created": state.started,
+            "owned_by": "ktm", "root": cfg.model, "k": model.k, "merges": merges(model),
+            "base_model": model.config.base_model, "max_model_len": state.engine.context}
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state
+    stopping = state.stopping.is_set()
+    ok = state.engine.alive and not stopping  # a load balancer stops sending requests
+    status = "ok" if ok else "shutting down" if stopping else "engine stopped"
+    body = {"status": status, "model": state.cfg.served_name, "k": state.model.k,
+            "base_model": state.model.config.base_model, **state.engine.stats()}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    return {"object": "list", "data": [model_card(request.app.state)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def one_model(model_id: str, request: Request) -> dict:
+    if model_id != request.app.state.cfg.served_name:
+        raise not_served(request.app.state.cfg, model_id)
+    return model_card(request.app.state)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await generate(body, request, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    return await generate(body, request, chat=True)
+
+
+async def generate(body, request: Request, chat: bool):
+    """A completion or chat request: checked, its prompts read, a job per choice queued; the
+    answer whole once every choice has ended, or streamed once every choice has started."""
+    arrived = time.monotonic()
+    state = request.app.state
+    job = job_settings(state, body, chat)
+    prompts, history_press, history = await read_prompts(state, body, chat)
+    job["press"] = request_press(state.model.runtime, body.ktm or KtmOptions(), history_press)
+    # OpenAI's order: each prompt's n choices in turn; choice i of a prompt samples with
+    # seed + i: n different answers, each reproducible alone
+    # a chat's next turn begins with this whole prompt but its generation prompt
+    handle = Handle(state.engine, [{**job, "segments": segments,
+                                    "context": segments[:-1] if chat else None,
+                                    "seed": None if body.seed is None else body.seed + i}
+                                   for segments in prompts for i in range(body.n)])
+    state.engine.submit(*handle.jobs)
+    events = await first_events(handle, request, body.stream, state.metrics, arrived)
+    if events is None:
+        log.info("the client of a %s request went away; its rows are freed",
+                 "chat" if chat else "completion")
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+    answer = Answer.of(state, body, chat, history, arrived)
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream(handle, events, answer, usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return whole_answer(answer, events, len(handle.jobs), job["logprobs"])
+
+
+def job_settings(state, body, chat: bool) -> dict:
+    """What every choice of a request decodes with (a ``Job``'s fields but its prompt, seed and
+    press), once the request passes this server's checks: its model, its stream options and
+    logprobs, its token and choice limits; a ``RequestError`` for the first that fails."""
+    cfg = state.cfg
+    if body.model != cfg.served_name:
+        raise not_served(cfg, body.model)
+    body.check_stream_options()
+    logprobs = body.logprobs_asked()
+    if logprobs is not None and not state.engine.logits:
+        raise RequestError(f"logprobs are not available on the {state.model.backend} backend: "
+                           "it samples inside its own engine and returns tokens only",
+                           param="logprobs")
+    max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
+                  else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+    if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
+        name = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+        raise RequestError(f"{name}={max_tokens} is over this server's limit of "
+                           f"{cfg.max_tokens_limit}", param=name)
+    stop = tuple(body.stop_list())
+    count = 1 if chat else len(body.prompt_values())  # checked before any is tokenized
+    if count * body.n > cfg.max_queue:
+        raise RequestError(f"{count} prompt(s) with n={body.n} make {count * body.n} "
+                           f"choices, over this server's max_queue of {cfg.max_queue}",
+                           param="n")
+    ext = body.ktm or KtmOptions()
+    return {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "stop": stop, "ignore_eos": ext.ignore_eos, "logprobs": logprobs}
+
+
+async def read_prompts(state, body, chat: bool) -> tuple[list, object, object]:
+    """The request's prompts as segments, read on a worker thread, with the press a chat's
+    history is read with and how that history was read (``chat_reading``; None for a
+    completion): a chat's one prompt, within ``--history-budget``, or each of a completion's."""
+    if not chat:
+        return await run_in_threadpool(completion_segments, state.model, body), None, None
+    segments, history_press, history = await run_in_threadpool(
+        chat_reading, state.model, body, state.cfg.history_budget, state.cfg.history_press)
+    if history is not None:
+        state.metrics.count_history(history)
+    return [segments], history_press, history
+
+
+async def first_events(handle: Handle, request: Request, streamed: bool, metrics,
+                       arrived: float) -> list[tuple[int, Event]] | None:
+    """The events that come before the 200: until every choice has started (a prompt too long
+    is refused here, before the 200), and for an answer not ``streamed`` until every choice has
+    ended. A choice's error is raised, the other choices ended; None if the client went away
+    first (its rows are freed)."""
+    choices, events = len(handle.jobs), []
+    handle.watch(request)
+    try:
+        started, ends = set(), 0
+        while len(started) < choices or (not streamed and ends < choices):
+            i, ev = await handle.next()
+            if ev.error:
+                raise ev.error
+            if not events:
+                metrics.ttft.observe(time.monotonic() - arrived)
+            started.add(i)
+            ends += ev.finish is not None
+            events.append((i, ev))
+    except ClientGone:
+        handle.cancel()
+        return None
+    except BaseException:
+        handle.cancel()  # one choice refused or failed: the others end too
+        raise
+    finally:
+        handle.unwatch()  # a stream's disconnects are watched by StreamingResponse
+    return events
+
+
+@dataclass
+class Answer:
+    """What a request's answer is made of, streamed or whole. ``head``: its id, creation time
+    and model; ``per_prompt``: choices per prompt (``n``); ``ext``: the answer's ``ktm`` field
+    (how a chat was read within its budget; None: none); ``ahead``: given choice 0's whole text,
+    reads the chat's next turn (``read_ahead``; None: nothing)."""
+
+    head: dict
+    chat: bool
+    per_prompt: int
+    arrived: float
+    ext: dict | None
+    ahead: Callable[[str], None] | None
+    metrics: Metrics
+    tokenizer: object
+
+    @classmethod
+    def of(cls, state, body, chat: bool, history, arrived: float) -> Answer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {"id": rid, "created": int(time.time()), "model": cfg.served_name}
+        head = {"id": rid, "created": int(time.time()), "model": state.cfg.served_name}
         # how a chat was read within its budget: merged, read deeper, its oldest left out
-        ext_out = None if history is None else {"ktm": {"history": history.to_dict()}}
+        ext = None if history is None else {"ktm": {"history": history.to_dict()}}
         # --history-ahead: given the answer, the chat's next turn is read (one choice only)
-        ahead = (partial(read_ahead, body) if chat and cfg.history_ahead and body.n == 1
-                 else None)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(handle, events, head, chat, usage, body.n, arrived,
-                                             ext_out, ahead),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        texts, ends_of = [""] * choices, [Event()] * choices
-        entries: list[list | None] = [None if logprobs is None else []] * choices
-        for i, ev in events:
-            texts[i] += ev.text
-            if ev.logprobs is not None:
-                entries[i] = entries[i] + ev.logprobs
-            if ev.finish:
-                ends_of[i] = ev
-        if ahead is not None and ends_of[0].finish:
-            ahead(texts[0])
-        metrics.e2e.observe(time.monotonic() - arrived)
-        return {**head, **(ext_out or {}),
-                "object": "chat.completion" if chat else "text_completion",
-                "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
-                                            if chat else {"text": text}),
-                             "logprobs": shape(chat, lps), "finish_reason": end.finish}
-                            for i, (text, end, lps) in enumerate(zip(texts, ends_of, entries))],
-                "usage": merged_usage([e.usage for e in ends_of], body.n)}
+        ahead = (partial(read_ahead, state, body)
+                 if chat and state.cfg.history_ahead and body.n == 1 else None)
+        return cls(head, chat, body.n, arrived, ext, ahead, state.metrics, state.model.tokenizer)
 
-    def read_ahead(body: ChatRequest, answer: str) -> None:
-        """``--history-ahead``: the chat's next turn (``next_turn``'s guess) read on a worker
-        thread and queued as a job of one token answered to no one. Its context's KV stays in
-        the prefix cache, and the real next turn starts from the rows it shares with it. A guess
-        that cannot be read, or one read with a KV press (its history's or its prompt's: a
-        pressed prompt is read whole every turn), reads nothing ahead; a busy server drops it.
-        Called only for a chat of one choice on a server with ``history_ahead``."""
-
-        def read() -> None:
-            guess = next_turn(body.messages, answer)
-            if guess is None:
-                return
-            try:
-                segments, history, _ = chat_reading(model,
-                                                    body.model_copy(update={"messages": guess}),
-                                                    cfg.history_budget, cfg.history_press)
-                press = request_press(model.runtime, body.ktm or KtmOptions(), history)
-                if press is None:
-                    engine.submit(Job(segments=segments, max_tokens=1, deliver=lambda ev: None,
-                                      context=segments[:-1], ahead=True))
-            except (KTMError, RequestError) as e:  # the real turn reads it all itself
-                log.debug("nothing read ahead: %s", e)
-
-        asyncio.get_running_loop().run_in_executor(None, read)
-
-    def shape(chat: bool, entries: list | None) -> dict | None:
+    def logprobs(self, entries: list | None) -> dict | None:
+        """A choice's logprobs in the shape of this kind of answer (None: none asked)."""
         if entries is None:
             return None
-        return (chat_logprobs if chat else completion_logprobs)(model.tokenizer, entries)
+        return (chat_logprobs if self.chat else completion_logprobs)(self.tokenizer, entries)
 
-    async def _stream(handle: Handle, events: list[tuple[int, Event]], head: dict, chat: bool,
-                      usage: bool, per_prompt: int, arrived: float, ext: dict | None = None,
-                      ahead: Callable[[str], None] | None = None) -> AsyncIterator[str]:
-        """SSE chunks: the events read before the 200, then the rest as they come; a chunk
-        carries one choice (its ``index``); the usage chunk and ``[DONE]`` once all ended.
-        ``ext``: the response's ``ktm`` field, in the first chunk. ``ahead``: then given choice
-        0's whole text. An error ends it with an error event, then ``[DONE]``."""
-        kind = "chat.completion.chunk" if chat else "text_completion"
+    def ended(self) -> None:
+        """Every choice has ended: the request's time is observed."""
+        self.metrics.e2e.observe(time.monotonic() - self.arrived)
 
-        def chunk(i: int, text: str | None, finish: str | None, role: bool = False,
-                  logprobs: list | None = None) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {"content": text} if text else {})
-                choice = {"index": i, "delta": delta}
-            else:
-                choice = {"index": i, "text": text or ""}
-            out = {**head, "object": kind, "choices": [
-                {**choice, "logprobs": shape(chat, logprobs), "finish_reason": finish}]}
-            if first:
-                out.update(ext or {})
-                first.clear()
-            return _sse({**out, "usage": None} if usage else out)
 
-        done, n, ends = False, len(handle.jobs), {}
-        early, answer, first = iter(events), [], [True]
-        try:
-            if chat:
-                for i in range(n):
-                    yield chunk(i, None, None, role=True)
-            while len(ends) < n:
-                i, ev = next(early, None) or await handle.next()
-                if ev.error:
-                    yield _sse(ev.error.body())
-                    break
-                if chat and ev.text and ev.finish:
-                    yield chunk(i, ev.text, None, logprobs=ev.logprobs)
-                    yield chunk(i, None, ev.finish)
-                elif ev.text or ev.finish or ev.logprobs:
-                    yield chunk(i, ev.text, ev.finish, logprobs=ev.logprobs)
-                if i == 0 and ev.text and ahead is not None:
-                    answer.append(ev.text)
-                if ev.finish:
-                    ends[i] = ev.usage
-            else:
-                metrics.e2e.observe(time.monotonic() - arrived)
-                if ahead is not None:  # before the last chunks: a client may close on them
-                    ahead("".join(answer))
-                if usage:
-                    yield _sse({**head, "object": kind, "choices": [],
-                                "usage": merged_usage([ends[i] for i in range(n)],
-                                                      per_prompt)})
-            yield _sse("[DONE]")
-            done = True
-        except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
-            pass
-        finally:
-            handle.cancel()  # a client gone mid-stream frees its rows at the next step
-            if not done:
-                log.info("%s: the client went away mid-stream; its rows are freed", head["id"])
+def whole_answer(answer: Answer, events: list[tuple[int, Event]], choices: int,
+                 logprobs: int | None) -> dict:
+    """The answer not streamed: each choice's text, logprobs and end, and the usage of all."""
+    texts, ends_of = [""] * choices, [Event()] * choices
+    entries: list[list | None] = [None if logprobs is None else []] * choices
+    for i, ev in events:
+        texts[i] += ev.text
+        if ev.logprobs is not None:
+            entries[i] = entries[i] + ev.logprobs
+        if ev.finish:
+            ends_of[i] = ev
+    if answer.ahead is not None and ends_of[0].finish:
+        answer.ahead(texts[0])
+    answer.ended()
+    chat = answer.chat
+    return {**answer.head, **(answer.ext or {}),
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": [{"index": i, **({"message": {"role": "assistant", "content": text}}
+                                        if chat else {"text": text}),
+                         "logprobs": answer.logprobs(lps), "finish_reason": end.finish}
+                        for i, (text, end, lps) in enumerate(zip(texts, ends_of, entries))],
+            "usage": merged_usage([e.usage for e in ends_of], answer.per_prompt)}
 
-    return app
+
+class Chunks:
+    """The SSE chunks of a streamed answer: each carries one choice (its ``index``), the first
+    also the answer's ``ktm`` field; with ``usage``, each a null usage and a last one the whole
+    request's."""
+
+    def __init__(self, answer: Answer, usage: bool):
+        self.answer, self.usage, self.first = answer, usage, True
+        self.kind = "chat.completion.chunk" if answer.chat else "text_completion"
+
+    def choice(self, i: int, text: str | None, finish: str | None, role: bool = False,
+               logprobs: list | None = None) -> str:
+        if self.answer.chat:
+            delta = {"role": "assistant", "content": ""} if role else (
+                {"content": text} if text else {})
+            choice = {"index": i, "delta": delta}
+        else:
+            choice = {"index": i, "text": text or ""}
+        out = {**self.answer.head, "object": self.kind, "choices": [
+            {**choice, "logprobs": self.answer.logprobs(logprobs), "finish_reason": finish}]}
+        if self.first:
+            out.update(self.answer.ext or {})
+            self.first = False
+        return _sse({**out, "usage": None} if self.usage else out)
+
+    def totals(self, usages: list[dict]) -> str:
+        """The usage chunk: every choice's, each prompt counted once."""
+        return _sse({**self.answer.head, "object": self.kind, "choices": [],
+                     "usage": merged_usage(usages, self.answer.per_prompt)})
+
+
+async def stream(handle: Handle, events: list[tuple[int, Event]], answer: Answer,
+                 usage: bool) -> AsyncIterator[str]:
+    """SSE chunks (``Chunks``): the events read before the 200, then the rest as they come; the
+    usage chunk and ``[DONE]`` once all ended; ``answer.ahead`` then given choice 0's whole
+    text. An error ends it with an error event, then ``[DONE]``."""
+    chunks, chat, ahead = Chunks(answer, usage), answer.chat, answer.ahead
+    done, n, ends = False, len(handle.jobs), {}
+    early, text = iter(events), []
+    try:
+        if chat:
+            for i in range(n):
+                yield chunks.choice(i, None, None, role=True)
+        while len(ends) < n:
+            i, ev = next(early, None) or await handle.next()
+            if ev.error:
+                yield _sse(ev.error.body())
+                break
+            if chat and ev.text and ev.finish:
+                yield chunks.choice(i, ev.text, None, logprobs=ev.logprobs)
+                yield chunks.choice(i, None, ev.finish)
+            elif ev.text or ev.finish or ev.logprobs:
+                yield chunks.choice(i, ev.text, ev.finish, logprobs=ev.logprobs)
+            if i == 0 and ev.text and ahead is not None:
+                text.append(ev.text)
+            if ev.finish:
+                ends[i] = ev.usage
+        else:
+            answer.ended()
+            if ahead is not None:  # before the last chunks: a client may close on them
+                ahead("".join(text))
+            if usage:
+                yield chunks.totals([ends[i] for i in range(n)])
+        yield _sse("[DONE]")
+        done = True
+    except ClientGone:  # the watcher saw it go just as the first event came: no one to tell
+        pass
+    finally:
+        handle.cancel()  # a client gone mid-stream frees its rows at the next step
+        if not done:
+            log.info("%s: the client went away mid-stream; its rows are freed",
+                     answer.head["id"])
+
+
+def read_ahead(state, body: ChatRequest, answer: str) -> None:
+    """``--history-ahead``: the chat's next turn (``next_turn``'s guess) read on a worker thread
+    and queued as a job of one token answered to no one (``read_next_turn``). Called only for a
+    chat of one choice on a server with ``history_ahead``."""
+    asyncio.get_running_loop().run_in_executor(None, read_next_turn, state, body, answer)
+
+
+def read_next_turn(state, body: ChatRequest, answer: str) -> None:
+    """Queue the read of the chat's guessed next turn. Its context's KV stays in the prefix
+    cache, and the real next turn starts from the rows it shares with it. A guess that cannot be
+    read, or one read with a KV press (its history's or its prompt's: a pressed prompt is read
+    whole every turn), reads nothing ahead; a busy server drops it."""
+    guess = next_turn(body.messages, answer)
+    if guess is None:
+        return
+    cfg, model = state.cfg, state.model
+    try:
+        segments, history, _ = chat_reading(model, body.model_copy(update={"messages": guess}),
+                                            cfg.history_budget, cfg.history_press)
+        press = request_press(model.runtime, body.ktm or KtmOptions(), history)
+        if press is None:
+            state.engine.submit(Job(segments=segments, max_tokens=1, deliver=lambda ev: None,
+                                    context=segments[:-1], ahead=True))
+    except (KTMError, RequestError) as e:  # the real turn reads it all itself
+        log.debug("nothing read ahead: %s", e)
 
 
 class Server(uvicorn.Server):

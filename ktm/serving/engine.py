@@ -142,10 +142,10 @@ class Engine:
         self.context: int | None = model.max_positions
         budget = int(cfg.prefix_cache_mb * 2**20)
         self.runtime = model.runtime
-        if hasattr(self.runtime, "compile"):  # the torch runtime's decode step (--compile)
-            self.runtime.compile = cfg.compile
-        if hasattr(self.runtime, "weights"):  # the torch runtime's linear layers (--weights)
-            self.runtime.weights = cfg.weights
+        # the torch runtime's decode step (--compile) and linear layers (--weights); a runtime
+        # with an engine of its own takes their defaults only, which ServeConfig checked
+        self.runtime.compile = cfg.compile
+        self.runtime.weights = cfg.weights
         # vLLM samples inside its own step and hands back tokens, not a distribution
         self.logits = self.runtime.gives_logits
         self.rebatch = self.runtime.joinable  # else: windowed batches

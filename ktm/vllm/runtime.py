@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ktm.errors import KTMError
+from ktm.util.own_engine import OwnEngine
 from ktm.vllm.export import LM_DIR, read_manifest
 from ktm.vllm.install import check_vllm, server_command
 
@@ -94,8 +95,10 @@ class VLLMState:
     positions: list[int] = field(default_factory=list)  # positions each row has read
 
 
-class VLLMRuntime:
-    """What both transports share: the rows' requests, their tokens and the one-hot logits."""
+class VLLMRuntime(OwnEngine):
+    """What both transports share: the rows' requests, their tokens and the one-hot logits. The
+    KV cache, graphs and weight types are vLLM's (``OwnEngine``: no press, nothing of ktm's
+    compiled)."""
 
     name = "vllm"
     gives_logits = False  # a row's logits single out vLLM's choice: no distribution to report

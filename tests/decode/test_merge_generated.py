@@ -87,6 +87,7 @@ def test_merge_windows_a_model_or_runtime_cannot_use_are_refused(model, tiny_mod
 
     class Elsewhere:
         name = "llamacpp"
+        merges = False
 
     with pytest.raises(KTMError, match="llamacpp backend keeps its own"):
         Decoding(Elsewhere(), a.state, [cfg], [None])
