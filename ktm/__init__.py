@@ -8,7 +8,8 @@ import torch. The layers, bottom up (``docs/design.md`` lists every module):
                     base-model loading
     readers/        the shipped readers (pretrained K=2 / K=4 weights) and name resolution
     decode/         the one prefill + decode loop, continuous batching, text streaming
-    model.py        KTMModel: building, loading, saving, forward, generate
+    model.py        KTMModel: building, loading, saving, forward, generate; RuntimeSpec: where
+                    it runs (torch, llama.cpp, vLLM), declared once
     tasks/          the tasks, their data files and unlabeled text corpora
     compressors/    the baselines (mean pooling, SelectiveContext, LLMLingua, LTSC)
     evaluation/     evaluation, metrics, readability R, label scoring, reports and curves

@@ -240,6 +240,10 @@ class RuntimeSpec:
         check_backend(self.backend)
         check_mode(self.compile)
         check_weights(self.weights)
+        if self.press is not None:
+            PressConfig(self.press, self.press_ratio)  # an unknown name or a bad ratio
+            if self.backend != "torch":
+                raise KTMError(press_refusal(self.backend, self.press))
         for name, default in (("compile", "auto"), ("weights", "native")):
             value = getattr(self, name)
             if value != default and self.backend != "torch":
@@ -247,18 +251,31 @@ class RuntimeSpec:
                                f"--backend {self.backend} (llama.cpp and vLLM run their own "
                                f"{'graphs' if name == 'compile' else 'weight types'})")
 
-    def apply(self, model: KTMModel, source: str | Path | None = None) -> KTMModel:
-        """``model`` running here (``source``: the checkpoint folder it was loaded from, which a
-        llama.cpp GGUF export is read from)."""
+    def build(self, model: KTMModel, source: str | Path | None = None):
+        """A runtime (``ktm.decode.runtime.Runtime``) that runs ``model`` as this spec says;
+        ``model`` is left as it is (``apply`` makes the runtime its own). ``source``: the
+        checkpoint folder it was loaded from, which a llama.cpp GGUF export is read from."""
+        if model.config.lora.scope == "merged" and self.backend == "vllm":
+            raise KTMError("this model's LoRA adapts its merged rows only (lora scope "
+                           "'merged'), and the vllm backend applies an adapter to every row of "
+                           "a request: expected backend 'torch' or 'llamacpp', or a reader whose "
+                           "LoRA adapts every row")
+        if self.backend == "llamacpp":
+            return attach(model, source=source, gguf=self.gguf, config=self.llamacpp)
+        if self.backend == "vllm":
+            from ktm.vllm.backend import make_runtime
+
+            return make_runtime(model, self.vllm)
+        press = None
         if self.press is not None:
-            model.use_press(self.press, self.press_ratio)  # checked before a backend starts
-        if self.compile != "auto":
-            model.runtime.compile = self.compile
-        if self.weights != "native":
-            model.runtime.weights = self.weights
-        if self.backend != "torch":
-            model.use_backend(self.backend, source=source, gguf=self.gguf,
-                              config=self.vllm if self.backend == "vllm" else self.llamacpp)
+            import_kvpress()
+            press = PressConfig(self.press, self.press_ratio)
+        return TorchRuntime(model, press, compile=self.compile, weights=self.weights)
+
+    def apply(self, model: KTMModel, source: str | Path | None = None) -> KTMModel:
+        """``model``, running as this spec says from now on (the runtime it had is closed)."""
+        if self != RuntimeSpec():  # the one every model starts with
+            model._run_on(self.build(model, source))
         return model
 
 
@@ -483,7 +500,7 @@ class KTMModel(nn.Module):
         self._config = config
         lm: PreTrainedModel = peft_model.get_base_model()
         # a view into the PEFT-wrapped LM, kept out of nn.Module registration (no duplicate
-        # params); an extension (LTSC's meta rows) replaces it through set_input_embedding;
+        # params); an extension (LTSC's meta rows) replaces it (``extend_input_embedding``);
         # scaled as the LM's forward scales looked-up ids (Falcon-H1's embedding_multiplier)
         object.__setattr__(self, "_embed", input_lookup(lm))
         self.eos_ids = eos_ids(lm, tokenizer)
@@ -580,21 +597,19 @@ class KTMModel(nn.Module):
 
     def encode_prompts(
         self, prompts: Sequence[PromptLike], merge: bool = True, cache: MergeCache | None = None,
+        embed: bool = True,
     ) -> list[CompressedPrompt]:
         """Prompts -> their LM input embeddings, the encoder run once for all.
 
         This is the one prompt-encoding step (``ktm.core.prefix``) that training, evaluation,
         generation, the benchmark and the server share; ``cache`` reuses merged segments.
+        ``embed=False``: the same from tokenizing alone (``PromptEncoder.measure``): counts and
+        positions, no embeddings; enough to check that prompts fit.
         """
-        return self._prompt_encoder().encode([as_segments(p) for p in prompts],
-                                             merge and merges(self), cache)
-
-    def measure_prompts(self, prompts: Sequence[PromptLike], merge: bool = True
-                        ) -> list[CompressedPrompt]:
-        """What ``encode_prompts`` gives, from tokenizing alone (``PromptEncoder.measure``):
-        counts and positions, no embeddings; enough to check that prompts fit."""
-        return self._prompt_encoder().measure([as_segments(p) for p in prompts],
-                                              merge and merges(self))
+        segments, merge = [as_segments(p) for p in prompts], merge and merges(self)
+        if not embed:
+            return self._prompt_encoder().measure(segments, merge)
+        return self._prompt_encoder().encode(segments, merge, cache)
 
     def _prompt_encoder(self) -> PromptEncoder:
         return PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
@@ -612,14 +627,9 @@ class KTMModel(nn.Module):
 
     @property
     def input_embedding(self) -> nn.Module:
-        """The id -> (..., D) lookup every prompt, target and generated token goes through."""
+        """The id -> (..., D) lookup every prompt, target and generated token goes through
+        (``extend_input_embedding`` replaces it)."""
         return self._embed
-
-    def set_input_embedding(self, module: nn.Module) -> None:
-        """Route every id -> embedding lookup through ``module`` (registered, so its weights
-        train and move with the model); LTSC's meta-token rows extend the table this way."""
-        self.input_extension = module
-        object.__setattr__(self, "_embed", module)
 
     # ---------------------------------------------------------------- the LM
     def lm(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
@@ -676,13 +686,6 @@ class KTMModel(nn.Module):
             self._folded.clear()
         return super().train(mode)
 
-    def prompt_logits(self, prompt: PromptLike, merge: bool = True) -> torch.Tensor:
-        """(L, V) logits at every prefix position of one prompt."""
-        cp = self.encode_prompts([prompt], merge)[0]
-        check_fits(self, [cp], [0], "more tokens")
-        p = pack([cp.embeds], [cp.positions], [cp.merged_rows])
-        return self.lm(p.embeds, p.mask, p.position_ids, gate=p.gate)[0]
-
     # ---------------------------------------------------------------- the loss
     def forward(
         self, prompts: Sequence[PromptLike], targets: Sequence[str | Sequence[int]],
@@ -694,10 +697,6 @@ class KTMModel(nn.Module):
         return loss(self, prompts, targets, merge, prefixes)
 
     # ---------------------------------------------------------------- generation
-    @property
-    def backend(self) -> str:
-        return self.runtime.name
-
     def use_backend(self, backend: str, source: str | Path | None = None,
                     gguf: str | Path | None = None,
                     config: RuntimeConfig | VLLMConfig | None = None) -> None:
@@ -705,24 +704,20 @@ class KTMModel(nn.Module):
         ``source``: the checkpoint folder this model was loaded from; ``config``: the backend's
         settings). Generation and, in eval mode, scoring (``forward``: R, likelihoods,
         perplexity) run there; training, ``target_logits`` and hidden states stay on torch."""
-        check_backend(backend)
-        if self._config.lora.scope == "merged" and backend == "vllm":
-            raise KTMError("this model's LoRA adapts its merged rows only (lora scope "
-                           "'merged'), and the vllm backend applies an adapter to every row of "
-                           "a request: expected backend 'torch' or 'llamacpp', or a reader whose "
-                           "LoRA adapts every row")
         press = self.runtime.press
         if press is not None and backend != "torch":  # before an engine starts
             raise KTMError(press_refusal(backend, press.name))
-        if backend == "llamacpp":
-            runtime = attach(self, source=source, gguf=gguf, config=config)
-        elif backend == "vllm":
-            from ktm.vllm.backend import make_runtime
+        spec = RuntimeSpec(backend, gguf=gguf,
+                           llamacpp=config if backend == "llamacpp" else None,
+                           vllm=config if backend == "vllm" else None,
+                           press=None if press is None else press.name,
+                           press_ratio=0.5 if press is None else press.ratio)
+        self._run_on(spec.build(self, source))
 
-            runtime = make_runtime(self, config)
-        else:
-            runtime = TorchRuntime(self, press)
-        self.runtime.close()  # the one before (a llama.cpp context, a vLLM engine) is freed
+    def _run_on(self, runtime) -> None:
+        """``runtime`` runs this model from now on (``RuntimeSpec.build`` made it for this
+        model); the one before (a llama.cpp context, a vLLM engine) is freed."""
+        self.runtime.close()
         self.runtime = runtime
 
     def use_press(self, press: str | PressConfig | None, ratio: float = 0.5) -> None:
@@ -736,7 +731,7 @@ class KTMModel(nn.Module):
         if cfg is not None:
             import_kvpress()
         if cfg is not None and not self.runtime.presses:
-            raise KTMError(press_refusal(self.backend, cfg.name))
+            raise KTMError(press_refusal(self.runtime.name, cfg.name))
         self.runtime.use_press(cfg)
 
     def generate(self, prompts, **kwargs):
@@ -759,10 +754,28 @@ class KTMModel(nn.Module):
         warn_unapplied_compressor(self)
         return stream(self, prompt, **kwargs)
 
-    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """(name, parameter) of the weights that train (``requires_grad``): the encoder's and
-        LoRA's; none for a model loaded for inference (``load(..., trainable=False)``)."""
-        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+# -- what the layers ask of a model, beside the class (it keeps to what a user calls) ------------
+
+def extend_input_embedding(model: KTMModel, module: nn.Module) -> None:
+    """Route every id -> embedding lookup of ``model`` through ``module`` (registered, so its
+    weights train and move with the model); LTSC's meta-token rows extend the table this way."""
+    model.input_extension = module
+    object.__setattr__(model, "_embed", module)
+
+
+def prompt_logits(model: KTMModel, prompt: PromptLike, merge: bool = True) -> torch.Tensor:
+    """(L, V) logits at every prefix position of one prompt."""
+    cp = model.encode_prompts([prompt], merge)[0]
+    check_fits(model, [cp], [0], "more tokens")
+    p = pack([cp.embeds], [cp.positions], [cp.merged_rows])
+    return model.lm(p.embeds, p.mask, p.position_ids, gate=p.gate)[0]
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the weights that train (``requires_grad``): a model's encoder's and
+    LoRA's; none for one loaded for inference (``load(..., trainable=False)``)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 # -- one name, either kind -----------------------------------------------------------------------

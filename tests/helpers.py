@@ -25,7 +25,7 @@ from transformers import (
 from ktm import Segment
 from ktm.decode.batched import join, keep_rows
 from ktm.decode.generate import advance, prefill
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 
 CORPUS = [
     "Tree: AB\n+CD\n++EF, Task: Parent/Child Relationship, Parent: AB, Child: CD, Answer: true",
@@ -184,7 +184,7 @@ def perturb(model: KTMModel, seed: int = 0) -> None:
     on the CPU, so a model on any device or dtype gets the same weights."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, p in model.trainable_parameters():
+        for _, p in trainable_parameters(model):
             p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.device, p.dtype))
 
 
@@ -354,7 +354,7 @@ def assert_one_step_lowers(model, loss_of) -> None:
 
     model.train()
     before = loss_of()
-    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    opt = adamw([p for _, p in trainable_parameters(model)], lr=2e-3)
     before.backward()
     opt.step()
     with torch.no_grad():
@@ -371,7 +371,7 @@ def loss_and_grads(model: KTMModel, prompts, targets, compiled: bool):
     with compiled_body(model, compiled):
         out = model(prompts, targets)
         out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.trainable_parameters()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in trainable_parameters(model)
                                if p.grad is not None}
 
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from ktm.core.base_model import resolve_model_path
 from ktm.core.prompt import Segment
 from ktm.decode.generate import generate_ids
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def test_k1_parity_on_real_text(embedded_dir):
     ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]])
     with torch.no_grad():
         expected = base(ids).logits[0]
-        got = model.prompt_logits(TEXT)
+        got = prompt_logits(model, TEXT)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

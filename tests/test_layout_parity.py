@@ -32,7 +32,7 @@ from ktm import Segment
 from ktm.core.loss import target_ids, target_logits
 from ktm.decode.batched import prefill_from_kv, row_kv
 from ktm.decode.generate import advance, generate_ids, prefill
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits, trainable_parameters
 
 LONG = ("The quick brown fox jumps over the lazy dog.\nHello world, my name is ktm.\n"
         "def add(a, b):\n    return a + b\n")
@@ -162,11 +162,11 @@ def test_a_saved_model_reloads_with_identical_logits(families, family, layout, t
     loaded = KTMModel.load(tmp_path / "ck", device=DEVICE, dtype=DTYPE)
     assert _settings(loaded) == _settings(model)
     assert not any(p.requires_grad for p in loaded.parameters())
-    training = [model.prompt_logits(p) for p in PROMPTS]  # fp32 encoder masters, autocast
+    training = [prompt_logits(model, p) for p in PROMPTS]  # fp32 encoder masters, autocast
     model.requires_grad_(False)  # frozen, as loaded: the encoder read in the LM's dtype
     for p, t in zip(PROMPTS, training):
-        got = loaded.prompt_logits(p)
-        assert torch.equal(got, model.prompt_logits(p))
+        got = prompt_logits(loaded, p)
+        assert torch.equal(got, prompt_logits(model, p))
         close(got, t)  # which rounds differently from autocast in bf16, and nothing more
 
 
@@ -188,13 +188,13 @@ def test_k1_merging_is_the_base_model(families, family, layout):
     for p in PROMPTS:
         segs = [Segment(p)] if isinstance(p, str) else p
         ids = [i for n, s in enumerate(segs) for i in model.tokenize(s.text, n == 0)]
-        same(model.prompt_logits(p), base(torch.tensor([ids], device=DEVICE)).logits[0])
+        same(prompt_logits(model, p), base(torch.tensor([ids], device=DEVICE)).logits[0])
     g = torch.Generator().manual_seed(0)
-    for n, w in model.trainable_parameters():
+    for n, w in trainable_parameters(model):
         if "lora_B" in n:
             w.add_((torch.randn(w.shape, generator=g) * 0.1).to(w.device))
     for p in PROMPTS:
-        same(model.prompt_logits(p), model.prompt_logits(p, merge=False))
+        same(prompt_logits(model, p), prompt_logits(model, p, merge=False))
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from ktm import KTMError, Segment
 from ktm.core.loss import target_ids
 from ktm.core.tokens import line_break_ids
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits, trainable_parameters
 
 
 def test_k1_untrained_matches_base_model_logits(tiny_model_dir):
@@ -16,7 +16,7 @@ def test_k1_untrained_matches_base_model_logits(tiny_model_dir):
     model = KTMModel.from_base(tiny_model_dir, k=1).eval()  # with its (zero-init) MLP
     ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]])
     expected = base(ids).logits[0]
-    got = model.prompt_logits(TEXT)
+    got = prompt_logits(model, TEXT)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -110,7 +110,7 @@ def test_loss_only_on_target_tokens(ktm_model):
 
 
 def test_only_lora_and_encoder_are_trainable(ktm_model):
-    names = [n for n, _ in ktm_model.trainable_parameters()]
+    names = [n for n, _ in trainable_parameters(ktm_model)]
     assert names
     assert all(("lora_" in n) or n.startswith("encoder.") for n in names), names
     assert any(n.startswith("encoder.") for n in names)
@@ -123,7 +123,7 @@ def test_gradients_reach_encoder_and_lora(ktm_model):
     perturb(ktm_model)
     ktm_model.train()
     ktm_model(PROMPTS, TARGETS).loss.backward()
-    grads = {n: p.grad for n, p in ktm_model.trainable_parameters()}
+    grads = {n: p.grad for n, p in trainable_parameters(ktm_model)}
     assert grads["encoder.mlp.4.weight"].abs().sum() > 0
     assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n)
 
@@ -459,12 +459,12 @@ def test_a_model_object_already_adapted_is_refused_not_adapted_twice():
                                       num_hidden_layers=1, num_attention_heads=4))
     first = KTMModel.from_base(lm, k=2, tokenizer=tok)
     perturb(first)
-    before = first.prompt_logits(TEXT)
+    before = prompt_logits(first, TEXT)
     with pytest.raises(KTMError, match=r"model 'LlamaForCausalLM' already carries PEFT"):
         KTMModel.from_base(lm, k=2, tokenizer=tok)
     with pytest.raises(KTMError, match=r"already carries PEFT \(LoRA\) adapter layers"):
         KTMModel.from_base(first.peft, k=2, tokenizer=tok)
-    torch.testing.assert_close(first.prompt_logits(TEXT), before, atol=0, rtol=0)
+    torch.testing.assert_close(prompt_logits(first, TEXT), before, atol=0, rtol=0)
 
 
 def _tiny_lm(tok, **cfg):

@@ -22,7 +22,7 @@ import torch
 from helpers import DEVICE, DTYPE, NORM_TOL, close, perturb, require_device
 
 from ktm import Segment
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 from ktm.tasks.tree import TreeTask
 from ktm.training.config import TrainConfig
 from ktm.training.train import train
@@ -78,8 +78,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_run_ends(tiny_model_dir, tmp
         torch.cuda.manual_seed_all(12345)
     resumed = fresh(tiny_model_dir)  # as a new process: weights only from the checkpoint
     train(resumed, data, TrainConfig(out_dir=str(tmp_path / "b"), resume=True, **kw))
-    for (name, a), (_, b) in zip(straight.trainable_parameters(),
-                                 resumed.trainable_parameters()):
+    for (name, a), (_, b) in zip(trainable_parameters(straight),
+                                 trainable_parameters(resumed)):
         if DTYPE == "float32":
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
         else:  # fp32 masters moved by steps whose forward rounds to 16 bits

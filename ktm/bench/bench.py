@@ -44,7 +44,7 @@ from ktm.decode.compiled import check_mode as check_compile
 from ktm.decode.compiled import graphs
 from ktm.decode.press import PressConfig, pressed_as
 from ktm.errors import KTMError
-from ktm.model import BACKENDS
+from ktm.model import BACKENDS, RuntimeSpec
 from ktm.training.train import adamw
 from ktm.util.field_types import check_at_least
 from ktm.util.fileio import check_writable, write_json_atomic
@@ -365,7 +365,8 @@ def press_of(spec: str | None) -> PressConfig | None:
 
 
 def bench_runtimes(model, config: BenchConfig) -> dict:
-    """The runtimes by (backend, method name); torch runs without one.
+    """The runtimes by (backend, method name), each built for ``model`` (``RuntimeSpec.build``:
+    the model's own runtime stays its own); torch runs on the model's own.
 
     llama.cpp: cells for the longest prompt and its answer in every row of the largest batch;
     ``ktm``, the model's own (exported once into the cache), and ``uncompressed``, plain
@@ -377,17 +378,15 @@ def bench_runtimes(model, config: BenchConfig) -> dict:
     try:
         if "llamacpp" in config.backends:
             runtimes.update(_llamacpp_runtimes(model, config))
-            model.runtime = own
         if "vllm" in config.backends:
             from ktm.vllm.runtime import VLLMConfig
 
-            model.use_backend("vllm", config=VLLMConfig(max_num_seqs=max(config.batch_sizes)))
-            runtimes["vllm", "ktm"] = runtimes["vllm", "uncompressed"] = model.runtime
-            model.runtime = own
+            engine = RuntimeSpec("vllm", vllm=VLLMConfig(max_num_seqs=max(config.batch_sizes))
+                                 ).build(model)
+            runtimes["vllm", "ktm"] = runtimes["vllm", "uncompressed"] = engine
     except BaseException:
         for rt in set(runtimes.values()) - {own}:
             rt.close()
-        model.runtime = own
         raise
     return runtimes
 
@@ -399,8 +398,7 @@ def _llamacpp_runtimes(model, config: BenchConfig) -> dict:
 
     cells = (max(config.lengths) + config.output_tokens + 8) * max(config.batch_sizes)
     rc = RuntimeConfig(context=cells, sequences=max(config.batch_sizes))
-    model.use_backend("llamacpp", config=rc)
-    runtimes = {("llamacpp", "ktm"): model.runtime}
+    runtimes = {("llamacpp", "ktm"): RuntimeSpec("llamacpp", llamacpp=rc).build(model)}
     try:
         if config.plain_gguf is not None:
             base = Path(config.plain_gguf).expanduser()
@@ -482,15 +480,16 @@ def _runner(model, config: BenchConfig, encs: dict, opts: dict, prompts: list[st
     def run(m: Method) -> dict:
         if m.key in encs:
             model.encoder = encs[m.key]
-        model.runtime = runtimes[m.backend, m.name]
+        runtime = runtimes[m.backend, m.name]
         merge = m.name != "uncompressed"
         if config.mode == "infer":
             if m.backend == "torch":
-                model.runtime.compile, model.runtime.weights = m.compile, m.weights
-            before = model.runtime.compiles
-            with pressed_as(model.runtime, press_of(m.press)):
-                res = infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio)
-            compiles[m.key] += model.runtime.compiles - before
+                runtime.compile, runtime.weights = m.compile, m.weights
+            before = runtime.compiles
+            with pressed_as(runtime, press_of(m.press)):
+                res = infer_once(model, ids, merge, config.output_tokens, ratio=m.ratio,
+                                 runtime=runtime)
+            compiles[m.key] += runtime.compiles - before
             return res
         before = graphs()
         res = train_once(model, opts[m.key], prompts, targets, merge, ratio=m.ratio,
@@ -586,7 +585,6 @@ def run_bench(config: BenchConfig, model=None) -> list[dict]:
     finally:
         bar.close()
         own = runtimes["torch", "ktm"]
-        model.runtime = own
         for rt in set(runtimes.values()) - {own}:  # vLLM's one engine serves two methods
             rt.close()
     return rows

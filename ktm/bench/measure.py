@@ -175,13 +175,14 @@ def trim_allocator() -> None:
 
 @torch.inference_mode()
 def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
-               sample_memory: bool = True, ratio: float | None = None) -> dict:
+               sample_memory: bool = True, ratio: float | None = None, runtime=None) -> dict:
     """Time one batch through ``ktm.decode.generate``'s own prefill and decode loop (greedy,
-    no early stop): encoder, prefill, first token, then the KV-cached decode.
-    ``sample_memory`` False: no RSS sampling thread beside the timed code (``PeakMemory``)."""
+    no early stop): encoder, prefill, first token, then the KV-cached decode, on ``runtime``
+    (None: the model's own). ``sample_memory`` False: no RSS sampling thread beside the timed
+    code (``PeakMemory``)."""
     dev = model.device
     cfg = GenerationConfig(max_new_tokens=output_tokens, stop_at_eos=False)
-    runtime = model.runtime
+    runtime = runtime or model.runtime
     runtime.clear()  # a timed run prefills everything: no rows cached from the last one
     with PeakMemory(dev, 0.002 if sample_memory else None) as mem:
         t0 = clock(dev)
@@ -189,7 +190,7 @@ def infer_once(model, rows: list[list[int]], merge: bool, output_tokens: int,
         t1 = clock(dev)
         state = runtime.prefill(prefixes, [cfg] * len(prefixes))  # as decode_steps' own
         t2 = clock(dev)
-        steps = decode_steps(model, None, cfg, state=state)
+        steps = decode_steps(model, None, cfg, state=state, runtime=runtime)
         tokens = [next(steps)]
         t3 = clock(dev)
         kv = runtime.kv_bytes(state)

@@ -19,7 +19,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def serve_parser(sp: argparse.ArgumentParser) -> None:
     from ktm.serving.config import ServeConfig
 
-    add_dataclass_args(sp, ServeConfig)
+    # one llama.cpp sequence per request decoding at once: --max-batch says how many
+    add_dataclass_args(sp, ServeConfig, skip=("llamacpp_sequences",))
     sp.set_defaults(run=cmd_serve)
 
 

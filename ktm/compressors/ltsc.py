@@ -36,6 +36,7 @@ from ktm.compressors.base import Compressor
 from ktm.core.loss import ids_tensor
 from ktm.core.prompt import Segment, as_segments
 from ktm.errors import KTMError
+from ktm.model import extend_input_embedding
 from ktm.tasks.base import Example
 from ktm.util.fileio import save_safetensors_atomic, write_json_atomic
 
@@ -92,7 +93,7 @@ def add_meta_tokens(model, sequences: Sequence[Sequence[int]]) -> list[int]:
     base = old.base if old is not None else model.input_embedding
     if old is not None:
         rows = torch.cat([old.meta.detach(), rows])
-    model.set_input_embedding(MetaEmbedding(base, rows))
+    extend_input_embedding(model, MetaEmbedding(base, rows))
     start = base.weight.shape[0] + rows.shape[0] - len(sequences)
     return list(range(start, start + len(sequences)))
 

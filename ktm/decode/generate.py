@@ -363,15 +363,16 @@ def advance(model, state: DecodeState, tokens: torch.Tensor, compiled=None) -> N
 
 def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: GenerationConfig,
                  prefixes=None, state: DecodeState | None = None,
-                 timing: dict | None = None) -> Iterator[torch.Tensor]:
+                 timing: dict | None = None, runtime=None) -> Iterator[torch.Tensor]:
     """Yield (B,) token ids per step; rows that have finished repeat the pad id.
 
     ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them;
     ``state``: a batch the runtime has already prefilled (the benchmark times the prefill apart).
     ``timing``: a dict that gets ``prefill_s``, the seconds of this call's prefill.
-    The model's runtime (``ktm.decode.runtime``: torch, llama.cpp or vLLM) prefills and advances.
+    The model's runtime (``ktm.decode.runtime``: torch, llama.cpp or vLLM; ``runtime``: another
+    one built for this model, ``RuntimeSpec.build``) prefills and advances.
     """
-    runtime = model.runtime
+    runtime = runtime or model.runtime
     if state is None:
         if prefixes is None:
             with torch.no_grad(), eval_mode(model):

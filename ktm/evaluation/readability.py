@@ -152,7 +152,7 @@ def _three(model, ctx: list, none: list, tgt: list, cache: dict | None = None,
     alone reads it), plain and with no context (by ``reference``, None: ``model``), and its
     tokens; with the merged prompts' tokens in and out."""
     merged = model(ctx, tgt, merge=merge)
-    kept = kv_kept(model, model.measure_prompts(ctx, merge))
+    kept = kv_kept(model, model.encode_prompts(ctx, merge, embed=False))
     ref = model if reference is None else reference
     plain = _plain_nll(ref, ctx, tgt, cache)
     empty = _plain_nll(ref, none, tgt, cache)

@@ -366,7 +366,7 @@ def job_settings(state, body, chat: bool) -> dict:
     body.check_stream_options()
     logprobs = body.logprobs_asked()
     if logprobs is not None and not state.engine.logits:
-        raise RequestError(f"logprobs are not available on the {state.model.backend} backend: "
+        raise RequestError(f"logprobs are not available on the {state.model.runtime.name} backend: "
                            "it samples inside its own engine and returns tokens only",
                            param="logprobs")
     max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktm.core.base_model import parse_dtype
 from ktm.core.config import DEFAULT_MODEL
 from ktm.errors import KTMError
+from ktm.model import RuntimeSpec
 from ktm.serving.history import check_history_press
 from ktm.util.field_types import check_at_least
 
@@ -34,36 +35,11 @@ class ServeConfig:
         "help": "requests waiting beyond this get 503 (server busy)"})
     prefix_cache_mb: float = field(default=512.0, metadata={
         "help": "memory for reused merged segments and context KV (0: off)"})
-    backend: str = field(default="torch", metadata={
-        "help": "what prefills and decodes: torch; llamacpp (the [llamacpp] extra; the model "
-                "is exported to GGUF once, into the cache, unless --gguf names an export); or "
-                "vllm (exported once into the cache; this server merges prompts and forwards "
-                "them to vLLM)",
-        "choices": ["torch", "llamacpp", "vllm"]})
-    gguf: str | None = field(default=None, metadata={
-        "help": "a GGUF export of the model (ktm export --format gguf) for --backend llamacpp"})
-    llamacpp_context: int | None = field(default=None, metadata={
-        "help": "llama.cpp KV-cache cells shared by all running requests (default: the model's "
-                "trained context, at most 16384)"})
-    llamacpp_kv_type: str = field(default="f16", metadata={
-        "help": "llama.cpp KV-cache type", "choices": ["f16", "f32"]})
-    llamacpp_deterministic: bool = field(default=False, metadata={
-        "help": "llama.cpp: greedy output independent of other requests and of what ran before "
-                "(cells per sequence, no reused rows, a decode batch per row; slower under "
-                "load)"})
-    vllm_url: str | None = field(default=None, metadata={
-        "help": "--backend vllm: a running vLLM server's /v1 address serving this model's "
-                "export (default: vLLM runs in this process)"})
-    vllm_server: bool = field(default=False, metadata={
-        "help": "--backend vllm: start a vLLM server process instead of an engine in this one"})
-    vllm_kv_cache_gb: float = field(default=1.0, metadata={
-        "help": "--backend vllm: its CPU KV cache in GiB"})
-    press: str | None = field(default=None, metadata={
-        "help": "a kvpress press on every request's compressed segments' KV after prefill "
-                "(torch backend only; a request's ktm field may name another, or none); names "
-                "as ktm generate --press"})
-    press_ratio: float = field(default=0.5, metadata={
-        "help": "--press: the share of the pressed KV dropped, in [0, 1)"})
+    # where the model runs: RuntimeSpec's flags (--backend, --gguf, --llamacpp-*, --vllm-*,
+    # --press, --press-ratio, --compile, --weights); a request's ktm field may name another
+    # press, or none. One llama.cpp sequence per request decoding at once, as many requests as
+    # vLLM decodes: both are --max-batch here.
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec, metadata={"prefix": ""})
     history_budget: int | None = field(default=None, metadata={
         "help": "chats are read within this many positions: a message without its own ktm "
                 "field is read plain while the chat fits, and the oldest are merged (whole, at "
@@ -80,15 +56,6 @@ class ServeConfig:
                 "guessing a next message as long as the last), so that turn reads little more "
                 "than its new message, also where --history-budget merges more of it: one "
                 "more prefill per answer"})
-    compile: str = field(default="auto", metadata={
-        "help": "--backend torch: the running batch decodes on a static KV cache, compiled "
-                "(torch.compile; CUDA graphs on CUDA), its rows padded to a power of two so "
-                "that requests joining and leaving compile nothing new: on or off; auto is "
-                "eager here (not yet timed on a GPU; docs/serving.md)",
-        "choices": ["auto", "off", "on"]})
-    weights: str = field(default="native", metadata={
-        "help": "--backend torch: the LM's linear layers as loaded (native) or in int8, one "
-                "scale per output row (ktm.core.int8)", "choices": ["native", "int8"]})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's choice)"})
@@ -129,28 +96,12 @@ class ServeConfig:
         if self.history_budget is not None:
             check_at_least(self, 1, "history_budget")
         parse_dtype(self.dtype)
-        if self.press is not None:
-            from ktm.decode.press import PressConfig
-
-            PressConfig(self.press, self.press_ratio)  # refused now, by name
-        check_history_press(self.history_press, self.history_budget, self.press)
-        from ktm.decode.compiled import check_mode
-
-        check_mode(self.compile)
-        if self.compile != "auto" and self.backend != "torch":
-            raise KTMError(f"compile={self.compile!r} is an option of the torch backend, not "
-                           f"{self.backend} (llama.cpp and vLLM run their own graphs)")
-        from ktm.core.int8 import check_weights
-
-        check_weights(self.weights)
-        if self.weights != "native" and self.backend != "torch":
-            raise KTMError(f"weights={self.weights!r} is an option of the torch backend, not "
-                           f"{self.backend} (llama.cpp and vLLM read their own weight types)")
+        check_history_press(self.history_press, self.history_budget, self.runtime.press)
         if self.history_press is not None:
             from ktm.decode.press import PressConfig, press_refusal
 
-            if self.backend != "torch":
-                raise KTMError(press_refusal(self.backend, self.history_press))
+            if self.runtime.backend != "torch":
+                raise KTMError(press_refusal(self.runtime.backend, self.history_press))
             PressConfig(self.history_press)  # refused now, by name
         if self.served_name is None:
             self.served_name = Path(self.model.rstrip("/")).name or self.model
@@ -159,29 +110,16 @@ class ServeConfig:
 
 
 def load_served_model(cfg: ServeConfig):
+    from ktm.llamacpp.runtime import RuntimeConfig
     from ktm.model import load_any
+    from ktm.vllm.runtime import VLLMConfig
 
     check_servable(cfg.model)
-    settings = None
-    if cfg.backend == "llamacpp":
-        from ktm.llamacpp.runtime import RuntimeConfig
-
-        # one llama.cpp sequence per request decoding at once
-        settings = RuntimeConfig(context=cfg.llamacpp_context, sequences=cfg.max_batch,
-                                 kv_type=cfg.llamacpp_kv_type,
-                                 deterministic=cfg.llamacpp_deterministic)
-    elif cfg.backend == "vllm":
-        from ktm.vllm.runtime import VLLMConfig
-
-        settings = VLLMConfig(url=cfg.vllm_url, server=cfg.vllm_server,
-                              kv_cache_gb=cfg.vllm_kv_cache_gb, max_num_seqs=cfg.max_batch)
-    model = load_any(cfg.model, cfg.k, cfg.device, cfg.dtype, press=cfg.press,
-                     press_ratio=cfg.press_ratio)
-    if cfg.backend != "torch":
-        # a checkpoint folder that is a GGUF export serves its own files
-        source = Path(cfg.model) if Path(cfg.model).is_dir() else None
-        model.use_backend(cfg.backend, source=source, gguf=cfg.gguf, config=settings)
-    return model
+    spec = cfg.runtime
+    spec = replace(spec, llamacpp=replace(spec.llamacpp or RuntimeConfig(),
+                                          sequences=cfg.max_batch),
+                   vllm=replace(spec.vllm or VLLMConfig(), max_num_seqs=cfg.max_batch))
+    return load_any(cfg.model, cfg.k, cfg.device, cfg.dtype, runtime=spec)
 
 
 def check_servable(model: str) -> None:

@@ -144,8 +144,8 @@ class Engine:
         self.runtime = model.runtime
         # the torch runtime's decode step (--compile) and linear layers (--weights); a runtime
         # with an engine of its own takes their defaults only, which ServeConfig checked
-        self.runtime.compile = cfg.compile
-        self.runtime.weights = cfg.weights
+        self.runtime.compile = cfg.runtime.compile
+        self.runtime.weights = cfg.runtime.weights
         # vLLM samples inside its own step and hands back tokens, not a distribution
         self.logits = self.runtime.gives_logits
         self.rebatch = self.runtime.joinable  # else: windowed batches
@@ -346,9 +346,10 @@ class Engine:
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
     def _prefill(self, jobs: list[Job]) -> tuple[list, list[Row]]:
-        # a prompt too long is refused from its counts (``measure_prompts``), before the encoder
-        # reads it: one many times the context costs its tokens' ids, never their embeddings
-        measured = self.model.measure_prompts([j.segments for j in jobs])
+        # a prompt too long is refused from its counts (``encode_prompts(..., embed=False)``),
+        # before the encoder reads it: one many times the context costs its tokens' ids, never
+        # their embeddings
+        measured = self.model.encode_prompts([j.segments for j in jobs], embed=False)
         fits = [(job, limit) for job, cp in zip(jobs, measured)
                 if (limit := self._limit(job, cp)) is not None]
         cps = self.model.encode_prompts([j.segments for j, _ in fits], cache=self.merged)
@@ -383,7 +384,8 @@ class Engine:
         context = context_of(job.segments) if job.context is None else job.context
         if not context or self.kv is None or not self.kv.max_bytes:
             return None
-        n = self.model.measure_prompts([context])[0].tokens_out  # counts: no encoder run
+        # counts: no encoder run
+        n = self.model.encode_prompts([context], embed=False)[0].tokens_out
         return tuple((s.ids, s.compress) for s in context), n
 
     def _step(self) -> None:

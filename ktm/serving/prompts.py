@@ -168,7 +168,7 @@ def press_to_fit(model, segs: tuple[Segment, ...], budget: int, name: str
     (after the last pressable segment) already pass the budget, or for a press unknown."""
     from ktm.decode.press import kept_positions
 
-    cp = model.measure_prompts([segs])[0]
+    cp = model.encode_prompts([segs], embed=False)[0]
     if cp.tokens_out <= budget:
         return None
     split = min(cp.pressable, cp.tokens_out - 1)
@@ -385,7 +385,7 @@ def _within_budget(model, segs: list[Segment], owners: list[int | None],
                 if o in chosen else s for s, o in zip(segs, owners, strict=True)]
 
     def positions(d: int, n: int) -> int:
-        return model.measure_prompts([tuple(merged(d, n))])[0].tokens_out
+        return model.encode_prompts([tuple(merged(d, n))], embed=False)[0].tokens_out
 
     if pressed:
         n = 0 if positions(0, 0) <= budget else len(candidates)

@@ -2,8 +2,9 @@
 
 A prompt longer than the LM's positions (after merging at the run's K) fails at the step that
 reads it: mid-training, or at the evaluation after training has finished. Tokenizing every
-example up front (``KTMModel.measure_prompts``: no embedding, no encoder) finds it first, and
-the error names where it came from (a data file's line) and the K that would fit.
+example up front (``KTMModel.encode_prompts(..., embed=False)``: no embedding, no encoder)
+finds it first, and the error names where it came from (a data file's line) and the K that
+would fit.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def check_examples_fit(model, examples: Sequence[Example], what: str, *, merge: 
             continue
         seen.add(key)
         try:
-            cp = model.measure_prompts([e.segments], merge)[0]
+            cp = model.encode_prompts([e.segments], merge, embed=False)[0]
             n = len(target_ids(model, e.target)) if answer_tokens is None else answer_tokens
             if n:
                 check_fits(model, [cp], [n], "target tokens")

@@ -28,6 +28,7 @@ from ktm.core.allocate import quiet_ratio
 from ktm.core.checkpoint import model_record
 from ktm.core.loss import target_ids
 from ktm.errors import KTMError
+from ktm.model import trainable_parameters
 from ktm.tasks.base import Example, check_examples
 from ktm.tasks.fits import check_examples_fit
 from ktm.training import distributed
@@ -89,7 +90,7 @@ def param_groups(model, cfg: TrainConfig) -> list[dict]:
              else set())
     context = {id(p) for p in getattr(model.encoder, "context_parameters", list)()}
     special = wide | order | context
-    named = model.trainable_parameters()
+    named = trainable_parameters(model)
     groups = [{"params": [p for _, p in named if id(p) not in special], "base_lr": cfg.lr,
                "name": "main"},
               {"params": [p for _, p in named if id(p) in wide], "base_lr": cfg.encoder_lr,
@@ -131,7 +132,7 @@ class StepStats:
 
 
 def check_trainable(model) -> None:
-    if not model.trainable_parameters():  # AdamW failed on the empty list with an IndexError
+    if not trainable_parameters(model):  # AdamW failed on the empty list with an IndexError
         raise KTMError("the model has no trainable weights (KTMModel.load freezes a checkpoint "
                        "by default): expected KTMModel.load(..., trainable=True) or from_base")
     if model.dtype == torch.float16:
@@ -334,7 +335,7 @@ def _run(model, examples, config, evaluate, on_step, loss_fn, run_extra, save_ex
     out = Path(config.out_dir)
     opt, clip_apart = _optimizer(model, config, world)
     data = data_signature(examples)
-    ema = (WeightAverage([p for _, p in model.trainable_parameters()], config.ema_decay)
+    ema = (WeightAverage([p for _, p in trainable_parameters(model)], config.ema_decay)
            if config.ema_decay else None)
     step = 0
     if config.resume:

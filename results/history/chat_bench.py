@@ -117,7 +117,7 @@ def pressed_layout(model, msgs) -> tuple[Segment, ...]:
 
 
 def positions(model, segs, merge: bool = False) -> int:
-    return model.measure_prompts([segs], merge)[0].tokens_out
+    return model.encode_prompts([segs], merge, embed=False)[0].tokens_out
 
 
 def nll(model, segs, target, merge: bool) -> float:
@@ -192,13 +192,13 @@ def main() -> int:
                     press = None if fit is None else (fit.name, fit.ratio)
                 else:
                     segs, model, merge = pressed_layout(base, msgs), base, False
-                    cp = base.measure_prompts([segs], False)[0]
+                    cp = base.encode_prompts([segs], False, embed=False)[0]
                     keep_rows = budget - (cp.tokens_out - cp.pressable)
                     ratio = min(0.99, max(0.0, 1 - keep_rows / cp.pressable))
                     press = (r, ratio)
                 model.use_press(*(press or (None,)))
                 value = nll(model, segs, target, merge)
-                cp = model.measure_prompts([segs], merge)[0]
+                cp = model.encode_prompts([segs], merge, embed=False)[0]
                 kv = kept_positions(cp, model.runtime.press)
                 model.use_press(None)
                 s = sums[r]

@@ -62,7 +62,7 @@ def main() -> None:
                                               **marked}], merge=merge)
                 answer = model.generate(prompt, max_new_tokens=24, merge=merge)
                 hits += hit(answer, e.meta["answers"])
-                positions += model.measure_prompts([prompt], merge)[0].tokens_out
+                positions += model.encode_prompts([prompt], merge, embed=False)[0].tokens_out
             rows.append({"reader": name, "reading": reading, "n": N, "length": LENGTH,
                          "hits": hits, "positions": positions / N,
                          "config": {"model": model_record(model)["config"], "seed": 1},

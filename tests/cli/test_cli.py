@@ -766,7 +766,8 @@ def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_d
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps(m) for m in messages) + "\n\n")
     model = fresh_model(tiny_model_dir, k=4, use_mlp=False)
-    plain = model.measure_prompts([ktm.chat_prompt(model, messages, merge=False)])[0].tokens_out
+    plain = model.encode_prompts([ktm.chat_prompt(model, messages, merge=False)],
+                                 embed=False)[0].tokens_out
     budget = plain * 3 // 4
     code, out, err = run(capsys, "generate", "--model", tiny_model_dir, "--k", "4", "--no-mlp",
                          "--chat", str(path), "--history-budget", str(budget),
@@ -774,7 +775,7 @@ def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_d
     segs = ktm.chat_prompt(model, messages, history_budget=budget)
     assert code == 0
     assert out.strip() == model.generate(segs, max_new_tokens=6).strip()
-    shown = model.measure_prompts([segs])[0].tokens_out
+    shown = model.encode_prompts([segs], embed=False)[0].tokens_out
     assert f"-> {shown}," in err and shown <= budget < plain
     # --history-press: the older messages plain, pressed to the budget (kvpress)
     if importlib.util.find_spec("kvpress") is not None:

@@ -24,7 +24,7 @@ from ktm.compressors.selective_context import SelectiveContext
 from ktm.core.checkpoint import model_record
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 from ktm.tasks.base import Example
 
 HAS_LLMLINGUA = importlib.util.find_spec("llmlingua") is not None
@@ -291,7 +291,7 @@ def test_ltsc_meta_tokens_are_mean_initialised_and_trainable(tiny_model_dir):
     torch.testing.assert_close(model.input_embedding(torch.tensor(ids)),
                                torch.stack([vocab_rows.mean(0), vocab_rows[1]]))
     assert model_record(model)["vocab_size"] == len(model.tokenizer)  # LM head untouched
-    names = [n for n, _ in model.trainable_parameters()]
+    names = [n for n, _ in trainable_parameters(model)]
     assert "input_extension.meta" in names
     prompt = [Segment("x", ids=(ids[0], 5)), Segment(CUE, compress=False)]
     model([prompt], ["fox"]).loss.backward()

@@ -10,7 +10,7 @@ from helpers import TEXT, opens_under, perturb
 
 from ktm import KTMError
 from ktm.core.checkpoint import load_weights_into, model_record
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def test_save_load_round_trip_gives_identical_logits(saved):
     loaded = KTMModel.load(str(path))
     assert loaded.k == model.k
     assert not loaded.training
-    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+    torch.testing.assert_close(prompt_logits(loaded, TEXT), prompt_logits(model, TEXT),
                                atol=0, rtol=0)
     assert loaded.generate(TEXT, max_new_tokens=6) == model.generate(TEXT, max_new_tokens=6)
 
@@ -136,7 +136,7 @@ def test_a_format_1_checkpoint_still_loads(saved):
     (path / "ktm_config.json").write_text(json.dumps(v1))
     loaded = KTMModel.load(str(path))
     assert loaded.k == 4 and loaded.config.lora.r == model.config.lora.r
-    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+    torch.testing.assert_close(prompt_logits(loaded, TEXT), prompt_logits(model, TEXT),
                                atol=0, rtol=0)
     load_weights_into(model, path)  # and resuming from it is accepted
 
@@ -202,7 +202,7 @@ def test_a_base_model_given_by_a_relative_path_loads_from_any_folder(tiny_model_
     model.save(str(tmp_path / "ck"))
     monkeypatch.chdir(tmp_path)
     loaded = KTMModel.load(tmp_path / "ck")
-    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+    torch.testing.assert_close(prompt_logits(loaded, TEXT), prompt_logits(model, TEXT),
                                atol=0, rtol=0)
 
 
@@ -218,7 +218,7 @@ def test_a_checkpoint_whose_base_model_is_gone_says_which_and_how_to_point_elsew
                                        r"base= \(--model\) naming a local copy of it"):
         KTMModel.load(path)
     loaded = KTMModel.load(path, base=tiny_model_dir)
-    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+    torch.testing.assert_close(prompt_logits(loaded, TEXT), prompt_logits(model, TEXT),
                                atol=0, rtol=0)
 
 
@@ -277,7 +277,7 @@ def test_a_base_model_of_the_same_sizes_with_another_tokenizer_is_refused(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = KTMModel.load(path, base=str(copy))
-    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+    torch.testing.assert_close(prompt_logits(loaded, TEXT), prompt_logits(model, TEXT),
                                atol=0, rtol=0)
     cfg = json.loads((path / "ktm_config.json").read_text())
     del cfg["base_identity"]
@@ -311,5 +311,5 @@ def test_a_load_reads_each_checkpoint_file_once(saved):
     assert {"ktm_config.json", "encoder.safetensors", "adapter/adapter_config.json",
             "adapter/adapter_model.safetensors"} <= set(counts), counts
     assert max(counts.values()) == 1, counts
-    torch.testing.assert_close(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT),
+    torch.testing.assert_close(prompt_logits(loaded, TEXT), prompt_logits(model, TEXT),
                                atol=0, rtol=0)

@@ -12,7 +12,7 @@ from helpers import PROMPTS, fresh_model, perturb
 
 from ktm import KTMError
 from ktm.core.encoder import EncoderConfig, KTokenEncoder, grow_encoder
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 
 LAYOUTS = [dict(k=4), dict(k=2, slot_weights=True), dict(k=4, inner_k=2, slot_weights=True)]
 
@@ -109,7 +109,7 @@ def test_one_training_step_moves_the_context_weights_and_lowers_the_loss(tiny_mo
     loss = model(prompts, targets).loss
     loss.backward()
     assert model.encoder.context.weight.grad.abs().sum() > 0
-    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    opt = adamw([p for _, p in trainable_parameters(model)], lr=2e-3)
     opt.step()
     with torch.no_grad():
         after = model(prompts, targets).loss
@@ -367,7 +367,7 @@ def test_a_layer_context_model_trains_saves_and_loads(tiny_model_dir, tmp_path, 
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0
                for p in model.encoder.context_parameters())
-    adamw([p for _, p in model.trainable_parameters()], lr=2e-3).step()
+    adamw([p for _, p in trainable_parameters(model)], lr=2e-3).step()
     with torch.no_grad():
         after = model(PROMPTS, ["true", "false", "positive review"]).loss
     assert after.item() < loss.item() - 1e-3
@@ -472,7 +472,7 @@ def test_a_token_mixer_model_trains_saves_and_loads(tiny_model_dir, tmp_path):
     mixer = model.encoder.mixer.layers[0]
     assert mixer.down.weight.grad.abs().sum() > 0  # the zero output projections move first
     assert mixer.out.weight.grad.abs().sum() > 0
-    adamw([p for _, p in model.trainable_parameters()], lr=2e-3).step()
+    adamw([p for _, p in trainable_parameters(model)], lr=2e-3).step()
     with torch.no_grad():
         after = model(PROMPTS, ["true", "false", "positive review"]).loss
     assert after.item() < loss.item() - 1e-3

@@ -25,7 +25,7 @@ from helpers import DEVICE, NORM_TOL, PROMPTS, TARGETS, TEXT, close, perturb, re
 
 from ktm.core.loss import target_ids, target_logits
 from ktm.decode.generate import advance, prefill
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits, trainable_parameters
 
 OPTIONS = {"block": {}, "conv1": dict(context_blocks=1), "layers1": dict(context_layers=1),
            "layers1-query": dict(context_layers=1, context_pool="query"),
@@ -55,7 +55,7 @@ def test_k1_with_a_zero_mlp_is_the_base_model(tiny_model_dir, dtype):
     ids = torch.tensor([model.tokenizer(TEXT)["input_ids"]], device=model.device)
     with model.peft.disable_adapter():
         want = model.peft.get_base_model()(ids).logits[0]
-    close(model.prompt_logits(TEXT), want, DTYPES[dtype])
+    close(prompt_logits(model, TEXT), want, DTYPES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,7 +119,7 @@ def test_save_load_is_identical_and_a_step_lowers_the_loss(tiny_model_dir, tmp_p
     model.train()
     loss = model(PROMPTS, TARGETS).loss
     loss.backward()
-    adamw([p for _, p in model.trainable_parameters()], lr=2e-3).step()
+    adamw([p for _, p in trainable_parameters(model)], lr=2e-3).step()
     with torch.no_grad():
         after = model(PROMPTS, TARGETS).loss
     assert after.item() < loss.item() - 1e-3, (loss.item(), after.item())

@@ -6,7 +6,7 @@ from helpers import PROMPTS, TARGETS, require_module
 
 from ktm import KTMError
 from ktm.cli.main import main
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits, trainable_parameters
 from ktm.tasks.tree import TreeTask
 from ktm.training.config import TrainConfig
 from ktm.training.train import train
@@ -19,7 +19,7 @@ def test_bf16_training_moves_fp32_trainable_weights(tiny_model_dir, tmp_path):
     torch.manual_seed(0)
     model = KTMModel.from_base(tiny_model_dir, k=4, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16
-    assert {p.dtype for _, p in model.trainable_parameters()} == {torch.float32}
+    assert {p.dtype for _, p in trainable_parameters(model)} == {torch.float32}
     first = model.encoder.mlp[0].weight.detach().clone()
     out = model(PROMPTS, TARGETS)
     assert torch.isfinite(out.loss)
@@ -101,8 +101,8 @@ def test_bf16_model_saved_and_loaded_computes_the_same_logits(tiny_model_dir, tm
     for m in (model, loaded):
         assert {b.dtype for n, b in m.peft.named_buffers() if "inv_freq" in n} == {torch.float32}
     with torch.no_grad():
-        torch.testing.assert_close(loaded.prompt_logits(PROMPTS[0]),
-                                   model.prompt_logits(PROMPTS[0]), atol=0, rtol=0)
+        torch.testing.assert_close(prompt_logits(loaded, PROMPTS[0]),
+                                   prompt_logits(model, PROMPTS[0]), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("given", [torch.bfloat16, torch.float32])
@@ -123,7 +123,7 @@ def test_a_model_object_cast_to_bf16_reads_positions_as_loaded(tiny_model_dir, t
     # far enough along for rounded frequencies to show
     prompt = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm. " * 4
     with torch.no_grad():
-        torch.testing.assert_close(loaded.prompt_logits(prompt), model.prompt_logits(prompt),
+        torch.testing.assert_close(prompt_logits(loaded, prompt), prompt_logits(model, prompt),
                                    atol=0, rtol=0)
 
 
@@ -161,7 +161,7 @@ def test_a_model_built_under_another_default_dtype_keeps_fp32_trainable_weights(
         model = KTMModel.from_base(tiny_model_dir, k=4, slot_weights=True, mlp_gate=True)
     finally:
         torch.set_default_dtype(before)
-    assert {p.dtype for _, p in model.trainable_parameters()} == {torch.float32}
+    assert {p.dtype for _, p in trainable_parameters(model)} == {torch.float32}
     assert torch.isfinite(model(PROMPTS, TARGETS).loss)
 
 

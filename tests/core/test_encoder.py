@@ -188,6 +188,6 @@ def test_a_segment_read_a_level_past_the_largest_merges_the_merges_again(tiny_mo
         want, _ = again(merged, mask)
     n = -(-len(ids) // deep)
     assert cp.tokens_out == n + len(model.tokenize(" Answer:"))
-    assert model.measure_prompts([tuple(prompt)])[0].tokens_out == cp.tokens_out
+    assert model.encode_prompts([tuple(prompt)], embed=False)[0].tokens_out == cp.tokens_out
     close(cp.embeds[:n], want[0])
     assert deeper_level(fresh_model(tiny_model_dir, k=1, use_mlp=False).encoder) is None

@@ -14,23 +14,54 @@ from ktm.core.checkpoint import model_record
 from ktm.core.config import LoraSettings
 from ktm.core.loss import target_logits
 from ktm.decode.generate import generate_ids
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits, trainable_parameters
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world"
 INT8_BOUND = 0.06  # tests/decode/test_compiled.py's
 
 
+def built(name: str, tmp_path_factory):
+    path = tmp_path_factory.mktemp(name)
+    base, tok = save_tiny(name, path)
+    return name, str(path), base, tok
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    base, tok = save_tiny(request.param, path)
-    return request.param, str(path), base, tok
+    return built(request.param, tmp_path_factory)
+
+
+# families whose caches hold layers other than full attention (sliding windows, Mamba's state):
+# a static cache cannot hold them, and compile="on" refuses them by name
+NOT_STATIC = {"cohere2", "exaone4", "gemma2", "gemma3_text", "jamba", "llama4_text", "mistral"}
+# the compiled paths (a graph per family, the suite's costliest tests) on one family per kind of
+# decoder layer a graph meets: the Llama layer (which qwen2/3, olmo/2, smollm3, granite, cohere,
+# starcoder2, stablelm, phi3, gemma and exaone4 share), Conv1D and learned positions (gpt2),
+# OPT's offset positions, ALiBi (bloom), fused multi-query attention (falcon, gpt_bigcode), the
+# parallel block with partial or interleaved rotary (gpt_neox, gptj, phi), GLM's rotary, routed
+# experts (mixtral, qwen3_moe), latent attention (deepseek_v3), soft-capped sliding windows
+# (gemma2, training) and Mamba layers (jamba, falcon_h1); every family keeps every eager test
+COMPILED = {"llama", "gpt2", "opt", "bloom", "falcon", "gpt_bigcode", "gpt_neox", "gptj", "phi",
+            "glm", "mixtral", "qwen3_moe", "deepseek_v3", "gemma2", "jamba", "falcon_h1"}
+
+
+@pytest.fixture(scope="module", params=sorted(COMPILED | NOT_STATIC))
+def decoding_family(request, tmp_path_factory):
+    """``family`` for the compiled decoding step: ``COMPILED``, and the families a static cache
+    refuses (their refusal is the test)."""
+    return built(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(COMPILED))
+def compiled_family(request, tmp_path_factory):
+    """``family`` for the compiled training step: ``COMPILED``."""
+    return built(request.param, tmp_path_factory)
 
 
 def perturb_lora(model: KTMModel) -> None:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for n, p in model.trainable_parameters():
+        for n, p in trainable_parameters(model):
             if "lora_B" in n:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
@@ -50,7 +81,7 @@ def test_logits_equal_the_hf_forward(family):
     ids = torch.tensor([tok(TEXT)["input_ids"]])
     with torch.no_grad():
         want = base(ids).logits[0]
-        torch.testing.assert_close(model.prompt_logits(TEXT), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(prompt_logits(model, TEXT), want, atol=1e-5, rtol=1e-5)
         # the training path computes the head only at target positions: same numbers there
         n = ids.shape[1]
         t = target_logits(model, [tok.decode(ids[0, :n - 4])], [ids[0, n - 4:].tolist()],
@@ -107,17 +138,12 @@ def test_int8_weights_hold_every_linear_layer_and_stay_near_the_native_logits(fa
     assert float((state.logits - native).abs().max()) <= INT8_BOUND * scale
 
 
-# families whose caches hold layers other than full attention (sliding windows, Mamba's state):
-# a static cache cannot hold them, and compile="on" refuses them by name
-NOT_STATIC = {"cohere2", "exaone4", "gemma2", "gemma3_text", "jamba", "llama4_text", "mistral"}
-
-
 @torch.no_grad()
-def test_compiled_decoding_equals_eager_or_is_refused_by_name(family):
-    """The compiled step (static cache, the packed attention on the CPU) on every family: the
-    same greedy tokens as eager, or, for a cache a static one cannot hold, a refusal naming
+def test_compiled_decoding_equals_eager_or_is_refused_by_name(decoding_family):
+    """The compiled step (static cache, the packed attention on the CPU) on each kind of layer:
+    the same greedy tokens as eager, or, for a cache a static one cannot hold, a refusal naming
     the layers."""
-    name, path, _, _ = family
+    name, path, _, _ = decoding_family
     torch.manual_seed(0)
     model = KTMModel.from_base(path, k=4)
     perturb_lora(model)
@@ -133,11 +159,11 @@ def test_compiled_decoding_equals_eager_or_is_refused_by_name(family):
     assert model.runtime.compiles > 0
 
 
-def test_compiled_training_equals_eager(family):
+def test_compiled_training_equals_eager(compiled_family):
     """A training step through the compiled decoder layers (``ktm train --compile``) gives
-    eager's loss and gradients on every family, dropout off (eager and compiled draw their masks
-    differently); Jamba's Mamba layers, which do not compile, train eager."""
-    _, path, _, _ = family
+    eager's loss and gradients on each kind of layer, dropout off (eager and compiled draw their
+    masks differently); Jamba's Mamba layers, which do not compile, train eager."""
+    _, path, _, _ = compiled_family
     torch.manual_seed(0)
     model = KTMModel.from_base(path, k=4, lora=LoraSettings(dropout=0.0))
     perturb_lora(model)
@@ -173,12 +199,12 @@ def test_a_saved_model_reloads_exactly_and_a_step_lowers_its_loss(family, tmp_pa
     model.save(tmp_path / "ck")
     loaded = KTMModel.load(tmp_path / "ck", trainable=True).eval()  # eval: no dropout noise
     with torch.no_grad():
-        assert torch.equal(loaded.prompt_logits(TEXT), model.prompt_logits(TEXT))
-    opt = torch.optim.SGD([p for _, p in loaded.trainable_parameters()], lr=1e-3)
+        assert torch.equal(prompt_logits(loaded, TEXT), prompt_logits(model, TEXT))
+    opt = torch.optim.SGD([p for _, p in trainable_parameters(loaded)], lr=1e-3)
     before = loaded([TEXT], ["fox jumps"]).loss
     before.backward()
     # a module whose weight the model reads directly (Jamba's dt_proj) bypasses its LoRA
-    dead = {n for n, p in loaded.trainable_parameters() if "lora_A" in n
+    dead = {n for n, p in trainable_parameters(loaded) if "lora_A" in n
             and (p.grad is None or not p.grad.any())}
     assert not dead
     opt.step()
@@ -209,7 +235,7 @@ def test_input_embeddings_narrower_than_the_hidden_states(tmp_path):
     assert model.encoder.config.hidden_size == 32
     ids = torch.tensor([tok(TEXT)["input_ids"]])
     with torch.no_grad():
-        torch.testing.assert_close(model.prompt_logits(TEXT), base(ids).logits[0], atol=1e-5,
+        torch.testing.assert_close(prompt_logits(model, TEXT), base(ids).logits[0], atol=1e-5,
                                    rtol=1e-5)
     model = KTMModel.from_base(str(tmp_path / "opt"), k=4)
     perturb_lora(model)

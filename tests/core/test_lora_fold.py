@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from ktm import Segment
 from ktm.core.checkpoint import ADAPTER_WEIGHTS
 from ktm.decode.generate import generate_ids, prefill
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 from ktm.tasks.base import Example
 from ktm.training.train import adamw, train_step
 
@@ -121,7 +121,7 @@ def _window() -> list[Example]:
 
 
 def _train(model, steps: int, generate_between: bool) -> None:
-    opt = adamw([p for _, p in model.trainable_parameters()], lr=1e-2)
+    opt = adamw([p for _, p in trainable_parameters(model)], lr=1e-2)
     for _ in range(steps):
         model.train()
         train_step(model, opt, _window(), batch_size=2)
@@ -161,7 +161,7 @@ def test_generating_between_training_steps_changes_neither_training_nor_base(
 def test_base_weights_are_bit_identical_after_many_fold_and_train_switches(ktm_model):
     perturb(ktm_model)
     base = base_weights(ktm_model)
-    params = [p for _, p in ktm_model.trainable_parameters()]
+    params = [p for _, p in trainable_parameters(ktm_model)]
     opt = adamw(params, lr=1e-2)
     for i in range(12):
         for p in params:  # trains: decoding reads PEFT's layers

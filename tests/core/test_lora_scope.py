@@ -9,7 +9,7 @@ from helpers import assert_one_step_lowers, close, fresh_model, perturb
 
 from ktm import KTMError, LoraSettings, Segment
 from ktm.core.batch import pack
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits
 
 DOC = "The quick brown fox jumps over the lazy dog. Hello world, my name is ktm."
 PROMPT = [Segment(DOC), Segment(" Hello world, my name", compress=False)]
@@ -24,9 +24,9 @@ def gated(tiny_model_dir) -> KTMModel:
 
 def test_plain_prompt_reads_as_the_base_model(gated):
     with torch.no_grad():
-        got = gated.prompt_logits(PROMPT, merge=False)
+        got = prompt_logits(gated, PROMPT, merge=False)
         with gated.peft.disable_adapter():
-            want = gated.prompt_logits(PROMPT, merge=False)
+            want = prompt_logits(gated, PROMPT, merge=False)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -40,7 +40,7 @@ def test_plain_rows_read_the_merged_rows_kv_with_base_weights(gated, tiny_model_
     full.load_state_dict(gated.state_dict())
     full.eval()
     with torch.no_grad():
-        got = gated.prompt_logits(PROMPT)
+        got = prompt_logits(gated, PROMPT)
         p = pack([cp.embeds], [cp.positions])
         from ktm.decode.generate import kv_cache
 
@@ -96,7 +96,7 @@ def test_save_and_load_keep_the_scope(gated, tmp_path):
     back = KTMModel.load(tmp_path / "ckpt")
     assert back.config.lora.scope == "merged"
     with torch.no_grad():
-        close(back.prompt_logits(PROMPT), gated.prompt_logits(PROMPT))
+        close(prompt_logits(back, PROMPT), prompt_logits(gated, PROMPT))
 
 
 def test_other_backends_and_bad_scopes_are_refused(gated):

@@ -154,7 +154,7 @@ def test_a_far_plain_line_is_quoted_after_the_document(reader, monkeypatch):
         [t for ids, _, _ in doc[quoted[0]:] for t in ids])
     assert far[-1] == near[-1]  # the question stays last
     cp = reader.compress(asked)
-    assert cp.tokens_out == reader.measure_prompts([asked])[0].tokens_out
+    assert cp.tokens_out == reader.encode_prompts([asked], embed=False)[0].tokens_out
 
 
 def test_the_question_attention_signal_reads_the_questions_attention_in_early_layers(reader):

@@ -195,7 +195,7 @@ def test_other_backends_refuse_a_press_in_one_line(tiny_model_dir):
         with pytest.raises(KTMError, match=f"torch runtime only: the {backend} backend") as e:
             model.use_backend(backend)
         assert "\n" not in str(e.value)
-    assert model.backend == "torch" and model.runtime.press.name == "knorm"
+    assert model.runtime.name == "torch" and model.runtime.press.name == "knorm"
     model.use_press(None)
     assert model.runtime.press is None
 

@@ -87,7 +87,7 @@ def test_an_export_holds_a_checkpoint_and_loads_by_itself(pair, tmp_path):
     assert m["k"] == 2 and m["spread_positions"] is False
     assert m["embedding_check"]["relative_difference"] <= m["embedding_check"]["tolerance"]
     again = KTMModel.load(tmp_path / "export", backend="llamacpp", llamacpp=EXACT)
-    assert again.backend == "llamacpp"
+    assert again.runtime.name == "llamacpp"
     assert again.generate(PROMPTS[0], max_new_tokens=8) == torch_model.generate(
         PROMPTS[0], max_new_tokens=8)
 

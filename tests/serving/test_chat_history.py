@@ -15,7 +15,7 @@ from test_serve import _wait_until, get, openai_client, post
 import ktm
 from ktm.core.encoder import deeper_level
 from ktm.errors import KTMError
-from ktm.model import KTMModel
+from ktm.model import KTMModel, RuntimeSpec
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
 from ktm.serving.history import HistoryReading, block_ends, drop_ends, plan_history
@@ -39,7 +39,7 @@ def model(tiny_model_dir):
 
 
 def positions(model, segs) -> int:
-    return model.measure_prompts([segs])[0].tokens_out
+    return model.encode_prompts([segs], embed=False)[0].tokens_out
 
 
 def merged_contents(segs) -> list[str]:
@@ -296,7 +296,7 @@ def test_a_history_press_reads_old_messages_plain_and_presses_them_to_fit(model)
     assert positions(model, segs) == full  # every row plain
     old = [m["content"] for m in messages[1:-1]]
     assert merged_contents(segs) == old and all(s.ratio == 1.0 for s in segs if s.compress)
-    cp = model.measure_prompts([segs])[0]
+    cp = model.encode_prompts([segs], embed=False)[0]
     assert press.name == "knorm" and kept_positions(cp, press) <= budget
     # the least ratio that fits: a press keeping one position more would not
     assert kept_positions(cp, PressConfig("knorm", press.ratio - 1.5 / cp.pressable)) > budget
@@ -317,8 +317,10 @@ def test_a_history_press_is_refused_by_name_and_with_the_numbers(model):
                                            r"history budget of 5"):
         reading(model, chat(3), 5, "knorm")
     for kw, match in (({}, "expected --history-budget"),
-                      ({"history_budget": 100, "press": "knorm"}, "expected one"),
-                      ({"history_budget": 100, "backend": "llamacpp"}, "llamacpp")):
+                      ({"history_budget": 100, "runtime": RuntimeSpec(press="knorm")},
+                       "expected one"),
+                      ({"history_budget": 100, "runtime": RuntimeSpec(backend="llamacpp")},
+                       "llamacpp")):
         with pytest.raises(KTMError, match=match):
             ServeConfig(model="x", history_press="knorm", **kw)
 

@@ -16,7 +16,7 @@ import torch
 from helpers import perturb
 
 from ktm import KTMError, Segment
-from ktm.model import KTMModel
+from ktm.model import KTMModel, RuntimeSpec, prompt_logits
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
 
@@ -765,7 +765,7 @@ def test_a_prompt_exactly_at_the_context_still_gets_one_token(server):
     r = post(server, {**body, "max_tokens": 1})
     assert r["usage"]["prompt_tokens_merged"] == 512 and r["usage"]["completion_tokens"] == 1
     with torch.no_grad():
-        greedy = int(server.model.prompt_logits(text, merge=False)[-1].argmax())
+        greedy = int(prompt_logits(server.model, text, merge=False)[-1].argmax())
     assert r["choices"][0]["text"] == server.model.tokenizer.decode([greedy],
                                                                    skip_special_tokens=True)
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -812,7 +812,7 @@ def test_int8_weights_serve_what_the_model_generates_with_them(tiny_model_dir):
     perturb(model)
     model.requires_grad_(False)  # as ktm serve loads a model: its LoRA folded, then in int8
     cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
-                      log_level="warning", weights="int8")
+                      log_level="warning", runtime=RuntimeSpec(weights="int8"))
     app = create_app(model, cfg)
     reqs = [{"doc": f"{DOC[:40 + 9 * i]} #{i}", "q": f" Q{i}?", "n": 5} for i in range(3)]
     with BackgroundServer(app) as srv:
@@ -834,7 +834,7 @@ def test_the_compiled_step_serves_as_eager_and_compiles_nothing_new_per_request(
     model = KTMModel.from_base(tiny_model_dir, k=4)
     perturb(model)
     cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=100,
-                      log_level="warning", compile="on")
+                      log_level="warning", runtime=RuntimeSpec(compile="on"))
     app = create_app(model, cfg)
     reqs = [{"doc": f"{DOC[:40 + 7 * i]} #{i}", "q": f" Q{i}?", "n": 4 + i} for i in range(8)]
     with BackgroundServer(app) as srv:
@@ -857,13 +857,14 @@ def test_the_compiled_step_serves_as_eager_and_compiles_nothing_new_per_request(
         assert text == model.generate([Segment(r["doc"]), Segment(r["q"], compress=False)],
                                       max_new_tokens=r["n"])
     with pytest.raises(KTMError, match="compile must be one of"):
-        ServeConfig(model=tiny_model_dir, compile="fast")
-    with pytest.raises(KTMError, match="compile='on' is an option of the torch backend"):
-        ServeConfig(model=tiny_model_dir, backend="llamacpp", compile="on")
+        ServeConfig(model=tiny_model_dir, runtime=RuntimeSpec(compile="fast"))
+    with pytest.raises(KTMError, match="--compile on is an option of the torch backend"):
+        ServeConfig(model=tiny_model_dir, runtime=RuntimeSpec(backend="llamacpp", compile="on"))
     with pytest.raises(KTMError, match="weights must be one of"):
-        ServeConfig(model=tiny_model_dir, weights="int4")
-    with pytest.raises(KTMError, match="weights='int8' is an option of the torch backend"):
-        ServeConfig(model=tiny_model_dir, backend="llamacpp", weights="int8")
+        ServeConfig(model=tiny_model_dir, runtime=RuntimeSpec(weights="int4"))
+    with pytest.raises(KTMError, match="--weights int8 is an option of the torch backend"):
+        ServeConfig(model=tiny_model_dir, runtime=RuntimeSpec(backend="llamacpp",
+                                                              weights="int8"))
 
 
 def _together_by(ask, reqs: list[dict]) -> list:

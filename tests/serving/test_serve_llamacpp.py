@@ -10,7 +10,7 @@ from test_chat_history import ask, chat
 from test_serve import _ask, _requests, _together
 
 from ktm.llamacpp.runtime import RuntimeConfig
-from ktm.model import KTMModel
+from ktm.model import KTMModel, RuntimeSpec
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
 
@@ -26,7 +26,8 @@ def serving(model_dir: str, backend: str, context: int | None = None, **settings
         model.use_backend("llamacpp", config=RuntimeConfig(kv_type="f32", sequences=16,
                                                            threads=1, context=context))
     cfg = ServeConfig(model=model_dir, served_name="tiny", max_tokens_limit=448,
-                      batch_window_ms=100, log_level="warning", backend=backend, **settings)
+                      batch_window_ms=100, log_level="warning",
+                      runtime=RuntimeSpec(backend=backend), **settings)
     app = create_app(model, cfg)
     with BackgroundServer(app) as srv:
         srv.model, srv.engine, srv.app = model, app.state.engine, app

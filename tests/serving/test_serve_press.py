@@ -9,7 +9,7 @@ from test_serve import DOC, openai_client, segs_body
 
 from ktm import Segment
 from ktm.decode.press import PressConfig
-from ktm.model import KTMModel
+from ktm.model import KTMModel, RuntimeSpec
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
 
@@ -24,8 +24,8 @@ def served(tiny_model_dir):
     model = KTMModel.from_base(tiny_model_dir, k=2)
     perturb(model)
     cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=200,
-                      log_level="warning", press="knorm", press_ratio=0.5)
-    model.use_press(cfg.press, cfg.press_ratio)
+                      log_level="warning", runtime=RuntimeSpec(press="knorm", press_ratio=0.5))
+    model.use_press(cfg.runtime.press, cfg.runtime.press_ratio)
     app = create_app(model, cfg)
     with BackgroundServer(app) as srv:
         srv.model = model

@@ -15,15 +15,16 @@ from ktm.tasks.fits import check_examples_fit
     {}, {"plain_prefix": 3}, {"plain_suffix": 5}, {"align_lines": True},
     {"spread_positions": True}, {"plain_prefix": 2, "plain_suffix": 3, "align_lines": True}])
 def test_measuring_a_prompt_gives_what_encoding_it_gives(tiny_model_dir, layout):
-    """``measure_prompts`` (tokenizing only) agrees with ``encode_prompts`` in every count and
-    position, for every layout, merged or not: the fit check reads the same numbers."""
+    """``encode_prompts(..., embed=False)`` (tokenizing only) agrees with ``encode_prompts``
+    in every count and position, for every layout, merged or not: the fit check reads the same
+    numbers."""
     model = KTMModel.from_base(tiny_model_dir, k=3, **layout)
     prompts = ["def add(a, b):\n    return a + b\n# Update\n", "Hello world",
                [Segment("The quick brown fox\njumps."), Segment("\nAnswer:", compress=False)],
                [Segment("x", compress=False), Segment("The lazy\ndog.\n")]]
     for merge in (True, False):
         for enc, meas in zip(model.encode_prompts(prompts, merge),
-                             model.measure_prompts(prompts, merge), strict=True):
+                             model.encode_prompts(prompts, merge, embed=False), strict=True):
             assert (meas.tokens_in, meas.tokens_out, meas.mergeable, meas.merged,
                     meas.next_position) == (enc.tokens_in, enc.tokens_out, enc.mergeable,
                                             enc.merged, enc.next_position)

@@ -8,6 +8,7 @@ from helpers import TEXT, fresh_model, perturb
 
 from ktm import KTMError, Segment
 from ktm.core.config import LoraSettings
+from ktm.model import trainable_parameters
 from ktm.tasks.base import Example
 from ktm.training.ahead import Ahead, tokenized
 
@@ -25,7 +26,7 @@ def _loss_and_grads(model, window):
     model.zero_grad(set_to_none=True)
     out = model([e.segments for e in window], [e.target for e in window])
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.trainable_parameters()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in trainable_parameters(model)
                                if p.grad is not None}
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from ktm import KTMError
 from ktm.core.config import LoraSettings
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 from ktm.tasks.tree import TreeTask
 from ktm.training.config import TrainConfig
 from ktm.training.distributed import World
@@ -47,7 +47,7 @@ def run(cmd: list[str], ok: bool = True) -> subprocess.CompletedProcess:
 
 
 def trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.trainable_parameters()}
+    return {n: p.detach().clone() for n, p in trainable_parameters(model)}
 
 
 def assert_same(a: dict, b: dict, atol: float = 1e-5) -> None:
@@ -73,7 +73,7 @@ def start_checkpoint(tiny_model_dir, tmp_path_factory) -> str:
     model = KTMModel.from_base(tiny_model_dir, k=4, lora=LoraSettings(dropout=0.0))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for _, p in model.trainable_parameters():
+        for _, p in trainable_parameters(model):
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     path = tmp_path_factory.mktemp("start") / "ck"
     model.save(str(path))
@@ -159,7 +159,7 @@ WORKER = textwrap.dedent("""
     data = TreeTask(stage="small").train_examples(16, seed=0)
     train(model, data, TrainConfig(out_dir=out, max_steps=6, batch_size=2, save_every=2,
                                    lr=1e-3, resume=resume, progress=False), on_step=on_step)
-    save_file({n: p.detach().contiguous() for n, p in model.trainable_parameters()},
+    save_file({n: p.detach().contiguous() for n, p in trainable_parameters(model)},
               os.path.join(out, f"rank{rank}.safetensors"))
 """)
 

@@ -11,6 +11,7 @@ from ktm import KTMError
 from ktm.core.checkpoint import model_config
 from ktm.core.levels import merging_at
 from ktm.core.prompt import Segment
+from ktm.model import prompt_logits
 from ktm.training.growth import changed, grow
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world, my name is"
@@ -31,7 +32,7 @@ def saved(tiny_model_dir, path, **kw):
 
 def logits(model):
     with torch.no_grad():
-        return model.prompt_logits([Segment(TEXT), Segment(" and", compress=False)])
+        return prompt_logits(model, [Segment(TEXT), Segment(" and", compress=False)])
 
 
 def test_capacity_growth_keeps_the_function_and_takes_its_new_units_from_the_seed(

@@ -7,7 +7,7 @@ from helpers import assert_one_step_lowers
 from ktm import KTMError
 from ktm.cli.main import main
 from ktm.core.levels import encoder_at, merging_at
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits
 from ktm.tasks.base import Example
 from ktm.training.config import TrainConfig
 from ktm.training.pretrain import PretrainConfig, WindowStream, load_docs, pretrain, pretrain_loss
@@ -56,10 +56,10 @@ def test_a_recursive_checkpoint_loads_at_its_inner_k(tiny_model_dir, recursive, 
     assert (inner.k, inner.config.k, inner.config.inner_k) == (2, 2, 1)
     want = k2_copy(tiny_model_dir, recursive)
     with torch.no_grad():
-        got, ref = inner.prompt_logits(PROMPT), want.prompt_logits(PROMPT)
+        got, ref = prompt_logits(inner, PROMPT), prompt_logits(want, PROMPT)
         with merging_at(recursive, 2):
-            via_context = recursive.prompt_logits(PROMPT)
-        k4 = recursive.prompt_logits(PROMPT)
+            via_context = prompt_logits(recursive, PROMPT)
+        k4 = prompt_logits(recursive, PROMPT)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(via_context, ref, atol=1e-5, rtol=1e-5)
     assert k4.shape[0] < got.shape[0]  # K=4 really merges more, and the context restored it
@@ -69,7 +69,7 @@ def test_a_recursive_checkpoint_loads_at_its_inner_k(tiny_model_dir, recursive, 
     again = KTMModel.load(tmp_path / "k2")
     assert again.config.inner_k == 1
     with torch.no_grad():
-        torch.testing.assert_close(again.prompt_logits(PROMPT), got)
+        torch.testing.assert_close(prompt_logits(again, PROMPT), got)
 
 
 def test_other_ks_are_refused_clearly(tiny_model_dir, recursive, tmp_path, corpus):

@@ -10,6 +10,7 @@ from helpers import DEVICE, PROMPTS, close, fresh_model, perturb, require_device
 
 from ktm.core.config import LoraSettings
 from ktm.core.prompt import Segment
+from ktm.model import trainable_parameters
 from ktm.tasks.base import Example
 from ktm.training.precision import mixed_precision
 from ktm.training.train import adamw, train_step
@@ -32,7 +33,7 @@ def _step(model, on: bool):
     with mixed_precision(model) if on else nullcontext():
         out = model(PROMPTS, TARGETS)
     out.loss.backward()
-    return out.loss.detach().float(), {n: p.grad.clone() for n, p in model.trainable_parameters()
+    return out.loss.detach().float(), {n: p.grad.clone() for n, p in trainable_parameters(model)
                                        if p.grad is not None}
 
 
@@ -55,15 +56,15 @@ def test_a_bf16_step_runs_lora_in_bf16_and_keeps_fp32_weights(tiny_model_dir):
         close(g, want_grads[name], 5e-2)
     # the loop's step reads the same way, and its update lands on the fp32 weights
     seen.clear()
-    before = {n: p.detach().clone() for n, p in model.trainable_parameters()}
-    opt = adamw([p for _, p in model.trainable_parameters()], lr=1e-3)
+    before = {n: p.detach().clone() for n, p in trainable_parameters(model)}
+    opt = adamw([p for _, p in trainable_parameters(model)], lr=1e-3)
     window = [Example(tuple(p) if isinstance(p, list) else (Segment(p),), t)
               for p, t in zip(PROMPTS, TARGETS)]
     stats = train_step(model, opt, window, len(window))
     assert seen and all(d == (torch.bfloat16, torch.bfloat16) for d in seen)
     assert torch.isfinite(torch.tensor(stats.loss_sum))
-    moved = [n for n, p in model.trainable_parameters() if not torch.equal(p, before[n])]
-    assert moved and all(p.dtype == torch.float32 for _, p in model.trainable_parameters())
+    moved = [n for n, p in trainable_parameters(model) if not torch.equal(p, before[n])]
+    assert moved and all(p.dtype == torch.float32 for _, p in trainable_parameters(model))
     for h in hooks:
         h.remove()
 

@@ -12,7 +12,7 @@ from ktm.cli.main import main
 from ktm.core.levels import merging_at
 from ktm.core.loss import target_logits
 from ktm.core.prompt import Segment
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 from ktm.tasks.corpus import WindowSpec, continuation_window, path_texts, source_texts
 from ktm.training.config import TrainConfig
 from ktm.training.pretrain import (
@@ -60,7 +60,7 @@ def test_one_pretraining_step_lowers_the_loss(tiny_model_dir, corpus, objective,
         assert before.loss.item() > pretrain_loss(model, batch).loss.item() + 1e-3
     if objective == "align":  # the context gap adds to the cross-entropy
         assert before.loss.item() > pretrain_loss(model, batch, align_weight=0).loss.item() + 1e-3
-    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    opt = adamw([p for _, p in trainable_parameters(model)], lr=2e-3)
     before.loss.backward()
     opt.step()
     with torch.no_grad():
@@ -235,7 +235,7 @@ def test_pretrain_run_writes_metrics_and_resumes_exactly(tiny_model_dir, corpus,
     straight = run(tmp_path / "a", 4)
     run(tmp_path / "b", 2)
     resumed = run(tmp_path / "b", 4, resume=True)
-    for (n, p), (_, q) in zip(straight.trainable_parameters(), resumed.trainable_parameters()):
+    for (n, p), (_, q) in zip(trainable_parameters(straight), trainable_parameters(resumed)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=n)
     info = json.loads((tmp_path / "a" / "run.json").read_text())
     assert info["pretrain"]["objectives"] == ["lm", "ae"]
@@ -819,9 +819,9 @@ def test_a_reader_learns_to_be_read_pressed(tiny_model_dir, corpus):
     assert not torch.allclose(trained.nll, unpressed.nll)
     model.train()
     before = pretrain_loss(model, batch, press=press)
-    opt = adamw([p for _, p in model.trainable_parameters()], lr=2e-3)
+    opt = adamw([p for _, p in trainable_parameters(model)], lr=2e-3)
     before.loss.backward()
-    assert all(p.grad is not None for n, p in model.trainable_parameters() if "lora" in n)
+    assert all(p.grad is not None for n, p in trainable_parameters(model) if "lora" in n)
     opt.step()
     with torch.no_grad():
         after = pretrain_loss(model, batch, press=press)

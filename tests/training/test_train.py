@@ -5,7 +5,7 @@ import torch
 from helpers import fresh_model as fresh
 
 from ktm import KTMError
-from ktm.model import KTMModel
+from ktm.model import KTMModel, trainable_parameters
 from ktm.tasks.base import Example
 from ktm.tasks.tree import TreeTask
 from ktm.training.config import TrainConfig
@@ -53,7 +53,7 @@ def test_evaluating_during_training_does_not_change_the_training(tiny_model_dir,
     watched = fresh(tiny_model_dir)
     train(watched, data, TrainConfig(out_dir=str(tmp_path / "b"), eval_every=1, **kw),
           evaluate=lambda m: {"noise": float(torch.rand(()))})
-    for (name, a), (_, b) in zip(quiet.trainable_parameters(), watched.trainable_parameters()):
+    for (name, a), (_, b) in zip(trainable_parameters(quiet), trainable_parameters(watched)):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
@@ -78,7 +78,7 @@ def test_resume_after_interrupted_run_matches_uninterrupted(tiny_model_dir, tree
         train(killed, data, TrainConfig(out_dir=str(tmp_path / "b"), **kw))
     resumed = fresh(tiny_model_dir)  # a new process: weights come only from the checkpoint
     train(resumed, data, TrainConfig(out_dir=str(tmp_path / "b"), resume=True, **kw))
-    for (name, a), (_, b) in zip(straight.trainable_parameters(), resumed.trainable_parameters()):
+    for (name, a), (_, b) in zip(trainable_parameters(straight), trainable_parameters(resumed)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
     rows = [json.loads(r) for r in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -116,7 +116,7 @@ def test_training_leaves_the_callers_random_state_alone(tiny_model_dir, tree_tas
         train(model, data, TrainConfig(out_dir=str(tmp_path / str(caller_seed)), max_steps=2,
                                        batch_size=4, lr=1e-3, progress=False))
         torch.testing.assert_close(torch.rand(3), expected, atol=0, rtol=0)
-        weights.append([p.detach().clone() for _, p in model.trainable_parameters()])
+        weights.append([p.detach().clone() for _, p in trainable_parameters(model)])
     for a, b in zip(*weights):  # and the run itself does not depend on the caller's state
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 

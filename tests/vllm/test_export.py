@@ -16,7 +16,7 @@ from helpers import PROMPT, PROMPTS, perturb
 from transformers import AutoModelForCausalLM
 
 from ktm import KTMError
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits
 from ktm.vllm.client import VLLMClient, encode_embeds
 from ktm.vllm.export import export_vllm, read_manifest
 
@@ -38,7 +38,7 @@ def exported(trained, tmp_path_factory):
 
 
 def test_exported_lm_loads_in_transformers_with_equal_logits(trained, exported):
-    before = trained.prompt_logits(PROMPT)
+    before = prompt_logits(trained, PROMPT)
     hf = AutoModelForCausalLM.from_pretrained(exported / "lm").eval()
     assert not any("lora" in n for n, _ in hf.named_parameters())
     client = VLLMClient(exported)
@@ -48,9 +48,9 @@ def test_exported_lm_loads_in_transformers_with_equal_logits(trained, exported):
             torch.testing.assert_close(cp.embeds, want.embeds, atol=1e-6, rtol=1e-5)
             assert (cp.tokens_in, cp.tokens_out) == (want.tokens_in, want.tokens_out)
             got = hf(inputs_embeds=cp.embeds[None]).logits[0]
-            torch.testing.assert_close(got, trained.prompt_logits(prompt), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, prompt_logits(trained, prompt), atol=1e-5, rtol=1e-5)
     # the export merged a copy: the model still has its adapter and its outputs
-    torch.testing.assert_close(trained.prompt_logits(PROMPT), before, atol=0, rtol=0)
+    torch.testing.assert_close(prompt_logits(trained, PROMPT), before, atol=0, rtol=0)
     m = read_manifest(exported)
     assert m["k"] == 4 and (m["plain_prefix"], m["plain_suffix"], m["align_lines"]) == (1, 2, True)
     assert m["served_model_name"].startswith("ktm-k4-")
@@ -242,7 +242,7 @@ def test_export_of_a_model_whose_input_embeddings_are_narrower_than_its_hidden_s
         cp = client.encode(PROMPT)
         assert cp.embeds.shape[1] == 32
         torch.testing.assert_close(hf(inputs_embeds=cp.embeds[None]).logits[0],
-                                   model.prompt_logits(PROMPT), atol=1e-5, rtol=1e-5)
+                                   prompt_logits(model, PROMPT), atol=1e-5, rtol=1e-5)
 
 
 def test_export_refuses_a_model_whose_embedding_layer_scales_its_output(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from helpers import PROMPT, perturb
 from transformers import AutoModelForCausalLM
 
-from ktm.model import KTMModel
+from ktm.model import KTMModel, prompt_logits
 from ktm.vllm.client import VLLMClient
 from ktm.vllm.export import export_vllm
 
@@ -33,7 +33,7 @@ def test_exported_family_reads_the_client_embeds_as_the_ktm_model(family, tmp_pa
     perturb(model, seed=1)
     export_vllm(model, tmp_path / "x")
     with torch.no_grad():
-        want = model.prompt_logits(PROMPT)
+        want = prompt_logits(model, PROMPT)
     torch.testing.assert_close(_served_logits(tmp_path / "x", PROMPT), want, atol=1e-5,
                                rtol=1e-5)
 
@@ -47,13 +47,13 @@ def test_exported_recursive_reader_at_its_inner_k_and_in_bf16(tiny_model_dir, tm
     m = export_vllm(inner, tmp_path / "k2")
     assert m["k"] == 2 and m["served_model_name"].startswith("ktm-k2-")
     with torch.no_grad():
-        want = inner.prompt_logits(PROMPT)
+        want = prompt_logits(inner, PROMPT)
     torch.testing.assert_close(_served_logits(tmp_path / "k2", PROMPT), want, atol=1e-5,
                                rtol=1e-5)
     bf16 = KTMModel.load(tmp_path / "ck", dtype=torch.bfloat16)
     assert export_vllm(bf16, tmp_path / "bf16")["dtype"] == "bfloat16"
     with torch.no_grad():
-        want = bf16.prompt_logits(PROMPT).float()
+        want = prompt_logits(bf16, PROMPT).float()
     got = _served_logits(tmp_path / "bf16", PROMPT, torch.bfloat16)
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)  # LoRA merged into bf16 rows
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9

@@ -14,7 +14,7 @@ import torch
 from ktm.core.batch import CompressedPrompt
 from ktm.core.prompt import Segment
 from ktm.errors import KTMError
-from ktm.model import KTMModel
+from ktm.model import KTMModel, RuntimeSpec
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
 
@@ -145,8 +145,9 @@ def test_serve_answers_the_same_one_by_one_together_and_after_faults(vllm_reader
     concurrently with dropped streams and bad requests, then one at a time again. Logprobs are
     refused: vLLM hands back tokens, not a distribution."""
     reqs = _requests()
-    cfg = ServeConfig(model="smollm2-135m-k4-seq", served_name="k4-seq", backend="vllm",
-                      batch_window_ms=100, log_level="warning")
+    cfg = ServeConfig(model="smollm2-135m-k4-seq", served_name="k4-seq",
+                      runtime=RuntimeSpec(backend="vllm"), batch_window_ms=100,
+                      log_level="warning")
     app = create_app(vllm_reader, cfg)
     with BackgroundServer(app) as srv:
         before = [_ask(srv.url, kw) for kw in reqs]
