@@ -67,7 +67,8 @@ class RuntimeConfig:
     sequences: int = field(default=16, metadata={
         "metavar": "N", "help": "prompts llama.cpp decodes at once at most"})
     batch: int = field(default=512, metadata={"flag": None})
-    threads: int | None = field(default=None, metadata={"flag": None})
+    threads: int | None = field(default=None, metadata={
+        "metavar": "N", "help": "llama.cpp CPU threads (None: torch's thread count)"})
     gpu_layers: int = field(default=0, metadata={"flag": None})
     # the KV cache's type: f16 (llama.cpp's default, half the memory) | f32
     kv_type: str = field(default="f16", metadata={
