@@ -375,14 +375,50 @@ def loss_and_grads(model: KTMModel, prompts, targets, compiled: bool):
                                if p.grad is not None}
 
 
-def trains_compiled_as_eager(model: KTMModel, prompts, targets) -> None:
-    """A training step through the compiled decoder layers gives eager's loss and gradients."""
+def trains_compiled_as_eager(model: KTMModel, prompts, targets, eager: tuple[str, ...] = ()
+                             ) -> None:
+    """A training step through the compiled decoder layers gives eager's loss and gradients, and
+    ran compiled: every decoder layer entered its class's compiled forward, but for the classes
+    named in ``eager`` (ones inductor cannot compile, which train eager).
+
+    The step runs under torch's recompile limit set to 1 and made to raise when hit: past its
+    limit torch would run a layer eagerly without a word, so the compiled body must lift the
+    limit itself for a second graph (a batch of one, say). Compiled runs are
+    counted in torch's profiler, where dynamo marks each run of a compiled frame
+    ("Torch-Compiled Region: <compile id>"); the compile ids of a layer class's forward are
+    those of the graphs dynamo holds for its code. A graph break inside a layer (the LoRA gate
+    of ``ktm.core.lora_scope`` reads a ContextVar, which dynamo cannot trace) runs the rest of
+    the layer as further compiled frames, not counted here."""
+    from collections import Counter
+
+    import torch._dynamo.config as dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from ktm.training import compiled
+
     want, want_grads = loss_and_grads(model, prompts, targets, False)
-    got, grads = loss_and_grads(model, prompts, targets, True)
+    with dynamo.patch(recompile_limit=1, fail_on_recompile_limit_hit=True), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got, grads = loss_and_grads(model, prompts, targets, True)
     close(got, want)
     assert grads.keys() == want_grads.keys() and grads
     for name, g in grads.items():
         close(g, want_grads[name])
+    layers = compiled.decoder_layers(model)
+    kinds = {type(layer) for layer in layers}
+    assert sorted(c.__name__ for c in kinds if compiled._COMPILED[c] is c.forward) == sorted(
+        eager), "the layer classes that train eager"
+    events, region = prof.events(), "Torch-Compiled Region: "
+    runs = Counter(e.name.removeprefix(region) for e in events if e.name.startswith(region))
+    # layers per forward code object: two classes may share one
+    want_runs = Counter(type(layer).forward.__code__ for layer in layers
+                        if type(layer).__name__ not in eager)
+    got_runs = {code: sum(runs[str(entry.compile_id)]
+                          for entry in _debug_get_cache_entry_list(code)) for code in want_runs}
+    assert got_runs == dict(want_runs), {code.co_qualname: f"{got_runs[code]} compiled runs of "
+                                         f"{n} layers" for code, n in want_runs.items()}
+    backward = sum(e.name == "CompiledFunctionBackward" for e in events)
+    assert backward >= sum(want_runs.values()), f"{backward} compiled backward runs"
 
 
 @contextmanager

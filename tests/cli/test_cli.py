@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -751,9 +750,9 @@ def test_press_flags_on_generate_and_eval(capsys, tiny_model_dir, tmp_path):
     assert code != 0 and "torch runtime only" in err and len(err.strip().splitlines()) == 1
 
 
-def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_dir, tmp_path):
-    """--chat FILE.jsonl reads as ktm.chat_prompt (the server's reading); --history-budget as
-    its budget; bad files and flags are one-line errors."""
+def _chat_file(tmp_path, model_dir) -> tuple:
+    """A chat of four parts written as --chat reads it: its messages, the file, the model
+    ``ktm generate --k 4 --no-mlp`` makes, and the chat's positions read plain."""
     from helpers import TEXT, fresh_model
 
     import ktm
@@ -765,9 +764,18 @@ def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_d
     messages.append({"role": "user", "content": "Which part was first?"})
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps(m) for m in messages) + "\n\n")
-    model = fresh_model(tiny_model_dir, k=4, use_mlp=False)
+    model = fresh_model(model_dir, k=4, use_mlp=False)
     plain = model.encode_prompts([ktm.chat_prompt(model, messages, merge=False)],
                                  embed=False)[0].tokens_out
+    return messages, path, model, plain
+
+
+def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_dir, tmp_path):
+    """--chat FILE.jsonl reads as ktm.chat_prompt (the server's reading); --history-budget as
+    its budget; bad files and flags are one-line errors."""
+    import ktm
+
+    messages, path, model, plain = _chat_file(tmp_path, tiny_model_dir)
     budget = plain * 3 // 4
     code, out, err = run(capsys, "generate", "--model", tiny_model_dir, "--k", "4", "--no-mlp",
                          "--chat", str(path), "--history-budget", str(budget),
@@ -777,19 +785,6 @@ def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_d
     assert out.strip() == model.generate(segs, max_new_tokens=6).strip()
     shown = model.encode_prompts([segs], embed=False)[0].tokens_out
     assert f"-> {shown}," in err and shown <= budget < plain
-    # --history-press: the older messages plain, pressed to the budget (kvpress)
-    if importlib.util.find_spec("kvpress") is not None:
-        from ktm.serving.prompts import press_to_fit
-
-        budget = plain // 3
-        code, out, err = run(capsys, "generate", "--model", tiny_model_dir, "--k", "4",
-                             "--no-mlp", "--chat", str(path), "--history-budget", str(budget),
-                             "--history-press", "knorm", "--max-new-tokens", "6")
-        segs = ktm.chat_prompt(model, messages, history_budget=budget, pressed=True)
-        press = press_to_fit(model, segs, budget, "knorm")
-        model.use_press(press)
-        assert code == 0 and out.strip() == model.generate(segs, max_new_tokens=6).strip()
-        assert f"-> {plain}; KV of {budget} kept (knorm" in err
     path.write_text('{"role": "user", "content": "hi"}\nnot json\n')
     for flags, said in ((["--chat", str(path)], "chat.jsonl:2: not JSON"),
                         (["--chat", str(path), "--history-press", "knorm"], "--history-budget N"),
@@ -798,3 +793,22 @@ def test_generate_reads_a_chat_file_within_a_history_budget(capsys, tiny_model_d
                         ([], "one of them")):
         code, _, err = run(capsys, "generate", "--model", tiny_model_dir, *flags)
         assert code != 0 and said in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_presses_a_chat_file_to_its_history_budget(capsys, tiny_model_dir, tmp_path):
+    """--history-press: the older messages read plain, their KV pressed to the budget."""
+    from helpers import require_module
+
+    import ktm
+    from ktm.serving.prompts import press_to_fit
+
+    require_module("kvpress", "the [kvpress] extra and kvpress (the README's test command)")
+    messages, path, model, plain = _chat_file(tmp_path, tiny_model_dir)
+    budget = plain // 3
+    code, out, err = run(capsys, "generate", "--model", tiny_model_dir, "--k", "4", "--no-mlp",
+                         "--chat", str(path), "--history-budget", str(budget),
+                         "--history-press", "knorm", "--max-new-tokens", "6")
+    segs = ktm.chat_prompt(model, messages, history_budget=budget, pressed=True)
+    model.use_press(press_to_fit(model, segs, budget, "knorm"))
+    assert code == 0 and out.strip() == model.generate(segs, max_new_tokens=6).strip()
+    assert f"-> {plain}; KV of {budget} kept (knorm" in err

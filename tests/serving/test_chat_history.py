@@ -5,7 +5,7 @@ server serves the merged history's KV again on the next turn; past merging them 
 are read deeper, then left out, and the chat keeps being answered; only a chat whose newest
 message does not fit alone is refused, with its numbers."""
 
-import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -59,17 +59,20 @@ def test_under_the_budget_every_unmarked_message_is_plain(model):
 def test_past_the_budget_the_oldest_merge_first_and_as_few_as_fit(model):
     messages = chat(6)
     full = positions(model, ktm.chat_prompt(model, messages, merge=False))
-    for budget in (full - 1, full * 3 // 4, full * 3 // 5):
+    contents = [m["content"] for m in messages[1:-1]]  # eligible: not system, not newest
+    # the older messages hold 33 tokens (user) and 18 (assistant) in turn, and a block of them
+    # closes once it holds half the budget: at full - 1 (445) 9 of them (237 tokens, of 222)
+    # fit as one block; at 3/4 (334) one block of 7 (186 of 167); at 3/5 (267) blocks of 5
+    # (135 of 133) then 6 more (153), a block fewer (5) not fitting
+    assert full == 446 and [len(model.tokenize(" " + c)) for c in contents] == [33, 18] * 6
+    for budget, blocks in ((full - 1, [9]), (full * 3 // 4, [7]), (full * 3 // 5, [5, 11])):
         segs = ktm.chat_prompt(model, messages, history_budget=budget)
         merged = merged_contents(segs)
         assert positions(model, segs) <= budget
-        contents = [m["content"] for m in messages[1:-1]]  # eligible: not system, not newest
         assert merged == contents[:len(merged)]  # the oldest, in order, whole
-        # whole blocks (the last may be short), and a block fewer would not fit: as few as fit
-        sizes = [len(model.tokenize(" " + c)) for c in contents]
-        ends = block_ends(sizes, budget)
-        assert len(merged) in ends
-        fewer = ([0] + ends)[ends.index(len(merged))]
+        # whole blocks, and a block fewer would not fit: as few as fit
+        assert len(merged) == blocks[-1]
+        fewer = ([0] + blocks)[-2]
         with_fewer = [s if s.text.strip() not in merged[fewer:] else s.__class__(
             s.text, False, s.ids) for s in segs]
         assert positions(model, tuple(with_fewer)) > budget
@@ -110,13 +113,16 @@ def test_a_chat_whose_newest_message_alone_does_not_fit_is_refused_with_its_numb
 
 
 def test_the_plan_reads_deeper_then_leaves_out_only_as_far_as_it_must():
-    """``plan_history`` on made-up costs: the template 5 positions, a message ``plain``
-    positions plain, 4 merged, 1 read deeper; messages of 10 tokens, so a budget up to 21
-    makes blocks of one message."""
+    """``block_ends`` and ``plan_history`` on made-up sizes and costs: the template 5
+    positions, a message ``plain`` positions plain, 4 merged, 1 read deeper; messages of 10
+    tokens, so a budget up to 21 makes blocks of one message."""
     def cost(d: int, m: int, plain: int = 10) -> int:
         return 5 + d + 4 * (m - d) + plain * (6 - m)
 
     sizes = [10] * 6
+    # a block closes once it holds half the budget; the last may be short
+    assert block_ends(sizes, 40) == [2, 4, 6] and block_ends(sizes, 50) == [3, 6]
+    assert block_ends([5, 30, 1, 1], 20) == [2, 4] and block_ends([3], 1) == [1]
     assert plan_history(cost, sizes, 65, 4, 16) == (0, 0)  # fits plain
     assert plan_history(cost, sizes, 50, 4, 16) == (0, 3)  # blocks of 3 here: 5 + 12 + 30
     assert plan_history(cost, sizes, 21, 4, 16) == (3, 6)  # all merged is 29; 3 deeper: 20
@@ -400,21 +406,57 @@ def test_reading_ahead_serves_each_next_turn_up_to_its_new_message(tiny_model_di
         assert rows[i] - new[i] - 12 <= cached[i] < rows[i], (i, rows[i], cached[i], new[i])
 
 
-def test_a_chat_read_with_a_press_reads_nothing_ahead(tiny_model_dir, model):
+class _Reads(ThreadPoolExecutor):
+    """An executor of one thread that keeps the futures it was given: set as the server loop's
+    default executor, where each answer's read ahead runs, it lets a test wait for every read
+    ahead to end."""
+
+    def __init__(self):
+        super().__init__(max_workers=1)
+        self.futures = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = super().submit(fn, *args, **kwargs)
+        self.futures.append(future)
+        return future
+
+
+def _reads_ahead(srv: BackgroundServer) -> _Reads:
+    import asyncio
+
+    loop, reads = srv.server.servers[0].get_loop(), _Reads()
+
+    async def install() -> None:
+        loop.set_default_executor(reads)
+
+    asyncio.run_coroutine_threadsafe(install(), loop).result(timeout=30)
+    return reads
+
+
+def test_a_chat_read_with_a_press_reads_nothing_ahead(tiny_model_dir, model, monkeypatch):
     """A pressed prompt is read whole every turn (no rows reused): ``--history-ahead`` reads
     nothing for it, whether the request names the press or the server's history press would."""
+    from concurrent.futures import wait
+
     cfg = ServeConfig(model=tiny_model_dir, served_name="tiny", batch_window_ms=0,
                       log_level="warning", history_budget=400, history_ahead=True)
     messages = [{"role": "system", "content": "You answer chats read with a press."},
                 {"role": "user", "content": f"Part 0: {TEXT}"}]
-    with BackgroundServer(create_app(model, cfg)) as srv:
-        ask(srv, messages, press="knorm", press_ratio=0.5)
-        ask(srv, messages)  # the same chat without a press: read ahead
+    app = create_app(model, cfg)
+    engine, queued = app.state.engine, []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda *jobs: queued.extend(j.ahead for j in jobs)
+                        or submit(*jobs))
+    with BackgroundServer(app) as srv:
+        reads = _reads_ahead(srv)
+        for press, ahead in ((True, 0), (False, 1), (True, 1)):
+            # the same chat, with a press and without: only the one without is read ahead
+            ask(srv, messages, **({"press": "knorm", "press_ratio": 0.5} if press else {}))
+            wait(reads.futures)  # the answer's read ahead, to its end
+            assert sum(queued) == ahead, (press, queued)
+        assert len(reads.futures) == 3 and all(f.exception() is None for f in reads.futures)
         assert _wait_until(lambda: get(srv, "/health")["read_ahead"] == 1)
-        assert get(srv, "/health")["finished"] == 2
-        ask(srv, messages, press="knorm", press_ratio=0.5)
-        time.sleep(0.5)  # a read ahead would have been queued by now
-        assert get(srv, "/health")["read_ahead"] == 1
+        assert get(srv, "/health")["finished"] == 3
 
 
 def test_a_chat_that_outgrows_its_budget_keeps_being_answered(tiny_model_dir, model):

@@ -62,11 +62,10 @@ def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path
     kinds = {type(layer) for layer in compiled.decoder_layers(model)}
     assert len(kinds) == 2  # attention and Mamba layers
     prompts, targets = [PROMPTS[0], PROMPTS[1]], [" yes", " no"]
-    trains_compiled_as_eager(model, prompts, targets)
+    mamba = ("JambaMambaDecoderLayer",)
+    trains_compiled_as_eager(model, prompts, targets, eager=mamba)
     assert "did not compile for training" in capfd.readouterr().err
-    eager = {cls for cls in kinds if compiled._COMPILED[cls] is cls.forward}
-    assert [cls.__name__ for cls in eager] == ["JambaMambaDecoderLayer"]
-    trains_compiled_as_eager(model, prompts, targets)  # eager at once, no new attempt
+    trains_compiled_as_eager(model, prompts, targets, eager=mamba)  # no new attempt
     assert "did not compile" not in capfd.readouterr().err
 
 
