@@ -159,7 +159,8 @@ def test_python_m_ktm_cli_runs_the_cli():
 # where a backend may be named: the runtimes themselves, the one place that picks one
 # (KTMModel.use_backend), the flags that build a backend's settings, and the benchmark, which
 # builds the runtimes it compares and labels its rows with them
-NAMES_BACKENDS = {"ktm.model", "ktm.cli.args", "ktm.serving.config", "ktm.bench.bench"}
+NAMES_BACKENDS = {"ktm.model", "ktm.cli.args", "ktm.serving.config", "ktm.bench.bench",
+                  "ktm.bench.config", "ktm.bench.runners"}
 RUNTIME_HOMES = ("ktm.decode.runtime", "ktm.llamacpp.", "ktm.vllm.")
 BACKENDS = {"torch", "llamacpp", "vllm"}
 RUNTIME_CLASSES = {"TorchRuntime", "LlamaCppRuntime", "VLLMRuntime", "VLLMEngine", "VLLMServer"}

@@ -22,7 +22,8 @@ import ktm.evaluation.evaluate as evaluate_module
 import ktm.training.state as train_state
 import ktm.training.train as train_module
 from ktm import KTMError
-from ktm.bench.bench import BenchConfig, main_bench
+from ktm.bench.bench import main_bench
+from ktm.bench.config import BenchConfig
 from ktm.cli.main import main
 from ktm.model import KTMModel
 from ktm.tasks.tree import TreeTask

@@ -179,7 +179,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ktm.bench.bench import BenchConfig, main_bench
+    from ktm.bench.bench import main_bench
+    from ktm.bench.config import BenchConfig
 
     return main_bench(from_args(BenchConfig, args))
 
@@ -275,7 +276,7 @@ def _report_parser(rep: argparse.ArgumentParser) -> None:
 
 
 def _bench_parser(bench: argparse.ArgumentParser) -> None:
-    from ktm.bench.bench import BenchConfig
+    from ktm.bench.config import BenchConfig
 
     add_dataclass_args(bench, BenchConfig)
     bench.set_defaults(run=cmd_bench)

@@ -46,7 +46,10 @@ from pathlib import Path
 
 import torch
 
-from ktm.bench.bench import BenchConfig, format_table, load_model, run_bench
+from ktm.bench.bench import run_bench
+from ktm.bench.config import BenchConfig
+from ktm.bench.runners import load_model
+from ktm.bench.tables import format_table
 from ktm.decode import compiled
 from ktm.util.fileio import write_json_atomic
 

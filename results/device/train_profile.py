@@ -30,8 +30,9 @@ import torch
 from gpu_bench import revision  # beside this script (results/device)
 from torch import nn
 
-from ktm.bench.bench import BenchConfig, Method, _encoders, _optimizers, load_model
+from ktm.bench.config import BenchConfig, Method
 from ktm.bench.measure import synthetic_text, train_once, word_pool
+from ktm.bench.runners import _encoders, _optimizers, load_model
 from ktm.util.provenance import git_revision, versions
 
 CONFIG = BenchConfig(mode="train", shape="qwen2.5-0.5b", ks=(4,), mlp_ratios=(0.5,), inner_k=2,

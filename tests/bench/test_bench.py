@@ -14,13 +14,8 @@ import torch
 from helpers import require_module
 
 from ktm import KTMError
-from ktm.bench.bench import (
-    BenchConfig,
-    Method,
-    aggregate,
-    main_bench,
-    run_bench,
-)
+from ktm.bench.bench import aggregate, main_bench, run_bench
+from ktm.bench.config import BenchConfig, Method
 from ktm.bench.measure import (
     PeakMemory,
     encode_prefix,
@@ -79,7 +74,7 @@ def test_config_rejects_bad_values(kw):
 
 
 def test_compile_modes_time_each_torch_method_both_ways():
-    from ktm.bench.bench import methods_of
+    from ktm.bench.config import methods_of
 
     cfg = BenchConfig(ks=(4,), compile=("off", "on"), backends=("torch", "llamacpp"))
     keys = [m.key for m in methods_of(cfg)]
@@ -511,7 +506,8 @@ def test_press_rows_keep_their_share_of_the_kv(tiny_model_dir, tmp_path):
 def test_inner_k_builds_recursive_encoders_frozen_outside_training(tiny_model_dir, tmp_path):
     """--inner-k 2: K=4 is timed with two K=2 merges (the shipped readers' encoder), K=2 with
     one level; an infer run's encoders are frozen (held in the LM's dtype, as served)."""
-    from ktm.bench.bench import Method, _encoders, load_model, methods_of
+    from ktm.bench.config import Method, methods_of
+    from ktm.bench.runners import _encoders, load_model
 
     config = small(tiny_model_dir, tmp_path, lengths=(16,), ks=(2, 4), mlp_ratios=(0.5,),
                    inner_k=2, batch_sizes=(1,), repeats=1)

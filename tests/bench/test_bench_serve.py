@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from ktm.bench.bench import BenchConfig, main_bench
+from ktm.bench.bench import main_bench
+from ktm.bench.config import BenchConfig
 
 
 def test_serve_preset_fills_only_options_left_at_default():

@@ -8,7 +8,9 @@ import json
 import pytest
 import torch
 
-from ktm.bench.bench import BenchConfig, load_model, main_bench
+from ktm.bench.bench import main_bench
+from ktm.bench.config import BenchConfig
+from ktm.bench.runners import load_model
 from ktm.bench.versus_hf import run_hf_bench
 from ktm.core.base_model import load_base
 

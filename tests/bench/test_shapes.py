@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ktm.bench import flops
-from ktm.bench.bench import BenchConfig, run_bench
+from ktm.bench.bench import run_bench
+from ktm.bench.config import BenchConfig
 from ktm.bench.measure import word_pool
 from ktm.bench.shapes import SHAPES, random_model, shape_config, synthetic_tokenizer
 from ktm.core.encoder import KTokenEncoder

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from ktm import KTMError
-from ktm.bench.bench import BenchConfig
+from ktm.bench.config import BenchConfig
 from ktm.serving.config import ServeConfig
 from ktm.tasks.corpus import WindowSpec
 from ktm.training.config import TrainConfig
