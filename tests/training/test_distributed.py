@@ -143,7 +143,7 @@ WORKER = textwrap.dedent("""
     import torch
     from safetensors.torch import save_file
     from ktm.core.config import LoraSettings
-    from ktm.model import KTMModel
+    from ktm.model import KTMModel, trainable_parameters
     from ktm.tasks.tree import TreeTask
     from ktm.training.train import TrainConfig, train
 
