@@ -205,30 +205,34 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     from ktm.decode.generate import GenerationConfig
     from ktm.decode.press import press_names
 
-    add_model_args(gen)
-    gen.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
-                                          "model flags given must agree with it)")
-    gen.add_argument("--prompt", help="text to compress")
-    gen.add_argument("--plain", action="append", default=[],
-                     help="text appended as plain tokens (repeatable)")
-    gen.add_argument("--chat", metavar="FILE.jsonl",
-                     help="a chat instead of --prompt: one message per line, as OpenAI's "
-                          "({\"role\": \"user\", \"content\": \"...\"}, optionally \"ktm\": "
-                          "{\"merge\": false}), read through the model's chat template as "
-                          "ktm serve reads it")
-    gen.add_argument("--history-budget", type=int, metavar="N",
-                     help="--chat: read the chat within N positions, its unmarked messages "
-                          "plain while it fits and the oldest merged (whole) past it; system "
-                          "messages and the newest user message stay plain")
-    gen.add_argument("--history-press", metavar="NAME", choices=press_names(), default=None,
-                     help="--chat with --history-budget, torch backend: over the budget, read "
-                          "the older messages plain and press their KV to fit with this "
-                          "kvpress press (names as --press) instead of merging them")
-    gen.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
+    # grouped in --help: what is read first, then how it is decoded, the model's settings,
+    # where it runs, a baseline and the machine
+    what = gen.add_argument_group("generate", "the model read, and what it reads")
+    what.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
+                                           "model flags given must agree with it)")
+    what.add_argument("--prompt", help="text to compress")
+    what.add_argument("--plain", action="append", default=[],
+                      help="text appended as plain tokens (repeatable)")
+    what.add_argument("--chat", metavar="FILE.jsonl",
+                      help="a chat instead of --prompt: one message per line, as OpenAI's "
+                           "({\"role\": \"user\", \"content\": \"...\"}, optionally \"ktm\": "
+                           "{\"merge\": false}), read through the model's chat template as "
+                           "ktm serve reads it")
+    what.add_argument("--history-budget", type=int, metavar="N",
+                      help="--chat: read the chat within N positions, its unmarked messages "
+                           "plain while it fits and the oldest merged (whole) past it; system "
+                           "messages and the newest user message stay plain")
+    what.add_argument("--history-press", metavar="NAME", choices=press_names(), default=None,
+                      help="--chat with --history-budget, torch backend: over the budget, read "
+                           "the older messages plain and press their KV to fit with this "
+                           "kvpress press (names as --press) instead of merging them")
+    what.add_argument("--stream", action="store_true", help="print pieces as they are decoded")
+    add_dataclass_args(gen.add_argument_group("generation"), GenerationConfig)
+    add_model_args(gen.add_argument_group("model", "a fresh model's settings (with "
+                                          "--checkpoint: given ones must agree with its own)"))
     backend_args(gen)
-    threads_arg(gen)
-    method_args(gen)
-    add_dataclass_args(gen, GenerationConfig)
+    method_args(gen.add_argument_group("baseline"))
+    threads_arg(gen.add_argument_group("machine"))
     gen.set_defaults(run=cmd_generate)
 
 
