@@ -201,8 +201,8 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool, runtime=N
     seed, dtype = getattr(args, "seed", 0) or 0, flags.get("dtype", "float32")
     if trainable and "inner_k" in flags and flags.get("k", own.k) > own.k:
         # a reader gaining an outer level (--k 8 --inner-k 4 2 on a K=4 reader of inner K 2)
-        return grow(checkpoint, replace(from_args(KTMConfig, args, base=own), dtype=dtype),
-                    device=args.device, seed=seed, opened=ckpt)
+        return grow(ckpt, replace(from_args(KTMConfig, args, base=own), dtype=dtype),
+                    device=args.device, seed=seed)
     # K first, as KTMModel.load checks it: a recursive checkpoint also reads at its inner K
     ckpt.check_level(flags.get("k"))
     saved = own.at_level(flags["k"]) if "k" in flags else own
@@ -210,8 +210,7 @@ def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool, runtime=N
     clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
              and _value(want, d) != _value(saved, d)]
     if trainable and clash and set(clash) <= set(GROWABLE):
-        return grow(checkpoint, replace(want, dtype=dtype), device=args.device, seed=seed,
-                    opened=ckpt)
+        return grow(ckpt, replace(want, dtype=dtype), device=args.device, seed=seed)
     if clash:
         ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
         theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)

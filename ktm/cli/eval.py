@@ -167,7 +167,6 @@ def _eval_readability(args: argparse.Namespace, made_by: dict) -> int:
     from ktm.evaluation.readability import BOOTSTRAP, heldout_readability
     from ktm.util.fileio import write_json_atomic
 
-
     ckpt = open_checkpoint(args.checkpoint) if args.checkpoint else None  # read once
     name, options = _readability_method(args, ckpt)
     for spec in args.readability:  # refused before the model loads

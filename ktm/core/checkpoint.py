@@ -160,10 +160,11 @@ def read_compressor_record(directory: str | Path) -> dict | None:
     return rec
 
 
-def model_config(directory: str | Path) -> KTMConfig:
-    """The ``KTMConfig`` a checkpoint was saved with."""
+def model_config(directory: str | Path, saved: dict | None = None) -> KTMConfig:
+    """The ``KTMConfig`` a checkpoint was saved with (``saved``: its ``ktm_config.json``,
+    already read)."""
     try:
-        return KTMConfig.from_checkpoint(read_config(directory))
+        return KTMConfig.from_checkpoint(read_config(directory) if saved is None else saved)
     except KTMError as e:
         raise KTMError(f"checkpoint {str(directory)!r}: {e}") from e
 
@@ -205,12 +206,9 @@ class Checkpoint:
         name = str(directory) if name is None else name
         directory = Path(directory)
         saved = read_config(directory)
-        try:
-            config = KTMConfig.from_checkpoint(saved)
-        except KTMError as e:
-            raise KTMError(f"checkpoint {str(directory)!r}: {e}") from e
-        return cls(directory, name, saved, config, read_compressor_record(directory),
-                   read_surprisal(directory), read_adapter_config(directory))
+        return cls(directory, name, saved, model_config(directory, saved),
+                   read_compressor_record(directory), read_surprisal(directory),
+                   read_adapter_config(directory))
 
     def check_level(self, k: int | None) -> None:
         check_level(self.config, k, self.path)

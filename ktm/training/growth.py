@@ -47,29 +47,29 @@ def changed(own: KTMConfig, want: KTMConfig) -> list[str]:
     return out
 
 
-def grow(checkpoint: str | Path, want: KTMConfig, *, device: str = "cpu",
-         seed: int = 0, opened: Checkpoint | None = None) -> KTMModel:
-    """A trainable model from ``checkpoint`` (a folder or a shipped reader's name) grown to
-    ``want``: an outer level when ``want.k`` is above the checkpoint's K, else capacity (see the
-    module). The new units' initial weights come from ``seed``; the global RNG is left as it
-    was. A change neither kind allows raises ``KTMError`` naming it. ``opened``: the
-    checkpoint already read (``ktm.readers.open_checkpoint``)."""
-    ckpt = opened or open_checkpoint(checkpoint)
-    own = ckpt.config
+def grow(checkpoint: str | Path | Checkpoint, want: KTMConfig, *, device: str = "cpu",
+         seed: int = 0) -> KTMModel:
+    """A trainable model from ``checkpoint`` (a folder, a shipped reader's name, or one already
+    read: ``ktm.readers.open_checkpoint``) grown to ``want``: an outer level when ``want.k`` is
+    above the checkpoint's K, else capacity (see the module). The new units' initial weights
+    come from ``seed``; the global RNG is left as it was. A change neither kind allows raises
+    ``KTMError`` naming it."""
+    ckpt = open_checkpoint(checkpoint)
+    checkpoint, own = ckpt.name, ckpt.config
     if want.k > own.k:
         return _outer(ckpt, want, device, seed)
     diff = changed(own, want)
     if want.k != own.k:
-        raise KTMError(f"growing {str(checkpoint)!r} needs its own K={own.k}, not "
+        raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
                        f"K={want.k}")
     if not set(diff) <= set(GROWABLE):
         bad = ", ".join(f"{d}={_value(want, d)!r} (saved {_value(own, d)!r})"
                         for d in diff if d not in GROWABLE)
-        raise KTMError(f"growing {str(checkpoint)!r} changes only {', '.join(GROWABLE)}: "
+        raise KTMError(f"growing {checkpoint!r} changes only {', '.join(GROWABLE)}: "
                        f"expected the rest as saved, got {bad}")
     if want.mlp_ratio < own.mlp_ratio:
         raise KTMError(f"mlp_ratio {want.mlp_ratio!r} (--mlp-ratio) is below checkpoint "
-                       f"{str(checkpoint)!r}'s {own.mlp_ratio!r}: expected a wider encoder (a "
+                       f"{checkpoint!r}'s {own.mlp_ratio!r}: expected a wider encoder (a "
                        "narrower one cannot hold it)")
     for name in ("context_blocks", "context_layers", "context_transformer", "context_pool"):
         theirs, ours = getattr(own, name), getattr(want, name)
@@ -77,7 +77,7 @@ def grow(checkpoint: str | Path, want: KTMConfig, *, device: str = "cpu",
             theirs = theirs if own.context_layers else 0
         if theirs and ours != theirs:
             raise KTMError(f"{name} {ours!r} (--{name.replace('_', '-')}) differs from "
-                           f"checkpoint {str(checkpoint)!r}'s {theirs!r}: only a block encoder "
+                           f"checkpoint {checkpoint!r}'s {theirs!r}: only a block encoder "
                            f"({'context_layers' if name == 'context_pool' else name}=0) "
                            "gains context")
     model = _built(want, device, seed)
