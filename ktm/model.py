@@ -33,7 +33,7 @@ from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
 from ktm.core.batch import CompressedPrompt, LossOutput, pack
-from ktm.core.config import DEFAULT_MODEL, KTMConfig, Layout, LoraSettings
+from ktm.core.config import DEFAULT_MODEL, KTMConfig, Layout, LoraSettings, ModelSpec
 from ktm.core.context_states import StopForward, decoder_layers
 from ktm.core.encoder import EncoderConfig, KTokenEncoder, level_encoder
 from ktm.core.input_lookup import input_lookup
@@ -291,10 +291,11 @@ def layout_and_runtime(layout: Layout | None, runtime: RuntimeSpec | None,
     if unknown:
         raise KTMError(f"unknown options {unknown}: expected Layout fields "
                        f"{sorted(LAYOUT_FIELDS)} or RuntimeSpec fields {sorted(RUNTIME_FIELDS)}")
-    layout = replace(layout or Layout(), **{n: v for n, v in options.items() if n in LAYOUT_FIELDS})
-    runtime = replace(runtime or RuntimeSpec(),
-                      **{n: v for n, v in options.items() if n in RUNTIME_FIELDS})
-    return layout, runtime
+    layout, runtime = layout or Layout(), runtime or RuntimeSpec()
+    given = {n: v for n, v in options.items() if n in LAYOUT_FIELDS}
+    layout = replace(layout, **given) if given else layout
+    given = {n: v for n, v in options.items() if n in RUNTIME_FIELDS}
+    return layout, replace(runtime, **given) if given else runtime
 
 
 def load(
@@ -776,6 +777,27 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the weights that train (``requires_grad``): a model's encoder's and
     LoRA's; none for one loaded for inference (``load(..., trainable=False)``)."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def open_model(spec: ModelSpec, *, runtime: RuntimeSpec | None = None,
+               trainable: bool = False) -> KTMModel:
+    """The model ``spec`` names (``ktm.core.config.ModelSpec``), on ``runtime`` (None: torch):
+    its checkpoint read at the K level, layout, base folder and dtype given, or a fresh model of
+    its settings. Raises ``KTMError`` for a setting that contradicts the checkpoint's config."""
+    runtime = runtime or RuntimeSpec()
+    if spec.checkpoint is None:
+        return runtime.apply(KTMModel.from_base(config=spec.fresh_config(), device=spec.device))
+    from ktm.readers import open_checkpoint
+
+    ckpt = open_checkpoint(spec.checkpoint)  # read once: the name or folder, or already opened
+    # K first, as ``load`` checks it: a recursive checkpoint also reads at its inner K
+    ckpt.check_level(spec.settings.get("k"))
+    _, clash = spec.against(ckpt.config)
+    if clash:
+        raise spec.contradiction(ckpt.name, ckpt.config, clash)
+    return KTMModel.load(ckpt, base=spec.settings.get("model"), k=spec.settings.get("k"),
+                         device=spec.device, dtype=spec.dtype, trainable=trainable,
+                         layout=spec.layout, runtime=runtime)
 
 
 # -- one name, either kind -----------------------------------------------------------------------

@@ -20,108 +20,90 @@ Flag groups several ``ktm`` commands share: --data-dir, --threads, and a baselin
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
-import types
 import typing
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ktm.core.config import KTMConfig, Layout
+from ktm.core.config import KTMConfig, ModelSpec
 from ktm.errors import KTMError
-from ktm.tasks import TASKS
-from ktm.tasks.tree_gen import STAGES
-from ktm.util.field_types import check_at_least
+from ktm.util.flags import default, flag_fields, from_flags
 
 
-def _unwrap(kind: Any) -> Any:
-    """``X | None`` -> ``X``; ``int | tuple[int, ...]`` -> the tuple (a flag taking values)."""
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        kinds = [t for t in typing.get_args(kind) if t is not type(None)]
-        return next((t for t in kinds if typing.get_origin(t) is tuple), kinds[0])
-    return kind
-
-
-def _nested_prefix(prefix: str, f: dataclasses.Field) -> str:
-    """A nested dataclass's flags: the field's name (or ``metadata["prefix"]``; "": none) and
-    an underscore before each of its own."""
-    own = f.metadata.get("prefix", f.name)
-    return prefix + own + "_" if own else prefix
-
-
-def _fields(cls: type, prefix: str = ""):
-    """(dest, field, type) for every field that has a flag (``metadata["flag"]`` None: none),
-    nested dataclasses flattened with their prefix."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        kind = _unwrap(hints[f.name])
-        if dataclasses.is_dataclass(kind):
-            yield from _fields(kind, _nested_prefix(prefix, f))
-        elif f.metadata.get("flag", f.name) is not None:
-            yield prefix + f.metadata.get("flag", f.name), f, kind
-
-
-def _default(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, *,
-                       suppress: bool = False, skip: tuple[str, ...] = ()) -> None:
+def add_dataclass_args(parser, cls: type, *, suppress: bool = False,
+                       skip: tuple[str, ...] = (), nested: bool = True,
+                       groups: dict[str, Any] | None = None) -> None:
     """One ``--flag`` per field; bools become ``--flag/--no-flag``, tuples/lists take values.
-    ``skip``: fields a command sets itself (no flag; ``from_args`` gives them their default)."""
-    for dest, f, kind in _fields(cls):
+    ``skip``: fields a command sets itself (no flag; ``from_args`` gives them their default).
+    ``nested`` False: a nested dataclass's fields get no flags here. ``groups``: argument
+    groups of ``--help`` by title; a field (or a nested dataclass field, for all of its own)
+    with ``metadata["group"]`` adds its flags to that group, made on first use."""
+    for dest, f, kind, group in flag_fields(cls, nested=nested):
         if dest in skip:
             continue
-        flag = "--" + dest.replace("_", "-")
-        default = _default(f)
-        text = f.metadata.get("help", "") + f" (default: {default!r})"
-        kw: dict[str, Any] = {"dest": dest, "help": text.replace("%", "%%"),
-                              "default": argparse.SUPPRESS if suppress else default}
-        for key in ("choices", "metavar"):
-            if key in f.metadata:
-                kw[key] = f.metadata[key]
-        # another command's name for the same setting (``metadata["aliases"]``)
-        flags = [flag, *f.metadata.get("aliases", ())]
-        if kind is bool:
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
-        elif f.metadata.get("repeat"):  # --flag A --flag B (a copy of the default is extended)
-            if not suppress:
-                kw["default"] = list(default)
-            parser.add_argument(*flags, type=typing.get_args(kind)[0], action="append", **kw)
-        elif typing.get_origin(kind) in (list, tuple):
-            parser.add_argument(*flags, type=typing.get_args(kind)[0], nargs="+", **kw)
-        else:
-            parser.add_argument(*flags, type=kind, **kw)
+        where = parser
+        if groups is not None and group:
+            if group not in groups:
+                groups[group] = parser.add_argument_group(group)
+            where = groups[group]
+        _add_flag(where, dest, f, kind, suppress)
+
+
+def _add_flag(parser, dest: str, f: dataclasses.Field, kind: Any, suppress: bool) -> None:
+    flag = "--" + dest.replace("_", "-")
+    value = default(f)
+    text = f.metadata.get("help", "") + f" (default: {value!r})"
+    kw: dict[str, Any] = {"dest": dest, "help": text.replace("%", "%%"),
+                          "default": argparse.SUPPRESS if suppress else value}
+    for key in ("choices", "metavar"):
+        if key in f.metadata:
+            kw[key] = f.metadata[key]
+    # another command's name for the same setting (``metadata["aliases"]``)
+    flags = [flag, *f.metadata.get("aliases", ())]
+    if kind is bool:
+        parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
+    elif f.metadata.get("repeat"):  # --flag A --flag B (a copy of the default is extended)
+        if not suppress:
+            kw["default"] = list(value)
+        parser.add_argument(*flags, type=typing.get_args(kind)[0], action="append", **kw)
+    elif typing.get_origin(kind) in (list, tuple):
+        parser.add_argument(*flags, type=typing.get_args(kind)[0], nargs="+", **kw)
+    else:
+        parser.add_argument(*flags, type=kind, **kw)
 
 
 def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """The flags of ``cls`` present in ``args`` (with ``suppress``: those the user set)."""
-    return {dest: getattr(args, dest) for dest, _, _ in _fields(cls) if hasattr(args, dest)}
+    return {dest: getattr(args, dest) for dest, *_ in flag_fields(cls) if hasattr(args, dest)}
 
 
-def from_args(cls: type, args: argparse.Namespace, base: Any = None, prefix: str = "") -> Any:
-    """Build ``cls`` from the parsed flags; a flag absent from ``args`` takes ``base``'s value
-    (else the field's default). Tuple fields get tuples back."""
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for f in dataclasses.fields(cls):
-        kind = _unwrap(hints[f.name])
-        if dataclasses.is_dataclass(kind):
-            values[f.name] = from_args(kind, args, getattr(base, f.name, None),
-                                       _nested_prefix(prefix, f))
+def from_args(cls: type, args: argparse.Namespace, base: Any = None, **fields: Any) -> Any:
+    """Build ``cls`` from the parsed flags (``ktm.util.flags.from_flags``): a flag absent from
+    ``args`` takes ``base``'s value, else the field's default; ``fields`` given outright."""
+    return from_flags(cls, vars(args), base, **fields)
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["ratio=0.5", "unit=token"]`` -> ``{"ratio": 0.5, "unit": "token"}`` (literals or str;
+    ``true`` / ``false`` in any case are booleans, as a shell user writes them)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise KTMError(f"option {item!r}: expected NAME=VALUE")
+        name = key.replace("-", "_")
+        if raw.lower() in ("true", "false"):
+            out[name] = raw.lower() == "true"
             continue
-        flag = f.metadata.get("flag", f.name)
-        dest = None if flag is None else prefix + flag
-        if dest is not None and hasattr(args, dest):
-            v = getattr(args, dest)
-            if typing.get_origin(kind) is tuple and isinstance(v, list):
-                v = tuple(v)
-            values[f.name] = v
-        elif base is not None:
-            values[f.name] = getattr(base, f.name)
-    return cls(**values)
+        try:
+            out[name] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[name] = raw
+    return out
 
 
 def compressor_args(parser: argparse.ArgumentParser) -> None:
@@ -151,81 +133,37 @@ def threads_arg(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice)")
 
 
-RUNTIME = ("model", "dtype")  # base folder and dtype may differ from a checkpoint's
-# how prompts are laid out, not weights: may differ from a checkpoint's
-LAYOUT = tuple(f.name for f in fields(Layout))
-
-
-@dataclass
-class TaskArgs:
-    task: str = field(default="tree", metadata={"choices": sorted(TASKS), "help": "the task"})
-    stage: str = field(default="xmedium", metadata={"choices": list(STAGES),
-                                                    "help": "tree stage (tree task only)"})
-    prompt_mode: str = field(default="context", metadata={
-        "choices": ["context", "paper"],
-        "help": "context: the question plain | paper: all compressed"})
-    data_path: str | None = field(default=None, metadata={
-        "help": "a JSONL (.gz too) of the task's schema instead of its shipped file; required "
-                "by custom (context, optional prompt, target)"})
-    n_train: int = field(default=2000, metadata={"help": "training examples to draw"})
-    n_eval: int = field(default=200, metadata={"help": "evaluation examples"})
-
-    def __post_init__(self) -> None:
-        # n_eval 0 failed at the evaluation after training
-        check_at_least(self, 1, "n_train", "n_eval", flags=True)
-
-
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """A model's flags: ``KTMConfig``'s (each set only when given) and ``ModelSpec``'s
+    ``--device`` (the command names its checkpoint flag itself)."""
     add_dataclass_args(parser, KTMConfig, suppress=True)
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N "
-                                                        "(default: 'cpu')")
+    add_dataclass_args(parser, ModelSpec, skip=("checkpoint",))
 
 
-def _fresh(args: argparse.Namespace):
-    from ktm.model import KTMModel
+def model_spec(args: argparse.Namespace, checkpoint: Any = None) -> ModelSpec:
+    """The ``ModelSpec`` of the model flags given (``add_model_args``) and ``checkpoint``."""
+    return ModelSpec(checkpoint, given(KTMConfig, args), args.device)
 
-    return KTMModel.from_base(config=from_args(KTMConfig, args), device=args.device)
 
-
-def _saved(args: argparse.Namespace, checkpoint: str, trainable: bool, runtime=None):
-    """A checkpoint or shipped reader; given model flags must agree with its config, except
-    those a trainable start grows (``ktm.training.growth``); running where ``runtime`` (a
-    ``RuntimeSpec``; None: torch) says."""
-    from ktm.model import KTMModel
+def _saved(args: argparse.Namespace, checkpoint: str):
+    """A trainable model from a checkpoint or shipped reader: given model flags must agree with
+    its config, except those a trainable start grows (``ktm.training.growth``)."""
+    from ktm.model import open_model
     from ktm.readers import open_checkpoint
     from ktm.training.growth import GROWABLE, grow
 
     ckpt = open_checkpoint(checkpoint)  # read once: the name or folder, or already opened
-    checkpoint, own = ckpt.name, ckpt.config
-    flags = given(KTMConfig, args)
-    seed, dtype = getattr(args, "seed", 0) or 0, flags.get("dtype", "float32")
-    if trainable and "inner_k" in flags and flags.get("k", own.k) > own.k:
+    spec, own = model_spec(args, ckpt), ckpt.config
+    seed, flags = getattr(args, "seed", 0) or 0, spec.settings
+    if "inner_k" in flags and flags.get("k", own.k) > own.k:
         # a reader gaining an outer level (--k 8 --inner-k 4 2 on a K=4 reader of inner K 2)
-        return grow(ckpt, replace(from_args(KTMConfig, args, base=own), dtype=dtype),
-                    device=args.device, seed=seed)
-    # K first, as KTMModel.load checks it: a recursive checkpoint also reads at its inner K
+        return grow(ckpt, replace(from_flags(KTMConfig, flags, base=own), dtype=spec.dtype),
+                    device=spec.device, seed=seed)
     ckpt.check_level(flags.get("k"))
-    saved = own.at_level(flags["k"]) if "k" in flags else own
-    want = from_args(KTMConfig, args, base=saved)
-    clash = [d for d in flags if d not in (*RUNTIME, *LAYOUT, "k")
-             and _value(want, d) != _value(saved, d)]
-    if trainable and clash and set(clash) <= set(GROWABLE):
-        return grow(ckpt, replace(want, dtype=dtype), device=args.device, seed=seed)
-    if clash:
-        ours = ", ".join(f"--{d.replace('_', '-')} {flags[d]!r}" for d in clash)
-        theirs = ", ".join(f"{d}={_value(saved, d)!r}" for d in clash)
-        raise KTMError(f"{ours} contradicts checkpoint {checkpoint!r}, which has {theirs}: "
-                       "drop the flag or pick a matching checkpoint")
-    # the dtype is a choice of this run (default float32), not the one the checkpoint trained in
-    return KTMModel.load(ckpt, base=flags.get("model"), k=flags.get("k"), device=args.device,
-                         dtype=dtype, trainable=trainable,
-                         layout=Layout(**{n: flags.get(n) for n in LAYOUT}), runtime=runtime)
-
-
-def _value(cfg: KTMConfig, dest: str) -> Any:
-    if dest.startswith("lora_"):
-        return getattr(cfg.lora, dest.removeprefix("lora_"))
-    return getattr(cfg, {"model": "base_model", "mlp": "use_mlp"}.get(dest, dest))
+    want, clash = spec.against(own)
+    if clash and set(clash) <= set(GROWABLE):
+        return grow(ckpt, replace(want, dtype=spec.dtype), device=spec.device, seed=seed)
+    return open_model(spec, trainable=True)
 
 
 def init_or_build(args: argparse.Namespace):
@@ -234,14 +172,16 @@ def init_or_build(args: argparse.Namespace):
     if getattr(args, "init", None) and getattr(args, "init_adapter", None):
         raise KTMError("give --init or --init-adapter, not both")
     if getattr(args, "init", None):
-        return _saved(args, args.init, trainable=True)
+        return _saved(args, args.init)
     # the fresh weights (LoRA's A matrices, the encoder MLP) come from the run's seed, so the
     # same command gives the same model; a local generator state, restored afterwards
     import torch
 
+    from ktm.model import open_model
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(getattr(args, "seed", 0) or 0)
-        model = _fresh(args)
+        model = open_model(model_spec(args))
     if getattr(args, "init_adapter", None):
         from ktm.core.checkpoint import load_adapter_into
         from ktm.readers import resolve_checkpoint
@@ -284,11 +224,10 @@ def load_or_build(args: argparse.Namespace, opened=None):
     """An inference model: ``--checkpoint`` (``opened``: it, already read by
     ``ktm.readers.open_checkpoint``), else a fresh one from the model flags; on the
     ``--backend`` the command was given (``backend_args``)."""
-    checkpoint = opened or getattr(args, "checkpoint", None)
+    from ktm.model import open_model
+
     spec = runtime_spec(args)  # checked before the model loads
-    if checkpoint:
-        return _saved(args, checkpoint, trainable=False, runtime=spec)
-    return spec.apply(_fresh(args))
+    return open_model(model_spec(args, opened or getattr(args, "checkpoint", None)), runtime=spec)
 
 
 def runtime_spec(args: argparse.Namespace):
@@ -306,36 +245,3 @@ def backend_args(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("runtime", "where the model runs (ktm.model.RuntimeSpec)")
     add_dataclass_args(group, RuntimeSpec)
-
-
-def build_task(t: TaskArgs, options: Sequence[str] = ()):
-    from ktm.compressors.apply import parse_options
-    from ktm.tasks import get_task
-
-    kwargs: dict[str, Any] = {"prompt_mode": t.prompt_mode, **parse_options(options)}
-    if t.task == "tree":
-        kwargs["stage"] = t.stage
-    if t.data_path:
-        kwargs["data_path"] = t.data_path
-    return get_task(t.task, **kwargs)
-
-
-def plain(value: Any) -> Any:
-    """A JSON-plain copy (paths as strings, tuples as lists)."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return repr(value)
-
-
-def task_settings(task) -> dict[str, Any]:
-    """Every constructor setting of the task as it was really built (options included), and
-    the data file it read (None: generated, e.g. trees without the data folder)."""
-    return {"name": task.name, **{f.name: plain(getattr(task, f.name))
-                                  for f in dataclasses.fields(task) if f.init},
-            "file": plain(getattr(task, "path", None))}

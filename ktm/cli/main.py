@@ -14,17 +14,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ktm.cli.args import (
-    TaskArgs,
     add_dataclass_args,
     add_model_args,
     backend_args,
-    compressor_args,
     data_args,
     from_args,
     load_or_build,
     method_args,
+    parse_options,
     threads_arg,
 )
+from ktm.cli.eval import eval_parser
 from ktm.cli.serve import export_parser, serve_parser
 from ktm.cli.train import cmd_curriculum as cmd_curriculum  # still importable from ktm.cli
 from ktm.cli.train import cmd_pretrain as cmd_pretrain
@@ -56,7 +56,6 @@ def cmd_pack_reader(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ktm.compressors.apply import parse_options
     from ktm.compressors.record import resolve
     from ktm.core.prompt import Segment, as_segments
     from ktm.decode.generate import GenerationConfig
@@ -163,12 +162,6 @@ def _baseline_prompt(args: argparse.Namespace, name: str, options: dict, model, 
     return list(ex.segments), ex.meta.get("tokens_before")
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from ktm.cli.eval import run_eval
-
-    return run_eval(args)
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     from ktm.evaluation.report import report
 
@@ -236,24 +229,6 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.set_defaults(run=cmd_generate)
 
 
-def _eval_parser(ev: argparse.ArgumentParser) -> None:
-    from ktm.cli.eval import EvalArgs
-
-    # grouped in --help: the evaluation's own flags first, then the task, the model, where it
-    # runs, and the machine
-    add_dataclass_args(ev.add_argument_group("evaluation"), EvalArgs)
-    task = ev.add_argument_group("task")
-    add_dataclass_args(task, TaskArgs)
-    compressor_args(task)
-    add_model_args(ev.add_argument_group("model", "a fresh model's settings (with "
-                                         "--checkpoint: given ones must agree with its own)"))
-    backend_args(ev)
-    other = ev.add_argument_group("machine")
-    data_args(other)
-    threads_arg(other)
-    ev.set_defaults(run=cmd_eval)
-
-
 def _pack_parser(pack: argparse.ArgumentParser) -> None:
     pack.add_argument("run_dir", help="a finished `ktm pretrain` --out-dir")
     pack.add_argument("--name", required=True, help="registered reader name, e.g. smollm2-135m-k4")
@@ -293,7 +268,7 @@ COMMANDS = {
     "train": ("fine-tune encoder + LoRA on a task", train_parser),
     "pretrain": ("train a reader on unlabeled text (no task labels)", pretrain_parser),
     "generate": ("generate from a compressed prompt", _generate_parser),
-    "eval": ("evaluate a checkpoint on a task; write one JSON result", _eval_parser),
+    "eval": ("evaluate a checkpoint on a task; write one JSON result", eval_parser),
     "pack-reader": ("store a pretraining run as a shipped reader (fp16)", _pack_parser),
     "report": ("tables and plots from `ktm eval` results or training metrics", _report_parser),
     "curriculum": ("tree curriculum: advance a stage once it passes", curriculum_parser),

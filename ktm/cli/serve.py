@@ -7,6 +7,8 @@ import argparse
 
 from ktm.cli.args import add_dataclass_args, from_args
 
+SERVE_GROUPS = ("model", "server", "batching", "chat history", "runtime")
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ktm.serving.app import serve
@@ -19,8 +21,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def serve_parser(sp: argparse.ArgumentParser) -> None:
     from ktm.serving.config import ServeConfig
 
-    # one llama.cpp sequence per request decoding at once: --max-batch says how many
-    add_dataclass_args(sp, ServeConfig, skip=("llamacpp_sequences",))
+    # the groups of --help, in order; one llama.cpp sequence per request decoding at once:
+    # --max-batch says how many
+    groups = {title: sp.add_argument_group(title) for title in SERVE_GROUPS}
+    add_dataclass_args(sp, ServeConfig, skip=("llamacpp_sequences",), groups=groups)
     sp.set_defaults(run=cmd_serve)
 
 

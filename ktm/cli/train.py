@@ -11,33 +11,31 @@ from functools import partial
 from pathlib import Path
 
 from ktm.cli.args import (
-    TaskArgs,
     add_dataclass_args,
     add_model_args,
-    build_task,
     compressor_args,
     data_args,
     from_args,
     init_or_build,
-    plain,
-    task_settings,
+    parse_options,
     threads_arg,
 )
 from ktm.errors import KTMError
+from ktm.util.provenance import plain
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ktm.evaluation.evaluate import check_task_fits, evaluate_task, summary
+    from ktm.tasks.spec import TaskSpec, task_settings
     from ktm.training import distributed
     from ktm.training.config import TrainConfig
     from ktm.training.train import cross_entropy_loss, train
 
     world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
-    targs = from_args(TaskArgs, args)
+    targs = from_args(TaskSpec, args)
     tcfg = from_args(TrainConfig, args)
-    task = build_task(targs, args.task_option)
+    task = targs.build(parse_options(args.task_option))
     ckpt = Path(tcfg.out_dir) / "checkpoint"
-    from ktm.compressors.apply import parse_options
     from ktm.compressors.record import plan_training
 
     # the method a resumed run or an --init checkpoint was trained with, checked before loading
@@ -170,11 +168,12 @@ def _init_args(parser: argparse.ArgumentParser) -> None:
 
 
 def train_parser(tr: argparse.ArgumentParser) -> None:
+    from ktm.tasks.spec import TaskSpec
     from ktm.training.config import TrainConfig
     from ktm.training.teacher import TeacherConfig
 
     add_model_args(tr)
-    add_dataclass_args(tr, TaskArgs)
+    add_dataclass_args(tr, TaskSpec)
     add_dataclass_args(tr, TrainConfig)
     add_dataclass_args(tr, TeacherConfig, suppress=True)
     tr.set_defaults(run=cmd_train)

@@ -13,7 +13,6 @@ per 1k *original* prompt tokens, the one denominator every method's overhead use
 
 from __future__ import annotations
 
-import ast
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,25 +33,6 @@ class Applied(NamedTuple):
     eval_examples: list[Example]
     info: dict[str, Any]  # JSON-plain: method, options, fit time, per-set CompressionStats
     compressor: Compressor
-
-
-def parse_options(items: Sequence[str]) -> dict[str, Any]:
-    """``["ratio=0.5", "unit=token"]`` -> ``{"ratio": 0.5, "unit": "token"}`` (literals or str;
-    ``true`` / ``false`` in any case are booleans, as a shell user writes them)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise KTMError(f"compressor option {item!r}: expected NAME=VALUE")
-        name = key.replace("-", "_")
-        if raw.lower() in ("true", "false"):
-            out[name] = raw.lower() == "true"
-            continue
-        try:
-            out[name] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            out[name] = raw
-    return out
 
 
 def configure_model(model, compressor: Compressor, replace_encoder: bool = True) -> bool:

@@ -193,6 +193,9 @@ class Checkpoint:
     surprisal: object | None  # its n-gram table (``ktm.core.surprisal``), if any
     adapter: PeftConfig  # adapter/adapter_config.json, as PEFT reads it
 
+    def __fspath__(self) -> str:  # where a path is asked for, the folder
+        return str(self.path)
+
     @property
     def adapter_targets(self) -> tuple[str, ...] | None:
         """The module names the saved adapter covers (the truth for any format)."""

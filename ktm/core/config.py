@@ -7,11 +7,13 @@ it, so a result row records exactly what was used. A leaf module: no torch, no m
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ktm.errors import KTMError
 from ktm.util.field_types import check_field_types
+from ktm.util.flags import flag_fields, from_flags
 
 DEFAULT_MODEL = "smollm2-135m"
 # every accepted spelling -> the canonical torch dtype name
@@ -308,3 +310,70 @@ class Layout:
         """``config`` with this layout's given fields."""
         given = {f.name: getattr(self, f.name) for f in fields(self)}
         return replace(config, **{n: v for n, v in given.items() if v is not None})
+
+
+# set per run, not weights: a checkpoint read with these given need not have saved the same
+READ_WITH = ("model", "dtype", "k", *(f.name for f in fields(Layout)))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model a command reads: ``checkpoint`` (a folder, a shipped reader's name or an
+    opened ``Checkpoint``; None: a fresh model from the base) and ``KTMConfig``'s settings given
+    by their flag names (``k``, ``model``, ``lora_r``, ``ratio``, ...). For a fresh model they
+    are its config (the rest take ``KTMConfig``'s defaults); for a checkpoint each must agree
+    with its own config, except the base folder, dtype, K level and layout, which are how this
+    run reads it (``ktm.model.open_model``)."""
+
+    checkpoint: str | os.PathLike | None = field(default=None, metadata={
+        "help": "a ktm checkpoint folder or reader (its config is used; model flags given must "
+                "agree with it)"})
+    settings: dict[str, Any] = field(default_factory=dict, metadata={"flag": None})
+    device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:N"})
+
+    def __post_init__(self) -> None:
+        known = {name for name, *_ in flag_fields(KTMConfig)}
+        unknown = sorted(set(self.settings) - known)
+        if unknown:
+            raise KTMError(f"unknown model settings {unknown}: expected KTMConfig's, by their "
+                           f"flag names ({', '.join(sorted(known))})")
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of this run (default float32), not the one a checkpoint trained in."""
+        return self.settings.get("dtype", "float32")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(**{f.name: self.settings.get(f.name) for f in fields(Layout)})
+
+    def fresh_config(self) -> KTMConfig:
+        return from_flags(KTMConfig, self.settings)
+
+    def against(self, own: KTMConfig) -> tuple[KTMConfig, list[str]]:
+        """A checkpoint of config ``own`` read with these settings: the config wanted (at the
+        given K level), and the given settings that contradict ``own``."""
+        saved = self._level(own)
+        if not self.settings:
+            return saved, []
+        want = from_flags(KTMConfig, self.settings, base=saved)
+        return want, [n for n in self.settings if n not in READ_WITH
+                      and setting(want, n) != setting(saved, n)]
+
+    def _level(self, own: KTMConfig) -> KTMConfig:
+        return own.at_level(self.settings["k"]) if "k" in self.settings else own
+
+    def contradiction(self, name: str, own: KTMConfig, clash: list[str]) -> KTMError:
+        """The error for settings ``clash`` contradicting checkpoint ``name`` of config
+        ``own``."""
+        ours = ", ".join(f"--{n.replace('_', '-')} {self.settings[n]!r}" for n in clash)
+        theirs = ", ".join(f"{n}={setting(self._level(own), n)!r}" for n in clash)
+        return KTMError(f"{ours} contradicts checkpoint {name!r}, which has {theirs}: drop the "
+                        "flag or pick a matching checkpoint")
+
+
+def setting(config: KTMConfig, name: str) -> Any:
+    """``config``'s value of the setting of flag name ``name``."""
+    if name.startswith("lora_"):
+        return getattr(config.lora, name.removeprefix("lora_"))
+    return getattr(config, {"model": "base_model", "mlp": "use_mlp"}.get(name, name))

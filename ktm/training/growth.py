@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ktm.core.checkpoint import Checkpoint, load_adapter_into
-from ktm.core.config import KTMConfig
+from ktm.core.config import KTMConfig, setting
 from ktm.core.encoder import EncoderConfig, grow_encoder
 from ktm.errors import KTMError
 from ktm.model import KTMModel
@@ -63,7 +63,7 @@ def grow(checkpoint: str | Path | Checkpoint, want: KTMConfig, *, device: str = 
         raise KTMError(f"growing {checkpoint!r} needs its own K={own.k}, not "
                        f"K={want.k}")
     if not set(diff) <= set(GROWABLE):
-        bad = ", ".join(f"{d}={_value(want, d)!r} (saved {_value(own, d)!r})"
+        bad = ", ".join(f"{d}={setting(want, d)!r} (saved {setting(own, d)!r})"
                         for d in diff if d not in GROWABLE)
         raise KTMError(f"growing {checkpoint!r} changes only {', '.join(GROWABLE)}: "
                        f"expected the rest as saved, got {bad}")
@@ -122,7 +122,3 @@ def _built(want: KTMConfig, device: str, seed: int) -> KTMModel:
         torch.manual_seed(seed)
         return KTMModel.from_base(want.base_model, config=want, device=device)
 
-
-def _value(cfg: KTMConfig, name: str):
-    return getattr(cfg.lora, name.removeprefix("lora_")) if name.startswith("lora_") else \
-        getattr(cfg, name)

@@ -6,6 +6,7 @@ import platform
 import subprocess
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 PACKAGES = ("ktm", "torch", "transformers", "tokenizers", "peft", "safetensors", "gguf", "numpy",
             "matplotlib")
@@ -50,3 +51,17 @@ def stamped(rows: list[dict], config: dict) -> list[dict]:
     made = {"config": config, "command": " ".join(sys.argv), "versions": versions(),
             "git": git_revision()}
     return [{**row, **made} for row in rows]
+
+
+def plain(value: Any) -> Any:
+    """A JSON-plain copy for a result row (paths as strings, tuples as lists, anything else
+    its repr)."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)

@@ -485,18 +485,18 @@ def test_tree_runs_without_the_data_folder(capsys, tiny_model_dir, tmp_path, mon
 
 
 @pytest.mark.parametrize("command,config", [("generate", "GenerationConfig"),
-                                            ("eval", "EvalArgs")])
+                                            ("eval", "EvalConfig")])
 def test_generate_and_eval_flags_come_from_their_configs(command, config):
-    import dataclasses
-
-    from ktm.cli.eval import EvalArgs
     from ktm.cli.main import _parser
     from ktm.decode.generate import GenerationConfig
+    from ktm.evaluation.runner import EvalConfig
+    from ktm.util.flags import flag_fields
 
-    cls = {"GenerationConfig": GenerationConfig, "EvalArgs": EvalArgs}[config]
+    cls = {"GenerationConfig": GenerationConfig, "EvalConfig": EvalConfig}[config]
     sub = _parser([command])._subparsers._group_actions[0].choices[command]
     dests = {a.dest for a in sub._actions}
-    assert {f.metadata.get("flag", f.name) for f in dataclasses.fields(cls)} <= dests
+    wanted = {name for name, *_ in flag_fields(cls)}
+    assert wanted and wanted <= dests
 
 
 def test_the_same_train_command_gives_the_same_model(capsys, tiny_model_dir, tmp_path):
@@ -812,3 +812,19 @@ def test_generate_presses_a_chat_file_to_its_history_budget(capsys, tiny_model_d
     model.use_press(press_to_fit(model, segs, budget, "knorm"))
     assert code == 0 and out.strip() == model.generate(segs, max_new_tokens=6).strip()
     assert f"-> {plain}; KV of {budget} kept (knorm" in err
+
+
+@pytest.mark.parametrize("command,groups", [
+    ("eval", ["evaluation", "task", "model", "runtime", "machine"]),
+    ("serve", ["model", "server", "batching", "chat history", "runtime"])])
+def test_help_groups_the_flags_with_the_command_own_first(command, groups):
+    from ktm.cli.main import _parser
+
+    sub = _parser([command])._subparsers._group_actions[0].choices[command]
+    titled = [g for g in sub._action_groups if g.title not in ("options", "positional arguments")]
+    assert [g.title for g in titled] == groups
+    flags = {g.title: {a.dest for a in g._group_actions} for g in titled}
+    assert {"json", "seed", "scoring"} <= flags.get("evaluation", {"json", "seed", "scoring"})
+    assert {"backend", "press", "llamacpp_threads", "vllm_url"} <= flags["runtime"]
+    assert not [a.dest for g in sub._action_groups if g.title == "options"
+                for a in g._group_actions if a.dest != "help"]  # every flag in a group

@@ -16,7 +16,6 @@ from ktm.compressors.apply import (
     apply_compressor,
     configure_model,
     finish_eval_row,
-    parse_options,
 )
 from ktm.compressors.base import compress_examples, count_tokens
 from ktm.compressors.ltsc import LTSC, add_meta_tokens, meta_rows, mine
@@ -85,6 +84,8 @@ def test_trained_checkpoint_encoder_is_never_replaced(tiny_model_dir):
 
 
 def test_parse_options():
+    from ktm.cli.args import parse_options
+
     assert parse_options(["ratio=0.5", "unit=token", "max-len=4"]) == {
         "ratio": 0.5, "unit": "token", "max_len": 4}
     assert parse_options(["a=true", "b=False", "c=FALSE"]) == {"a": True, "b": False, "c": False}
