@@ -23,10 +23,7 @@ import argparse
 import ast
 import dataclasses
 import typing
-import warnings
 from collections.abc import Sequence
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from ktm.core.config import KTMConfig, ModelSpec
@@ -145,79 +142,15 @@ def model_spec(args: argparse.Namespace, checkpoint: Any = None) -> ModelSpec:
     return ModelSpec(checkpoint, given(KTMConfig, args), args.device)
 
 
-def _saved(args: argparse.Namespace, checkpoint: str):
-    """A trainable model from a checkpoint or shipped reader: given model flags must agree with
-    its config, except those a trainable start grows (``ktm.training.growth``)."""
-    from ktm.model import open_model
-    from ktm.readers import open_checkpoint
-    from ktm.training.growth import GROWABLE, grow
-
-    ckpt = open_checkpoint(checkpoint)  # read once: the name or folder, or already opened
-    spec, own = model_spec(args, ckpt), ckpt.config
-    seed, flags = getattr(args, "seed", 0) or 0, spec.settings
-    if "inner_k" in flags and flags.get("k", own.k) > own.k:
-        # a reader gaining an outer level (--k 8 --inner-k 4 2 on a K=4 reader of inner K 2)
-        return grow(ckpt, replace(from_flags(KTMConfig, flags, base=own), dtype=spec.dtype),
-                    device=spec.device, seed=seed)
-    ckpt.check_level(flags.get("k"))
-    want, clash = spec.against(own)
-    if clash and set(clash) <= set(GROWABLE):
-        return grow(ckpt, replace(want, dtype=spec.dtype), device=spec.device, seed=seed)
-    return open_model(spec, trainable=True)
-
-
 def init_or_build(args: argparse.Namespace):
     """A trainable model: from ``--init`` (a checkpoint folder or a shipped reader's name),
-    else a fresh one from the model flags (``--init-adapter``: LoRA from a checkpoint)."""
-    if getattr(args, "init", None) and getattr(args, "init_adapter", None):
-        raise KTMError("give --init or --init-adapter, not both")
-    if getattr(args, "init", None):
-        return _saved(args, args.init)
-    # the fresh weights (LoRA's A matrices, the encoder MLP) come from the run's seed, so the
-    # same command gives the same model; a local generator state, restored afterwards
-    import torch
+    else a fresh one from the model flags (``--init-adapter``: LoRA from a checkpoint); the
+    command's ``--seed`` draws any new weights (``ktm.training.start.open_trainable``)."""
+    from ktm.training.start import open_trainable
 
-    from ktm.model import open_model
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(getattr(args, "seed", 0) or 0)
-        model = open_model(model_spec(args))
-    if getattr(args, "init_adapter", None):
-        from ktm.core.checkpoint import load_adapter_into
-        from ktm.readers import resolve_checkpoint
-
-        path = resolve_checkpoint(args.init_adapter)
-        warn_adapter_source(path, args.init_adapter)
-        load_adapter_into(model, path)
-    return model
-
-
-def warn_adapter_source(path: Path, name: str) -> None:
-    """Say what ``--init-adapter`` takes when it is not a K-token merging checkpoint: a
-    baseline's (``compressor.json``) or uncompressed fine-tuning's (K=1). Its LoRA
-    learned to read prompts rewritten, or plain: a legitimate start for an adapter, which is why
-    it is allowed, but also what a mixed-up folder looks like. What cannot work (another base
-    model, a smaller rank) is refused by ``load_adapter_into``."""
-    from ktm.core.checkpoint import (
-        COMPRESSOR_RECORD,
-        SETTING_ONLY,
-        model_config,
-        read_compressor_record,
-    )
-
-    rec = read_compressor_record(path)
-    if rec is not None:
-        how = "merged" if rec["name"] in SETTING_ONLY else "rewritten"
-        what = (f"the checkpoint of a --compressor {rec['name']} baseline ({COMPRESSOR_RECORD}): "
-                f"its LoRA learned to read prompts {how} by {rec['name']}")
-    elif model_config(path).k == 1:
-        what = ("an uncompressed (K=1) checkpoint: its LoRA learned to read plain prompts, "
-                "never merged ones")
-    else:
-        return
-    warnings.warn(f"--init-adapter {name!r} is {what}. This run's LoRA starts from it anyway, "
-                  "with a fresh encoder; expected a reader or a K-token merging checkpoint, "
-                  "unless that is what you meant", UserWarning, stacklevel=2)
+    return open_trainable(model_spec(args, getattr(args, "init", None)),
+                          init_adapter=getattr(args, "init_adapter", None),
+                          seed=getattr(args, "seed", 0) or 0)
 
 
 def load_or_build(args: argparse.Namespace, opened=None):

@@ -5,10 +5,8 @@ command's own config, and ``--init`` / ``--init-adapter`` to start from a reader
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from functools import partial
-from pathlib import Path
 
 from ktm.cli.args import (
     add_dataclass_args,
@@ -17,92 +15,29 @@ from ktm.cli.args import (
     data_args,
     from_args,
     init_or_build,
+    model_spec,
     parse_options,
     threads_arg,
 )
-from ktm.errors import KTMError
-from ktm.util.provenance import plain
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ktm.evaluation.evaluate import check_task_fits, evaluate_task, summary
-    from ktm.tasks.spec import TaskSpec, task_settings
+    from ktm.tasks.spec import TaskSpec
     from ktm.training import distributed
     from ktm.training.config import TrainConfig
-    from ktm.training.train import cross_entropy_loss, train
+    from ktm.training.finetune import FinetuneConfig, finetune
+    from ktm.training.teacher import TeacherConfig
 
-    world = distributed.setup(args.device)  # under torchrun / accelerate launch: join first
-    targs = from_args(TaskSpec, args)
-    tcfg = from_args(TrainConfig, args)
-    task = targs.build(parse_options(args.task_option))
-    ckpt = Path(tcfg.out_dir) / "checkpoint"
-    from ktm.compressors.record import plan_training
-
-    # the method a resumed run or an --init checkpoint was trained with, checked before loading
-    options, state_dir = plan_training(ckpt, tcfg.resume, args.init, args.compressor,
-                                       parse_options(args.compressor_option))
-    model = init_or_build(args)
-    train_set = task.train_examples(targs.n_train, seed=tcfg.seed)
-    # rank 0 alone evaluates: the others neither read nor (with --compressor) compress the set
-    eval_set = distributed.on_main(lambda: task.eval_examples(targs.n_eval, seed=tcfg.seed + 1),
-                                   world, model.device) or []
-    distill = _distillation(args, model)  # before a baseline's compression: its errors first
-    comp = info = save_extra = None
-    if args.compressor:  # a baseline: rewrite the prompts (or set the encoder) before training
-        from ktm.compressors.apply import apply_compressor
-        from ktm.compressors.record import checkpoint_saver
-
-        model, train_set, eval_set, info, comp = apply_compressor(
-            args.compressor, options, model, train_set, eval_set, state_dir=state_dir)
-        # every checkpoint holds the method's fitted state (LTSC vocabulary, meta rows) and
-        # its record (compressor.json), so eval / generate / serve read it as it was trained
-        save_extra = checkpoint_saver(comp, plain(options))
-
-    def evaluate(m) -> dict:
-        r = summary(evaluate_task(m, task, eval_set))
-        if comp:
-            from ktm.compressors.apply import finish_eval_row
-
-            r = finish_eval_row(r, eval_set, info)
-        return r
-
-    # an evaluation example too long for the model fails now, not after training
-    check_task_fits(model, task, eval_set)
-    extra = {"command": args.command_line, "task": task_settings(task),
-             "compressor": None if comp is None else {"name": comp.name,
-                                                      "options": plain(comp.options())}}
-    loss_fn = cross_entropy_loss
-    if distill:
-        loss_fn, extra["teacher"] = distill
-    last = train(model, train_set, tcfg, evaluate=evaluate, loss_fn=loss_fn, run_extra=extra,
-                 save_extra=save_extra)
-    if world.is_main:
-        print(json.dumps({k: v for k, v in last.items()}, indent=2))
+    config = FinetuneConfig(
+        model=model_spec(args, args.init), init_adapter=args.init_adapter,
+        task=from_args(TaskSpec, args), task_options=parse_options(args.task_option),
+        compressor=args.compressor, compressor_options=parse_options(args.compressor_option),
+        train=from_args(TrainConfig, args), teacher=from_args(TeacherConfig, args),
+        command=args.command_line)
+    last = finetune(config)
+    if distributed.setup(args.device).is_main:  # the run's world, joined by finetune
+        print(json.dumps(last, indent=2))
     return 0
-
-
-def _distillation(args: argparse.Namespace, model):
-    """``--teacher``: the loss with the frozen teacher's plain-prompt distribution mixed in, and
-    the settings run.json records; None without a teacher."""
-    from ktm.cli.args import given
-    from ktm.training.teacher import TeacherConfig, check_teacher, distill_loss
-
-    cfg = from_args(TeacherConfig, args)
-    if not cfg.teacher:
-        if "teacher_weight" in given(TeacherConfig, args):
-            raise KTMError("--teacher-weight without --teacher: give the teacher checkpoint")
-        return None
-    if args.compressor:
-        raise KTMError(f"--teacher with --compressor {args.compressor}: the teacher reads the "
-                       "original prompts, which a baseline rewrites; use one or the other")
-    from ktm.model import KTMModel
-
-    # the student's base-model override and dtype; the teacher's own K does not matter, it
-    # reads every prompt with merging off
-    teacher = KTMModel.load(cfg.teacher, base=getattr(args, "model", None), device=args.device,
-                            dtype=model.dtype)
-    check_teacher(model, teacher)
-    return distill_loss(teacher, cfg.teacher_weight), dataclasses.asdict(cfg)
 
 
 def _check_plain_init(args: argparse.Namespace, command: str) -> None:
@@ -175,7 +110,7 @@ def train_parser(tr: argparse.ArgumentParser) -> None:
     add_model_args(tr)
     add_dataclass_args(tr, TaskSpec)
     add_dataclass_args(tr, TrainConfig)
-    add_dataclass_args(tr, TeacherConfig, suppress=True)
+    add_dataclass_args(tr, TeacherConfig)
     tr.set_defaults(run=cmd_train)
     compressor_args(tr)
     _init_args(tr)

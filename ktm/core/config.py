@@ -332,6 +332,8 @@ class ModelSpec:
     device: str = field(default="cpu", metadata={"help": "torch device: cpu, cuda, cuda:N"})
 
     def __post_init__(self) -> None:
+        if not self.settings:
+            return
         known = {name for name, *_ in flag_fields(KTMConfig)}
         unknown = sorted(set(self.settings) - known)
         if unknown:

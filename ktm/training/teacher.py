@@ -32,12 +32,23 @@ class TeacherConfig:
     teacher: str | None = field(default=None, metadata={
         "help": "checkpoint or reader name read with merging off; its distribution is mixed "
                 "into the loss (task distillation, ktm.training.teacher)"})
-    teacher_weight: float = field(default=0.5, metadata={
-        "help": "W in (1 - W) * CE + W * KL(teacher || student), 0 < W <= 1"})
+    teacher_weight: float | None = field(default=None, metadata={
+        "help": "W in (1 - W) * CE + W * KL(teacher || student), 0 < W <= 1 (with --teacher: "
+                "0.5 unless given)"})
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.teacher_weight <= 1.0:
-            raise KTMError(f"teacher_weight={self.teacher_weight}: expected 0 < W <= 1")
+        if self.teacher is None:
+            if self.teacher_weight is not None:
+                raise KTMError("--teacher-weight without --teacher: give the teacher checkpoint")
+            return
+        if self.teacher_weight is None:
+            self.teacher_weight = 0.5
+        check_weight(self.teacher_weight)
+
+
+def check_weight(weight: float) -> None:
+    if not 0.0 < weight <= 1.0:
+        raise KTMError(f"teacher_weight={weight}: expected 0 < W <= 1")
 
 
 def kl_per_token(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
@@ -57,7 +68,7 @@ def check_teacher(student, teacher) -> None:
 
 def distill_loss(teacher, weight: float = 0.5) -> Callable:
     """A ``train`` loss_fn: cross-entropy mixed with KL to ``teacher`` reading plain prompts."""
-    TeacherConfig(teacher_weight=weight)  # the range check
+    check_weight(weight)
     teacher.eval()
 
     def loss_fn(model, batch: Sequence[Example]) -> LossOutput:

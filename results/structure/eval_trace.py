@@ -29,12 +29,13 @@ def _checkpoint(folder: str) -> str:
     return folder + "/ckpt"
 
 
-def trace(argv: list[str]) -> list[str]:
-    """The module of each of the first ``WINDOW`` ktm function calls of ``ktm *argv``."""
+def trace(argv: list[str]) -> tuple[list[str], int | None]:
+    """The module of each of the first ``WINDOW`` ktm function calls of ``ktm *argv``, and how
+    many of them came before the model's load (``KTMModel.load``)."""
     from ktm.cli.main import main
 
     calls: list[str] = []
-    imports, started = [0], [False]
+    imports, started, load = [0], [False], [None]
 
     def profile(frame, event, _arg):
         if frame.f_code.co_name == "<module>":  # an import runs a module body
@@ -44,6 +45,8 @@ def trace(argv: list[str]) -> list[str]:
         module = frame.f_globals.get("__name__", "")
         if (event == "call" and started[0] and not imports[0] and frame.f_lasti <= 0
                 and module.startswith("ktm") and len(calls) < WINDOW):
+            if load[0] is None and module == "ktm.model" and frame.f_code.co_name == "load":
+                load[0] = len(calls)
             calls.append(module)
 
     sys.setprofile(profile)
@@ -51,7 +54,18 @@ def trace(argv: list[str]) -> list[str]:
         main(argv)
     finally:
         sys.setprofile(None)
-    return calls
+    return calls, load[0]
+
+
+def _path(calls: list[str], name: str) -> dict:
+    """The modules ``calls`` pass through, in order, and the returns to a module left."""
+    path: list[str] = []
+    for m in calls:
+        if not path or path[-1] != m:
+            path.append(m)
+    returns = sum(1 for i, m in enumerate(path) if m in path[:i])
+    return {f"{name}_modules": len(dict.fromkeys(calls)), f"{name}_returns": returns,
+            f"{name}_path": path}
 
 
 def main() -> None:
@@ -61,17 +75,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["eval", "--checkpoint", _checkpoint(tmp), "--task", "tree", "--stage", "small",
                 "--n-eval", "2"]
-        calls = trace(argv)
-    path = []
-    for m in calls:
-        if not path or path[-1] != m:
-            path.append(m)
-    returns = sum(1 for i, m in enumerate(path) if m in path[:i])
+        calls, before_load = trace(argv)
     row = {"command": "ktm eval --checkpoint CKPT --task tree --stage small --n-eval 2",
-           "window": WINDOW, "calls": len(calls), "modules": len(dict.fromkeys(calls)),
-           "returns": returns, "path": path, "git": git_revision(), "versions": versions()}
+           "window": WINDOW, **_path(calls, "window"),
+           "calls_before_load": before_load, **_path(calls[:before_load], "before_load"),
+           "git": git_revision(), "versions": versions()}
     write_json_atomic(REPO / "results/structure/eval_trace.json", row)
-    print(json.dumps({k: row[k] for k in ("calls", "modules", "returns")}))
+    print(json.dumps({k: v for k, v in row.items() if not isinstance(v, (list, dict))}))
 
 
 if __name__ == "__main__":
