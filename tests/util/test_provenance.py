@@ -61,20 +61,20 @@ def test_outside_any_repo(tmp_path: Path) -> None:
 def test_eval_records_the_revision_it_started_from(capsys, tiny_model_dir, tmp_path, monkeypatch):
     # an eval of many minutes read git at its end: a commit or an edit made meanwhile was
     # recorded as the code that ran
-    import ktm.evaluation.evaluate
-    import ktm.util.provenance
+    import ktm.evaluation.runner as runner
     from ktm.cli.main import main
     from ktm.model import KTMModel
 
-    state, evaluate = {"git": "start"}, ktm.evaluation.evaluate.evaluate_task
+    state, evaluate = {"git": "start"}, runner.evaluate_task
 
     def evaluate_then_commit(*args, **kwargs):
         row = evaluate(*args, **kwargs)
         state["git"] = "a commit made during the eval"
         return row
 
-    monkeypatch.setattr(ktm.util.provenance, "git_revision", lambda: state["git"])
-    monkeypatch.setattr(ktm.evaluation.evaluate, "evaluate_task", evaluate_then_commit)
+    # the names the evaluation calls
+    monkeypatch.setattr(runner, "git_revision", lambda: state["git"])
+    monkeypatch.setattr(runner, "evaluate_task", evaluate_then_commit)
     ckpt = tmp_path / "ck"
     KTMModel.from_base(tiny_model_dir, k=2).save(str(ckpt))
     out = tmp_path / "r.json"
