@@ -782,6 +782,32 @@ def question_depth() -> str:
     return "\n".join(out)
 
 
+GRID_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def question_depth_grid() -> str:
+    """Past the window, the needle at fixed depths: the same documents with the needle at each
+    (results/question/needle-DEPTH/LENGTH/qa-window.json, ``--task-option depth=DEPTH``)."""
+    rows = []
+    for n in (16384, 32768):
+        found = {d: QUESTION / f"needle-{d}" / str(n) / "qa-window.json" for d in GRID_DEPTHS}
+        got = {d: json.loads(p.read_text()) for d, p in found.items() if p.is_file()}
+        if not got:
+            continue
+        cells = [f"{round(got[d]['accuracy'] * got[d]['n'])} / {got[d]['n']}" if d in got
+                 else "–" for d in GRID_DEPTHS]
+        hits = sum(round(r["accuracy"] * r["n"]) for r in got.values())
+        total = sum(r["n"] for r in got.values())
+        kept = sum(r["kv_after"] * r["n"] for r in got.values()) / total
+        rows.append(f"| {QUESTION_NAMES['qa-window']} | {n:,} | " + " | ".join(cells)
+                    + f" | {hits} / {total} | {kept:,.0f} |")
+    if not rows:
+        return "(no rows yet)"
+    head = ("| reading | length | " + " | ".join(f"depth {d:.2f}" for d in GRID_DEPTHS)
+            + " | all | positions (mean) |")
+    return "\n".join([head, "|---" * 9 + "|", *rows])
+
+
 def _rows_table(name: str, header: list[str], cells: Callable[[dict], list[str]]) -> str:
     """A table of the rows of results/question/NAME: one line of ``cells`` a row."""
     path = QUESTION / name
@@ -839,6 +865,7 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "question_headline": question_headline,
                                         "question_tasks": question_tasks,
                                         "question_depth": question_depth,
+                                        "question_depth_grid": question_depth_grid,
                                         "question_ablations": question_ablations,
                                         "question_chat": question_chat,
                                         "question_speed": question_speed}
