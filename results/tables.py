@@ -824,7 +824,9 @@ def question_ablations() -> str:
     return _rows_table("ablations.json", ["lever", "setting", "reader", "length", "found",
                                           "KV kept"],
                        lambda r: [r["lever"], r["setting"], f"`{r['reader']}`",
-                                  f"{r['length']:,}", f"{r['accuracy']:.2f} ({r['n']})",
+                                  f"{r['length']:,}" + (f", depth {r['depth']}"
+                                                        if "depth" in r else ""),
+                                  f"{r['accuracy']:.2f} ({r['n']})",
                                   f"{r['kv_after'] / r['tokens_before']:.0%}"])
 
 

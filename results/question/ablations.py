@@ -4,7 +4,10 @@
   and on the merged rows only (``ktm.core.lora_scope``), at ratio 3.33 with the question
   allocator: what gating alone does to a plain line, before any training;
 - quote: the question reader with its far plain lines quoted after the document
-  (``ktm.core.allocate.QUOTE_BEYOND``), and left in place.
+  (``ktm.core.allocate.QUOTE_BEYOND``), and left in place;
+- quote distance: how far before the question a plain line is quoted (``QUOTE_BEYOND``
+  positions: 1,024, the default, 512 and 256), on needles at depth 0.75 of 16,384 tokens, where
+  the needle's line lies near the default's distance.
 
     python results/question/ablations.py --out results/question/ablations.json
 
@@ -31,13 +34,21 @@ from ktm.tasks.base import bind
 from ktm.util.fileio import write_json_atomic
 from ktm.util.provenance import git_revision, versions
 
-# (lever, setting, reader, ratio, length, questions)
-RUNS = [("scope", "all", "smollm2-135m-k4-seq", 3.33, 1024, 20),
-        ("scope", "merged", "smollm2-135m-k4-seq", 3.33, 1024, 20),
-        ("quote", "in place", "smollm2-135m-k4-qa", 4.0, 8000, 8),
-        ("quote", "quoted", "smollm2-135m-k4-qa", 4.0, 8000, 8),
-        ("quote", "in place", "smollm2-135m-k4-qa", 4.0, 16384, 8),
-        ("quote", "quoted", "smollm2-135m-k4-qa", 4.0, 16384, 8)]
+# (lever, setting, reader, ratio, length, questions, the needle's depth: None spread)
+RUNS = [("scope", "all", "smollm2-135m-k4-seq", 3.33, 1024, 20, None),
+        ("scope", "merged", "smollm2-135m-k4-seq", 3.33, 1024, 20, None),
+        ("quote", "in place", "smollm2-135m-k4-qa", 4.0, 8000, 8, None),
+        ("quote", "quoted", "smollm2-135m-k4-qa", 4.0, 8000, 8, None),
+        ("quote", "in place", "smollm2-135m-k4-qa", 4.0, 16384, 8, None),
+        ("quote", "quoted", "smollm2-135m-k4-qa", 4.0, 16384, 8, None),
+        *(("quote distance", str(d), "smollm2-135m-k4-qa", 4.03, 16384, 5, 0.75)
+          for d in (1024, 512, 256))]
+
+
+def _quote_beyond(lever: str, setting: str, default: int) -> int:
+    if lever == "quote distance":
+        return int(setting)
+    return 10 ** 9 if setting == "in place" else default
 
 
 def main() -> None:
@@ -46,24 +57,26 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else []
-    done = {(r["lever"], r["setting"], r["length"]) for r in rows}
+    done = {(r["lever"], r["setting"], r["length"], r.get("depth")) for r in rows}
     made_by = {"versions": versions(), "git": git_revision()}
     quote_beyond = prefix.QUOTE_BEYOND
-    for lever, setting, reader, ratio, length, n in RUNS:
-        if (lever, setting, length) in done:
+    for lever, setting, reader, ratio, length, n, depth in RUNS:
+        if (lever, setting, length, depth) in done:
             continue
         model = KTMModel.load(reader, ratio=ratio, allocator="question")
         if lever == "scope" and setting == "merged":
             model._config = replace(model._config, lora=replace(model._config.lora,
                                                                 scope="merged"))
             gate_lora(model.peft)
-        prefix.QUOTE_BEYOND = 10 ** 9 if setting == "in place" else quote_beyond
-        task = get_task("needle", length=length)
+        prefix.QUOTE_BEYOND = _quote_beyond(lever, setting, quote_beyond)
+        task = get_task("needle", length=length,
+                        **({} if depth is None else {"depth": depth}))
         bind(task, model)
         row = summary(evaluate_task(model, task, task.eval_examples(n, seed=1), progress=True))
         rows.append({"lever": lever, "setting": setting, "reader": reader, "length": length,
-                     **row, "config": {"model": model_record(model)["config"],
-                                       "quote_beyond": prefix.QUOTE_BEYOND, "seed": 1},
+                     **({} if depth is None else {"depth": depth}), **row,
+                     "config": {"model": model_record(model)["config"],
+                                "quote_beyond": prefix.QUOTE_BEYOND, "seed": 1},
                      **made_by})
         write_json_atomic(args.out, rows)
         print(lever, setting, length, row["accuracy"], flush=True)
