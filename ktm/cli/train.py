@@ -102,32 +102,41 @@ def _init_args(parser: argparse.ArgumentParser) -> None:
                              "(any K: the K curriculum, e.g. K=4 from the K=2 reader)")
 
 
+def _groups(parser: argparse.ArgumentParser, *titles: str) -> list:
+    """Argument groups of ``--help``, in order: the command's own settings first."""
+    return [parser.add_argument_group(t) for t in titles]
+
+
+def _model_and_machine(parser: argparse.ArgumentParser) -> None:
+    model, machine = _groups(parser, "model", "machine")
+    _init_args(model)
+    add_model_args(model)
+    threads_arg(machine)
+    data_args(machine)
+
+
 def train_parser(tr: argparse.ArgumentParser) -> None:
     from ktm.tasks.spec import TaskSpec
     from ktm.training.config import TrainConfig
     from ktm.training.teacher import TeacherConfig
 
-    add_model_args(tr)
-    add_dataclass_args(tr, TaskSpec)
-    add_dataclass_args(tr, TrainConfig)
-    add_dataclass_args(tr, TeacherConfig)
+    task, training, teacher = _groups(tr, "task", "training", "teacher")
+    add_dataclass_args(task, TaskSpec)
+    compressor_args(task)
+    add_dataclass_args(training, TrainConfig)
+    add_dataclass_args(teacher, TeacherConfig)
+    _model_and_machine(tr)
     tr.set_defaults(run=cmd_train)
-    compressor_args(tr)
-    _init_args(tr)
-    threads_arg(tr)
-    data_args(tr)
 
 
 def pretrain_parser(pre: argparse.ArgumentParser) -> None:
     from ktm.training.config import TrainConfig
     from ktm.training.pretrain import PretrainConfig
 
-    add_model_args(pre)
-    add_dataclass_args(pre, PretrainConfig)
-    add_dataclass_args(pre, TrainConfig)
-    _init_args(pre)
-    threads_arg(pre)
-    data_args(pre)
+    pretraining, training = _groups(pre, "pretraining", "training")
+    add_dataclass_args(pretraining, PretrainConfig)
+    add_dataclass_args(training, TrainConfig)
+    _model_and_machine(pre)
     pre.set_defaults(run=cmd_pretrain)
 
 
@@ -135,15 +144,13 @@ def curriculum_parser(cur: argparse.ArgumentParser) -> None:
     from ktm.training.config import TrainConfig
     from ktm.training.curriculum import CurriculumConfig
 
-    add_model_args(cur)
-    add_dataclass_args(cur, CurriculumConfig)
+    curriculum, training = _groups(cur, "curriculum", "training")
+    add_dataclass_args(curriculum, CurriculumConfig)
+    curriculum.add_argument("--prompt-mode", default="context", choices=["context", "paper"],
+                            help="context: the question plain | paper: all compressed "
+                                 "(default: 'context')")
     # each round trains --steps-per-round steps and is evaluated at its end: --max-steps and
     # --eval-every would be ignored
-    add_dataclass_args(cur, TrainConfig, skip=("max_steps", "eval_every"))
-    cur.add_argument("--prompt-mode", default="context", choices=["context", "paper"],
-                     help="context: the question plain | paper: all compressed "
-                          "(default: 'context')")
-    _init_args(cur)  # the curriculum starts from a reader like any fine-tune
-    threads_arg(cur)
-    data_args(cur)
+    add_dataclass_args(training, TrainConfig, skip=("max_steps", "eval_every"))
+    _model_and_machine(cur)  # the curriculum starts from a reader like any fine-tune
     cur.set_defaults(run=cmd_curriculum)
