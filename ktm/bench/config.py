@@ -163,19 +163,11 @@ class BenchConfig:
         if self.presses and (self.mode != "infer" or "torch" not in self.backends):
             raise KTMError("--presses is an option of --mode infer on the torch backend (a "
                            "press runs on the torch runtime only)")
-        self.compile = tuple(dict.fromkeys(self.compile))
-        for mode in self.compile:
-            check_compile(mode)
-        if not self.compile:
-            raise KTMError("compile is empty: expected at least one of auto, off, on")
+        self.compile = _distinct("compile", self.compile, check_compile, "auto, off, on")
         if self.compile != ("auto",) and self.mode not in ("infer", "train"):
             raise KTMError("--compile is an option of --mode infer (the prefill and decode "
                            "step) and train (the LM body)")
-        self.weights = tuple(dict.fromkeys(self.weights))
-        for w in self.weights:
-            check_weights(w)
-        if not self.weights:
-            raise KTMError("weights is empty: expected at least one of native, int8")
+        self.weights = _distinct("weights", self.weights, check_weights, "native, int8")
         if self.weights != ("native",) and (self.mode != "infer" or "torch" not in
                                             self.backends):
             raise KTMError("--weights is an option of --mode infer on the torch backend (the "
@@ -256,3 +248,13 @@ def methods_of(config: BenchConfig, top_k: int = 1) -> list[Method]:
 def press_of(spec: str | None) -> PressConfig | None:
     """A ``--presses`` entry, NAME=RATIO, as its ``PressConfig`` (None: none)."""
     return None if spec is None else PressConfig.parse(spec)
+
+
+def _distinct(name: str, values, check, expected: str) -> tuple:
+    """``values`` without repeats, each checked, at least one (``expected``: the choices)."""
+    values = tuple(dict.fromkeys(values))
+    for v in values:
+        check(v)
+    if not values:
+        raise KTMError(f"{name} is empty: expected at least one of {expected}")
+    return values
