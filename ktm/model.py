@@ -773,6 +773,24 @@ def prompt_logits(model: KTMModel, prompt: PromptLike, merge: bool = True) -> to
     return model.lm(p.embeds, p.mask, p.position_ids, gate=p.gate)[0]
 
 
+def ratio_refusal(model: KTMModel, ratio: float) -> str | None:
+    """Why ``model`` cannot read a compressed segment at ``ratio`` (None: it can), checked
+    before any text is read: the server refuses such a request when it parses it."""
+    if not merges(model):
+        return None
+    return model._prompt_encoder().ratio_refusal(ratio)
+
+
+def tokens_readable(model: KTMModel, ratio: float | None = None) -> float | None:
+    """The most tokens a prompt of ``model`` can hold within its context: every position at
+    its densest (``PromptEncoder.densest``; ``ratio``: a ratio asked for). None: no bound (a
+    model without a known context). A prompt longer than this is refused before it is read."""
+    if model.max_positions is None:
+        return None
+    most = model._prompt_encoder().densest(ratio) if merges(model) else 1
+    return model.max_positions * most
+
+
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the weights that train (``requires_grad``): a model's encoder's and
     LoRA's; none for one loaded for inference (``load(..., trainable=False)``)."""

@@ -312,6 +312,20 @@ def unit_scores(signal: str, token_scores: Sequence[float] | None, units: Units,
 FLOOR = 1e-6  # every unit's signal floor (``unit_scores``)
 
 
+def ratio_refusal(ratio: float, levels: Sequence[int], signal: str,
+                  deeper: int | None = None) -> str | None:
+    """Why a compressed segment cannot be read at ``ratio`` by a reader of merge ``levels``
+    whose allocator is ``signal`` (None: it can): a ratio past the largest level needs a signal
+    that leaves units out (``DROPS``), or is exactly the ``deeper`` level (merges merged again,
+    ``ktm.core.encoder.deeper_level``)."""
+    unit = max(levels)
+    if ratio <= unit or signal in DROPS or ratio == deeper:
+        return None
+    return (f"ratio {ratio:g} is more than this reader allows: its largest level merges K={unit} "
+            f"tokens per position; expected a ratio <= {unit}, a reader with a larger K, or an "
+            f"allocator that leaves text out ({', '.join(DROPS)})")
+
+
 def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: Sequence[int],
              signal: str, token_scores: Sequence[float] | None = None,
              seed: int = 0) -> list[list[tuple[int, int]]]:
@@ -329,11 +343,9 @@ def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: 
     total = sum(len(p) for p in pieces) + plain
     budget = round(total / ratio) - plain
     drop = signal in DROPS
-    if ratio > unit and not drop:
-        raise KTMError(f"ratio {ratio:g} is more than this reader allows: its largest level "
-                       f"merges K={unit} tokens per position; expected a ratio <= {unit}, a "
-                       f"reader with a larger K, or an allocator that leaves text out "
-                       f"({', '.join(DROPS)})")
+    refusal = ratio_refusal(ratio, levels, signal)
+    if refusal is not None:
+        raise KTMError(refusal)
     # a segment too short for the ratio (a partial unit, its plain tokens) is read with every
     # unit at the largest level: the closest it comes, which the layout then reports; a signal
     # that leaves units out does so below that only for a ratio past the largest level (not

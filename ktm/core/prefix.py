@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ktm.core.allocate import (
+    DROPS,
     QUOTE_BEYOND,
     QUOTES,
     RATIO_TOLERANCE,
@@ -26,6 +27,7 @@ from ktm.core.allocate import (
     Units,
     allocate,
     positions,
+    ratio_refusal,
 )
 from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
@@ -143,6 +145,24 @@ class PromptEncoder:
             pieces.append(self._levels(row, segs, allocate=merge))
         self._check_ids(prompts)
         return pieces
+
+    def ratio_refusal(self, ratio: float) -> str | None:
+        """Why a compressed segment cannot be read at ``ratio`` here (None: it can), before any
+        text is read (``ktm.core.allocate.ratio_refusal``)."""
+        deep = deeper_level(self.encoder)
+        return ratio_refusal(ratio, self.merge_levels, self.allocator,
+                             None if deep is None else deep[0])
+
+    def densest(self, ratio: float | None = None) -> float:
+        """The most tokens one position can read: the deepest level (merges merged again,
+        ``deeper_level``), or past it ``ratio`` (else this encoder's) where the allocator
+        leaves text out."""
+        deep = deeper_level(self.encoder)
+        most = max(self.merge_levels) if deep is None else deep[0]
+        ratio = self.ratio if ratio is None else ratio
+        if ratio is not None and self.allocator in DROPS:
+            most = max(most, ratio)
+        return most
 
     @property
     def merge_levels(self) -> tuple[int, ...]:

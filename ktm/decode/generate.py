@@ -89,14 +89,21 @@ def sampling_probs(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
     """(B, V) logits -> (B, V) the weights sampling draws from: softmax at ``temperature``, then
     only the smallest set of most likely tokens whose mass reaches ``top_p`` (unnormalised:
     ``torch.multinomial`` normalises)."""
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    # in float64, each row less its largest logit first: any temperature > 0 an API passes
+    # (5e-324 too, which float32 reads as 0) gives a finite distribution, its limit towards 0
+    # the most likely tokens; float32's exp at a tiny temperature would give inf / inf = NaN
+    scaled = logits.double()
+    scaled = (scaled - scaled.amax(-1, keepdim=True)) / cfg.temperature
+    probs = torch.softmax(scaled, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always survives)
+        # keep the smallest prefix whose mass reaches top_p; the first token always survives
+        # (a top_p of 1e-300 is 0 in float32, and 0 >= 0 would drop every token)
         drop = sorted_p.cumsum(-1) - sorted_p >= cfg.top_p
+        drop[..., 0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return probs
+    return probs.float()
 
 
 def select_next(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None):

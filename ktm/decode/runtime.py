@@ -316,11 +316,17 @@ class TorchRuntime:
         """Stored KV the prefix ``cp`` can start from, and how many of its leading rows: its
         context's own (``ctx``: key, rows), else the stored context sharing the most leading
         rows with it, the same embeddings at the same positions (a chat's merged history read
-        at an earlier turn: the KV of a row depends on those rows alone). (None, 0): none."""
+        at an earlier turn: the KV of a row depends on those rows alone); either way only the
+        rows equal to the stored ones. (None, 0): none."""
         if ctx is None or not self.prefix_kv.max_bytes:
             return None, 0
         if ctx[0] in self.prefix_kv:
-            return self.prefix_kv[ctx[0]][0], ctx[1]
+            # the key names the context's text; its rows as read are compared too: a reading
+            # that depends on what follows the context (the question allocator's) starts from
+            # the rows it shares with the stored one only, so a cached prefix never changes an
+            # answer
+            kv, embeds, positions, merged = self.prefix_kv[ctx[0]]
+            return kv, min(ctx[1], shared_rows(cp, embeds, positions, merged))
         best, most = None, 0
         for key in list(self.prefix_kv):
             _, embeds, positions, merged = self.prefix_kv.peek(key)

@@ -50,6 +50,7 @@ from ktm.serving.gate import Gate, is_loopback
 from ktm.serving.history import next_turn
 from ktm.serving.logprobs import chat_logprobs, completion_logprobs
 from ktm.serving.metrics import CONTENT_TYPE, Metrics
+from ktm.serving.openapi import openapi_document
 from ktm.serving.prompts import chat_reading, completion_segments
 from ktm.serving.protocol import (
     ChatRequest,
@@ -61,7 +62,8 @@ from ktm.serving.protocol import (
 )
 
 log = logging.getLogger("ktm.serving")
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI's default for /v1/completions (a server whose --max-tokens-limit is lower: its limit)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 # the routes /metrics counts by name (any other path: "other")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 # bytes of request body per prompt token the default --max-request-mb leaves room for (a token
@@ -206,6 +208,7 @@ def create_app(model, cfg: ServeConfig, owns_model: bool = False) -> FastAPI:
     for kind, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(kind, handler)
     app.include_router(router)
+    app.openapi = partial(openapi_document, app)  # what the server answers (ktm.serving.openapi)
     return app
 
 
@@ -259,7 +262,9 @@ async def refused(_: Request, exc: RequestError) -> JSONResponse:
 
 async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+    # its headers kept: a 405's Allow names the methods the path takes
+    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                        headers=exc.headers)
 
 
 async def crashed(_: Request, exc: Exception) -> JSONResponse:  # a bug: OpenAI's shape too
@@ -296,6 +301,8 @@ async def health(request: Request) -> JSONResponse:
     status = "ok" if ok else "shutting down" if stopping else "engine stopped"
     body = {"status": status, "model": state.cfg.served_name, "k": state.model.k,
             "base_model": state.model.config.base_model, **state.engine.stats()}
+    if state.cfg.api_key:  # open to all: another client's error text is not shown (the log has it)
+        del body["last_error"]
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -370,7 +377,8 @@ def job_settings(state, body, chat: bool) -> dict:
                            "it samples inside its own engine and returns tokens only",
                            param="logprobs")
     max_tokens = ((body.max_completion_tokens or body.max_tokens) if chat
-                  else body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+                  else body.max_tokens or min(COMPLETION_DEFAULT_MAX_TOKENS,
+                                              cfg.max_tokens_limit))
     if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
         name = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
         raise RequestError(f"{name}={max_tokens} is over this server's limit of "

@@ -42,6 +42,7 @@ from ktm.core.prompt import Segment
 from ktm.decode.generate import Decoding, GenerationConfig
 from ktm.decode.press import PressConfig, pressed_as
 from ktm.decode.text_stream import TextStream
+from ktm.errors import KTMError
 from ktm.serving.config import ServeConfig
 from ktm.serving.logprobs import TokenLogprob, Trail, step_logprobs
 from ktm.serving.metrics import Metrics
@@ -333,9 +334,17 @@ class Engine:
         these requests only: the running ones never saw them."""
         try:
             parts, rows = self._prefill(jobs)
-        except Exception as e:  # noqa: BLE001 - fail these requests, keep the others
-            log.exception("admitting requests failed")
-            self._fail([j for j in jobs if not j.cancelled.is_set()], e, running=False)
+        except Exception as e:  # noqa: BLE001 - fail the request to blame, keep the others
+            jobs = [j for j in jobs if not j.cancelled.is_set()]
+            if len(jobs) > 1:  # which request was it: each read alone (rows never affect each
+                # other, so alone each gets the answer it would have got in the batch)
+                log.warning("admitting %d requests together failed (%s: %s): each is read "
+                            "alone", len(jobs), type(e).__name__, e)
+                for job in jobs:
+                    self._admit([job])
+                return
+            log.exception("admitting a request failed")
+            self._fail(jobs, e, running=False)
             return
         self._rows += rows  # first: a failed join (it grows the batch's cache) fails them too
         for part in parts:
@@ -356,7 +365,19 @@ class Engine:
         keep = self._fit_cells([(job, cp, limit) for (job, limit), cp in zip(fits, cps)])
         if not keep:
             return [], []
-        states, rows = [], []
+        states: list[Decoding] = []
+        try:
+            return self._prefill_groups(keep, states)
+        except BaseException:
+            for state in states:  # the groups read before the failure hold rows: let them go
+                state.release()
+            raise
+
+    def _prefill_groups(self, keep: list[tuple[Job, CompressedPrompt, int]],
+                        states: list[Decoding]) -> tuple[list, list[Row]]:
+        """``keep``'s prefill, one per press, each group's state appended to ``states`` as it
+        is made."""
+        rows = []
         for press in dict.fromkeys(job.press for job, _, _ in keep):  # a prefill per press
             group = [(job, cp, limit) for job, cp, limit in keep if job.press == press]
             with pressed_as(self.runtime, press):
@@ -450,15 +471,20 @@ class Engine:
         self._rows = [self._rows[i] for i in rows]
 
     def _fail(self, jobs: list[Job], e: Exception, running: bool = True) -> None:
-        """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped."""
+        """Answer ``jobs`` with a 500; ``running``: they include the batch, which is dropped.
+        Not running: one request read alone failed, a 400 where ktm refuses what it asks
+        (a ``KTMError``: the request is to blame, not the server)."""
         if running:
             if self._batch is not None:
                 self._batch.release()
             self._batch, self._rows = None, []
-        self.last_error = f"{type(e).__name__}: {e}"
-        self._ended("failed", len(jobs))
+        refused = not running and isinstance(e, KTMError)
+        error = RequestError(f"this request cannot be read: {e}") if refused else _internal(e)
+        if not refused:
+            self.last_error = f"{type(e).__name__}: {e}"
+        self._ended("rejected" if refused else "failed", len(jobs))
         for job in jobs:
-            job.deliver(Event(error=_internal(e)))
+            job.deliver(Event(error=error))
 
     def _end_all(self, taken: list[Job]) -> None:
         """``abort``: the running rows, the jobs just taken and every waiting one end with its

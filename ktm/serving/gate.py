@@ -6,8 +6,10 @@ and status (``ktm.serving.metrics``).
               ``Authorization: Bearer KEY``, compared in constant time (``hmac.compare_digest``);
               the key is never written to a log line or an answer
     a body    413 once it is over ``max_bytes``: at once where its Content-Length says so, else
-              as it arrives (a chunked body), never read whole first; 400 where its JSON nests
-              deeper than ``MAX_DEPTH``, naming the top-level field it nests under
+              as it arrives (a chunked body), never read whole first; 415 for a Content-Type
+              other than JSON's; 400 for a body not in UTF-8 (UTF-16 and UTF-32 included) and
+              where its JSON nests deeper than ``MAX_DEPTH``, naming the top-level field it
+              nests under
 
 After a 413 the connection lingers a little (``LINGER_S``, at most ``max_bytes`` more read and
 dropped) before it closes, as nginx's lingering close does: closed with a body still arriving,
@@ -79,6 +81,33 @@ def nesting(body: bytes, limit: int = MAX_DEPTH) -> tuple[int, str | None] | Non
     return None
 
 
+def unreadable(scope: Scope, body: bytes) -> tuple[int, str, str] | None:
+    """Why a request body is not JSON this server reads, as (status, message, code), before
+    any parser sees it; None: it may be. A Content-Type other than JSON's (none: read as JSON,
+    as FastAPI does), a body in UTF-16 or UTF-32 (which Python's JSON parser would take, and
+    which the nesting scan, reading bytes, would not see as JSON), or one not valid UTF-8."""
+    given = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+    if given is not None:
+        kind = given.split(b";")[0].strip().lower()
+        if kind != b"application/json" and not (kind.startswith(b"application/")
+                                                and kind.endswith(b"+json")):
+            shown = given.decode("latin-1")[:80]
+            return (415, f"Content-Type {shown!r} is not JSON: expected 'application/json' "
+                    "(the body is a JSON object)", "unsupported_media_type")
+    if not body:
+        return None
+    encoding = json.detect_encoding(body)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        return (400, f"the request body is {encoding.upper()}: expected JSON in UTF-8 "
+                "(RFC 8259)", "invalid_encoding")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (400, f"the request body is not valid UTF-8: byte {body[e.start]:#04x} at "
+                f"offset {e.start} ({e.reason}); expected JSON in UTF-8", "invalid_encoding")
+    return None
+
+
 def _name(raw: bytes | None) -> str | None:
     if raw is None:
         return None
@@ -144,6 +173,11 @@ class Gate:
             return
         body = await self._body(scope, receive, send_counted)
         if body is None:
+            return
+        refusal = unreadable(scope, body)
+        if refusal is not None:
+            status, message, code = refusal
+            await refuse(send_counted, status, message, code=code)
             return
         deep = nesting(body)
         if deep is not None:

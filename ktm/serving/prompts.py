@@ -28,6 +28,7 @@ from ktm.core.prefix import embedding_rows
 from ktm.core.prompt import Segment
 from ktm.decode.press import PressConfig
 from ktm.errors import KTMError
+from ktm.model import ratio_refusal, tokens_readable
 from ktm.serving.history import (
     HistoryReading,
     OverBudget,
@@ -54,9 +55,60 @@ def _check_joined(given: str | None, parts, where: str) -> None:
                            "joined, since the segments already give it", param=where)
 
 
+def check_ratios(model, req: CompletionRequest | ChatRequest) -> None:
+    """Every ratio a request names (``ktm.ratio``, a segment's ``ratio``), checked against the
+    loaded reader before any text is read: a 400 naming the field, never a failure of the
+    batch the request would join."""
+    ext = req.ktm or KtmOptions()
+    named = [("ktm.ratio", ext.ratio)]
+    named += [(f"ktm.segments.{i}.ratio", s.ratio) for i, s in enumerate(ext.segments or ())]
+    for m, msg in enumerate(getattr(req, "messages", ())):
+        segments = msg.ktm.segments if msg.ktm is not None else None
+        named += [(f"messages.{m}.ktm.segments.{i}.ratio", s.ratio)
+                  for i, s in enumerate(segments or ())]
+    for param, ratio in named:
+        why = None if ratio is None else ratio_refusal(model, ratio)
+        if why is not None:
+            raise RequestError(f"{param}={ratio:g}: {why}", param=param)
+
+
+def check_length(model, texts: Sequence[str], param: str, ratio: float | None = None,
+                 ids: int = 0) -> None:
+    """A prompt of ``texts`` (and ``ids`` token ids given as such) refused, before it is read,
+    when it holds more tokens than the model reads within its context at its densest
+    (``ktm.model.tokens_readable``; ``ratio``: the one asked for): a cheap count first (a
+    token holds at least one byte), the texts tokenized in one batch only where that count
+    does not settle it. A 400 naming ``param``; nothing is merged or queued for it."""
+    most = tokens_readable(model, ratio)
+    if most is None:
+        return
+    for text in texts:
+        _check_text(text, param)
+    if ids + sum(len(t.encode("utf-8")) for t in texts) <= most:
+        return
+    counted = model.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    n = ids + sum(len(x) for x in counted)
+    if n > most:
+        raise RequestError(f"{param} holds {n} tokens, more than this model reads within its "
+                           f"context of {model.max_positions} positions ({most:g} tokens, "
+                           f"{most / model.max_positions:g} a position at the most): expected a "
+                           "shorter prompt", param=param, code="context_length_exceeded")
+
+
 def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ...]]:
     """The request's prompts (one, or each of a list) as segments."""
+    check_ratios(model, req)
     ext = req.ktm or KtmOptions()
+    ratios = [r for r in (ext.ratio, *(s.ratio for s in ext.segments or ())) if r is not None]
+    ratio = max(ratios, default=None)
+    if ext.segments is not None:
+        check_length(model, [s.text for s in ext.segments], "ktm.segments", ratio)
+    for i, p in enumerate(req.prompt_values()):
+        where = "prompt" if isinstance(req.prompt, str | None) else f"prompt[{i}]"
+        if isinstance(p, tuple):
+            check_length(model, [], where, ratio, ids=len(p))
+        elif ext.segments is None:
+            check_length(model, [p], where, ratio)
     prompts = req.prompt_values()
     if ext.segments is not None:
         if len(prompts) > 1 or isinstance(prompts[0], tuple):
@@ -147,7 +199,12 @@ def chat_reading(model, req: ChatRequest, history_budget: int | None = None,
     (``press_to_fit``); the rows before the last of them are pressed with them (kvpress scores
     the prompt's leading rows), the newest user message never. A chat within its budget reads as
     without one."""
+    check_ratios(model, req)
     ext_all = req.ktm or KtmOptions()
+    # a message's segments give its content (``_read`` checks that they join to it)
+    given = [m.ktm.segments if m.ktm and m.ktm.segments else None for m in req.messages]
+    check_length(model, [s.text if segs else m.text() for m, segs in zip(req.messages, given)
+                         for s in (segs or [m])], "messages", ext_all.ratio)
     budget = (history_budget if ext_all.history_budget is None else ext_all.history_budget) or None
     name = history_press if ext_all.history_press is None else ext_all.history_press
     if name == "none" or budget is None or not ext_all.merge:

@@ -43,6 +43,7 @@ WHY = {"echo": "the prompt is merged before the model reads it (K tokens to one 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 128  # OpenAI's limit on choices
 MAX_MESSAGES = 2048  # messages in a chat (a 64-turn chat has 129)
+MAX_SEGMENTS = 1024  # ktm.segments of a prompt or of a message
 
 
 def _is(value, neutral) -> bool:
@@ -63,22 +64,24 @@ class Strict(BaseModel):
 
 class SegmentIn(Strict):
     text: str
-    merge: bool = True
+    merge: bool = Field(True, strict=True)
     # a merged segment read at this ratio (tokens per position, adaptive merging); None: the
-    # request's ratio, else the model's
-    ratio: float | None = Field(None, ge=1, allow_inf_nan=False)
+    # request's ratio, else the model's (at most the reader's largest level: checked against
+    # the loaded model, ``ktm.serving.prompts.check_ratios``)
+    ratio: float | None = Field(None, ge=1, allow_inf_nan=False, strict=True)
 
 
 class KtmOptions(Strict):
-    merge: bool = True  # False: every part plain
-    segments: list[SegmentIn] | None = Field(None, min_length=1)  # completions only
-    ignore_eos: bool = False
+    merge: bool = Field(True, strict=True)  # False: every part plain
+    # completions only; as many as MAX_SEGMENTS (counted before any is read)
+    segments: list[SegmentIn] | None = Field(None, min_length=1, max_length=MAX_SEGMENTS)
+    ignore_eos: bool = Field(False, strict=True)
     # every merged part read at this ratio (Segment(ratio=...)); None: the model's layout
-    ratio: float | None = Field(None, ge=1, allow_inf_nan=False)
+    ratio: float | None = Field(None, ge=1, allow_inf_nan=False, strict=True)
     # a KV press on the compressed segments (ktm.decode.press names; "none": none); None: the
     # server's --press. press_ratio: its share of the KV dropped (None: the server's)
     press: str | None = None
-    press_ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False)
+    press_ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False, strict=True)
     # a chat read within this many positions, its oldest unmarked messages merged to fit
     # (ktm.serving.history); None: the server's --history-budget, 0: none
     history_budget: int | None = Field(None, ge=0, strict=True)
@@ -88,8 +91,8 @@ class KtmOptions(Strict):
 
 
 class MessageKtm(Strict):
-    merge: bool | None = None
-    segments: list[SegmentIn] | None = Field(None, min_length=1)
+    merge: bool | None = Field(None, strict=True)
+    segments: list[SegmentIn] | None = Field(None, min_length=1, max_length=MAX_SEGMENTS)
 
 
 class TextPart(Strict):
@@ -110,19 +113,20 @@ class Message(Strict):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class Sampling(Strict):
     model: str
     # integers are strict: pydantic's lax mode reads true as 1 and "7" as 7
     max_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # 0: greedy
-    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0: greedy, as OpenAI takes it
+    # numbers and booleans are strict too: "0.5" and "yes" are refused, as OpenAI's API does
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True)  # 0: greedy
+    top_p: float = Field(1.0, ge=0.0, le=1.0, strict=True)  # 0: greedy, as OpenAI takes it
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1, strict=True)  # int64, as OpenAI's
     n: int = Field(1, ge=1, le=MAX_N, strict=True)  # choices, as OpenAI's
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     user: str | None = None
     ktm: KtmOptions | None = None
@@ -250,6 +254,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
                 f"accepts only {ok} or null (or the field left out)", where)
     if e.get("type") == "extra_forbidden":
         return f"unknown field {where!r}: this server does not accept it", where
+    if e.get("type") == "missing" and where is None:
+        return ("the request body is empty: expected a JSON object with the request's fields",
+                None)
     if e.get("type") == "missing":
         return f"missing required field {where!r}", where
     msg = str(e.get("msg"))

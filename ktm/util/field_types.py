@@ -8,6 +8,7 @@ module: no torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import get_type_hints
 
 from ktm.errors import KTMError
@@ -22,24 +23,35 @@ _SCALARS = {
 }
 
 
-def check_field_types(obj: object) -> None:
-    """Raise a KTMError naming the first field whose value does not match a ``bool``, ``int``,
-    ``float`` or ``str`` annotation (optionally ``| None``); other annotations are the class's
-    own business."""
-    hints = get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        hint, value = hints.get(f.name), getattr(obj, f.name)
+@functools.cache
+def _checked_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """A dataclass's fields whose annotation is a scalar of ``_SCALARS``: (name, scalar, may it
+    be None), worked out once per class (``get_type_hints`` evaluates every annotation, which
+    costs more than the check: a prompt of thousands of segments checks thousands)."""
+    hints = get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
         args = getattr(hint, "__args__", None)
         optional = bool(args) and type(None) in args and len(args) == 2
         if optional:
             hint = next(a for a in args if a is not type(None))
-            if value is None:
-                continue
-        if hint not in _SCALARS:
+        if hint in _SCALARS:
+            out.append((f.name, hint, optional))
+    return tuple(out)
+
+
+def check_field_types(obj: object) -> None:
+    """Raise a KTMError naming the first field whose value does not match a ``bool``, ``int``,
+    ``float`` or ``str`` annotation (optionally ``| None``); other annotations are the class's
+    own business."""
+    for name, hint, optional in _checked_fields(type(obj)):
+        value = getattr(obj, name)
+        if optional and value is None:
             continue
         ok, expected = _SCALARS[hint]
         if not ok(value):
-            raise KTMError(f"{type(obj).__name__}.{f.name} must be {expected}"
+            raise KTMError(f"{type(obj).__name__}.{name} must be {expected}"
                            f"{' or None' if optional else ''}, got {value!r}")
 
 

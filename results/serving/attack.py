@@ -57,6 +57,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(model: str, threads: int, *flags: str, key: str | None = KEY
+                 ) -> tuple[subprocess.Popen, int]:
+    """``ktm serve --model MODEL`` in its own process on a free loopback port, served as "m"
+    with ``key`` (None: none) and ``flags``, once it takes connections: (the process, its
+    port)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ktm.cli", "serve", "--model", model, "--port", str(port),
+           "--served-name", "m", "--threads", str(threads), "--log-level", "warning", *flags]
+    env = {k: v for k, v in os.environ.items() if k != "KTM_API_KEY"}
+    env.update({"OMP_NUM_THREADS": str(threads), **({"KTM_API_KEY": key} if key else {})})
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"ktm serve did not start: {proc.stderr.read()[-2000:]}"
+                                 ) from None
+            time.sleep(0.5)
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -86,9 +111,10 @@ def request(port: int, path: str, body: bytes, key: str | None = KEY,
     return ("\r\n".join(head) + "\r\n\r\n").encode()
 
 
-def send(port: int, head: bytes, chunks) -> dict:
+def send(port: int, head: bytes, chunks, answer: bool = False) -> dict:
     """``head`` then the body's ``chunks`` as fast as the socket takes them, reading all the
-    while: the answer's status, error and seconds, and the bytes sent before it came."""
+    while: the answer's status, error and seconds, and the bytes sent before it came
+    (``answer``: its JSON body too)."""
     t0, sent, got = time.perf_counter(), 0, b""
     with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
         sock.sendall(head)
@@ -123,8 +149,9 @@ def send(port: int, head: bytes, chunks) -> dict:
     header, _, rest = got.partition(b"\r\n\r\n")
     status = int(header.split()[1]) if header else None
     error = json.loads(rest).get("error", {}) if status and status >= 400 else {}
-    return {"status": status, "code": error.get("code"), "param": error.get("param"),
-            "message": error.get("message"), "seconds": seconds, "bytes_sent": sent}
+    out = {"status": status, "code": error.get("code"), "param": error.get("param"),
+           "message": error.get("message"), "seconds": seconds, "bytes_sent": sent}
+    return {**out, "answer": json.loads(rest) if rest else None} if answer else out
 
 
 def body_of(obj: dict) -> bytes:
@@ -206,23 +233,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    port = free_port()
-    cmd = [sys.executable, "-m", "ktm.cli", "serve", "--model", args.model, "--port", str(port),
-           "--served-name", "m", "--threads", str(args.threads), "--log-level", "warning"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "KTM_API_KEY": KEY}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc, port = start_server(args.model, args.threads)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"ktm serve did not start: {proc.stderr.read()[-2000:]}"
-                                     ) from None
-                time.sleep(0.5)
         asks = [{"model": "m", "prompt": DOC + f"# {i}\n", "max_tokens": 16, "temperature": 0}
                 for i in range(2)]
         asks += [{"model": "m", "messages": [{"role": "user", "content": DOC + f"Q{i}?"}],

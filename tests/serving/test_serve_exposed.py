@@ -41,8 +41,8 @@ def model(tiny_model_dir):
 
 @contextlib.contextmanager
 def serving(model, model_dir, **options):
-    cfg = ServeConfig(model=model_dir, served_name="tiny", max_tokens_limit=448,
-                      batch_window_ms=50, log_level="warning", **options)
+    cfg = ServeConfig(**{"model": model_dir, "served_name": "tiny", "max_tokens_limit": 448,
+                         "batch_window_ms": 50, "log_level": "warning", **options})
     app = create_app(model, cfg)
     with BackgroundServer(app) as srv:
         srv.engine, srv.app = app.state.engine, app
@@ -240,6 +240,67 @@ def test_nesting_is_counted_outside_strings_only():
     assert nesting(b'{"a": "\\"[[[[[[[", "b": [1]}', 2) is None  # an escaped quote
     assert nesting(b"[" * 3, 2) == (3, None)
     assert nesting(b'{"x": {"y": {"z": 1}}}', 3) is None
+
+
+EDGES = [  # (name, body, headers, status, code, what the message says)
+    ("an empty body", b"", {}, 400, None, "the request body is empty: expected a JSON object"),
+    ("JSON sent as text/plain", b'{"model": "tiny", "prompt": "Hi"}',
+     {"Content-Type": "text/plain"}, 415, "unsupported_media_type",
+     "Content-Type 'text/plain' is not JSON: expected 'application/json'"),
+    ("invalid UTF-8", b'{"model": "tiny", "prompt": "Hi \xff there"}', {}, 400,
+     "invalid_encoding", "not valid UTF-8: byte 0xff at offset 32"),
+    ("a UTF-16 body nesting 900 deep", ('{"model": "tiny", "prompt": ' + "[" * 900 + "]" * 900
+                                        + "}").encode("utf-16-le"), {}, 400,
+     "invalid_encoding", "the request body is UTF-16-LE: expected JSON in UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name,body,headers,status,code,message", EDGES,
+                         ids=[e[0] for e in EDGES])
+def test_a_body_that_is_not_json_in_utf_8_gets_a_clear_4xx(server, name, body, headers, status,
+                                                             code, message):
+    got, _, answer = raw(server, "/v1/completions", body, headers)
+    assert got == status and answer["error"]["code"] == code, answer
+    assert message in answer["error"]["message"], answer
+
+
+def test_a_405_says_which_methods_the_path_takes(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/v1/completions")
+    r = conn.getresponse()
+    assert r.status == 405 and r.getheader("Allow") == "POST"
+    assert json.loads(r.read())["error"]["type"] == "invalid_request_error"
+    conn.close()
+
+
+def test_health_shows_no_other_clients_error_when_the_server_has_a_key(keyed, server):
+    assert "last_error" not in get(keyed, "/health")
+    assert "last_error" in get(server, "/health")  # open: the operator's own machine
+
+
+def test_a_completion_without_max_tokens_fits_a_limit_under_16(model, tiny_model_dir):
+    with serving(model, tiny_model_dir, max_tokens_limit=3) as srv:
+        status, _, answer = raw(srv, "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": "Hello", "temperature": 0,
+             "ktm": {"ignore_eos": True}}).encode())
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+
+
+def test_the_openapi_document_states_what_the_server_answers(keyed):
+    doc = get(keyed, "/openapi.json")
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            assert "422" not in op["responses"], path
+            assert ("401" in op["responses"]) == path.startswith("/v1/"), path
+    post = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "415", "503"} <= set(post)
+    assert set(post["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    fields = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    seed = fields["seed"]["anyOf"][0]
+    assert (seed["minimum"], seed["maximum"]) == (-2**63, 2**63 - 1)  # exact, not a rounded float
+    assert fields["max_tokens"]["anyOf"][0]["maximum"] == 448
+    assert fields["model"]["enum"] == ["tiny"]
 
 
 def test_a_client_sending_its_body_a_byte_at_a_time_holds_up_no_one(server):

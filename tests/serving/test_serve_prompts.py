@@ -1,5 +1,7 @@
 """Requests -> segments: chat templates split around the contents, the ktm extension field."""
 
+from types import SimpleNamespace
+
 import pytest
 from helpers import build_tokenizer
 
@@ -12,6 +14,11 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{%
 
 
 class Model:
+    # an identity encoder: merging is skipped, so any ratio is readable
+    # (``ktm.model.ratio_refusal``); no known context: any length is
+    encoder = SimpleNamespace(config=SimpleNamespace(is_identity=True))
+    max_positions = None
+
     def __init__(self, template=None, bos=False):
         self.tokenizer = build_tokenizer(bos)
         self.tokenizer.chat_template = template
