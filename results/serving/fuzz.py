@@ -58,7 +58,7 @@ def fuzz(port: int, examples: int, keyed: bool, folder: str) -> dict:
            "--request-timeout", "120", "--report", "json,ndjson", "--report-json-path", report,
            "--report-ndjson-path", events,
            *(["--header", f"Authorization: Bearer {KEY}"] if keyed else [])]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)  # its cache there
     out = json.loads(open(report).read())
     seen = statuses(events)
     return {"keyed": keyed, "examples": examples, "cases": out["test_cases"]["generated"],

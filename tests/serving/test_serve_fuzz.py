@@ -45,7 +45,7 @@ def test_generated_requests_get_no_5xx_and_answers_as_the_schema_states(model, t
              "--generation-deterministic", "--workers", "1", "--request-timeout", "60",
              "--report", "json", "--report-json-path", str(tmp_path / "run.json"),
              *(["--header", f"Authorization: Bearer {KEY}"] if keyed else [])],
-            capture_output=True, text=True, timeout=600)
+            capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache there
         health = srv.engine.stats()
     report = json.loads((tmp_path / "run.json").read_text())
     assert run.returncode == 0 and report["failures"] == [], run.stdout[-4000:]
