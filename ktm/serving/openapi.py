@@ -9,6 +9,7 @@ it is then corrected where the server answers otherwise than FastAPI assumes:
 - a completion or a chat answers JSON, or Server-Sent Events with ``"stream": true``;
 - ``/metrics`` is Prometheus' text format, not JSON;
 - with ``--api-key``, the ``/v1`` routes ask for it as a bearer token;
+- a request of each kind the server answers is an example (schemathesis sends them first);
 - the bounds a request is checked against are the exact ones: ``seed`` an int64 (FastAPI writes
   2**63 as a float, which rounds past the largest int64), ``model`` the served name,
   ``max_tokens`` at most ``--max-tokens-limit``, at most ``MAX_STOP`` stop strings.
@@ -35,6 +36,26 @@ WHY = {"400": "a bad request: OpenAI's error object naming the field",
        "415": "the body is not JSON (its Content-Type)",
        "503": "the server is busy (Retry-After) or shutting down"}
 GENERATE = ("/v1/completions", "/v1/chat/completions")
+DOC = "def add(a, b):\n    return a + b\n"
+# requests the server answers, one of each kind, as the document's examples ("model" filled in)
+EXAMPLES = {
+    "/v1/completions": {
+        "plain": {"prompt": DOC + "# add(2, 3) is", "max_tokens": 4, "temperature": 0},
+        "segments": {"ktm": {"segments": [{"text": DOC}, {"text": "\n# It returns",
+                                                         "merge": False}]}, "max_tokens": 4},
+        "sampled": {"prompt": ["The museum", "A tree"], "n": 2, "seed": 7, "top_p": 0.9,
+                    "logprobs": 2, "stop": ["\n"], "max_tokens": 4},
+        "streamed": {"prompt": DOC, "stream": True, "stream_options": {"include_usage": True},
+                     "max_tokens": 4}},
+    "/v1/chat/completions": {
+        "chat": {"messages": [{"role": "system", "content": "Answer briefly."},
+                              {"role": "user", "content": DOC + "What does add return?"}],
+                 "max_tokens": 4, "temperature": 0},
+        "marked": {"messages": [{"role": "user", "content": DOC, "ktm": {"merge": False}}],
+                   "logprobs": True, "top_logprobs": 2, "max_completion_tokens": 4},
+        "streamed": {"messages": [{"role": "user", "content": "Hello"}], "stream": True,
+                     "max_tokens": 4}},
+}
 INT64 = (-2**63, 2**63 - 1)
 
 
@@ -54,6 +75,13 @@ def openapi_document(app: FastAPI) -> dict:
     for path, operations in doc["paths"].items():
         for op in operations.values():
             _answers(op["responses"], path, keyed)
+            for param in op.get("parameters", ()):  # /v1/models/{model_id}: the one served
+                if param["name"] == "model_id":
+                    param["example"] = cfg.served_name
+            if path in EXAMPLES:
+                op["requestBody"]["content"]["application/json"]["examples"] = {
+                    name: {"value": {"model": cfg.served_name, **body}}
+                    for name, body in EXAMPLES[path].items()}
             if keyed and path.startswith("/v1/"):
                 op["security"] = [{"bearer": []}]
     for name in ("CompletionRequest", "ChatRequest"):
@@ -75,7 +103,8 @@ def _answers(responses: dict, path: str, keyed: bool) -> None:
     if path == "/metrics":
         ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     if path in GENERATE:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        # each event a chunk (JSON), then "[DONE]"
+        ok["content"]["text/event-stream"] = {"schema": {}}
     statuses = []
     if path.startswith("/v1/"):
         statuses += ["401"] if keyed else []

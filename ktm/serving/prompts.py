@@ -95,21 +95,30 @@ def check_length(model, texts: Sequence[str], param: str, ratio: float | None = 
                            "shorter prompt", param=param, code="context_length_exceeded")
 
 
+def _message_texts(messages: Sequence[Message]) -> list[str]:
+    """Each message's text as the chat reads it: its ``ktm.segments``' where it gives them
+    (``_read`` checks that they join to its content)."""
+    out = []
+    for m in messages:
+        segments = m.ktm.segments if m.ktm is not None else None
+        out += [s.text for s in segments] if segments else [m.text()]
+    return out
+
+
 def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ...]]:
     """The request's prompts (one, or each of a list) as segments."""
     check_ratios(model, req)
     ext = req.ktm or KtmOptions()
+    prompts = req.prompt_values()
+    where = (lambda i: "prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
     ratios = [r for r in (ext.ratio, *(s.ratio for s in ext.segments or ())) if r is not None]
     ratio = max(ratios, default=None)
     if ext.segments is not None:
         check_length(model, [s.text for s in ext.segments], "ktm.segments", ratio)
-    for i, p in enumerate(req.prompt_values()):
-        where = "prompt" if isinstance(req.prompt, str | None) else f"prompt[{i}]"
-        if isinstance(p, tuple):
-            check_length(model, [], where, ratio, ids=len(p))
-        elif ext.segments is None:
-            check_length(model, [p], where, ratio)
-    prompts = req.prompt_values()
+    else:
+        for i, p in enumerate(prompts):
+            tokens = isinstance(p, tuple)
+            check_length(model, [] if tokens else [p], where(i), ratio, ids=len(p) if tokens else 0)
     if ext.segments is not None:
         if len(prompts) > 1 or isinstance(prompts[0], tuple):
             raise RequestError("ktm.segments gives the one prompt: prompt must be omitted, empty "
@@ -119,7 +128,6 @@ def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ..
         return [_text_segments(model, [(s.text, s.merge and ext.merge,
                                         s.ratio if s.ratio is not None else ext.ratio)
                                        for s in ext.segments], "prompt")]
-    where = (lambda i: "prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
     return [_non_empty((Segment("", ext.merge, _in_vocabulary(model, p, where(i)),
                                 ratio=ext.ratio if ext.merge else None),), where(i))
             if isinstance(p, tuple) else _text_segments(model, [(p, ext.merge, ext.ratio)],
@@ -201,10 +209,7 @@ def chat_reading(model, req: ChatRequest, history_budget: int | None = None,
     without one."""
     check_ratios(model, req)
     ext_all = req.ktm or KtmOptions()
-    # a message's segments give its content (``_read`` checks that they join to it)
-    given = [m.ktm.segments if m.ktm and m.ktm.segments else None for m in req.messages]
-    check_length(model, [s.text if segs else m.text() for m, segs in zip(req.messages, given)
-                         for s in (segs or [m])], "messages", ext_all.ratio)
+    check_length(model, _message_texts(req.messages), "messages", ext_all.ratio)
     budget = (history_budget if ext_all.history_budget is None else ext_all.history_budget) or None
     name = history_press if ext_all.history_press is None else ext_all.history_press
     if name == "none" or budget is None or not ext_all.merge:

@@ -74,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-k4-seq")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--examples", type=int, default=60)
+    ap.add_argument("--examples", type=int, default=200)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []

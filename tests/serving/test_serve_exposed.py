@@ -235,6 +235,19 @@ def test_an_abusive_request_gets_a_400_naming_its_field(server, name, body, para
         {"model": "tiny", "prompt": "Hello", "max_tokens": 2}).encode())[0] == 200
 
 
+def test_a_chat_longer_than_the_model_reads_is_refused_before_it_is_built(server):
+    """Counted (bytes, then one batch tokenization) before the chat template, the merging or the
+    queue: the engine never sees it."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 60}] * 200}
+    before = dict(server.engine.counts)
+    status, _, answer = raw(server, "/v1/chat/completions", json.dumps(chat).encode())
+    error = answer["error"]
+    assert status == 400 and error["param"] == "messages", error
+    assert error["code"] == "context_length_exceeded"
+    assert "more than this model reads within its context of 512 positions" in error["message"]
+    assert server.engine.counts == before
+
+
 def test_nesting_is_counted_outside_strings_only():
     assert nesting(b'{"a": "[[[[[[", "b": [[1]]}', 2) == (3, "b")
     assert nesting(b'{"a": "\\"[[[[[[[", "b": [1]}', 2) is None  # an escaped quote
