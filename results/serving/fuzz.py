@@ -5,8 +5,9 @@ check, with and without an API key; each status answered and each check's failur
 The server runs in its own process (``ktm serve --model READER``, one thread,
 ``--max-tokens-limit 4`` so that each generated request is short). ``--examples`` is
 schemathesis' ``--max-examples`` (per operation and phase). A row per run: the cases generated,
-the statuses answered (from its NDJSON events), the failures by check with their operations, and
-the engine's counts after (``/health``: requests failed inside it). ``positive_data_acceptance``
+the statuses answered (from its NDJSON events), in all and by route, the failures by check with
+their operations, and the engine's counts after (``/health``: the requests it answered, and
+those that failed inside it). ``positive_data_acceptance``
 (ST202, a request valid in form answered with a 4xx) is counted but is not a defect: a request
 of the right shape is refused for what it says (a prompt that tokenizes to nothing, a chat
 whose messages hold no text), which JSON Schema does not state (``tests/serving/
@@ -34,9 +35,10 @@ from ktm.util.fileio import write_json_atomic
 from ktm.util.provenance import stamped
 
 
-def statuses(ndjson: str) -> dict[str, int]:
-    """Every response's status in a schemathesis NDJSON event log, counted."""
-    seen: collections.Counter = collections.Counter()
+def statuses(ndjson: str) -> dict[str, dict[str, int]]:
+    """Every response's status in a schemathesis NDJSON event log, counted by the route and
+    method it answered."""
+    seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     with open(ndjson) as f:
         for line in f:
             event = json.loads(line)
@@ -45,8 +47,11 @@ def statuses(ndjson: str) -> dict[str, int]:
                 continue
             for step in done.get("recorder", {}).get("interactions", {}).values():
                 if step.get("response"):
-                    seen[str(step["response"]["status_code"])] += 1
-    return dict(sorted(seen.items()))
+                    request = step["request"]
+                    route = request["uri"].split("/", 3)[-1].split("?")[0]
+                    route = "/v1/models/{id}" if route.startswith("v1/models/") else f"/{route}"
+                    seen[f"{request['method']} {route}"][str(step["response"]["status_code"])] += 1
+    return {op: dict(sorted(n.items())) for op, n in sorted(seen.items())}
 
 
 def fuzz(port: int, examples: int, keyed: bool, folder: str) -> dict:
@@ -61,9 +66,13 @@ def fuzz(port: int, examples: int, keyed: bool, folder: str) -> dict:
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)  # its cache there
     out = json.loads(open(report).read())
     seen = statuses(events)
+    every = collections.Counter()
+    for n in seen.values():
+        every.update(n)
     return {"keyed": keyed, "examples": examples, "cases": out["test_cases"]["generated"],
-            "operations_tested": out["operations"]["tested"], "statuses": seen,
-            "responses_5xx": sum(n for s, n in seen.items() if s.startswith("5")),
+            "operations_tested": out["operations"]["tested"],
+            "statuses": dict(sorted(every.items())), "by_operation": seen,
+            "responses_5xx": sum(n for s, n in every.items() if s.startswith("5")),
             "failures": [{k: f[k] for k in ("code", "title", "count", "operations")}
                          for f in out["failures"]],
             "errors": out["errors"], "exit_code": run.returncode,
@@ -74,7 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-k4-seq")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--examples", type=int, default=200)
+    ap.add_argument("--examples", type=int, default=400)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     rows = []
