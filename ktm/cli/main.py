@@ -63,9 +63,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ktm.serving.history import check_history_press
 
     # the options and the prompt are checked before the model is loaded (seconds, or minutes)
-    if (args.prompt is None) == (args.chat is None):
-        raise KTMError("give the prompt as --prompt TEXT or a chat as --chat FILE.jsonl: "
-                       "expected one of them")
+    given = [a for a in (args.prompt, args.prompt_file, args.chat) if a is not None]
+    if len(given) != 1:
+        raise KTMError("give the prompt as --prompt TEXT or --prompt-file PATH, or a chat as "
+                       f"--chat FILE.jsonl: expected one of them, got {len(given)}")
+    if args.prompt_file is not None:
+        args.prompt = read_prompt_file(args.prompt_file)
     if args.chat is not None and args.plain:
         raise KTMError("--plain goes with --prompt; a chat's plain parts are its messages "
                        "(\"ktm\": {\"merge\": false}) or its history budget")
@@ -115,6 +118,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[prompt tokens {n_in} -> {cp.tokens_out}{how}, K={model.k}]",
           file=sys.stderr)
     return 0
+
+
+def read_prompt_file(path: str) -> str:
+    """The text of ``--prompt-file`` (``-``: standard input), read as UTF-8: a document too long
+    for the command line's arguments."""
+    try:
+        if path == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise KTMError(f"cannot read prompt file {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise KTMError(f"prompt file {path!r} is not UTF-8 text: byte {e.object[e.start]:#04x} "
+                       f"at offset {e.start}") from None
 
 
 def read_chat_file(path: str) -> list[dict]:
@@ -204,6 +221,9 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     what.add_argument("--checkpoint", help="a ktm checkpoint folder or reader (its config is used; "
                                            "model flags given must agree with it)")
     what.add_argument("--prompt", help="text to compress")
+    what.add_argument("--prompt-file", metavar="PATH",
+                      help="the text to compress read from a file ('-': standard input), for a "
+                           "document too long for the command line")
     what.add_argument("--plain", action="append", default=[],
                       help="text appended as plain tokens (repeatable)")
     what.add_argument("--chat", metavar="FILE.jsonl",

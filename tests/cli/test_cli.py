@@ -64,6 +64,35 @@ def test_bad_input_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, arg
     assert "Traceback" not in err
 
 
+def test_a_prompt_file_or_stdin_reads_as_the_same_prompt_given_inline(capsys, tiny_model_dir,
+                                                                      tmp_path, monkeypatch):
+    import io
+
+    text = "Tree: AB\n+CD\n++EF\n" * 20
+    doc = tmp_path / "doc.txt"
+    doc.write_text(text, encoding="utf-8")
+    args = ["generate", "--model", tiny_model_dir, "--plain", " Answer:", "--max-new-tokens", "4"]
+    inline = run(capsys, *args, "--prompt", text)
+    assert inline[0] == 0
+    assert run(capsys, *args, "--prompt-file", str(doc)) == inline
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert run(capsys, *args, "--prompt-file", "-") == inline
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--prompt-file", "{tmp}/missing.txt"], "cannot read prompt file '{tmp}/missing.txt'"),
+    (["--prompt-file", "{tmp}/latin1.txt"], "is not UTF-8 text: byte 0xe9 at offset 3"),
+    (["--prompt-file", "{tmp}/latin1.txt", "--prompt", "hi"], "expected one of them, got 2"),
+])
+def test_a_bad_prompt_file_is_one_line_and_nonzero(capsys, tiny_model_dir, tmp_path, extra,
+                                                   match):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    extra = [a.format(tmp=tmp_path) for a in extra]
+    code, _, err = run(capsys, "generate", "--model", tiny_model_dir, *extra)
+    assert code == 2 and "Traceback" not in err
+    assert match.format(tmp=tmp_path) in err.strip().splitlines()[-1]
+
+
 def test_an_unknown_task_is_argparses_usage_error_naming_the_choices(capsys, tiny_model_dir,
                                                                     tmp_path):
     """``--task`` lists its choices, so argparse refuses another name: exit 2, the usage line
