@@ -15,9 +15,9 @@ for each hostile kind, the four and the hostile request are sent at once:
 
 A row per kind: the hostile answer (status, param, seconds), how many good requests failed and
 how many changed. Then a chat of 2,048 messages of 600 characters (1.3 MB), and one of 2,048
-short messages that fits, each sent with two normal clients (``--repeats`` times): the chat's
-answer and seconds, the normal clients' seconds against a quiet server's. One JSON file with
-the configuration, versions and revision.
+short messages, each sent with two normal clients (``--repeats`` times, each time after the two
+alone): the chat's answer and seconds, the normal clients' seconds against the quiet server's.
+One JSON file with the configuration, versions and revision.
 
     python results/serving/isolation.py --out results/serving/isolation.json
 """
@@ -98,7 +98,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-k4-seq")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     proc, port = start_server(args.model, args.threads, "--batch-window-ms", "100",
@@ -117,10 +117,12 @@ def main() -> int:
                          "good_changed": sum(text(r) != w for r, w in zip(got[:-1], want))})
             print(json.dumps(rows[-1]), flush=True)
         normal = GOOD[2:]  # two normal clients: the chats
-        alone = [max(r["seconds"] for r in together(port, normal)) for _ in range(args.repeats)]
         for name, chat in (("2,048 messages x 600 characters", long_chat(2048, 600)),
                            ("2,048 messages x 12 characters", long_chat(2048, 12))):
-            runs = [together(port, [*normal, (CHAT, chat)]) for _ in range(args.repeats)]
+            alone, runs = [], []
+            for _ in range(args.repeats):  # interleaved: the two alone, then beside the chat
+                alone.append(max(r["seconds"] for r in together(port, normal)))
+                runs.append(together(port, [*normal, (CHAT, chat)]))
             big = runs[0][-1]
             rows.append({"kind": name, "status": big["status"], "param": big["param"],
                          "message": big["message"],
