@@ -28,7 +28,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktm.core import checkpoint
-from ktm.core.allocate import ATTENTION_WINDOW, QUESTION_LAYERS, Scorer
+from ktm.core.allocate import ATTENTION_WINDOW, DROPS, QUESTION_LAYERS, Scorer
 from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
@@ -779,6 +779,12 @@ def ratio_refusal(model: KTMModel, ratio: float) -> str | None:
     if not merges(model):
         return None
     return model._prompt_encoder().ratio_refusal(ratio)
+
+
+def may_leave_out(model: KTMModel) -> bool:
+    """Whether ``model`` may leave part of a merged segment unread (an allocator of
+    ``ktm.core.allocate.DROPS``): a segment of it may then take no position at all."""
+    return merges(model) and model._prompt_encoder().allocator in DROPS
 
 
 def tokens_readable(model: KTMModel, ratio: float | None = None) -> float | None:

@@ -28,7 +28,7 @@ from ktm.core.prefix import embedding_rows
 from ktm.core.prompt import Segment
 from ktm.decode.press import PressConfig
 from ktm.errors import KTMError
-from ktm.model import ratio_refusal, tokens_readable
+from ktm.model import may_leave_out, ratio_refusal, tokens_readable
 from ktm.serving.history import (
     HistoryReading,
     OverBudget,
@@ -325,6 +325,8 @@ def _read(model, messages: Sequence[Message], ext_all: KtmOptions,
                                                     for i, m in enumerate(messages)])
     for i in trimmed:
         contents[i] = _strip(contents[i])
+    if not budgeted:  # a budget may leave messages out to fit: the count is its own then
+        check_template_room(model, layout, sum(1 for c in contents if c))
     # a template writes its own BOS; the role lines that stand in for a missing one open with
     # the tokenizer's, as a completion does (a model with a BOS has never read text without it)
     lead = not getattr(model.tokenizer, "chat_template", None)
@@ -346,6 +348,42 @@ def _read(model, messages: Sequence[Message], ext_all: KtmOptions,
                 raise
             return _leave_out(model, messages, ext_all, history_budget, e)
     return _non_empty(tuple(segs), "messages"), how
+
+
+def least_positions(model, layout: list[str | int], contents: int) -> int:
+    """The fewest positions a chat of ``layout`` (``render_chat``'s) and ``contents`` non-empty
+    contents can take (``check_template_room``)."""
+    read: dict[tuple[bool, str], int] = {}
+    least = 0 if may_leave_out(model) else contents
+    for j, piece in enumerate(layout):
+        if not isinstance(piece, str):
+            continue
+        key = (j == 0, piece)  # the chat's start, or after a content's text
+        if key not in read:
+            reader = TemplateReader(model)
+            reader.after = "" if j == 0 else None
+            read[key] = len(reader(piece))
+        least += read[key] - (len(piece) - len(piece.strip()))
+    return least
+
+
+def check_template_room(model, layout: list[str | int], contents: int) -> None:
+    """A chat refused before its pieces are read one by one (the costly part of reading a chat
+    of thousands of messages) where the least it can take already passes the model's context:
+    its template's text, always read plain, as ``TemplateReader`` reads each distinct piece
+    (once), less the whitespace at the pieces' edges (which ``join_whitespace`` may move into a
+    content), and a position for each of its ``contents`` non-empty contents (none where the
+    model's allocator may leave text out)."""
+    context = model.max_positions
+    if context is None or not getattr(model.tokenizer, "chat_template", None):
+        return
+    least = least_positions(model, layout, contents)
+    if least > context:
+        raise RequestError(f"this chat takes at least {least} positions (its template's text, "
+                           f"read plain, and its {contents} messages' contents): more than the "
+                           f"model's context of {context} positions; expected fewer messages (or "
+                           "ktm.history_budget, which leaves the oldest out)", param="messages",
+                           code="context_length_exceeded")
 
 
 def _leave_out(model, messages: Sequence[Message], ext_all: KtmOptions, budget: int,

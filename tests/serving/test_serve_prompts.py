@@ -269,3 +269,34 @@ def test_the_newest_user_messages_question_is_read_plain():
     line = "the quick brown fox jumps over the lazy dog " * (QUESTION_TOKENS // 4)
     _, merged, question = split_question(model, body + line + ". Who jumps?")
     assert question == "Who jumps?" and merged.endswith(". ")
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [TEMPLATE, CHATML], ids=["tags", "chatml"])
+def test_the_least_a_chat_takes_is_never_more_than_it_takes_and_refuses_a_long_one(
+        tiny_model_dir, template):
+    """``least_positions``, counted from the template's distinct pieces before the chat is read,
+    is a lower bound of the positions the chat is read in; a chat whose bound passes the
+    context is a 400 before its messages are read."""
+    from helpers import fresh_model
+
+    from ktm.serving.prompts import least_positions, render_chat
+
+    model = fresh_model(tiny_model_dir, k=4)
+    model.tokenizer.chat_template = template
+    words = "the quick brown fox jumps over the lazy dog again".split()
+    for n in (1, 2, 5, 12):
+        msgs = [{"role": ("user", "assistant")[i % 2],
+                 "content": " ".join(words[: 1 + (i * 3) % 9]) + (" " if i % 3 else "")}
+                for i in range(n)]
+        segs = chat_segments(model, chat(messages=msgs))
+        layout, _ = render_chat(model.tokenizer, [(m["role"], i) for i, m in enumerate(msgs)])
+        taken = model.encode_prompts([segs], embed=False)[0].tokens_out
+        assert least_positions(model, layout, n) <= taken
+    long = [{"role": "user", "content": "hi"}] * (model.max_positions // 2)
+    with pytest.raises(RequestError, match="this chat takes at least") as e:
+        chat_segments(model, chat(messages=long))
+    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
