@@ -121,7 +121,27 @@ def chats() -> dict[str, list[str]]:
             f"{max(t['ttft_s'] for t in big[1:]):.2f} s)"]}
 
 
-CLAIMS = {"int8_speed": int8_speed, "int8_cost": int8_cost, "chats": chats}
+def serving() -> dict[str, list[str]]:
+    iso = rows("serving/isolation.json")
+    hostile = [r for r in iso if "good_failed" in r and "kind" in r]
+    big, short = (next(r for r in iso if r.get("kind", "").startswith(f"2,048 messages x {n}"))
+                  for n in ("600", "12"))
+    fuzz = {r["keyed"]: r for r in rows("serving/fuzz.json")}
+    assert all(r["responses_5xx"] == 0 for r in fuzz.values())
+    assert {f["code"] for r in fuzz.values() for f in r["failures"]} <= {"ST202", "ST112"}
+    return {"docs/serving.md": [
+        f"each of {len(hostile)} hostile requests",
+        f"{sum(r['good_failed'] + r['good_changed'] for r in hostile)} of {4 * len(hostile)} "
+        "failed or changed",
+        f"got its 400 in {big['seconds']:.2f} s, two normal clients meanwhile answered in "
+        f"{big['normal_seconds_median']:.2f} s (median of {big['config']['repeats']}; "
+        f"{big['quiet_seconds_median']:.2f} s alone)",
+        f"messages in {short['seconds']:.2f} s, the two in {short['normal_seconds_median']:.2f} s "
+        f"({short['quiet_seconds_median']:.2f} s alone)",
+        f"{fuzz[True]['cases']:,} requests with a key and {fuzz[False]['cases']:,} without"]}
+
+
+CLAIMS = {"int8_speed": int8_speed, "int8_cost": int8_cost, "chats": chats, "serving": serving}
 
 
 @pytest.mark.parametrize("claim", list(CLAIMS))
