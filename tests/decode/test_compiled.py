@@ -236,8 +236,10 @@ def test_rows_joining_and_leaving_a_compiled_batch_decode_as_eager(ktm_model):
 def test_int8_weights_follow_native_up_to_a_near_tie_eager_and_compiled(tiny_model_dir):
     """Int8 linear layers (``ktm.core.int8``): logits within INT8_BOUND of the native ones'
     largest magnitude and greedy tokens equal up to a near-tie of that size, eager (the bf16
-    kernel) and compiled (a batch: the same kernel, so eager's logits to the dtype's rounding;
-    one row: the fused fp32 dot products)."""
+    kernel) and compiled (a batch, and one row: the fused fp32 dot products). The compiled
+    batch is held to the same bound as the rest, not to eager int8's logits: which kernel
+    inductor picks for it depends on the CPU (on an AMD EPYC its logits are 4e-4 from eager
+    int8's, norm-wise, where on others they are eager's to fp32's rounding)."""
     from ktm.core.int8 import Int8Linear
 
     require_device()
@@ -252,7 +254,7 @@ def test_int8_weights_follow_native_up_to_a_near_tie_eager_and_compiled(tiny_mod
     assert type(model.decode_lm().lm_head) is Int8Linear
     _same_up_to_a_near_tie(tokens, logits, *native, bound=INT8_BOUND)
     model.runtime.compile = "on"
-    _same_up_to_a_near_tie(*_decode(model, PROMPTS, 10)[:2], tokens, logits)
+    _same_up_to_a_near_tie(*_decode(model, PROMPTS, 10)[:2], *native, bound=INT8_BOUND)
     _same_up_to_a_near_tie(*_decode(model, PROMPTS[:1], 10)[:2], *one, bound=INT8_BOUND)
 
 
