@@ -86,7 +86,8 @@ def check_length(model, texts: Sequence[str], param: str, ratio: float | None = 
         _check_text(text, param)
     if ids + sum(len(t.encode("utf-8")) for t in texts) <= most:
         return
-    counted = model.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    # no texts (a prompt of token ids): nothing to tokenize, its ids are its count
+    counted = model.tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
     n = ids + sum(len(x) for x in counted)
     if n > most:
         raise RequestError(f"{param} holds {n} tokens, more than this model reads within its "

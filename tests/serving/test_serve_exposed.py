@@ -248,6 +248,13 @@ def test_a_chat_longer_than_the_model_reads_is_refused_before_it_is_built(server
     assert server.engine.counts == before
 
 
+def test_token_ids_past_what_the_model_reads_are_a_400_naming_the_prompt(server):
+    status, _, answer = raw(server, "/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": [5] * 20_000}).encode())
+    assert status == 400 and answer["error"]["param"] == "prompt", answer
+    assert answer["error"]["code"] == "context_length_exceeded"
+
+
 def test_nesting_is_counted_outside_strings_only():
     assert nesting(b'{"a": "[[[[[[", "b": [[1]]}', 2) == (3, "b")
     assert nesting(b'{"a": "\\"[[[[[[[", "b": [1]}', 2) is None  # an escaped quote
