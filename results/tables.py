@@ -655,6 +655,7 @@ def long_answers() -> str:
 QUESTION = RESULTS / "question"
 QUESTION_NAMES = {
     "plain": "plain (the base model)", "truncate": "truncation (its last 30 %)",
+    "bm25": "BM25 lines (30 % kept, the base model)",
     "truncate-window": "truncation to the window (last 8,000 tokens)",
     "k2": "ktm K=2 (k2-seq)", "k4": "ktm K=4 (k4-seq)",
     "k4-question": "ktm K=4 reader (k4-seq), question allocator (ratio 4)",
@@ -747,7 +748,7 @@ def question() -> str:
 
 def question_tasks() -> str:
     """The other question tasks at 1,024 tokens (and 4,096 where run): the main readings."""
-    main = ("plain", "truncate", "k4", "qa-k4", "qa-question", "longllmlingua",
+    main = ("plain", "truncate", "bm25", "k4", "qa-k4", "qa-question", "longllmlingua",
             "expected_attention", "kvzip")
     out = []
     for task, title in (("needle-multikey", "needle, 4 keys (one asked)"),

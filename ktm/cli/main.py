@@ -69,15 +69,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        f"--chat FILE.jsonl: expected one of them, got {len(given)}")
     if args.prompt_file is not None:
         args.prompt = read_prompt_file(args.prompt_file)
-    if args.chat is not None and args.plain:
-        raise KTMError("--plain goes with --prompt; a chat's plain parts are its messages "
-                       "(\"ktm\": {\"merge\": false}) or its history budget")
+    if args.chat is not None and (args.plain or args.question is not None):
+        raise KTMError("--plain and --question go with --prompt; a chat's plain parts are its "
+                       "messages (\"ktm\": {\"merge\": false}) or its history budget, its "
+                       "question the newest user message's end")
     if args.history_budget is not None and args.chat is None:
         raise KTMError("--history-budget reads a chat: expected --chat FILE.jsonl")
     check_history_press(args.history_press, args.history_budget, args.press)
     messages = read_chat_file(args.chat) if args.chat is not None else None
     segments = None if messages is not None else list(as_segments(
-        [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]))
+        [Segment(args.prompt)] + [Segment(p, compress=False) for p in args.plain]
+        + ([Segment(args.question, question=True)] if args.question else [])))
     opts = from_args(GenerationConfig, args).to_dict()
     # read once; a baseline's checkpoint reads its prompts as the method it records rewrote
     ckpt = open_checkpoint(args.checkpoint) if args.checkpoint else None
@@ -226,6 +228,10 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
                            "document too long for the command line")
     what.add_argument("--plain", action="append", default=[],
                       help="text appended as plain tokens (repeatable)")
+    what.add_argument("--question", metavar="TEXT",
+                      help="what the prompt asks, read plain after it (and after --plain) as "
+                           "its question: the question allocator reads the document with it "
+                           "in view (ktm.core.question)")
     what.add_argument("--chat", metavar="FILE.jsonl",
                       help="a chat instead of --prompt: one message per line, as OpenAI's "
                            "({\"role\": \"user\", \"content\": \"...\"}, optionally \"ktm\": "

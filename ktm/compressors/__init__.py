@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ktm.compressors.base import CompressionStats, Compressor, compress_examples
+from ktm.compressors.bm25 import BM25Lines
 from ktm.compressors.llmlingua import LLMLingua
 from ktm.compressors.ltsc import LTSC
 from ktm.compressors.mean_pool import MeanPool
@@ -18,6 +19,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
     "llmlingua": LLMLingua,
     "ltsc": LTSC,
     "truncate": Truncate,
+    "bm25": BM25Lines,
 }
 
 

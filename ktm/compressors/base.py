@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ktm.core.prompt import Segment, as_segments
+from ktm.core.question import question_text
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
 
@@ -38,12 +39,6 @@ def check_ratio(ratio: float) -> float:
     if not 0.0 <= ratio < 1.0:
         raise KTMError(f"ratio must be in [0, 1) (the share of tokens to drop), got {ratio!r}")
     return float(ratio)
-
-
-def question_of(segments: Sequence[Segment]) -> str:
-    """A prompt's question: its plain segments after the last compressed one, as text."""
-    last = max((i for i, s in enumerate(segments) if s.compress), default=len(segments))
-    return "".join(s.text for s in segments[last + 1:])
 
 
 class Compressor:
@@ -85,7 +80,7 @@ class Compressor:
         where = [(r, i) for r, segs in enumerate(prompts) for i, s in enumerate(segs) if s.compress]
         asked = {}
         if self.question_aware:
-            asked["questions"] = [question_of(prompts[r]) for r, _ in where]
+            asked["questions"] = [question_text(prompts[r]) for r, _ in where]
         new = self.rewrite([prompts[r][i].text for r, i in where], [i == 0 for _, i in where],
                            **asked)
         rows = [list(segs) for segs in prompts]

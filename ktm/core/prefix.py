@@ -33,6 +33,7 @@ from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
 from ktm.core.encoder import cast_for_inference, deeper_level, level_encoder
 from ktm.core.prompt import Segment
+from ktm.core.question import question_segments
 from ktm.core.tokens import LineBreaks
 from ktm.errors import KTMError
 
@@ -175,9 +176,9 @@ class PromptEncoder:
         with a ratio or levels, its merged pieces cut into runs of one level each (not when
         ``allocate`` is off: a prompt read unmerged needs no plan)."""
         runs: dict[int, list[list[tuple[int, int]]]] = {}
-        # the prompt's question: its plain segments after the last compressed one
+        asked = set(question_segments(segs))  # the prompt's question (``ktm.core.question``)
+        question = [t for ids, c, i in row if i in asked and not c for t in ids]
         last = max((i for i, s in enumerate(segs) if s.compress), default=len(segs))
-        question = [t for ids, c, i in row if i > last and not c for t in ids]
         deep = deeper_level(self.encoder)
         for seg, s in enumerate(segs if allocate else ()):
             if s.compress and s.ratio is None and s.levels is None and self.ratio is not None:

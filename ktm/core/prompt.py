@@ -3,7 +3,10 @@
 A plain string is one compressed segment. Keeping the question and the answer cue plain while
 compressing a long context is the usual mixed layout:
 
-    [Segment(document), Segment("Question: ...? Answer:", compress=False)]
+    [Segment(document), Segment("Question: ...? Answer:", question=True)]
+
+(``question=True`` says what the prompt asks, ``ktm.core.question``; ``compress=False`` is plain
+text the rule there may take for the question.)
 
 A compressed segment is merged at the model's K, or read at a ratio (``Segment(document,
 ratio=3.0)``: three tokens per position on average, the positions spent where the text needs
@@ -33,6 +36,10 @@ class Segment:
     model's allocator (``KTMConfig.allocator``). ``levels``: the level of each unit given
     directly (tests, oracles, pretraining's varied layouts). None of either: merged at the
     model's K, as always.
+
+    ``question``: this segment is what the prompt asks (``ktm.core.question``): read plain
+    (``compress`` is then False), and the question allocator reads the document with it in view.
+    Unmarked, a prompt's question is its plain segments after the last compressed one.
     """
 
     text: str
@@ -40,6 +47,7 @@ class Segment:
     ids: tuple[int, ...] | None = None
     ratio: float | None = None
     levels: tuple[int, ...] | None = None
+    question: bool = False
 
     def __post_init__(self) -> None:
         # what the tokenizer or the embedding table would otherwise refuse deep inside
@@ -60,6 +68,11 @@ class Segment:
                 except TypeError:
                     raise KTMError(f"Segment ids must be token ids (integers >= 0), got {i!r}"
                                    ) from None
+        if self.question:
+            if self.ratio is not None or self.levels is not None:
+                raise KTMError("a question Segment is read plain: expected no ratio or levels, "
+                               f"got ratio={self.ratio!r}, levels={self.levels!r:.60}")
+            object.__setattr__(self, "compress", False)
         if (self.ratio is not None or self.levels is not None) and not self.compress:
             raise KTMError("Segment ratio and levels say how a compressed segment is merged: "
                            "expected compress=True")

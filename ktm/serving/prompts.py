@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from ktm.core.encoder import deeper_level
 from ktm.core.prefix import embedding_rows
 from ktm.core.prompt import Segment
+from ktm.core.question import split_question, text_prompt
 from ktm.decode.press import PressConfig
 from ktm.errors import KTMError
 from ktm.model import may_leave_out, ratio_refusal, tokens_readable
@@ -114,35 +115,53 @@ def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ..
     where = (lambda i: "prompt") if len(prompts) == 1 else (lambda i: f"prompt[{i}]")
     ratios = [r for r in (ext.ratio, *(s.ratio for s in ext.segments or ())) if r is not None]
     ratio = max(ratios, default=None)
+    asked = [ext.question] if ext.question else []
     if ext.segments is not None:
-        check_length(model, [s.text for s in ext.segments], "ktm.segments", ratio)
+        check_length(model, [s.text for s in ext.segments] + asked, "ktm.segments", ratio)
     else:
         for i, p in enumerate(prompts):
             tokens = isinstance(p, tuple)
-            check_length(model, [] if tokens else [p], where(i), ratio, ids=len(p) if tokens else 0)
+            check_length(model, asked if tokens else [p, *asked], where(i), ratio,
+                         ids=len(p) if tokens else 0)
     if ext.segments is not None:
         if len(prompts) > 1 or isinstance(prompts[0], tuple):
             raise RequestError("ktm.segments gives the one prompt: prompt must be omitted, empty "
                                "or exactly the segments' texts joined, not token ids or a list "
                                f"of {len(prompts)} prompts", param="prompt")
         _check_joined(prompts[0], ext.segments, "prompt")
-        return [_text_segments(model, [(s.text, s.merge and ext.merge,
-                                        s.ratio if s.ratio is not None else ext.ratio)
-                                       for s in ext.segments], "prompt")]
-    return [_non_empty((Segment("", ext.merge, _in_vocabulary(model, p, where(i)),
-                                ratio=ext.ratio if ext.merge else None),), where(i))
-            if isinstance(p, tuple) else _text_segments(model, [(p, ext.merge, ext.ratio)],
-                                                        where(i))
-            for i, p in enumerate(prompts)]
+        return [_asked(model, _text_segments(model, [
+            (s.text, s.merge and ext.merge, s.ratio if s.ratio is not None else ext.ratio)
+            for s in ext.segments], "prompt"), ext.question, "prompt")]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, tuple):
+            segs = (Segment("", ext.merge, _in_vocabulary(model, p, where(i)),
+                            ratio=ext.ratio if ext.merge else None),)
+        elif ext.merge and ext.question is None:  # its own end is its question, as in a chat
+            _check_text(p, where(i))
+            segs = _text_segments(model, [(s.text, s.compress, s.ratio, s.question)
+                                          for s in text_prompt(model, p, ext.ratio)], where(i))
+        else:
+            segs = _text_segments(model, [(p, ext.merge, ext.ratio)], where(i))
+        out.append(_asked(model, _non_empty(segs, where(i)), ext.question, where(i)))
+    return out
 
 
-def _text_segments(model, parts: list[tuple[str, bool, float | None]], where: str
-                   ) -> tuple[Segment, ...]:
-    """Segments of (text, merge, ratio) parts; a ratio reads a merged part at it."""
+def _asked(model, segs: tuple[Segment, ...], question: str | None, where: str
+           ) -> tuple[Segment, ...]:
+    """A completion's segments with its ``ktm.question`` after them, plain and marked."""
+    if not question:
+        return segs
+    return (*segs, Segment(question, question=True,
+                           ids=_ids(model, question, False, "ktm.question")))
+
+
+def _text_segments(model, parts: list[tuple], where: str) -> tuple[Segment, ...]:
+    """Segments of (text, merge, ratio[, question]) parts; a ratio reads a merged part at it."""
     parts = [p for p in parts if p[0]]
     return _non_empty(tuple(Segment(t, m, _ids(model, t, i == 0, where),
-                                    ratio=r if m else None)
-                            for i, (t, m, r) in enumerate(parts)), where)
+                                    ratio=r if m else None, question=bool(q and q[0]))
+                            for i, (t, m, r, *q) in enumerate(parts)), where)
 
 
 def _apply(tokenizer, turns: list[tuple[str, int]], pad: str = "") -> str:
@@ -296,6 +315,10 @@ def _read(model, messages: Sequence[Message], ext_all: KtmOptions,
     if ext_all.segments is not None:
         raise RequestError("ktm.segments is for /v1/completions; in a chat, give a message "
                            "\"ktm\": {\"segments\": [...]}", param="ktm.segments")
+    if ext_all.question:
+        raise RequestError("ktm.question is for /v1/completions; in a chat, the newest user "
+                           "message's end is its question (\"\": none, the message merged whole)",
+                           param="ktm.question")
     merge_all = ext_all.merge
     # with a budget, an unmarked message is read plain unless the budget needs it merged
     budgeted = history_budget is not None and merge_all
@@ -311,14 +334,16 @@ def _read(model, messages: Sequence[Message], ext_all: KtmOptions,
             unmarked = not budgeted
             parts = [(m.text(), unmarked if ext is None or ext.merge is None else ext.merge)]
         contents.append([(t, merge and merge_all) for t, merge in parts if t])
-    last = messages[-1]
+    last, asked = messages[-1], False
     if (merge_all and not budgeted and not marked[-1] and last.role == "user"
+            and ext_all.question is None
             and len(contents[-1]) == 1):
         # the newest user message holds the question: its end read plain (``split_question``)
         _check_text(contents[-1][0][0], "messages")
         lead, body, question = split_question(model, contents[-1][0][0])
         contents[-1] = [(t, merge) for t, merge in ((lead, False), (body, True),
                                                     (question, False)) if t]
+        asked = bool(question)
     if not any(contents):
         raise RequestError("messages are empty: expected at least one message with content",
                            param="messages")
@@ -339,6 +364,9 @@ def _read(model, messages: Sequence[Message], ext_all: KtmOptions,
         ids = model.tokenize(text, first=not segs) if lead else read(text)
         segs.append(Segment(text, merge, tuple(ids), ratio=ext_all.ratio if merge else None))
         owners.append(owner)
+    if asked:  # the question split off the newest user message: marked as such
+        j = max(j for j, owner in enumerate(owners) if owner == len(messages) - 1)
+        segs[j] = replace(segs[j], question=True)
     how = None
     if budgeted:
         try:
@@ -423,46 +451,6 @@ def _leave_out(model, messages: Sequence[Message], ext_all: KtmOptions, budget: 
         else:
             lo = mid + 1
     return tried[ends[lo]]
-
-
-# the end of a chat's newest user message read plain as its question: up to this many tokens
-QUESTION_TOKENS = 96
-
-
-def split_question(model, text: str) -> tuple[str, str, str]:
-    """A newest user message as (lead, body, question), each read as ``ktm serve`` reads it:
-    the body merged, the lead and the question plain, as a prompt ``[Segment(document),
-    Segment(question, compress=False)]`` reads. A message that pastes a document and asks about
-    it then has its question read as one (the question allocator reads the lines it asks about
-    plain), and an instruction before the document stays as written.
-
-    The question is the message's last paragraph when it holds at most ``QUESTION_TOKENS``
-    tokens, else its last line when that does, else its last sentence; the whole message when
-    it is that short. The lead is its first line when that is as short and a body remains. A last
-    sentence of more than four times as many tokens is no question: the message is then
-    merged whole, as it was before questions were read."""
-    body, question = _question_tail(model, text)
-    newline = body.find("\n") + 1
-    if newline and body[newline:].strip() and (
-            len(model.tokenize(body[:newline])) <= QUESTION_TOKENS):
-        return body[:newline], body[newline:], question
-    return "", body, question
-
-
-def _question_tail(model, text: str) -> tuple[str, str]:
-    """(the rest, the question) of ``split_question``."""
-    if len(model.tokenize(text)) <= QUESTION_TOKENS:
-        return "", text
-    body = text.rstrip()
-    for start in (body.rfind("\n\n") + 2, body.rfind("\n") + 1):  # a paragraph, a line
-        if 0 < start < len(body) and len(model.tokenize(body[start:])) <= QUESTION_TOKENS:
-            return text[:start], text[start:]
-    line = body.rfind("\n") + 1  # the last line alone is longer: its last sentence
-    ends = [m.end() for m in re.finditer(r"[.!?]\s+", body[line:])]
-    cut = line + (ends[-1] if ends else 0)
-    if len(model.tokenize(body[cut:])) > 4 * QUESTION_TOKENS:
-        return text, ""
-    return text[:cut], text[cut:]
 
 
 def _within_budget(model, segs: list[Segment], owners: list[int | None],

@@ -18,9 +18,11 @@ The ktm extension is one optional field named ``ktm``; with the official client 
     both:         "ktm": {"merge": false} at the top level feeds everything plain (the
                   uncompressed baseline); "ktm": {"ignore_eos": true} always generates max_tokens
 
-Without it, a completion prompt and every chat message's content are merged but for the end of the
-newest user message, its question, read plain (``ktm.serving.prompts.split_question``); the chat
-template's own text (role markers, the generation prompt) is always plain.
+Without it, every chat message's content is merged but for the end of the newest user message, its
+question, read plain (``ktm.core.question.split_question``); a text completion prompt is read by the
+same rule, or, with "ktm": {"question": TEXT}, merged whole with TEXT after it as its question ("":
+no question, the prompt merged whole). The chat template's own text (role markers, the generation
+prompt) is always plain.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ class KtmOptions(Strict):
     # server's --press. press_ratio: its share of the KV dropped (None: the server's)
     press: str | None = None
     press_ratio: float | None = Field(None, ge=0, lt=1, allow_inf_nan=False, strict=True)
+    # completions only: what the prompt asks, read plain after it as its question
+    # (ktm.core.question; "": none, the prompt merged whole); None: the prompt's own end, as a
+    # chat's newest user message is read (ktm.core.question.split_question)
+    question: str | None = Field(None, strict=True)
     # a chat read within this many positions, its oldest unmarked messages merged to fit
     # (ktm.serving.history); None: the server's --history-budget, 0: none
     history_budget: int | None = Field(None, ge=0, strict=True)

@@ -58,11 +58,11 @@ def check_examples(examples: Any) -> None:
 
 
 def qa_prompt(document: str, question: str, mode: PromptMode) -> tuple[Segment, ...]:
-    """A question task's prompt: the document merged, the question after it plain ("paper":
-    both merged, as one segment)."""
+    """A question task's prompt: the document merged, the question after it plain and marked
+    (``ktm.core.question.asking``; "paper": both merged, as one segment)."""
     if mode == "paper":
         return (Segment(document + question),)
-    return (Segment(document), Segment(question, compress=False))
+    return (Segment(document), Segment(question, question=True))
 
 
 def bind(task, model) -> None:

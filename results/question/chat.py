@@ -8,7 +8,7 @@ Readings (the same messages for each):
     merged whole      the message merged whole ({"ktm": {"merge": true}}: how ktm serve read
                       every message before it read a question)
     question plain    ktm serve's default: the message's end read plain as its question, the
-                      rest merged (``ktm.serving.prompts.split_question``)
+                      rest merged (``ktm.core.question.split_question``)
     plain             merging off: the base model reading the whole chat (the question
                       reader's LoRA adapts merged rows only, so this is the base model)
     with each reader: smollm2-135m-k4-chat (the reader for long chats, uniform K=4) and

@@ -10,6 +10,8 @@
 # its positions, every other reading keeps 30 % of its tokens or KV):
 #   plain            the base model reading everything
 #   truncate         the base model reading the document's last 30 % of tokens
+#   bm25             the base model reading the document's lines BM25 ranks best against the
+#                    question, up to 30 % of its tokens, in their order (nothing trained)
 #   k4, k2           the shipped consecutive-position readers, every block at K
 #   k4-question      the shipped K=4 reader at ratio 4, the question allocator
 #   qa-k4            the question reader (LoRA on merged rows only) at K=4
@@ -32,9 +34,9 @@ export OMP_NUM_THREADS=1
 READER=${READER:-smollm2-135m-k4-qa}
 RATIO=${RATIO:-4}
 presses="expected_attention snapkv tova streaming_llm kvzip"
-all="plain truncate k4 k2 k4-question qa-k4 qa-question llmlingua longllmlingua $presses snapkv-question"
-main="plain,truncate,k4,qa-k4,qa-question,longllmlingua,expected_attention,kvzip"
-depth="plain,k4,qa-question"
+all="plain truncate bm25 k4 k2 k4-question qa-k4 qa-question llmlingua longllmlingua $presses snapkv-question"
+main="plain,truncate,bm25,k4,qa-k4,qa-question,longllmlingua,expected_attention,kvzip"
+depth="plain,k4,qa-question,bm25"
 # the side by side at 1,024 and 4,096 tokens; the depth picture at 2,048 and 8,000; the other
 # questions; past the window (16,384 and 32,768 tokens: truncation to the window, and the
 # question reader in at most 8,192 positions)
@@ -47,6 +49,7 @@ flags() {  # the ktm eval flags of one method
   case $1 in
     plain)           echo "--model smollm2-135m --no-merge" ;;
     truncate)        echo "--compressor truncate --compressor-option ratio=0.7" ;;
+    bm25)            echo "--compressor bm25 --compressor-option ratio=0.7" ;;
     truncate-window) echo "--compressor truncate --compressor-option keep=8000" ;;
     k4)              echo "--checkpoint smollm2-135m-k4-seq" ;;
     k2)              echo "--checkpoint smollm2-135m-k2-seq" ;;

@@ -79,7 +79,25 @@ def test_a_prompt_file_or_stdin_reads_as_the_same_prompt_given_inline(capsys, ti
     assert run(capsys, *args, "--prompt-file", "-") == inline
 
 
+def test_a_question_is_read_plain_after_the_prompt(capsys, tiny_model_dir):
+    # the same rows as a plain tail (a uniform reader reads no question), and not the prompt alone
+    args = ["generate", "--model", tiny_model_dir, "--prompt", "Tree: AB\n+CD\n" * 8,
+            "--max-new-tokens", "3"]
+    asked = run(capsys, *args, "--question", " Who is B's parent? Answer:")
+    assert asked[0] == 0 and asked == run(capsys, *args, "--plain", " Who is B's parent? Answer:")
+    alone = run(capsys, *args)[2]
+
+    def tokens(err):  # "[prompt tokens IN -> OUT, K=..]": (IN, OUT)
+        got = re.search(r"prompt tokens (\d+) -> (\d+),", err)
+        return int(got[1]), int(got[2])
+
+    (n_in, n_out), (alone_in, alone_out) = tokens(asked[2]), tokens(alone)
+    # the question's tokens are each a position of their own
+    assert n_in - alone_in == n_out - alone_out > 0
+
+
 @pytest.mark.parametrize("extra,match", [
+    (["--chat", "{tmp}/chat.jsonl", "--question", "Who?"], "--plain and --question go with"),
     (["--prompt-file", "{tmp}/missing.txt"], "cannot read prompt file '{tmp}/missing.txt'"),
     (["--prompt-file", "{tmp}/latin1.txt"], "is not UTF-8 text: byte 0xe9 at offset 3"),
     (["--prompt-file", "{tmp}/latin1.txt", "--prompt", "hi"], "expected one of them, got 2"),

@@ -248,6 +248,33 @@ def test_ratio_must_be_a_share():
         SelectiveContext(ratio=1.5)
 
 
+# ---------------------------------------------------------------- the BM25 line retriever
+LINES = "".join(f"row {i} holds a value of {i * 7}\n" for i in range(30))
+
+
+def test_bm25_reads_the_lines_the_question_asks_about_in_order_within_its_budget(
+        tiny_model_dir):
+    from ktm.compressors.bm25 import best_lines, ranked
+
+    model = fresh(tiny_model_dir)
+    doc = LINES.replace("row 12 holds", "row 12 holds the secret code, it holds")
+    bm25 = get_compressor("bm25", ratio=0.8)
+    bm25.fit([], model)
+    asked = Example((Segment(doc), Segment("\nWhat is the secret code?", question=True),
+                     Segment(" It is", compress=False)), "84", "84")
+    [out] = bm25.compress_batch([asked])
+    kept = out.segments[0].text
+    assert "the secret code" in kept and out.segments[1:] == asked.segments[1:]
+    assert out.meta["tokens_after"] - count_tokens(model, asked.segments[1:]) <= round(
+        0.2 * count_tokens(model, asked.segments[:1]))
+    lines = kept.splitlines(keepends=True)
+    assert all(line in doc.splitlines(keepends=True) for line in lines[:-1])  # whole lines
+    assert lines == sorted(lines, key=doc.index)  # in the document's order
+    # no word of the question in any line: the last lines, as truncation keeps them
+    assert best_lines(["a b\n", "c d\n", "e f\n"], "zzz?", [2, 2, 2], 4) == [1, 2]
+    assert ranked(["a b\n", "secret c\n", "e f\n"], "the secret?")[0] == 1
+
+
 # ---------------------------------------------------------------- LTSC
 def test_ltsc_mines_the_largest_saving_first():
     seqs = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 9], [7, 1, 2, 3, 8]]

@@ -203,3 +203,31 @@ def test_relevance_does_not_flow_along_the_questions_own_words():
     scores = lexical_scores(doc, [1, 9], word, lambda i: i in ends)
     by_line = [scores[a] for a, _ in passages(doc, lambda i: i in ends)]
     assert by_line[2] == pytest.approx(math.log(1 + 4 / 2))  # its own "code", nothing flowed
+
+
+def test_a_marked_question_is_the_question_and_read_plain(reader):
+    from ktm.core.question import asking, question_segments, question_text
+
+    doc, q, cue = Segment(DOC), Segment("\nWhat is the secret code?", question=True), \
+        Segment(" It is", compress=False)
+    assert q.compress is False and asking(DOC, q.text) == (doc, q)
+    with pytest.raises(KTMError, match="question Segment is read plain"):
+        Segment("Who?", question=True, ratio=2.0)
+    # unmarked: the plain segments after the last compressed one; marked: only those marked
+    unmarked = (doc, Segment(q.text, compress=False), cue)
+    assert question_segments(unmarked) == [1, 2] and question_segments((doc,)) == []
+    assert question_segments((doc, q, cue)) == [1] and question_text((doc, q, cue)) == q.text
+    # the allocator reads the document with the marked question alone in view: the answer cue
+    # after it is no part of it (unmarked, the cue's words would be asked too)
+    seen = []
+    scorer = reader.scorer
+    reader.scorer = lambda name, ids, question: seen.append(list(question)) or scorer(
+        name, ids, question)
+    marked = reader.encode_prompts([(replace_ratio(doc), q, cue)], embed=False)[0]
+    alone = reader.encode_prompts([(replace_ratio(doc), q)], embed=False)[0]
+    assert seen[0] == seen[1] == reader.tokenize(q.text)
+    assert marked.tokens_out == alone.tokens_out + len(reader.tokenize(cue.text))
+
+
+def replace_ratio(seg):
+    return dataclasses.replace(seg, ratio=3.0)

@@ -367,7 +367,8 @@ def test_a_prompt_of_token_ids_is_those_tokens(server, client, merge):
     # as OpenAI (and vLLM) take it: a list of ints, or a list of one such list, is the prompt's
     # tokens as given, merged like a text prompt unless "ktm": {"merge": false}
     ids = server.model.tokenize(DOC, first=True)
-    kw = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ktm": {"merge": merge}})
+    kw = dict(model="tiny", max_tokens=8, temperature=0,
+              extra_body={"ktm": {"merge": merge, "question": ""}})
     want = client.completions.create(prompt=DOC, **kw)
     for prompt in (ids, [ids]):
         got = client.completions.create(prompt=prompt, **kw)
@@ -700,7 +701,8 @@ def test_ktm_serve_command_serves_and_stops_cleanly(tiny_model_dir):
         assert _wait_until(up, 120) and proc.poll() is None, proc.communicate()
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
         assert [m.k for m in c.models.list().data] == [2]
-        r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=3)
+        r = c.completions.create(model="tiny", prompt="Hello world", max_tokens=3,
+                                 extra_body={"ktm": {"question": ""}})  # merged whole
         assert r.usage.prompt_tokens_merged == -(-r.usage.prompt_tokens // 2)
         # a client that goes mid-stream: one line, no traceback
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

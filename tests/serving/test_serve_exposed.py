@@ -367,8 +367,8 @@ def _stream_asks(n: int) -> list[dict]:
                   seed=i, stream=True, stream_options={"include_usage": True})
         if i % 3 == 0:
             kw["messages"] = [{"role": "user", "content": text}]
-        else:
-            kw["prompt"] = text
+        else:  # merged whole (short, it would be read plain as its own question)
+            kw.update(prompt=text, extra_body={"ktm": {"question": ""}})
         asks.append(kw)
     return asks
 

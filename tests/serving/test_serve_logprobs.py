@@ -18,7 +18,10 @@ from ktm.serving.protocol import ChatRequest
 
 MESSAGES = [{"role": "system", "content": DOC},
             {"role": "user", "content": "Who?", "ktm": {"merge": False}}]
-NO_EOS = {"ktm": {"ignore_eos": True}}  # every choice has max_tokens tokens, as the reference
+# every choice has max_tokens tokens, as the reference; a completion prompt merged whole, as the
+# reference reads it (CHAT_NO_EOS: a chat read as chat_prompt reads it)
+CHAT_NO_EOS = {"ktm": {"ignore_eos": True}}
+NO_EOS = {"ktm": {**CHAT_NO_EOS["ktm"], "question": ""}}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def test_completion_logprobs_are_the_models_log_softmax(server, client, how, top
 def test_chat_logprobs_are_the_models_log_softmax(server, client):
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10,
                                        temperature=1.0, seed=5, logprobs=True, top_logprobs=4,
-                                       extra_body=NO_EOS).choices[0]
+                                       extra_body=CHAT_NO_EOS).choices[0]
     prompt = chat_prompt(server.model, MESSAGES)
     ids, ref = reference(server.model, prompt, 10, do_sample=True, seed=5)
     tok = server.model.tokenizer
@@ -337,7 +340,7 @@ def test_nan_logits_give_the_floor_not_a_500(server, monkeypatch):
         for stream in (False, True):
             req = urllib.request.Request(
                 server.url + path, headers={"Content-Type": "application/json"},
-                data=json.dumps({"model": "tiny", "max_tokens": 3, "stream": stream, **NO_EOS,
+                data=json.dumps({"model": "tiny", "max_tokens": 3, "stream": stream, **CHAT_NO_EOS,
                                  **body}).encode())
             with urllib.request.urlopen(req, timeout=30) as r:
                 raw = r.read().decode()

@@ -236,7 +236,7 @@ def test_a_ratio_reads_the_merged_parts_of_a_request_at_it():
     [segs] = completion_segments(model, req)
     assert [(s.compress, s.ratio) for s in segs] == [(True, 3.0), (False, None), (True, 1.5)]
     [one] = completion_segments(model, CompletionRequest(model="m", prompt="The quick brown fox.",
-                                                         ktm={"ratio": 2}))
+                                                         ktm={"ratio": 2, "question": ""}))
     assert one[0].ratio == 2.0
     msgs = [{"role": "system", "content": "The quick brown fox."},
             {"role": "user", "content": "Who?", "ktm": {"merge": False}}]
@@ -248,7 +248,7 @@ def test_a_ratio_reads_the_merged_parts_of_a_request_at_it():
 
 
 def test_the_newest_user_messages_question_is_read_plain():
-    from ktm.serving.prompts import QUESTION_TOKENS, split_question
+    from ktm.core.question import QUESTION_TOKENS, split_question
 
     model = Model(TEMPLATE)
     body = "".join(f"def f{i}(a, b):\n    return a + b\n" for i in range(40))
@@ -257,8 +257,29 @@ def test_the_newest_user_messages_question_is_read_plain():
     assert (lead, question) == ("Here is some code:\n", "What does f7 return?")
     assert lead + merged + question == asked
     segs = chat_segments(model, chat(messages=[{"role": "user", "content": asked}]))
-    assert [(s.text, s.compress) for s in segs if s.text in (lead, merged, question)] == [
-        (lead, False), (merged, True), (question, False)]
+    assert [(s.text, s.compress, s.question) for s in segs
+            if s.text in (lead, merged, question)] == [
+        (lead, False, False), (merged, True, False), (question, False, True)]
+    # a completion prompt of the same text is read by the same rule: its question marked
+    [done] = completion_segments(model, CompletionRequest(model="m", prompt=asked))
+    assert [(s.text, s.compress, s.question) for s in done] == [
+        (lead, False, False), (merged, True, False), (question, False, True)]
+    assert sum((s.ids for s in done), ()) == tuple(model.tokenize(asked, first=True))
+    # ktm.question: the prompt merged whole, the question after it ("": none); not in a chat
+    [marked] = completion_segments(model, CompletionRequest(
+        model="m", prompt=lead + merged, ktm={"question": question}))
+    assert [(s.text, s.compress, s.question) for s in marked] == [
+        (lead + merged, True, False), (question, False, True)]
+    [whole] = completion_segments(model, CompletionRequest(model="m", prompt=asked,
+                                                           ktm={"question": ""}))
+    assert [(s.text, s.compress) for s in whole] == [(asked, True)]
+    with pytest.raises(RequestError, match="ktm.question is for /v1/completions") as e:
+        chat_segments(model, chat(messages=[{"role": "user", "content": asked}],
+                                  ktm={"question": question}))
+    assert e.value.param == "ktm.question"
+    segs = chat_segments(model, chat(messages=[{"role": "user", "content": asked}],
+                                     ktm={"question": ""}))
+    assert (asked, True) in [(s.text, s.compress) for s in segs]
     # a short message is its own question, read whole plain; an older one stays merged
     short = [{"role": "user", "content": "The quick brown fox."},
              {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Who?"}]
