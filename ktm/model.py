@@ -318,17 +318,17 @@ def load(
     saved one). ``k``: None for the saved K, or a recursive checkpoint's inner K. ``trainable``:
     False freezes everything (inference); True lets ``train`` continue the encoder and LoRA.
     ``layout`` (``ktm.core.config.Layout``: ``plain_suffix``, ``align_lines``,
-    ``spread_positions``, ``ratio``, ``allocator``) reads it with another prompt layout than it
-    was saved with. ``runtime`` (``RuntimeSpec``) says where it runs: ``backend="llamacpp"``
-    prefills and decodes through llama.cpp (``ktm.llamacpp``; the ``[llamacpp]`` extra), from
-    the GGUF export ``gguf`` (None: the checkpoint folder if it is one, else an export written
-    once into the cache) with the ``llamacpp`` context settings; ``backend="vllm"`` through vLLM
-    (``ktm.vllm``; its install step in docs/serving.md), where ``vllm`` says; ``press``: a KV
-    press (``ktm.decode.press``, the ``[kvpress]`` extra) on the torch runtime at
-    ``press_ratio`` (the share of the pressable KV dropped), as ``use_press``. The fields of
-    either are also taken by keyword (``ratio=4``, ``backend="vllm"``). Raises ``KTMError``
-    for a folder that is not a checkpoint, a K it cannot merge at, or a base model whose sizes
-    or tokenizer disagree with the saved ones."""
+    ``spread_positions``, ``ratio``, ``allocator``, ``quote``) reads it with another prompt
+    layout than it was saved with. ``runtime`` (``RuntimeSpec``) says where it runs:
+    ``backend="llamacpp"`` prefills and decodes through llama.cpp (``ktm.llamacpp``; the
+    ``[llamacpp]`` extra), from the GGUF export ``gguf`` (None: the checkpoint folder if it is
+    one, else an export written once into the cache) with the ``llamacpp`` context settings;
+    ``backend="vllm"`` through vLLM (``ktm.vllm``; its install step in docs/serving.md), where
+    ``vllm`` says; ``press``: a KV press (``ktm.decode.press``, the ``[kvpress]`` extra) on the
+    torch runtime at ``press_ratio`` (the share of the pressable KV dropped), as ``use_press``.
+    The fields of either are also taken by keyword (``ratio=4``, ``backend="vllm"``). Raises
+    ``KTMError`` for a folder that is not a checkpoint, a K it cannot merge at, or a base model
+    whose sizes or tokenizer disagree with the saved ones."""
     from ktm.readers import open_checkpoint
 
     if not isinstance(directory, (str, Path, checkpoint.Checkpoint)):
@@ -616,7 +616,8 @@ class KTMModel(nn.Module):
         return PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
                              self._config.plain_prefix, self._config.spread_positions,
                              self._config.plain_suffix, self._breaks(),
-                             self._config.allocator, self.scorer, self._config.ratio)
+                             self._config.allocator, self.scorer, self._config.ratio,
+                             self._config.quote)
 
     def _breaks(self) -> LineBreaks | None:
         """The tokenizer's line-break tokens if this model merges line by line (``align_lines``)."""
@@ -831,10 +832,10 @@ DEFAULT_K = 4
 
 def load_any(model: str, k: int | None = None, device: str = "cpu",
              dtype: str | torch.dtype = "float32", runtime: RuntimeSpec | None = None,
-             **options):
+             layout: Layout | None = None, **options):
     """``k``: a base model's K (default 4); for a checkpoint, if given, it must match.
     ``runtime`` (or its fields by keyword: ``backend``, ``press``, ...): where it runs, as
-    ``KTMModel.load``'s."""
+    ``KTMModel.load``'s; ``layout``: how its prompts are laid out, as there."""
     from ktm.readers import READERS
 
     unknown = sorted(set(options) - RUNTIME_FIELDS)
@@ -844,10 +845,14 @@ def load_any(model: str, k: int | None = None, device: str = "cpu",
     runtime = replace(runtime or RuntimeSpec(), **options)
     dt = parse_dtype(dtype)
     if (Path(model) / "ktm_config.json").is_file() or model in READERS:
-        return KTMModel.load(model, k=k, device=device, dtype=dt, runtime=runtime)
+        return KTMModel.load(model, k=k, device=device, dtype=dt, runtime=runtime,
+                             layout=layout)
     k = DEFAULT_K if k is None else k  # not ``k or``: K=0 is an error, not the default
     # frozen like a loaded checkpoint: served or exported, never trained (decoding then folds
     # the LoRA, ``KTMModel.fold_lora``)
-    out = KTMModel.from_base(model, k=k, use_mlp=False, device=device,
-                             dtype=dt).requires_grad_(False)
+    given = {} if layout is None else {f.name: getattr(layout, f.name)
+                                       for f in dataclasses.fields(layout)}
+    out = KTMModel.from_base(model, k=k, use_mlp=False, device=device, dtype=dt,
+                             **{n: v for n, v in given.items() if v is not None}
+                             ).requires_grad_(False)
     return runtime.apply(out)

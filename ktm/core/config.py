@@ -29,6 +29,8 @@ def _is_int(v: Any) -> bool:
 # being a leaf that the allocator imports)
 ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention", "question",
               "question_attention")
+# where a question allocator's plain lines are read (``KTMConfig.quote``; ktm.core.prefix)
+QUOTE_MODES = ("far", "all")
 # the rows a LoRA adapts (``LoraSettings.scope``; ktm.core.lora_scope)
 LORA_SCOPES = ("all", "merged")
 # how ``context_layers`` pools a block's states (ktm.core.context_states)
@@ -200,6 +202,13 @@ class KTMConfig:
                 "press keeps), or question (the lines the prompt's question asks about read "
                 "plain, the least relevant left out where the ratio needs it) "
                 "(ktm.core.allocate; a prompt layout: a checkpoint can be read with another)"})
+    quote: str = field(default="far", metadata={
+        "help": "with a question allocator, where the lines the question asks about are read "
+                "plain: far (in place, those more than 512 positions before the question "
+                "quoted after the document) or all (the document read as without a question, "
+                "every line the question picks quoted after it: the document's reading, and its "
+                "cached KV, the same whatever is asked) (a prompt layout: a checkpoint can be "
+                "read with the other)"})
     lora: LoraSettings = field(default_factory=LoraSettings, metadata={"prefix": "lora"})
     add_eos: bool = field(default=True, metadata={"help": "training targets end with EOS"})
     dtype: str = field(default="float32", metadata={
@@ -228,6 +237,8 @@ class KTMConfig:
         if self.allocator not in ALLOCATORS:
             raise KTMError(f"allocator must be one of {', '.join(ALLOCATORS)}, got "
                            f"{self.allocator!r}")
+        if self.quote not in QUOTE_MODES:
+            raise KTMError(f"quote must be one of {', '.join(QUOTE_MODES)}, got {self.quote!r}")
         if self.dtype not in DTYPES:
             raise KTMError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.dtype = DTYPES[self.dtype]
@@ -305,6 +316,7 @@ class Layout:
     spread_positions: bool | None = None
     ratio: float | None = None
     allocator: str | None = None
+    quote: str | None = None
 
     def apply(self, config: KTMConfig) -> KTMConfig:
         """``config`` with this layout's given fields."""

@@ -85,6 +85,10 @@ class PromptEncoder:
     allocator: str = "even"
     scores: Callable[[str, list[int], list[int]], list[float] | None] | None = None
     ratio: float | None = None  # the ratio of a compressed segment without its own (None: K)
+    # a question allocator's plain lines (``KTMConfig.quote``): "far" read in place, those far
+    # from the question quoted after the document; "all" the document read as without a
+    # question and every line the question picks quoted after it
+    quote: str = "far"
 
     def encode(self, prompts: list[tuple[Segment, ...]], merge: bool = True,
                cache: MergeCache | None = None) -> list[CompressedPrompt]:
@@ -180,6 +184,7 @@ class PromptEncoder:
         question = [t for ids, c, i in row if i in asked and not c for t in ids]
         last = max((i for i, s in enumerate(segs) if s.compress), default=len(segs))
         deep = deeper_level(self.encoder)
+        appended: list[list[int]] = []  # quote "all": the question's lines, in order
         for seg, s in enumerate(segs if allocate else ()):
             if s.compress and s.ratio is None and s.levels is None and self.ratio is not None:
                 s = replace(s, ratio=self.ratio)
@@ -190,7 +195,15 @@ class PromptEncoder:
                 runs[seg] = [[(len(ids), deep[0])] for ids in merged]
                 continue
             plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
-            runs[seg] = self._segment_runs(s, merged, plain, question)
+            if self.quote == "all" and question and self.allocator in QUOTES:
+                # the document as without a question; the question's lines copied after it
+                picked = self._segment_runs(s, merged, plain, question)
+                runs[seg] = self._segment_runs(s, merged, plain, [])
+                appended += [ids[sum(n for n, _ in piece[:j]):][:n]
+                             for ids, piece in zip(merged, picked)
+                             for j, (n, level) in enumerate(piece) if level == 1]
+            else:
+                runs[seg] = self._segment_runs(s, merged, plain, question)
         out, where, chosen = [], [], []  # pieces, their segments, the plain ones allocated
         for ids, c, seg in row:
             if not c:
@@ -210,6 +223,9 @@ class PromptEncoder:
                     start += n
         if chosen and self.allocator in QUOTES:
             out = self._quoted(out, where, chosen, last)
+        if appended:  # after the last compressed segment, before the question
+            end = max(j for j, seg in enumerate(where) if seg == last) + 1
+            out[end:end] = [(ids, 0, True) for ids in appended]
         return out
 
     @staticmethod

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktm.core.base_model import parse_dtype
-from ktm.core.config import DEFAULT_MODEL
+from ktm.core.config import DEFAULT_MODEL, QUOTE_MODES, Layout
 from ktm.errors import KTMError
 from ktm.model import RuntimeSpec
 from ktm.serving.history import check_history_press
@@ -25,6 +25,11 @@ class ServeConfig:
         "group": "model",
         "help": "tokens merged per block: a base model's K (default 4); a checkpoint's K if given "
                 "must match"})
+    quote: str | None = field(default=None, metadata={
+        "group": "model",
+        "help": "a question reader's lines the question asks about: far (read in place) or all "
+                "(the document read as without a question, the lines quoted after it: its KV "
+                "cached once serves every question) (KTMConfig.quote; default: the reader's)"})
     host: str = field(default="127.0.0.1", metadata={"group": "server",
                                                       "help": "address to listen on"})
     port: int = field(default=8000, metadata={"group": "server", "help": "port to listen on"})
@@ -98,6 +103,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.k is not None and self.k < 1:
             raise KTMError(f"k must be an integer >= 1, got {self.k}")
+        if self.quote is not None and self.quote not in QUOTE_MODES:
+            raise KTMError(f"quote must be one of {', '.join(QUOTE_MODES)}, got {self.quote!r}")
         if not 0 <= self.port <= 65535:
             raise KTMError(f"port must be in 0..65535, got {self.port}")
         check_at_least(self, 1, "max_batch", "max_tokens_limit", "max_queue")
@@ -139,7 +146,8 @@ def load_served_model(cfg: ServeConfig):
     spec = replace(spec, llamacpp=replace(spec.llamacpp or RuntimeConfig(),
                                           sequences=cfg.max_batch),
                    vllm=replace(spec.vllm or VLLMConfig(), max_num_seqs=cfg.max_batch))
-    return load_any(cfg.model, cfg.k, cfg.device, cfg.dtype, runtime=spec)
+    return load_any(cfg.model, cfg.k, cfg.device, cfg.dtype, runtime=spec,
+                    layout=Layout(quote=cfg.quote))
 
 
 def check_servable(model: str) -> None:

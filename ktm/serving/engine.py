@@ -15,9 +15,9 @@ prefilled together; while it is decoding, arrivals join at the next step. Rows n
 other (left padding, position ids of real positions only), so batching does not change outputs.
 
 Prefix cache: the merged embeddings of every compressed segment are kept here (LRU,
-bytes-bounded), and the runtime keeps the KV of a prompt's leading context (up to its last merged
-segment; torch within this budget, llama.cpp and vLLM in their own caches). A request whose
-context was seen before prefills only what follows it.
+bytes-bounded), and the runtime keeps the KV of a prompt's leading context (before its question,
+or up to its last merged segment: ``context_of``; torch within this budget, llama.cpp and vLLM in
+their own caches). A request whose context was seen before prefills only what follows it.
 
 Torch work runs on this thread; the asyncio server only queues requests and relays text.
 
@@ -78,7 +78,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token (0: the chosen one's only); None: off
     press: PressConfig | None = None  # the KV press its prompt is read with (None: none)
     # the leading segments whose KV the server keeps for later prompts that begin with them
-    # (None: up to the last merged one, ``context_of``; a chat: all but its generation prompt)
+    # (None: ``context_of``, before its question; a chat: all but its generation prompt)
     context: tuple[Segment, ...] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
@@ -400,7 +400,7 @@ class Engine:
         return states, rows
 
     def _context(self, job: Job) -> tuple[tuple, int] | None:
-        """A prompt's leading context (up to its last merged segment) as the runtime may keep
+        """A prompt's leading context (``context_of``: before its question) as the runtime may keep
         its KV: its key and merged row count; None when there is none or nothing is kept."""
         context = context_of(job.segments) if job.context is None else job.context
         if not context or self.kv is None or not self.kv.max_bytes:

@@ -596,7 +596,12 @@ def _non_empty(segs: tuple[Segment, ...], param: str) -> tuple[Segment, ...]:
 
 
 def context_of(segs: tuple[Segment, ...]) -> tuple[Segment, ...]:
-    """The leading segments up to the last merged one: the part whose KV the server may reuse
-    (a long document merged, then a plain question that changes from request to request)."""
+    """The leading segments the server may keep the KV of: those before the prompt's marked
+    question (``Segment.question``: the document it asks about, merged or plain), else up to
+    the last merged one (a long document merged, then a plain question that changes from
+    request to request)."""
+    asked = next((i for i, s in enumerate(segs) if s.question), None)
+    if asked is not None:
+        return segs[:asked]
     last = max((i for i, s in enumerate(segs) if s.compress), default=-1)
     return segs[:last + 1]

@@ -231,3 +231,25 @@ def test_a_marked_question_is_the_question_and_read_plain(reader):
 
 def replace_ratio(seg):
     return dataclasses.replace(seg, ratio=3.0)
+
+
+def test_quote_all_reads_the_document_the_same_whatever_is_asked(reader):
+    """``quote="all"``: the document read as without a question, the lines each question picks
+    copied after it, then the question: the document's rows (and so its KV) are shared."""
+    reader._config = dataclasses.replace(reader._config, quote="all")
+    asks = ["\nWhat is the secret code?", "\nWhat does line 3 say?"]
+    rows = [reader._prompt_encoder().layout([(Segment(DOC, ratio=3.0),
+                                              Segment(q, question=True))])[0] for q in asks]
+    alone = reader._prompt_encoder().layout([(Segment(DOC, ratio=3.0),)])[0]
+    for row, q in zip(rows, asks):
+        assert row[:len(alone)] == alone  # the document as read without a question
+        assert all(level == 0 for _, level, _ in row[len(alone):])
+        assert row[-1][0] == reader.tokenize(q)
+    assert "secret code is fox" in reader.tokenizer.decode(
+        [t for ids, _, _ in rows[0][len(alone):-1] for t in ids])
+    cps = [reader.compress([Segment(DOC, ratio=3.0), Segment(q, question=True)]) for q in asks]
+    from ktm.core.prefix import rows_of
+
+    n = sum(rows_of(ids, level) for ids, level, _ in alone)
+    assert n > 0 and torch.equal(cps[0].embeds[:n], cps[1].embeds[:n])
+    assert not torch.equal(cps[0].embeds[n:n + 3], cps[1].embeds[n:n + 3])

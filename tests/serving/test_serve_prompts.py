@@ -270,6 +270,11 @@ def test_the_newest_user_messages_question_is_read_plain():
         model="m", prompt=lead + merged, ktm={"question": question}))
     assert [(s.text, s.compress, s.question) for s in marked] == [
         (lead + merged, True, False), (question, False, True)]
+    # the KV the server may keep: the document before the question, merged or read plain
+    assert context_of(marked) == marked[:1] and context_of(done) == done[:2]
+    [plain] = completion_segments(model, CompletionRequest(
+        model="m", prompt=asked, ktm={"question": question, "merge": False}))
+    assert context_of(plain) == plain[:1] and not plain[0].compress
     [whole] = completion_segments(model, CompletionRequest(model="m", prompt=asked,
                                                            ktm={"question": ""}))
     assert [(s.text, s.compress) for s in whole] == [(asked, True)]
@@ -321,3 +326,12 @@ def test_the_least_a_chat_takes_is_never_more_than_it_takes_and_refuses_a_long_o
     with pytest.raises(RequestError, match="this chat takes at least") as e:
         chat_segments(model, chat(messages=long))
     assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+
+
+def test_the_server_reads_with_the_quoting_it_is_given(tiny_model_dir):
+    from ktm.serving.config import ServeConfig, load_served_model
+
+    for quote in (None, "all"):
+        model = load_served_model(ServeConfig(model=tiny_model_dir, quote=quote))
+        assert model.config.quote == (quote or "far")
+        assert model._prompt_encoder().quote == model.config.quote

@@ -47,6 +47,7 @@ def test_bounds_at_the_limit_pass():
     (lambda: TrainConfig(out_dir="x", save_every=-1), "save_every must be >= 0, got -1"),
     (lambda: ServeConfig(max_queue=0), "max_queue must be >= 1, got 0"),
     (lambda: ServeConfig(threads="2"), "threads must be a number >= 0, got '2'"),
+    (lambda: ServeConfig(quote="near"), "quote must be one of far, all, got 'near'"),
     (lambda: BenchConfig(repeats=0), "repeats must be >= 1, got 0"),
     (lambda: WindowSpec(target_tokens=0), "target_tokens must be >= 1, got 0"),
 ])
