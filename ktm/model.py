@@ -28,13 +28,12 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktm.core import checkpoint
-from ktm.core.allocate import ATTENTION_WINDOW, DROPS, QUESTION_LAYERS, Scorer
+from ktm.core.allocate import ATTENTION_WINDOW, DROPS, Scorer
 from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
 from ktm.core.batch import CompressedPrompt, LossOutput, pack
 from ktm.core.config import DEFAULT_MODEL, KTMConfig, Layout, LoraSettings, ModelSpec
-from ktm.core.context_states import StopForward, decoder_layers
 from ktm.core.encoder import EncoderConfig, KTokenEncoder, level_encoder
 from ktm.core.input_lookup import input_lookup
 from ktm.core.int8 import WEIGHTS, check_weights
@@ -419,24 +418,19 @@ def lm_surprisal(model: KTMModel, ids: list[int]) -> list[float]:
 
 
 @torch.no_grad()
-def lm_attention(model: KTMModel, ids: list[int], question: Sequence[int] = (),
-                 layers: int | None = None) -> list[float]:
+def lm_attention(model: KTMModel, ids: list[int]) -> list[float]:
     """Each token's attention from the last ``ATTENTION_WINDOW`` tokens under the base LM
     (adapter off) reading ``ids`` plain, averaged over layers, heads and those queries (a query
     before a token pays it none). The ``attention`` allocator's signal (``KTMModel.scorer``).
-    ``question``: the queries are its tokens, read after ``ids``, instead; ``layers``: only the
-    first this many layers run and are averaged (GemFilter's early layers; the
-    ``question_attention`` allocator's signal, ``QUESTION_LAYERS``).
 
     Attention weights need the LM's eager attention, switched to for this forward; a hook on
     each layer's attention keeps only the last queries' rows of its weights, so no more than
     one layer's (heads, L, L) weights are held at a time."""
-    if len(ids) < 2 and not question:
+    if len(ids) < 2:
         return [1.0] * len(ids)
-    full = list(ids) + list(question)
-    p = pack([model.input_embedding(ids_tensor(full, model.device))])
+    p = pack([model.input_embedding(ids_tensor(list(ids), model.device))])
     lm = model.peft.get_base_model()
-    window = len(question) or min(ATTENTION_WINDOW, len(ids))
+    window = min(ATTENTION_WINDOW, len(ids))
     rows: list[torch.Tensor] = []
 
     def keep(module, args, output):
@@ -446,9 +440,6 @@ def lm_attention(model: KTMModel, ids: list[int], question: Sequence[int] = (),
 
     hooks = [m.register_forward_hook(keep) for name, m in lm.named_modules()
              if name.rsplit(".", 1)[-1] == "self_attn"]
-    if layers is not None:  # stop after the first ``layers``
-        hooks.append(decoder_layers(lm)[min(layers, lm.config.num_hidden_layers) - 1]
-                     .register_forward_hook(_stop))
     was, implementation = model.training, lm.config._attn_implementation
     model.eval()
     lm.set_attn_implementation("eager")
@@ -456,8 +447,6 @@ def lm_attention(model: KTMModel, ids: list[int], question: Sequence[int] = (),
         with model.peft.disable_adapter():
             model.peft(inputs_embeds=p.embeds, attention_mask=p.mask,
                        position_ids=p.position_ids, logits_to_keep=1)
-    except StopForward:
-        pass
     finally:
         for h in hooks:
             h.remove()
@@ -468,10 +457,6 @@ def lm_attention(model: KTMModel, ids: list[int], question: Sequence[int] = (),
                        "module returning them): the attention allocator needs them; expected "
                        "another allocator")
     return torch.stack(rows).mean(dim=0).tolist()
-
-
-def _stop(_module, _args, _out):
-    raise StopForward
 
 
 def warn_unapplied_compressor(model: KTMModel) -> None:
@@ -519,9 +504,7 @@ class KTMModel(nn.Module):
         # per-token scores for a segment read at a ratio (ktm.core.allocate); its surprisal
         # table is the reader's own (saved beside it), if it has one
         self.scorer = Scorer(tokenizer, lm=partial(lm_surprisal, self),
-                             attention=partial(lm_attention, self),
-                             question_attention=partial(lm_attention, self,
-                                                        layers=QUESTION_LAYERS))
+                             attention=partial(lm_attention, self))
         # what the decode loop prefills and decodes through, and eval-mode scoring reads
         # (ktm.decode.runtime: torch, llama.cpp or vLLM; picked by use_backend)
         self.runtime = TorchRuntime(self)

@@ -857,6 +857,57 @@ def question_chat() -> str:
                                   f"{r['positions']:.0f}"])
 
 
+def question_entries() -> str:
+    """One needle question through each entry a user has, read by ktm and plain
+    (results/question/entries.py)."""
+    path = QUESTION / "entries.json"
+    if not path.exists():
+        return "(no rows yet)"
+    rows = json.loads(path.read_text())
+    by = {(r["entry"], r["reading"]): r for r in rows}
+    cfg = rows[0]["config"]
+    out = ["| entry | ktm: found | positions | plain: found | positions | ktm of plain |",
+           "|---" * 6 + "|"]
+    for entry in dict.fromkeys(r["entry"] for r in rows):
+        k, p = by.get((entry, "ktm")), by.get((entry, "plain"))
+        cells = [f"{k['hits']} / {cfg['n']}" if k else "–",
+                 f"{k['positions']:.0f}" if k else "–",
+                 f"{p['hits']} / {cfg['n']}" if p else "–", f"{p['positions']:.0f}" if p else "–",
+                 f"{k['hits'] / p['hits']:.2f}×" if k and p and p["hits"] else "–"]
+        out.append(f"| {entry} | " + " | ".join(cells) + " |")
+    out += ["", f"`{cfg['reader']}`, {cfg['n']} needles in {cfg['length']:,} tokens of held-out "
+            "code, greedy; library: `KTMModel.generate` with the question marked; the others "
+            "over HTTP to `ktm serve` (one thread); positions: the prompt's after merging, "
+            "mean."]
+    return "\n".join(out)
+
+
+def question_many() -> str:
+    """One document, many questions through ktm serve (results/question/many.py)."""
+    path = QUESTION / "many.json"
+    if not path.exists():
+        return "(no rows yet)"
+    rows = json.loads(path.read_text())
+    plain = next(r for r in rows if r["reading"] == "plain")
+    out = ["| reading | found | first question: first token (s) | later questions (s) | "
+           "later, of plain's first | KV held | of plain's | reused from the cache |",
+           "|---" * 8 + "|"]
+    for r in rows:
+        out.append(f"| {r['reading']} | {r['hits']} / {r['questions']} | "
+                   f"{r['first_s_first']:.2f} | {r['first_s_later']:.2f} | "
+                   f"{r['first_s_later'] / plain['first_s_first']:.2f}× | "
+                   f"{r['positions']:.0f} | {r['positions'] / plain['positions']:.2f}× | "
+                   f"{r['cached_later']:.0f} |")
+    cfg = rows[0]["config"]
+    out += ["", f"{cfg['docs']} documents of {cfg['length']:,} tokens of held-out code, each "
+            "holding 5 needles of distinct keys, every key asked in turn as a completion with "
+            f"`ktm.question` (`{cfg['reader']}`; greedy; one thread; each server with its "
+            "default prefix cache); first token: medians, the readings interleaved document by "
+            "document; KV held: positions after the prompt, mean; reused: the positions of a "
+            "later question read from the cache, mean."]
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "press_tasks": press_tasks, "history": history,
                                         "readers": readers, "bench": bench, "demo": demo,
@@ -871,7 +922,9 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "question_depth_grid": question_depth_grid,
                                         "question_ablations": question_ablations,
                                         "question_chat": question_chat,
-                                        "question_speed": question_speed}
+                                        "question_speed": question_speed,
+                                        "question_entries": question_entries,
+                                        "question_many": question_many}
 
 
 def render(text: str, page: Path) -> str:

@@ -32,10 +32,6 @@ The signal is what a unit is worth; ``ktm.core.config.ALLOCATORS`` names them:
                line of the segment): the lines a question asks about are read plain. To pay
                for them where the ratio leaves no room, it may leave the least relevant units
                out (``spend``'s drop), so its ratio may exceed the largest level
-    question_attention   the same, the signal the attention the question's tokens pay each
-               token in the base LM's first ``QUESTION_LAYERS`` layers, the segment and the
-               question read plain (GemFilter's early-layer selection): a plain prefill of
-               those layers first
 
 Positions stay consecutive whatever the levels, so the result runs on llama.cpp and vLLM too.
 """
@@ -56,10 +52,8 @@ from ktm.errors import KTMError
 RATIO_TOLERANCE = 0.05
 # the attention allocator's queries: a segment's last tokens (SnapKV's observation window)
 ATTENTION_WINDOW = 32
-# the question_attention allocator's signal: the base LM's first layers (GemFilter's)
-QUESTION_LAYERS = 4
 # the signals that may leave units out to pay for the ones they read plain (``spend``'s drop)
-DROPS = ("question", "question_attention")
+DROPS = ("question",)
 # the signals whose plain lines, where they lie more than ``QUOTE_BEYOND`` positions before the
 # end of the prompt, are quoted after the last compressed segment instead, next to the question:
 # a small LM finds a fact in a plain line a few hundred merged positions before its question,
@@ -68,7 +62,7 @@ DROPS = ("question", "question_attention")
 # 16,384; at depth 0.75 of 16,384 tokens, some 500 to 1,000 positions before the question,
 # quoted from 1,024 positions 3 in 5, from 512 and from 256 5 in 5;
 # results/question/ablations.json)
-QUOTES = ("question", "question_attention")
+QUOTES = ("question",)
 QUOTE_BEYOND = 512
 
 
@@ -240,23 +234,18 @@ class Scorer:
     None for the signals that need none. A model's own, as ``scorer(signal, ids)``."""
 
     def __init__(self, tokenizer, table=None, lm: Callable[[list[int]], list[float]] | None
-                 = None, attention: Callable[[list[int]], list[float]] | None = None,
-                 question_attention: Callable[[list[int], list[int]], list[float]] | None
-                 = None):
+                 = None, attention: Callable[[list[int]], list[float]] | None = None):
         self.tokenizer, self.table = tokenizer, table
         self.reads = {"lm": lm, "attention": attention}
-        self.asks = {"question_attention": question_attention}  # read with the question
         self._kinds = self._word = self._breaks = None
 
     def __call__(self, signal: str, ids: list[int], question: Sequence[int] = ()
                  ) -> list[float] | None:
-        reads = self.reads | self.asks
+        reads = self.reads
         if signal in reads:
             if reads[signal] is None:
                 raise KTMError(f"the {signal} allocator reads the segment with the model's own "
                                "LM: expected a scorer made by a KTMModel")
-            if signal in self.asks:  # no question: every token alike, read evenly
-                return reads[signal](ids, question) if question else [0.0] * len(ids)
             return reads[signal](ids)
         if signal == "surprisal":
             if self.table is None:

@@ -27,8 +27,7 @@ def _is_int(v: Any) -> bool:
 
 # the signals that spend a ratio's positions (ktm.core.allocate.SIGNALS; its home, this module
 # being a leaf that the allocator imports)
-ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention", "question",
-              "question_attention")
+ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention", "question")
 # where a question allocator's plain lines are read (``KTMConfig.quote``; ktm.core.prefix)
 QUOTE_MODES = ("far", "all")
 # the rows a LoRA adapts (``LoraSettings.scope``; ktm.core.lora_scope)

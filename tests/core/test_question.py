@@ -157,22 +157,6 @@ def test_a_far_plain_line_is_quoted_after_the_document(reader, monkeypatch):
     assert cp.tokens_out == reader.encode_prompts([asked], embed=False)[0].tokens_out
 
 
-def test_the_question_attention_signal_reads_the_questions_attention_in_early_layers(reader):
-    from ktm.model import lm_attention
-
-    ids = reader.tokenize(DOC, True)[:60]
-    question = reader.tokenize("\nWhat is the secret code?")
-    one, two = (lm_attention(reader, ids, question, layers=n) for n in (1, 2))
-    assert len(one) == len(ids) and one != two  # the first layer alone, then both
-    assert reader.scorer("question_attention", ids, question) == pytest.approx(
-        lm_attention(reader, ids, question, layers=min(2, 4)))
-    assert reader.scorer("question_attention", ids, ()) == [0.0] * len(ids)  # no question
-    reader._config = dataclasses.replace(reader._config, allocator="question_attention")
-    cp = reader.compress([Segment(DOC, ratio=3.0), Segment("\nWhat is the code?",
-                                                             compress=False)])
-    assert cp.tokens_out < cp.tokens_in
-
-
 def test_without_a_question_the_question_allocator_at_k_reads_as_even_does(reader):
     """At ratio K (the question reader's default) a prompt without a question is read as the
     even allocator reads it, in uniform K's positions: nothing left out to a ratio's
