@@ -755,7 +755,9 @@ def question_tasks() -> str:
                         ("needle-multivalue", "needle, 4 values (all asked)"),
                         ("vartrack", "variable tracking (4 hops)"),
                         ("codeqa", "code: what a function returns"),
-                        ("codeqa-methods", "code: the methods a class defines")):
+                        ("codeqa-methods", "code: the methods a class defines"),
+                        ("codeqa-assign", "code: what a name is set to"),
+                        ("codeqa-default", "code: a parameter's default value")):
         lengths = tuple(n for n in (1024, 4096) if question_rows(task, n))
         if lengths:
             out += [f"**{title}**", "", question_table(task, lengths, main), ""]

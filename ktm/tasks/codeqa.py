@@ -1,5 +1,5 @@
 """Questions about code in a long document: what a named function returns, which methods a named
-class defines.
+class defines, what a name is set to, a parameter's default value.
 
     [a stretch of Python modules of `length` tokens holding the function at `depth`, merged]
     [ "\\nQuestion: what does the function format_exception return? Answer:
@@ -11,6 +11,13 @@ The functions and classes are real ones, found by parsing the source's modules (
               most ``RETURN_CHARS`` characters; a hit holds the expression (spaces aside)
     methods   a class of 2 to 6 methods (``__dunder__`` ones aside), at most 80 lines long; a
               hit names every method
+    assign    a name given a value once (``NAME = expression``, one target, a one-line
+              expression of at most ``RETURN_CHARS`` characters); a hit holds the expression
+    default   a function's only parameter with a default (a one-line expression of at most
+              ``RETURN_CHARS`` characters); a hit holds it
+
+Nothing is asked whose answer is guessed without reading (``None``, ``True``, ``False``, a
+single character).
 
 A name defined twice in the source is never asked about. The document is the lines around it in
 the source, the function or class starting at ``depth`` of the document. Sources and tokens as
@@ -44,6 +51,7 @@ class Target:
     last: int  # index after its last line
     name: str
     answers: tuple[str, ...]
+    about: str = ""  # default: the parameter asked about
 
 
 @lru_cache(maxsize=8)
@@ -59,31 +67,63 @@ def targets(source: str, variant: str, train: bool) -> tuple[Target, ...]:
             offset += len(lines) + 1
             continue
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names[node.name] += 1
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
             got = _answers(node, text, variant)
             if got:
-                first = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
-                found.append(Target(offset + first, offset + node.end_lineno, node.name, got))
+                name, answers, about = got
+                first = min([node.lineno, *(d.lineno for d in
+                                            getattr(node, "decorator_list", ()))]) - 1
+                found.append(Target(offset + first, offset + node.end_lineno, name, answers,
+                                    about))
         offset += len(lines) + 1  # lines_of puts a blank line after every text
     return tuple(t for t in found if names[t.name] == 1 and not t.name.startswith("_"))
 
 
-def _answers(node, text: str, variant: str) -> tuple[str, ...]:
-    if variant == "returns" and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+def _answers(node, text: str, variant: str) -> tuple[str, tuple[str, ...], str] | None:
+    """(the name asked about, the answers, the parameter asked about) of a node a ``variant``
+    question can be asked about; None for any other."""
+    function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    if variant == "returns" and function:
         returns = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
         last = node.body[-1]
         if len(returns) == 1 and returns[0] is last and last.value is not None:
-            expr = ast.get_source_segment(text, last.value) or ""
-            if 0 < len(expr) <= RETURN_CHARS and "\n" not in expr:
-                return (expr,)
+            expr = _expression(text, last.value)
+            if expr:
+                return node.name, (expr,), ""
     if variant == "methods" and isinstance(node, ast.ClassDef):
         methods = [n.name for n in node.body
                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                    and not (n.name.startswith("__") and n.name.endswith("__"))]
         if 2 <= len(methods) <= 6 and node.end_lineno - node.lineno < 80:
-            return tuple(methods)
-    return ()
+            return node.name, tuple(methods), ""
+    if (variant == "assign" and isinstance(node, ast.Assign) and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)):
+        expr = _expression(text, node.value)
+        if expr and _unguessable(expr):
+            return node.targets[0].id, (expr,), ""
+    if variant == "default" and function:
+        args = node.args
+        params = [*args.posonlyargs, *args.args][-len(args.defaults):] if args.defaults else []
+        pairs = [(a.arg, d) for a, d in zip(params, args.defaults)]
+        pairs += [(a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+        if len(pairs) == 1:
+            expr = _expression(text, pairs[0][1])
+            if expr and _unguessable(expr):
+                return node.name, (expr,), pairs[0][0]
+    return None
+
+
+def _expression(text: str, node) -> str:
+    """The source of an expression when it is one line of at most ``RETURN_CHARS``, else ''."""
+    expr = ast.get_source_segment(text, node) or ""
+    return expr if 0 < len(expr) <= RETURN_CHARS and "\n" not in expr else ""
+
+
+def _unguessable(expr: str) -> bool:
+    return len(expr) > 1 and expr not in ("None", "True", "False")
 
 
 @dataclass
@@ -92,7 +132,7 @@ class CodeQATask(QuestionTask):
 
     prompt_mode: PromptMode = "context"
     length: int = 1024
-    variant: Literal["returns", "methods"] = "returns"
+    variant: Literal["returns", "methods", "assign", "default"] = "returns"
     depth: float | None = None  # None: spread evenly over [0, 1] across the examples
     source: str = "stdlib"
     train_source: str = "code"
@@ -106,7 +146,7 @@ class CodeQATask(QuestionTask):
 
     @property
     def answer_tokens(self) -> int:
-        return 24 if self.variant == "returns" else 40
+        return 40 if self.variant == "methods" else 24
 
     def _examples(self, n: int, seed: int, train: bool) -> list[Example]:
         self.tokens()  # bound, or an error saying so
@@ -149,10 +189,19 @@ class CodeQATask(QuestionTask):
             question = (f"\nQuestion: what does the function {target.name} return? Answer: "
                         f"{target.name} returns")
             target_text = f" {target.answers[0]}"
-        else:
+        elif self.variant == "methods":
             question = (f"\nQuestion: which methods does the class {target.name} define? "
                         f"Answer: The class {target.name} defines")
             target_text = " " + ", ".join(target.answers) + "."
+        elif self.variant == "assign":
+            question = (f"\nQuestion: what is {target.name} set to? Answer: {target.name} is "
+                        "set to")
+            target_text = f" {target.answers[0]}"
+        else:
+            question = (f"\nQuestion: what is the default value of the parameter "
+                        f"{target.about} of the function {target.name}? Answer: The default "
+                        f"value of {target.about} is")
+            target_text = f" {target.answers[0]}"
         return Example(qa_prompt(doc, question, self.prompt_mode), target_text,
                        meta={"answers": list(target.answers), "depth": used / max(1, total),
                              "tokens": total, "variant": self.variant})

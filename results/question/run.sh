@@ -43,6 +43,7 @@ depth="plain,k4,qa-question,bm25"
 runs=${*:-"needle:1024:20 needle:4096:12 needle:2048:11@$depth needle:8000:11@$depth
            needle:1024:20:variant=multikey@$main needle:1024:20:variant=multivalue@$main
            vartrack:1024:20@$depth codeqa:1024:20@$depth codeqa:1024:20:variant=methods@$depth
+           codeqa:1024:20:variant=assign@$depth codeqa:1024:20:variant=default@$depth
            needle:16384:8@truncate-window,qa-window needle:32768:8@truncate-window,qa-window"}
 
 flags() {  # the ktm eval flags of one method

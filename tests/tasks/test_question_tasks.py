@@ -83,6 +83,27 @@ def test_codeqa_asks_about_real_code_in_the_document(tokenizer, variant):
         assert e.meta["tokens"] <= 600
 
 
+@pytest.mark.parametrize("variant", ["assign", "default"])
+def test_codeqa_asks_what_a_name_is_set_to_and_a_parameters_default(tokenizer, variant):
+    import re
+
+    task = get_task("codeqa", length=600, variant=variant)
+    task.bind(tokenizer)
+    for e in task.eval_examples(3, seed=0):
+        doc, question = e.segments
+        [value] = e.meta["answers"]
+        assert e.target == f" {value}" and value not in ("None", "True", "False")
+        if variant == "assign":
+            name = re.search(r"what is (\w+) set to\?", question.text)[1]
+            assert re.search(rf"\b{name}\s*=\s*{re.escape(value)}", doc.text)
+        else:
+            param, function = re.search(r"parameter (\w+) of the function (\w+)\?",
+                                        question.text).groups()
+            head = doc.text[doc.text.index(f"def {function}("):]
+            assert re.search(rf"\b{param}\s*(:[^=]*)?=\s*{re.escape(value)}", head)
+        assert e.meta["tokens"] <= 600
+
+
 def test_a_hit_holds_every_wanted_value_spaces_aside():
     assert hit(" 123, 456 and 789.", ["456", "123"])
     assert not hit(" 123 only", ["123", "456"])
