@@ -14,13 +14,12 @@ budget is cut to its first tokens where it is the best one and nothing else fits
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rank_bm25 import BM25Okapi
 
-from ktm.compressors.base import Compressor, check_ratio
+from ktm.compressors.truncate import Truncate
 from ktm.core.prompt import Segment
-from ktm.errors import KTMError
 
 WORD = re.compile(r"\w+")
 
@@ -49,19 +48,14 @@ def best_lines(lines: list[str], question: str, sizes: list[int], budget: int) -
     return sorted(kept)
 
 
-class BM25Lines(Compressor):
+class BM25Lines(Truncate):
+    """Truncation's budget (``ratio``, ``keep``), spent on the lines the question asks about."""
+
     name: ClassVar[str] = "bm25"
     question_aware = True
 
     def __init__(self, ratio: float = 0.7, keep: int = 0):
-        super().__init__()
-        self.ratio = check_ratio(ratio)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise KTMError(f"bm25 keep must be an integer >= 0 (0: use ratio), got {keep!r}")
-        self.keep = keep
-
-    def options(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "keep": self.keep}
+        super().__init__(ratio, keep)
 
     def rewrite(self, texts: list[str], first: list[bool], questions: list[str]
                 ) -> list[Segment]:

@@ -22,7 +22,8 @@ class Truncate(Compressor):
         super().__init__()
         self.ratio = check_ratio(ratio)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise KTMError(f"truncate keep must be an integer >= 0 (0: use ratio), got {keep!r}")
+            raise KTMError(f"{self.name} keep must be an integer >= 0 (0: use ratio), got "
+                           f"{keep!r}")
         self.keep = keep
 
     def options(self) -> dict[str, Any]:
