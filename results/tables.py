@@ -770,7 +770,7 @@ def question_depth() -> str:
     lengths = sorted(int(p.name) for p in (QUESTION / "needle").glob("*") if p.name.isdigit())
     out = ["| reading | length | " + " | ".join(f"depth {d:.2f}" for d in (0, .25, .5, .75, 1))
            + " | all |", "|---" * 8 + "|"]
-    for m in ("plain", "qa-question", "truncate-window", "qa-window"):
+    for m in ("plain", "qa-question", "bm25", "truncate-window", "qa-window"):
         for n in lengths:
             r = question_rows("needle", n).get(m)
             if r is None:
