@@ -407,7 +407,9 @@ class Engine:
             return None
         # counts: no encoder run
         n = self.model.encode_prompts([context], embed=False)[0].tokens_out
-        return tuple((s.ids, s.compress) for s in context), n
+        # keyed on how the text is read too: a document read at another ratio is another
+        # context (the runtime still compares the rows it reuses)
+        return tuple((s.ids, s.compress, s.ratio, s.levels) for s in context), n
 
     def _step(self) -> None:
         gone = [i for i, r in enumerate(self._rows) if r.job.cancelled.is_set()]

@@ -165,3 +165,33 @@ def test_a_cached_document_never_changes_an_answer_whatever_the_order(reader, ti
         cached = on.engine.stats()["prefix_cache"]["kv"]
     assert got == [want[q] for q in order]
     assert cached["entries"] >= 1  # the document's KV was kept, and asked of again
+
+
+def test_one_document_read_the_same_whatever_is_asked_is_read_once_per_ratio(tiny_model_dir):
+    """``quote="all"``: the document's reading is the same for every question, so after its
+    first question at a ratio every other one reads it from the cache (all of it), and the
+    answers are a cache-off server's."""
+    from ktm import Segment
+
+    model = fresh_model(tiny_model_dir, k=4, inner_k=2, allocator="question", ratio=3.0,
+                        quote="all")
+    perturb(model)
+    model.eval()
+    asks = [(0, None), (1, None), (0, 4.0), (1, 4.0), (2, None), (2, 4.0)]
+
+    def ask(srv, q, ratio):
+        ext = {"question": QUESTIONS[q], **({"ratio": ratio} if ratio else {})}
+        status, answer = _post(srv, "/v1/completions", {"prompt": DOC, "max_tokens": 5,
+                                                        "ktm": ext})
+        assert status == 200, answer
+        return answer["choices"][0]["text"], answer["usage"]["prompt_tokens_details"][
+            "cached_tokens"]
+
+    with serving(model, tiny_model_dir, prefix_cache_mb=0) as off:
+        want = [ask(off, q, r)[0] for q, r in asks]
+    with serving(model, tiny_model_dir) as on:
+        got = [ask(on, q, r) for q, r in asks]
+    assert [text for text, _ in got] == want
+    rows = {r: model.encode_prompts([(Segment(DOC, ratio=r or 3.0),)], embed=False)[0].tokens_out
+            for r in (None, 4.0)}
+    assert [cached for _, cached in got] == [0, rows[None], 0, rows[4.0], rows[None], rows[4.0]]
