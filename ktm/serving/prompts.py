@@ -131,7 +131,7 @@ def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ..
         _check_joined(prompts[0], ext.segments, "prompt")
         return [_asked(model, _text_segments(model, [
             (s.text, s.merge and ext.merge, s.ratio if s.ratio is not None else ext.ratio)
-            for s in ext.segments], "prompt"), ext.question, "prompt")]
+            for s in ext.segments], "prompt"), ext.question)]
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, tuple):
@@ -143,12 +143,11 @@ def completion_segments(model, req: CompletionRequest) -> list[tuple[Segment, ..
                                           for s in text_prompt(model, p, ext.ratio)], where(i))
         else:
             segs = _text_segments(model, [(p, ext.merge, ext.ratio)], where(i))
-        out.append(_asked(model, _non_empty(segs, where(i)), ext.question, where(i)))
+        out.append(_asked(model, _non_empty(segs, where(i)), ext.question))
     return out
 
 
-def _asked(model, segs: tuple[Segment, ...], question: str | None, where: str
-           ) -> tuple[Segment, ...]:
+def _asked(model, segs: tuple[Segment, ...], question: str | None) -> tuple[Segment, ...]:
     """A completion's segments with its ``ktm.question`` after them, plain and marked."""
     if not question:
         return segs
