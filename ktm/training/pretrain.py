@@ -153,11 +153,12 @@ class PretrainConfig:
     press_share: float = field(default=0.5, metadata={
         "help": "--press: the share of lm and ae windows read pressed"})
     chat_share: float = field(default=0.0, metadata={
-        "help": "the share of lm and ae windows read as a chat, as ktm serve reads a long one "
-                "(--history-budget): the context split into 2 to 6 messages of alternating "
-                "roles in the model's chat template, the oldest merged and the rest plain, then "
-                "a plain request to continue the text (lm) or to repeat one merged message "
-                "(ae)"})
+        "help": "the share of lm, ae and recall windows read as a chat, as ktm serve reads "
+                "one: lm and ae as a long chat (--history-budget), the context split into 2 to "
+                "6 messages of alternating roles in the model's chat template, the oldest "
+                "merged and the rest plain, then a plain request to continue the text (lm) or "
+                "to repeat one merged message (ae); recall as one user message, the document "
+                "and then a question quoting the cue, answered as the assistant"})
     text_field: str = field(default="text", metadata={"help": "JSONL field of user texts"})
     eval_sets: tuple[str, ...] = field(default=("reviews", "code"), metadata={
         "help": "held-out sets for the periodic readability R (none: skip)"})
@@ -317,6 +318,11 @@ class WindowStream(Sequence):
                 and rng.random() < self.cfg.chat_share):  # likewise
             segments, target = chat_window(w, objective, rng, *self.chat, self.eos)
             meta["chat"] = True
+        elif (self.cfg.chat_share > 0 and objective == "recall"
+                and rng.random() < self.cfg.chat_share):  # likewise
+            segments = chat_question(self.chat[0](list(w.context)), self.chat[0](list(cue)),
+                                     segments[0].ratio, rng, self.chat[1])
+            meta["chat"] = True
         return Example(segments, target, meta=meta)
 
 
@@ -351,6 +357,28 @@ def chat_window(w, objective: str, rng: random.Random, decode: Callable, chat: C
         messages.append({"role": "assistant", "content": "Noted.", "ktm": {"merge": False}})
     messages.append({"role": "user", "content": ask, "ktm": {"merge": False}})
     return tuple(chat(messages)), target
+
+
+# how a chat asks a recall question: the copied tokens quoted, the answer what follows them
+CHAT_ASKS = ('What comes right after "{cue}" in the text above?',
+             'Continue the text above from "{cue}".',
+             'In the text above, which words follow "{cue}"?')
+
+
+def chat_question(document: str, cue: str, ratio: float | None, rng: random.Random,
+                  chat: Callable) -> tuple[Segment, ...]:
+    """A recall window as a user asks about a document in ``ktm serve``'s chat: one user
+    message, the document and then a question quoting ``cue``, read through the model's chat
+    template (``chat``: messages -> segments, ``ktm.chat_prompt``), which splits the question
+    off and reads it plain (``ktm.core.question.split_question``). The target stays the tokens
+    after the cue, answered as the assistant's turn. ``ratio``: the merged document's (a mixed
+    window's), None: the reader's own. The cue is quoted on one line, its whitespace runs as
+    single spaces, as a user would type it: a question of one line is split off whole."""
+    ask = rng.choice(CHAT_ASKS).format(cue=" ".join(cue.split()))
+    segments = tuple(chat([{"role": "user", "content": f"{document}\n{ask}"}]))
+    if ratio is None:
+        return segments
+    return tuple(replace(s, ratio=ratio) if s.compress else s for s in segments)
 
 
 def check_window_positions(model, cfg: PretrainConfig) -> None:

@@ -913,3 +913,31 @@ def test_cli_pretrain_reads_a_chat_share_of_its_windows_as_chats(tiny_model_dir,
     assert json.loads((out / "run.json").read_text())["pretrain"]["chat_share"] == 1.0
     rows = (out / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 2 and all(json.loads(r)["loss"] > 0 for r in rows)
+
+
+def test_a_chat_recall_window_asks_about_its_document_as_a_user_does(tiny_model_dir, corpus):
+    """chat_share with recall: one user message, the document then a question quoting the cue,
+    read through the chat template as ``ktm serve`` reads it: the document merged (at a mixed
+    window's ratio), the question split off and marked; the target stays what follows the cue."""
+    from ktm.serving.prompts import chat_prompt
+
+    model = fresh(tiny_model_dir)
+    chat = (model.tokenizer.decode, lambda messages: chat_prompt(model, messages))
+    kw = dict(sources=(corpus,), objectives=("recall",), context_tokens=160, target_tokens=8,
+              min_tokens=8, eval_sets=(), mixed_share=0.5, mixed_signals=("question",))
+    cfg = PretrainConfig(chat_share=0.5, **kw)
+    docs = load_docs(model.tokenizer, cfg)
+    plain = WindowStream(docs, PretrainConfig(**kw), 40, 3, 1)
+    chatty = WindowStream(docs, cfg, 40, 3, 1, chat=chat)
+    flagged = [i for i in range(40) if chatty[i].meta.get("chat")]
+    assert 0 < len(flagged) < 40
+    for i in flagged:
+        e, was = chatty[i], plain[i]
+        assert e.target == was.target
+        cue = " ".join(model.tokenizer.decode(list(was.segments[1].ids)).split())
+        (question,) = [s for s in e.segments if s.question]
+        assert cue in question.text and "text above" in question.text
+        merged = [s for s in e.segments if s.compress]
+        assert merged and {s.ratio for s in merged} == {was.segments[0].ratio}
+        assert "<|im_start|>" not in "".join(s.text for s in merged)  # role text stays plain
+    assert all(chatty[i] == plain[i] for i in range(40) if i not in flagged)
