@@ -28,7 +28,6 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktm.core import checkpoint
-from ktm.core.allocate import ATTENTION_WINDOW, DROPS, Scorer
 from ktm.core.base_checks import check_base, eos_ids, target_eos
 from ktm.core.base_identity import base_identity, check_same_base
 from ktm.core.base_model import check_device, dtype_name, load_base, model_location, parse_dtype
@@ -44,6 +43,7 @@ from ktm.core.lora_scope import gate_lora, gated
 from ktm.core.loss import check_fits, ids_tensor, loss
 from ktm.core.prefix import MergeCache, PromptEncoder
 from ktm.core.prompt import PromptLike, as_segments, split_prompts
+from ktm.core.signals import ATTENTION_WINDOW, Scorer, signal_of
 from ktm.core.tokens import LineBreaks, SegmentTokenizer, line_break_ids
 from ktm.decode.compiled import COMPILE_MODES, check_mode
 from ktm.decode.press import (
@@ -767,8 +767,8 @@ def ratio_refusal(model: KTMModel, ratio: float) -> str | None:
 
 def may_leave_out(model: KTMModel) -> bool:
     """Whether ``model`` may leave part of a merged segment unread (an allocator of
-    ``ktm.core.allocate.DROPS``): a segment of it may then take no position at all."""
-    return merges(model) and model._prompt_encoder().allocator in DROPS
+    ``ktm.core.signals.Signal.drops``): a segment of it may then take no position at all."""
+    return merges(model) and signal_of(model._prompt_encoder().allocator).drops
 
 
 def tokens_readable(model: KTMModel, ratio: float | None = None) -> float | None:

@@ -11,27 +11,8 @@ spent: water-filling towards equal signal per position.
     signal per unit:  s_u (e.g. the summed surprisal of its tokens)
     refine next:      argmax_u  s_u / positions_u, while its extra positions fit the budget
 
-The signal is what a unit is worth; ``ktm.core.config.ALLOCATORS`` names them:
-
-    surprisal  a token's surprisal under a small n-gram table built from the reader's
-               pretraining text and shipped with it (``ktm.core.surprisal``): Byte Latent
-               Transformer's entropy model, made tiny
-    rules      content tokens count 1, a token seen in the last 32 tokens 0.5, punctuation 0.3,
-               whitespace 0 (needs only the tokenizer)
-    recency    later units are worth more (the recent text a continuation reads most closely)
-    even       every unit alike: the positions spread evenly (a uniform-K reading at any r)
-    random     a seeded draw per unit (a control, and pretraining's varied layouts)
-    lm         a token's surprisal under the base LM itself reading the segment plain: the
-               oracle the cheap signals are measured against (it costs a plain forward, more
-               than the merged prefill it plans)
-    attention  the attention a token gets from the segment's last ``ATTENTION_WINDOW`` tokens
-               under the base LM reading it plain, averaged over layers, heads and those
-               queries: what SnapKV-like KV presses keep, as an oracle of the same cost
-    question   how much a token matters to the prompt's question, its plain segments after
-               the last compressed one (``ktm.core.relevance``: the question's words in each
-               line of the segment): the lines a question asks about are read plain. To pay
-               for them where the ratio leaves no room, it may leave the least relevant units
-               out (``spend``'s drop), so its ratio may exceed the largest level
+The signal is what a unit is worth: one small class per signal, registered by name, in
+``ktm.core.signals`` (surprisal, rules, recency, even, random, lm, attention, question).
 
 Positions stay consecutive whatever the levels, so the result runs on llama.cpp and vLLM too.
 """
@@ -39,30 +20,25 @@ Positions stay consecutive whatever the levels, so the result runs on llama.cpp 
 from __future__ import annotations
 
 import heapq
-import random
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ktm.core.config import ALLOCATORS
+from ktm.core.signals import FLOOR, dropping, signal_of
 from ktm.errors import KTMError
 
 # how far the achieved ratio may land from the target before the layout says so
 RATIO_TOLERANCE = 0.05
-# the attention allocator's queries: a segment's last tokens (SnapKV's observation window)
-ATTENTION_WINDOW = 32
-# the signals that may leave units out to pay for the ones they read plain (``spend``'s drop)
-DROPS = ("question",)
-# the signals whose plain lines, where they lie more than ``QUOTE_BEYOND`` positions before the
-# end of the prompt, are quoted after the last compressed segment instead, next to the question:
+# a quoting signal's plain lines (``Signal.quotes``), where they lie more than ``QUOTE_BEYOND``
+# positions before the end of the prompt, are quoted after the last compressed segment instead,
+# next to the question:
 # a small LM finds a fact in a plain line a few hundred merged positions before its question,
 # less often a thousand or more before (a needle read at ratio 4 by the question reader, left
 # in place against quoted: 6 in 8 against 8 in 8 at 8,000 tokens, 1 in 8 against 7 in 8 at
 # 16,384; at depth 0.75 of 16,384 tokens, some 500 to 1,000 positions before the question,
 # quoted from 1,024 positions 3 in 5, from 512 and from 256 5 in 5;
 # results/question/ablations.json)
-QUOTES = ("question",)
 QUOTE_BEYOND = 512
 
 
@@ -196,123 +172,18 @@ class Units:
         return [n for _, _, n in self.cuts]
 
 
-def rule_scores(ids: Sequence[int], kinds: Callable[[int], str], window: int = 32
-                ) -> list[float]:
-    """Per token: 0 for whitespace, 0.3 for punctuation, 0.5 for a token seen in the last
-    ``window`` tokens, 1 for other content. ``kinds(id)`` is "space", "punct" or "word"."""
-    out, seen = [], {}
-    for i, t in enumerate(ids):
-        kind = kinds(t)
-        if kind == "space":
-            out.append(0.0)
-        elif kind == "punct":
-            out.append(0.3)
-        else:
-            out.append(0.5 if i - seen.get(t, -window - 1) <= window else 1.0)
-        seen[t] = i
-    return out
-
-
-def token_kinds(tokenizer) -> Callable[[int], str]:
-    """``kinds(id)`` for ``rule_scores``, read from the tokenizer's own decoding once per id."""
-    cache: dict[int, str] = {}
-
-    def kinds(t: int) -> str:
-        if t not in cache:
-            text = tokenizer.decode([t])
-            cache[t] = ("space" if not text.strip() else
-                        "punct" if not any(c.isalnum() for c in text) else "word")
-        return cache[t]
-
-    return kinds
-
-
-class Scorer:
-    """Per-token scores for the signals that read tokens: ``surprisal`` (from ``table``, a
-    ``ktm.core.surprisal.SurprisalTable``), ``rules`` (from the tokenizer's decoding), and
-    ``lm`` and ``attention`` (``lm(ids)``, ``attention(ids)``: the model's own plain reading);
-    None for the signals that need none. A model's own, as ``scorer(signal, ids)``."""
-
-    def __init__(self, tokenizer, table=None, lm: Callable[[list[int]], list[float]] | None
-                 = None, attention: Callable[[list[int]], list[float]] | None = None):
-        self.tokenizer, self.table = tokenizer, table
-        self.reads = {"lm": lm, "attention": attention}
-        self._kinds = self._word = self._breaks = None
-
-    def __call__(self, signal: str, ids: list[int], question: Sequence[int] = ()
-                 ) -> list[float] | None:
-        reads = self.reads
-        if signal in reads:
-            if reads[signal] is None:
-                raise KTMError(f"the {signal} allocator reads the segment with the model's own "
-                               "LM: expected a scorer made by a KTMModel")
-            return reads[signal](ids)
-        if signal == "surprisal":
-            if self.table is None:
-                raise KTMError("the surprisal allocator needs the reader's surprisal table, and "
-                               "this model has none: expected a reader pretrained by ktm "
-                               "pretrain with --mixed-signals surprisal (which builds it), or "
-                               "another "
-                               f"allocator ({', '.join(a for a in ALLOCATORS if a != 'surprisal')}"
-                               ")")
-            return self.table.scores(ids)
-        if signal == "rules":
-            if self._kinds is None:
-                self._kinds = token_kinds(self.tokenizer)
-            return rule_scores(ids, self._kinds)
-        if signal == "question":
-            return self.question_scores(ids, question)
-        return None
-
-    def question_scores(self, ids: list[int], question: Sequence[int]) -> list[float]:
-        """Per token of ``ids``: how much it matters to ``question`` (``ktm.core.relevance``);
-        all equal without a question, so that a prompt without one is read evenly."""
-        from ktm.core.relevance import lexical_scores, word_of
-        from ktm.core.tokens import line_break_ids
-
-        if self._word is None:
-            self._word, self._breaks = word_of(self.tokenizer), line_break_ids(self.tokenizer)
-        breaks = self._breaks
-        return lexical_scores(ids, question, self._word, lambda i: breaks.ends_line(ids, i))
-
-
-def unit_scores(signal: str, token_scores: Sequence[float] | None, units: Units,
-                seed: int = 0) -> list[float]:
-    """A signal per unit: the sum of its tokens' scores (``surprisal``, ``rules``), its place
-    (``recency``), a constant (``even``) or a seeded draw (``random``)."""
-    n = len(units.cuts)
-    if signal == "even":
-        return [1.0] * n
-    if signal == "recency":
-        return [(u + 1) / n for u in range(n)]
-    if signal == "random":
-        rng = random.Random(seed)
-        return [rng.random() for _ in range(n)]
-    if token_scores is None:
-        raise KTMError(f"signal {signal!r} needs per-token scores")
-    out, i = [], 0
-    for _, _, length in units.cuts:
-        # a small floor: a unit of zero signal still ranks by the spread order
-        out.append(sum(token_scores[i:i + length]) + FLOOR)
-        i += length
-    return out
-
-
-FLOOR = 1e-6  # every unit's signal floor (``unit_scores``)
-
-
 def ratio_refusal(ratio: float, levels: Sequence[int], signal: str,
                   deeper: int | None = None) -> str | None:
     """Why a compressed segment cannot be read at ``ratio`` by a reader of merge ``levels``
     whose allocator is ``signal`` (None: it can): a ratio past the largest level needs a signal
-    that leaves units out (``DROPS``), or is exactly the ``deeper`` level (merges merged again,
-    ``ktm.core.encoder.deeper_level``)."""
+    that leaves units out (``Signal.drops``), or is exactly the ``deeper`` level (merges merged
+    again, ``ktm.core.encoder.deeper_level``)."""
     unit = max(levels)
-    if ratio <= unit or signal in DROPS or ratio == deeper:
+    if ratio <= unit or signal_of(signal).drops or ratio == deeper:
         return None
     return (f"ratio {ratio:g} is more than this reader allows: its largest level merges K={unit} "
             f"tokens per position; expected a ratio <= {unit}, a reader with a larger K, or an "
-            f"allocator that leaves text out ({', '.join(DROPS)})")
+            f"allocator that leaves text out ({', '.join(dropping())})")
 
 
 def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: Sequence[int],
@@ -323,15 +194,15 @@ def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: 
     against its positions. Returns per piece its (units' token count, level) runs, consecutive
     units of one level joined. ``token_scores``: per token of the pieces, concatenated.
 
-    The ``question`` signal may leave units out (level 0 in the runs: ``spend(drop=True)``), so
-    its ratio may exceed the largest level. Raises ``KTMError`` for another signal's ratio above
-    the largest level; a segment too short for its ratio is read with every unit at the largest
-    level."""
+    A signal that drops (``Signal.drops``: the question's) may leave units out (level 0 in the
+    runs: ``spend(drop=True)``), so its ratio may exceed the largest level. Raises ``KTMError``
+    for another signal's ratio above the largest level; a segment too short for its ratio is
+    read with every unit at the largest level."""
     unit = max(levels)
     units = Units.of(pieces, unit)
     total = sum(len(p) for p in pieces) + plain
     budget = round(total / ratio) - plain
-    drop = signal in DROPS
+    drop = signal_of(signal).drops
     refusal = ratio_refusal(ratio, levels, signal)
     if refusal is not None:
         raise KTMError(refusal)
@@ -341,8 +212,8 @@ def allocate(pieces: Sequence[Sequence[int]], plain: int, ratio: float, levels: 
     # for a ratio's rounding), or to pay for the units it reads plain
     fewest = 1 if ratio > unit else sum(positions(n, unit) for n in units.lengths)
     budget = max(budget, fewest)
-    chosen = spend(unit_scores(signal, token_scores, units, seed), units.lengths, levels,
-                   budget, drop)
+    chosen = spend(signal_of(signal).unit_scores(token_scores, units.lengths, seed),
+                   units.lengths, levels, budget, drop)
     runs: list[list[tuple[int, int]]] = [[] for _ in pieces]
     for (p, _, n), level in zip(units.cuts, chosen):
         if runs[p] and runs[p][-1][1] == level:

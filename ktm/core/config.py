@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ktm.core.signals import SIGNALS, signal_of
 from ktm.errors import KTMError
 from ktm.util.field_types import check_field_types
 from ktm.util.flags import flag_fields, from_flags
@@ -25,9 +26,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# the signals that spend a ratio's positions (ktm.core.allocate.SIGNALS; its home, this module
-# being a leaf that the allocator imports)
-ALLOCATORS = ("surprisal", "rules", "recency", "even", "random", "lm", "attention", "question")
 # where a question allocator's plain lines are read (``KTMConfig.quote``; ktm.core.prefix)
 QUOTE_MODES = ("far", "all")
 # the rows a LoRA adapts (``LoraSettings.scope``; ktm.core.lora_scope)
@@ -194,13 +192,9 @@ class KTMConfig:
                 "can be read with another)"})
     allocator: str = field(default="rules", metadata={
         "help": "how a segment read at a ratio (--ratio, Segment(ratio=...)) spends its "
-                "positions: surprisal (the reader's n-gram table), rules, recency, even, "
-                "random, lm (the base LM's own surprisal: a plain forward first, the "
-                "oracle the cheap signals are measured against), or attention (the attention "
-                "the base LM's last tokens pay each token, read plain: an oracle of what a KV "
-                "press keeps), or question (the lines the prompt's question asks about read "
-                "plain, the least relevant left out where the ratio needs it) "
-                "(ktm.core.allocate; a prompt layout: a checkpoint can be read with another)"})
+                f"positions: the signal it reads ({', '.join(SIGNALS)}; each one class in "
+                "ktm.core.signals, which says what it reads) (a prompt layout: a checkpoint can "
+                "be read with another)"})
     quote: str = field(default="far", metadata={
         "help": "with a question allocator, where the lines the question asks about are read "
                 "plain: far (in place, those more than 512 positions before the question "
@@ -233,9 +227,7 @@ class KTMConfig:
         check_field_types(self)  # the other fields (a wrong type fails no rule above)
         if self.ratio is not None:
             check_ratio(self.ratio)  # None: uniform K
-        if self.allocator not in ALLOCATORS:
-            raise KTMError(f"allocator must be one of {', '.join(ALLOCATORS)}, got "
-                           f"{self.allocator!r}")
+        signal_of(self.allocator)  # the signals that spend a ratio's positions, by name
         if self.quote not in QUOTE_MODES:
             raise KTMError(f"quote must be one of {', '.join(QUOTE_MODES)}, got {self.quote!r}")
         if self.dtype not in DTYPES:

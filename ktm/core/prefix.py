@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from ktm.core.allocate import (
-    DROPS,
     QUOTE_BEYOND,
-    QUOTES,
     RATIO_TOLERANCE,
     RatioWarning,
     Units,
@@ -34,6 +32,7 @@ from ktm.core.config import inner_chain
 from ktm.core.encoder import cast_for_inference, deeper_level, level_encoder
 from ktm.core.prompt import Segment
 from ktm.core.question import question_segments
+from ktm.core.signals import signal_of
 from ktm.core.tokens import LineBreaks
 from ktm.errors import KTMError
 
@@ -165,7 +164,7 @@ class PromptEncoder:
         deep = deeper_level(self.encoder)
         most = max(self.merge_levels) if deep is None else deep[0]
         ratio = self.ratio if ratio is None else ratio
-        if ratio is not None and self.allocator in DROPS:
+        if ratio is not None and signal_of(self.allocator).drops:
             most = max(most, ratio)
         return most
 
@@ -195,7 +194,7 @@ class PromptEncoder:
                 runs[seg] = [[(len(ids), deep[0])] for ids in merged]
                 continue
             plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
-            if self.quote == "all" and question and self.allocator in QUOTES:
+            if self.quote == "all" and question and signal_of(self.allocator).quotes:
                 # the document as without a question; the question's lines copied after it
                 picked = self._segment_runs(s, merged, plain, question)
                 runs[seg] = self._segment_runs(s, merged, plain, [])
@@ -221,7 +220,7 @@ class PromptEncoder:
                                 {1: 0, 0: LEFT_OUT}.get(level, level), True))
                     where.append(seg)
                     start += n
-        if chosen and self.allocator in QUOTES:
+        if chosen and signal_of(self.allocator).quotes:
             out = self._quoted(out, where, chosen, last)
         if appended:  # after the last compressed segment, before the question
             end = max(j for j, seg in enumerate(where) if seg == last) + 1

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ktm.core.batch import pack
+from ktm.core.fit import encode_fitted
 from ktm.core.loss import check_fits
 from ktm.core.prompt import PromptLike, Segment, split_prompts
 from ktm.decode.hidden import hiding
@@ -381,9 +382,10 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
     """
     runtime = runtime or model.runtime
     if state is None:
-        if prefixes is None:
+        if prefixes is None:  # a prompt past the window is read at the ratio that fits it
             with torch.no_grad(), eval_mode(model):
-                prefixes = model.encode_prompts(prompts, cfg.merge)
+                prompts, prefixes = encode_fitted(model, prompts, cfg.merge,
+                                                  [max(cfg.max_new_tokens - 1, 0)] * len(prompts))
         elif len(prefixes) != len(prompts):
             raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
                            "expected one each")

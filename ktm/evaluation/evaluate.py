@@ -182,7 +182,7 @@ def evaluate_qa(model, examples: Sequence[Example], *, merge: bool = True, batch
     t0 = time.perf_counter()
     for batch in tqdm(list(_batches(examples, batch_size)), desc="eval", disable=not progress):
         prompts = [e.segments for e in batch]
-        prefixes = tally.encode(model, prompts, merge)
+        prefixes = tally.encode(model, prompts, merge, room=max(max_new_tokens - 1, 0))
         timing: dict = {}
         answers += model.generate(prompts, prefixes=prefixes, timing=timing,
                                   max_new_tokens=max_new_tokens, merge=merge)

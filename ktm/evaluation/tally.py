@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ktm.core.batch import ratio_of, squeezed_sum
+from ktm.core.fit import encode_fitted
 from ktm.decode.press import kv_kept
 from ktm.evaluation.metrics import length_reduction
 from ktm.util.timing import timed
@@ -20,10 +21,16 @@ class Tally:
     squeezed: tuple[int, int] = (0, 0)  # the compressed segments' (tokens, positions)
     compress_s: float = 0.0
 
-    def encode(self, model, prompts, merge: bool = True) -> list:
+    def encode(self, model, prompts, merge: bool = True, room: int | None = None) -> list:
         """``model.encode_prompts(prompts, merge)``, timed (the encoder's kernels, not only
-        their launch, on CUDA) and counted."""
-        prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
+        their launch, on CUDA) and counted. ``room``: positions to leave after each prompt (the
+        new tokens it reads): a prompt past the window is read at the ratio that fits it
+        (``ktm.core.fit``)."""
+        if room is None:
+            prefixes, seconds = timed(model.device, model.encode_prompts, prompts, merge)
+        else:
+            (_, prefixes), seconds = timed(model.device, encode_fitted, model, prompts, merge,
+                                           [room] * len(prompts))
         self.compress_s += seconds
         self.tokens_in += sum(cp.tokens_in for cp in prefixes)
         self.tokens_out += sum(cp.tokens_out for cp in prefixes)

@@ -49,10 +49,11 @@ from torch import nn
 
 from ktm.core.allocate import max_ratio, quiet_ratio
 from ktm.core.batch import LossOutput
-from ktm.core.config import ALLOCATORS, check_ratio
+from ktm.core.config import check_ratio
 from ktm.core.levels import encoder_at, merges, merging_at
 from ktm.core.loss import check_fits, target_ids, target_logits
 from ktm.core.prompt import Segment
+from ktm.core.signals import SIGNALS
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
 from ktm.tasks.corpus import (
@@ -199,7 +200,7 @@ class PretrainConfig:
             raise KTMError(f"press_share must be in [0, 1], got {self.press_share!r}")
         if not 0.0 <= self.chat_share <= 1.0:
             raise KTMError(f"chat_share must be in [0, 1], got {self.chat_share!r}")
-        self.signal_weights = parse_weights(self.mixed_signals, "allocator", ALLOCATORS)
+        self.signal_weights = parse_weights(self.mixed_signals, "allocator", tuple(SIGNALS))
         for name in ("distill_hidden", "align_weight"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise KTMError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")

@@ -15,12 +15,12 @@ from ktm.core.allocate import (
     allocate,
     max_ratio,
     positions,
-    rule_scores,
     spend,
     spread_order,
 )
 from ktm.core.levels import encoder_at, merging_at
 from ktm.core.loss import target_logits
+from ktm.core.signals import rule_scores
 from ktm.decode.generate import advance, generate_ids, prefill
 from ktm.errors import KTMError
 from ktm.model import KTMModel
@@ -215,3 +215,30 @@ def test_the_attention_oracle_scores_what_the_last_tokens_attend(reader):
             warnings.simplefilter("ignore", RatioWarning)
             layouts[allocator] = reader.compress([Segment(TEXT * 3, ratio=2.0)])
     assert not torch.equal(layouts["attention"].embeds, layouts["even"].embeds)
+
+
+def test_a_signal_is_one_class_registered_by_name(reader):
+    """Adding an allocator signal is adding one class to ``ktm.core.signals``: registered, its
+    name is an allocator a config takes, and it spends a segment's positions by its scores."""
+    from ktm.core.signals import SIGNALS, Signal, register
+
+    @register
+    class First(Signal):
+        name = "test-first"
+
+        def per_unit(self, lengths, seed):
+            return [100.0] + [1.0] * (len(lengths) - 1)
+
+    ids = tuple(range(5, 45))  # 5 units of 8: 12 positions read the first plain, the rest at 8
+    try:
+        reader._config = dataclasses.replace(reader._config, allocator="test-first")
+        with torch.no_grad():
+            got = reader.compress([Segment("", ids=ids, ratio=40 / 12)])
+            want = reader.compress([Segment("", ids=ids, levels=(1, 8, 8, 8, 8))])
+        assert got.tokens_out == 12 and torch.equal(got.embeds, want.embeds)
+        with pytest.raises(KTMError, match="'test-first' is registered twice"):
+            register(First)
+    finally:
+        del SIGNALS["test-first"]
+    with pytest.raises(KTMError, match="allocator must be one of surprisal, .*got 'test-first'"):
+        dataclasses.replace(reader._config, allocator="test-first")

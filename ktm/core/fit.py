@@ -1,0 +1,106 @@
+"""Fitting a prompt to the model's window: a merged reading too long for the LM's positions is
+read again at the ratio that fits, instead of refused.
+
+A prompt's compressed segments are read at their ratio (the reader's own, or uniform K). When
+that reading and the tokens still to come (the new tokens of a generation) run past the model's
+positions, every compressed segment without levels of its own is read at the ratio that leaves
+exactly room for them: the plain segments (the question, the chat template) stay plain, and the
+allocator spends the fewer positions where its signal is highest (the question's lines stay
+plain under the question allocator; the units it needs least are read deepest, or left out).
+A reader whose allocator leaves nothing out goes no deeper than its largest level, or than its
+deeper level (merges merged again), read whole. ``RatioWarning`` says the ratio it was read at;
+the ``CompressedPrompt`` carries it (``squeezed``, a result row's ``ratio_read``). A prompt
+that even the densest reading cannot fit is refused, naming the longest that fits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ktm.core.allocate import RatioWarning
+from ktm.core.batch import CompressedPrompt
+from ktm.core.encoder import deeper_level
+from ktm.core.prompt import Segment
+from ktm.core.signals import signal_of
+from ktm.errors import KTMError
+
+TRIES = 8  # re-measurings before a fit is given up (each lands closer: units round)
+
+
+def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room: Sequence[int],
+                  cache=None) -> tuple[list[tuple[Segment, ...]], list[CompressedPrompt]]:
+    """(prompts, their ``CompressedPrompt``s), each prompt read so that ``room[i]`` positions
+    are left after it within the model's window: as given where it fits, else at the ratio
+    that fits (``fit``). ``cache``: as ``KTMModel.encode_prompts``'s."""
+    prompts = [tuple(p) for p in prompts]
+    prefixes = model.encode_prompts(prompts, merge, cache)
+    limit = model.max_positions
+    if not (limit and merge):
+        return prompts, prefixes
+    over = [i for i, cp in enumerate(prefixes) if cp.next_position + room[i] > limit]
+    over = [i for i in over if prefixes[i].positions is None and fittable(prompts[i])]
+    if not over:
+        return prompts, prefixes
+    for i in over:
+        prompts[i] = fit(model, prompts[i], room[i], prefixes[i])
+    again = model.encode_prompts([prompts[i] for i in over], merge, cache)
+    for i, cp in zip(over, again):
+        prefixes[i] = cp
+    return prompts, prefixes
+
+
+def fittable(prompt: Sequence[Segment]) -> bool:
+    """Whether a prompt has a compressed segment whose ratio ``fit`` may raise."""
+    return any(s.compress and s.levels is None for s in prompt)
+
+
+def fit(model, prompt: tuple[Segment, ...], room: int, cp: CompressedPrompt
+        ) -> tuple[Segment, ...]:
+    """``prompt`` (read as ``cp``) with its compressed segments read at the ratio that leaves
+    ``room`` positions within the model's window. Raises ``KTMError`` when none does."""
+    limit = model.max_positions - room
+    squeezed_in, squeezed_out = cp.squeezed
+    fixed = cp.next_position - squeezed_out  # positions the fit cannot change
+    free = limit - fixed
+    enc = model._prompt_encoder()
+    deep = deeper_level(model.encoder)
+    largest = max(enc.merge_levels)
+    densest = (float("inf") if signal_of(enc.allocator).drops  # it may leave units out
+               else largest if deep is None else deep[0])
+    if free < 1 or squeezed_in / free > densest:
+        longest = cp.tokens_in - squeezed_in + max(0, free) * densest
+        raise KTMError(
+            f"prompt of {cp.tokens_in} tokens cannot fit the model's {model.max_positions} "
+            f"positions with {room} after it, even read at its densest ({densest:g} tokens a "
+            f"position; {fixed} positions plain): expected at most about {int(longest)} tokens "
+            "in all, or fewer plain ones")
+    ratio = squeezed_in / free
+    for _ in range(TRIES):
+        ratio = _allowed(ratio, largest, deep, densest)
+        fitted = tuple(replace(s, ratio=max(ratio, s.ratio or 0.0))
+                       if s.compress and s.levels is None else s for s in prompt)
+        got = model.encode_prompts([fitted], embed=False)[0]
+        if got.next_position <= limit:
+            warnings.warn(
+                f"a prompt of {cp.tokens_in} tokens ({cp.next_position} positions) was read at "
+                f"ratio {got.squeezed[0] / max(1, got.squeezed[1]):.2f} on its compressed "
+                f"segments, {got.next_position} positions, to leave {room} of the model's "
+                f"{model.max_positions} after it", RatioWarning, stacklevel=3)
+            return fitted
+        if ratio >= densest:
+            break
+        # the units round: ask for as many fewer positions as the reading went over
+        ratio *= got.squeezed[1] / max(1, got.squeezed[1] - (got.next_position - limit))
+    raise KTMError(f"prompt of {cp.tokens_in} tokens could not be read within the model's "
+                   f"{model.max_positions} positions with {room} after it: read at ratio "
+                   f"{ratio:.2f} it takes {got.next_position}; expected a shorter prompt")
+
+
+def _allowed(ratio: float, largest: int, deep: tuple | None, densest: float) -> float:
+    """``ratio``, or the next one the reader reads at: past its largest level, a reader that
+    leaves nothing out reads only its deeper level, whole."""
+    if ratio <= largest or densest == float("inf"):
+        return ratio
+    return float(deep[0]) if deep is not None else ratio
