@@ -82,14 +82,16 @@ def from_base(
     config: KTMConfig | None = None,
     press: str | None = None,
     press_ratio: float = 0.5,
+    runtime: RuntimeSpec | None = None,
     **fields,
 ) -> KTMModel:
     """Wrap a base model (embedded name, local HF folder, or a loaded model + tokenizer).
 
     ``config`` gives everything at once; otherwise it is built from ``k``, ``lora``,
     ``dtype`` and any other ``KTMConfig`` field given by keyword (``mlp_ratio=0.5``,
-    ``slot_weights=True``, ``spread_positions=True``, ...). ``press`` / ``press_ratio``: a KV
-    press, as ``load``'s.
+    ``slot_weights=True``, ``spread_positions=True``, ...). ``runtime`` (``RuntimeSpec``, or its
+    fields by keyword: ``backend="llamacpp"``, ``press="snapkv"``, ...): where it runs, as
+    ``load``'s; ``press`` / ``press_ratio``: a KV press, the same.
 
     A model object is adapted in place (PEFT injects the LoRA layers into it), so it then
     belongs to the returned model; from_base refuses it a second time.
@@ -103,6 +105,10 @@ def from_base(
         raise KTMError(f"tokenizer= goes with a model object; base {base!r} is loaded with "
                        "its own tokenizer: expected no tokenizer, or base as a loaded model")
     name = base if isinstance(base, str) else (base.name_or_path or type(base).__name__)
+    where = {n: fields.pop(n) for n in list(fields) if n in RUNTIME_FIELDS}
+    if press is not None:
+        where.update(press=press, press_ratio=press_ratio)
+    runtime = replace(runtime or RuntimeSpec(), **where)  # checked before the model loads
     config = _base_config(base, name, config, k=k, lora=lora, dtype=dtype, fields=fields)
     torch_dtype = parse_dtype(config.dtype)
     device = check_device(device)
@@ -131,10 +137,7 @@ def from_base(
     with peft_wrapping():
         peft_model = get_peft_model(lm, lora_config(lm, config.lora),
                                     autocast_adapter_dtype=True)
-    model = cls(peft_model, tok, encoder, config).eval()
-    if press is not None:
-        model.use_press(press, press_ratio)
-    return model
+    return runtime.apply(cls(peft_model, tok, encoder, config).eval())
 
 
 def _base_config(base: str | PreTrainedModel, name: str, config: KTMConfig | None, *, k: int,
@@ -147,7 +150,8 @@ def _base_config(base: str | PreTrainedModel, name: str, config: KTMConfig | Non
         unknown = sorted(set(fields) - known)
         if unknown:
             raise KTMError(f"from_base got unknown options {unknown}: expected KTMConfig "
-                           f"fields such as {sorted(known)}")
+                           f"fields such as {sorted(known)}, or RuntimeSpec fields "
+                           f"{sorted(RUNTIME_FIELDS)}")
         return KTMConfig(base_model=name, k=k, lora=lora or LoraSettings(),
                          dtype=dtype_name(dtype), **fields)
     if fields:

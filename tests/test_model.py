@@ -577,3 +577,19 @@ def test_load_takes_layout_and_runtime_fields_by_keyword_or_as_objects(ktm_model
     assert a.runtime.compile == b.runtime.compile == "off"
     with pytest.raises(KTMError, match=r"unknown options \['ratoi'\]: expected Layout fields"):
         KTMModel.load(tmp_path / "ck", ratoi=2)
+
+
+def test_from_base_takes_where_it_runs_as_load_does(tiny_model_dir):
+    """``from_base(..., compile="off")`` is ``from_base(..., runtime=RuntimeSpec(compile="off"))``,
+    as ``load`` takes it; an unknown keyword names the KTMConfig and RuntimeSpec fields."""
+    from ktm.model import RuntimeSpec
+
+    a = KTMModel.from_base(tiny_model_dir, k=2, compile="off")
+    b = KTMModel.from_base(tiny_model_dir, k=2, runtime=RuntimeSpec(compile="off"))
+    assert a.runtime.compile == b.runtime.compile == "off" != KTMModel.from_base(
+        tiny_model_dir, k=2).runtime.compile
+    with pytest.raises(KTMError, match=r"unknown options \['backnd'\]: expected KTMConfig .*"
+                                       r"or RuntimeSpec fields \['backend'"):
+        KTMModel.from_base(tiny_model_dir, k=2, backnd="llamacpp")
+    with pytest.raises(KTMError, match="backend"):
+        KTMModel.from_base(tiny_model_dir, k=2, backend="nope")

@@ -255,6 +255,27 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.set_defaults(run=cmd_generate)
 
 
+def cmd_ask(args: argparse.Namespace) -> int:
+    from ktm.cli.args import runtime_spec
+    from ktm.cli.ask import AskConfig, ask
+    from ktm.model import load_any
+
+    config = from_args(AskConfig, args)  # checked before the model loads
+    ask(config, load_any(config.reader, runtime=runtime_spec(args)))
+    return 0
+
+
+def _ask_parser(ask: argparse.ArgumentParser) -> None:
+    from ktm.cli.ask import AskConfig
+
+    ask.add_argument("paths", nargs="+", metavar="PATH",
+                     help="files or folders to read ('-': standard input)")
+    add_dataclass_args(ask, AskConfig, skip=("paths",))
+    backend_args(ask)
+    threads_arg(ask)
+    ask.set_defaults(run=cmd_ask)
+
+
 def _pack_parser(pack: argparse.ArgumentParser) -> None:
     pack.add_argument("run_dir", help="a finished `ktm pretrain` --out-dir")
     pack.add_argument("--name", required=True, help="registered reader name, e.g. smollm2-135m-k4")
@@ -294,6 +315,7 @@ COMMANDS = {
     "train": ("fine-tune encoder + LoRA on a task", train_parser),
     "pretrain": ("train a reader on unlabeled text (no task labels)", pretrain_parser),
     "generate": ("generate from a compressed prompt", _generate_parser),
+    "ask": ("answer a question about files or folders with the question reader", _ask_parser),
     "eval": ("evaluate a checkpoint on a task; write one JSON result", eval_parser),
     "pack-reader": ("store a pretraining run as a shipped reader (fp16)", _pack_parser),
     "report": ("tables and plots from `ktm eval` results or training metrics", _report_parser),

@@ -30,12 +30,13 @@ TRIES = 8  # re-measurings before a fit is given up (each lands closer: units ro
 
 
 def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room: Sequence[int],
-                  cache=None) -> tuple[list[tuple[Segment, ...]], list[CompressedPrompt]]:
+                  cache=None, embed: bool = True
+                  ) -> tuple[list[tuple[Segment, ...]], list[CompressedPrompt]]:
     """(prompts, their ``CompressedPrompt``s), each prompt read so that ``room[i]`` positions
     are left after it within the model's window: as given where it fits, else at the ratio
-    that fits (``fit``). ``cache``: as ``KTMModel.encode_prompts``'s."""
+    that fits (``fit``). ``cache`` and ``embed``: as ``KTMModel.encode_prompts``'s."""
     prompts = [tuple(p) for p in prompts]
-    prefixes = model.encode_prompts(prompts, merge, cache)
+    prefixes = model.encode_prompts(prompts, merge, cache, embed)
     limit = model.max_positions
     if not (limit and merge):
         return prompts, prefixes
@@ -43,9 +44,14 @@ def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room
     over = [i for i in over if prefixes[i].positions is None and fittable(prompts[i])]
     if not over:
         return prompts, prefixes
+    # the plain part and the new tokens alone past the window: no ratio helps, and
+    # ``check_fits`` says which to shorten
+    over = [i for i in over if limit - room[i] - _fixed(prefixes[i]) >= 1]
+    if not over:
+        return prompts, prefixes
     for i in over:
         prompts[i] = fit(model, prompts[i], room[i], prefixes[i])
-    again = model.encode_prompts([prompts[i] for i in over], merge, cache)
+    again = model.encode_prompts([prompts[i] for i in over], merge, cache, embed)
     for i, cp in zip(over, again):
         prefixes[i] = cp
     return prompts, prefixes
@@ -61,8 +67,8 @@ def fit(model, prompt: tuple[Segment, ...], room: int, cp: CompressedPrompt
     """``prompt`` (read as ``cp``) with its compressed segments read at the ratio that leaves
     ``room`` positions within the model's window. Raises ``KTMError`` when none does."""
     limit = model.max_positions - room
-    squeezed_in, squeezed_out = cp.squeezed
-    fixed = cp.next_position - squeezed_out  # positions the fit cannot change
+    squeezed_in = cp.squeezed[0]
+    fixed = _fixed(cp)
     free = limit - fixed
     enc = model._prompt_encoder()
     deep = deeper_level(model.encoder)
@@ -96,6 +102,11 @@ def fit(model, prompt: tuple[Segment, ...], room: int, cp: CompressedPrompt
     raise KTMError(f"prompt of {cp.tokens_in} tokens could not be read within the model's "
                    f"{model.max_positions} positions with {room} after it: read at ratio "
                    f"{ratio:.2f} it takes {got.next_position}; expected a shorter prompt")
+
+
+def _fixed(cp: CompressedPrompt) -> int:
+    """Positions of a reading that no ratio changes: its plain segments'."""
+    return cp.next_position - cp.squeezed[1]
 
 
 def _allowed(ratio: float, largest: int, deep: tuple | None, densest: float) -> float:

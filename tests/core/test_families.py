@@ -319,15 +319,22 @@ def test_prompt_that_fits_only_after_merging_works(gpt2_128):
 
 def test_a_prompt_exactly_at_the_position_limit_still_yields_one_token(gpt2_128):
     """The last new token is returned, never read back: a prompt of exactly 128 positions can be
-    answered with one token (it was refused); one more position or one more token cannot."""
+    answered with one token (it was refused); one more position or one more token cannot be
+    read plain, and a merged one is read deeper to fit (``ktm.core.fit``)."""
+    from ktm.core.allocate import RatioWarning
+
     path, tok = gpt2_128
     model = KTMModel.from_base(path, k=4)
     for merge, n in ((False, 128), (True, 512)):
         text = long_text(tok, n)
         assert len(generate_ids(model, text, max_new_tokens=1, stop_at_eos=False,
                                 merge=merge)[0]) == 1
-        with pytest.raises(KTMError, match=r"over the model's limit of 128 positions"):
-            generate_ids(model, text, max_new_tokens=2, merge=merge)
+    with pytest.raises(KTMError, match=r"over the model's limit of 128 positions"):
+        generate_ids(model, long_text(tok, 128), max_new_tokens=2, merge=False)
+    with pytest.warns(RatioWarning, match=r"read at ratio 16\.00 .* to leave 1 of the model's "
+                                          r"128 after it"):
+        assert len(generate_ids(model, long_text(tok, 512), max_new_tokens=2,
+                                stop_at_eos=False)[0]) == 2
     with pytest.raises(KTMError, match=r"129 positions with merging off \+ 1 new tokens, over"):
         generate_ids(model, long_text(tok, 129), max_new_tokens=1, merge=False)
     assert len(generate_ids(model, "fox", max_new_tokens=128, stop_at_eos=False)[0]) == 128

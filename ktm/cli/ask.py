@@ -1,0 +1,128 @@
+"""``ktm ask FILE... --question TEXT``: read files (or folders) and answer a question about them.
+
+The files are joined into one document, each under a ``# File: PATH`` line, and asked about as
+``[Segment(document), Segment(question, question=True)]`` (``ktm.core.question.asking``): the
+question reader (``smollm2-135m-k4-qa`` by default) reads the document merged, the lines the
+question asks about plain, and a document past the model's window at the ratio that fits it
+(``ktm.core.fit``). The answer streams to standard output; the tokens read, the positions they
+took, the time to the first token and in all go to standard error. The runtime is torch unless
+``--backend`` says otherwise (llama.cpp's first call exports the model, minutes on a CPU).
+
+A folder is read whole, its files in name order, leaving out hidden entries and files that are
+not UTF-8 text (each one named on standard error); a file named on the command line must be
+text. ``-`` reads standard input.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ktm.errors import KTMError
+
+DEFAULT_READER = "smollm2-135m-k4-qa"
+
+
+@dataclass
+class AskConfig:
+    paths: tuple[str, ...] = field(default=(), metadata={
+        "help": "files or folders to read ('-': standard input)"})
+    question: str = field(default="", metadata={"help": "what to ask about them"})
+    reader: str = field(default=DEFAULT_READER, metadata={
+        "help": "the reader (a shipped name or a checkpoint folder) or a base model"})
+    max_new_tokens: int = field(default=64, metadata={"help": "the answer's longest length"})
+    progress: bool = field(default=True, metadata={"help": "a progress bar while reading"})
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise KTMError("nothing to read: expected one or more files or folders")
+        if not self.question.strip():
+            raise KTMError("no question: expected --question TEXT")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise KTMError(f"max_new_tokens must be an integer >= 1, got "
+                           f"{self.max_new_tokens!r}")
+
+
+def read_document(paths: tuple[str, ...], progress: bool = True) -> tuple[str, list[str]]:
+    """(the document, the files read): each file's text under a ``# File: PATH`` line."""
+    files: list[tuple[str, Path | None]] = []
+    for p in paths:
+        if p == "-":
+            files.append(("<stdin>", None))
+            continue
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(f for f in path.rglob("*") if f.is_file() and not any(
+                part.startswith(".") for part in f.relative_to(path).parts))
+            files += [(str(f), f) for f in found]
+        elif path.is_file():
+            files.append((p, path))
+        else:
+            raise KTMError(f"cannot read {p!r}: no such file or folder")
+    parts, read = [], []
+    for name, path in tqdm(files, desc="read files", unit="file", disable=not progress,
+                           leave=False):
+        try:
+            text = (sys.stdin.buffer.read() if path is None else path.read_bytes()
+                    ).decode("utf-8")
+        except UnicodeDecodeError:
+            if name in paths:  # named on the command line: the user meant it
+                raise KTMError(f"{name!r} is not UTF-8 text: expected text files") from None
+            print(f"ktm ask: skipping {name} (not UTF-8 text)", file=sys.stderr)
+            continue
+        except OSError as e:
+            raise KTMError(f"cannot read {name!r}: {e.strerror}") from None
+        parts.append(f"# File: {name}\n{text.rstrip()}\n")
+        read.append(name)
+    if not parts:
+        raise KTMError(f"no text file in {', '.join(paths)}: expected UTF-8 text")
+    return "\n".join(parts), read
+
+
+def ask(config: AskConfig, model=None, out=None) -> dict:
+    """Answer ``config.question`` about ``config.paths`` (``model``: one already loaded, else
+    ``config.reader`` on torch), the answer streamed to ``out`` (None: standard output).
+    Returns the answer and what it took: files, tokens, positions, seconds."""
+    from ktm.core.allocate import RatioWarning
+    from ktm.core.fit import encode_fitted
+    from ktm.core.question import asking
+    from ktm.model import load_any
+
+    out = sys.stdout if out is None else out
+    document, files = read_document(config.paths, config.progress)
+    if model is None:
+        model = load_any(config.reader)
+    asked = tuple(asking(document, config.question))
+    with warnings.catch_warnings():  # a fit is said once, in the summary
+        warnings.simplefilter("ignore", RatioWarning)
+        (prompt,), (cp,) = encode_fitted(model, [asked], True, [config.max_new_tokens - 1],
+                                         embed=False)
+    bar = tqdm(total=1, desc=f"read {cp.tokens_in} tokens in {cp.next_position} positions",
+               disable=not config.progress, leave=False, bar_format="{desc}")
+    start, first, pieces = time.perf_counter(), None, []
+    for piece in model.stream(prompt, max_new_tokens=config.max_new_tokens):
+        if first is None:
+            first = time.perf_counter() - start
+            bar.close()
+        pieces.append(piece)
+        print(piece, end="", flush=True, file=out)
+    print(file=out)
+    bar.close()
+    total = time.perf_counter() - start
+    squeezed = cp.squeezed
+    row = {"answer": "".join(pieces), "files": files, "tokens": cp.tokens_in,
+           "positions": cp.next_position,
+           "ratio_read": squeezed[0] / squeezed[1] if squeezed[1] else None,
+           "fitted": prompt != asked, "first_token_s": first, "seconds": total}
+    fit = " (fitted to the window)" if row["fitted"] else ""
+    ratio = "" if row["ratio_read"] is None else f", ratio {row['ratio_read']:.2f}"
+    print(f"[{len(files)} file(s), {cp.tokens_in} tokens read in {cp.next_position} positions"
+          f"{ratio}{fit}; first token {first or total:.1f} s, in all {total:.1f} s]",
+          file=sys.stderr)
+    return row
