@@ -585,30 +585,33 @@ class KTMModel(nn.Module):
 
     def encode_prompts(
         self, prompts: Sequence[PromptLike], merge: bool = True, cache: MergeCache | None = None,
-        embed: bool = True,
+        embed: bool = True, layout: Layout | None = None,
     ) -> list[CompressedPrompt]:
         """Prompts -> their LM input embeddings, the encoder run once for all.
 
         This is the one prompt-encoding step (``ktm.core.prefix``) that training, evaluation,
         generation, the benchmark and the server share; ``cache`` reuses merged segments.
         ``embed=False``: the same from tokenizing alone (``PromptEncoder.measure``): counts and
-        positions, no embeddings; enough to check that prompts fit.
+        positions, no embeddings; enough to check that prompts fit. ``layout``
+        (``ktm.core.config.Layout``: ratio, allocator, quote, ...): this call's reading plan,
+        its given fields over the model's own; the model is left as it is.
         """
         segments, merge = [as_segments(p) for p in prompts], merge and merges(self)
         if not embed:
-            return self._prompt_encoder().measure(segments, merge)
-        return self._prompt_encoder().encode(segments, merge, cache)
+            return self._prompt_encoder(layout).measure(segments, merge)
+        return self._prompt_encoder(layout).encode(segments, merge, cache)
 
-    def _prompt_encoder(self) -> PromptEncoder:
+    def _prompt_encoder(self, layout: Layout | None = None) -> PromptEncoder:
+        c = self._config if layout is None else layout.apply(self._config)
         return PromptEncoder(self.tokenize, self._embed, self.encoder, self.pad_id,
-                             self._config.plain_prefix, self._config.spread_positions,
-                             self._config.plain_suffix, self._breaks(),
-                             self._config.allocator, self.scorer, self._config.ratio,
-                             self._config.quote)
+                             c.plain_prefix, c.spread_positions, c.plain_suffix,
+                             self._breaks(c.align_lines), c.allocator, self.scorer, c.ratio,
+                             c.quote)
 
-    def _breaks(self) -> LineBreaks | None:
-        """The tokenizer's line-break tokens if this model merges line by line (``align_lines``)."""
-        if not self._config.align_lines:
+    def _breaks(self, align_lines: bool | None = None) -> LineBreaks | None:
+        """The tokenizer's line-break tokens if this model merges line by line (``align_lines``;
+        None: the model's own)."""
+        if not (self._config.align_lines if align_lines is None else align_lines):
             return None
         if self._line_breaks is None:
             self._line_breaks = line_break_ids(self.tokenizer)

@@ -30,13 +30,14 @@ TRIES = 8  # re-measurings before a fit is given up (each lands closer: units ro
 
 
 def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room: Sequence[int],
-                  cache=None, embed: bool = True
+                  cache=None, embed: bool = True, layout=None
                   ) -> tuple[list[tuple[Segment, ...]], list[CompressedPrompt]]:
     """(prompts, their ``CompressedPrompt``s), each prompt read so that ``room[i]`` positions
     are left after it within the model's window: as given where it fits, else at the ratio
-    that fits (``fit``). ``cache`` and ``embed``: as ``KTMModel.encode_prompts``'s."""
+    that fits (``fit``). ``cache``, ``embed`` and ``layout``: as
+    ``KTMModel.encode_prompts``'s."""
     prompts = [tuple(p) for p in prompts]
-    prefixes = model.encode_prompts(prompts, merge, cache, embed)
+    prefixes = model.encode_prompts(prompts, merge, cache, embed, layout)
     limit = model.max_positions
     if not (limit and merge):
         return prompts, prefixes
@@ -50,8 +51,8 @@ def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room
     if not over:
         return prompts, prefixes
     for i in over:
-        prompts[i] = fit(model, prompts[i], room[i], prefixes[i])
-    again = model.encode_prompts([prompts[i] for i in over], merge, cache, embed)
+        prompts[i] = fit(model, prompts[i], room[i], prefixes[i], layout)
+    again = model.encode_prompts([prompts[i] for i in over], merge, cache, embed, layout)
     for i, cp in zip(over, again):
         prefixes[i] = cp
     return prompts, prefixes
@@ -62,15 +63,16 @@ def fittable(prompt: Sequence[Segment]) -> bool:
     return any(s.compress and s.levels is None for s in prompt)
 
 
-def fit(model, prompt: tuple[Segment, ...], room: int, cp: CompressedPrompt
+def fit(model, prompt: tuple[Segment, ...], room: int, cp: CompressedPrompt, layout=None
         ) -> tuple[Segment, ...]:
-    """``prompt`` (read as ``cp``) with its compressed segments read at the ratio that leaves
-    ``room`` positions within the model's window. Raises ``KTMError`` when none does."""
+    """``prompt`` (read as ``cp``, with ``layout``) with its compressed segments read at the
+    ratio that leaves ``room`` positions within the model's window. Raises ``KTMError`` when
+    none does."""
     limit = model.max_positions - room
     squeezed_in = cp.squeezed[0]
     fixed = _fixed(cp)
     free = limit - fixed
-    enc = model._prompt_encoder()
+    enc = model._prompt_encoder(layout)
     deep = deeper_level(model.encoder)
     largest = max(enc.merge_levels)
     densest = (float("inf") if signal_of(enc.allocator).drops  # it may leave units out
@@ -87,7 +89,7 @@ def fit(model, prompt: tuple[Segment, ...], room: int, cp: CompressedPrompt
         ratio = _allowed(ratio, largest, deep, densest)
         fitted = tuple(replace(s, ratio=max(ratio, s.ratio or 0.0))
                        if s.compress and s.levels is None else s for s in prompt)
-        got = model.encode_prompts([fitted], embed=False)[0]
+        got = model.encode_prompts([fitted], embed=False, layout=layout)[0]
         if got.next_position <= limit:
             warnings.warn(
                 f"a prompt of {cp.tokens_in} tokens ({cp.next_position} positions) was read at "

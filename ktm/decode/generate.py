@@ -371,10 +371,13 @@ def advance(model, state: DecodeState, tokens: torch.Tensor, compiled=None) -> N
 
 def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: GenerationConfig,
                  prefixes=None, state: DecodeState | None = None,
-                 timing: dict | None = None, runtime=None) -> Iterator[torch.Tensor]:
+                 timing: dict | None = None, runtime=None, layout=None
+                 ) -> Iterator[torch.Tensor]:
     """Yield (B,) token ids per step; rows that have finished repeat the pad id.
 
-    ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them;
+    ``prefixes``: the prompts' ``CompressedPrompt``s when the caller already has them, else
+    they are read with ``layout`` (``ktm.core.config.Layout``: this call's reading plan; None:
+    the model's own);
     ``state``: a batch the runtime has already prefilled (the benchmark times the prefill apart).
     ``timing``: a dict that gets ``prefill_s``, the seconds of this call's prefill.
     The model's runtime (``ktm.decode.runtime``: torch, llama.cpp or vLLM; ``runtime``: another
@@ -385,7 +388,8 @@ def decode_steps(model, prompts: list[tuple[Segment, ...]] | None, cfg: Generati
         if prefixes is None:  # a prompt past the window is read at the ratio that fits it
             with torch.no_grad(), eval_mode(model):
                 prompts, prefixes = encode_fitted(model, prompts, cfg.merge,
-                                                  [max(cfg.max_new_tokens - 1, 0)] * len(prompts))
+                                                  [max(cfg.max_new_tokens - 1, 0)] * len(prompts),
+                                                  layout=layout)
         elif len(prefixes) != len(prompts):
             raise KTMError(f"{len(prefixes)} prefixes for {len(prompts)} prompts: "
                            "expected one each")
@@ -432,14 +436,14 @@ def _trim(ids: list[int], eos: frozenset[int], cfg: GenerationConfig) -> list[in
     return next((ids[:i] for i, t in enumerate(ids) if cfg.ends_at(t, eos)), ids)
 
 
-def generate_ids(model, prompts, prefixes=None, timing: dict | None = None, **kwargs
-                 ) -> list[list[int]]:
-    """Generated token ids per prompt, EOS and anything after it removed (``timing``: as
-    ``decode_steps``'s)."""
+def generate_ids(model, prompts, prefixes=None, timing: dict | None = None, layout=None,
+                 **kwargs) -> list[list[int]]:
+    """Generated token ids per prompt, EOS and anything after it removed (``timing`` and
+    ``layout``: as ``decode_steps``'s)."""
     cfg = GenerationConfig(**kwargs)
     segs, _ = split_prompts(prompts)
     with eval_mode(model):  # once for the whole loop, not twice a step (nothing is yielded)
-        steps = list(decode_steps(model, segs, cfg, prefixes, timing=timing))
+        steps = list(decode_steps(model, segs, cfg, prefixes, timing=timing, layout=layout))
     if not steps:
         return [[] for _ in segs]
     ids = torch.stack(steps, dim=1).tolist()
@@ -447,24 +451,25 @@ def generate_ids(model, prompts, prefixes=None, timing: dict | None = None, **kw
 
 
 def generate(model, prompts: PromptLike | Sequence[PromptLike], prefixes=None,
-             timing: dict | None = None, **kwargs) -> str | list[str]:
+             timing: dict | None = None, layout=None, **kwargs) -> str | list[str]:
     """Text for one prompt (returns str) or a list of prompts (returns list[str]);
-    ``prefixes`` and ``timing`` as ``decode_steps``'s."""
+    ``prefixes``, ``timing`` and ``layout`` as ``decode_steps``'s."""
     segs, single = split_prompts(prompts)  # read once: an iterator of prompts is spent after
-    rows = generate_ids(model, segs, prefixes, timing, **kwargs)
+    rows = generate_ids(model, segs, prefixes, timing, layout, **kwargs)
     anchor = anchor_ids(model.tokenizer)
     texts = [decode_continuation(model.tokenizer, r, anchor) for r in rows]
     return texts[0] if single else texts
 
 
-def stream(model, prompt: PromptLike, **kwargs) -> Iterator[str]:
-    """Yield text pieces of one prompt's continuation as tokens are decoded."""
+def stream(model, prompt: PromptLike, layout=None, **kwargs) -> Iterator[str]:
+    """Yield text pieces of one prompt's continuation as tokens are decoded (``layout``: as
+    ``decode_steps``'s)."""
     cfg = GenerationConfig(**kwargs)
     segs, single = split_prompts(prompt)
     if not single:
         raise KTMError("stream takes one prompt; use generate for a list")
     text = TextStream(model.tokenizer)
-    for nxt in decode_steps(model, segs, cfg):
+    for nxt in decode_steps(model, segs, cfg, layout=layout):
         tok = int(nxt[0])
         if cfg.ends_at(tok, model.eos_ids):
             break

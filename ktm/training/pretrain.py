@@ -49,7 +49,7 @@ from torch import nn
 
 from ktm.core.allocate import max_ratio, quiet_ratio
 from ktm.core.batch import LossOutput
-from ktm.core.config import check_ratio
+from ktm.core.config import Layout, check_ratio
 from ktm.core.levels import encoder_at, merges, merging_at
 from ktm.core.loss import check_fits, target_ids, target_logits
 from ktm.core.prompt import Segment
@@ -488,21 +488,6 @@ def _context_gap(model, batch: Sequence[Example], prefixes, student: tuple[torch
     return total / count.clamp(min=1)
 
 
-@contextmanager
-def allocating(model, signal: str):
-    """A mixed window's layout: the model's segments read at a ratio spend their positions by
-    ``signal`` for the while ("": the model's own allocator)."""
-    if not signal:
-        yield
-        return
-    own = model._config
-    model._config = replace(own, allocator=signal)
-    try:
-        yield
-    finally:
-        model._config = own
-
-
 def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
                   align_weight: float = 1.0, press=None) -> LossOutput:
     """Each example's objective: CE for lm/ae (one forward), KL to the teacher for distill
@@ -525,8 +510,11 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
         sub = [batch[i] for i in idx]
         deep = kind == "distill" and distill_hidden > 0
         # a short window read at a ratio its units cannot split to: that is the window's ratio
-        with merging_at(model, k), allocating(model, signal), quiet_ratio():
-            prefixes = model.encode_prompts([e.segments for e in sub])
+        # a mixed window's layout: its segments read at a ratio spend their positions by
+        # ``signal`` ("": the model's own allocator), for this reading alone
+        layout = Layout(allocator=signal) if signal else None
+        with merging_at(model, k), quiet_ratio():
+            prefixes = model.encode_prompts([e.segments for e in sub], layout=layout)
             if pressed:
                 from ktm.decode.press import pressed_targets
 

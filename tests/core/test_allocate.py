@@ -242,3 +242,28 @@ def test_a_signal_is_one_class_registered_by_name(reader):
         del SIGNALS["test-first"]
     with pytest.raises(KTMError, match="allocator must be one of surprisal, .*got 'test-first'"):
         dataclasses.replace(reader._config, allocator="test-first")
+
+
+def test_a_reading_plan_is_passed_with_a_call_and_leaves_the_model_as_it_is(reader):
+    """``layout=`` on ``encode_prompts``, ``generate`` and ``stream`` reads that call as a model
+    of that layout would, and the model's own layout is untouched."""
+    from ktm.core.config import Layout
+
+    plan = Layout(ratio=3.0, allocator="recency")
+    prompt = [Segment(TEXT), Segment(" Answer:", compress=False)]
+    own = reader._config
+    with torch.no_grad():
+        got = reader.encode_prompts([prompt], layout=plan)[0]
+        text = reader.generate(prompt, layout=plan, max_new_tokens=3, stop_at_eos=False)
+        pieces = "".join(reader.stream(prompt, layout=plan, max_new_tokens=3, stop_at_eos=False))
+        assert reader._config is own
+        uniform = reader.encode_prompts([prompt])[0]
+        reader._config = plan.apply(own)
+        try:
+            want = reader.encode_prompts([prompt])[0]
+            want_text = reader.generate(prompt, max_new_tokens=3, stop_at_eos=False)
+        finally:
+            reader._config = own
+    assert torch.equal(got.embeds, want.embeds) and got.tokens_out == want.tokens_out
+    assert got.tokens_out != uniform.tokens_out  # the plan was read, not the model's own
+    assert text == want_text == pieces
