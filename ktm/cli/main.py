@@ -57,6 +57,8 @@ def cmd_pack_reader(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ktm.compressors.record import resolve
+    from ktm.core.allocate import RatioWarning
+    from ktm.core.fit import encode_fitted
     from ktm.core.prompt import Segment, as_segments
     from ktm.decode.generate import GenerationConfig
     from ktm.readers import open_checkpoint
@@ -109,7 +111,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
     else:
         print(model.generate(segments, **opts))
-    cp = model.compress(segments, merge=opts["merge"])
+    # as it was read: a prompt past the window at the ratio that fits it (ktm.core.fit),
+    # which the warning above names
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RatioWarning)
+        _, (cp,) = encode_fitted(model, [segments], opts["merge"],
+                                 [max(opts["max_new_tokens"] - 1, 0)], embed=False)
     how = "" if before is None else f" ({name}: {before} tokens rewritten to {cp.tokens_in})"
     n_in = cp.tokens_in if before is None else before
     press = model.runtime.press

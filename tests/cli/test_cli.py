@@ -881,3 +881,19 @@ def test_help_groups_the_flags_with_the_command_own_first(command, groups):
         assert {"k", "lora_r", "device"} <= flags["model"]
     assert not [a.dest for g in sub._action_groups if g.title == "options"
                 for a in g._group_actions if a.dest != "help"]  # every flag in a group
+
+
+def test_a_prompt_past_the_window_is_fitted_and_says_so(capsys, tiny_model_dir, tmp_path):
+    """``ktm generate`` reads a document past the window at the ratio that fits it: a warning
+    names the ratio, and the summary counts the positions it was read in."""
+    doc = tmp_path / "long.txt"
+    doc.write_text("alpha beta gamma delta epsilon zeta eta theta\n" * 80, encoding="utf-8")
+    from ktm.core.allocate import RatioWarning
+
+    with pytest.warns(RatioWarning, match=r"was read at ratio [\d.]+ .* to leave 3 of the "
+                                          r"model's 512 after it"):
+        code, out, err = run(capsys, "generate", "--model", tiny_model_dir, "--prompt-file",
+                             str(doc), "--question", "What follows zeta?", "--max-new-tokens", "4")
+    assert code == 0 and "Traceback" not in err
+    n_in, n_out = map(int, re.search(r"prompt tokens (\d+) -> (\d+),", err).groups())
+    assert n_out + 3 <= 512 < n_in / 4
