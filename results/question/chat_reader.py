@@ -1,0 +1,70 @@
+"""A question about one line of a document asked in a chat, as ``ktm serve``'s chat reads it,
+beside the library's marked question, per reader: a needle in 1,024 tokens of held-out code,
+greedy, 20 documents (the documents of ``entries.py``).
+
+    python results/question/chat_reader.py --reader smollm2-135m-k4-qa \\
+        --reader runs/readers/k4qac/checkpoint --out results/question/chat_reader.json
+
+    chat      one user message, the document then the question on its last line, read through
+              the chat template by ``ktm.serving.prompts.chat_prompt`` (what ``ktm serve`` reads
+              for it: the question split off and read plain, the document merged)
+    library   ``[Segment(document), Segment(question, question=True)]``, the task's question
+              with its answer cue
+
+One JSON row per reader: hits of N each way, the answers, the configuration, versions and
+revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ktm.core.checkpoint import model_record
+from ktm.core.prompt import Segment
+from ktm.evaluation.evaluate import hit
+from ktm.model import KTMModel
+from ktm.serving.prompts import chat_prompt
+from ktm.tasks import get_task
+from ktm.tasks.base import bind
+from ktm.util.fileio import write_json_atomic
+from ktm.util.provenance import git_revision, versions
+
+MAX_TOKENS = 24
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reader", action="append", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for reader in args.reader:
+        model = KTMModel.load(reader)
+        task = get_task("needle", length=1024)
+        bind(task, model)
+        examples = task.eval_examples(args.n, seed=1)
+        answers = {"chat": [], "library": []}
+        for e in examples:
+            doc, question = (s.text for s in e.segments)
+            asked = question.split("? Answer:")[0].strip() + "?"
+            chat = chat_prompt(model, [{"role": "user", "content": f"{doc}\n{asked}"}])
+            answers["chat"].append(model.generate(list(chat), max_new_tokens=MAX_TOKENS))
+            answers["library"].append(model.generate(
+                [Segment(doc), Segment(question, question=True)], max_new_tokens=MAX_TOKENS))
+        hits = {k: sum(hit(a, e.meta["answers"]) for a, e in zip(v, examples))
+                for k, v in answers.items()}
+        rows.append({"reader": reader, "hits": hits, "n": args.n, "answers": answers,
+                     "config": {"task": "needle", "length": 1024, "seed": 1,
+                                "max_tokens": MAX_TOKENS, "threads": 1, "greedy": True,
+                                "model": model_record(model)["config"]},
+                     "versions": versions(), "git": git_revision()})
+        write_json_atomic(args.out, rows)
+        print(reader, hits, flush=True)
+
+
+if __name__ == "__main__":
+    main()
