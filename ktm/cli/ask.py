@@ -1,10 +1,15 @@
 """``ktm ask FILE... --question TEXT``: read files (or folders) and answer a question about them.
 
 The files are joined into one document, each under a ``# File: PATH`` line, and asked about as
-``[Segment(document), Segment(question, question=True)]`` (``ktm.core.question.asking``): the
-question reader (``smollm2-135m-k4-qa`` by default) reads the document merged, the lines the
-question asks about plain, and a document past the model's window at the ratio that fits it
-(``ktm.core.fit``). The answer streams to standard output; the tokens read, the positions they
+a user asks ``ktm serve``'s chat: one user message, the document and then the question, read
+through the model's chat template (``ktm.serving.prompts.chat_prompt``: the question split off
+and read plain, the document merged); a model without a chat template reads
+``[Segment(document), Segment("Question: ...\nAnswer:", question=True)]``. A bare question
+after a merged document gets no answer from the instruct model (its first token is EOS, 0 of 20
+needles), the chat layout and the answer cue about half of them (results/question/README.md).
+The question reader (``smollm2-135m-k4-qa`` by default) reads the document merged, the lines
+the question asks about plain, and a document past the model's window at the ratio that fits
+it (``ktm.core.fit``). The answer streams to standard output; the tokens read, the positions they
 took, the time to the first token and in all go to standard error. The runtime is torch unless
 ``--backend`` says otherwise (llama.cpp's first call exports the model, minutes on a CPU).
 
@@ -91,14 +96,13 @@ def ask(config: AskConfig, model=None, out=None) -> dict:
     Returns the answer and what it took: files, tokens, positions, seconds."""
     from ktm.core.allocate import RatioWarning
     from ktm.core.fit import encode_fitted
-    from ktm.core.question import asking
     from ktm.model import load_any
 
     out = sys.stdout if out is None else out
     document, files = read_document(config.paths, config.progress)
     if model is None:
         model = load_any(config.reader)
-    asked = tuple(asking(document, config.question))
+    asked = asked_prompt(model, document, config.question)
     with warnings.catch_warnings():  # a fit is said once, in the summary
         warnings.simplefilter("ignore", RatioWarning)
         (prompt,), (cp,) = encode_fitted(model, [asked], True, [config.max_new_tokens - 1],
@@ -126,3 +130,15 @@ def ask(config: AskConfig, model=None, out=None) -> dict:
           f"{ratio}{fit}; first token {first or total:.1f} s, in all {total:.1f} s]",
           file=sys.stderr)
     return row
+
+
+def asked_prompt(model, document: str, question: str) -> tuple:
+    """The prompt ``ask`` reads: the document and the question as one user message through the
+    model's chat template, else the document merged and the question plain with an answer cue."""
+    from ktm.core.question import asking
+    from ktm.serving.prompts import chat_prompt
+
+    question = " ".join(question.split())  # one line: the message's end is split off whole
+    if getattr(model.tokenizer, "chat_template", None):
+        return tuple(chat_prompt(model, [{"role": "user", "content": f"{document}\n\n{question}"}]))
+    return tuple(asking(document, f"\nQuestion: {question}\nAnswer:"))

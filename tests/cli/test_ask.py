@@ -4,9 +4,8 @@ import re
 
 import pytest
 
-from ktm.cli.ask import AskConfig, ask, read_document
+from ktm.cli.ask import AskConfig, ask, asked_prompt, read_document
 from ktm.cli.main import main
-from ktm.core.question import asking
 from ktm.errors import KTMError
 from ktm.model import load_any
 
@@ -49,8 +48,25 @@ def test_ask_streams_what_generate_answers_and_says_what_it_read(tiny_model_dir,
     assert got and int(got[2]) < int(got[1])
     model = load_any(tiny_model_dir)
     doc, _ = read_document((str(files / "src"), str(files / "notes.txt")), progress=False)
-    want = model.generate(asking(doc, "What is SECRET?"), max_new_tokens=5)
-    assert out == want + "\n"
+    prompt = asked_prompt(model, doc, "What is SECRET?")
+    assert out == model.generate(prompt, max_new_tokens=5) + "\n"
+    # without a chat template: the question plain, as the question, with an answer cue
+    assert [s.text for s in prompt if s.question] == ["\nQuestion: What is SECRET?\nAnswer:"]
+    assert "SECRET = 7731" in "".join(s.text for s in prompt if s.compress)
+
+
+def test_a_chat_model_is_asked_in_one_user_message(tiny_model_dir, files):
+    """With a chat template the files and the question are one user message, read as ktm serve
+    reads it: the question (made one line) split off and marked, the files merged."""
+    model = load_any(tiny_model_dir)
+    model.tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    doc, _ = read_document((str(files / "src"),), progress=False)
+    prompt = asked_prompt(model, doc, "What is\n  SECRET?")
+    assert [s.text for s in prompt if s.question] == ["What is SECRET?"]
+    assert "SECRET = 7731" in "".join(s.text for s in prompt if s.compress)
+    assert prompt[-1].text.endswith("<|assistant|>") and not prompt[-1].compress
 
 
 def test_a_document_past_the_window_is_fitted_not_refused(tiny_model_dir, tmp_path):
