@@ -9,7 +9,10 @@ greedy, 20 documents (the documents of ``entries.py``).
               the chat template by ``ktm.serving.prompts.chat_prompt`` (what ``ktm serve`` reads
               for it: the question split off and read plain, the document merged)
     library   ``[Segment(document), Segment(question, question=True)]``, the task's question
-              with its answer cue
+              with its answer cue ("Question: what is the secret code for NAME? Answer: The
+              secret code for NAME is")
+    bare      the same with the question alone ("What is the secret code for NAME?")
+    cue       the same with "Question: What is the secret code for NAME?\nAnswer:"
 
 One JSON row per reader: hits of N each way, the answers, the configuration, versions and
 revision.
@@ -47,14 +50,18 @@ def main() -> None:
         task = get_task("needle", length=1024)
         bind(task, model)
         examples = task.eval_examples(args.n, seed=1)
-        answers = {"chat": [], "library": []}
+        answers = {"chat": [], "library": [], "bare": [], "cue": []}
         for e in examples:
             doc, question = (s.text for s in e.segments)
             asked = question.split("? Answer:")[0].strip() + "?"
             chat = chat_prompt(model, [{"role": "user", "content": f"{doc}\n{asked}"}])
             answers["chat"].append(model.generate(list(chat), max_new_tokens=MAX_TOKENS))
-            answers["library"].append(model.generate(
-                [Segment(doc), Segment(question, question=True)], max_new_tokens=MAX_TOKENS))
+            bare = asked.replace("Question:", "").strip()
+            bare = bare[0].upper() + bare[1:]
+            for reading, q in (("library", question), ("bare", f"\n{bare}"),
+                               ("cue", f"\nQuestion: {bare}\nAnswer:")):
+                answers[reading].append(model.generate(
+                    [Segment(doc), Segment(q, question=True)], max_new_tokens=MAX_TOKENS))
         hits = {k: sum(hit(a, e.meta["answers"]) for a, e in zip(v, examples))
                 for k, v in answers.items()}
         rows.append({"reader": reader, "hits": hits, "n": args.n, "answers": answers,
