@@ -608,10 +608,9 @@ class KTMModel(nn.Module):
                              self._breaks(c.align_lines), c.allocator, self.scorer, c.ratio,
                              c.quote)
 
-    def _breaks(self, align_lines: bool | None = None) -> LineBreaks | None:
-        """The tokenizer's line-break tokens if this model merges line by line (``align_lines``;
-        None: the model's own)."""
-        if not (self._config.align_lines if align_lines is None else align_lines):
+    def _breaks(self, align_lines: bool) -> LineBreaks | None:
+        """The tokenizer's line-break tokens if prompts merge line by line (``align_lines``)."""
+        if not align_lines:
             return None
         if self._line_breaks is None:
             self._line_breaks = line_break_ids(self.tokenizer)

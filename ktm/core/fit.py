@@ -41,13 +41,11 @@ def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room
     limit = model.max_positions
     if not (limit and merge):
         return prompts, prefixes
-    over = [i for i, cp in enumerate(prefixes) if cp.next_position + room[i] > limit]
-    over = [i for i in over if prefixes[i].positions is None and fittable(prompts[i])]
-    if not over:
-        return prompts, prefixes
-    # the plain part and the new tokens alone past the window: no ratio helps, and
-    # ``check_fits`` says which to shorten
-    over = [i for i in over if limit - room[i] - _fixed(prefixes[i]) >= 1]
+    # past the window with a ratio to raise; not where the plain part and the new tokens alone
+    # fill it (no ratio helps, and ``check_fits`` says which to shorten)
+    over = [i for i, cp in enumerate(prefixes)
+            if cp.next_position + room[i] > limit and cp.positions is None
+            and fittable(prompts[i]) and limit - room[i] - _fixed(cp) >= 1]
     if not over:
         return prompts, prefixes
     for i in over:
@@ -75,8 +73,9 @@ def fit(model, prompt: tuple[Segment, ...], room: int, cp: CompressedPrompt, lay
     enc = model._prompt_encoder(layout)
     deep = deeper_level(model.encoder)
     largest = max(enc.merge_levels)
-    densest = (float("inf") if signal_of(enc.allocator).drops  # it may leave units out
-               else largest if deep is None else deep[0])
+    # a signal that leaves units out has no densest reading; any other reads at most its
+    # deepest level (``PromptEncoder.densest``)
+    densest = float("inf") if signal_of(enc.allocator).drops else enc.densest()
     if free < 1 or squeezed_in / free > densest:
         longest = cp.tokens_in - squeezed_in + max(0, free) * densest
         raise KTMError(
