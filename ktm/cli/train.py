@@ -57,7 +57,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     _check_plain_init(args, "pretrain")
     model = init_or_build(args)
     chat = None
-    if pcfg.chat_share > 0:  # windows read as ktm serve reads a chat
+    if pcfg.chat_share > 0 or pcfg.objective_weights.get("answer", 0) > 0:
+        # windows read as ktm serve reads a chat
         from ktm.serving.prompts import chat_prompt
 
         chat = partial(chat_prompt, model)

@@ -13,6 +13,12 @@ with one of these objectives (alone or mixed by weight):
              is far more signal per token than the output distribution alone
     ae       autoencoding (ICAE): after the merged context and a plain cue, regenerate the
              context itself. This is the objective that forces every token to survive.
+    answer   a question asked in a chat, as ``ktm serve`` reads one: one user message, the
+             context and then a question quoting ``RECALL_CUE`` of its tokens; the target is
+             the base LM's own greedy answer reading that chat plain (adapter disabled, up to
+             ``ANSWER_TOKENS`` and its end-of-turn), the loss KL(teacher || student) per answer
+             token: the reader learns to answer a chat about a merged document as the base
+             answers it read plain, in its form and its focus (needs ``chat``)
     recall   a question drawn from the context: ``RECALL_CUE`` of its tokens from a random
              place, given plain after the merged context, and the tokens that followed them
              there as the target (recall R's reading, ``ktm.tasks.corpus.recall_question``). A
@@ -73,7 +79,9 @@ from ktm.training.teacher import kl_per_token
 from ktm.training.train import train
 from ktm.util.field_types import check_field_types
 
-OBJECTIVES = ("lm", "distill", "ae", "align", "recall")
+OBJECTIVES = ("lm", "distill", "ae", "align", "recall", "answer")
+# the longest teacher answer an ``answer`` window distils
+ANSWER_TOKENS = 32
 
 
 def parse_weights(specs: Sequence[str], what: str, allowed: Sequence[str] | None = None,
@@ -113,7 +121,7 @@ class PretrainConfig:
         "help": "text sources, each NAME or NAME=WEIGHT: code, reviews, trees[:STAGE,...], "
                 "or a text/JSONL file or folder"})
     objectives: tuple[str, ...] = field(default=("lm",), metadata={
-        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae, align, recall"})
+        "help": "objectives, each NAME or NAME=WEIGHT: lm, distill, ae, align, recall, answer"})
     objective_mix: str = field(default="example", metadata={
         "help": "how objectives mix: example (each window draws one by weight) or step (every "
                 "window of an optimizer step shares one drawn by weight: ARC-Encoder's "
@@ -238,9 +246,9 @@ class WindowStream(Sequence):
         # chat_share: (ids -> text, messages -> segments): the model's tokenizer, and how
         # ``ktm serve`` reads a chat (``chat_window``)
         self.chat = chat
-        if cfg.chat_share > 0 and chat is None:
-            raise KTMError("chat_share > 0 needs the model's tokenizer and chat template: "
-                           "expected chat=(decode, chat_prompt)")
+        if (cfg.chat_share > 0 or cfg.objective_weights.get("answer", 0) > 0) and chat is None:
+            raise KTMError("chat_share > 0 and the answer objective need the model's tokenizer "
+                           "and chat template: expected chat=(decode, chat_prompt)")
         # windows per optimizer step (all processes'): objective_mix="step" draws one objective
         # for each run of per_step consecutive windows
         self.per_step = per_step
@@ -292,7 +300,7 @@ class WindowStream(Sequence):
             target = w.target + ((self.eos,) if self.eos is not None else ())
             segments = (Segment("", ids=self.lead + w.context),
                         Segment(self.cfg.ae_cue, compress=False))
-        elif objective == "recall":
+        elif objective in ("recall", "answer"):
             w = continuation_window(doc, spec, rng, source)
             cue, target = recall_question(w, rng.randrange(2 ** 31))
             segments = (Segment("", ids=self.lead + w.context),
@@ -319,6 +327,9 @@ class WindowStream(Sequence):
                 and rng.random() < self.cfg.chat_share):  # likewise
             segments, target = chat_window(w, objective, rng, *self.chat, self.eos)
             meta["chat"] = True
+        elif objective == "answer":  # always a chat; its target is the teacher's, in the loss
+            segments = chat_question(self.chat[0](list(w.context)), self.chat[0](list(cue)),
+                                     segments[0].ratio, rng, self.chat[1], ANSWER_ASKS)
         elif (self.cfg.chat_share > 0 and objective == "recall"
                 and rng.random() < self.cfg.chat_share):  # likewise
             segments = chat_question(self.chat[0](list(w.context)), self.chat[0](list(cue)),
@@ -366,8 +377,16 @@ CHAT_ASKS = ('What comes right after "{cue}" in the text above?',
              'In the text above, which words follow "{cue}"?')
 
 
+# how an ``answer`` window asks: as a user asks about a pasted text, the answer left to the teacher
+ANSWER_ASKS = (*CHAT_ASKS,
+               'Quote the line of the text above that has "{cue}" in it.',
+               'What does the text above say about "{cue}"?',
+               'Where does the text above mention "{cue}", and what does it say there?',
+               'Explain the part of the text above that reads "{cue}".')
+
+
 def chat_question(document: str, cue: str, ratio: float | None, rng: random.Random,
-                  chat: Callable) -> tuple[Segment, ...]:
+                  chat: Callable, asks: Sequence[str] = CHAT_ASKS) -> tuple[Segment, ...]:
     """A recall window as a user asks about a document in ``ktm serve``'s chat: one user
     message, the document and then a question quoting ``cue``, read through the model's chat
     template (``chat``: messages -> segments, ``ktm.chat_prompt``), which splits the question
@@ -375,7 +394,7 @@ def chat_question(document: str, cue: str, ratio: float | None, rng: random.Rand
     after the cue, answered as the assistant's turn. ``ratio``: the merged document's (a mixed
     window's), None: the reader's own. The cue is quoted on one line, its whitespace runs as
     single spaces, as a user would type it: a question of one line is split off whole."""
-    ask = rng.choice(CHAT_ASKS).format(cue=" ".join(cue.split()))
+    ask = rng.choice(asks).format(cue=" ".join(cue.split()))
     segments = tuple(chat([{"role": "user", "content": f"{document}\n{ask}"}]))
     if ratio is None:
         return segments
@@ -409,7 +428,7 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
                     else spec.target_tokens)
         try:
             with merging_at(model, k):
-                for merge in ((True, False) if obj in ("distill", "align") or plain_too
+                for merge in ((True, False) if obj in ("distill", "align", "answer") or plain_too
                               else (True,)):
                     check_fits(model, model.encode_prompts([segments], merge), [n_target],
                                "target tokens")
@@ -446,6 +465,22 @@ def teacher_logits(model, batch: Sequence[Example], hidden: bool = False):
     with as_base(model):
         return target_logits(model, [e.segments for e in batch], [e.target for e in batch],
                              merge=False, hidden=hidden)
+
+
+def teacher_answers(model, batch: Sequence[Example]) -> list[Example]:
+    """``batch`` (``answer`` windows) with each target the base LM's greedy answer (adapter
+    disabled) reading its chat plain: up to ``ANSWER_TOKENS`` tokens, through the end-of-turn
+    id that ends it, so the reader also learns where an answer stops."""
+    from ktm.decode.generate import generate_ids
+
+    with as_base(model):
+        rows = generate_ids(model, [e.segments for e in batch], merge=False,
+                            max_new_tokens=ANSWER_TOKENS, stop_at_eos=False)
+    out = []
+    for e, row in zip(batch, rows):
+        end = next((i for i, t in enumerate(row) if t in model.eos_ids), len(row) - 1)
+        out.append(replace(e, target=tuple(row[:end + 1])))
+    return out
 
 
 def _hidden_gap(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]
@@ -502,12 +537,14 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
     groups: dict[tuple[str, int, str], list[int]] = {}
     for i, e in enumerate(batch):
         obj = e.meta["objective"]
-        kind = obj if obj in ("distill", "align") else "ce"
+        kind = obj if obj in ("distill", "align", "answer") else "ce"
         key = (kind, e.meta.get("k", model.k), e.meta.get("signal", ""),
                press is not None and e.meta.get("press", False))
         groups.setdefault(key, []).append(i)
     for (kind, k, signal, pressed), idx in sorted(groups.items()):
         sub = [batch[i] for i in idx]
+        if kind == "answer":  # then distilled on the teacher's own answer
+            sub = teacher_answers(model, sub)
         deep = kind == "distill" and distill_hidden > 0
         # a short window read at a ratio its units cannot split to: that is the window's ratio
         # a mixed window's layout: its segments read at a ratio spend their positions by
@@ -526,7 +563,7 @@ def pretrain_loss(model, batch: Sequence[Example], distill_hidden: float = 0.0,
                                   prompt_hidden=kind == "align")
             if kind == "align":
                 gap = _context_gap(model, sub, prefixes, t.prompt_hidden)
-        if kind == "distill":
+        if kind in ("distill", "answer"):
             teacher = teacher_logits(model, sub, hidden=deep)
             tok = kl_per_token(t.logits, teacher.logits)
             if deep:
@@ -598,9 +635,9 @@ def pretrain(model, config: PretrainConfig, train_config: TrainConfig,
     if not (isinstance(config, PretrainConfig) and isinstance(train_config, TrainConfig)):
         raise KTMError(f"pretrain takes (model, PretrainConfig, TrainConfig), got "
                        f"({type(config).__name__}, {type(train_config).__name__})")
-    if config.chat_share > 0 and chat is None:
-        raise KTMError(f"chat_share={config.chat_share} reads windows as chats: expected "
-                       "chat=functools.partial(ktm.chat_prompt, model)")
+    if (config.chat_share > 0 or config.objective_weights.get("answer", 0) > 0) and chat is None:
+        raise KTMError(f"chat_share={config.chat_share} and the answer objective read windows "
+                       "as chats: expected chat=functools.partial(ktm.chat_prompt, model)")
     if not merges(model):
         raise KTMError("pretraining a reader needs merging: K=1 without an encoder has nothing "
                        "to learn to read")

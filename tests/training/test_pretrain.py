@@ -866,7 +866,7 @@ def test_chat_windows_read_merged_messages_between_plain_role_text(tiny_model_di
     cfg = small_cfg(corpus, ("lm", "ae"))
     docs = load_docs(model.tokenizer, cfg)
     chatty = small_cfg(corpus, ("lm", "ae"), chat_share=0.5)
-    with pytest.raises(KTMError, match="chat_share > 0 needs"):
+    with pytest.raises(KTMError, match="chat_share > 0 and the answer objective need"):
         WindowStream(docs, chatty, 40, 3, 1)
     plain, mixed = WindowStream(docs, cfg, 40, 3, 1), WindowStream(docs, chatty, 40, 3, 1,
                                                                    chat=chat)
@@ -895,10 +895,44 @@ def test_a_pretraining_step_on_chat_windows_lowers_the_loss(tiny_model_dir, corp
 def test_a_chat_share_without_a_chat_reading_is_refused_before_training(tiny_model_dir, corpus,
                                                                       tmp_path):
     tc = TrainConfig(out_dir=str(tmp_path / "r"), max_steps=1, batch_size=2, progress=False)
-    with pytest.raises(KTMError, match=r"chat_share=0.5 reads windows as chats: expected "
+    with pytest.raises(KTMError, match=r"chat_share=0.5 and the answer objective read windows "
+                                       r"as chats: expected "
                                        r"chat=functools.partial\(ktm.chat_prompt, model\)"):
         pretrain(fresh(tiny_model_dir), small_cfg(corpus, chat_share=0.5), tc)
     assert not (tmp_path / "r").exists()
+
+
+def test_an_answer_window_is_distilled_on_the_base_models_own_answer(tiny_model_dir, corpus):
+    """The answer objective: a chat asking about the merged context, its target the base LM's
+    greedy answer to the plain chat (through the end-of-turn id, at most ANSWER_TOKENS), and a
+    step on the KL to that reading lowers it; without a chat reading it is refused."""
+    from ktm.core.prompt import Segment
+    from ktm.serving.prompts import chat_prompt
+    from ktm.training.pretrain import ANSWER_TOKENS, as_base, teacher_answers
+
+    model = fresh(tiny_model_dir)
+    cfg = PretrainConfig(sources=(corpus,), objectives=("answer",), context_tokens=160,
+                         target_tokens=8, min_tokens=8, eval_sets=())
+    docs = load_docs(model.tokenizer, cfg)
+    with pytest.raises(KTMError, match="the answer objective need"):
+        WindowStream(docs, cfg, 4, 0, 1)
+    stream = WindowStream(docs, cfg, 4, 0, 1, chat=(
+        model.tokenizer.decode, lambda messages: chat_prompt(model, messages)))
+    batch = [stream[i] for i in range(4)]
+    assert all(e.meta["objective"] == "answer" and any(s.compress for s in e.segments)
+               and any(s.question for s in e.segments) for e in batch)
+    answered = teacher_answers(model, batch)
+    with as_base(model):
+        plain = model.generate([list(e.segments) for e in batch], merge=False,
+                               max_new_tokens=ANSWER_TOKENS)
+    for e, a, text in zip(batch, answered, plain):
+        assert a.segments == e.segments and 0 < len(a.target) <= ANSWER_TOKENS
+        ended = a.target[-1] in model.eos_ids
+        body = a.target[:-1] if ended else a.target
+        assert ended or len(a.target) == ANSWER_TOKENS
+        assert model.tokenizer.decode(list(body)).strip() == text.strip()
+    assert isinstance(batch[0].segments[0], Segment)
+    assert_one_step_lowers(model, lambda: pretrain_loss(model, batch).loss)
 
 
 def test_cli_pretrain_reads_a_chat_share_of_its_windows_as_chats(tiny_model_dir, corpus,
