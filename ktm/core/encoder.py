@@ -288,6 +288,17 @@ def deeper_level(encoder: nn.Module) -> tuple[int, nn.Module] | None:
     return encoder.k * encoder.k, encoder
 
 
+def reads_blocks_alone(encoder: nn.Module) -> bool:
+    """Whether each merge of ``encoder`` depends on its own block's tokens only (no earlier
+    blocks, LM states or token mixer): then pieces laid end to end, each starting on a block,
+    merge exactly as each alone."""
+    if isinstance(encoder, RecursiveEncoder):
+        return (encoder.states is None and encoder.mixer is None
+                and reads_blocks_alone(encoder.inner) and reads_blocks_alone(encoder.outer))
+    return (isinstance(encoder, KTokenEncoder) and encoder.context is None
+            and encoder.states is None and encoder.mixer is None)
+
+
 class RecursiveEncoder(nn.Module):
     """K = inner_k * outer_k: merge blocks of inner_k tokens, then blocks of outer_k merges.
 

@@ -37,15 +37,23 @@ def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room
     that fits (``fit``). ``cache``, ``embed`` and ``layout``: as
     ``KTMModel.encode_prompts``'s."""
     prompts = [tuple(p) for p in prompts]
-    prefixes = model.encode_prompts(prompts, merge, cache, embed, layout)
     limit = model.max_positions
     if not (limit and merge):
-        return prompts, prefixes
-    # past the window with a ratio to raise; not where the plain part and the new tokens alone
-    # fill it (no ratio helps, and ``check_fits`` says which to shorten)
-    over = [i for i, cp in enumerate(prefixes)
-            if cp.next_position + room[i] > limit and cp.positions is None
-            and fittable(prompts[i]) and limit - room[i] - _fixed(cp) >= 1]
+        return prompts, model.encode_prompts(prompts, merge, cache, embed, layout)
+    # a prompt whose tokens may run past the window is laid out first (no encoder, no rows)
+    # and fitted, so that it is merged once, at the ratio it is read at
+    longer = [i for i, p in enumerate(prompts)
+              if fittable(p) and _tokens(model, p) + room[i] > limit]
+    if longer:
+        laid = model.encode_prompts([prompts[i] for i in longer], merge, None, False, layout)
+        for i, cp in zip(longer, laid):
+            if _over(cp, room[i], limit, prompts[i]):
+                prompts[i] = fit(model, prompts[i], room[i], cp, layout)
+    prefixes = model.encode_prompts(prompts, merge, cache, embed, layout)
+    # past the window with a ratio to raise (quoted lines can add positions to a shorter one);
+    # not where the plain part and the new tokens alone fill it (no ratio helps, and
+    # ``check_fits`` says which to shorten)
+    over = [i for i, cp in enumerate(prefixes) if _over(cp, room[i], limit, prompts[i])]
     if not over:
         return prompts, prefixes
     for i in over:
@@ -54,6 +62,18 @@ def encode_fitted(model, prompts: Sequence[Sequence[Segment]], merge: bool, room
     for i, cp in zip(over, again):
         prefixes[i] = cp
     return prompts, prefixes
+
+
+def _over(cp: CompressedPrompt, room: int, limit: int, prompt: Sequence[Segment]) -> bool:
+    """Whether a reading runs past the window in a way a higher ratio can mend."""
+    return (cp.next_position + room > limit and cp.positions is None and fittable(prompt)
+            and limit - room - _fixed(cp) >= 1)
+
+
+def _tokens(model, prompt: Sequence[Segment]) -> int:
+    """About how many tokens ``prompt`` has (its segments tokenized one by one)."""
+    return sum(len(s.ids) if s.ids is not None else len(model.tokenize(s.text))
+               for s in prompt)
 
 
 def fittable(prompt: Sequence[Segment]) -> bool:

@@ -29,7 +29,7 @@ from ktm.core.allocate import (
 )
 from ktm.core.batch import CompressedPrompt
 from ktm.core.config import inner_chain
-from ktm.core.encoder import cast_for_inference, deeper_level, level_encoder
+from ktm.core.encoder import cast_for_inference, deeper_level, level_encoder, reads_blocks_alone
 from ktm.core.prompt import Segment
 from ktm.core.question import question_segments
 from ktm.core.signals import signal_of
@@ -357,20 +357,37 @@ class PromptEncoder:
         return [found[x] if x in found else cache[x] for x in keys]
 
     def _merge(self, segments: list[tuple[int, ...]], level: int) -> list[torch.Tensor]:
-        device = self.embed.weight.device
         deep = deeper_level(self.encoder)
         # the level past the largest: the encoder's merges merged again (``deeper_level``)
         again = deep[1] if deep is not None and level == deep[0] else None
         encoder = self.encoder if again is not None else level_encoder(self.encoder, level)
+        if len(segments) > 1 and reads_blocks_alone(encoder) and (
+                again is None or reads_blocks_alone(again)):
+            # one row, each piece padded to whole blocks: a long document's runs between its
+            # plain lines, right-padded to the longest in a batch, would be mostly padding
+            sizes = [-(-len(s) // level) for s in segments]
+            ids = [t for s, n in zip(segments, sizes)
+                   for t in (*s, *[self.pad_id] * (n * level - len(s)))]
+            mask = [m for s, n in zip(segments, sizes)
+                    for m in [1] * len(s) + [0] * (n * level - len(s))]
+            merged = self._encode_rows(encoder, again, [ids], [mask])[0]
+            return list(torch.split(merged, sizes))
         longest = max(len(s) for s in segments)
-        ids = torch.tensor([list(s) + [self.pad_id] * (longest - len(s)) for s in segments],
-                           device=device)
-        mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in segments],
-                            device=device, dtype=torch.bool)
+        rows = [list(s) + [self.pad_id] * (longest - len(s)) for s in segments]
+        masks = [[1] * len(s) + [0] * (longest - len(s)) for s in segments]
+        merged = self._encode_rows(encoder, again, rows, masks)
+        return [merged[i, : -(-len(s) // level)] for i, s in enumerate(segments)]
+
+    def _encode_rows(self, encoder: nn.Module, again: nn.Module | None, rows: list[list[int]],
+                     masks: list[list[int]]) -> torch.Tensor:
+        """(B, T) ids and masks -> (B, units, D): ``encoder``'s merges, merged ``again``."""
+        device = self.embed.weight.device
+        ids = torch.tensor(rows, device=device)
+        mask = torch.tensor(masks, device=device, dtype=torch.bool)
         merged, mask = _run(encoder, self.embed(ids), mask)
         if again is not None:
             merged, _ = _run(again, merged, mask)
-        return [merged[i, : -(-len(s) // level)] for i, s in enumerate(segments)]
+        return merged
 
 
 def _run(encoder: nn.Module, embeds: torch.Tensor, mask: torch.Tensor

@@ -191,3 +191,28 @@ def test_a_segment_read_a_level_past_the_largest_merges_the_merges_again(tiny_mo
     assert model.encode_prompts([tuple(prompt)], embed=False)[0].tokens_out == cp.tokens_out
     close(cp.embeds[:n], want[0])
     assert deeper_level(fresh_model(tiny_model_dir, k=1, use_mlp=False).encoder) is None
+
+
+@pytest.mark.parametrize("layout,levels", [(dict(k=4, inner_k=2, slot_weights=True), (2, 4, 8)),
+                                           (dict(k=2, context_blocks=2), (2,))])
+def test_pieces_merged_together_are_each_merged_alone(tiny_model_dir, layout, levels):
+    # a long document's runs between its plain lines, of uneven lengths, merged at once (one
+    # row, each piece on whole blocks; the padded batch for an encoder reading earlier blocks)
+    # give each piece's merges alone
+    from helpers import close, fresh_model, perturb
+
+    from ktm.core.encoder import reads_blocks_alone
+
+    model = fresh_model(tiny_model_dir, **layout)
+    perturb(model)
+    assert reads_blocks_alone(model.encoder) == ("context_blocks" not in layout)
+    enc = model._prompt_encoder()
+    ids = model.tokenize("The quick brown fox jumps over the lazy dog near the bank. " * 9)
+    pieces = [tuple(ids[a:b]) for a, b in ((0, 5), (5, 70), (70, 71), (71, 100))]
+    for level in levels:
+        with torch.no_grad():
+            together = enc.merge_segments([(p, level) for p in pieces])
+            for piece, got in zip(pieces, together):
+                (alone,) = enc.merge_segments([(piece, level)])
+                assert got.shape == alone.shape == (-(-len(piece) // level), alone.shape[-1])
+                close(got, alone)
