@@ -16,6 +16,8 @@
 #   k4-question      the shipped K=4 reader at ratio 4, the question allocator
 #   qa-k4            the question reader (LoRA on merged rows only) at K=4
 #   qa-question      the question reader as it loads: ratio 4, the question allocator
+#   qa-deep          the question reader at ratio 8, its deeper level: the document's units read at
+#                    K=8 (its K=4 merges merged again), the question's lines plain
 #   qa-llamacpp      the same on llama.cpp (the embedded Q4_1 GGUF and the LoRA as an adapter
 #                    set for the merged rows and cleared for the plain ones)
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
@@ -58,6 +60,7 @@ flags() {  # the ktm eval flags of one method
     qa-k4)           echo "--checkpoint $READER --allocator even" ;;
     qa-question)     echo "--checkpoint $READER" ;;
     qa-window)       echo "--checkpoint $READER --ratio 4.03 --allocator question" ;;
+    qa-deep)         echo "--checkpoint $READER --ratio 8 --allocator question" ;;
     qa-llamacpp)     echo "--checkpoint $READER --backend llamacpp" ;;
     llmlingua)       echo "--compressor llmlingua --compressor-option ratio=0.7" ;;
     longllmlingua)   echo "--compressor llmlingua --compressor-option ratio=0.7
