@@ -3,12 +3,14 @@ read again at the ratio that fits, instead of refused.
 
 A prompt's compressed segments are read at their ratio (the reader's own, or uniform K). When
 that reading and the tokens still to come (the new tokens of a generation) run past the model's
-positions, every compressed segment without levels of its own is read at the ratio that leaves
-exactly room for them: the plain segments (the question, the chat template) stay plain, and the
+positions, every compressed segment without levels of its own is read at a ratio that leaves
+room for them: the plain segments (the question, the chat template) stay plain, and the
 allocator spends the fewer positions where its signal is highest (the question's lines stay
-plain under the question allocator; the units it needs least are read deepest, or left out).
-A reader whose allocator leaves nothing out goes no deeper than its largest level, or than its
-deeper level (merges merged again), read whole. ``RatioWarning`` says the ratio it was read at;
+plain under the question allocator). Past its largest level a reader reads at its deeper level
+(its merges merged again), whole, rather than leave units out: the prompt then takes fewer
+positions than the window, and its prefill less time. Only past that level does an allocator
+that leaves units out (the question allocator) leave out what it needs least; any other goes no
+deeper. ``RatioWarning`` says the ratio it was read at;
 the ``CompressedPrompt`` carries it (``squeezed``, a result row's ``ratio_read``). A prompt
 that even the densest reading cannot fit is refused, naming the longest that fits.
 """
@@ -131,8 +133,11 @@ def _fixed(cp: CompressedPrompt) -> int:
 
 
 def _allowed(ratio: float, largest: int, deep: tuple | None, densest: float) -> float:
-    """``ratio``, or the next one the reader reads at: past its largest level, a reader that
-    leaves nothing out reads only its deeper level, whole."""
-    if ratio <= largest or densest == float("inf"):
+    """``ratio``, or the one the reader reads at instead: past its largest level, its deeper
+    level, whole (the question's lines plain), before any unit is left out; past that, an
+    allocator that leaves units out leaves them out."""
+    if ratio <= largest or deep is None:
         return ratio
-    return float(deep[0]) if deep is not None else ratio
+    if ratio <= deep[0] or densest != float("inf"):
+        return float(deep[0])
+    return ratio

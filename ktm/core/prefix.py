@@ -190,7 +190,8 @@ class PromptEncoder:
             if s.ratio is None and s.levels is None:
                 continue
             merged = [ids for ids, c, i in row if i == seg and c and ids]
-            if deep is not None and s.ratio == deep[0]:  # read whole a level past the largest
+            if (deep is not None and s.ratio == deep[0]
+                    and not signal_of(self.allocator).drops):  # whole, a level past the largest
                 runs[seg] = [[(len(ids), deep[0])] for ids in merged]
                 continue
             plain = sum(len(ids) for ids, c, i in row if i == seg and not c)
@@ -248,6 +249,12 @@ class PromptEncoder:
         """Per merged piece of a segment, its (tokens, level) runs (level 1: plain, 0: left
         out); ``question``: the prompt's question (``_levels``), for the question signal."""
         levels, unit = self.merge_levels, self.encoder.k
+        deep = deeper_level(self.encoder)
+        if (seg.levels is None and deep is not None and seg.ratio > unit
+                and signal_of(self.allocator).drops):
+            # past the largest level, units of the deeper level: what the signal needs least
+            # is read there, merges merged again, before any unit is left out
+            levels, unit = (deep[0], *levels), deep[0]
         if seg.levels is not None:
             units = Units.of(merged, unit)
             if len(seg.levels) != len(units.cuts):

@@ -59,8 +59,9 @@ def test_a_question_reader_fits_by_reading_what_the_question_needs_least_deeper(
             warnings.simplefilter("ignore", RatioWarning)
             (fitted,), (cp,) = encode_fitted(reader, [long], True, [15])
         assert cp.next_position <= reader.max_positions - 15
+        # past its largest level (4): its deeper level (8), whole, before any unit is left out
         (ratio,) = {s.ratio for s in fitted if s.compress}
-        assert 4 < ratio < 8 and fitted[1:] == tuple(long[1:])
+        assert ratio == 8 and fitted[1:] == tuple(long[1:])
         with warnings.catch_warnings():  # the question's line is still read plain
             warnings.simplefilter("ignore", RatioWarning)
             (row,) = reader._prompt_encoder().layout([fitted])
@@ -68,3 +69,23 @@ def test_a_question_reader_fits_by_reading_what_the_question_needs_least_deeper(
         assert "secret code is 7731" in plain
     finally:
         reader._config = config
+
+
+def test_past_its_largest_level_the_question_allocator_reads_deeper_before_leaving_out(reader):
+    # between the largest level (4) and the deeper one (8) nothing is left out: what the
+    # question needs least is read at 8, its merges merged again; its line stays plain
+    from ktm.core.config import Layout
+    from ktm.core.prefix import LEFT_OUT
+
+    doc = LINE * 30 + "The secret code is 7731.\n" + LINE * 12
+    layout = Layout(allocator="question")
+    prompt = (Segment(doc, ratio=6), Segment("\nWhat is the secret code?", question=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RatioWarning)
+        (row,) = reader._prompt_encoder(layout).layout([prompt])
+        cp = reader.encode_prompts([prompt], layout=layout)[0]
+    levels = {level for _, level, c in row if c}
+    assert LEFT_OUT not in levels and 8 in levels and 4 in levels
+    plain = "".join(reader.tokenizer.decode(ids) for ids, level, c in row if c and not level)
+    assert "secret code is 7731" in plain
+    assert 5 < cp.squeezed[0] / cp.squeezed[1] < 7
