@@ -9,6 +9,7 @@ given as ``gguf``, or else one written once into ``$KTM_CACHE/gguf/`` and reused
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ktm.llamacpp.export import MANIFEST, export_files, export_gguf, export_key, read_manifest
@@ -25,8 +26,13 @@ def export_dir(model, source: str | Path | None, gguf: str | Path | None) -> Pat
         return Path(source)
     from ktm.core.base_model import cache_dir
 
-    return written_once(cache_dir() / "gguf" / export_key(model), MANIFEST,
-                        lambda dest: export_gguf(model, dest))
+    def export(dest: Path) -> dict:
+        # once per model and machine; the progress bars that follow are its steps
+        print(f"ktm: exporting the model for llama.cpp once, into {dest.parent}",
+              file=sys.stderr, flush=True)
+        return export_gguf(model, dest)
+
+    return written_once(cache_dir() / "gguf" / export_key(model), MANIFEST, export)
 
 
 def attach(model, source: str | Path | None = None, gguf: str | Path | None = None,

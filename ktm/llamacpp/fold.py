@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ktm.errors import KTMError
 from ktm.llamacpp.gguf_files import finish_writer, gguf_module
@@ -68,7 +69,8 @@ def fold_adapter(base: Path, out: Path, adapter: dict[str, np.ndarray], alpha: f
                              sub_type=kinds[-1] if kinds[0] == gguf.GGUFValueType.ARRAY else None)
     fold_type("F32", into)  # a bad choice is an error before anything is read or written
     folded = {}
-    for t in reader.tensors:
+    # the one-time export of a reader (``KTMModel.load(..., backend="llamacpp")``): seconds
+    for t in tqdm(reader.tensors, desc="fold the LoRA into the GGUF", unit="tensor"):
         if t.name not in pairs:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
             continue
