@@ -662,6 +662,7 @@ QUESTION_NAMES = {
     "qa-k4": "question reader (k4-qa), K=4",
     "qa-question": "**question reader (k4-qa): ratio 4, question allocator**",
     "qa-window": "**question reader (k4-qa), question allocator, ≤ 8,192 positions**",
+    "qa-deep": "**question reader (k4-qa) at ratio 8, its deeper level, as fitted**",
     "llmlingua": "LLMLingua (30 % kept)", "longllmlingua": "LongLLMLingua (30 % kept)",
     "expected_attention": "ExpectedAttention (30 % of KV)", "snapkv": "SnapKV (30 % of KV)",
     "tova": "TOVA (30 % of KV)", "streaming_llm": "StreamingLLM (30 % of KV)",
@@ -790,10 +791,10 @@ GRID_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 def question_depth_grid() -> str:
     """Past the window, the needle at fixed depths: the same documents with the needle at each
-    (results/question/needle-DEPTH/LENGTH/qa-window.json, ``--task-option depth=DEPTH``)."""
+    (results/question/needle-DEPTH/LENGTH/METHOD.json, ``--task-option depth=DEPTH``)."""
     rows = []
-    for n in (16384, 32768):
-        found = {d: QUESTION / f"needle-{d}" / str(n) / "qa-window.json" for d in GRID_DEPTHS}
+    for method, n in (("qa-window", 16384), ("qa-window", 32768), ("qa-deep", 32768)):
+        found = {d: QUESTION / f"needle-{d}" / str(n) / f"{method}.json" for d in GRID_DEPTHS}
         got = {d: json.loads(p.read_text()) for d, p in found.items() if p.is_file()}
         if not got:
             continue
@@ -802,7 +803,7 @@ def question_depth_grid() -> str:
         hits = sum(round(r["accuracy"] * r["n"]) for r in got.values())
         total = sum(r["n"] for r in got.values())
         kept = sum(r["kv_after"] * r["n"] for r in got.values()) / total
-        rows.append(f"| {QUESTION_NAMES['qa-window']} | {n:,} | " + " | ".join(cells)
+        rows.append(f"| {QUESTION_NAMES[method]} | {n:,} | " + " | ".join(cells)
                     + f" | {hits} / {total} | {kept:,.0f} |")
     if not rows:
         return "(no rows yet)"

@@ -250,7 +250,7 @@ def check_task_fits(model, task, examples: Sequence[Example], merge: bool = True
         return
     if task.kind == "qa":
         check_examples_fit(model, examples, "evaluation", merge=merge, answer_tokens=0,
-                           new_tokens=max_new_tokens or task.answer_tokens)
+                           new_tokens=max_new_tokens or task.answer_tokens, fitted=True)
         return
     targets = [task.label_target(lab) for lab in task.labels]
     longest = max(len(target_ids(model, t)) for t in targets)

@@ -9,8 +9,11 @@ would fit.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
+from ktm.core.allocate import RatioWarning
+from ktm.core.fit import encode_fitted
 from ktm.core.loss import check_fits, target_ids
 from ktm.errors import KTMError
 from ktm.tasks.base import Example
@@ -25,11 +28,14 @@ def where(example: Example, i: int, what: str) -> str:
 
 
 def check_examples_fit(model, examples: Sequence[Example], what: str, *, merge: bool = True,
-                       answer_tokens: int | None = None, new_tokens: int = 0) -> None:
+                       answer_tokens: int | None = None, new_tokens: int = 0,
+                       fitted: bool = False) -> None:
     """Raise ``KTMError`` naming the first of ``examples`` that does not fit ``model``'s
     positions: its prompt followed by its own target (or by ``answer_tokens`` target tokens,
     a label's answer text), and by ``new_tokens`` generated ones (the last of them never read
-    back). A model without a position limit checks nothing."""
+    back). ``fitted``: each prompt as generation reads it, past the window at a ratio that fits
+    (``ktm.core.fit``), refused only where none does. A model without a position limit checks
+    nothing."""
     if not model.max_positions:
         return
     seen: set = set()
@@ -40,7 +46,13 @@ def check_examples_fit(model, examples: Sequence[Example], what: str, *, merge: 
             continue
         seen.add(key)
         try:
-            cp = model.encode_prompts([e.segments], merge, embed=False)[0]
+            if fitted:
+                with warnings.catch_warnings():  # generation says the ratio it reads at
+                    warnings.simplefilter("ignore", RatioWarning)
+                    _, (cp,) = encode_fitted(model, [segments], merge,
+                                             [max(new_tokens - 1, 0)], embed=False)
+            else:
+                cp = model.encode_prompts([e.segments], merge, embed=False)[0]
             n = len(target_ids(model, e.target)) if answer_tokens is None else answer_tokens
             if n:
                 check_fits(model, [cp], [n], "target tokens")

@@ -51,3 +51,21 @@ def test_an_example_over_the_limit_is_named_with_the_k_that_fits(tiny_model_dir)
         check_examples_fit(model, [ok, long], "training")
     with pytest.raises(KTMError, match=r"^evaluation example 1: .* K=3 would fit"):
         check_examples_fit(model, [ok, Example((Segment(text),), "yes")], "evaluation")
+
+
+def test_a_generated_answer_is_checked_as_generation_reads_its_prompt(tiny_model_dir):
+    # fitted: a prompt past the window passes where generation reads it at a ratio that fits
+    # (K=2 and its deeper level, 4), and is refused only past even that, with fit's error
+    model = KTMModel.from_base(tiny_model_dir, k=2)
+    tok = model.tokenizer
+    past = Example((Segment(" fox" * 1100), Segment("\nAnswer:", compress=False)), "yes")
+    with pytest.raises(KTMError, match="K=3 would fit"):
+        check_examples_fit(model, [past], "evaluation", answer_tokens=0, new_tokens=4)
+    check_examples_fit(model, [past], "evaluation", answer_tokens=0, new_tokens=4, fitted=True)
+    n = len(tok(" fox" * 2400, add_special_tokens=False)["input_ids"])
+    assert n > 4 * 512
+    too_long = Example((Segment(" fox" * 2400), Segment("\nAnswer:", compress=False)), "yes")
+    with pytest.raises(KTMError, match=r"^evaluation example 0: prompt of \d+ tokens cannot fit "
+                                       r"the model's 512 positions"):
+        check_examples_fit(model, [too_long], "evaluation", answer_tokens=0, new_tokens=4,
+                           fitted=True)
