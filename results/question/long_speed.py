@@ -3,6 +3,11 @@ goes, each reading interleaved with the others on the same documents in one proc
 
     python results/question/long_speed.py --length 32768 --docs 3 \\
         --out results/question/long_speed.json
+    python results/question/long_speed.py --length 32768 --docs 3 --backend llamacpp \\
+        --out results/question/long_speed_llamacpp.json
+
+``--backend llamacpp``: both models prefill through llama.cpp (the base GGUF; the reader's LoRA
+set for the merged rows and cleared for the plain ones), the merging in torch as ever.
 
 Readings (the needle task's documents, its question read plain after each):
     plain window   the base model reading the document's last 8,000 tokens (the most of it the
@@ -68,8 +73,8 @@ def reading(model, prompt, merge: bool, fitted: bool) -> dict:
         timing: dict = {}
         model.generate([prompt], prefixes=[cp], max_new_tokens=1, merge=merge, timing=timing)
         t4 = time.perf_counter()
-        answer = model.generate([prompt], prefixes=[cp], max_new_tokens=ANSWER_TOKENS,
-                                merge=merge)
+        (answer,) = model.generate([prompt], prefixes=[cp], max_new_tokens=ANSWER_TOKENS,
+                                   merge=merge)
     layout_s = t1 - t0 if fitted else t2 - t1
     merge_s = max(0.0, (t3 - t2) - (t2 - t1))
     return {"layout_s": layout_s, "merge_s": merge_s, "prefill_s": timing["prefill_s"],
@@ -82,10 +87,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--docs", type=int, default=3)
+    ap.add_argument("--backend", choices=("torch", "llamacpp"), default="torch")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    plain = load_any("smollm2-135m")
-    reader = KTMModel.load("smollm2-135m-k4-qa")
+    plain = load_any("smollm2-135m", backend=args.backend)
+    reader = KTMModel.load("smollm2-135m-k4-qa", backend=args.backend)
     task = get_task("needle", length=args.length)
     bind(task, reader)
     examples = task.eval_examples(args.docs, seed=1)
@@ -115,7 +121,7 @@ def main() -> None:
                         "hits": sum(r["hit"] for r in rs), "n": len(rs), "docs": rs})
     write_json_atomic(args.out, {"rows": summary, "config": {
         "length": args.length, "docs": args.docs, "threads": 1, "task": "needle", "seed": 1,
-        "reader": "smollm2-135m-k4-qa", "plain": "smollm2-135m", "backend": "torch",
+        "reader": "smollm2-135m-k4-qa", "plain": "smollm2-135m", "backend": args.backend,
         "window_tokens": WINDOW_TOKENS, "answer_tokens": ANSWER_TOKENS},
         "versions": versions(), "git": git_revision()})
 
