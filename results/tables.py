@@ -822,6 +822,22 @@ def _rows_table(name: str, header: list[str], cells: Callable[[dict], list[str]]
     return "\n".join(out)
 
 
+def question_chat_answer() -> str:
+    """A needle asked four ways of each reader, the answer objective's among them
+    (results/question/chat_answer.json, results/question/chat_reader.py)."""
+    path = QUESTION / "chat_answer.json"
+    if not path.exists():
+        return "(no rows yet)"
+    out = ["| reader | chat | task's question and cue | question alone | "
+           "\"Question: ... Answer:\" |", "|---" * 5 + "|"]
+    for r in json.loads(path.read_text()):
+        name = r["reader"] if "/" not in r["reader"] else f"stage {r['reader'].split('/')[-2]}"
+        h, n = r["hits"], r["n"]
+        out.append(f"| `{name}` | " + " | ".join(f"{h[k]} / {n}" for k in
+                                                 ("chat", "library", "bare", "cue")) + " |")
+    return "\n".join(out)
+
+
 def question_ablations() -> str:
     """Each lever of question-aware reading switched off on the same needles
     (results/question/ablations.py)."""
@@ -925,6 +941,7 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "question_depth_grid": question_depth_grid,
                                         "question_ablations": question_ablations,
                                         "question_chat": question_chat,
+                                        "question_chat_answer": question_chat_answer,
                                         "question_speed": question_speed,
                                         "question_entries": question_entries,
                                         "question_many": question_many}
