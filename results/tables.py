@@ -838,6 +838,22 @@ def question_chat_answer() -> str:
     return "\n".join(out)
 
 
+def question_long_speed() -> str:
+    """Past the window, where the time to the first token goes, readings interleaved
+    (results/question/long_speed.json, results/question/long_speed.py)."""
+    path = QUESTION / "long_speed.json"
+    if not path.exists():
+        return "(no rows yet)"
+    data = json.loads(path.read_text())
+    out = ["| reading | positions | laying out | merging | prefill | first token | "
+           "÷ plain window | found |", "|---" * 8 + "|"]
+    for r in data["rows"]:
+        out.append(f"| {r['reading']} | {r['positions']:,.0f} | {r['layout_s']:.1f} s | "
+                   f"{r['merge_s']:.1f} s | {r['prefill_s']:.1f} s | {r['first_token_s']:.1f} s | "
+                   f"{r['of_plain_window']:.2f} × | {r['hits']} / {r['n']} |")
+    return "\n".join(out)
+
+
 def question_ablations() -> str:
     """Each lever of question-aware reading switched off on the same needles
     (results/question/ablations.py)."""
@@ -942,6 +958,7 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "question_ablations": question_ablations,
                                         "question_chat": question_chat,
                                         "question_chat_answer": question_chat_answer,
+                                        "question_long_speed": question_long_speed,
                                         "question_speed": question_speed,
                                         "question_entries": question_entries,
                                         "question_many": question_many}
