@@ -827,13 +827,13 @@ def _rows_table(name: str, header: list[str], cells: Callable[[dict], list[str]]
 
 def question_chat_answer() -> str:
     """A needle asked four ways of each reader, the answer objective's among them
-    (results/question/chat_answer.json, results/question/chat_reader.py)."""
-    path = QUESTION / "chat_answer.json"
-    if not path.exists():
+    (results/question/chat_answer*.json, results/question/chat_reader.py)."""
+    paths = sorted(QUESTION.glob("chat_answer*.json"))
+    if not paths:
         return "(no rows yet)"
     out = ["| reader | chat | task's question and cue | question alone | "
            "\"Question: ... Answer:\" |", "|---" * 5 + "|"]
-    for r in json.loads(path.read_text()):
+    for r in (r for p in paths for r in json.loads(p.read_text())):
         name = r["reader"] if "/" not in r["reader"] else f"stage {r['reader'].split('/')[-2]}"
         h, n = r["hits"], r["n"]
         out.append(f"| `{name}` | " + " | ".join(f"{h[k]} / {n}" for k in
