@@ -7,8 +7,9 @@ positions, every compressed segment without levels of its own is read at a ratio
 room for them: the plain segments (the question, the chat template) stay plain, and the
 allocator spends the fewer positions where its signal is highest (the question's lines stay
 plain under the question allocator). Past its largest level a reader reads at its deeper level
-(its merges merged again), whole, rather than leave units out: the prompt then takes fewer
-positions than the window, and its prefill less time. Only past that level does an allocator
+(its merges merged again) rather than leave units out: whole, or, under the question
+allocator, all but the question's lines; the prompt then takes fewer positions than the
+window, and its prefill less time. Only past that level does an allocator
 that leaves units out (the question allocator) leave out what it needs least; any other goes no
 deeper. ``RatioWarning`` says the ratio it was read at;
 the ``CompressedPrompt`` carries it (``squeezed``, a result row's ``ratio_read``). A prompt
@@ -134,8 +135,8 @@ def _fixed(cp: CompressedPrompt) -> int:
 
 def _allowed(ratio: float, largest: int, deep: tuple | None, densest: float) -> float:
     """``ratio``, or the one the reader reads at instead: past its largest level, its deeper
-    level, whole (the question's lines plain), before any unit is left out; past that, an
-    allocator that leaves units out leaves them out."""
+    level (under the question allocator the question's lines plain), before any unit is left
+    out; past that, an allocator that leaves units out leaves them out."""
     if ratio <= largest or deep is None:
         return ratio
     if ratio <= deep[0] or densest != float("inf"):
