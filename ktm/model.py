@@ -634,14 +634,14 @@ class KTMModel(nn.Module):
         ``via``: the LM to run (``decode_lm``'s view); None: the PEFT-wrapped LM.
         ``gate``: (B, L) bool, the merged rows (``Packed.gate``; None: none). A LoRA of scope
         "merged" adapts those rows only (``ktm.core.lora_scope``): a forward with a merged row
-        runs the PEFT model, whatever ``via`` says; one without reads through ``via``, the
-        base LM's view.
+        runs, when decoding (``via`` given), the LM switched by row (``_rows_lm``), else the PEFT
+        model; one without reads through ``via``, the base LM's view.
         """
         run, rows = via or self.peft, nullcontext()
         if self._config.lora.scope == "merged":
             if gate is not None and bool(gate.any()):
-                run = self.peft
-            if run is self.peft:
+                run = (via is not None and self._rows_lm()) or self.peft
+            if run is not via:
                 rows = gated(gate if gate is not None else torch.zeros(
                     embeds.shape[:2], dtype=torch.bool, device=embeds.device))
         with rows:
@@ -650,6 +650,17 @@ class KTMModel(nn.Module):
                 past_key_values=cache, use_cache=cache is not None, logits_to_keep=keep,
                 output_hidden_states=hidden)
         return (out.logits, out.hidden_states) if hidden else out.logits
+
+    def _rows_lm(self) -> nn.Module | None:
+        """What a LoRA of scope "merged" reads a decoding forward with merged rows through: the
+        LM folded at those rows, base at the rest (``ktm.core.lora_fold.rows_view``), when
+        ``fold_lora`` says so (None: when the LoRA does not train); else None, the PEFT model
+        with the gate's hook. Native weights either way."""
+        lm = self.peft.get_base_model()
+        fold = self.fold_lora
+        if fold is None:
+            fold = not self._folded.lora_trains(lm)
+        return self._folded.get(lm, mode="rows") if fold else None
 
     def decode_lm(self) -> nn.Module | None:
         """What decoding passes ``lm`` as ``via``: the LM with its LoRA folded into separate
@@ -660,7 +671,7 @@ class KTMModel(nn.Module):
         lm = self.peft.get_base_model()
         weights = self.runtime.weights
         if self._config.lora.scope == "merged":  # decoding reads plain rows: the base LM, unfolded
-            return self._folded.get(lm, weights, fold=False)
+            return self._folded.get(lm, weights, mode="base")
         if fold is None:
             fold = not self._folded.lora_trains(lm)
         if not fold:

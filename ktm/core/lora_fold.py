@@ -31,6 +31,8 @@ from torch import nn
 from ktm.core.int8 import int8_swaps, linears
 from ktm.errors import KTMError
 
+VIEW_MODES = ("fold", "base", "rows")
+
 
 def _foldable(layer: nn.Module) -> bool:
     """A plain PEFT LoRA linear layer (no DoRA or other variant, no LoRA bias), adapters on,
@@ -95,6 +97,22 @@ def base_view(lm: nn.Module) -> nn.Module:
     return swapped_view(lm, swaps) if swaps else lm
 
 
+def rows_view(lm: nn.Module, tuners: dict[str, BaseTunerLayer] | None = None
+              ) -> nn.Module | None:
+    """``lm`` with each LoRA layer replaced by a switch between its folded weight, at the rows
+    the running forward's gate marks, and its base module, at the rest (``ktm.core.lora_scope``,
+    ``RowSwitch``): what a LoRA of scope "merged" prefills through, the same rows adapted as
+    PEFT's layer with the gate's hook adapts, without its two small matmuls and the gate's
+    multiply on every row. None if a layer cannot be folded."""
+    from ktm.core.lora_scope import RowSwitch  # the gate lives there; it imports nothing here
+
+    tuners = _tuners(lm) if tuners is None else tuners
+    if not tuners or not all(_foldable(m) for m in tuners.values()):
+        return None
+    return swapped_view(lm, {n: RowSwitch(_folded_layer(m), m.get_base_layer())
+                             for n, m in tuners.items()})
+
+
 def swapped_view(root: nn.Module, swaps: dict[str, nn.Module]) -> nn.Module:
     """``root`` with the modules named in ``swaps`` replaced: only the modules on the way to them
     are copied (shallowly, each with a child table of its own, in eval mode); the rest are
@@ -133,14 +151,17 @@ class FoldedLM:
     not: autograd's version counter skips it), and the children of each module the view copied.
     Other modules are the LM's own, so a change inside one is the view's too.
 
+    Three views of the LM, each made when first asked for and kept beside the others: "fold"
+    (the LoRA folded in), "base" (the base LM's modules, nothing copied) and "rows" (folded at
+    the gated rows, base at the rest: ``rows_view``).
+
     ``weights="int8"`` (``ktm.core.int8``): a second view whose every linear layer is an int8
     copy, kept beside the first (a quarter of its bytes in fp32), so that runs switching between
     the two (``ktm bench --weights native int8``) quantize once; the check then covers the
     weight of every linear layer of the LM as well."""
 
     def __init__(self) -> None:
-        self._views: dict[str, nn.Module | None] = {}  # by weights: "native", "int8"
-        self._fold = True  # whether the views fold the LoRA in (False: the base LM's)
+        self._views: dict[tuple[str, str], nn.Module | None] = {}  # by (mode, weights)
         self._key: tuple | None = None
         self._lm: nn.Module | None = None
         self._tuners: list[tuple] = []  # (LoRA layer, its base module, [(adapter, A, B)])
@@ -178,23 +199,30 @@ class FoldedLM:
         return any(m._parameters["weight"].requires_grad for _, _, factors in self._tuners
                    for _, la, lb in factors for m in (la, lb))
 
-    def get(self, lm: nn.Module, weights: str = "native", fold: bool = True
+    def get(self, lm: nn.Module, weights: str = "native", mode: str = "fold"
             ) -> nn.Module | None:
-        """The folded view of ``lm`` as its weights are now; None when it cannot be folded and
-        ``weights`` is "native". ``weights="int8"``: its linear layers in int8
-        (``ktm.core.int8``); a LoRA that cannot be folded is then refused by name. ``fold``
-        False: the base LM's view instead, every LoRA layer's base module in its place
-        (``base_view``: what a LoRA of scope "merged" decodes through)."""
-        if (lm is not self._lm or self._key is None or self._current() != self._key
-                or fold != self._fold):
+        """The ``mode`` view of ``lm`` as its weights are now: "fold", the LoRA folded in (None
+        when it cannot be folded and ``weights`` is "native"); "base", every LoRA layer's base
+        module in its place (``base_view``: what a LoRA of scope "merged" decodes through);
+        "rows", folded at the gated rows only (``rows_view``; None when it cannot be folded).
+        ``weights="int8"``: its linear layers in int8 (``ktm.core.int8``); a LoRA that cannot be
+        folded is then refused by name."""
+        if mode not in VIEW_MODES:
+            raise KTMError(f"view mode {mode!r}: expected one of {', '.join(VIEW_MODES)}")
+        if lm is not self._lm or self._key is None or self._current() != self._key:
             self.clear()  # the old copies go before new ones are made: never two at once
-        if weights not in self._views:
+        if (mode, weights) not in self._views:
             tuners = self._scan(lm)
-            self._fold = fold
-            view = self._views.get("native")
-            if view is None:
-                view = fold_view(lm, tuners) if fold else base_view(lm)
+            view = self._views.get((mode, "native"))
+            if (mode, "native") not in self._views:
+                make = {"fold": fold_view, "rows": rows_view,
+                        "base": lambda lm, _: base_view(lm)}[mode]
+                view = make(lm, tuners)
             if weights == "int8":
+                if mode == "rows":
+                    raise KTMError("weights='int8' reads the LM in int8 with its LoRA folded in "
+                                   "or left out, not switched by row: expected mode 'fold' or "
+                                   "'base'")
                 if view is None and tuners:
                     raise KTMError("weights='int8' reads the LM with its LoRA folded in, and "
                                    "this LoRA cannot be folded (a LoRA variant or bias, adapters "
@@ -202,8 +230,8 @@ class FoldedLM:
                 self._linears = list(linears(lm).values())
                 base = lm if view is None else view
                 view = swapped_view(base, int8_swaps(base))
-            self._views[weights], self._key = view, self._current()
-        return self._views[weights]
+            self._views[(mode, weights)], self._key = view, self._current()
+        return self._views[(mode, weights)]
 
     def clear(self) -> None:
         """Free the folded weights."""

@@ -127,10 +127,14 @@ def merged_usage(usages: list[dict], n: int) -> dict:
 
     firsts = usages[::n]
     prompt, completion = total("prompt_tokens", firsts), total("completion_tokens", usages)
-    return {"prompt_tokens": prompt, "prompt_tokens_merged": total("prompt_tokens_merged", firsts),
-            "prompt_tokens_details": {"cached_tokens": sum(
-                u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
-            "completion_tokens": completion, "total_tokens": prompt + completion}
+    out = {"prompt_tokens": prompt, "prompt_tokens_merged": total("prompt_tokens_merged", firsts),
+           "prompt_tokens_details": {"cached_tokens": sum(
+               u["prompt_tokens_details"]["cached_tokens"] for u in firsts)},
+           "completion_tokens": completion, "total_tokens": prompt + completion}
+    fitted = [u["prompt_ratio_read"] for u in firsts if "prompt_ratio_read" in u]
+    if fitted:  # a prompt fitted to the window: the highest ratio one was read at
+        out["prompt_ratio_read"] = max(fitted)
+    return out
 
 
 def _sse(obj: dict | str) -> str:

@@ -31,13 +31,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ktm.core.allocate import RatioWarning
 from ktm.core.batch import CompressedPrompt
+from ktm.core.fit import encode_fitted
 from ktm.core.prompt import Segment
 from ktm.decode.generate import Decoding, GenerationConfig
 from ktm.decode.press import PressConfig, pressed_as
@@ -83,6 +86,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
     ahead: bool = False  # the server's own read of a chat's next turn (counted apart)
+    # the ratio its merged parts were read at when the server fitted it to the window (None:
+    # read as sent)
+    ratio_read: float | None = None
 
     @property
     def tokens_in(self) -> int:
@@ -112,6 +118,8 @@ class Row:
         self.cells = cp.tokens_out + limit  # KV cells it may come to hold (llama.cpp's budget)
         self.prompt = {"prompt_tokens": cp.tokens_in, "prompt_tokens_merged": cp.tokens_out,
                        "prompt_tokens_details": {"cached_tokens": cached}}
+        if job.ratio_read is not None:  # fitted to the window: the ratio it was read at
+            self.prompt["prompt_ratio_read"] = job.ratio_read
 
     def push(self, token: int) -> Event:
         """The row's next token (with a trail, the engine has added its logprob entry)."""
@@ -269,6 +277,35 @@ class Engine:
                     jobs.append(job)
             return jobs
 
+    def _fitted(self, job: Job) -> CompressedPrompt:
+        """The layout of ``job``'s prompt (no embedding), fitted to the window as the library
+        fits one (``ktm.core.fit``: its merged parts read at a higher ratio, the question's lines
+        plain) when its reading and the tokens it may generate run past it. The request then
+        reads the fitted segments (its kept context too, keyed on the ratio read) and its usage
+        says the ratio (``prompt_ratio_read``). One that cannot fit is laid out as sent: its
+        refusal (``_limit``) names the positions it spans."""
+        if self.context is not None:
+            # tokens it may generate: as it asks, else as many as the server allows; the last
+            # is never read back
+            room = (job.max_tokens or self.cfg.max_tokens_limit) - 1
+            try:
+                with warnings.catch_warnings(record=True) as told:
+                    warnings.simplefilter("always", RatioWarning)
+                    (segs,), (cp,) = encode_fitted(self.model, [job.segments], True, [room],
+                                                   embed=False)
+            except KTMError as e:
+                log.info("a prompt could not be fitted to the context: %s", e)
+            else:
+                if segs != tuple(job.segments):
+                    for w in told:
+                        log.info("%s", w.message)
+                    kept = None if job.context is None else len(job.context)
+                    job.segments = segs
+                    job.context = None if kept is None else segs[:kept]
+                    job.ratio_read = cp.squeezed[0] / max(1, cp.squeezed[1])
+                return cp
+        return self.model.encode_prompts([job.segments], embed=False)[0]
+
     def _limit(self, job: Job, cp: CompressedPrompt) -> int | None:
         """Tokens this request may generate, or None after answering it with an error."""
         # tokens it may generate: the last one is returned, never read back, so it takes no position
@@ -355,10 +392,10 @@ class Engine:
         self.counts["peak_running"] = max(self.counts["peak_running"], len(self._rows))
 
     def _prefill(self, jobs: list[Job]) -> tuple[list, list[Row]]:
-        # a prompt too long is refused from its counts (``encode_prompts(..., embed=False)``),
-        # before the encoder reads it: one many times the context costs its tokens' ids, never
-        # their embeddings
-        measured = self.model.encode_prompts([j.segments for j in jobs], embed=False)
+        # a prompt too long is fitted or refused from its counts (``encode_prompts(...,
+        # embed=False)``), before the encoder reads it: one many times the context costs its
+        # tokens' ids, never their embeddings
+        measured = [self._fitted(job) for job in jobs]
         fits = [(job, limit) for job, cp in zip(jobs, measured)
                 if (limit := self._limit(job, cp)) is not None]
         cps = self.model.encode_prompts([j.segments for j, _ in fits], cache=self.merged)

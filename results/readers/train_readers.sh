@@ -134,7 +134,8 @@ for name in "$@"; do
                    --mixed-signals question=2 even rules --lr 3e-4 --encoder-lr 3e-5
                    --warmup-steps 10 --eval-every 50 --seed 10) ;;
   esac
-  [ -d "$out/checkpoint" ] && start=(--resume)
+  # a stopped stage resumes from its checkpoint, built as it started (the --init reader's settings)
+  [ -d "$out/checkpoint" ] && start+=(--resume)
   ktm pretrain --k "$k" "${recipe[@]}" --max-steps "${steps[$name]}" --out-dir "$out" "${start[@]}" "${extra[@]}"
   mkdir -p "results/readers/runs/$name"
   cp "$out/metrics.jsonl" "$out/run.json" "results/readers/runs/$name/"

@@ -57,7 +57,9 @@ def test_plain_rows_read_the_merged_rows_kv_with_base_weights(gated, tiny_model_
     assert (base[n:] - got[n:]).abs().max() > 1e-3
 
 
-def test_cached_decode_equals_rereading_and_batch_equals_singles(gated):
+@pytest.mark.parametrize("fold", [False, True], ids=["hooked", "switched-by-row"])
+def test_cached_decode_equals_rereading_and_batch_equals_singles(gated, fold):
+    gated.fold_lora = fold
     prompts = [PROMPT, [Segment(DOC[:30]), Segment(" fox", compress=False)],
                [Segment("Hello world, my name is"), Segment(" ktm", compress=False),
                 Segment(DOC[10:40])]]
@@ -65,6 +67,35 @@ def test_cached_decode_equals_rereading_and_batch_equals_singles(gated):
     again = gated.generate(prompts, max_new_tokens=6, use_cache=False)
     singles = [gated.generate(p, max_new_tokens=6) for p in prompts]
     assert cached == again == singles
+
+
+def test_a_model_that_does_not_train_prefills_folded_at_the_merged_rows(gated):
+    """The rows view (``RowSwitch``) reads the merged rows through the LoRA folded in and the
+    plain ones through the base weights: the hooked PEFT forward's logits, whichever rows are
+    the majority, and nothing but base weights when no row is merged."""
+    from ktm.core.lora_scope import RowSwitch
+
+    long_plain = [Segment(DOC[:24]), Segment(" " + DOC * 2, compress=False)]
+    for prompt in (PROMPT, long_plain):
+        cp = gated.encode_prompts([prompt])[0]
+        p = pack([cp.embeds], [cp.positions], [cp.merged_rows])
+        with torch.no_grad():
+            hooked = gated.lm(p.embeds, p.mask, p.position_ids, gate=p.gate)
+            gated.fold_lora = True
+            switched = gated.lm(p.embeds, p.mask, p.position_ids, gate=p.gate,
+                                via=gated.decode_lm())
+            gated.fold_lora = None
+        assert gated._rows_lm() is None  # its LoRA trains: the hooked forward by default
+        close(switched, hooked)
+    merged = int(p.gate.sum())
+    assert 0 < merged < p.gate.numel() / 2  # the second prompt: plain rows the majority
+    gated.fold_lora = True
+    view = gated._rows_lm()
+    assert any(isinstance(m, RowSwitch) for m in view.modules())
+    with pytest.raises(KTMError, match="outside KTMModel.lm"):
+        view(inputs_embeds=p.embeds, attention_mask=p.mask)
+    with pytest.raises(KTMError, match="not switched by row"):
+        gated._folded.get(gated.peft.get_base_model(), "int8", mode="rows")
 
 
 def test_decoding_reads_through_the_base_lm(gated):

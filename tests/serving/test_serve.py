@@ -16,6 +16,7 @@ import torch
 from helpers import perturb
 
 from ktm import KTMError, Segment
+from ktm.core.allocate import RatioWarning
 from ktm.model import KTMModel, RuntimeSpec, prompt_logits
 from ktm.serving.app import BackgroundServer, create_app
 from ktm.serving.config import ServeConfig
@@ -191,9 +192,10 @@ BAD = [
     ("no prompt", {}, 400, "prompt is empty"),
     ("max_tokens over the limit", {"prompt": "hi", "max_tokens": LIMIT + 1}, 400,
      f"over this server's limit of {LIMIT}"),
-    ("too long after merging", {"prompt": "Hello world " * 1200}, 400,
+    # 4,801 tokens: fitted at ratio 16 with 16 new tokens (the test below), not with 447
+    ("too long after merging", {"prompt": "Hello world " * 1200, "max_tokens": LIMIT - 1}, 400,
      "more than the model's context of 512"),
-    ("too long, n=2", {"prompt": "Hello world " * 1200, "n": 2}, 400,
+    ("too long, n=2", {"prompt": "Hello world " * 1200, "n": 2, "max_tokens": LIMIT - 1}, 400,
      "more than the model's context of 512"),
     ("too long with max_tokens", {"prompt": "Hello world " * 300, "max_tokens": LIMIT}, 400,
      "more than the model's context of 512"),
@@ -565,7 +567,8 @@ def test_a_refused_request_is_not_failed_again_by_its_batch(server, monkeypatch)
         return e.value.code
 
     with ThreadPoolExecutor(2) as pool:
-        too_long = pool.submit(ask, {"prompt": "Hello world " * 1200})
+        # past the context even read at the densest, with room for its max_tokens
+        too_long = pool.submit(ask, {"prompt": "Hello world " * 1200, "max_tokens": LIMIT - 1})
         time.sleep(0.02)  # after it, in the same batch window
         boom = pool.submit(ask, {"prompt": "BOOM"})
         assert (too_long.result(), boom.result()) == (400, 500)
@@ -753,6 +756,24 @@ def test_too_long_message_counts_the_positions_a_spread_prompt_spans(tiny_model_
     message = json.loads(e.value.read())["error"]["message"]
     assert f"spans {cp.next_position} positions" in message, message
     assert f"needs {cp.next_position + LIMIT - 1} positions" in message, message
+
+
+def test_a_prompt_past_the_context_is_fitted_as_the_library_fits_it(server, client):
+    """Merged at its K it spans more than the 512 positions: read at a higher ratio instead
+    (``ktm.core.fit``), as ``KTMModel.generate`` reads it, and the usage says the ratio."""
+    doc, question = "Hello world, my name is ktm. " * 200, " Question: who? Answer:"
+    assert len(server.model.tokenize(doc, first=True)) / server.model.k > 512
+    r = client.completions.create(model="tiny", prompt=None, max_tokens=8, temperature=0,
+                                  extra_body=segs_body(doc, question))
+    with pytest.warns(RatioWarning, match="was read at ratio"):
+        want = server.model.generate([Segment(doc), Segment(question, compress=False)],
+                                     max_new_tokens=8)
+    assert r.choices[0].text == want
+    usage = r.model_dump()["usage"]
+    assert usage["prompt_tokens_merged"] + 7 <= 512
+    assert usage["prompt_ratio_read"] > server.model.k
+    plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+    assert "prompt_ratio_read" not in plain.model_dump()["usage"]  # read as sent: no ratio
 
 
 def test_a_prompt_exactly_at_the_context_still_gets_one_token(server):
