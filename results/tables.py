@@ -835,6 +835,7 @@ def question_chat_answer() -> str:
            "\"Question: ... Answer:\" |", "|---" * 5 + "|"]
     for r in (r for p in paths for r in json.loads(p.read_text())):
         name = r["reader"] if "/" not in r["reader"] else f"stage {r['reader'].split('/')[-2]}"
+        name += "" if r.get("step") is None else f" @ {r['step']}"  # a training checkpoint
         h, n = r["hits"], r["n"]
         out.append(f"| `{name}` | " + " | ".join(f"{h[k]} / {n}" for k in
                                                  ("chat", "library", "bare", "cue")) + " |")

@@ -21,6 +21,8 @@ revision.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
@@ -64,7 +66,10 @@ def main() -> None:
                     [Segment(doc), Segment(q, question=True)], max_new_tokens=MAX_TOKENS))
         hits = {k: sum(hit(a, e.meta["answers"]) for a, e in zip(v, examples))
                 for k, v in answers.items()}
-        rows.append({"reader": reader, "hits": hits, "n": args.n, "answers": answers,
+        state = Path(reader) / "trainer_state.json"  # a training checkpoint: its step
+        step = json.loads(state.read_text())["step"] if state.is_file() else None
+        rows.append({"reader": reader, "step": step, "hits": hits, "n": args.n,
+                     "answers": answers,
                      "config": {"task": "needle", "length": 1024, "seed": 1,
                                 "max_tokens": MAX_TOKENS, "threads": 1, "greedy": True,
                                 "model": model_record(model)["config"]},
