@@ -843,18 +843,21 @@ def question_chat_answer() -> str:
 
 
 def question_long_speed() -> str:
-    """Past the window, where the time to the first token goes, readings interleaved
-    (results/question/long_speed.json, results/question/long_speed.py)."""
-    path = QUESTION / "long_speed.json"
-    if not path.exists():
+    """Past the window, where the time to the first token goes, readings interleaved, one run
+    per runtime (results/question/long_speed*.json, results/question/long_speed.py)."""
+    paths = sorted(QUESTION.glob("long_speed*.json"))
+    if not paths:
         return "(no rows yet)"
-    data = json.loads(path.read_text())
-    out = ["| reading | positions | laying out | merging | prefill | first token | "
-           "÷ plain window | found |", "|---" * 8 + "|"]
-    for r in data["rows"]:
-        out.append(f"| {r['reading']} | {r['positions']:,.0f} | {r['layout_s']:.1f} s | "
-                   f"{r['merge_s']:.1f} s | {r['prefill_s']:.1f} s | {r['first_token_s']:.1f} s | "
-                   f"{r['of_plain_window']:.2f} × | {r['hits']} / {r['n']} |")
+    out = ["| runtime | reading | positions | laying out | merging | prefill | first token | "
+           "÷ plain window | found |", "|---" * 9 + "|"]
+    for path in paths:
+        data = json.loads(path.read_text())
+        backend = data["config"].get("backend", "torch")
+        for r in data["rows"]:
+            out.append(f"| {backend} | {r['reading']} | {r['positions']:,.0f} | "
+                       f"{r['layout_s']:.1f} s | {r['merge_s']:.1f} s | {r['prefill_s']:.1f} s | "
+                       f"{r['first_token_s']:.1f} s | {r['of_plain_window']:.2f} × | "
+                       f"{r['hits']} / {r['n']} |")
     return "\n".join(out)
 
 
