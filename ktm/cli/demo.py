@@ -10,6 +10,14 @@ tokens of text no shipped data holds (Python standard-library source), read by t
 (the reader, untouched by the fine-tune) merged and plain, each answering with 64 tokens through
 the one decode path. It prints tokens in and out, the time to first token, the end-to-end time
 and the readability R of that text (``ktm.evaluation.readability``).
+
+It ends with one question about a document four times the model's window (``--question-tokens``,
+32,768 by default: standard-library source with one line ``# The secret code for NAME is
+NUMBER.`` at a seeded depth, the needle task's evaluation document), asked as ``ktm ask`` asks
+it: the question reader (``smollm2-135m-k4-qa`` for the embedded model) fits the document to
+the window by itself (``ktm.core.fit``), and the plain model reads the document's last tokens
+that fit its window with the question (truncation, what a user of the plain model can do). Each
+says its answer, whether it holds the number, the positions read and the time to the first token.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import json
 import shutil
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,6 +75,11 @@ class DemoConfig:
     long_tokens: int = field(default=1536, metadata={
         "help": "tokens of the long prompt (0: skip it); fewer where the model's positions end"})
     answer_tokens: int = field(default=64, metadata={"help": "tokens of the long prompt's answer"})
+    question_tokens: int = field(default=32768, metadata={
+        "help": "tokens of the long document the demo ends with a question about (0: skip it)"})
+    question_reader: str = field(default="auto", metadata={
+        "help": "the reader that answers it: auto (the shipped question reader of the embedded "
+                "model; none for another model) or a reader name / checkpoint folder"})
     device: str = field(default="cpu", metadata={"help": "torch device"})
     dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
 
@@ -73,6 +87,8 @@ class DemoConfig:
         if self.long_tokens < 0 or self.answer_tokens < 1:
             raise KTMError(f"long_tokens must be >= 0 and answer_tokens >= 1, got "
                            f"{self.long_tokens} and {self.answer_tokens}")
+        if self.question_tokens < 0:
+            raise KTMError(f"question_tokens must be >= 0, got {self.question_tokens}")
 
 
 @torch.no_grad()
@@ -165,15 +181,16 @@ def run_demo(cfg: DemoConfig) -> dict:
         print(piece, end="", flush=True)
     print()
     long = None
+    del model  # the start model is loaded afresh: the fine-tune changed this one
     if cfg.long_tokens:
-        del model  # the start model is loaded afresh: the fine-tune changed this one
         long = long_prompt(cfg, reader)
+    question = long_question(cfg) if cfg.question_tokens else None
     # the base actually trained: a --reader checkpoint without --model brings its own
     result = {"config": asdict(cfg), "base_model": base_model,
               "start_model": start_label, "start": summary(start),
               "trained": summary(trained),
               "prefill": timing, "train_s": train_s, "last_step": last,
-              "long_prompt": long, **made_by}
+              "long_prompt": long, "long_question": question, **made_by}
     write_json_atomic(out / "demo.json", result)
     print(f"\nresults: {out / 'demo.json'}, model: {out / 'checkpoint'}")
     return result
@@ -290,3 +307,99 @@ def long_prompt(cfg: DemoConfig, reader: str) -> dict | None:
           f"{speed_phrase(out['e2e_speedup'])}; readability R on {r['windows']} such windows: "
           f"{r_text} (the share of what the text tells the LM that survives merging)")
     return out
+
+
+QUESTION_ANSWER_TOKENS = 24  # the long question's answer: the code and a few words
+
+
+def question_reader_name(cfg: DemoConfig) -> str | None:
+    """The reader the long question is asked of (``--question-reader`` resolved); None where
+    ``auto`` finds none for the model."""
+    from ktm.cli.ask import DEFAULT_READER
+
+    if cfg.question_reader != "auto":
+        return cfg.question_reader
+    return DEFAULT_READER if cfg.model == DEFAULT_MODEL else None
+
+
+def long_question(cfg: DemoConfig) -> dict | None:
+    """One question about a ``cfg.question_tokens``-token document (the needle task's
+    evaluation document), read by the question reader as it fits it and by the plain model on
+    the document's last tokens that fit its window, each answer streamed; their positions, time
+    to the first token and whether the answer holds the needle's number."""
+    from ktm.cli.ask import asked_prompt
+    from ktm.core.allocate import RatioWarning
+    from ktm.core.fit import encode_fitted
+    from ktm.evaluation.evaluate import hit
+    from ktm.model import load_any
+    from ktm.tasks import get_task
+    from ktm.tasks.base import bind
+
+    name = question_reader_name(cfg)
+    if name is None:
+        print(f"\n(no long question: no shipped question reader for {cfg.model}; pass "
+              "--question-reader NAME)")
+        return None
+    dtype = parse_dtype(cfg.dtype)
+    reader = KTMModel.load(name, base=None if cfg.model == DEFAULT_MODEL else cfg.model,
+                           device=cfg.device, dtype=dtype)
+    task = get_task("needle", length=cfg.question_tokens)
+    bind(task, reader)
+    (example,) = task.eval_examples(1, seed=cfg.seed)
+    document, asked = (s.text for s in example.segments)
+    # the task's question without its answer cue, as a user types it
+    question = asked.split("? Answer:")[0].replace("Question:", "").strip() + "?"
+    question = question[0].upper() + question[1:]
+    needle = next(line.strip() for line in document.splitlines()
+                  if example.meta["answers"][0] in line)
+    plain = load_any(cfg.model, device=cfg.device, dtype=dtype)
+    readings = {"question reader": (reader, asked_prompt(reader, document, question), True),
+                "plain, last tokens": (plain, window_tail(plain, document, question), False)}
+    rows = {}
+    print(f"\nlong question: {example.meta['tokens']} tokens of Python standard-library source "
+          f"(the model reads {reader.max_positions} positions), one line of it "
+          f"\"{needle}\"; asked: {question}")
+    for label, (model, prompt, merge) in readings.items():
+        print(f"{label}: ", end="", flush=True)
+        start, first, pieces = time.perf_counter(), None, []  # fitting counts: it is reading
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", RatioWarning)
+            (prompt,), (cp,) = encode_fitted(model, [prompt], merge,
+                                             [QUESTION_ANSWER_TOKENS - 1], embed=False)
+            for piece in model.stream(prompt, max_new_tokens=QUESTION_ANSWER_TOKENS,
+                                      merge=merge):
+                first = time.perf_counter() - start if first is None else first
+                pieces.append(piece)
+                print(piece.replace("\n", " "), end="", flush=True)
+            print()
+        answer = "".join(pieces)
+        rows[label] = {"tokens_in": cp.tokens_in, "positions": cp.next_position,
+                       "first_token_s": first, "answer": answer,
+                       "found": hit(answer, example.meta["answers"])}
+    print("| reading           | tokens read | positions | first token | found |")
+    print("|-------------------|-------------|-----------|-------------|-------|")
+    for label, r in rows.items():
+        print(f"| {label:<17} | {r['tokens_in']:>11} | {r['positions']:>9} | "
+              f"{r['first_token_s']:>9.1f} s | {'yes' if r['found'] else 'no':>5} |")
+    return {"reader": name, "document_tokens": example.meta["tokens"], "question": question,
+            "answers": example.meta["answers"], "readings": rows}
+
+
+def window_tail(model: KTMModel, document: str, question: str) -> tuple:
+    """The prompt ``ktm ask`` would give the plain model: the document's last tokens that fit
+    its window with the question and the answer, then the question."""
+    from ktm.cli.ask import asked_prompt
+
+    if model.max_positions is None:  # no known window: the whole document
+        return asked_prompt(model, document, question)
+    ids = model.tokenize(document)
+    room = model.max_positions - QUESTION_ANSWER_TOKENS
+    keep = len(ids)
+    while keep > 0:
+        prompt = asked_prompt(model, model.tokenizer.decode(ids[len(ids) - keep:]), question)
+        over = model.encode_prompts([prompt], merge=False, embed=False)[0].next_position - room
+        if over <= 0:
+            return prompt
+        keep -= over  # the question and the template take the rest
+    raise KTMError(f"the question {question!r} leaves no room in the model's "
+                   f"{model.max_positions} positions for the document")

@@ -183,6 +183,31 @@ def test_demo_runs_end_to_end_on_tiny_model(capsys, tiny_model_dir, tmp_path):
     assert long["R_windows"] == 4 and long["answer_tokens"] == 64
     assert all(long[m][t] > 0 for m in ("merged", "plain") for t in ("ttft_s", "e2e_s"))
     assert re.search(r"\| merged \(K=4\) +\| +444 \| +111 \|", out)
+    assert "no long question: no shipped question reader" in out
+    assert result["long_question"] is None
+
+
+def test_demo_ends_with_a_question_about_a_document_past_the_window(capsys, tiny_model_dir,
+                                                                   tmp_path):
+    """The question reader fits a document over the model's 512 positions by itself; the plain
+    model reads the document's last tokens that fit. No shipped question reader serves the
+    tiny model (the run above says so): a saved reader of it is named."""
+    from helpers import fresh_model
+
+    reader = tmp_path / "reader"
+    fresh_model(tiny_model_dir).save(reader)
+    code, out, _ = run(capsys, "demo", "--model", tiny_model_dir, "--steps", "1",
+                       "--batch-size", "1", "--n-eval", "2", "--long-tokens", "0",
+                       "--question-tokens", "3000", "--question-reader", str(reader),
+                       "--out-dir", str(tmp_path / "demo"))
+    assert code == 0 and "long question: " in out and "| question reader   |" in out
+    q = json.loads((tmp_path / "demo" / "demo.json").read_text())["long_question"]
+    merged, plain = q["readings"]["question reader"], q["readings"]["plain, last tokens"]
+    assert q["document_tokens"] > 2 * 512 and merged["tokens_in"] > 2 * 512
+    assert merged["positions"] + 23 <= 512 and plain["positions"] + 23 <= 512
+    assert 400 < plain["tokens_in"] == plain["positions"] < 512  # the document's tail, plain
+    assert all(r["first_token_s"] > 0 and isinstance(r["found"], bool) for r in (merged, plain))
+    assert q["question"].startswith("What is the secret code for ")
 
 
 def test_demo_long_prompt_can_be_left_out(capsys, tiny_model_dir, tmp_path):
