@@ -200,7 +200,7 @@ def test_demo_ends_with_a_question_about_a_document_past_the_window(capsys, tiny
                        "--batch-size", "1", "--n-eval", "2", "--long-tokens", "0",
                        "--question-tokens", "3000", "--question-reader", str(reader),
                        "--out-dir", str(tmp_path / "demo"))
-    assert code == 0 and "long question: " in out and "| question reader   |" in out
+    assert code == 0 and "long question: " in out and "| question reader    |" in out
     q = json.loads((tmp_path / "demo" / "demo.json").read_text())["long_question"]
     merged, plain = q["readings"]["question reader"], q["readings"]["plain, last tokens"]
     assert q["document_tokens"] > 2 * 512 and merged["tokens_in"] > 2 * 512
