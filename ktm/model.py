@@ -643,7 +643,8 @@ class KTMModel(nn.Module):
                 run = (via is not None and self._rows_lm()) or self.peft
             if run is not via:
                 rows = gated(gate if gate is not None else torch.zeros(
-                    embeds.shape[:2], dtype=torch.bool, device=embeds.device))
+                    embeds.shape[:2], dtype=torch.bool, device=embeds.device),
+                    by_row=run is not self.peft)
         with rows:
             out = run(
                 inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,

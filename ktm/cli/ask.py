@@ -94,8 +94,6 @@ def ask(config: AskConfig, model=None, out=None) -> dict:
     """Answer ``config.question`` about ``config.paths`` (``model``: one already loaded, else
     ``config.reader`` on torch), the answer streamed to ``out`` (None: standard output).
     Returns the answer and what it took: files, tokens, positions, seconds."""
-    from ktm.core.allocate import RatioWarning
-    from ktm.core.fit import encode_fitted
     from ktm.model import load_any
 
     out = sys.stdout if out is None else out
@@ -103,14 +101,38 @@ def ask(config: AskConfig, model=None, out=None) -> dict:
     if model is None:
         model = load_any(config.reader)
     asked = asked_prompt(model, document, config.question)
-    with warnings.catch_warnings():  # a fit is said once, in the summary
+    read = stream_answer(model, asked, config.max_new_tokens, out, progress=config.progress)
+    cp, first, total = read["layout"], read["first_token_s"], read["seconds"]
+    row = {"answer": read["answer"], "files": files, "tokens": cp.tokens_in,
+           "positions": cp.next_position, "ratio_read": cp.ratio_read,
+           "fitted": read["fitted"], "first_token_s": first, "seconds": total}
+    fit = " (fitted to the window)" if row["fitted"] else ""
+    ratio = "" if row["ratio_read"] is None else f", ratio {row['ratio_read']:.2f}"
+    print(f"[{len(files)} file(s), {cp.tokens_in} tokens read in {cp.next_position} positions"
+          f"{ratio}{fit}; first token {first or total:.1f} s, in all {total:.1f} s]",
+          file=sys.stderr)
+    return row
+
+
+def stream_answer(model, prompt, max_new_tokens: int, out, merge: bool = True,
+                  progress: bool = False) -> dict:
+    """Read ``prompt`` as generation reads it (fitted to the window where it runs past it,
+    ``ktm.core.fit``; the fit is not warned of: ``fitted`` says it) and stream its answer to
+    ``out``, a line at its end. Returns the answer, the prompt as read (``prompt``), its layout
+    (``layout``: a ``CompressedPrompt`` without embeddings), whether it was ``fitted``, and the
+    seconds to the first piece (None: no text) and in all, counted once it is laid out."""
+    from ktm.core.allocate import RatioWarning
+    from ktm.core.fit import encode_fitted
+
+    prompt = tuple(prompt)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RatioWarning)
-        (prompt,), (cp,) = encode_fitted(model, [asked], True, [config.max_new_tokens - 1],
-                                         embed=False)
+        (read,), (cp,) = encode_fitted(model, [prompt], merge, [max_new_tokens - 1],
+                                       embed=False)
     bar = tqdm(total=1, desc=f"read {cp.tokens_in} tokens in {cp.next_position} positions",
-               disable=not config.progress, leave=False, bar_format="{desc}")
+               disable=not progress, leave=False, bar_format="{desc}")
     start, first, pieces = time.perf_counter(), None, []
-    for piece in model.stream(prompt, max_new_tokens=config.max_new_tokens):
+    for piece in model.stream(read, max_new_tokens=max_new_tokens, merge=merge):
         if first is None:
             first = time.perf_counter() - start
             bar.close()
@@ -118,18 +140,8 @@ def ask(config: AskConfig, model=None, out=None) -> dict:
         print(piece, end="", flush=True, file=out)
     print(file=out)
     bar.close()
-    total = time.perf_counter() - start
-    squeezed = cp.squeezed
-    row = {"answer": "".join(pieces), "files": files, "tokens": cp.tokens_in,
-           "positions": cp.next_position,
-           "ratio_read": squeezed[0] / squeezed[1] if squeezed[1] else None,
-           "fitted": prompt != asked, "first_token_s": first, "seconds": total}
-    fit = " (fitted to the window)" if row["fitted"] else ""
-    ratio = "" if row["ratio_read"] is None else f", ratio {row['ratio_read']:.2f}"
-    print(f"[{len(files)} file(s), {cp.tokens_in} tokens read in {cp.next_position} positions"
-          f"{ratio}{fit}; first token {first or total:.1f} s, in all {total:.1f} s]",
-          file=sys.stderr)
-    return row
+    return {"answer": "".join(pieces), "prompt": read, "layout": cp, "fitted": read != prompt,
+            "first_token_s": first, "seconds": time.perf_counter() - start}
 
 
 def asked_prompt(model, document: str, question: str) -> tuple:

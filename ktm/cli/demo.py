@@ -28,8 +28,8 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -330,8 +330,7 @@ def long_question(cfg: DemoConfig) -> dict | None:
     evaluation document), read by the question reader as it fits it and by the plain model on
     the document's last tokens that fit its window, each answer streamed; their positions, time
     to the first token and whether the answer holds the needle's number."""
-    from ktm.core.allocate import RatioWarning
-    from ktm.core.fit import encode_fitted
+    from ktm.cli.ask import stream_answer
     from ktm.evaluation.evaluate import hit
     from ktm.model import load_any
     from ktm.tasks import get_task
@@ -363,26 +362,17 @@ def long_question(cfg: DemoConfig) -> dict | None:
           f"\"{needle}\"; asked: {question}")
     for label, (model, prompt, merge) in readings.items():
         print(f"{label}: ", end="", flush=True)
-        start, first, pieces = time.perf_counter(), None, []  # fitting counts: it is reading
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", RatioWarning)
-            (prompt,), (cp,) = encode_fitted(model, [prompt], merge,
-                                             [QUESTION_ANSWER_TOKENS - 1], embed=False)
-            for piece in model.stream(prompt, max_new_tokens=QUESTION_ANSWER_TOKENS,
-                                      merge=merge):
-                first = time.perf_counter() - start if first is None else first
-                pieces.append(piece)
-                print(piece.replace("\n", " "), end="", flush=True)
-            print()
-        answer = "".join(pieces)
+        read = stream_answer(model, prompt, QUESTION_ANSWER_TOKENS, sys.stdout, merge=merge)
+        cp = read["layout"]
         rows[label] = {"tokens_in": cp.tokens_in, "positions": cp.next_position,
-                       "first_token_s": first, "answer": answer,
-                       "found": hit(answer, example.meta["answers"])}
+                       "first_token_s": read["first_token_s"], "answer": read["answer"],
+                       "found": hit(read["answer"], example.meta["answers"])}
     print("| reading            | tokens read | positions | first token | found |")
     print("|--------------------|-------------|-----------|-------------|-------|")
     for label, r in rows.items():
-        print(f"| {label:<18} | {r['tokens_in']:>11} | {r['positions']:>9} | "
-              f"{r['first_token_s']:>9.1f} s | {'yes' if r['found'] else 'no':>5} |")
+        first = "–" if r["first_token_s"] is None else f"{r['first_token_s']:.1f} s"
+        print(f"| {label:<18} | {r['tokens_in']:>11} | {r['positions']:>9} | {first:>11} | "
+              f"{'yes' if r['found'] else 'no':>5} |")
     return {"reader": name, "document_tokens": example.meta["tokens"], "question": question,
             "answers": example.meta["answers"], "readings": rows}
 

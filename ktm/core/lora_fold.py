@@ -29,9 +29,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ktm.core.int8 import int8_swaps, linears
+from ktm.core.lora_scope import RowSwitch
 from ktm.errors import KTMError
-
-VIEW_MODES = ("fold", "base", "rows")
 
 
 def _foldable(layer: nn.Module) -> bool:
@@ -104,8 +103,6 @@ def rows_view(lm: nn.Module, tuners: dict[str, BaseTunerLayer] | None = None
     ``RowSwitch``): what a LoRA of scope "merged" prefills through, the same rows adapted as
     PEFT's layer with the gate's hook adapts, without its two small matmuls and the gate's
     multiply on every row. None if a layer cannot be folded."""
-    from ktm.core.lora_scope import RowSwitch  # the gate lives there; it imports nothing here
-
     tuners = _tuners(lm) if tuners is None else tuners
     if not tuners or not all(_foldable(m) for m in tuners.values()):
         return None
@@ -139,6 +136,10 @@ def swapped_view(root: nn.Module, swaps: dict[str, nn.Module]) -> nn.Module:
 def _state(t: torch.Tensor) -> tuple:
     # a tensor made under inference_mode keeps no version (and cannot be changed outside it)
     return id(t), t.data_ptr(), None if t.is_inference() else t._version
+
+
+# the views ``FoldedLM`` makes, by mode: each from the LM and its LoRA layers
+VIEWS = {"fold": fold_view, "base": lambda lm, _: base_view(lm), "rows": rows_view}
 
 
 class FoldedLM:
@@ -207,17 +208,15 @@ class FoldedLM:
         "rows", folded at the gated rows only (``rows_view``; None when it cannot be folded).
         ``weights="int8"``: its linear layers in int8 (``ktm.core.int8``); a LoRA that cannot be
         folded is then refused by name."""
-        if mode not in VIEW_MODES:
-            raise KTMError(f"view mode {mode!r}: expected one of {', '.join(VIEW_MODES)}")
+        if mode not in VIEWS:
+            raise KTMError(f"view mode {mode!r}: expected one of {', '.join(VIEWS)}")
         if lm is not self._lm or self._key is None or self._current() != self._key:
             self.clear()  # the old copies go before new ones are made: never two at once
         if (mode, weights) not in self._views:
             tuners = self._scan(lm)
             view = self._views.get((mode, "native"))
             if (mode, "native") not in self._views:
-                make = {"fold": fold_view, "rows": rows_view,
-                        "base": lambda lm, _: base_view(lm)}[mode]
-                view = make(lm, tuners)
+                view = VIEWS[mode](lm, tuners)
             if weights == "int8":
                 if mode == "rows":
                     raise KTMError("weights='int8' reads the LM in int8 with its LoRA folded in "

@@ -67,16 +67,21 @@ def gate_lora(peft_model: nn.Module) -> None:
 
 
 @contextmanager
-def gated(gate: torch.Tensor) -> Iterator[None]:
-    """The forwards inside run their LoRA at the rows where ``gate`` (B, L) is true."""
+def gated(gate: torch.Tensor, by_row: bool = False) -> Iterator[None]:
+    """The forwards inside run their LoRA at the rows where ``gate`` (B, L) is true.
+    ``by_row``: they run ``RowSwitch`` layers, which read the rows split once here (the gate's
+    hook reads the gate itself)."""
     token = _GATE.set(gate[..., None])
-    flat = gate.reshape(-1)
-    most = 2 * int(flat.sum()) >= flat.numel()  # one read of the gate a forward, not a layer
-    split = _SPLIT.set((most, torch.nonzero(flat != most).reshape(-1), flat.numel()))
+    split = None
+    if by_row:  # one read of the gate a forward, not a layer
+        flat = gate.reshape(-1)
+        most = 2 * int(flat.sum()) >= flat.numel()
+        split = _SPLIT.set((most, torch.nonzero(flat != most).reshape(-1), flat.numel()))
     try:
         yield
     finally:
-        _SPLIT.reset(split)
+        if split is not None:
+            _SPLIT.reset(split)
         _GATE.reset(token)
 
 

@@ -302,7 +302,7 @@ class Engine:
                     kept = None if job.context is None else len(job.context)
                     job.segments = segs
                     job.context = None if kept is None else segs[:kept]
-                    job.ratio_read = cp.squeezed[0] / max(1, cp.squeezed[1])
+                    job.ratio_read = cp.ratio_read
                 return cp
         return self.model.encode_prompts([job.segments], embed=False)[0]
 
