@@ -258,11 +258,6 @@ class RuntimeSpec:
         """A runtime (``ktm.decode.runtime.Runtime``) that runs ``model`` as this spec says;
         ``model`` is left as it is (``apply`` makes the runtime its own). ``source``: the
         checkpoint folder it was loaded from, which a llama.cpp GGUF export is read from."""
-        if model.config.lora.scope == "merged" and self.backend == "vllm":
-            raise KTMError("this model's LoRA adapts its merged rows only (lora scope "
-                           "'merged'), and the vllm backend applies an adapter to every row of "
-                           "a request: expected backend 'torch' or 'llamacpp', or a reader whose "
-                           "LoRA adapts every row")
         if self.backend == "llamacpp":
             return attach(model, source=source, gguf=self.gguf, config=self.llamacpp)
         if self.backend == "vllm":

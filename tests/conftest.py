@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import fresh_model, require_module, save_tiny_llama
+from helpers import IN_CI, fresh_model, require_module, save_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +69,11 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--sweep", action="store_true",
+                     help="run the tests marked sweep (CI, CI=true, always runs them)")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """``@pytest.mark.data("textualized_tree", ...)``: the test reads these folders of the data
     root. A user's fresh clone has no data folder, so there the test is skipped, naming what it
@@ -81,9 +86,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if missing:
             why = (f"needs the data folder(s) {', '.join(missing)} under {data_root()} "
                    "(set KTM_DATA to the folder holding them)")
-            if os.environ.get("CI", "").lower() == "true":
+            if IN_CI:
                 pytest.fail(f"{why}; CI must have the data", pytrace=False)
             pytest.skip(why)
+    if any(item.iter_markers("sweep")) and not (IN_CI or item.config.getoption("sweep")):
+        pytest.skip("one of the sweep over every kind of layer, minutes from an empty compile "
+                    "cache: CI runs it; pytest --sweep runs it here")
     # the test command installs llama-cpp-python (the test extra holds [llamacpp]) and vLLM's
     # CPU wheel: these skips are for a development install without them; under CI they fail
     if any(item.iter_markers("llamacpp")):

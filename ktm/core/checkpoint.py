@@ -84,6 +84,18 @@ def model_record(model) -> dict:
     }
 
 
+def digest_weights(model, h) -> None:
+    """Feed ``model``'s encoder and LoRA weights to the hash ``h`` (an export's cache key). A
+    LoRA whose B are all zero (a base model's, as ``load_any`` opens one) adds nothing to any
+    row, so only that is fed: its A, drawn at random, would make each process's export new."""
+    lora = [(n, p) for n, p in model.peft.named_parameters() if "lora_" in n]
+    if not any(bool(p.detach().any()) for n, p in lora if "lora_B" in n):
+        lora = []
+        h.update(b"no LoRA")
+    for _, p in sorted(list(model.encoder.state_dict().items()) + lora):
+        h.update(p.detach().float().cpu().numpy().tobytes())
+
+
 def write_model_files(model, directory: Path) -> None:
     """Write the model's checkpoint files into an existing folder (not atomic by itself)."""
     state = {k: v.detach().float().contiguous().cpu()

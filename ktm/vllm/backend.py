@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
-from ktm.core.checkpoint import model_record
+from ktm.core.checkpoint import digest_weights, model_record
 from ktm.errors import KTMError
 from ktm.util.fileio import written_once
-from ktm.vllm.export import FORMAT_VERSION, MANIFEST, export_vllm, read_manifest
+from ktm.vllm.export import FORMAT_VERSION, LORA_ROWS, MANIFEST, export_vllm, read_manifest
 from ktm.vllm.install import check_vllm
 from ktm.vllm.runtime import VLLMConfig, VLLMEngine, VLLMRuntime, VLLMServer
 
@@ -25,9 +26,7 @@ def export_key(model) -> str:
     and base (the cache folder it is exported into once)."""
     h = hashlib.sha256(json.dumps([FORMAT_VERSION, model_record(model), str(model.dtype)],
                                   sort_keys=True, default=str).encode())
-    for _, p in sorted(list(model.encoder.state_dict().items())
-                       + [(n, p) for n, p in model.peft.named_parameters() if "lora_" in n]):
-        h.update(p.detach().float().cpu().numpy().tobytes())
+    digest_weights(model, h)
     return h.hexdigest()[:20]
 
 
@@ -42,6 +41,10 @@ def export_dir(model) -> Path:
 def make_runtime(model, config: VLLMConfig | None = None) -> VLLMRuntime:
     """A vLLM runtime for ``model`` (its export made or found first)."""
     config = config or VLLMConfig()
+    if model.config.lora.scope == "merged":
+        warnings.warn(f"vLLM serves this model's LM without its LoRA: {LORA_ROWS['merged']}; "
+                      "torch and llama.cpp read it as trained (what it costs: "
+                      "ktm.vllm.export.LORA_ROWS)", stacklevel=2)
     if config.url is None:
         check_vllm()  # the one-line install hint before any export work
     where = export_dir(model)

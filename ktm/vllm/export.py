@@ -1,7 +1,8 @@
 """``ktm export --format vllm DIR``: a ktm model as files vLLM and a small client can use.
 
     DIR/lm/                   HF folder: the base LM with LoRA merged in (PEFT
-                              ``merge_and_unload``) and its tokenizer -> vLLM serves ``DIR/lm``
+                              ``merge_and_unload``) and its tokenizer -> vLLM serves ``DIR/lm``;
+                              for a LoRA of scope "merged" the base LM as it is (``LORA_ROWS``)
     DIR/encoder.safetensors   the K-token encoder
     DIR/context_lm/           only for an encoder reading the LM's first L layers
                               (``context_layers``): those layers of the base LM, adapter-free,
@@ -98,10 +99,28 @@ def _write_context_lm(model, tmp: Path) -> dict:
             "sha256": sha256_files(lm_files(tmp / CONTEXT_LM_DIR))}
 
 
+# what the served LM reads each kind of row with, by the LoRA's scope. vLLM applies a weight, or
+# an adapter, to every row of a request, so a LoRA of scope "merged" (``ktm.core.lora_scope``),
+# which adapts the merged rows only, cannot be served as trained. Served without it, every plain
+# row reads as trained (by the base LM) and the merged rows lose the adapter; served with it on
+# every row, the plain rows would read through an adapter they were never read with. Measured on
+# the question reader (20 needles in 1,024 tokens): 20 found without the adapter, 14 with it on
+# every row, 20 as trained (results/question/vllm_reader.json).
+LORA_ROWS = {"all": "every row reads the LoRA, merged into the weights",
+             "merged": "no row reads the LoRA, the merged ones neither (it adapts merged rows "
+                       "only, and vLLM applies a weight to every row of a request)"}
+
+
+def served_lm(model) -> torch.nn.Module:
+    """The LM vLLM serves for ``model``: a copy, with the LoRA merged in or, for a LoRA of
+    scope "merged", without it (``LORA_ROWS``); the caller's model keeps its adapter."""
+    peft = copy.deepcopy(model.peft)
+    return peft.unload() if model.config.lora.scope == "merged" else peft.merge_and_unload()
+
+
 def _write(model, tmp: Path) -> None:
     lm_dir = tmp / LM_DIR
-    # merge into a copy: the caller's model keeps its adapter
-    merged = copy.deepcopy(model.peft).merge_and_unload()
+    merged = served_lm(model)
     emb = merged.get_input_embeddings().weight
     key = next(n for n, p in merged.named_parameters() if p is emb)
     merged.save_pretrained(str(lm_dir), safe_serialization=True)
@@ -131,6 +150,7 @@ def _write(model, tmp: Path) -> None:
         "sha256": {"lm": lm_sha, "encoder": enc_sha,
                    "tokenizer": sha256_files(tokenizer_files(lm_dir))},
         "served_model_name": f"ktm-k{model.k}-{fingerprint[:12]}",
+        "lora_rows": LORA_ROWS[model.config.lora.scope],
         **({"context_lm": context_lm} if context_lm else {}),
         "versions": versions(), "git": git_revision(),
     })

@@ -41,7 +41,7 @@ import torch
 
 from ktm.errors import KTMError
 from ktm.util.own_engine import OwnEngine
-from ktm.vllm.export import LM_DIR, read_manifest
+from ktm.vllm.export import LM_DIR, LORA_ROWS, read_manifest
 from ktm.vllm.install import check_vllm, server_command
 
 
@@ -234,6 +234,7 @@ class VLLMRuntime(OwnEngine):
         return {"engine": "vllm", "vllm": self.version, "transport": type(self).__name__,
                 "served_model_name": self.manifest["served_model_name"],
                 "export_sha256": self.manifest["sha256"],
+                "lora_rows": self.manifest.get("lora_rows", LORA_ROWS["all"]),
                 **{k: v for k, v in asdict(self.config).items() if k != "url"},
                 "remote": self.config.url is not None}
 

@@ -45,16 +45,24 @@ NOT_STATIC = {"cohere2", "exaone4", "gemma2", "gemma3_text", "jamba", "llama4_te
 # (gemma2, training) and Mamba layers (jamba, falcon_h1); every family keeps every eager test
 COMPILED = {"llama", "gpt2", "opt", "bloom", "falcon", "gpt_bigcode", "gpt_neox", "gptj", "phi",
             "glm", "mixtral", "qwen3_moe", "deepseek_v3", "gemma2", "jamba", "falcon_h1"}
+# compiled in every run; the others are the "sweep" (CI runs it, and ``pytest --sweep``): from an
+# empty compile cache they take minutes each (falcon_h1's Mamba layers about 4 a test)
+COMPILED_ALWAYS = {"llama"}
 
 
-@pytest.fixture(scope="module", params=sorted(COMPILED | NOT_STATIC))
+def compiled_params(names) -> list:
+    return [pytest.param(n, marks=() if n in COMPILED_ALWAYS | NOT_STATIC - COMPILED
+                         else pytest.mark.sweep) for n in sorted(names)]
+
+
+@pytest.fixture(scope="module", params=compiled_params(COMPILED | NOT_STATIC))
 def decoding_family(request, tmp_path_factory):
     """``family`` for the compiled decoding step: ``COMPILED``, and the families a static cache
     refuses (their refusal is the test)."""
     return built(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=sorted(COMPILED))
+@pytest.fixture(scope="module", params=compiled_params(COMPILED))
 def compiled_family(request, tmp_path_factory):
     """``family`` for the compiled training step: ``COMPILED``."""
     return built(request.param, tmp_path_factory)

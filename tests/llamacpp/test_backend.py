@@ -238,9 +238,13 @@ def test_a_lora_of_merged_rows_reads_on_llama_cpp_as_on_torch(tiny_model_dir, tm
     model.save(tmp_path / "ckpt")
     torch_model = KTMModel.load(tmp_path / "ckpt")
     export_gguf(torch_model, tmp_path / "export", source=tmp_path / "ckpt")
-    assert read_manifest(tmp_path / "export")["model_gguf"] is None  # nothing folded
+    folded = read_manifest(tmp_path / "export")["model_gguf"]
+    assert folded["lora"].startswith("none")  # the base alone, the adapter run beside it
     llama = KTMModel.load(tmp_path / "ckpt", backend="llamacpp", gguf=tmp_path / "export",
                           llamacpp=EXACT)
+    assert llama.runtime.files == {"model_gguf": str(tmp_path / "export" / "model.gguf"),
+                                   "adapter_gguf": str(tmp_path / "export" / "adapter.gguf"),
+                                   "folded_types": folded["types"]}
     units = -(-(len(torch_model.tokenize(DOC, True)) - 1) // 2)  # after the plain sink
     island = tuple(1 if 3 <= u < 6 else 2 for u in range(units))
     prompts = [[Segment(DOC), Segment(" Answer:", compress=False)],
@@ -257,3 +261,23 @@ def test_a_lora_of_merged_rows_reads_on_llama_cpp_as_on_torch(tiny_model_dir, tm
     with pytest.raises(KTMError, match="lora_scope: export 'merged', model 'all'"):
         KTMModel.load(tmp_path / "all-rows", backend="llamacpp", gguf=tmp_path / "export",
                       llamacpp=EXACT)
+
+
+def test_a_base_model_is_exported_once_whatever_its_untrained_lora_drew(tiny_model_dir):
+    """A base model opened as a reader has a LoRA whose B are zero and whose A are drawn at
+    random: it adds nothing, so each opening keys the same cached export (llama.cpp and vLLM);
+    a LoRA that adds something keys another."""
+    from ktm.llamacpp.export import export_key
+    from ktm.vllm.backend import export_key as vllm_key
+
+    first = KTMModel.from_base(tiny_model_dir, k=4, use_mlp=False)
+    torch.manual_seed(123)
+    again = KTMModel.from_base(tiny_model_dir, k=4, use_mlp=False)
+    a = next(p for n, p in again.peft.named_parameters() if "lora_A" in n)
+    assert not torch.equal(a, next(p for n, p in first.peft.named_parameters()
+                                   if "lora_A" in n))
+    for key in (export_key, vllm_key):
+        assert key(first) == key(again)
+        perturb(again)
+        assert key(first) != key(again)
+        again = KTMModel.from_base(tiny_model_dir, k=4, use_mlp=False)

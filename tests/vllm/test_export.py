@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPTS, perturb
+from helpers import PROMPT, PROMPTS, fresh_model, perturb
 from transformers import AutoModelForCausalLM
 
 from ktm import KTMError
+from ktm.core.config import LoraSettings
 from ktm.model import KTMModel, prompt_logits
 from ktm.vllm.client import VLLMClient, encode_embeds
-from ktm.vllm.export import export_vllm, read_manifest
+from ktm.vllm.export import LORA_ROWS, export_vllm, read_manifest
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,33 @@ def test_exported_lm_loads_in_transformers_with_equal_logits(trained, exported):
     m = read_manifest(exported)
     assert m["k"] == 4 and (m["plain_prefix"], m["plain_suffix"], m["align_lines"]) == (1, 2, True)
     assert m["served_model_name"].startswith("ktm-k4-")
+
+
+def test_a_lora_of_the_merged_rows_is_served_without_it(tiny_model_dir, tmp_path):
+    """vLLM applies a weight to every row of a request, so a LoRA that adapts the merged rows
+    only is exported without it: the served LM reads the prompt as the same model with its
+    LoRA zeroed, and the manifest says so; the model keeps its LoRA."""
+    def gated_model():
+        model = fresh_model(tiny_model_dir, lora=LoraSettings(scope="merged"))
+        perturb(model, seed=1)
+        return model
+
+    model, zeroed = gated_model(), gated_model()
+    with torch.no_grad():
+        for name, p in zeroed.peft.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    before = prompt_logits(model, PROMPT)
+    assert not torch.allclose(before, prompt_logits(zeroed, PROMPT), atol=1e-4)  # it adapts
+    export_vllm(model, tmp_path / "x")
+    assert read_manifest(tmp_path / "x")["lora_rows"] == LORA_ROWS["merged"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "x" / "lm").eval()
+    client = VLLMClient(tmp_path / "x")
+    with torch.no_grad():
+        for prompt in PROMPTS + [PROMPT]:
+            got = hf(inputs_embeds=client.encode(prompt).embeds[None]).logits[0]
+            torch.testing.assert_close(got, prompt_logits(zeroed, prompt), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prompt_logits(model, PROMPT), before, atol=0, rtol=0)
 
 
 def test_payload_round_trips_through_torch_load_weights_only(exported):

@@ -1,9 +1,12 @@
 """ktm in front of a vLLM server it starts (``VLLMConfig(server=True)``, ``--vllm-server``): the
 OpenAI server runs in its own process and the merged prefix goes to it over HTTP as
-``prompt_embeds``. Greedy answers equal torch's, merged and plain, and closing the runtime ends
-the server's process."""
+``prompt_embeds``. The model is the question reader, whose LoRA adapts the merged rows only: vLLM
+serves it without its LoRA (``ktm.vllm.export.LORA_ROWS``), so its greedy answers, merged and
+plain, equal torch's reading of it with the LoRA zeroed. Closing the runtime ends the server's
+process."""
 
 import pytest
+import torch
 
 from ktm.core.prompt import Segment
 from ktm.model import KTMModel
@@ -16,15 +19,25 @@ PROMPTS = [
      Segment("\nSummary:", compress=False)],
     [Segment("Tree: AB\n+CD\n++EF\n+GH\n++IJ\n+++KL\n" * 10),
      Segment("\nIs KL a child of IJ? Answer:", compress=False)],
+    [Segment("# The secret code for Ada is 4417.\n" + "x = compute(y)\n" * 60),
+     Segment("\nQuestion: what is the secret code for Ada? Answer:", question=True)],
 ]
 NEW = 24
+READER = "smollm2-135m-k4-qa"
 
 
 def test_a_started_server_answers_as_torch_and_ends_with_the_runtime():
-    reader = KTMModel.load("smollm2-135m-k4-seq")
-    want = {merge: reader.generate(PROMPTS, max_new_tokens=NEW, merge=merge)
+    zeroed = KTMModel.load(READER)
+    with torch.no_grad():
+        for name, p in zeroed.peft.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    want = {merge: zeroed.generate(PROMPTS, max_new_tokens=NEW, merge=merge)
             for merge in (True, False)}
-    reader.use_backend("vllm", config=VLLMConfig(server=True, kv_cache_gb=1.0))
+    reader = KTMModel.load(READER)
+    assert reader.generate(PROMPTS, max_new_tokens=NEW) != want[True]  # its LoRA reads
+    with pytest.warns(UserWarning, match="vLLM serves this model's LM without its LoRA"):
+        reader.use_backend("vllm", config=VLLMConfig(server=True, kv_cache_gb=1.0))
     proc = reader.runtime.proc
     try:
         assert proc is not None and proc.poll() is None  # a server process of its own
