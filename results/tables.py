@@ -848,13 +848,14 @@ def question_long_speed() -> str:
     paths = sorted(QUESTION.glob("long_speed*.json"))
     if not paths:
         return "(no rows yet)"
-    out = ["| runtime | reading | positions | laying out | merging | prefill | first token | "
-           "÷ plain window | found |", "|---" * 9 + "|"]
+    out = ["| runtime | at | reading | positions | laying out | merging | prefill | first token | "
+           "÷ plain window | found |", "|---" * 10 + "|"]
     for path in paths:
         data = json.loads(path.read_text())
         backend = data["config"].get("backend", "torch")
+        at = (data["git"] or "?")[:7]
         for r in data["rows"]:
-            out.append(f"| {backend} | {r['reading']} | {r['positions']:,.0f} | "
+            out.append(f"| {backend} | `{at}` | {r['reading']} | {r['positions']:,.0f} | "
                        f"{r['layout_s']:.1f} s | {r['merge_s']:.1f} s | {r['prefill_s']:.1f} s | "
                        f"{r['first_token_s']:.1f} s | {r['of_plain_window']:.2f} × | "
                        f"{r['hits']} / {r['n']} |")

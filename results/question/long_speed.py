@@ -125,7 +125,8 @@ def main() -> None:
     write_json_atomic(args.out, {"rows": summary, "config": {
         "length": args.length, "docs": args.docs, "threads": 1, "task": "needle", "seed": 1,
         "reader": "smollm2-135m-k4-qa", "plain": "smollm2-135m", "backend": args.backend,
-        "window_tokens": WINDOW_TOKENS, "answer_tokens": ANSWER_TOKENS},
+        "window_tokens": WINDOW_TOKENS, "answer_tokens": ANSWER_TOKENS,
+        "runtimes": {"plain": plain.runtime.record(), "reader": reader.runtime.record()}},
         "versions": versions(), "git": git_revision()})
 
 
