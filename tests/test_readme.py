@@ -23,7 +23,9 @@ OTHER_TOOLS = {"--cpu", "--enable-prompt-embeds", "--machine_rank", "--main_proc
                "--tensor-parallel-size", "--pipeline-parallel-size", "--runtimes",
                # results/history/chat_bench.py and ttft.py
                "--turns", "--budget-share", "--no-floor", "--history-presses", "--cache-mb",
-               "--think-s"}
+               "--think-s",
+               # pytest's option for the compiled sweep (tests/conftest.py)
+               "--sweep"}
 
 
 def shown_commands(text: str = README) -> list[str]:

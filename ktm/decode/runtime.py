@@ -199,7 +199,10 @@ class TorchRuntime:
         where ``compile`` resolves on for it on this device (``compiled.resolve_prefill``);
         None: eager."""
         if (self.model.config.lora.scope == "merged"  # its merged rows read through PEFT's layers
-                or not compiled.resolve_prefill(self._compile, self.model.device, positions)):
+                or not compiled.resolve_prefill(self._compile, self.model.device, positions)
+                # "on" with layers a static cache cannot hold: the step is refused (or, rebatched,
+                # stays eager) after this prefill; compiling it would be time spent for nothing
+                or (self._compile == "on" and not self.joinable)):
             return None
         return self._compiled()
 

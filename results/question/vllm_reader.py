@@ -2,7 +2,7 @@
 evaluation documents, its question and answer cue read plain after each), greedy, each reading on
 the same documents.
 
-    python results/question/vllm_reader.py --docs 20 --out results/question/vllm_reader.json
+    python results/question/vllm_reader.py --out results/question/vllm_reader.json
 
 Readings:
     plain               the base model (torch) reading the whole document

@@ -45,14 +45,15 @@ NOT_STATIC = {"cohere2", "exaone4", "gemma2", "gemma3_text", "jamba", "llama4_te
 # (gemma2, training) and Mamba layers (jamba, falcon_h1); every family keeps every eager test
 COMPILED = {"llama", "gpt2", "opt", "bloom", "falcon", "gpt_bigcode", "gpt_neox", "gptj", "phi",
             "glm", "mixtral", "qwen3_moe", "deepseek_v3", "gemma2", "jamba", "falcon_h1"}
-# compiled in every run; the others are the "sweep" (CI runs it, and ``pytest --sweep``): from an
-# empty compile cache they take minutes each (falcon_h1's Mamba layers about 4 a test)
-COMPILED_ALWAYS = {"llama"}
+# the "sweep": CI runs it, and ``pytest --sweep``. From an empty compile cache each family takes a
+# minute or more a test (falcon_h1's Mamba layers about four); every run compiles the Llama layer
+# in tests/decode/test_compiled.py and tests/training/test_compiled_training.py, and a refusal
+# here compiles nothing
 
 
 def compiled_params(names) -> list:
-    return [pytest.param(n, marks=() if n in COMPILED_ALWAYS | NOT_STATIC - COMPILED
-                         else pytest.mark.sweep) for n in sorted(names)]
+    return [pytest.param(n, marks=() if n in NOT_STATIC - COMPILED else pytest.mark.sweep)
+            for n in sorted(names)]
 
 
 @pytest.fixture(scope="module", params=compiled_params(COMPILED | NOT_STATIC))

@@ -1,6 +1,7 @@
 """Training steps through the compiled LM body (``ktm.training.compiled``): the same loss and
 gradients as eager, one compile for windows of every length, the body eager again outside."""
 
+import pytest
 import torch
 from helpers import (
     DEVICE,
@@ -69,6 +70,7 @@ def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path
     assert "did not compile" not in capfd.readouterr().err
 
 
+@pytest.mark.sweep  # Falcon's layer compiled: a family of the sweep (tests/core/test_families.py)
 def test_a_multi_query_layer_trains_compiled_as_eager_on_several_threads(tmp_path, monkeypatch):
     """Inductor's C++ code for several threads scatter-adds into the wrong elements in torch 2.13
     (pytorch/pytorch#191837), and Falcon's multi-query attention meets it in its backward: its
