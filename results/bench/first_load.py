@@ -1,7 +1,7 @@
 """The first ``KTMModel.load(READER, backend="llamacpp")`` on a machine: the embedded base
-converted from its GGUF once, then the reader exported for llama.cpp once (the LoRA folded into
-the base where it adapts every row), each in a fresh process with an empty ``$KTM_CACHE``, and
-the second load that reuses both.
+converted from its GGUF once, then the reader exported for llama.cpp once (the base's adapted
+weights written again in the fold types, with the LoRA folded in where it adapts every row),
+each in a fresh process with an empty ``$KTM_CACHE``, and the second load that reuses both.
 
     python results/bench/first_load.py --threads 2 --out results/bench/first_load.json
 

@@ -34,12 +34,14 @@ PROMPTS = [
 NEW = 48
 
 
-@pytest.fixture(scope="module")
+# the session's, like the engine's: a worker may run other modules' tests between this one's,
+# and a module fixture would then be made again (a minute of torch answers each time)
+@pytest.fixture(scope="session")
 def torch_reader():
     return KTMModel.load("smollm2-135m-k4-seq")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def torch_answers(torch_reader):
     return {merge: [torch_reader.generate(p, max_new_tokens=NEW, merge=merge) for p in PROMPTS]
             for merge in (True, False)}
