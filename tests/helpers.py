@@ -188,6 +188,17 @@ def perturb(model: KTMModel, seed: int = 0) -> None:
             p.add_((torch.randn(p.shape, generator=g) * 0.05).to(p.device, p.dtype))
 
 
+def zero_lora(model: KTMModel) -> KTMModel:
+    """``model`` with its LoRA's B zeroed: every row read by the base LM, what vLLM serves for a
+    LoRA of the merged rows (``ktm.vllm.export.LORA_ROWS``). Before any forward, so no folded
+    weight holds the old LoRA."""
+    with torch.no_grad():
+        for name, p in model.peft.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    return model
+
+
 LAYERS = 2
 
 

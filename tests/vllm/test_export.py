@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPT, PROMPTS, fresh_model, perturb
+from helpers import PROMPT, PROMPTS, fresh_model, perturb, zero_lora
 from transformers import AutoModelForCausalLM
 
 from ktm import KTMError
@@ -66,11 +66,7 @@ def test_a_lora_of_the_merged_rows_is_served_without_it(tiny_model_dir, tmp_path
         perturb(model, seed=1)
         return model
 
-    model, zeroed = gated_model(), gated_model()
-    with torch.no_grad():
-        for name, p in zeroed.peft.named_parameters():
-            if "lora_B" in name:
-                p.zero_()
+    model, zeroed = gated_model(), zero_lora(gated_model())
     before = prompt_logits(model, PROMPT)
     assert not torch.allclose(before, prompt_logits(zeroed, PROMPT), atol=1e-4)  # it adapts
     export_vllm(model, tmp_path / "x")

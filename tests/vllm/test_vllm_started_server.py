@@ -6,7 +6,7 @@ plain, equal torch's reading of it with the LoRA zeroed. Closing the runtime end
 process."""
 
 import pytest
-import torch
+from helpers import zero_lora
 
 from ktm.core.prompt import Segment
 from ktm.model import KTMModel
@@ -27,11 +27,7 @@ READER = "smollm2-135m-k4-qa"
 
 
 def test_a_started_server_answers_as_torch_and_ends_with_the_runtime():
-    zeroed = KTMModel.load(READER)
-    with torch.no_grad():
-        for name, p in zeroed.peft.named_parameters():
-            if "lora_B" in name:
-                p.zero_()
+    zeroed = zero_lora(KTMModel.load(READER))
     want = {merge: zeroed.generate(PROMPTS, max_new_tokens=NEW, merge=merge)
             for merge in (True, False)}
     reader = KTMModel.load(READER)
