@@ -538,7 +538,7 @@ def _up(srv) -> bool:
 
 @pytest.mark.slow  # starts ktm serve and the vLLM server it starts (a minute or more)
 @pytest.mark.vllm
-def test_sigterm_on_a_started_vllm_server_ends_the_streams_and_stops_it(tmp_path):
+def test_sigterm_on_a_started_vllm_server_ends_the_streams_and_stops_it():
     """``--backend vllm --vllm-server``: the streams in flight end with their answer or an error
     event, ktm serve exits 0, and the vLLM server it started is gone with it."""
     import signal
@@ -551,7 +551,8 @@ def test_sigterm_on_a_started_vllm_server_ends_the_streams_and_stops_it(tmp_path
     cmd = [sys.executable, "-m", "ktm.cli", "serve", "--model", "smollm2-135m-k4-seq",
            "--port", str(port), "--served-name", "k4", "--backend", "vllm", "--vllm-server",
            "--vllm-kv-cache-gb", "1", "--shutdown-timeout", "3", "--max-batch", "4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "KTM_CACHE": str(tmp_path)}
+    # the run's $KTM_CACHE: the reader's vLLM export is made once (atomically) for every test
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     srv = type("S", (), {"url": f"http://127.0.0.1:{port}", "port": port})

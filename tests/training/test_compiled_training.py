@@ -45,6 +45,7 @@ def test_compiled_body_trains_as_eager_for_every_length(tiny_model_dir):
     assert compiled.resolve("auto", torch.device("cuda"))  # measured to pay there
 
 
+@pytest.mark.sweep  # Jamba's layers compiled: a family of the sweep (tests/core/test_families.py)
 def test_a_layer_class_inductor_cannot_compile_trains_eager_and_says_so(tmp_path, capfd,
                                                                        monkeypatch):
     """Jamba's Mamba layers fail to compile with dynamic shapes (their scan tests a symbolic
