@@ -9,6 +9,11 @@ from ktm import KTMError
 from ktm.decode import compiled
 from ktm.decode.generate import GenerationConfig, decode_steps
 
+# one worker compiles the Llama layer's graphs for every test of this group (tests/decode/
+# test_compiled.py, tests/training/test_compiled_training.py, the server's compiled step), in
+# turn: a test reuses what an earlier one compiled, where on two workers both compiled it at once
+pytestmark = pytest.mark.xdist_group("compile")
+
 # int8 weights' logits against the native ones, as a share of their largest magnitude: each
 # weight is off by up to half of 1/127 of its row's largest, and the kernel rounds its input
 # and output to bf16 (measured on the 2-layer test model, perturbed, in fp32: at most 0.029)

@@ -849,6 +849,7 @@ def test_int8_weights_serve_what_the_model_generates_with_them(tiny_model_dir):
                                       max_new_tokens=r["n"])
 
 
+@pytest.mark.xdist_group("compile")  # with tests/decode/test_compiled.py's graphs
 def test_the_compiled_step_serves_as_eager_and_compiles_nothing_new_per_request(tiny_model_dir,
                                                                                 monkeypatch):
     """--compile on: the running batch decodes on a static cache, its rows padded to a power
