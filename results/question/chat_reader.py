@@ -14,6 +14,9 @@ greedy, 20 documents (the documents of ``entries.py``).
     bare      the same with the question alone ("What is the secret code for NAME?")
     cue       the same with "Question: What is the secret code for NAME?\nAnswer:"
 
+``--quote all``: each reader read with its question's lines quoted after the document, the
+document read as without a question (``KTMConfig.quote``; default: the reader's own).
+
 One JSON row per reader: hits of N each way, the answers, the configuration, versions and
 revision.
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ktm.core.checkpoint import model_record
+from ktm.core.config import QUOTE_MODES, Layout
 from ktm.core.prompt import Segment
 from ktm.evaluation.evaluate import hit
 from ktm.model import KTMModel
@@ -44,11 +48,13 @@ def main() -> None:
     ap.add_argument("--reader", action="append", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--quote", choices=QUOTE_MODES, default=None,
+                    help="read every reader with this quote mode (default: its own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     for reader in args.reader:
-        model = KTMModel.load(reader)
+        model = KTMModel.load(reader, layout=Layout(quote=args.quote))
         task = get_task("needle", length=1024)
         bind(task, model)
         examples = task.eval_examples(args.n, seed=1)
