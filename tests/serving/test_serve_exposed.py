@@ -538,6 +538,7 @@ def _up(srv) -> bool:
 
 @pytest.mark.slow  # starts ktm serve and the vLLM server it starts (a minute or more)
 @pytest.mark.vllm
+@pytest.mark.xdist_group("vllm-server")  # with tests/vllm/test_vllm_started_server.py's
 def test_sigterm_on_a_started_vllm_server_ends_the_streams_and_stops_it():
     """``--backend vllm --vllm-server``: the streams in flight end with their answer or an error
     event, ktm serve exits 0, and the vLLM server it started is gone with it."""

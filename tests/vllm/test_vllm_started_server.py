@@ -12,7 +12,10 @@ from ktm.core.prompt import Segment
 from ktm.model import KTMModel
 from ktm.vllm.runtime import VLLMConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# one started vLLM server at a time (a process holding a model and a GB of KV cache), beside
+# tests/serving/test_serve_exposed.py's; as a group of two, xdist hands them out before the
+# single tests, so the run does not end waiting on a server start
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.xdist_group("vllm-server")]
 
 PROMPTS = [
     [Segment("The quick brown fox jumps over the lazy dog. " * 30),
