@@ -836,9 +836,11 @@ def question_chat_answer() -> str:
     for r in (r for p in paths for r in json.loads(p.read_text())):
         name = r["reader"] if "/" not in r["reader"] else f"stage {r['reader'].split('/')[-2]}"
         name += "" if r.get("step") is None else f" @ {r['step']}"  # a training checkpoint
+        quote = r["config"]["model"].get("quote", "far")  # read with --quote
+        name = f"`{name}`" + ("" if quote == "far" else f", quote {quote}")
         h, n = r["hits"], r["n"]
-        out.append(f"| `{name}` | " + " | ".join(f"{h[k]} / {n}" for k in
-                                                 ("chat", "library", "bare", "cue")) + " |")
+        out.append(f"| {name} | " + " | ".join(f"{h[k]} / {n}" for k in
+                                               ("chat", "library", "bare", "cue")) + " |")
     return "\n".join(out)
 
 
