@@ -17,9 +17,7 @@ from ktm import KTMError
 from ktm.core.config import LoraSettings
 from ktm.training import compiled
 
-# one worker compiles the Llama layer's graphs for every test of this group (tests/decode/
-# test_compiled.py, tests/training/test_compiled_training.py, the server's compiled step), in
-# turn: a test reuses what an earlier one compiled, where on two workers both compiled it at once
+# the group of the Llama layer's compiled graphs (why: tests/decode/test_compiled.py)
 pytestmark = pytest.mark.xdist_group("compile")
 
 
