@@ -127,6 +127,9 @@ class PretrainConfig:
                 "window of an optimizer step shares one drawn by weight: ARC-Encoder's "
                 "alternation of reconstruction and continuation)"})
     context_tokens: int = field(default=256, metadata={"help": "longest merged context"})
+    answer_context_tokens: int = field(default=0, metadata={
+        "help": "longest merged context of an answer window, a document as long as users "
+                "paste into a chat (0: --context-tokens)"})
     target_tokens: int = field(default=64, metadata={"help": "longest continuation target"})
     ae_tokens: int = field(default=128, metadata={"help": "longest context to autoencode"})
     min_tokens: int = field(default=32, metadata={"help": "shortest usable text, in tokens"})
@@ -190,6 +193,11 @@ class PretrainConfig:
                           if w > 0} if self.k_mix else {}
         self.window = WindowSpec(self.context_tokens, self.target_tokens, self.ae_tokens,
                                  self.min_tokens)
+        if self.answer_context_tokens < 0:
+            raise KTMError(f"answer_context_tokens must be >= 0 (0: context_tokens), got "
+                           f"{self.answer_context_tokens}")
+        self.answer_window = replace(self.window, context_tokens=self.answer_context_tokens
+                                     or self.context_tokens)
         if not 0.0 <= self.mixed_share <= 1.0:
             raise KTMError(f"mixed_share must be in [0, 1], got {self.mixed_share!r}")
         if len(self.ratio_range) != 2:
@@ -280,6 +288,8 @@ class WindowStream(Sequence):
             self.signature["press"] = [cfg.press, cfg.press_ratio, cfg.press_share]
         if cfg.chat_share > 0:  # likewise
             self.signature["chat"] = cfg.chat_share
+        if cfg.answer_context_tokens:  # likewise
+            self.signature["answer_context"] = cfg.answer_window.context_tokens
 
     def __len__(self) -> int:
         return self.length
@@ -301,6 +311,7 @@ class WindowStream(Sequence):
             segments = (Segment("", ids=self.lead + w.context),
                         Segment(self.cfg.ae_cue, compress=False))
         elif objective in ("recall", "answer"):
+            spec = self.cfg.answer_window if objective == "answer" else spec
             w = continuation_window(doc, spec, rng, source)
             cue, target = recall_question(w, rng.randrange(2 ** 31))
             segments = (Segment("", ids=self.lead + w.context),
@@ -407,8 +418,11 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
     fail mid-run. distill and align also read the context plain (the teacher)."""
     spec, objs = cfg.window, [o for o, w in cfg.objective_weights.items() if w > 0]
     plain = model.config.plain_prefix + model.config.plain_suffix
-    longest = len(model.lead_ids) + max(spec.ae_tokens if o == "ae" else spec.context_tokens
-                                        for o in objs)
+    def context(obj: str) -> int:
+        return {"ae": spec.ae_tokens, "answer": cfg.answer_window.context_tokens}.get(
+            obj, spec.context_tokens)
+
+    longest = len(model.lead_ids) + max(context(o) for o in objs)
     if plain >= longest:  # the run would train a reader on plain text only
         raise KTMError(f"plain_prefix + plain_suffix = {plain} keep every token of the longest "
                        f"window context ({longest} tokens) plain: nothing would be merged; "
@@ -420,7 +434,7 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
     # a mixed window below that K's ratio is read with more positions: the plain reading bounds it
     plain_too = cfg.mixed_share > 0 and cfg.ratio_range[0] < k
     for obj in objs:
-        n_ctx = spec.ae_tokens if obj == "ae" else spec.context_tokens
+        n_ctx = context(obj)
         segments = [Segment("", ids=tuple(model.lead_ids) + tuple(filler) * n_ctx)]
         if obj == "ae":
             segments.append(Segment(cfg.ae_cue, compress=False))
@@ -433,7 +447,8 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
                     check_fits(model, model.encode_prompts([segments], merge), [n_target],
                                "target tokens")
         except KTMError as e:
-            flags = ("--ae-tokens" if obj == "ae" else "--context-tokens / --target-tokens")
+            flags = {"ae": "--ae-tokens", "answer": "--answer-context-tokens"}.get(
+                obj, "--context-tokens / --target-tokens")
             raise KTMError(f"a full {obj} window does not fit this model's positions ({e}): "
                            f"expected smaller windows ({flags})") from None
 

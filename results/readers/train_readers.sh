@@ -65,6 +65,10 @@
 #        answer=1, at 3e-4 / 3e-5, seed 9 (results/question/chat_reader.json).
 #   k4qad2 k4qad (K4QAD_READER=DIR, by default runs/readers/k4qad/checkpoint) continued 100 steps
 #        with the answer objective weighted 3 (lm 0.5, ae 0.25, recall 0.5), seed 10.
+#   k4qae the shipped smollm2-135m-k4-qa (K4QA_READER=DIR for another start) continued 100 steps
+#        with k4qad2's weights, its answer windows' documents up to 512 tokens
+#        (--answer-context-tokens; the others' 256), nearer the documents users paste into a
+#        chat, seed 11.
 # k2 comes first: the others start from the K=2 reader, by default the shipped one
 # (K2_READER=DIR to use another). One thread per run; run two stages at once on two cores.
 set -euo pipefail
@@ -86,7 +90,7 @@ gentle=(--lr 3e-4 --encoder-lr 3e-5 --warmup-steps 10)
 lmonly=(--sources code reviews --objectives lm --lr 1.5e-4 --encoder-lr 1.5e-5 --warmup-steps 10)
 # the consecutive-position continuations (k2s, k4s): later flags win over the recipe's
 seq=(--no-spread-positions "${gentle[@]}" --seed 4 --eval-every 50)
-declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300 [k2s]=150 [k4s]=150 [k4s2]=150 [k4chat]=150 [k4qa]=300 [k4qac]=150 [k4qad]=100 [k4qad2]=100)
+declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300 [k2s]=150 [k4s]=150 [k4s2]=150 [k4chat]=150 [k4qa]=300 [k4qac]=150 [k4qad]=100 [k4qad2]=100 [k4qae]=100)
 declare -A packed=([k2]=smollm2-135m-k2 [k4e]=smollm2-135m-k4 [k2s]=smollm2-135m-k2-seq
                    [k4s2]=smollm2-135m-k4-seq [k4chat]=smollm2-135m-k4-chat
                    [k4qa]=smollm2-135m-k4-qa)
@@ -97,7 +101,7 @@ declare -A chain=([k4e]="k2 k4r k4c" [k4f]="k2 k4r k4c k4e" [k2s]="k2"
                   [k4s2]="k2 k4r k4c k4e k4s" [k4qa]="k2 k4r k4c k4e k4s k4s2")
 [ $# -gt 0 ] || set -- k2 k4r k4c k4e
 for name in "$@"; do
-  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c, k4f, k2s, k4s, k4s2, k4chat, k4qa, k4qac, k4qad or k4qad2" >&2; exit 2; }
+  [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c, k4f, k2s, k4s, k4s2, k4chat, k4qa, k4qac, k4qad, k4qad2 or k4qae" >&2; exit 2; }
   k=${name:1:1}
   out=runs/readers/$name
   start=(--init-adapter "${K2_READER:-smollm2-135m-k2}"); extra=()
@@ -133,6 +137,11 @@ for name in "$@"; do
                    recall=0.5 answer=3 --mixed-share 0.5 --ratio-range 2.5 4
                    --mixed-signals question=2 even rules --lr 3e-4 --encoder-lr 3e-5
                    --warmup-steps 10 --eval-every 50 --seed 10) ;;
+    k4qae) start=(--init "${K4QA_READER:-smollm2-135m-k4-qa}")
+           extra=(--no-spread-positions --lora-scope merged --objectives lm=0.5 ae=0.25
+                  recall=0.5 answer=3 --answer-context-tokens 512 --mixed-share 0.5
+                  --ratio-range 2.5 4 --mixed-signals question=2 even rules --lr 3e-4
+                  --encoder-lr 3e-5 --warmup-steps 10 --eval-every 50 --seed 11) ;;
   esac
   # a stopped stage resumes from its checkpoint, built as it started (the --init reader's settings)
   [ -d "$out/checkpoint" ] && start+=(--resume)

@@ -935,6 +935,33 @@ def test_an_answer_window_is_distilled_on_the_base_models_own_answer(tiny_model_
     assert_one_step_lowers(model, lambda: pretrain_loss(model, batch).loss)
 
 
+def test_answer_windows_take_their_own_longer_context(tiny_model_dir, corpus):
+    """--answer-context-tokens: an answer window's document as long as a pasted one, while the
+    other objectives' windows, and a stream without it, stay as they were."""
+    from ktm.serving.prompts import chat_prompt
+
+    model = fresh(tiny_model_dir)
+    chat = (model.tokenizer.decode, lambda messages: chat_prompt(model, messages))
+    kw = dict(sources=(corpus,), objectives=("lm", "answer"), context_tokens=32,
+              target_tokens=8, min_tokens=8, eval_sets=())
+    short, long_ = (PretrainConfig(**kw, answer_context_tokens=n) for n in (0, 96))
+    docs = load_docs(model.tokenizer, short)
+    a, b = (WindowStream(docs, c, 24, 0, 1, chat=chat) for c in (short, long_))
+
+    def merged(e) -> int:
+        return sum(len(model.tokenizer(s.text, add_special_tokens=False)["input_ids"])
+                   for s in e.segments if s.compress)
+
+    answers = [i for i in range(24) if a[i].meta["objective"] == "answer"]
+    assert 0 < len(answers) < 24
+    assert all(a[i] == b[i] for i in range(24) if i not in answers)
+    assert max(merged(a[i]) for i in answers) <= 32 + 4  # a decoded id may split in two
+    assert max(merged(b[i]) for i in answers) > 32 + 4
+    assert a.signature != b.signature
+    with pytest.raises(KTMError, match="answer_context_tokens must be >= 0"):
+        PretrainConfig(**kw, answer_context_tokens=-1)
+
+
 def test_cli_pretrain_reads_a_chat_share_of_its_windows_as_chats(tiny_model_dir, corpus,
                                                                  tmp_path):
     out = tmp_path / "chat-reader"
