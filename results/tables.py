@@ -838,8 +838,6 @@ def question_chat_answer() -> str:
         name += "" if r.get("step") is None else f" @ {r['step']}"  # a training checkpoint
         quote = r["config"]["model"].get("quote", "far")  # read with --quote
         name = f"`{name}`" + ("" if quote == "far" else f", quote {quote}")
-        ratio = r["config"].get("ratio")  # read with --ratio
-        name += "" if ratio is None else f", ratio {ratio:g}"
         h, n = r["hits"], r["n"]
         out.append(f"| {name} | " + " | ".join(f"{h[k]} / {n}" for k in
                                                ("chat", "library", "bare", "cue")) + " |")

@@ -16,7 +16,6 @@ greedy, 20 documents (the documents of ``entries.py``).
 
 ``--quote all``: each reader read with its question's lines quoted after the document, the
 document read as without a question (``KTMConfig.quote``; default: the reader's own).
-``--ratio R``: each reader read at R tokens a position (``KTMConfig.ratio``; default: its own).
 
 One JSON row per reader: hits of N each way, the answers, the configuration, versions and
 revision.
@@ -51,13 +50,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--quote", choices=QUOTE_MODES, default=None,
                     help="read every reader with this quote mode (default: its own)")
-    ap.add_argument("--ratio", type=float, default=None,
-                    help="read every reader at this ratio (default: its own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     for reader in args.reader:
-        model = KTMModel.load(reader, layout=Layout(quote=args.quote, ratio=args.ratio))
+        model = KTMModel.load(reader, layout=Layout(quote=args.quote))
         task = get_task("needle", length=1024)
         bind(task, model)
         examples = task.eval_examples(args.n, seed=1)
@@ -79,7 +76,7 @@ def main() -> None:
         step = json.loads(state.read_text())["step"] if state.is_file() else None
         rows.append({"reader": reader, "step": step, "hits": hits, "n": args.n,
                      "answers": answers,
-                     "config": {"task": "needle", "length": 1024, "seed": 1, "ratio": args.ratio,
+                     "config": {"task": "needle", "length": 1024, "seed": 1,
                                 "max_tokens": MAX_TOKENS, "threads": 1, "greedy": True,
                                 "model": model_record(model)["config"]},
                      "versions": versions(), "git": git_revision()})
