@@ -16,9 +16,10 @@ thread, its default prefix cache):
     ktm, document once    the question reader with ``--quote all``: the document read as
                           without a question, the lines each question picks quoted after it;
                           the document's KV is cached once and serves every question
-    ... ratio 4.5         the same, the document read at 4.5 tokens a position
-                          (``ktm.ratio``), so that with its quoted lines it holds about the
-                          positions the in-place reading does
+    ... ratio R           the same, the document read at ``--ratio`` R tokens a position
+                          (``ktm.ratio``; default 5), so that with its quoted lines it holds
+                          under 0.3 x plain's positions (at 4.5 the deeper level's units leave
+                          room for more plain lines, all quoted: 0.33 x)
     BM25 lines            the base model reading the document's lines BM25 ranks best for the
                           question, up to 30 % of its tokens (``--compressor bm25``'s rule,
                           its ranking timed into the first token), nothing cached
@@ -91,6 +92,8 @@ def main() -> None:
     ap.add_argument("--reader", default="smollm2-135m-k4-qa")
     ap.add_argument("--docs", type=int, default=20)
     ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--ratio", type=float, default=5.0,
+                    help="the document-once reading's second ratio")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = KTMModel.load(args.reader)
@@ -102,14 +105,15 @@ def main() -> None:
     config = {"reader": args.reader, "docs": args.docs, "length": args.length,
               "task": "needle multikey, 5 keys, every key asked", "seed": 1,
               "max_tokens": MAX_TOKENS, "threads": 1, "greedy": True,
-              "bm25_ratio": BM25_RATIO, "model": model_record(model)["config"]}
+              "bm25_ratio": BM25_RATIO, "ratio": args.ratio, "model": model_record(model)["config"]}
     made_by = {"versions": versions(), "git": git_revision()}
     in_place, _ = servers = [start_server(args.reader, 1, key=None),
                              start_server(args.reader, 1, "--quote", "all", key=None)]
     readings = {"plain": (in_place[1], {"merge": False}),
                 "ktm, in place": (in_place[1], {}),
                 "ktm, document once": (servers[1][1], {}),
-                "ktm, document once, ratio 4.5": (servers[1][1], {"ratio": 4.5}),
+                f"ktm, document once, ratio {args.ratio:g}": (servers[1][1],
+                                                              {"ratio": args.ratio}),
                 "BM25 lines": (in_place[1], None)}
     got: dict[str, list[dict]] = {name: [] for name in readings}
     try:
