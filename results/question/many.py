@@ -19,7 +19,7 @@ thread, its default prefix cache):
     ... ratio R           the same, the document read at ``--ratio`` R tokens a position
                           (``ktm.ratio``; default 5), so that with its quoted lines it holds
                           under 0.3 x plain's positions (at 4.5 the deeper level's units leave
-                          room for more plain lines, all quoted: 0.33 x)
+                          room for more plain lines, all of them quoted)
     BM25 lines            the base model reading the document's lines BM25 ranks best for the
                           question, up to 30 % of its tokens (``--compressor bm25``'s rule,
                           its ranking timed into the first token), nothing cached
