@@ -835,7 +835,8 @@ def question_chat_answer() -> str:
            "\"Question: ... Answer:\" |", "|---" * 5 + "|"]
     for r in (r for p in paths for r in json.loads(p.read_text())):
         name = r["reader"] if "/" not in r["reader"] else f"stage {r['reader'].split('/')[-2]}"
-        name += "" if r.get("step") is None else f" @ {r['step']}"  # a training checkpoint
+        if r.get("step") is not None:  # a training checkpoint, kept as STAGE-STEP or in place
+            name = name.removesuffix(f"-{r['step']}") + f" @ {r['step']}"
         quote = r["config"]["model"].get("quote", "far")  # read with --quote
         name = f"`{name}`" + ("" if quote == "far" else f", quote {quote}")
         h, n = r["hits"], r["n"]
