@@ -904,27 +904,31 @@ def question_chat() -> str:
 
 
 def question_entries() -> str:
-    """One needle question through each entry a user has, read by ktm and plain
-    (results/question/entries.py)."""
-    path = QUESTION / "entries.json"
-    if not path.exists():
+    """One needle question through each entry a user has, read by ktm and plain, per reader
+    (results/question/entries*.json, results/question/entries.py)."""
+    paths = sorted(QUESTION.glob("entries*.json"))
+    if not paths:
         return "(no rows yet)"
-    rows = json.loads(path.read_text())
-    by = {(r["entry"], r["reading"]): r for r in rows}
-    cfg = rows[0]["config"]
-    out = ["| entry | ktm: found | positions | plain: found | positions | ktm of plain |",
-           "|---" * 6 + "|"]
-    for entry in dict.fromkeys(r["entry"] for r in rows):
-        k, p = by.get((entry, "ktm")), by.get((entry, "plain"))
-        cells = [f"{k['hits']} / {cfg['n']}" if k else "–",
-                 f"{k['positions']:.0f}" if k else "–",
-                 f"{p['hits']} / {cfg['n']}" if p else "–", f"{p['positions']:.0f}" if p else "–",
-                 f"{k['hits'] / p['hits']:.2f}×" if k and p and p["hits"] else "–"]
-        out.append(f"| {entry} | " + " | ".join(cells) + " |")
-    out += ["", f"`{cfg['reader']}`, {cfg['n']} needles in {cfg['length']:,} tokens of held-out "
-            "code, greedy; library: `KTMModel.generate` with the question marked; the others "
-            "over HTTP to `ktm serve` (one thread); positions: the prompt's after merging, "
-            "mean."]
+    out = ["| reader | entry | ktm: found | positions | plain: found | positions | "
+           "ktm of plain |", "|---" * 7 + "|"]
+    for path in paths:
+        rows = json.loads(path.read_text())
+        by = {(r["entry"], r["reading"]): r for r in rows}
+        cfg = rows[0]["config"]
+        reader = cfg["reader"]
+        name = f"`{reader}`" if "/" not in reader else f"stage `{reader.split('/')[-2]}`"
+        for entry in dict.fromkeys(r["entry"] for r in rows):
+            k, p = by.get((entry, "ktm")), by.get((entry, "plain"))
+            cells = [f"{k['hits']} / {cfg['n']}" if k else "–",
+                     f"{k['positions']:.0f}" if k else "–",
+                     f"{p['hits']} / {cfg['n']}" if p else "–",
+                     f"{p['positions']:.0f}" if p else "–",
+                     f"{k['hits'] / p['hits']:.2f}×" if k and p and p["hits"] else "–"]
+            out.append(f"| {name} | {entry} | " + " | ".join(cells) + " |")
+    cfg = json.loads(paths[0].read_text())[0]["config"]
+    out += ["", f"{cfg['n']} needles in {cfg['length']:,} tokens of held-out code, greedy; "
+            "library: `KTMModel.generate` with the question marked; the others over HTTP to "
+            "`ktm serve` (one thread); positions: the prompt's after merging, mean."]
     return "\n".join(out)
 
 
