@@ -663,6 +663,8 @@ QUESTION_NAMES = {
     "qa-question": "**question reader (k4-qa): ratio 4, question allocator**",
     "qa-window": "**question reader (k4-qa), question allocator, ≤ 8,192 positions**",
     "qa-deep": "**question reader (k4-qa) at ratio 8, its deeper level, as fitted**",
+    "qachat-question": "question reader for chats (k4-qa-chat): ratio 4, question allocator",
+    "qachat-deep": "question reader for chats (k4-qa-chat) at ratio 8, its deeper level",
     "llmlingua": "LLMLingua (30 % kept)", "longllmlingua": "LongLLMLingua (30 % kept)",
     "expected_attention": "ExpectedAttention (30 % of KV)", "snapkv": "SnapKV (30 % of KV)",
     "tova": "TOVA (30 % of KV)", "streaming_llm": "StreamingLLM (30 % of KV)",
@@ -794,6 +796,7 @@ def question_depth_grid() -> str:
     (results/question/needle-DEPTH/LENGTH/METHOD.json, ``--task-option depth=DEPTH``)."""
     rows = []
     for method, n in (("qa-window", 16384), ("qa-window", 32768), ("qa-deep", 32768),
+                      ("qachat-deep", 32768),
                       ("qa-question", 65536), ("qa-question", 131072)):
         found = {d: QUESTION / f"needle-{d}" / str(n) / f"{method}.json" for d in GRID_DEPTHS}
         got = {d: json.loads(p.read_text()) for d, p in found.items() if p.is_file()}

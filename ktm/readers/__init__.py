@@ -36,6 +36,11 @@ READERS: dict[str, str] = {
     # default at ratio 4 with it: a question's lines plain, the least relevant text left out to
     # pay (results/question/README.md; results/readers/train_readers.sh k4qa)
     "smollm2-135m-k4-qa": "smollm2-135m-k4-qa",
+    # the question reader continued on chats about pasted documents, distilled on the base
+    # model's own answers (the answer objective, documents up to 512 tokens): it answers a
+    # question asked in a chat as the base model reading it plain does; read as k4-qa is
+    # (results/question/README.md; results/readers/train_readers.sh k4qae)
+    "smollm2-135m-k4-qa-chat": "smollm2-135m-k4-qa-chat",
 }
 # a reader found for a model and K (``find_reader``: the demo's start) is replaced by its
 # consecutive-position twin, which llama.cpp and vLLM also run, where that twin reads as well:

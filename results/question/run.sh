@@ -18,6 +18,8 @@
 #   qa-question      the question reader as it loads: ratio 4, the question allocator
 #   qa-deep          the question reader at ratio 8, its deeper level: the document's units read at
 #                    K=8 (its K=4 merges merged again), the question's lines plain
+#   qachat-question, qachat-deep   the same two readings by the question reader for chats
+#                    (smollm2-135m-k4-qa-chat: k4-qa continued on chats, train_readers.sh k4qae)
 #   qa-llamacpp      the same on llama.cpp (the embedded Q4_1 GGUF and the LoRA as an adapter
 #                    set for the merged rows and cleared for the plain ones)
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
@@ -61,6 +63,8 @@ flags() {  # the ktm eval flags of one method
     qa-question)     echo "--checkpoint $READER" ;;
     qa-window)       echo "--checkpoint $READER --ratio 4.03 --allocator question" ;;
     qa-deep)         echo "--checkpoint $READER --ratio 8 --allocator question" ;;
+    qachat-question) echo "--checkpoint smollm2-135m-k4-qa-chat" ;;
+    qachat-deep)     echo "--checkpoint smollm2-135m-k4-qa-chat --ratio 8 --allocator question" ;;
     qa-llamacpp)     echo "--checkpoint $READER --backend llamacpp" ;;
     llmlingua)       echo "--compressor llmlingua --compressor-option ratio=0.7" ;;
     longllmlingua)   echo "--compressor llmlingua --compressor-option ratio=0.7

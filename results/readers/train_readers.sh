@@ -68,7 +68,8 @@
 #   k4qae the shipped smollm2-135m-k4-qa (K4QA_READER=DIR for another start) continued 100 steps
 #        with k4qad2's weights, its answer windows' documents up to 512 tokens
 #        (--answer-context-tokens; the others' 256), nearer the documents users paste into a
-#        chat, seed 11.
+#        chat, seed 11; packed as smollm2-135m-k4-qa-chat, read by default as k4qa is: the
+#        question reader that answers a chat (results/question/README.md).
 # k2 comes first: the others start from the K=2 reader, by default the shipped one
 # (K2_READER=DIR to use another). One thread per run; run two stages at once on two cores.
 set -euo pipefail
@@ -93,12 +94,14 @@ seq=(--no-spread-positions "${gentle[@]}" --seed 4 --eval-every 50)
 declare -A steps=([k2]=400 [k3]=200 [k4]=450 [k4r]=450 [k2d]=200 [k4d]=200 [k4c]=300 [k4e]=600 [k2c]=450 [k4f]=300 [k2s]=150 [k4s]=150 [k4s2]=150 [k4chat]=150 [k4qa]=300 [k4qac]=150 [k4qad]=100 [k4qad2]=100 [k4qae]=100)
 declare -A packed=([k2]=smollm2-135m-k2 [k4e]=smollm2-135m-k4 [k2s]=smollm2-135m-k2-seq
                    [k4s2]=smollm2-135m-k4-seq [k4chat]=smollm2-135m-k4-chat
-                   [k4qa]=smollm2-135m-k4-qa)
+                   [k4qa]=smollm2-135m-k4-qa [k4qae]=smollm2-135m-k4-qa-chat)
 # the prompt layout a packed reader is read with by default (ktm pack-reader --ratio --allocator)
-declare -A layout=([k4qa]="--ratio 4 --allocator question")
+declare -A layout=([k4qa]="--ratio 4 --allocator question"
+                   [k4qae]="--ratio 4 --allocator question")
 # the earlier stages a packed stage continues (their committed curves), its reader.json lineage
 declare -A chain=([k4e]="k2 k4r k4c" [k4f]="k2 k4r k4c k4e" [k2s]="k2"
-                  [k4s2]="k2 k4r k4c k4e k4s" [k4qa]="k2 k4r k4c k4e k4s k4s2")
+                  [k4s2]="k2 k4r k4c k4e k4s" [k4qa]="k2 k4r k4c k4e k4s k4s2"
+                  [k4qae]="k2 k4r k4c k4e k4s k4s2 k4qa")
 [ $# -gt 0 ] || set -- k2 k4r k4c k4e
 for name in "$@"; do
   [ -n "${steps[$name]:-}" ] || { echo "unknown stage $name: expected k2, k3, k4, k4r, k2d, k4d, k4c, k4e, k2c, k4f, k2s, k4s, k4s2, k4chat, k4qa, k4qac, k4qad, k4qad2 or k4qae" >&2; exit 2; }
