@@ -828,6 +828,12 @@ def _rows_table(name: str, header: list[str], cells: Callable[[dict], list[str]]
     return "\n".join(out)
 
 
+def _reader_label(reader: str) -> str:
+    """A result row's reader as a table names it: a shipped reader by its name, a training
+    checkpoint (``runs/readers/STAGE/checkpoint``) as "stage STAGE"."""
+    return reader if "/" not in reader else f"stage {reader.split('/')[-2]}"
+
+
 def question_chat_answer() -> str:
     """A needle asked four ways of each reader, the answer objective's among them
     (results/question/chat_answer*.json, results/question/chat_reader.py)."""
@@ -837,7 +843,7 @@ def question_chat_answer() -> str:
     out = ["| reader | chat | task's question and cue | question alone | "
            "\"Question: ... Answer:\" |", "|---" * 5 + "|"]
     for r in (r for p in paths for r in json.loads(p.read_text())):
-        name = r["reader"] if "/" not in r["reader"] else f"stage {r['reader'].split('/')[-2]}"
+        name = _reader_label(r["reader"])
         if r.get("step") is not None:  # a training checkpoint, kept as STAGE-STEP or in place
             name = name.removesuffix(f"-{r['step']}") + f" @ {r['step']}"
         quote = r["config"]["model"].get("quote", "far")  # read with --quote
@@ -918,8 +924,7 @@ def question_entries() -> str:
         rows = json.loads(path.read_text())
         by = {(r["entry"], r["reading"]): r for r in rows}
         cfg = rows[0]["config"]
-        reader = cfg["reader"]
-        name = f"`{reader}`" if "/" not in reader else f"stage `{reader.split('/')[-2]}`"
+        name = f"`{_reader_label(cfg['reader'])}`"
         for entry in dict.fromkeys(r["entry"] for r in rows):
             k, p = by.get((entry, "ktm")), by.get((entry, "plain"))
             cells = [f"{k['hits']} / {cfg['n']}" if k else "–",
@@ -928,7 +933,6 @@ def question_entries() -> str:
                      f"{p['positions']:.0f}" if p else "–",
                      f"{k['hits'] / p['hits']:.2f}×" if k and p and p["hits"] else "–"]
             out.append(f"| {name} | {entry} | " + " | ".join(cells) + " |")
-    cfg = json.loads(paths[0].read_text())[0]["config"]
     out += ["", f"{cfg['n']} needles in {cfg['length']:,} tokens of held-out code, greedy; "
             "library: `KTMModel.generate` with the question marked; the others over HTTP to "
             "`ktm serve` (one thread); positions: the prompt's after merging, mean."]

@@ -196,8 +196,6 @@ class PretrainConfig:
         if self.answer_context_tokens < 0:
             raise KTMError(f"answer_context_tokens must be >= 0 (0: context_tokens), got "
                            f"{self.answer_context_tokens}")
-        self.answer_window = replace(self.window, context_tokens=self.answer_context_tokens
-                                     or self.context_tokens)
         if not 0.0 <= self.mixed_share <= 1.0:
             raise KTMError(f"mixed_share must be in [0, 1], got {self.mixed_share!r}")
         if len(self.ratio_range) != 2:
@@ -226,6 +224,13 @@ class PretrainConfig:
                            f"{', '.join(HELDOUT)} or none")
         if self.n_eval_windows < 1:
             raise KTMError(f"n_eval_windows must be >= 1, got {self.n_eval_windows}")
+
+    def window_of(self, objective: str) -> WindowSpec:
+        """How an ``objective``'s windows are cut: answer windows at their own context length
+        (``answer_context_tokens``), every other objective's at ``window``."""
+        if objective == "answer" and self.answer_context_tokens:
+            return replace(self.window, context_tokens=self.answer_context_tokens)
+        return self.window
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items()}
@@ -289,7 +294,7 @@ class WindowStream(Sequence):
         if cfg.chat_share > 0:  # likewise
             self.signature["chat"] = cfg.chat_share
         if cfg.answer_context_tokens:  # likewise
-            self.signature["answer_context"] = cfg.answer_window.context_tokens
+            self.signature["answer_context"] = cfg.answer_context_tokens
 
     def __len__(self) -> int:
         return self.length
@@ -304,14 +309,13 @@ class WindowStream(Sequence):
             step = random.Random(f"{self.seed}:step:{i // self.per_step}")
             objective = step.choices(self.objs, self.obj_w)[0]
         doc = rng.choice(self.docs[source])
-        spec = self.cfg.window
+        spec = self.cfg.window_of(objective)
         if objective == "ae":
             w = autoencode_window(doc, spec, rng, source)
             target = w.target + ((self.eos,) if self.eos is not None else ())
             segments = (Segment("", ids=self.lead + w.context),
                         Segment(self.cfg.ae_cue, compress=False))
         elif objective in ("recall", "answer"):
-            spec = self.cfg.answer_window if objective == "answer" else spec
             w = continuation_window(doc, spec, rng, source)
             cue, target = recall_question(w, rng.randrange(2 ** 31))
             segments = (Segment("", ids=self.lead + w.context),
@@ -419,8 +423,8 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
     spec, objs = cfg.window, [o for o, w in cfg.objective_weights.items() if w > 0]
     plain = model.config.plain_prefix + model.config.plain_suffix
     def context(obj: str) -> int:
-        return {"ae": spec.ae_tokens, "answer": cfg.answer_window.context_tokens}.get(
-            obj, spec.context_tokens)
+        w = cfg.window_of(obj)
+        return w.ae_tokens if obj == "ae" else w.context_tokens
 
     longest = len(model.lead_ids) + max(context(o) for o in objs)
     if plain >= longest:  # the run would train a reader on plain text only
@@ -447,8 +451,9 @@ def check_window_positions(model, cfg: PretrainConfig) -> None:
                     check_fits(model, model.encode_prompts([segments], merge), [n_target],
                                "target tokens")
         except KTMError as e:
-            flags = {"ae": "--ae-tokens", "answer": "--answer-context-tokens"}.get(
-                obj, "--context-tokens / --target-tokens")
+            flags = ("--ae-tokens" if obj == "ae" else "--answer-context-tokens / --target-tokens"
+                     if obj == "answer" and cfg.answer_context_tokens
+                     else "--context-tokens / --target-tokens")
             raise KTMError(f"a full {obj} window does not fit this model's positions ({e}): "
                            f"expected smaller windows ({flags})") from None
 
