@@ -79,8 +79,8 @@ recipe=(--slot-weights --mlp-ratio 0.5 --plain-prefix 1 --spread-positions --lor
         --sources code reviews trees=0.5 --objectives lm ae=0.5
         --batch-size 8 --lr 1e-3 --encoder-lr 1e-4 --schedule cosine --warmup-steps 20
         --eval-every 100 --n-eval-windows 32 --save-every 25 --seed 0 --threads 1 --no-progress)
-# k2 was started at 600 steps and resumed, at step 175, with this shorter schedule to fit one
-# session (a stream's order does not depend on its length; only the cosine's span changed)
+# k2 was started at 600 steps and resumed, at step 175, with this shorter schedule (a stream's
+# order does not depend on its length; only the cosine's span changed)
 # the distillation phase (k2d, k4d): later flags win over the recipe's
 distill=(--objectives distill ae=0.5 --lr 5e-4 --encoder-lr 5e-5 --warmup-steps 10 --eval-every 50)
 # the continuation (k4c): the recipe's objectives, half its learning rates, new windows (seed 1)
