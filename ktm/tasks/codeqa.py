@@ -1,5 +1,6 @@
 """Questions about code in a long document: what a named function returns, which methods a named
-class defines, what a name is set to, a parameter's default value.
+class defines, what a name is set to, a parameter's default value, a function's parameters,
+which function a line is in.
 
     [a stretch of Python modules of `length` tokens holding the function at `depth`, merged]
     [ "\\nQuestion: what does the function format_exception return? Answer:
@@ -11,10 +12,19 @@ The functions and classes are real ones, found by parsing the source's modules (
               most ``RETURN_CHARS`` characters; a hit holds the expression (spaces aside)
     methods   a class of 2 to 6 methods (``__dunder__`` ones aside), at most 80 lines long; a
               hit names every method
-    assign    a name given a value once (``NAME = expression``, one target, a one-line
-              expression of at most ``RETURN_CHARS`` characters); a hit holds the expression
+    assign    a module's or a class's name given a value once (``NAME = expression``, one
+              target, a one-line expression of at most ``RETURN_CHARS`` characters; not a
+              function's local name); a hit holds the expression
     default   a function's only parameter with a default (a one-line expression of at most
               ``RETURN_CHARS`` characters); a hit holds it
+    params    a function of 2 to 6 parameters (``self`` and ``cls`` aside), each named by at
+              least 2 characters; a hit names every one
+    within    a line of a function's own body (not a nested one's, not its docstring), of
+              ``LINE_CHARS`` characters, where a statement starts, found once in the source
+              and not naming the function, quoted; a hit names the function. The function is
+              at most ``WITHIN_LINES`` lines long; the line asked about is the middle one of
+              those that qualify. The question shares the line's words; its answer is on
+              another line (the ``def``)
 
 Nothing is asked whose answer is guessed without reading (``None``, ``True``, ``False``, a
 single character).
@@ -40,6 +50,8 @@ from ktm.tasks.base import Example, PromptMode, TaskKind, qa_prompt
 from ktm.tasks.questions import QuestionTask
 
 RETURN_CHARS = 40
+LINE_CHARS = (20, 80)  # the shortest and longest line (spaces at its ends aside) ``within`` quotes
+WITHIN_LINES = 30  # the longest function ``within`` asks about, in lines
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class Target:
     last: int  # index after its last line
     name: str
     answers: tuple[str, ...]
-    about: str = ""  # default: the parameter asked about
+    about: str = ""  # default: the parameter asked about; within: the line
 
 
 @lru_cache(maxsize=8)
@@ -59,6 +71,8 @@ def targets(source: str, variant: str, train: bool) -> tuple[Target, ...]:
     """Every function (``returns``) or class (``methods``) of the source's modules that a
     question can be asked about (module docstring), in source order."""
     found, names, offset = [], Counter(), 0
+    seen = Counter(line.strip() for text in haystack.texts(source, train)
+                   for line in text.splitlines()) if variant == "within" else Counter()
     for text in haystack.texts(source, train):
         lines = text.splitlines(keepends=True)
         try:
@@ -66,12 +80,15 @@ def targets(source: str, variant: str, train: bool) -> tuple[Target, ...]:
         except (SyntaxError, ValueError):  # not Python (or not this Python's): nothing to ask
             offset += len(lines) + 1
             continue
+        local = {id(n) for f in ast.walk(tree)  # a function's own names: not asked about
+                 if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                 for n in ast.walk(f) if isinstance(n, ast.Assign)}
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names[node.name] += 1
             elif isinstance(node, ast.Assign):
                 names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-            got = _answers(node, text, variant)
+            got = None if id(node) in local else _answers(node, text, variant, seen)
             if got:
                 name, answers, about = got
                 first = min([node.lineno, *(d.lineno for d in
@@ -82,9 +99,11 @@ def targets(source: str, variant: str, train: bool) -> tuple[Target, ...]:
     return tuple(t for t in found if names[t.name] == 1 and not t.name.startswith("_"))
 
 
-def _answers(node, text: str, variant: str) -> tuple[str, tuple[str, ...], str] | None:
-    """(the name asked about, the answers, the parameter asked about) of a node a ``variant``
-    question can be asked about; None for any other."""
+def _answers(node, text: str, variant: str, seen: Counter
+             ) -> tuple[str, tuple[str, ...], str] | None:
+    """(the name asked about, the answers, what else the question names: the parameter or the
+    line) of a node a ``variant`` question can be asked about; None for any other. ``seen``:
+    how often each stripped line occurs in the source (``within``)."""
     function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     if variant == "returns" and function:
         returns = [n for n in ast.walk(node) if isinstance(n, ast.Return)]
@@ -113,7 +132,37 @@ def _answers(node, text: str, variant: str) -> tuple[str, tuple[str, ...], str] 
             expr = _expression(text, pairs[0][1])
             if expr and _unguessable(expr):
                 return node.name, (expr,), pairs[0][0]
+    if variant == "params" and function:
+        args = node.args
+        names = [a.arg for a in (*args.posonlyargs, *args.args, args.vararg, *args.kwonlyargs,
+                                 args.kwarg) if a is not None and a.arg not in ("self", "cls")]
+        if 2 <= len(names) <= 6 and all(len(n) > 1 for n in names):
+            return node.name, tuple(names), ""
+    if variant == "within" and function and node.end_lineno - node.lineno < WITHIN_LINES:
+        line = _own_line(node, text, seen)
+        if line:
+            return node.name, (node.name,), line
     return None
+
+
+def _own_line(node, text: str, seen: Counter) -> str:
+    """The middle of a function's own body lines a ``within`` question can quote, or ''."""
+    body = node.body
+    if (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        body = body[1:]  # the docstring
+    if not body:
+        return ""
+    nested = {n for inner in ast.walk(node) if inner is not node and isinstance(
+        inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
+        for n in range(inner.lineno, inner.end_lineno + 1)}
+    starts = {n.lineno for n in ast.walk(node) if isinstance(n, ast.stmt)}
+    lines = text.splitlines()
+    ok = [s for i in range(body[0].lineno, node.end_lineno + 1) if i in starts - nested
+          for s in [lines[i - 1].strip()]
+          if LINE_CHARS[0] <= len(s) <= LINE_CHARS[1] and seen[s] == 1 and node.name not in s]
+    return ok[len(ok) // 2] if ok else ""
+
 
 
 def _expression(text: str, node) -> str:
@@ -132,7 +181,7 @@ class CodeQATask(QuestionTask):
 
     prompt_mode: PromptMode = "context"
     length: int = 1024
-    variant: Literal["returns", "methods", "assign", "default"] = "returns"
+    variant: Literal["returns", "methods", "assign", "default", "params", "within"] = "returns"
     depth: float | None = None  # None: spread evenly over [0, 1] across the examples
     source: str = "stdlib"
     train_source: str = "code"
@@ -146,7 +195,7 @@ class CodeQATask(QuestionTask):
 
     @property
     def answer_tokens(self) -> int:
-        return 40 if self.variant == "methods" else 24
+        return 40 if self.variant in ("methods", "params") else 24
 
     def _examples(self, n: int, seed: int, train: bool) -> list[Example]:
         self.tokens()  # bound, or an error saying so
@@ -194,9 +243,16 @@ class CodeQATask(QuestionTask):
                         f"Answer: The class {target.name} defines")
             target_text = " " + ", ".join(target.answers) + "."
         elif self.variant == "assign":
-            question = (f"\nQuestion: what is {target.name} set to? Answer: {target.name} is "
-                        "set to")
+            question = f"\nQuestion: what is {target.name} set to? Answer: {target.name} ="
             target_text = f" {target.answers[0]}"
+        elif self.variant == "params":
+            question = (f"\nQuestion: which parameters does the function {target.name} take? "
+                        f"Answer: def {target.name}(")
+            target_text = ", ".join(target.answers) + "):"
+        elif self.variant == "within":
+            question = (f"\nQuestion: which function is the line `{target.about}` in? Answer: "
+                        "It is in the function")
+            target_text = f" {target.name}"
         else:
             question = (f"\nQuestion: what is the default value of the parameter "
                         f"{target.about} of the function {target.name}? Answer: The default "

@@ -16,6 +16,10 @@
 #   k4-question      the shipped K=4 reader at ratio 4, the question allocator
 #   qa-k4            the question reader (LoRA on merged rows only) at K=4
 #   qa-question      the question reader as it loads: ratio 4, the question allocator
+#   qa-wide          the question reader at ratio 4.01, just past its largest level: its units are
+#                    the deeper level's (K=8), so that at the same positions as qa-question the
+#                    document's rest is read deeper and more of the question's lines plain (the
+#                    split between merged and plain at an equal budget)
 #   qa-deep          the question reader at ratio 8, its deeper level: the document's units read at
 #                    K=8 (its K=4 merges merged again), the question's lines plain
 #   qachat-question, qachat-deep   the same two readings by the question reader for chats
@@ -41,13 +45,15 @@ presses="expected_attention snapkv tova streaming_llm kvzip"
 all="plain truncate bm25 k4 k2 k4-question qa-k4 qa-question llmlingua longllmlingua $presses snapkv-question"
 main="plain,truncate,bm25,k4,qa-k4,qa-question,longllmlingua,expected_attention,kvzip"
 depth="plain,k4,qa-question,bm25"
+natural="plain,truncate,bm25,qa-question,qa-wide,qachat-question"
 # the side by side at 1,024 and 4,096 tokens; the depth picture at 2,048 and 8,000; the other
-# questions; past the window (16,384 and 32,768 tokens: truncation to the window, and the
+# questions; natural questions about real code (nothing inserted) beside the retriever; past the window (16,384 and 32,768 tokens: truncation to the window, and the
 # question reader in at most 8,192 positions)
 runs=${*:-"needle:1024:20 needle:4096:12 needle:2048:11@$depth needle:8000:11@$depth
            needle:1024:20:variant=multikey@$main needle:1024:20:variant=multivalue@$main
            vartrack:1024:20@$depth codeqa:1024:20@$depth codeqa:1024:20:variant=methods@$depth
-           codeqa:1024:20:variant=assign@$depth codeqa:1024:20:variant=default@$depth
+           codeqa:1024:20:variant=assign@$natural codeqa:1024:20:variant=params@$natural
+           codeqa:1024:20:variant=default@$natural codeqa:1024:20:variant=within@$natural
            needle:16384:8@truncate-window,qa-window needle:32768:8@truncate-window,qa-window"}
 
 flags() {  # the ktm eval flags of one method
@@ -62,6 +68,7 @@ flags() {  # the ktm eval flags of one method
     qa-k4)           echo "--checkpoint $READER --allocator even" ;;
     qa-question)     echo "--checkpoint $READER" ;;
     qa-window)       echo "--checkpoint $READER --ratio 4.03 --allocator question" ;;
+    qa-wide)         echo "--checkpoint $READER --ratio 4.01 --allocator question" ;;
     qa-deep)         echo "--checkpoint $READER --ratio 8 --allocator question" ;;
     qachat-question) echo "--checkpoint smollm2-135m-k4-qa-chat" ;;
     qachat-deep)     echo "--checkpoint smollm2-135m-k4-qa-chat --ratio 8 --allocator question" ;;

@@ -70,15 +70,15 @@ def test_vartrack_chains_its_assignments_in_order(tokenizer):
     assert f"{a} = " in doc and e.target == f" {a}, {b}, {c}."
 
 
-@pytest.mark.parametrize("variant", ["returns", "methods"])
+@pytest.mark.parametrize("variant", ["returns", "methods", "params"])
 def test_codeqa_asks_about_real_code_in_the_document(tokenizer, variant):
     task = get_task("codeqa", length=600, variant=variant)
     task.bind(tokenizer)
     for e in task.eval_examples(2, seed=0):
         doc, question = e.segments
-        name = question.text.split(" the function " if variant == "returns" else
-                                   " the class ")[1].split()[0]
-        assert (f"def {name}(" if variant == "returns" else f"class {name}") in doc.text
+        name = question.text.split(" the class " if variant == "methods" else
+                                   " the function ")[1].split()[0].rstrip("?")
+        assert (f"class {name}" if variant == "methods" else f"def {name}(") in doc.text
         assert all(a in doc.text for a in e.meta["answers"])
         assert e.meta["tokens"] <= 600
 
@@ -101,6 +101,24 @@ def test_codeqa_asks_what_a_name_is_set_to_and_a_parameters_default(tokenizer, v
                                         question.text).groups()
             head = doc.text[doc.text.index(f"def {function}("):]
             assert re.search(rf"\b{param}\s*(:[^=]*)?=\s*{re.escape(value)}", head)
+        assert e.meta["tokens"] <= 600
+
+
+def test_codeqa_asks_which_function_a_quoted_line_is_in(tokenizer):
+    import re
+
+    task = get_task("codeqa", length=600, variant="within")
+    task.bind(tokenizer)
+    for e in task.eval_examples(3, seed=0):
+        doc, question = e.segments
+        line = re.search(r"the line `(.+)` in\?", question.text)[1]
+        [name] = e.meta["answers"]
+        assert e.target == f" {name}" and name not in line
+        head = doc.text.index(f"def {name}(")
+        at = doc.text.index(line)
+        assert doc.text.count(line) == 1 and head < at
+        # no other function starts between the one asked about and its line
+        assert "def " not in doc.text[head + 4:at]
         assert e.meta["tokens"] <= 600
 
 
