@@ -758,13 +758,59 @@ def question_tasks() -> str:
                         ("needle-multivalue", "needle, 4 values (all asked)"),
                         ("vartrack", "variable tracking (4 hops)"),
                         ("codeqa", "code: what a function returns"),
-                        ("codeqa-methods", "code: the methods a class defines"),
-                        ("codeqa-assign", "code: what a name is set to"),
-                        ("codeqa-default", "code: a parameter's default value")):
+                        ("codeqa-methods", "code: the methods a class defines")):
         lengths = tuple(n for n in (1024, 4096) if question_rows(task, n))
         if lengths:
             out += [f"**{title}**", "", question_table(task, lengths, main), ""]
     return "\n".join(out) or "(no rows yet)"
+
+
+NATURAL = (("codeqa-assign", "what a module's or class's name is set to"),
+           ("codeqa-params", "which parameters a function takes"),
+           ("codeqa-default", "a parameter's default value"),
+           ("codeqa-within", "which function a quoted line is in"))
+NATURAL_METHODS = {"plain": "plain", "truncate": "truncation", "bm25": "BM25 lines",
+                   "qa-question": "question reader", "qa-wide": "question reader, K=8 rest",
+                   "qachat-question": "k4-qa-chat"}
+
+
+def question_natural() -> str:
+    """Natural questions about real code (nothing inserted): hits of each reading by kind,
+    the positions kept, and the documents only the question reader or only BM25 answered."""
+    rows = {task: question_rows(task, 1024) for task, _ in NATURAL}
+    methods = [m for m in NATURAL_METHODS if any(m in r for r in rows.values())]
+    if not methods:
+        return "(no rows yet)"
+    out = ["| question (1,024 tokens) | " + " | ".join(NATURAL_METHODS[m] for m in methods)
+           + " | only ktm / only BM25 |", "|---" * (len(methods) + 2) + "|"]
+    kept: dict[str, list[float]] = {}
+    for task, title in NATURAL:
+        r = rows[task]
+        if not r:
+            continue
+        cells = []
+        for m in methods:
+            row = r.get(m)
+            cells.append("–" if row is None else
+                         f"{sum(row['predictions'])} / {row['n']}")
+            if row is not None:
+                kept.setdefault(m, []).append(row["kv_after"] / row["tokens_before"])
+        pair = "–"
+        if "qa-question" in r and "bm25" in r:
+            a, b = r["qa-question"]["predictions"], r["bm25"]["predictions"]
+            only = [sum(x and not y for x, y in pairs) for pairs in (zip(a, b), zip(b, a))]
+            pair = f"{only[0]} / {only[1]}"
+        out.append(f"| {title} | " + " | ".join(cells) + f" | {pair} |")
+    out.append("| KV kept (mean of the kinds) | " + " | ".join(
+        f"{sum(kept[m]) / len(kept[m]):.0%}" if m in kept else "–" for m in methods) + " | |")
+    out += ["", "Hits of 20 questions a kind, the same documents for every reading "
+            "(`results/question/codeqa-KIND/1024/METHOD.json`); the question reader is k4-qa at "
+            "ratio 4 with the question allocator, its K=8 rest the same at ratio 4.01 (its units "
+            "the deeper level's, so more of the question's lines are read plain at the same "
+            "positions); truncation and BM25 keep 30 % of the tokens, read by the base model; "
+            "only ktm / only BM25: the documents the question reader answered and BM25 did not, "
+            "and the other way round."]
+    return "\n".join(out)
 
 
 def question_depth() -> str:
@@ -975,6 +1021,7 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "long_answers": long_answers, "question": question,
                                         "question_headline": question_headline,
                                         "question_tasks": question_tasks,
+                                        "question_natural": question_natural,
                                         "question_depth": question_depth,
                                         "question_depth_grid": question_depth_grid,
                                         "question_ablations": question_ablations,
