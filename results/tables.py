@@ -775,14 +775,14 @@ NATURAL_METHODS = {"plain": "plain", "truncate": "truncation", "bm25": "BM25 lin
 
 
 def question_natural() -> str:
-    """Natural questions about real code (nothing inserted): hits of each reading by kind,
-    the positions kept, and the documents only the question reader or only BM25 answered."""
+    """Natural questions about real code (nothing inserted): hits of each reading by kind and
+    the positions kept."""
     rows = {task: question_rows(task, 1024) for task, _ in NATURAL}
     methods = [m for m in NATURAL_METHODS if any(m in r for r in rows.values())]
     if not methods:
         return "(no rows yet)"
     out = ["| question (1,024 tokens) | " + " | ".join(NATURAL_METHODS[m] for m in methods)
-           + " | only ktm / only BM25 |", "|---" * (len(methods) + 2) + "|"]
+           + " |", "|---" * (len(methods) + 1) + "|"]
     kept: dict[str, list[float]] = {}
     for task, title in NATURAL:
         r = rows[task]
@@ -792,24 +792,42 @@ def question_natural() -> str:
         for m in methods:
             row = r.get(m)
             cells.append("–" if row is None else
-                         f"{sum(row['predictions'])} / {row['n']}")
+                         f"{round(row['accuracy'] * row['n'])} / {row['n']}")
             if row is not None:
                 kept.setdefault(m, []).append(row["kv_after"] / row["tokens_before"])
-        pair = "–"
-        if "qa-question" in r and "bm25" in r:
-            a, b = r["qa-question"]["predictions"], r["bm25"]["predictions"]
-            only = [sum(x and not y for x, y in pairs) for pairs in (zip(a, b), zip(b, a))]
-            pair = f"{only[0]} / {only[1]}"
-        out.append(f"| {title} | " + " | ".join(cells) + f" | {pair} |")
+        out.append(f"| {title} | " + " | ".join(cells) + " |")
     out.append("| KV kept (mean of the kinds) | " + " | ".join(
-        f"{sum(kept[m]) / len(kept[m]):.0%}" if m in kept else "–" for m in methods) + " | |")
+        f"{sum(kept[m]) / len(kept[m]):.0%}" if m in kept else "–" for m in methods) + " |")
     out += ["", "Hits of 20 questions a kind, the same documents for every reading "
             "(`results/question/codeqa-KIND/1024/METHOD.json`); the question reader is k4-qa at "
             "ratio 4 with the question allocator, its K=8 rest the same at ratio 4.01 (its units "
             "the deeper level's, so more of the question's lines are read plain at the same "
-            "positions); truncation and BM25 keep 30 % of the tokens, read by the base model; "
-            "only ktm / only BM25: the documents the question reader answered and BM25 did not, "
-            "and the other way round."]
+            "positions); k4-qa-chat the question reader for chats as it loads; truncation and "
+            "BM25 keep 30 % of the tokens, read by the base model."]
+    return "\n".join(out)
+
+
+def question_remainder() -> str:
+    """The question reader against its own plain lines with the merged rest dropped
+    (results/question/remainder.py)."""
+    path = QUESTION / "remainder.json"
+    if not path.exists():
+        return "(no rows yet)"
+    rows = json.loads(path.read_text())
+    out = ["| question (1,024 tokens) | ratio | reader: plain lines and merged rest | "
+           "its plain lines alone | plain tokens (mean) | positions (mean) |",
+           "|---" * 6 + "|"]
+    titles = {f"codeqa:variant={t.split('-')[1]}": title for t, title in NATURAL}
+    titles["needle"] = "the template needle"
+    for r in rows:
+        out.append(f"| {titles.get(r['kind'], r['kind'])} | {r['ratio']:g} | "
+                   f"{r['reader_hits']} / {r['n']} | {r['lines_alone_hits']} / {r['n']} | "
+                   f"{r['plain_tokens_mean']:.0f} | {r['positions_mean']:.0f} |")
+    cfg = rows[0]["config"]
+    out += ["", f"`python results/question/remainder.py --out results/question/remainder.json` "
+            f"(reader `{cfg['reader']}`, {cfg['n']} questions a kind, greedy); lines alone: the "
+            "base model reading only the tokens the reader reads plain, in its order, then the "
+            "question."]
     return "\n".join(out)
 
 
@@ -1022,6 +1040,7 @@ BLOCKS: dict[str, Callable[[], str]] = {"headline": headline, "tasks": tasks,
                                         "question_headline": question_headline,
                                         "question_tasks": question_tasks,
                                         "question_natural": question_natural,
+                                        "question_remainder": question_remainder,
                                         "question_depth": question_depth,
                                         "question_depth_grid": question_depth_grid,
                                         "question_ablations": question_ablations,
