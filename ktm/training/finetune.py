@@ -24,6 +24,7 @@ from ktm.compressors.record import plan_training
 from ktm.core.config import ModelSpec
 from ktm.errors import KTMError
 from ktm.evaluation.evaluate import check_task_fits, evaluate_task, summary
+from ktm.tasks.base import bind
 from ktm.tasks.spec import TaskSpec, task_settings
 from ktm.training import distributed
 from ktm.training.config import TrainConfig
@@ -69,6 +70,7 @@ def finetune(config: FinetuneConfig) -> dict:
                                        config.compressor,
                                        config.compressor_options)
     model = open_trainable(config.model, init_adapter=config.init_adapter, seed=tcfg.seed)
+    bind(task, model)  # a question task counts its documents in the model's tokens
     train_set = task.train_examples(config.task.n_train, seed=tcfg.seed)
     # rank 0 alone evaluates: the others neither read nor (with a compressor) compress the set
     eval_set = distributed.on_main(
