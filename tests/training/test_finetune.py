@@ -38,6 +38,25 @@ def test_the_library_call_trains_the_command_model(tiny_model_dir, tmp_path, cap
     assert runs[0]["task"] == runs[1]["task"]
 
 
+def test_a_question_task_trains_its_lengths_counted_in_the_models_tokens(tiny_model_dir,
+                                                                         tmp_path, capsys):
+    from ktm.cli.main import main
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "mod.py").write_text("".join(f"def fn_{i}(alpha_{i}, beta_{i}):\n"
+                                         f"    return alpha_{i} + beta_{i} * {i}\n\n\n"
+                                         for i in range(40)))
+    assert main(["train", "--model", tiny_model_dir, "--task", "codeqa",
+                 "--task-option", "variant=params", "--task-option", "length=128",
+                 "--task-option", f"train_source={code}", "--n-train", "2", "--n-eval", "1",
+                 "--max-steps", "1", "--batch-size", "2", "--out-dir", str(tmp_path / "run"),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["task"]["name"] == "codeqa" and run["n_examples"] == 2
+
+
 def test_an_init_and_an_init_adapter_together_are_refused(tiny_model_dir):
     with pytest.raises(KTMError, match="give --init or --init-adapter, not both"):
         open_trainable(ModelSpec(tiny_model_dir), init_adapter=tiny_model_dir)
