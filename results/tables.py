@@ -665,6 +665,8 @@ QUESTION_NAMES = {
     "qa-deep": "**question reader (k4-qa) at ratio 8, its deeper level, as fitted**",
     "qachat-question": "question reader for chats (k4-qa-chat): ratio 4, question allocator",
     "qachat-deep": "question reader for chats (k4-qa-chat) at ratio 8, its deeper level",
+    "qacode-question": "question reader for code (k4-qa-chat fine-tuned on code questions): "
+                       "ratio 4, question allocator",
     "llmlingua": "LLMLingua (30 % kept)", "longllmlingua": "LongLLMLingua (30 % kept)",
     "expected_attention": "ExpectedAttention (30 % of KV)", "snapkv": "SnapKV (30 % of KV)",
     "tova": "TOVA (30 % of KV)", "streaming_llm": "StreamingLLM (30 % of KV)",
@@ -771,7 +773,7 @@ NATURAL = (("codeqa-assign", "what a module's or class's name is set to"),
            ("codeqa-within", "which function a quoted line is in"))
 NATURAL_METHODS = {"plain": "plain", "truncate": "truncation", "bm25": "BM25 lines",
                    "qa-question": "question reader", "qa-wide": "question reader, K=8 rest",
-                   "qachat-question": "k4-qa-chat"}
+                   "qachat-question": "k4-qa-chat", "qacode-question": "reader for code"}
 
 
 def question_natural() -> str:
@@ -802,8 +804,10 @@ def question_natural() -> str:
             "(`results/question/codeqa-KIND/1024/METHOD.json`); the question reader is k4-qa at "
             "ratio 4 with the question allocator, its K=8 rest the same at ratio 4.01 (its units "
             "the deeper level's, so more of the question's lines are read plain at the same "
-            "positions); k4-qa-chat the question reader for chats as it loads; truncation and "
-            "BM25 keep 30 % of the tokens, read by the base model."]
+            "positions); k4-qa-chat the question reader for chats as it loads; the reader for "
+            "code k4-qa-chat fine-tuned on `assign` questions of the training code "
+            "(`results/question/train_code_reader.sh`), read as it loads; truncation and BM25 "
+            "keep 30 % of the tokens, read by the base model."]
     return "\n".join(out)
 
 

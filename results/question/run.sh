@@ -24,6 +24,9 @@
 #                    K=8 (its K=4 merges merged again), the question's lines plain
 #   qachat-question, qachat-deep   the same two readings by the question reader for chats
 #                    (smollm2-135m-k4-qa-chat: k4-qa continued on chats, train_readers.sh k4qae)
+#   qacode-question  the question reader for code questions (k4-qa-chat fine-tuned on code
+#                    questions of the training code: results/question/train_code_reader.sh),
+#                    read as it loads: ratio 4, the question allocator
 #   qa-llamacpp      the same on llama.cpp (the embedded Q4_1 GGUF and the LoRA as an adapter
 #                    set for the merged rows and cleared for the plain ones)
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
@@ -45,7 +48,7 @@ presses="expected_attention snapkv tova streaming_llm kvzip"
 all="plain truncate bm25 k4 k2 k4-question qa-k4 qa-question llmlingua longllmlingua $presses snapkv-question"
 main="plain,truncate,bm25,k4,qa-k4,qa-question,longllmlingua,expected_attention,kvzip"
 depth="plain,k4,qa-question,bm25"
-natural="plain,truncate,bm25,qa-question,qa-wide,qachat-question"
+natural="plain,truncate,bm25,qa-question,qa-wide,qachat-question,qacode-question"
 # the side by side at 1,024 and 4,096 tokens; the depth picture at 2,048 and 8,000; the other
 # questions; natural questions about real code (nothing inserted) beside the retriever; past the window (16,384 and 32,768 tokens: truncation to the window, and the
 # question reader in at most 8,192 positions)
@@ -72,6 +75,7 @@ flags() {  # the ktm eval flags of one method
     qa-deep)         echo "--checkpoint $READER --ratio 8 --allocator question" ;;
     qachat-question) echo "--checkpoint smollm2-135m-k4-qa-chat" ;;
     qachat-deep)     echo "--checkpoint smollm2-135m-k4-qa-chat --ratio 8 --allocator question" ;;
+    qacode-question) echo "--checkpoint runs/codeqa-assign-qachat/checkpoint" ;;
     qa-llamacpp)     echo "--checkpoint $READER --backend llamacpp" ;;
     llmlingua)       echo "--compressor llmlingua --compressor-option ratio=0.7" ;;
     longllmlingua)   echo "--compressor llmlingua --compressor-option ratio=0.7
