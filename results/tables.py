@@ -897,8 +897,11 @@ def _rows_table(name: str, header: list[str], cells: Callable[[dict], list[str]]
 
 
 def _reader_label(reader: str) -> str:
-    """A result row's reader as a table names it: a shipped reader by its name, a training
-    checkpoint (``runs/readers/STAGE/checkpoint``) as "stage STAGE"."""
+    """A result row's reader as a table names it: a shipped reader by its name, the reader for
+    code (results/question/train_code_reader.sh) as such, a training checkpoint
+    (``runs/readers/STAGE/checkpoint``) as "stage STAGE"."""
+    if reader == "runs/codeqa-assign-qachat/checkpoint":
+        return "reader for code (train_code_reader.sh)"
     return reader if "/" not in reader else f"stage {reader.split('/')[-2]}"
 
 
