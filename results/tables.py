@@ -667,6 +667,7 @@ QUESTION_NAMES = {
     "qachat-deep": "question reader for chats (k4-qa-chat) at ratio 8, its deeper level",
     "qacode-question": "question reader for code (k4-qa-chat fine-tuned on code questions): "
                        "ratio 4, question allocator",
+    "qacode-window": "question reader for code, question allocator, ≤ 8,192 positions",
     "llmlingua": "LLMLingua (30 % kept)", "longllmlingua": "LongLLMLingua (30 % kept)",
     "expected_attention": "ExpectedAttention (30 % of KV)", "snapkv": "SnapKV (30 % of KV)",
     "tova": "TOVA (30 % of KV)", "streaming_llm": "StreamingLLM (30 % of KV)",
@@ -841,7 +842,7 @@ def question_depth() -> str:
     lengths = sorted(int(p.name) for p in (QUESTION / "needle").glob("*") if p.name.isdigit())
     out = ["| reading | length | " + " | ".join(f"depth {d:.2f}" for d in (0, .25, .5, .75, 1))
            + " | all |", "|---" * 8 + "|"]
-    for m in ("plain", "qa-question", "bm25", "truncate-window", "qa-window"):
+    for m in ("plain", "qa-question", "bm25", "truncate-window", "qa-window", "qacode-window"):
         for n in lengths:
             r = question_rows("needle", n).get(m)
             if r is None:

@@ -26,7 +26,8 @@
 #                    (smollm2-135m-k4-qa-chat: k4-qa continued on chats, train_readers.sh k4qae)
 #   qacode-question  the question reader for code questions (k4-qa-chat fine-tuned on code
 #                    questions of the training code: results/question/train_code_reader.sh),
-#                    read as it loads: ratio 4, the question allocator
+#                    read as it loads: ratio 4, the question allocator (qacode-window: past the
+#                    window as qa-window)
 #   qa-llamacpp      the same on llama.cpp (the embedded Q4_1 GGUF and the LoRA as an adapter
 #                    set for the merged rows and cleared for the plain ones)
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
@@ -76,6 +77,8 @@ flags() {  # the ktm eval flags of one method
     qachat-question) echo "--checkpoint smollm2-135m-k4-qa-chat" ;;
     qachat-deep)     echo "--checkpoint smollm2-135m-k4-qa-chat --ratio 8 --allocator question" ;;
     qacode-question) echo "--checkpoint runs/codeqa-assign-qachat/checkpoint" ;;
+    qacode-window)   echo "--checkpoint runs/codeqa-assign-qachat/checkpoint --ratio 4.03
+                           --allocator question" ;;
     qa-llamacpp)     echo "--checkpoint $READER --backend llamacpp" ;;
     llmlingua)       echo "--compressor llmlingua --compressor-option ratio=0.7" ;;
     longllmlingua)   echo "--compressor llmlingua --compressor-option ratio=0.7
