@@ -80,8 +80,9 @@ def targets(source: str, variant: str, train: bool) -> tuple[Target, ...]:
         except (SyntaxError, ValueError):  # not Python (or not this Python's): nothing to ask
             offset += len(lines) + 1
             continue
-        local = {id(n) for f in ast.walk(tree)  # a function's own names: not asked about
-                 if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        # a function's own names are not asked about (``assign``)
+        local = {id(n) for f in ast.walk(tree) if variant == "assign"
+                 and isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
                  for n in ast.walk(f) if isinstance(n, ast.Assign)}
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -162,7 +163,6 @@ def _own_line(node, text: str, seen: Counter) -> str:
           for s in [lines[i - 1].strip()]
           if LINE_CHARS[0] <= len(s) <= LINE_CHARS[1] and seen[s] == 1 and node.name not in s]
     return ok[len(ok) // 2] if ok else ""
-
 
 
 def _expression(text: str, node) -> str:

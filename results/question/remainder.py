@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from ktm.core.allocate import RatioWarning
+from ktm.core.batch import CompressedPrompt
 from ktm.core.checkpoint import model_record
 from ktm.core.prompt import Segment
 from ktm.evaluation.evaluate import hit
@@ -41,14 +42,11 @@ KINDS = ("needle", "codeqa:variant=assign", "codeqa:variant=params",
          "codeqa:variant=default", "codeqa:variant=within")
 
 
-def plain_ids(model, prompt: tuple[Segment, ...]) -> tuple[list[int], int]:
-    """The token ids the reader reads plain before the question, in its order, and the
-    positions of its whole reading."""
-    cp = model.encode_prompts([prompt])[0]
+def plain_ids(cp: CompressedPrompt) -> list[int]:
+    """The token ids a reading (``cp``) reads plain before the question, in its order."""
     merged = (cp.merged_rows if cp.merged_rows is not None
               else torch.zeros(cp.tokens_out, dtype=torch.bool))
-    rows = [int(cp.sources[i]) for i in range(cp.pressable) if not merged[i]]
-    return [cp.ids[j] for j in rows], cp.tokens_out
+    return [cp.ids[int(cp.sources[i])] for i in range(cp.pressable) if not merged[i]]
 
 
 def main() -> None:
@@ -77,16 +75,16 @@ def main() -> None:
             for e in tqdm(examples, desc=f"{kind} r{ratio:g}"):
                 doc, question = e.segments
                 prompt = (Segment(doc.text, ratio=ratio), question)
-                ids, n = plain_ids(model, prompt)
-                budget = task.answer_tokens
-                a = model.generate([prompt], max_new_tokens=budget)[0]
+                cp = model.encode_prompts([prompt])[0]  # read once: laid out, then answered
+                ids = plain_ids(cp)
+                a = model.generate([prompt], prefixes=[cp], max_new_tokens=task.answer_tokens)[0]
                 b = model.generate([(Segment(model.tokenizer.decode(ids), ids=tuple(ids),
                                              compress=False), question)],
-                                   max_new_tokens=budget, merge=False)[0]
+                                   max_new_tokens=task.answer_tokens, merge=False)[0]
                 reader.append(hit(a, e.meta["answers"]))
                 alone.append(hit(b, e.meta["answers"]))
                 tokens.append(len(ids))
-                positions.append(n)
+                positions.append(cp.tokens_out)
             rows.append({"kind": kind, "ratio": ratio, "n": len(examples),
                          "reader_hits": sum(reader), "lines_alone_hits": sum(alone),
                          "reader": reader, "lines_alone": alone,

@@ -51,8 +51,9 @@ main="plain,truncate,bm25,k4,qa-k4,qa-question,longllmlingua,expected_attention,
 depth="plain,k4,qa-question,bm25"
 natural="plain,truncate,bm25,qa-question,qa-wide,qachat-question,qacode-question"
 # the side by side at 1,024 and 4,096 tokens; the depth picture at 2,048 and 8,000; the other
-# questions; natural questions about real code (nothing inserted) beside the retriever; past the window (16,384 and 32,768 tokens: truncation to the window, and the
-# question reader in at most 8,192 positions)
+# questions; natural questions about real code (nothing inserted) beside the retriever; past
+# the window (16,384 and 32,768 tokens: truncation to the window, and the question reader in at
+# most 8,192 positions)
 runs=${*:-"needle:1024:20 needle:4096:12 needle:2048:11@$depth needle:8000:11@$depth
            needle:1024:20:variant=multikey@$main needle:1024:20:variant=multivalue@$main
            vartrack:1024:20@$depth codeqa:1024:20@$depth codeqa:1024:20:variant=methods@$depth
