@@ -25,6 +25,10 @@ The functions and classes are real ones, found by parsing the source's modules (
               at most ``WITHIN_LINES`` lines long; the line asked about is the middle one of
               those that qualify. The question shares the line's words; its answer is on
               another line (the ``def``)
+    natural   the four kinds asked of real code as it is (``NATURAL``: assign, default, params,
+              within), one after another, the same number of each (give or take one): what a
+              reader is trained on to answer all four (each example's ``meta["variant"]`` says
+              its kind)
 
 Nothing is asked whose answer is guessed without reading (``None``, ``True``, ``False``, a
 single character).
@@ -52,6 +56,7 @@ from ktm.tasks.questions import QuestionTask
 RETURN_CHARS = 40
 LINE_CHARS = (20, 80)  # the shortest and longest line (spaces at its ends aside) ``within`` quotes
 WITHIN_LINES = 30  # the longest function ``within`` asks about, in lines
+NATURAL = ("assign", "default", "params", "within")  # the kinds ``natural`` takes in turn
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,8 @@ class CodeQATask(QuestionTask):
 
     prompt_mode: PromptMode = "context"
     length: int = 1024
-    variant: Literal["returns", "methods", "assign", "default", "params", "within"] = "returns"
+    variant: Literal["returns", "methods", "assign", "default", "params", "within",
+                     "natural"] = "returns"
     depth: float | None = None  # None: spread evenly over [0, 1] across the examples
     source: str = "stdlib"
     train_source: str = "code"
@@ -195,24 +201,35 @@ class CodeQATask(QuestionTask):
 
     @property
     def answer_tokens(self) -> int:
-        return 40 if self.variant in ("methods", "params") else 24
+        return 40 if self.variant in ("methods", "params", "natural") else 24
 
     def _examples(self, n: int, seed: int, train: bool) -> list[Example]:
+        if self.variant != "natural":
+            return self._kind_examples(self.variant, n, seed, train)
+        # each kind's examples as that kind alone draws them, dealt out in turn
+        kinds = [self._kind_examples(kind, len(range(i, n, len(NATURAL))), seed, train)
+                 for i, kind in enumerate(NATURAL)]
+        return [kinds[i % len(NATURAL)][i // len(NATURAL)] for i in range(n)]
+
+    def _kind_examples(self, variant: str, n: int, seed: int, train: bool) -> list[Example]:
         self.tokens()  # bound, or an error saying so
+        if n == 0:
+            return []
         source = self.train_source if train else self.source
         lines = haystack.lines_of(source, train)
-        rng = random.Random(f"codeqa:{seed}:{train}:{self.variant}")
-        pool = [t for t in targets(source, self.variant, train)
+        rng = random.Random(f"codeqa:{seed}:{train}:{variant}")
+        pool = [t for t in targets(source, variant, train)
                 if self._tokens.count("".join(lines[t.first:t.last])) <= self.length // 2]
         if not pool:
-            raise KTMError(f"source {source!r} has no {self.variant} question to ask in "
+            raise KTMError(f"source {source!r} has no {variant} question to ask in "
                            f"{self.length} tokens: expected Python code (stdlib, code or a "
                            "folder of .py files) or a longer length")
         picks = [pool[i % len(pool)] for i in rng.sample(range(len(pool)), min(n, len(pool)))]
         picks += [rng.choice(pool) for _ in range(n - len(picks))]
-        return [self._example(lines, t, d) for t, d in zip(picks, haystack.depths(n, self.depth))]
+        return [self._example(lines, variant, t, d)
+                for t, d in zip(picks, haystack.depths(n, self.depth))]
 
-    def _example(self, lines, target: Target, depth: float) -> Example:
+    def _example(self, lines, variant: str, target: Target, depth: float) -> Example:
         count = self._tokens.count
         body = count("".join(lines[target.first:target.last]))
         want = round(depth * (self.length - body))  # tokens before the target
@@ -234,22 +251,22 @@ class CodeQATask(QuestionTask):
         first, last = a + start, a + end
         used, total = at[head] - at[start], at[end] - at[start]
         doc = "".join(lines[first:last])
-        if self.variant == "returns":
+        if variant == "returns":
             question = (f"\nQuestion: what does the function {target.name} return? Answer: "
                         f"{target.name} returns")
             target_text = f" {target.answers[0]}"
-        elif self.variant == "methods":
+        elif variant == "methods":
             question = (f"\nQuestion: which methods does the class {target.name} define? "
                         f"Answer: The class {target.name} defines")
             target_text = " " + ", ".join(target.answers) + "."
-        elif self.variant == "assign":
+        elif variant == "assign":
             question = f"\nQuestion: what is {target.name} set to? Answer: {target.name} ="
             target_text = f" {target.answers[0]}"
-        elif self.variant == "params":
+        elif variant == "params":
             question = (f"\nQuestion: which parameters does the function {target.name} take? "
                         f"Answer: def {target.name}(")
             target_text = ", ".join(target.answers) + "):"
-        elif self.variant == "within":
+        elif variant == "within":
             question = (f"\nQuestion: which function is the line `{target.about}` in? Answer: "
                         "It is in the function")
             target_text = f" {target.name}"
@@ -260,4 +277,4 @@ class CodeQATask(QuestionTask):
             target_text = f" {target.answers[0]}"
         return Example(qa_prompt(doc, question, self.prompt_mode), target_text,
                        meta={"answers": list(target.answers), "depth": used / max(1, total),
-                             "tokens": total, "variant": self.variant})
+                             "tokens": total, "variant": variant})

@@ -28,6 +28,8 @@
 #                    questions of the training code: results/question/train_code_reader.sh),
 #                    read as it loads: ratio 4, the question allocator (qacode-window: past the
 #                    window as qa-window)
+#   qanat-question   the same reader fine-tuned on the four natural kinds in turn
+#                    (train_code_reader.sh natural)
 #   qa-llamacpp      the same on llama.cpp (the embedded Q4_1 GGUF and the LoRA as an adapter
 #                    set for the merged rows and cleared for the plain ones)
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
@@ -78,6 +80,7 @@ flags() {  # the ktm eval flags of one method
     qachat-question) echo "--checkpoint smollm2-135m-k4-qa-chat" ;;
     qachat-deep)     echo "--checkpoint smollm2-135m-k4-qa-chat --ratio 8 --allocator question" ;;
     qacode-question) echo "--checkpoint runs/codeqa-assign-qachat/checkpoint" ;;
+    qanat-question)  echo "--checkpoint runs/codeqa-natural-qachat/checkpoint" ;;
     qacode-window)   echo "--checkpoint runs/codeqa-assign-qachat/checkpoint --ratio 4.03
                            --allocator question" ;;
     qa-llamacpp)     echo "--checkpoint $READER --backend llamacpp" ;;

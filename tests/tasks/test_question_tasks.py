@@ -122,6 +122,21 @@ def test_codeqa_asks_which_function_a_quoted_line_is_in(tokenizer):
         assert e.meta["tokens"] <= 600
 
 
+def test_codeqa_natural_deals_out_each_kinds_own_questions_in_turn(tokenizer):
+    from ktm.tasks.codeqa import NATURAL
+
+    task = get_task("codeqa", length=600, variant="natural")
+    task.bind(tokenizer)
+    mixed = task.eval_examples(6, seed=1)
+    assert [e.meta["variant"] for e in mixed] == [*NATURAL, *NATURAL[:2]]
+    for kind in NATURAL:
+        alone = get_task("codeqa", length=600, variant=kind)
+        alone.bind(tokenizer)
+        n = sum(e.meta["variant"] == kind for e in mixed)
+        assert [e.target for e in mixed if e.meta["variant"] == kind] == [
+            e.target for e in alone.eval_examples(n, seed=1)]
+
+
 def test_a_hit_holds_every_wanted_value_spaces_aside():
     assert hit(" 123, 456 and 789.", ["456", "123"])
     assert not hit(" 123 only", ["123", "456"])
