@@ -12,7 +12,7 @@ spent: water-filling towards equal signal per position.
     refine next:      argmax_u  s_u / positions_u, while its extra positions fit the budget
 
 The signal is what a unit is worth: one small class per signal, registered by name, in
-``ktm.core.signals`` (surprisal, rules, recency, even, random, lm, attention, question).
+``ktm.core.signals`` (``SIGNALS``: adding a signal is adding a class there).
 
 Positions stay consecutive whatever the levels, so the result runs on llama.cpp and vLLM too.
 """

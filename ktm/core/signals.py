@@ -27,6 +27,11 @@ the question are quoted next to it (``quotes``). Adding a signal is adding a cla
                leaves no room, it may leave the least relevant units out, so its ratio may
                exceed the largest level; its plain lines far from the question are quoted
                next to it
+    scope      ``question``'s scores, and the lines that open the blocks a scored line sits in
+               (each line above it indented less than the line below it: a ``def`` or
+               ``class`` line, a list's or a heading's first line) get ``SCOPE`` of it: a
+               line's enclosing function, asked "which function is this line in", is read plain
+               beside it. Text without indentation reads as ``question`` reads it
 
 This module imports nothing of ktm's but its errors (``ktm.core.config`` reads the names here).
 """
@@ -42,6 +47,7 @@ from ktm.errors import KTMError
 # the attention signal's queries: a segment's last tokens (SnapKV's observation window)
 ATTENTION_WINDOW = 32
 FLOOR = 1e-6  # every unit's signal floor: a unit of zero signal still ranks by the spread order
+SCOPE = 0.9  # the share of a scored line's score the lines opening its blocks get (``scope``)
 
 
 class Signal:
@@ -187,6 +193,37 @@ class Question(Signal):
 
         word, breaks = scorer.words()
         return lexical_scores(ids, question, word, lambda i: breaks.ends_line(ids, i))
+
+
+@register
+class Scope(Question):
+    name = "scope"
+
+    def token_scores(self, scorer, ids, question):
+        """``question``'s scores, each line's passed up to the lines opening its blocks."""
+        scores = super().token_scores(scorer, ids, question)
+        _, breaks = scorer.words()
+        starts = [0] + [i + 1 for i in range(len(ids) - 1) if breaks.ends_line(ids, i)]
+        ends = starts[1:] + [len(ids)]
+        depth = []  # each line's indentation (None: blank); a break token may hold the next
+        for a, b in zip(starts, ends):  # line's leading spaces ("\n    ")
+            lead = scorer.tokenizer.decode([ids[a - 1]]).rsplit("\n", 1)[-1] if a else ""
+            text = (lead + scorer.tokenizer.decode(ids[a:b])).expandtabs(4)
+            depth.append(len(text) - len(text.lstrip(" ")) if text.strip() else None)
+        line = [max(scores[a:b], default=0.0) for a, b in zip(starts, ends)]
+        out = list(line)
+        for i, s in enumerate(line):
+            if s <= 0 or depth[i] is None:
+                continue
+            at, j = depth[i], i - 1
+            while j >= 0 and at > 0:  # up through the blocks it sits in
+                if depth[j] is not None and depth[j] < at:
+                    out[j], at = max(out[j], SCOPE * s), depth[j]
+                j -= 1
+        for (a, b), old, new in zip(zip(starts, ends), line, out):
+            if new > old:
+                scores[a:b] = [new] * (b - a)
+        return scores
 
 
 def rule_scores(ids: Sequence[int], kinds: Callable[[int], str], window: int = 32

@@ -69,6 +69,38 @@ def test_word_of_reads_tokens_as_lowercase_words(tiny_model_dir):
     assert None in words  # the comma, full stop and line break are no words
 
 
+def test_the_scope_signal_reads_the_lines_opening_a_scored_lines_blocks(tiny_model_dir):
+    """``scope``: a scored line's enclosing ``def`` and ``class`` get ``SCOPE`` of its score, a
+    sibling function nothing more; text without indentation scores as ``question`` scores it."""
+    from transformers import AutoTokenizer
+
+    from ktm.core.signals import SCOPE, Scorer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    scorer = Scorer(tok)
+    code = ("import os\n\nclass Loader:\n    def read_all(self, path):\n        data = []\n"
+            "        for name in os.listdir(path):\n            data.append(parse_entry(name))\n"
+            "        return data\n\n    def other(self):\n        return 1\n")
+    ids = tok(code, add_special_tokens=False)["input_ids"]
+    question = tok("which function is the line `data.append(parse_entry(name))` in?",
+                   add_special_tokens=False)["input_ids"]
+    plain, scoped = scorer("question", ids, question), scorer("scope", ids, question)
+
+    def line(scores, text):  # the score of the line starting with ``text`` (its first token)
+        at = len(tok(code[:code.index(text)], add_special_tokens=False)["input_ids"])
+        return max(scores[at:at + 3])
+
+    best = line(plain, "data.append")
+    for header in ("class Loader", "def read_all", "for name"):
+        assert line(scoped, header) >= SCOPE * best * 0.999 > line(plain, header)
+    assert line(scoped, "def other") == line(plain, "def other")
+    assert line(scoped, "data.append") == best
+    prose = ("The fox ran.\nThe code for Kofi is 4521.\nThe dog slept.\n") * 3
+    ids = tok(prose, add_special_tokens=False)["input_ids"]
+    asked = tok("What is the code for Kofi?", add_special_tokens=False)["input_ids"]
+    assert scorer("scope", ids, asked) == scorer("question", ids, asked)
+
+
 def test_spend_leaves_out_the_least_relevant_to_read_the_wanted_plain():
     scores = [1e-6] * 14 + [5.0, 1e-6]  # 16 units of 4 tokens, unit 14 asked about
     levels = spend(scores, [4] * 16, (4, 2), budget=16, drop=True)
