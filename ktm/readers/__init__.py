@@ -41,6 +41,11 @@ READERS: dict[str, str] = {
     # question asked in a chat as the base model reading it plain does; read as k4-qa is
     # (results/question/README.md; results/readers/train_readers.sh k4qae)
     "smollm2-135m-k4-qa-chat": "smollm2-135m-k4-qa-chat",
+    # the question reader for chats fine-tuned on questions about the training code (what a
+    # name is set to, a function's parameters, a default, which function a line is in), read at
+    # ratio 4 with the scope allocator: a question's lines plain with the def and class lines
+    # they sit in (results/question/README.md; results/question/train_code_reader.sh natural)
+    "smollm2-135m-k4-qa-code": "smollm2-135m-k4-qa-code",
 }
 # a reader found for a model and K (``find_reader``: the demo's start) is replaced by its
 # consecutive-position twin, which llama.cpp and vLLM also run, where that twin reads as well:

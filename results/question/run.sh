@@ -28,8 +28,11 @@
 #                    questions of the training code: results/question/train_code_reader.sh),
 #                    read as it loads: ratio 4, the question allocator (qacode-window: past the
 #                    window as qa-window)
-#   qanat-question   the same reader fine-tuned on the four natural kinds in turn
-#                    (train_code_reader.sh natural)
+#   qanat-question   k4-qa-chat fine-tuned on the four natural kinds in turn
+#                    (train_code_reader.sh natural), read with the question allocator
+#   code-question    the same reader shipped (smollm2-135m-k4-qa-code), read as it loads: ratio
+#                    4, the scope allocator (its question's lines plain with the def and class
+#                    lines they sit in; code-window: past the window, ratio 4.03)
 #   qa-llamacpp      the same on llama.cpp (the embedded Q4_1 GGUF and the LoRA as an adapter
 #                    set for the merged rows and cleared for the plain ones)
 #   llmlingua, longllmlingua   the base model reading LLMLingua's / LongLLMLingua's 30 %
@@ -51,7 +54,8 @@ presses="expected_attention snapkv tova streaming_llm kvzip"
 all="plain truncate bm25 k4 k2 k4-question qa-k4 qa-question llmlingua longllmlingua $presses snapkv-question"
 main="plain,truncate,bm25,k4,qa-k4,qa-question,longllmlingua,expected_attention,kvzip"
 depth="plain,k4,qa-question,bm25"
-natural="plain,truncate,bm25,qa-question,qa-wide,qachat-question,qacode-question"
+natural="plain,truncate,bm25,qa-question,qa-wide,qachat-question,qacode-question,qanat-question"
+natural+=",code-question"
 # the side by side at 1,024 and 4,096 tokens; the depth picture at 2,048 and 8,000; the other
 # questions; natural questions about real code (nothing inserted) beside the retriever; past
 # the window (16,384 and 32,768 tokens: truncation to the window, and the question reader in at
@@ -81,6 +85,8 @@ flags() {  # the ktm eval flags of one method
     qachat-deep)     echo "--checkpoint smollm2-135m-k4-qa-chat --ratio 8 --allocator question" ;;
     qacode-question) echo "--checkpoint runs/codeqa-assign-qachat/checkpoint" ;;
     qanat-question)  echo "--checkpoint runs/codeqa-natural-qachat/checkpoint" ;;
+    code-question)   echo "--checkpoint smollm2-135m-k4-qa-code" ;;
+    code-window)     echo "--checkpoint smollm2-135m-k4-qa-code --ratio 4.03 --allocator scope" ;;
     qacode-window)   echo "--checkpoint runs/codeqa-assign-qachat/checkpoint --ratio 4.03
                            --allocator question" ;;
     qa-llamacpp)     echo "--checkpoint $READER --backend llamacpp" ;;
