@@ -668,6 +668,10 @@ QUESTION_NAMES = {
     "qacode-question": "question reader for code (k4-qa-chat fine-tuned on code questions): "
                        "ratio 4, question allocator",
     "qacode-window": "question reader for code, question allocator, ≤ 8,192 positions",
+    "qanat-question": "k4-qa-chat fine-tuned on the four natural kinds: ratio 4, question "
+                      "allocator",
+    "code-question": "**reader for code (k4-qa-code): ratio 4, scope allocator**",
+    "code-window": "**reader for code (k4-qa-code), scope allocator, ≤ 8,192 positions**",
     "llmlingua": "LLMLingua (30 % kept)", "longllmlingua": "LongLLMLingua (30 % kept)",
     "expected_attention": "ExpectedAttention (30 % of KV)", "snapkv": "SnapKV (30 % of KV)",
     "tova": "TOVA (30 % of KV)", "streaming_llm": "StreamingLLM (30 % of KV)",
@@ -774,7 +778,9 @@ NATURAL = (("codeqa-assign", "what a module's or class's name is set to"),
            ("codeqa-within", "which function a quoted line is in"))
 NATURAL_METHODS = {"plain": "plain", "truncate": "truncation", "bm25": "BM25 lines",
                    "qa-question": "question reader", "qa-wide": "question reader, K=8 rest",
-                   "qachat-question": "k4-qa-chat", "qacode-question": "reader for code"}
+                   "qachat-question": "k4-qa-chat", "qacode-question": "k4-qa-chat + assign",
+                   "qanat-question": "k4-qa-chat + natural",
+                   "code-question": "**k4-qa-code (scope)**"}
 
 
 def question_natural() -> str:
@@ -805,34 +811,42 @@ def question_natural() -> str:
             "(`results/question/codeqa-KIND/1024/METHOD.json`); the question reader is k4-qa at "
             "ratio 4 with the question allocator, its K=8 rest the same at ratio 4.01 (its units "
             "the deeper level's, so more of the question's lines are read plain at the same "
-            "positions); k4-qa-chat the question reader for chats as it loads; the reader for "
-            "code k4-qa-chat fine-tuned on `assign` questions of the training code "
-            "(`results/question/train_code_reader.sh`), read as it loads; truncation and BM25 "
-            "keep 30 % of the tokens, read by the base model."]
+            "positions); k4-qa-chat the question reader for chats as it loads; "
+            "\"+ assign\" and \"+ natural\" k4-qa-chat fine-tuned on questions of the "
+            "training code, `assign` ones (50 steps) or the four kinds in turn (100 steps; "
+            "`results/question/train_code_reader.sh KIND`), read with the question allocator; "
+            "k4-qa-code the natural run shipped, read as it loads: ratio 4, the scope "
+            "allocator (a question's lines plain with the `def` and `class` lines they sit "
+            "in); truncation and BM25 keep 30 % of the tokens, read by the base model."]
     return "\n".join(out)
 
 
 def question_remainder() -> str:
-    """The question reader against its own plain lines with the merged rest dropped
-    (results/question/remainder.py)."""
-    path = QUESTION / "remainder.json"
-    if not path.exists():
+    """Each question reader against its own plain lines with the merged rest dropped
+    (results/question/remainder*.json, results/question/remainder.py)."""
+    paths = sorted(QUESTION.glob("remainder*.json"))
+    if not paths:
         return "(no rows yet)"
-    rows = json.loads(path.read_text())
-    out = ["| question (1,024 tokens) | ratio | reader: plain lines and merged rest | "
+    out = ["| question (1,024 tokens) | reader | ratio | reader: plain lines and merged rest | "
            "its plain lines alone | plain tokens (mean) | positions (mean) |",
-           "|---" * 6 + "|"]
+           "|---" * 7 + "|"]
     titles = {f"codeqa:variant={t.split('-')[1]}": title for t, title in NATURAL}
     titles["needle"] = "the template needle"
-    for r in rows:
-        out.append(f"| {titles.get(r['kind'], r['kind'])} | {r['ratio']:g} | "
-                   f"{r['reader_hits']} / {r['n']} | {r['lines_alone_hits']} / {r['n']} | "
-                   f"{r['plain_tokens_mean']:.0f} | {r['positions_mean']:.0f} |")
-    cfg = rows[0]["config"]
-    out += ["", f"`python results/question/remainder.py --out results/question/remainder.json` "
-            f"(reader `{cfg['reader']}`, {cfg['n']} questions a kind, greedy); lines alone: the "
-            "base model reading only the tokens the reader reads plain, in its order, then the "
-            "question."]
+    commands = []
+    for path in paths:
+        rows = json.loads(path.read_text())
+        cfg = rows[0]["config"]
+        name = f"`{_reader_label(cfg['reader'])}`"
+        for r in rows:
+            out.append(f"| {titles.get(r['kind'], r['kind'])} | {name} | {r['ratio']:g} | "
+                       f"{r['reader_hits']} / {r['n']} | {r['lines_alone_hits']} / {r['n']} | "
+                       f"{r['plain_tokens_mean']:.0f} | {r['positions_mean']:.0f} |")
+        ratios = " ".join(f"{x:g}" for x in cfg["ratios"])
+        commands.append(f"`python results/question/remainder.py --reader {cfg['reader']} "
+                        f"--ratios {ratios} --out results/question/{path.name}`")
+    out += ["", "; ".join(commands) + f" ({rows[0]['n']} questions a kind, greedy; each reader "
+            "as it loads, at the ratio given); lines alone: the base model reading only the "
+            "tokens the reader reads plain, in its order, then the question."]
     return "\n".join(out)
 
 
@@ -842,7 +856,8 @@ def question_depth() -> str:
     lengths = sorted(int(p.name) for p in (QUESTION / "needle").glob("*") if p.name.isdigit())
     out = ["| reading | length | " + " | ".join(f"depth {d:.2f}" for d in (0, .25, .5, .75, 1))
            + " | all |", "|---" * 8 + "|"]
-    for m in ("plain", "qa-question", "bm25", "truncate-window", "qa-window", "qacode-window"):
+    for m in ("plain", "qa-question", "bm25", "truncate-window", "qa-window", "qacode-window",
+              "code-question", "code-window"):
         for n in lengths:
             r = question_rows("needle", n).get(m)
             if r is None:
@@ -898,11 +913,12 @@ def _rows_table(name: str, header: list[str], cells: Callable[[dict], list[str]]
 
 
 def _reader_label(reader: str) -> str:
-    """A result row's reader as a table names it: a shipped reader by its name, the reader for
-    code (results/question/train_code_reader.sh) as such, a training checkpoint
-    (``runs/readers/STAGE/checkpoint``) as "stage STAGE"."""
-    if reader == "runs/codeqa-assign-qachat/checkpoint":
-        return "reader for code (train_code_reader.sh)"
+    """A result row's reader as a table names it: a shipped reader by its name, a code-question
+    run (``runs/codeqa-KIND-qachat/checkpoint``: results/question/train_code_reader.sh KIND) as
+    "k4-qa-chat + KIND", a training checkpoint (``runs/readers/STAGE/checkpoint``) as "stage
+    STAGE"."""
+    if reader.startswith("runs/codeqa-") and reader.endswith("-qachat/checkpoint"):
+        return f"k4-qa-chat + {reader.split('-')[1]}"
     return reader if "/" not in reader else f"stage {reader.split('/')[-2]}"
 
 

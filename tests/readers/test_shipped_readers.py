@@ -106,3 +106,28 @@ def test_the_question_reader_reads_the_line_a_question_asks_about():
     assert value in reader.generate(e.segments, max_new_tokens=task.answer_tokens)
     uniform = KTMModel.load("smollm2-135m-k4-qa", allocator="even")
     assert value not in uniform.generate(e.segments, max_new_tokens=task.answer_tokens)
+
+
+def test_the_code_reader_reads_the_def_a_quoted_line_sits_in():
+    """smollm2-135m-k4-qa-code, as it loads (ratio 4, the scope allocator), asked which
+    function a quoted line of held-out code is in, reads that function's ``def`` line plain and
+    names it; read with the question allocator it reads the ``def`` merged and names another."""
+    from ktm.core.config import Layout
+    from ktm.tasks import get_task
+    from ktm.tasks.base import bind
+
+    reader = KTMModel.load("smollm2-135m-k4-qa-code")
+    assert (reader.config.ratio, reader.config.allocator) == (4.0, "scope")
+    assert reader.config.lora.scope == "merged"
+    assert reader_info("smollm2-135m-k4-qa-code")["command"].startswith("ktm train --task codeqa")
+    task = get_task("codeqa", length=768, variant="within")
+    bind(task, reader)
+    e = task.eval_examples(4, seed=1)[1]
+    [name] = e.meta["answers"]
+    for allocator, found in (("scope", True), ("question", False)):
+        plan = Layout(ratio=4.0, allocator=allocator)
+        rows = reader._prompt_encoder(plan).layout([tuple(e.segments)])[0]
+        plain = "".join(reader.tokenizer.decode(ids) for ids, level, c in rows if c and level == 0)
+        assert (f"def {name}(" in plain) is found
+        answer = reader.generate(e.segments, layout=plan, max_new_tokens=task.answer_tokens)
+        assert (name in answer) is found, answer
