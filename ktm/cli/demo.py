@@ -313,16 +313,17 @@ def long_prompt(cfg: DemoConfig, reader: str) -> dict | None:
 
 
 QUESTION_ANSWER_TOKENS = 24  # the long question's answer: the code and a few words
+# the embedded model's reader for the long question, asked as the library asks it (the question
+# marked, with its answer cue; ``ktm ask``'s chat layout has its own default reader)
+QUESTION_READER = "smollm2-135m-k4-qa"
 
 
 def question_reader_name(cfg: DemoConfig) -> str | None:
     """The reader the long question is asked of (``--question-reader`` resolved); None where
     ``auto`` finds none for the model."""
-    from ktm.cli.ask import DEFAULT_READER
-
     if cfg.question_reader != "auto":
         return cfg.question_reader
-    return DEFAULT_READER if cfg.model == DEFAULT_MODEL else None
+    return QUESTION_READER if cfg.model == DEFAULT_MODEL else None
 
 
 def long_question(cfg: DemoConfig) -> dict | None:
