@@ -30,6 +30,8 @@
 #                    window as qa-window)
 #   qanat-question   k4-qa-chat fine-tuned on the four natural kinds in turn
 #                    (train_code_reader.sh natural), read with the question allocator
+#   qa-scope, qacode-scope   k4-qa and the assign run read with the scope allocator (what the
+#                    signal does without, and with, training on code questions)
 #   code-question    the same reader shipped (smollm2-135m-k4-qa-code), read as it loads: ratio
 #                    4, the scope allocator (its question's lines plain with the def and class
 #                    lines they sit in; code-window: past the window, ratio 4.03)
@@ -86,6 +88,8 @@ flags() {  # the ktm eval flags of one method
     qacode-question) echo "--checkpoint runs/codeqa-assign-qachat/checkpoint" ;;
     qanat-question)  echo "--checkpoint runs/codeqa-natural-qachat/checkpoint" ;;
     code-question)   echo "--checkpoint smollm2-135m-k4-qa-code" ;;
+    qa-scope)        echo "--checkpoint $READER --allocator scope" ;;
+    qacode-scope)    echo "--checkpoint runs/codeqa-assign-qachat/checkpoint --allocator scope" ;;
     code-window)     echo "--checkpoint smollm2-135m-k4-qa-code --ratio 4.03 --allocator scope" ;;
     qacode-window)   echo "--checkpoint runs/codeqa-assign-qachat/checkpoint --ratio 4.03
                            --allocator question" ;;
