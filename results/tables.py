@@ -670,6 +670,8 @@ QUESTION_NAMES = {
     "qacode-window": "question reader for code, question allocator, ≤ 8,192 positions",
     "qanat-question": "k4-qa-chat fine-tuned on the four natural kinds: ratio 4, question "
                       "allocator",
+    "qa-scope": "question reader (k4-qa), scope allocator",
+    "qacode-scope": "k4-qa-chat + assign, scope allocator",
     "code-question": "**reader for code (k4-qa-code): ratio 4, scope allocator**",
     "code-window": "**reader for code (k4-qa-code), scope allocator, ≤ 8,192 positions**",
     "llmlingua": "LLMLingua (30 % kept)", "longllmlingua": "LongLLMLingua (30 % kept)",
@@ -780,6 +782,7 @@ NATURAL_METHODS = {"plain": "plain", "truncate": "truncation", "bm25": "BM25 lin
                    "qa-question": "question reader", "qa-wide": "question reader, K=8 rest",
                    "qachat-question": "k4-qa-chat", "qacode-question": "k4-qa-chat + assign",
                    "qanat-question": "k4-qa-chat + natural",
+                   "qa-scope": "question reader, scope", "qacode-scope": "+ assign, scope",
                    "code-question": "**k4-qa-code (scope)**"}
 
 
@@ -815,6 +818,7 @@ def question_natural() -> str:
             "\"+ assign\" and \"+ natural\" k4-qa-chat fine-tuned on questions of the "
             "training code, `assign` ones (50 steps) or the four kinds in turn (100 steps; "
             "`results/question/train_code_reader.sh KIND`), read with the question allocator; "
+            "\"scope\": the same read with the scope allocator; "
             "k4-qa-code the natural run shipped, read as it loads: ratio 4, the scope "
             "allocator (a question's lines plain with the `def` and `class` lines they sit "
             "in); truncation and BM25 keep 30 % of the tokens, read by the base model."]

@@ -57,7 +57,7 @@ all="plain truncate bm25 k4 k2 k4-question qa-k4 qa-question llmlingua longllmli
 main="plain,truncate,bm25,k4,qa-k4,qa-question,longllmlingua,expected_attention,kvzip"
 depth="plain,k4,qa-question,bm25"
 natural="plain,truncate,bm25,qa-question,qa-wide,qachat-question,qacode-question,qanat-question"
-natural+=",code-question"
+natural+=",qa-scope,qacode-scope,code-question"
 # the side by side at 1,024 and 4,096 tokens; the depth picture at 2,048 and 8,000; the other
 # questions; natural questions about real code (nothing inserted) beside the retriever; past
 # the window (16,384 and 32,768 tokens: truncation to the window, and the question reader in at
