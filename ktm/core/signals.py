@@ -201,16 +201,17 @@ class Scope(Question):
 
     def token_scores(self, scorer, ids, question):
         """``question``'s scores, each line's passed up to the lines opening its blocks."""
+        from ktm.core.relevance import passages
+
         scores = super().token_scores(scorer, ids, question)
         _, breaks = scorer.words()
-        starts = [0] + [i + 1 for i in range(len(ids) - 1) if breaks.ends_line(ids, i)]
-        ends = starts[1:] + [len(ids)]
+        lines = passages(ids, lambda i: breaks.ends_line(ids, i), longest=len(ids) + 1)
         depth = []  # each line's indentation (None: blank); a break token may hold the next
-        for a, b in zip(starts, ends):  # line's leading spaces ("\n    ")
+        for a, b in lines:  # line's leading spaces ("\n    ")
             lead = scorer.tokenizer.decode([ids[a - 1]]).rsplit("\n", 1)[-1] if a else ""
             text = (lead + scorer.tokenizer.decode(ids[a:b])).expandtabs(4)
             depth.append(len(text) - len(text.lstrip(" ")) if text.strip() else None)
-        line = [max(scores[a:b], default=0.0) for a, b in zip(starts, ends)]
+        line = [max(scores[a:b], default=0.0) for a, b in lines]
         out = list(line)
         for i, s in enumerate(line):
             if s <= 0 or depth[i] is None:
@@ -220,7 +221,7 @@ class Scope(Question):
                 if depth[j] is not None and depth[j] < at:
                     out[j], at = max(out[j], SCOPE * s), depth[j]
                 j -= 1
-        for (a, b), old, new in zip(zip(starts, ends), line, out):
+        for (a, b), old, new in zip(lines, line, out):
             if new > old:
                 scores[a:b] = [new] * (b - a)
         return scores
